@@ -1,0 +1,55 @@
+"""asyncstep: a structured-concurrency (Trio) runtime for LLM inference workers.
+
+::
+
+    import asyncstep, trio
+
+    async def main():
+        async with asyncstep.open_engine() as engine:  # embedded SmolLM2-135M-Instruct
+            out = await engine.generate(
+                [{"role": "user", "content": "What is the capital of France?"}],
+                asyncstep.SamplingParams(temperature=0, max_tokens=32),
+            )
+            print(out.text)
+
+    trio.run(main)
+"""
+
+from asyncstep.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from asyncstep.datatypes import FinishReason, Logprobs, SamplingParams
+from asyncstep.engine.api import make_config, open_engine
+from asyncstep.engine.engine import Engine, EngineStatistics
+from asyncstep.engine.outputs import Completion, CompletionChunk
+from asyncstep.errors import (
+    AsyncstepError,
+    ConfigError,
+    EngineDeadError,
+    InvalidRequestError,
+    ModelLoadError,
+    UnsupportedModelError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncstepError",
+    "CacheConfig",
+    "Completion",
+    "CompletionChunk",
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineStatistics",
+    "FinishReason",
+    "InvalidRequestError",
+    "Logprobs",
+    "ModelConfig",
+    "ModelLoadError",
+    "ParallelConfig",
+    "SamplingParams",
+    "SchedulerConfig",
+    "UnsupportedModelError",
+    "make_config",
+    "open_engine",
+]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from asyncstep.errors import ConfigError
 
-LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -35,7 +35,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+            raise ConfigError(
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

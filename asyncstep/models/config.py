@@ -94,8 +94,12 @@ class ModelArchConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             model_type = cfg.get("model_type")
-            guess = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(str(model_type))
+            guess = {
+                "llama": "LlamaForCausalLM",
+                "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM",
+            }.get(str(model_type))
             if guess is None:
                 raise UnsupportedModelError(
                     f"config names no architecture (model_type {model_type!r})"

@@ -1,0 +1,7 @@
+"""``python -m asyncstep``: the command line."""
+
+import sys
+
+from asyncstep.cli import main
+
+sys.exit(main())

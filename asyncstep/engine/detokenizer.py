@@ -1,0 +1,80 @@
+"""Incremental detokenization and stop strings.
+
+Tokens are decoded as they arrive with the tokenizers library's
+``DecodeStream`` (the prompt's last tokens as context, so a first output
+token keeps its leading space). Stop strings are searched in the new text
+only; a match truncates the output. While a request runs, a stream withholds
+the last ``len(longest stop string) - 1`` characters, which may yet become the
+start of a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tokenizers.decoders import DecodeStream
+
+from asyncstep.datatypes import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+#: Prompt tokens given to the decoder as context.
+CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = (
+            DecodeStream(prompt_token_ids[-CONTEXT_TOKENS:], True)
+            if self._backend is not None
+            else None
+        )
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.output_text = ""
+        self._sent = 0
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Decode new tokens; returns the stop string they completed, if any
+        (the text is then cut at it)."""
+        if self._stream is None or self._backend is None:
+            return None
+        start = len(self.output_text)
+        for token in new_token_ids:
+            piece = self._stream.step(self._backend, token)
+            if piece:
+                self.output_text += piece
+        return self._check_stop(start) if self.stop else None
+
+    def _check_stop(self, new_from: int) -> str | None:
+        """The earliest stop string in the new text (a match may start in the
+        last characters of the old text)."""
+        found: tuple[int, str] | None = None
+        for stop in self.stop:
+            at = self.output_text.find(stop, max(0, new_from - len(stop) + 1))
+            if at != -1 and (found is None or at < found[0]):
+                found = (at, stop)
+        if found is None:
+            return None
+        at, stop = found
+        self.output_text = self.output_text[: at + len(stop) if self.include_stop else at]
+        return stop
+
+    def next_delta(self, finished: bool) -> str:
+        """Text not handed out yet (withholding a possible stop-string start)."""
+        end = (
+            len(self.output_text)
+            if finished
+            else max(self._sent, len(self.output_text) - self._holdback)
+        )
+        delta = self.output_text[self._sent : end]
+        self._sent = end
+        return delta

@@ -1,0 +1,308 @@
+"""The engine: requests in, text out. It owns the scheduler and the requests'
+states, sends each step's :class:`SchedulerOutput` to the rank and feeds the
+:class:`ModelRunnerOutput` back, then detokenizes and hands out chunks.
+
+Everything here runs on the caller's event loop (Trio, or asyncio through
+AnyIO); :func:`asyncstep.open_engine` starts it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from asyncstep.config import EngineConfig
+from asyncstep.datatypes import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from asyncstep.engine.outputs import Completion, CompletionChunk
+from asyncstep.engine.request import Request, RequestStatus
+from asyncstep.engine.request_state import RequestState
+from asyncstep.engine.scheduler import Scheduler
+from asyncstep.errors import EngineDeadError, InvalidRequestError
+from asyncstep.logging import get_logger
+from asyncstep.models.config import ModelArchConfig
+from asyncstep.nursery import RankActor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = get_logger("engine")
+
+#: A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+#: Most log-probs a request may ask for per position.
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_steps: int
+    num_preemptions: int
+    num_generated_tokens: int
+    num_finished_reqs: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    prefix_cache_hit_rate: float
+
+
+class Engine:
+    """Serves generation requests (use :func:`asyncstep.open_engine`)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch_config: ModelArchConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        num_blocks: int,
+    ) -> None:
+        self.config = config
+        self.arch_config = arch_config
+        self.tokenizer = tokenizer
+        self.max_model_len = config.scheduler.max_model_len
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.eos_token_ids = frozenset(arch_config.eos_token_ids) | _tokenizer_eos(tokenizer)
+        self._requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self._wakeup = anyio.Event()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._num_generated_tokens = 0
+        self._num_finished = 0
+
+    # -- public API -------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> Completion:
+        """Generate one completion and return it whole.
+
+        Cancelling the caller aborts the request (its blocks are freed).
+        """
+        state = self._add_request(prompt, sampling_params, request_id)
+        try:
+            async for _ in self._chunks(state):
+                pass
+        finally:
+            self._abort_unfinished(state)
+        return state.completion()
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncIterator[CompletionChunk]:
+        """Generate one completion chunk by chunk (new text and tokens per step).
+
+        Leaving the iteration early aborts the request.
+        """
+        state = self._add_request(prompt, sampling_params, request_id)
+        try:
+            async for chunk in self._chunks(state):
+                yield chunk
+        finally:
+            self._abort_unfinished(state)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in flight (no-op when it already ended)."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            self._abort_unfinished(state)
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: text as ``tokenizer(text).input_ids``, chat
+        messages through the tokenizer's chat template."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            ids = list(self._need_tokenizer()(prompt).input_ids)
+        else:
+            items = list(prompt)
+            if items and all(isinstance(m, Mapping) for m in items):
+                ids = self._apply_chat_template(cast(list[Mapping[str, Any]], items))
+            elif all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+                ids = cast(list[int], items)
+            else:
+                raise InvalidRequestError(
+                    "prompt must be a string, a list of token ids or a list of chat messages"
+                )
+        self._check_prompt(ids)
+        return ids
+
+    def statistics(self) -> EngineStatistics:
+        stats = self.scheduler.statistics()
+        kv = stats.kv_cache
+        return EngineStatistics(
+            num_running_reqs=stats.num_running_reqs,
+            num_waiting_reqs=stats.num_waiting_reqs,
+            num_steps=stats.step_id,
+            num_preemptions=stats.num_preemptions,
+            num_generated_tokens=self._num_generated_tokens,
+            num_finished_reqs=self._num_finished,
+            kv_cache_usage=kv.usage,
+            num_kv_blocks=kv.num_blocks,
+            prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+        )
+
+    # -- requests ---------------------------------------------------------
+
+    def _add_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+    ) -> RequestState:
+        self._check_alive()
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {params.logprobs}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        ids = self.encode_prompt(prompt)
+        self.scheduler.add_request(Request(request_id, ids, params, self.eos_token_ids))
+        state = RequestState(
+            request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer
+        )
+        self._requests[request_id] = state
+        self._wakeup.set()
+        return state
+
+    async def _chunks(self, state: RequestState) -> AsyncIterator[CompletionChunk]:
+        async with state.chunks_rx:
+            async for chunk in state.chunks_rx:
+                yield chunk
+        if state.error is not None:
+            raise EngineDeadError(
+                f"request {state.request_id} failed: {state.error}"
+            ) from state.error
+
+    def _abort_unfinished(self, state: RequestState) -> None:
+        if state.finished or state.error is not None:
+            return
+        self.scheduler.finish_requests(state.request_id, RequestStatus.FINISHED_ABORTED)
+        self._requests.pop(state.request_id, None)
+        state.abort()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error}") from self._error
+        if self._closed:
+            raise EngineDeadError("the engine is closed")
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the model's context (max_model_len) is "
+                f"{self.max_model_len}, and at least one token must be generated"
+            )
+        vocab = self.arch_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+
+    def _need_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: pass the prompt as token ids")
+        return self.tokenizer
+
+    def _apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        tokenizer = self._need_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model's tokenizer has no chat template")
+        try:
+            conversation: list[dict[str, Any]] = [dict(m) for m in messages]
+            text = tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        except Exception as exc:  # jinja errors: a malformed conversation
+            raise InvalidRequestError(f"chat template failed: {exc}") from None
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    # -- the loop ---------------------------------------------------------
+
+    async def serve(
+        self, actor: RankActor, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the rank and the step loop until cancelled. A failure of either
+        ends every request in flight with :class:`EngineDeadError`."""
+        to_rank_tx, to_rank_rx = anyio.create_memory_object_stream[SchedulerOutput](1)
+        from_rank_tx, from_rank_rx = anyio.create_memory_object_stream[ModelRunnerOutput](1)
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(actor.run, to_rank_rx, from_rank_tx)
+                task_status.started()
+                await self._step_loop(to_rank_tx, from_rank_rx)
+        except* Exception as group:
+            self._die(_first_leaf(group))
+        finally:
+            self._closed = True
+            for state in list(self._requests.values()):
+                state.fail(self._error or EngineDeadError("the engine is closed"))
+            self._requests.clear()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that stopped the engine, if one did."""
+        return self._error
+
+    async def _step_loop(
+        self,
+        to_rank: MemoryObjectSendStream[SchedulerOutput],
+        from_rank: MemoryObjectReceiveStream[ModelRunnerOutput],
+    ) -> None:
+        async with to_rank, from_rank:
+            while True:
+                while not self.scheduler.has_requests():
+                    await self._wakeup.wait()
+                    self._wakeup = anyio.Event()
+                scheduler_output = self.scheduler.schedule()
+                await to_rank.send(scheduler_output)
+                output = await from_rank.receive()
+                self._process_output(scheduler_output, output)
+
+    def _process_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        for req_id, news in self.scheduler.update_from_output(scheduler_output, output).items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            self._num_generated_tokens += len(news.new_token_ids)
+            stop_string = state.add_output(
+                news.new_token_ids, news.new_logprobs, news.finish_reason, news.stop_reason
+            )
+            if stop_string is not None and not news.finished:
+                self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)
+            if state.finished:
+                self._num_finished += 1
+                del self._requests[req_id]
+
+    def _die(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+            log.error("engine stopped", error=repr(error))
+
+
+def _tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset([eos]) if isinstance(eos, int) else frozenset()
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

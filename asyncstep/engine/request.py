@@ -1,0 +1,133 @@
+"""One generation request as the engine process tracks it.
+
+Holds :class:`RequestStatus` and :class:`Request` (prompt, sampled tokens, how
+many tokens the KV cache holds, status, prefix-cache block hashes). Pure
+Python; may import only the standard library, msgspec and
+``asyncstep.datatypes`` / ``asyncstep.config`` / ``asyncstep.errors``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+
+from asyncstep.datatypes import FinishReason, SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life (the ``FINISHED_*`` values end it)."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """A prompt, the tokens sampled for it so far, and its scheduling state.
+
+    ``num_computed_tokens`` counts the leading tokens of :attr:`all_token_ids`
+    whose KV the cache holds (or will hold once the step that scheduled them
+    has run: the scheduler advances it in ``schedule()``). ``block_hashes`` is
+    the chain of hashes of the full blocks of :attr:`all_token_ids`, filled in
+    lazily by the KV cache manager (it outlives a preemption).
+    """
+
+    __slots__ = (
+        "_all_token_ids",
+        "arrival_index",
+        "arrival_time",
+        "block_hashes",
+        "eos_token_ids",
+        "num_computed_tokens",
+        "num_preemptions",
+        "output_token_ids",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: Iterable[int] = (),
+        arrival_index: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self.arrival_index: int = next(_arrival_counter) if arrival_index is None else arrival_index
+        self.arrival_time: float = time.monotonic()
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # Typed loosely on purpose: the KV cache manager owns the hash type.
+        self.block_hashes: list[bytes] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt followed by the output tokens (do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = (token_ids,)
+        for token_id in token_ids:
+            self.output_token_ids.append(token_id)
+            self._all_token_ids.append(token_id)

@@ -1,0 +1,412 @@
+"""The continuous-batching scheduler (vLLM v1's unified scheduler).
+
+Holds :class:`Scheduler`, :class:`EngineCoreOutput` (one request's news from a
+step) and :class:`SchedulerStats`. Pure Python; may import only the standard
+library, msgspec and ``asyncstep.datatypes`` / ``asyncstep.config`` /
+``asyncstep.errors`` (plus its siblings ``asyncstep.engine.request`` and
+``asyncstep.engine.kv_cache_manager``).
+
+One loop, no prefill/decode phases: every step hands each request the tokens
+it lacks (``num_tokens - num_computed_tokens``: a prompt chunk, a whole prompt,
+or the one token sampled last), within a token budget. The engine calls
+``schedule()``, runs the model on the result, then ``update_from_output()``;
+steps do not overlap (``schedule()`` advances ``num_computed_tokens`` at once).
+
+Conventions the runner relies on:
+
+* ``scheduled_new_reqs``: requests the runner has never seen, with ALL their
+  block ids.
+* ``scheduled_cached_reqs``: every other scheduled request. A request resumed
+  after a preemption comes here with ``resumed_from_preemption=True`` and
+  ``new_block_ids`` = ALL its block ids, which REPLACE the runner's (its
+  ``num_computed_tokens`` restarts from its prefix-cache hits, often 0); for
+  the others ``new_block_ids`` are the blocks appended this step.
+  ``new_token_ids`` is a list of empty lists (only pipeline stages that do not
+  sample will need it).
+* ``num_computed_tokens`` in both is the value before this step's tokens.
+* ``finished_req_ids``: requests that ended (or were aborted) since the previous
+  ``schedule()``, reported exactly once, even in a step that schedules no
+  tokens: the runner drops their state, then runs no forward when
+  ``total_num_scheduled_tokens == 0``.
+* Preemption is by recompute: the victim's blocks are freed (its computed full
+  blocks stay in the prefix cache) and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+from asyncstep.config import CacheConfig, SchedulerConfig
+from asyncstep.datatypes import (
+    CachedRequestData,
+    FinishReason,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from asyncstep.engine.kv_cache_manager import KVCacheManager, KVCacheStats
+from asyncstep.engine.request import Request, RequestStatus
+from asyncstep.errors import ConfigError, InvalidRequestError
+
+
+class EngineCoreOutput(msgspec.Struct, frozen=True):
+    """What one step produced for one request: new tokens and/or its end."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    #: The stop token id that ended it (None for EOS or a length cap).
+    stop_reason: int | str | None = None
+    #: One entry per new token, when the request asked for logprobs.
+    new_logprobs: list[Logprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's queues and its KV cache."""
+
+    step_id: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    #: Preemptions since the scheduler started.
+    num_preemptions: int
+    kv_cache: KVCacheStats
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache.usage
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int]
+    new_reqs: list[Request]
+    resumed_reqs: list[Request]
+    running_reqs: list[Request]
+    new_block_ids: dict[str, list[int]]
+    num_preempted: int = 0
+
+    def add(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.new_block_ids[request.request_id] = new_block_ids
+        self.token_budget -= num_tokens
+
+
+class Scheduler:
+    """Decides every step which requests compute how many tokens.
+
+    ``running`` is in priority order (first come, first served); the last one
+    is preempted first. ``waiting`` holds new and preempted requests, preempted
+    ones at the front.
+    """
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        if scheduler_config.max_model_len <= 0:
+            raise ConfigError(
+                "scheduler max_model_len must be set (positive) before building the scheduler, "
+                f"got {scheduler_config.max_model_len}"
+            )
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        #: Longest a sequence may grow: the model's context, or the whole cache.
+        self.max_seq_len = min(self.max_model_len, num_blocks * self.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    # -- requests in and out --------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; InvalidRequestError if its prompt can never be served."""
+        self._check_fits(request)
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string): free their blocks.
+
+        Unknown (already finished) ids are ignored.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {status.name}")
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        ended = [self.requests[i] for i in ids if i in self.requests]
+        if not ended:
+            return
+        ended_ids = {r.request_id for r in ended}
+        self.running = [r for r in self.running if r.request_id not in ended_ids]
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ended_ids)
+        for request in ended:
+            request.status = status
+            self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_finished_requests(self) -> bool:
+        """Ended requests the next ``schedule()`` still has to report to the runner."""
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def statistics(self) -> SchedulerStats:
+        return SchedulerStats(
+            step_id=self.step_id,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            kv_cache=self.kv_cache_manager.statistics(),
+        )
+
+    # -- scheduling ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts (possibly none)."""
+        plan = _StepPlan(
+            token_budget=self.max_num_batched_tokens,
+            num_scheduled_tokens={},
+            new_reqs=[],
+            resumed_reqs=[],
+            running_reqs=[],
+            new_block_ids={},
+        )
+        self._schedule_running(plan)
+        if plan.num_preempted == 0:
+            self._schedule_waiting(plan)
+        output = self._build_output(plan)
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
+        self.step_id += 1
+        return output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.token_budget > 0:
+            request = self.running[index]
+            num_new = self._num_tokens_to_schedule(
+                request, request.num_computed_tokens, plan.token_budget
+            )
+            if num_new == 0:
+                index += 1
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+            if new_block_ids is None:
+                break  # the request preempted itself: nothing after it is running
+            plan.add(request, num_new, new_block_ids)
+            plan.running_reqs.append(request)
+            index += 1
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, plan: _StepPlan
+    ) -> list[int] | None:
+        """Allocate, preempting the lowest-priority running requests as needed."""
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop()
+            self._preempt(victim)
+            plan.num_preempted += 1
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            _, num_computed = kv.get_computed_blocks(request)
+            num_new = self._num_tokens_to_schedule(request, num_computed, plan.token_budget)
+            request.num_computed_tokens = num_computed
+            new_block_ids = kv.allocate_slots(request, num_new) if num_new > 0 else None
+            if new_block_ids is None:
+                request.num_computed_tokens = 0
+                kv.free(request)  # give back the prefix-cache hits
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.PREEMPTED:
+                plan.resumed_reqs.append(request)
+            else:
+                plan.new_reqs.append(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.add(request, num_new, new_block_ids)
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens the request gets this step; 0 when it must wait for a bigger budget.
+
+        Without chunked prefill a request's tokens go in one step, except for
+        a preempted request grown longer than the whole budget: it is
+        recomputed in chunks, as it could never run again otherwise.
+        """
+        num_new = request.num_tokens - num_computed
+        num_new = min(num_new, self.max_model_len - num_computed)
+        if num_new > budget:
+            chunkable = self.enable_chunked_prefill or num_new > self.max_num_batched_tokens
+            num_new = budget if chunkable else 0
+        return max(num_new, 0)
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in plan.new_reqs
+        ]
+        cached = plan.running_reqs + plan.resumed_reqs
+        resumed = [False] * len(plan.running_reqs) + [True] * len(plan.resumed_reqs)
+        new_block_ids = [plan.new_block_ids[r.request_id] for r in plan.running_reqs] + [
+            self.kv_cache_manager.get_block_ids(r.request_id) for r in plan.resumed_reqs
+        ]
+        cached_data = CachedRequestData(
+            req_ids=[r.request_id for r in cached],
+            resumed_from_preemption=resumed,
+            new_token_ids=[[] for _ in cached],
+            new_block_ids=new_block_ids,
+            num_computed_tokens=[r.num_computed_tokens for r in cached],
+        )
+        return SchedulerOutput(
+            step_id=self.step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_data,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_req_ids=sorted(self.finished_req_ids),
+        )
+
+    # -- results ---------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[str, EngineCoreOutput]:
+        """Append the sampled tokens, apply the stop rules, free what finished.
+
+        Returns an output for each request that got tokens or finished;
+        requests aborted since ``schedule()`` are skipped.
+        """
+        outputs: dict[str, EngineCoreOutput] = {}
+        stopped: list[Request] = []
+        index_of = model_runner_output.req_id_to_index
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            index = index_of.get(req_id)
+            if request is None or index is None or request.status != RequestStatus.RUNNING:
+                continue
+            sampled = model_runner_output.sampled_token_ids[index]
+            if not sampled:
+                continue  # a prompt chunk that is not the last
+            new_token_ids = self._append_until_stop(request, sampled)
+            logprobs = None
+            if model_runner_output.logprobs is not None:
+                logprobs = model_runner_output.logprobs[index][: len(new_token_ids)]
+            if request.is_finished:
+                stopped.append(request)
+            outputs[req_id] = EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_token_ids,
+                finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason,
+                new_logprobs=logprobs,
+            )
+        if stopped:
+            stopped_ids = {r.request_id for r in stopped}
+            self.running = [r for r in self.running if r.request_id not in stopped_ids]
+            for request in stopped:
+                self._release(request)
+        return outputs
+
+    def _append_until_stop(self, request: Request, sampled: list[int]) -> list[int]:
+        """Append tokens one by one until a stop rule fires; returns those appended."""
+        for count, token_id in enumerate(sampled, start=1):
+            request.append_output_token_ids(token_id)
+            if self._check_stop(request, token_id):
+                return sampled[:count]
+        return list(sampled)
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id
+        elif (
+            request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_seq_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        else:
+            return False
+        return True
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request: free its blocks, report it to the runner next step."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def _check_fits(self, request: Request) -> None:
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise InvalidRequestError("prompt is empty; it needs at least one token")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt} tokens; "
+                f"the model's context (max_model_len) is {self.max_model_len}"
+            )
+        kv = self.kv_cache_manager
+        if kv.num_blocks_for(num_prompt) > kv.num_blocks:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt} tokens; the KV cache holds only "
+                f"{kv.num_blocks * self.block_size} ({kv.num_blocks} blocks of {self.block_size})"
+            )
+        if not self.enable_chunked_prefill and num_prompt > self.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt} tokens; without chunked prefill a step holds "
+                f"at most {self.max_num_batched_tokens} (max_num_batched_tokens)"
+            )

@@ -1,0 +1,90 @@
+"""structlog configuration, and the contextvars (rank, step) of every event."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+LOGGER_NAME = "asyncstep"
+
+_SHARED: list[Any] = [
+    structlog.contextvars.merge_contextvars,
+    structlog.stdlib.add_log_level,
+    structlog.processors.TimeStamper(fmt="iso", utc=True),
+]
+
+
+def configure_logging(
+    level: str = "info",
+    json_file: str | Path | None = None,
+    *,
+    console: bool = True,
+    stream: Any = None,
+) -> None:
+    """Send asyncstep's events to the console (readable, at ``level``) and,
+    when ``json_file`` is given, to that file as JSON lines (every level,
+    step events included). Calling it again replaces the previous set-up."""
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *_SHARED,
+            structlog.processors.format_exc_info,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    logger.propagate = False
+    levels = []
+    if console:
+        out = stream if stream is not None else sys.stderr
+        handler = logging.StreamHandler(out)
+        renderer = structlog.dev.ConsoleRenderer(colors=_isatty(out))
+        handler.setFormatter(structlog.stdlib.ProcessorFormatter(processor=renderer))
+        handler.setLevel(level.upper())
+        logger.addHandler(handler)
+        levels.append(handler.level)
+    if json_file is not None:
+        file_handler = logging.FileHandler(json_file, mode="w", encoding="utf-8")
+        file_handler.setFormatter(
+            structlog.stdlib.ProcessorFormatter(processor=structlog.processors.JSONRenderer())
+        )
+        file_handler.setLevel(logging.DEBUG)
+        logger.addHandler(file_handler)
+        levels.append(logging.DEBUG)
+    logger.setLevel(min(levels) if levels else logging.CRITICAL + 1)
+
+
+def _isatty(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def get_logger(name: str = LOGGER_NAME) -> structlog.stdlib.BoundLogger:
+    """A logger under asyncstep's namespace (silent until ``configure_logging``)."""
+    if name != LOGGER_NAME and not name.startswith(LOGGER_NAME + "."):
+        name = f"{LOGGER_NAME}.{name}"
+    return structlog.stdlib.get_logger(name)
+
+
+def bind_rank(rank: int) -> None:
+    """Tag every later event of this context (a rank's tasks) with its rank."""
+    structlog.contextvars.bind_contextvars(rank=rank)
+
+
+@contextmanager
+def bound_step(step: int) -> Iterator[None]:
+    """Tag the events inside with the step id."""
+    with structlog.contextvars.bound_contextvars(step=step):
+        yield

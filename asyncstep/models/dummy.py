@@ -1,0 +1,178 @@
+"""Random ("dummy") weights: named model shapes, and a synthetic checkpoint
+of random tensors for any architecture config. Speed work needs the shape of a
+model, not its weights.
+
+The synthetic checkpoint yields whole HF-named tensors, each drawn from a
+generator seeded by its name, and goes through the same ``load_weights`` as a
+real one: every tensor- and pipeline-parallel layout of the same shape holds
+the same weights, so their outputs can be compared.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import torch
+
+from asyncstep.errors import ModelLoadError
+from asyncstep.models.config import ModelArchConfig
+
+_LLAMA = "LlamaForCausalLM"
+
+SHAPES: dict[str, ModelArchConfig] = {
+    "tiny-llama": ModelArchConfig(
+        architecture=_LLAMA,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        eos_token_ids=(2,),
+    ),
+    "smollm2-135m": ModelArchConfig(
+        architecture=_LLAMA,
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+    ),
+    "llama-1b": ModelArchConfig(
+        architecture=_LLAMA,
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        eos_token_ids=(128001,),
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "llama-8b": ModelArchConfig(
+        architecture=_LLAMA,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        eos_token_ids=(128001,),
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "qwen3-0.6b": ModelArchConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        eos_token_ids=(151645,),
+    ),
+}
+
+
+def get_shape(name: str) -> ModelArchConfig:
+    try:
+        return SHAPES[name]
+    except KeyError:
+        raise ModelLoadError(
+            f"unknown model shape {name!r} for dummy weights; known: {', '.join(SHAPES)}"
+        ) from None
+
+
+def dummy_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
+    """HF names and full shapes of every tensor of a checkpoint of ``arch``."""
+    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (arch.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    for i in range(arch.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
+            f"{p}.self_attn.q_proj.weight": (q, h),
+            f"{p}.self_attn.k_proj.weight": (kv, h),
+            f"{p}.self_attn.v_proj.weight": (kv, h),
+            f"{p}.self_attn.o_proj.weight": (h, q),
+            f"{p}.mlp.gate_proj.weight": (inter, h),
+            f"{p}.mlp.up_proj.weight": (inter, h),
+            f"{p}.mlp.down_proj.weight": (h, inter),
+        }
+        if arch.attention_bias:
+            shapes |= {
+                f"{p}.self_attn.q_proj.bias": (q,),
+                f"{p}.self_attn.k_proj.bias": (kv,),
+                f"{p}.self_attn.v_proj.bias": (kv,),
+            }
+        if arch.qk_norm:
+            shapes |= {
+                f"{p}.self_attn.q_norm.weight": (arch.head_dim,),
+                f"{p}.self_attn.k_norm.weight": (arch.head_dim,),
+            }
+    return shapes
+
+
+def dummy_weights(
+    arch: ModelArchConfig,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    names: set[str] | None = None,
+    scale: float = 1e-3,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Uniform random tensors in ``[-scale, scale]`` (norm weights around 1),
+    the same for a name and seed on every rank. ``names`` limits the output
+    to the tensors a rank needs."""
+    for name, shape in dummy_weight_shapes(arch).items():
+        if names is not None and name not in names:
+            continue
+        generator = torch.Generator(device=device).manual_seed(
+            seed * 1_000_003 + zlib.crc32(name.encode())
+        )
+        tensor = torch.empty(shape, device=device).uniform_(-scale, scale, generator=generator)
+        if name.endswith("norm.weight"):
+            tensor += 1.0
+        yield name, tensor

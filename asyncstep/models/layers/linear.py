@@ -1,0 +1,191 @@
+"""Tensor-parallel linear layers: column-parallel (QKV, merged gate/up) and
+row-parallel (o_proj, down_proj) with all-reduce."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncstep.channels import get_tp_group
+from asyncstep.errors import ModelLoadError
+
+WeightLoader = Callable[..., None]
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ModelLoadError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
+    return numerator // denominator
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if param.shape != loaded.shape:
+        raise ModelLoadError(
+            f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not match "
+            f"the model's {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+def _make_param(shape: Sequence[int], dtype: torch.dtype, loader: WeightLoader) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A split along its output rows over the TP group.
+
+    Each rank computes its slice of the output features; with
+    ``gather_output`` the slices are all-gathered (rarely wanted: the next
+    layer is usually row-parallel and consumes the slice as is).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        gather_output: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = divide(output_size, self.tp_size, "output features")
+        self.gather_output = gather_output
+        self.weight = _make_param(
+            (self.output_size_per_partition, input_size), params_dtype, self.weight_loader
+        )
+        self.bias = (
+            _make_param((self.output_size_per_partition,), params_dtype, self.weight_loader)
+            if bias
+            else None
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[0]
+        _copy_checked(param, loaded.narrow(0, self.tp_rank * shard, shard), "column-parallel")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = get_tp_group().all_gather(y, dim=-1)
+        return y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul
+    (gate_proj and up_proj). Shard ``i`` of every rank is that rank's slice of
+    projection ``i``."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        bias: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias=bias, params_dtype=params_dtype)
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
+    ) -> None:
+        shard = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _copy_checked(
+            param.data.narrow(0, offset, shard),
+            loaded.narrow(0, self.tp_rank * shard, shard),
+            f"merged shard {shard_id}",
+        )
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused q/k/v projection, split by attention heads: each rank holds
+    ``num_heads / tp`` query heads and ``num_kv_heads / tp`` key/value heads."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        tp_size = get_tp_group().world_size
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp_size, "attention heads")
+        self.num_kv_heads = divide(num_kv_heads, tp_size, "key/value heads")
+        output_size = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias=bias, params_dtype=params_dtype)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
+    ) -> None:
+        sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
+        offsets = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}
+        shard = sizes[shard_id]
+        _copy_checked(
+            param.data.narrow(0, offsets[shard_id], shard),
+            loaded.narrow(0, self.tp_rank * shard, shard),
+            f"qkv shard {shard_id}",
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A split along its input columns: each rank
+    multiplies its slice of the input features, then the partial sums are
+    all-reduced over the TP group (the bias is added once, after the sum)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        reduce_results: bool = True,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input features")
+        self.output_size = output_size
+        self.reduce_results = reduce_results
+        self.weight = _make_param(
+            (output_size, self.input_size_per_partition), params_dtype, self.weight_loader
+        )
+        self.bias = _make_param((output_size,), params_dtype, self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is whole on every rank
+            _copy_checked(param, loaded, "row-parallel bias")
+            return
+        shard = param.shape[1]
+        _copy_checked(param, loaded.narrow(1, self.tp_rank * shard, shard), "row-parallel")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = get_tp_group().all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

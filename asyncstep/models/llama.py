@@ -1,0 +1,279 @@
+"""The Llama family: Llama 2/3, Mistral, SmolLM2 (Llama), Qwen2 (q/k/v bias)
+and Qwen3 (per-head q/k RMSNorm), with tensor- and pipeline-parallel layers.
+
+``forward`` takes a flat batch of tokens (no padding, no batch dimension):
+``input_ids`` and ``positions`` of every scheduled token of every request, and
+the step's :class:`AttentionMetadata`. A pipeline stage owns layers
+``[start_layer, end_layer)``; the first embeds, the last normalises and owns
+the LM head; the others exchange ``IntermediateTensors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncstep.channels import get_pp_group
+from asyncstep.datatypes import IntermediateTensors
+from asyncstep.errors import ConfigError, ModelLoadError
+from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.layers.attention import Attention, AttentionMetadata
+from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from asyncstep.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from asyncstep.models.layers.norm import RMSNorm
+from asyncstep.models.layers.rotary import RotaryEmbedding
+
+# Checkpoint names folded into our fused parameters: (ours, theirs, shard id).
+STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+)
+
+
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Layers of one stage, split evenly; a remainder goes to the stages
+    before the last (which also carries the LM head)."""
+    if pp_size > num_layers:
+        raise ConfigError(
+            f"pipeline_parallel_size ({pp_size}) is larger than the layer count ({num_layers})"
+        )
+    sizes = [num_layers // pp_size] * pp_size
+    for i in range(num_layers % pp_size):
+        sizes[-2 - i if pp_size > 1 else 0] += 1
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+            params_dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            config.q_size, config.hidden_size, bias=False, params_dtype=dtype
+        )
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.head_dim = config.head_dim
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.rotary = [rotary]  # a list: shared by every layer, not a submodule of each
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            config.head_dim,
+            self.qkv_proj.num_kv_heads,
+            scale=config.head_dim**-0.5,
+        )
+
+    def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self._per_head_norm(q, self.q_norm), self._per_head_norm(k, self.k_norm)
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, params_dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, params_dtype=dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelArchConfig, dtype: torch.dtype):
+        super().__init__()
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.start_layer, self.end_layer = pp_layer_range(
+            config.num_hidden_layers, pp.rank_in_group, pp.world_size
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+        )
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+            if self.is_first_stage
+            else None
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary, dtype)
+            if self.start_layer <= i < self.end_layer
+            else nn.Identity()  # a layer of another stage: holds nothing here
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        residual: torch.Tensor | None
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate_tensors is not None, "a later stage needs intermediate tensors"
+            hidden, residual = (
+                intermediate_tensors["hidden_states"],
+                intermediate_tensors["residual"],
+            )
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        if self.norm is None:
+            assert residual is not None
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
+        hidden, _ = self.norm.forward_residual(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM: ``forward`` to hidden states (or intermediate
+    tensors), ``compute_logits`` on the rows to sample, ``load_weights`` from
+    HF-named tensors."""
+
+    def __init__(self, config: ModelArchConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.model = LlamaModel(config, dtype)
+        self.lm_head: ParallelLMHead | None = None
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+            if config.tie_word_embeddings and self.model.embed_tokens is not None:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> list[Attention]:
+        """This stage's attention layers, in order (the runner binds KV caches to them)."""
+        return [m for m in self.modules() if isinstance(m, Attention)]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, meta, intermediate_tensors)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
+        return self.lm_head.compute_logits(hidden_states)
+
+    def expected_weight_names(self) -> set[str]:
+        """Checkpoint (HF) names this rank needs: a fused parameter needs each part."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            parts = [
+                name.replace(ours, theirs) for ours, theirs, _ in STACKED_PARAMS if ours in name
+            ]
+            names.update(parts or [name])
+        if self.config.tie_word_embeddings and "lm_head.weight" in names:
+            names.discard("lm_head.weight")
+            names.add("model.embed_tokens.weight")
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors, narrowing each to this rank's shard. Returns
+        the checkpoint names consumed (compare with ``expected_weight_names``).
+        Tensors of layers on other pipeline stages are skipped."""
+        params = dict(self.named_parameters())
+        tied = self.config.tie_word_embeddings
+        loaded: set[str] = set()
+        for checkpoint_name, tensor in weights:
+            name = checkpoint_name
+            if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                continue
+            if tied and name == "model.embed_tokens.weight" and name not in params:
+                name = "lm_head.weight"  # a last stage without the embedding
+            target, shard_id = _fused_name(name)
+            if target not in params:
+                if self._on_other_stage(target):
+                    continue
+                raise ModelLoadError(f"checkpoint weight {name!r} has no place in the model")
+            param = params[target]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                if param.shape != tensor.shape:
+                    raise ModelLoadError(
+                        f"weight {name}: checkpoint shape {tuple(tensor.shape)} does not match "
+                        f"the model's {tuple(param.shape)}"
+                    )
+                param.data.copy_(tensor)
+            elif shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+            loaded.add(checkpoint_name)
+        return loaded
+
+    def _on_other_stage(self, name: str) -> bool:
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            return not self.model.start_layer <= int(parts[2]) < self.model.end_layer
+        return name.startswith(("model.embed_tokens", "model.norm", "lm_head"))
+
+
+def _fused_name(name: str) -> tuple[str, str | int | None]:
+    for ours, theirs, shard_id in STACKED_PARAMS:
+        if theirs in name:
+            return name.replace(theirs, ours), shard_id
+    return name, None

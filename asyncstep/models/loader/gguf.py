@@ -1,0 +1,340 @@
+"""GGUF checkpoints (llama.cpp files): metadata -> config, tensors -> HF-named fp32 weights.
+
+Holds :class:`GGUFCheckpoint`, which opens a ``.gguf`` file with ``gguf.GGUFReader``
+(memory-mapped), checks it is whole, builds a :class:`ModelArchConfig` from the
+metadata, and yields dequantized tensors under HF transformers parameter names,
+with llama.cpp's Q/K row permutation undone for the ``llama`` architecture.
+Supported GGUF architectures: ``llama`` (Llama, Mistral), ``qwen2``, ``qwen3``.
+May import numpy, torch, gguf, transformers and ``asyncstep.models.config``/``errors``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import gguf
+import numpy as np
+import torch
+
+from asyncstep.errors import ModelLoadError, UnsupportedModelError
+from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.loader.tokenizer import load_gguf_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+GGUF_MAGIC = b"GGUF"
+
+#: GGUF ``general.architecture`` -> HF ``architectures`` name.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+#: Tensors outside the blocks: GGUF base name -> HF module name.
+_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+#: Tensors inside block N: GGUF base name -> HF module name under ``model.layers.N``.
+_BLOCK_NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+#: GGUF tensors HF models do not have. ``rope_freqs`` holds llama3 rope factors;
+#: rope scaling is taken from the metadata instead.
+_IGNORED_GLOBAL = frozenset({"rope_freqs"})
+_IGNORED_BLOCK = frozenset({"attn_rot_embd"})
+
+_TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<kind>weight|bias)")
+
+
+class _FileTooShortError(Exception):
+    """The reader wanted bytes past the end of the file."""
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """A ``GGUFReader`` that reports reads past the end of the file as such.
+
+    The stock reader slices its memory map without a bounds check, so a
+    truncated file fails later with an unrelated numpy error (or not at all).
+    """
+
+    def _get(
+        self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
+    ) -> np.ndarray[Any, Any]:
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _FileTooShortError(
+                f"data runs past the end of the file (needs byte {end:,}, "
+                f"the file has {len(self.data):,})"
+            )
+        return super()._get(offset, dtype, count, override_order)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor; None for tensors HF has no use for.
+
+    Raises :class:`UnsupportedModelError` for a tensor no supported model has.
+    """
+    match = _TENSOR_NAME.fullmatch(gguf_name)
+    if match is not None:
+        base, kind, layer = match["base"], match["kind"], match["layer"]
+        if layer is None:
+            if base in _IGNORED_GLOBAL:
+                return None
+            if base in _GLOBAL_NAMES:
+                return f"{_GLOBAL_NAMES[base]}.{kind}"
+        else:
+            if base in _IGNORED_BLOCK:
+                return None
+            if base in _BLOCK_NAMES:
+                return f"model.layers.{int(layer)}.{_BLOCK_NAMES[base]}.{kind}"
+    raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def unpermute_qk(weight: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, Any]:
+    """Undo convert_hf_to_gguf's rotary row permutation of a Q or K weight (or bias).
+
+    llama.cpp stores each head's rows interleaved (pairs ``(i, i + d/2)`` adjacent);
+    the forward permutation is
+    ``w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)``.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_head):
+        raise ModelLoadError(f"cannot un-permute {rows} rows into {n_head} heads")
+    rest = weight.shape[1:]
+    return (
+        weight.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def _open_reader(path: Path) -> gguf.GGUFReader:
+    """Open a GGUF file, turning every way it can be broken into a one-line ModelLoadError."""
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(
+            f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})"
+        )
+    try:
+        return _CheckedReader(path, "r")
+    except _FileTooShortError as exc:
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file: {exc}") from None
+    except Exception as exc:  # the reader raises ValueError, KeyError, IndexError, ...
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"{path}: corrupt GGUF file: {detail}") from None
+
+
+def _check_extents(path: Path, reader: gguf.GGUFReader) -> None:
+    """Every tensor's data must lie inside the file (a truncated file fails here, not later)."""
+    size = len(reader.data)
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size or int(tensor.data.nbytes) != int(tensor.n_bytes):
+            raise ModelLoadError(
+                f"{path}: truncated GGUF file: tensor {tensor.name!r} needs bytes up to "
+                f"{end:,} but the file has {size:,}"
+            )
+
+
+class GGUFCheckpoint:
+    """A ``.gguf`` file of a Llama-family model; tensors come out float32, HF-named."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"model not found: {self.path}")
+        self._reader = _open_reader(self.path)
+        _check_extents(self.path, self._reader)
+        self._gguf_arch = self._metadata_str("general.architecture")
+        if self._gguf_arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{self.path}: unsupported GGUF architecture {self._gguf_arch!r}; asyncstep "
+                f"runs {', '.join(sorted(GGUF_ARCHITECTURES))}"
+            )
+        self._tensors = self._map_tensor_names()
+        self._config = self._build_config()
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """A scalar or string metadata value (arrays: their length is not read here)."""
+        field = self._reader.fields.get(key)
+        if field is None or not field.types:
+            return default
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            raise ModelLoadError(f"{self.path}: GGUF metadata {key} is an array, expected a value")
+        value = field.parts[field.data[0]]
+        if kind == gguf.GGUFValueType.STRING:
+            return bytes(value).decode("utf-8", errors="replace")
+        return value.tolist()[0]
+
+    def _metadata_str(self, key: str) -> str:
+        value = self.metadata(key)
+        if not isinstance(value, str):
+            raise ModelLoadError(f"{self.path}: GGUF metadata lacks {key}")
+        return value
+
+    def _metadata_int(self, key: str, default: int | None = None) -> int:
+        value = self.metadata(f"{self._gguf_arch}.{key}", default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ModelLoadError(f"{self.path}: GGUF metadata lacks {self._gguf_arch}.{key}")
+        return value
+
+    def _array_length(self, key: str) -> int | None:
+        field = self._reader.fields.get(key)
+        return None if field is None else len(field.data)
+
+    # -- config -----------------------------------------------------------------------------
+
+    def _vocab_size(self) -> int:
+        vocab = self.metadata(f"{self._gguf_arch}.vocab_size")
+        if isinstance(vocab, int):
+            return vocab
+        n_tokens = self._array_length("tokenizer.ggml.tokens")
+        if n_tokens:
+            return n_tokens
+        for tensor in self._reader.tensors:
+            if tensor.name == "token_embd.weight":
+                return int(tensor.shape[-1])
+        raise ModelLoadError(f"{self.path}: GGUF file gives no vocabulary size")
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        arch = self._gguf_arch
+        kind = self.metadata(f"{arch}.rope.scaling.type")
+        factor = self.metadata(f"{arch}.rope.scaling.factor")
+        if kind is None and self.metadata(f"{arch}.rope.scale_linear") is not None:
+            kind, factor = "linear", self.metadata(f"{arch}.rope.scale_linear")
+        if kind in (None, "none") or not factor:
+            return None
+        scaling: dict[str, Any] = {"rope_type": str(kind), "factor": float(factor)}
+        original = self.metadata(f"{arch}.rope.scaling.original_context_length")
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            value = self.metadata(f"tokenizer.ggml.{key}")
+            if isinstance(value, int) and value not in ids:
+                ids.append(value)
+        return tuple(ids)
+
+    def _build_config(self) -> ModelArchConfig:
+        hidden = self._metadata_int("embedding_length")
+        n_heads = self._metadata_int("attention.head_count")
+        n_kv = self._metadata_int("attention.head_count_kv", n_heads)
+        head_dim = self._metadata_int("attention.key_length", hidden // max(n_heads, 1))
+        gguf_names = {tensor.name for tensor in self._reader.tensors}
+        config = ModelArchConfig(
+            architecture=GGUF_ARCHITECTURES[self._gguf_arch],
+            vocab_size=self._vocab_size(),
+            hidden_size=hidden,
+            intermediate_size=self._metadata_int("feed_forward_length"),
+            num_hidden_layers=self._metadata_int("block_count"),
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(
+                self.metadata(f"{self._gguf_arch}.attention.layer_norm_rms_epsilon", 1e-6)
+            ),
+            rope_theta=float(self.metadata(f"{self._gguf_arch}.rope.freq_base", 10000.0)),
+            rope_scaling=self._rope_scaling(),
+            max_position_embeddings=self._metadata_int("context_length", 4096),
+            tie_word_embeddings="output.weight" not in gguf_names,
+            attention_bias="blk.0.attn_q.bias" in gguf_names,
+            qk_norm=self._gguf_arch == "qwen3",
+            bos_token_id=self.metadata("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=self._eos_token_ids(),
+        )
+        try:
+            config.validate()
+        except ModelLoadError as exc:
+            raise type(exc)(f"{self.path}: {exc}") from None
+        return config
+
+    # -- tensors ----------------------------------------------------------------------------
+
+    def _map_tensor_names(self) -> list[tuple[Any, str]]:
+        mapped: list[tuple[Any, str]] = []
+        for tensor in self._reader.tensors:
+            try:
+                name = hf_tensor_name(tensor.name)
+            except UnsupportedModelError as exc:
+                raise UnsupportedModelError(f"{self.path}: {exc}") from None
+            if name is not None:
+                mapped.append((tensor, name))
+        return mapped
+
+    def _unpermute_heads(self, hf_name: str) -> int | None:
+        """Heads to un-permute a tensor by (llama q/k only), or None to leave it as stored."""
+        if self._gguf_arch != "llama":
+            return None
+        if ".self_attn.q_proj." in hf_name:
+            return self._config.num_attention_heads
+        if ".self_attn.k_proj." in hf_name:
+            return self._config.num_key_value_heads
+        return None
+
+    def _load_tensor(self, tensor: Any, hf_name: str) -> torch.Tensor:
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedModelError(
+                f"{self.path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
+                f"gguf {getattr(gguf, '__version__', '')} cannot dequantize"
+            ) from None
+        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
+        heads = self._unpermute_heads(hf_name)
+        if heads is not None:
+            array = unpermute_qk(array, heads)
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if not array.flags.writeable:  # an F32 tensor is a view of the read-only memory map
+            array = array.copy()
+        return torch.from_numpy(array)
+
+    # -- Checkpoint protocol ----------------------------------------------------------------
+
+    @property
+    def gguf_architecture(self) -> str:
+        return self._gguf_arch
+
+    def arch_config(self) -> ModelArchConfig:
+        return self._config
+
+    def weight_names(self) -> list[str]:
+        return [name for _, name in self._tensors]
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for tensor, name in self._tensors:
+            yield name, self._load_tensor(tensor, name)
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        return load_gguf_tokenizer(
+            self.path, chat_template=self.metadata("tokenizer.chat_template")
+        )
+
+    def __repr__(self) -> str:
+        return f"GGUFCheckpoint({str(self.path)!r}, arch={self._gguf_arch!r})"

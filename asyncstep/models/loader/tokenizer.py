@@ -1,0 +1,111 @@
+"""Tokenizers of GGUF files, converted once by transformers and cached on disk.
+
+transformers builds a tokenizer from GGUF metadata in seconds (it re-reads the
+whole vocabulary); :func:`load_gguf_tokenizer` saves the result under
+``${ASYNCSTEP_CACHE_DIR:-~/.cache/asyncstep}/tokenizers/<key>``, keyed by the file's
+absolute path, size and mtime (and the transformers version), and later loads
+read that copy. A cache entry is written to a temporary directory and renamed
+into place, so a concurrent reader sees a whole entry or none.
+May import transformers and ``asyncstep.errors``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncstep.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "ASYNCSTEP_CACHE_DIR"
+DEFAULT_CACHE_DIR = "~/.cache/asyncstep"
+
+
+def cache_root() -> Path:
+    """asyncstep's cache directory: ``$ASYNCSTEP_CACHE_DIR`` or ``~/.cache/asyncstep``."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def tokenizer_cache_key(path: Path) -> str:
+    """A key that changes when the file (path, size, mtime) or transformers changes."""
+    import transformers
+
+    resolved = path.resolve()
+    stat = resolved.stat()
+    ident = f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:32]
+
+
+def tokenizer_cache_path(path: Path) -> Path:
+    """Where the converted tokenizer of the GGUF file ``path`` is cached."""
+    return cache_root() / "tokenizers" / tokenizer_cache_key(path)
+
+
+def _convert(path: Path, chat_template: str | None) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"{path}: cannot build a tokenizer from the GGUF metadata: {exc}"
+        ) from None
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _load_cached(cache_dir: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(cache_dir), local_files_only=True)
+
+
+def _store(tokenizer: PreTrainedTokenizerBase, cache_dir: Path, *, replace: bool) -> None:
+    """Write the cache entry atomically; on any filesystem error, log and carry on uncached."""
+    tmp: Path | None = None
+    try:
+        cache_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cache_dir.name}.", dir=cache_dir.parent))
+        tokenizer.save_pretrained(str(tmp))
+        if replace and cache_dir.exists():
+            stale = Path(tempfile.mkdtemp(prefix=f".{cache_dir.name}.stale.", dir=cache_dir.parent))
+            os.replace(cache_dir, stale / "entry")
+            shutil.rmtree(stale, ignore_errors=True)
+        os.rename(tmp, cache_dir)  # fails if another process got there first: keep theirs
+        tmp = None
+    except OSError as exc:
+        if not cache_dir.is_dir():
+            logger.warning("cannot cache the tokenizer in %s: %s", cache_dir, exc)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a GGUF file, from the on-disk cache when it holds one.
+
+    ``chat_template`` (the file's ``tokenizer.chat_template``) is set on the
+    tokenizer when transformers' conversion left it out.
+    """
+    path = path.resolve()
+    cache_dir = tokenizer_cache_path(path)
+    broken = False
+    if cache_dir.is_dir():
+        try:
+            return _load_cached(cache_dir)
+        except Exception as exc:
+            logger.warning("ignoring the unreadable tokenizer cache %s: %s", cache_dir, exc)
+            broken = True
+    tokenizer = _convert(path, chat_template)
+    _store(tokenizer, cache_dir, replace=broken)
+    return tokenizer

@@ -1,0 +1,140 @@
+"""Build a model on a device and fill its weights: from a checkpoint (GGUF
+file or HF directory) or at random (``load_format="dummy"``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from asyncstep.config import ModelConfig
+from asyncstep.errors import ConfigError, ModelLoadError
+from asyncstep.logging import get_logger
+from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
+from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.models.loader import Checkpoint, open_checkpoint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = get_logger("models")
+
+#: Called as weights load: (tensors done, tensors in all).
+ProgressFn = Callable[[int, int], None]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch_config: ModelArchConfig
+    tokenizer: PreTrainedTokenizerBase | None
+    device: torch.device
+    dtype: torch.dtype
+    #: Longest sequence this engine serves.
+    max_model_len: int
+    #: What was loaded: a path, or a shape name for dummy weights.
+    source: str
+    _in_use: bool = False
+
+    @contextmanager
+    def claim(self) -> Iterator[None]:
+        """Held by the engine that runs this model: one engine at a time (the
+        attention layers are bound to that engine's KV cache)."""
+        if self._in_use:
+            raise ConfigError("this loaded model is already serving another engine")
+        self._in_use = True
+        try:
+            yield
+        finally:
+            self._in_use = False
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for, but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
+    if requested is None:
+        return arch.max_position_embeddings
+    if requested > arch.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {requested} is longer than the model's context "
+            f"({arch.max_position_embeddings})"
+        )
+    return requested
+
+
+def load_model(config: ModelConfig, progress: ProgressFn | None = None) -> LoadedModel:
+    """Build the model described by ``config`` on its device, weights loaded."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.load_format == "dummy" and (config.model is None or str(config.model) in SHAPES):
+        arch = get_shape(str(config.model or "smollm2-135m"))
+        tokenizer, source, weights = None, str(config.model or "smollm2-135m"), None
+    else:
+        fmt = "auto" if config.load_format == "dummy" else config.load_format
+        checkpoint = open_checkpoint(config.model, fmt)
+        arch = checkpoint.arch_config()
+        tokenizer = _maybe_tokenizer(checkpoint)
+        source = str(checkpoint.path)
+        weights = None if config.load_format == "dummy" else checkpoint
+    max_model_len = resolve_max_model_len(config.max_model_len, arch)
+    with torch.device(device):
+        model = LlamaForCausalLM(arch, dtype)
+    if weights is None:
+        needed = model.expected_weight_names()
+        tensors = dummy_weights(arch, seed=config.seed, device=device, names=needed)
+        _load_checkpoint(model, _counted(tensors, len(needed), progress))
+    else:
+        total = len(weights.weight_names())
+        _load_checkpoint(model, _counted(weights.iter_weights(), total, progress))
+    model.eval()
+    return LoadedModel(model, arch, tokenizer, device, dtype, max_model_len, source)
+
+
+def _maybe_tokenizer(checkpoint: Checkpoint) -> PreTrainedTokenizerBase | None:
+    """The checkpoint's tokenizer; without one, prompts must be token ids."""
+    try:
+        return checkpoint.load_tokenizer()
+    except ModelLoadError as exc:
+        log.warning("no tokenizer: prompts must be token ids", reason=str(exc))
+        return None
+
+
+def _counted(
+    weights: Iterator[tuple[str, torch.Tensor]], total: int, progress: ProgressFn | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for i, item in enumerate(weights, 1):
+        yield item
+        if progress is not None:
+            progress(i, total)
+
+
+def _load_checkpoint(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    loaded = model.load_weights(weights)
+    missing = model.expected_weight_names() - loaded
+    if missing:
+        shown = ", ".join(sorted(missing)[:3])
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {shown}")
+
+
+def model_source(model: str | Path | None) -> str:
+    return "embedded SmolLM2-135M-Instruct" if model is None else str(model)
