@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -18,3 +21,68 @@ def _deterministic() -> None:
 def tiny_model() -> LoadedModel:
     """A tiny random Llama (dummy weights, no tokenizer), on the CPU in fp32."""
     return load_model(ModelConfig("tiny-llama", load_format="dummy", device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The embedded SmolLM2-135M-Instruct (GGUF), on the CPU in fp32."""
+    return load_model(ModelConfig(None, device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2: LoadedModel) -> Any:
+    """transformers' Llama on the same weights (the GGUF's, dequantized; the
+    loader tests prove they equal transformers' own GGUF loading)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from asyncstep.models.loader import open_checkpoint
+
+    arch = smollm2.arch_config
+    config = LlamaConfig(
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    state = dict(open_checkpoint(None).iter_weights())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama checkpoint (safetensors) with SmolLM2's tokenizer and
+    chat template: loads in a second, makes text (of no meaning)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from asyncstep.models.loader import open_checkpoint
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=2,
+        bos_token_id=1,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("tiny-hf")
+    LlamaForCausalLM(config).save_pretrained(path)
+    open_checkpoint(None).load_tokenizer().save_pretrained(path)
+    return path

@@ -249,7 +249,7 @@ class Engine:
                 task_status.started()
                 await self._step_loop(to_rank_tx, from_rank_rx)
         except* Exception as group:
-            self._die(_first_leaf(group))
+            self._die(root_cause(group))
         finally:
             self._closed = True
             for state in list(self._requests.values()):
@@ -302,7 +302,17 @@ def _tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
     return frozenset([eos]) if isinstance(eos, int) else frozenset()
 
 
-def _first_leaf(error: BaseException) -> BaseException:
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
+#: Errors a task sees because another task died and closed a channel.
+_CONSEQUENCES = (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError)
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error]
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The first error of a group that is not a consequence of another."""
+    leaves = _leaves(error)
+    return next((e for e in leaves if not isinstance(e, _CONSEQUENCES)), leaves[0])

@@ -13,11 +13,16 @@ import structlog
 
 LOGGER_NAME = "asyncstep"
 
-_SHARED: list[Any] = [
+_PROCESSORS: list[Any] = [
+    structlog.stdlib.filter_by_level,
     structlog.contextvars.merge_contextvars,
     structlog.stdlib.add_log_level,
     structlog.processors.TimeStamper(fmt="iso", utc=True),
+    structlog.processors.format_exc_info,
+    structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
 ]
+
+logging.getLogger(LOGGER_NAME).addHandler(logging.NullHandler())
 
 
 def configure_logging(
@@ -29,23 +34,17 @@ def configure_logging(
 ) -> None:
     """Send asyncstep's events to the console (readable, at ``level``) and,
     when ``json_file`` is given, to that file as JSON lines (every level,
-    step events included). Calling it again replaces the previous set-up."""
-    structlog.configure(
-        processors=[
-            structlog.stdlib.filter_by_level,
-            *_SHARED,
-            structlog.processors.format_exc_info,
-            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
-        ],
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
-        cache_logger_on_first_use=False,
-    )
+    step events included). Calling it again replaces the previous set-up.
+
+    Until it is called asyncstep logs nothing of its own: its events go to
+    the standard ``logging`` logger ``"asyncstep"``, for an application's own
+    handlers. structlog's global configuration is left alone.
+    """
     logger = logging.getLogger(LOGGER_NAME)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()
-    logger.propagate = False
+    logger.propagate = not (console or json_file)
     levels = []
     if console:
         out = stream if stream is not None else sys.stderr
@@ -72,10 +71,15 @@ def _isatty(stream: Any) -> bool:
 
 
 def get_logger(name: str = LOGGER_NAME) -> structlog.stdlib.BoundLogger:
-    """A logger under asyncstep's namespace (silent until ``configure_logging``)."""
+    """A structlog logger over the standard logger ``asyncstep.<name>``."""
     if name != LOGGER_NAME and not name.startswith(LOGGER_NAME + "."):
         name = f"{LOGGER_NAME}.{name}"
-    return structlog.stdlib.get_logger(name)
+    logger: structlog.stdlib.BoundLogger = structlog.wrap_logger(
+        logging.getLogger(name),
+        processors=_PROCESSORS,
+        wrapper_class=structlog.stdlib.BoundLogger,
+    )
+    return logger
 
 
 def bind_rank(rank: int) -> None:

@@ -1,0 +1,177 @@
+"""The engine and its public API on a tiny random model: both async back-ends,
+streaming, aborts, bad requests failing alone, preemption, a dying rank, and
+the per-step log events."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import trio
+import trio.testing
+
+import asyncstep
+from asyncstep import EngineDeadError, InvalidRequestError, SamplingParams
+from asyncstep.logging import configure_logging
+from asyncstep.models.model_loader import LoadedModel
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1], [42]]
+
+
+async def generate_all(
+    engine: asyncstep.Engine, prompts: list[Any], params: SamplingParams
+) -> list[Any]:
+    results: list[Any] = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        try:
+            results[i] = await engine.generate(prompts[i], params)
+        except asyncstep.AsyncstepError as exc:
+            results[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return results
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.mark.anyio
+async def test_generate_and_stream_on_both_backends(
+    tiny_model: LoadedModel, anyio_backend: str
+) -> None:
+    async with asyncstep.open_engine(tiny_model) as engine:
+        results = await generate_all(engine, PROMPTS, GREEDY)
+        assert all(len(r.token_ids) == 8 and r.finish_reason == "length" for r in results)
+        chunks = [c async for c in engine.stream(PROMPTS[1], GREEDY)]
+        assert [t for c in chunks for t in c.token_ids] == results[1].token_ids
+        assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+        assert engine.statistics().num_finished_reqs == 4
+
+
+@pytest.mark.trio
+async def test_bad_requests_fail_alone(tiny_model: LoadedModel) -> None:
+    async with asyncstep.open_engine(tiny_model, max_model_len=32) as engine:
+        bad = [
+            [],  # empty
+            list(range(1, 40)),  # longer than max_model_len
+            [1, 2, 100_000],  # outside the vocabulary
+            "text, but this model has no tokenizer",
+            [{"role": "user", "content": "hi"}],  # chat without a tokenizer
+            [1.5, 2],  # not token ids
+        ]
+        results = await generate_all(engine, [PROMPTS[0], *bad, PROMPTS[1]], GREEDY)
+        assert len(results[0].token_ids) == 8 and len(results[-1].token_ids) == 8
+        for error in results[1:-1]:
+            assert isinstance(error, InvalidRequestError), error
+            assert "\n" not in str(error)
+        with pytest.raises(InvalidRequestError, match="logprobs must be <= 20"):
+            await engine.generate(PROMPTS[0], SamplingParams(logprobs=21))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(engine.generate, PROMPTS[0], GREEDY, request_id="x"))
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(InvalidRequestError, match="already in flight"):
+                await engine.generate(PROMPTS[1], GREEDY, request_id="x")
+        # Still serving.
+        assert len((await engine.generate(PROMPTS[2], GREEDY)).token_ids) == 8
+
+
+@pytest.mark.trio
+async def test_context_limit_and_logprobs(tiny_model: LoadedModel) -> None:
+    async with asyncstep.open_engine(tiny_model, max_model_len=16) as engine:
+        out = await engine.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=100))
+        assert out.finish_reason == "length" and len(PROMPTS[1]) + len(out.token_ids) == 16
+        out = await engine.generate(
+            PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, logprobs=2)
+        )
+        assert out.logprobs is not None and len(out.logprobs) == 3
+        for token, lp in zip(out.token_ids, out.logprobs, strict=True):
+            assert lp.token_ids[0] == token and len(lp.token_ids) == 3
+            assert lp.sampled_token_rank == 1  # greedy takes the most likely token
+            assert lp.logprobs[0] == pytest.approx(lp.logprobs[1])
+
+
+@pytest.mark.trio
+async def test_cancelled_caller_aborts_its_request(tiny_model: LoadedModel) -> None:
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    async with asyncstep.open_engine(tiny_model) as engine:
+        received = 0
+        with trio.CancelScope() as scope:
+            async for chunk in engine.stream(PROMPTS[1], long):
+                received += len(chunk.token_ids)
+                if received >= 3:
+                    scope.cancel()
+        assert scope.cancelled_caught
+        stats = engine.statistics()
+        assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
+        # generate() cancelled while waiting aborts too.
+        with trio.move_on_after(0) as scope:
+            await engine.generate(PROMPTS[0], long)
+        assert engine.statistics().num_running_reqs == 0
+        assert len((await engine.generate(PROMPTS[0], GREEDY)).token_ids) == 8
+
+
+@pytest.mark.trio
+async def test_preemption_gives_the_same_tokens(tiny_model: LoadedModel) -> None:
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    async with asyncstep.open_engine(tiny_model) as engine:
+        roomy = await generate_all(engine, PROMPTS, params)
+    # 7 blocks of 4 tokens cannot hold three sequences of up to 29 tokens.
+    async with asyncstep.open_engine(tiny_model, block_size=4, num_blocks=8) as engine:
+        tight = await generate_all(engine, PROMPTS, params)
+        assert engine.statistics().num_preemptions > 0
+        assert engine.statistics().kv_cache_usage == 0.0
+    assert [r.token_ids for r in tight] == [r.token_ids for r in roomy]
+
+
+@pytest.mark.trio
+async def test_a_failing_rank_fails_requests_and_the_engine(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = 0
+    forward = tiny_model.model.forward
+
+    def failing_forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("device fell off the bus")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_model.model, "forward", failing_forward)
+    with pytest.raises(EngineDeadError, match="device fell off the bus"):
+        async with asyncstep.open_engine(tiny_model) as engine:
+            with pytest.raises(EngineDeadError, match="device fell off the bus"):
+                await engine.generate(PROMPTS[0], GREEDY)
+            with pytest.raises(EngineDeadError):
+                await engine.generate(PROMPTS[0], GREEDY)
+
+
+@pytest.mark.trio
+async def test_every_step_logs_one_event(tiny_model: LoadedModel, tmp_path: Path) -> None:
+    log_file = tmp_path / "log.jsonl"
+    configure_logging("warning", log_file)
+    try:
+        async with asyncstep.open_engine(tiny_model) as engine:
+            await generate_all(engine, PROMPTS, GREEDY)
+    finally:
+        configure_logging("warning", None, console=False)
+    events = [json.loads(line) for line in log_file.read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step"]
+    # One event per step, in order (a last step without tokens may have run
+    # to tell the rank which requests ended).
+    assert [e["step"] for e in steps] == list(range(len(steps)))
+    assert sum(e["num_tokens"] > 0 for e in steps) == 8  # 1 prefill + 7 decodes
+    for e in steps:
+        assert e["rank"] == 0
+        assert {"num_reqs", "num_tokens", "prepare_ms", "forward_ms", "sample_ms"} <= set(e)
+    assert sum(e["num_tokens"] for e in steps) == sum(len(p) for p in PROMPTS) + 3 * 7

@@ -1,0 +1,174 @@
+"""The embedded SmolLM2-135M-Instruct end to end: greedy tokens equal
+transformers' on the same weights (fp32, CPU), alone and batched, with and
+without chunked prefill; and the text a user sees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+import asyncstep
+from asyncstep import SamplingParams
+from asyncstep.models.model_loader import LoadedModel
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Explain in one sentence why the sky is blue, and mention the name of the effect.",
+    "Hi",
+]
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def chat(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
+def hf_greedy(hf_model: Any, prompt_ids: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2: LoadedModel) -> list[list[int]]:
+    tok = smollm2.tokenizer
+    assert tok is not None
+    return [
+        tok(
+            tok.apply_chat_template(chat(q), add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        ).input_ids
+        for q in QUESTIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(hf_smollm2: Any, prompt_ids: list[list[int]]) -> list[list[int]]:
+    return [hf_greedy(hf_smollm2, ids) for ids in prompt_ids]
+
+
+async def generate_batched(
+    engine: asyncstep.Engine, prompts: list[Any], params: SamplingParams
+) -> list[asyncstep.Completion]:
+    results: list[Any] = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        results[i] = await engine.generate(prompts[i], params)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return results
+
+
+@pytest.mark.trio
+async def test_greedy_equals_transformers_alone_and_batched(
+    smollm2: LoadedModel, prompt_ids: list[list[int]], hf_tokens: list[list[int]]
+) -> None:
+    async with asyncstep.open_engine(smollm2) as engine:
+        for q, expected in zip(QUESTIONS, hf_tokens, strict=True):
+            alone = await engine.generate(chat(q), GREEDY)
+            assert alone.token_ids == expected, q
+        batched = await generate_batched(engine, [chat(q) for q in QUESTIONS], GREEDY)
+        assert [c.token_ids for c in batched] == hf_tokens
+        # Same prompts as token ids give the same tokens (and share prefix-cache blocks).
+        again = await generate_batched(engine, prompt_ids, GREEDY)
+        assert [c.token_ids for c in again] == hf_tokens
+        assert engine.statistics().prefix_cache_hit_rate > 0
+        assert engine.statistics().kv_cache_usage == 0.0
+
+
+@pytest.mark.trio
+async def test_chunked_prefill_and_small_batches_give_the_same_tokens(
+    smollm2: LoadedModel, hf_tokens: list[list[int]]
+) -> None:
+    async with asyncstep.open_engine(
+        smollm2, max_num_batched_tokens=16, max_num_seqs=3, enable_prefix_caching=False
+    ) as engine:
+        batched = await generate_batched(engine, [chat(q) for q in QUESTIONS], GREEDY)
+        assert [c.token_ids for c in batched] == hf_tokens
+
+
+@pytest.mark.trio
+async def test_capital_of_france_and_the_text(smollm2: LoadedModel) -> None:
+    async with asyncstep.open_engine(smollm2) as engine:
+        out = await engine.generate(chat(QUESTIONS[0]), GREEDY)
+        assert "Paris" in out.text
+        assert out.finish_reason == "stop" and out.token_ids[-1] == 2  # <|im_end|>
+        tok = smollm2.tokenizer
+        assert tok is not None
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+        # Streaming gives the same text and tokens, chunk by chunk.
+        chunks = [c async for c in engine.stream(chat(QUESTIONS[0]), GREEDY)]
+        assert "".join(c.text for c in chunks) == out.text
+        assert [t for c in chunks for t in c.token_ids] == out.token_ids
+        assert chunks[-1].finish_reason == "stop" and all(
+            c.finish_reason is None for c in chunks[:-1]
+        )
+
+
+@pytest.mark.trio
+async def test_stop_strings_and_stop_tokens(smollm2: LoadedModel) -> None:
+    async with asyncstep.open_engine(smollm2) as engine:
+        full = await engine.generate(chat(QUESTIONS[0]), GREEDY)
+        cut = await engine.generate(
+            chat(QUESTIONS[0]), SamplingParams(temperature=0, max_tokens=24, stop=("Paris", "zzz"))
+        )
+        assert cut.text == full.text[: full.text.index("Paris")]
+        assert cut.finish_reason == "stop" and cut.stop_reason == "Paris"
+        kept = await engine.generate(
+            chat(QUESTIONS[0]),
+            SamplingParams(
+                temperature=0, max_tokens=24, stop="Paris", include_stop_str_in_output=True
+            ),
+        )
+        assert kept.text.endswith("Paris") and kept.text in full.text
+        # A stop token id (the second token generated) ends the output after it.
+        stop_id = full.token_ids[1]
+        by_id = await engine.generate(
+            chat(QUESTIONS[0]),
+            SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
+        )
+        assert by_id.token_ids == full.token_ids[:2] and by_id.stop_reason == stop_id
+        # ignore_eos runs to max_tokens.
+        long = await engine.generate(
+            chat(QUESTIONS[0]), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        )
+        assert len(long.token_ids) == 12 and long.finish_reason == "length"
+        assert engine.statistics().kv_cache_usage == 0.0
+
+
+@pytest.mark.trio
+async def test_seeded_sampling_is_reproducible(smollm2: LoadedModel) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234, ignore_eos=True)
+    async with asyncstep.open_engine(smollm2) as engine:
+        first = await engine.generate("Once upon a time", params)
+        # Batched with other requests, the seeded one still gives the same tokens.
+        others = SamplingParams(temperature=1.0, max_tokens=16)
+        batch = await generate_batched(
+            engine,
+            ["Once upon a time", "The weather today", "Once upon a time"],
+            params,
+        )
+        assert batch[0].token_ids == first.token_ids == batch[2].token_ids
+        other = await engine.generate(
+            "Once upon a time", SamplingParams(**{**_fields(params), "seed": 99})
+        )
+        assert other.token_ids != first.token_ids
+        await engine.generate("Hello", others)
+
+
+def _fields(params: SamplingParams) -> dict[str, Any]:
+    return {f: getattr(params, f) for f in params.__struct_fields__}
