@@ -28,7 +28,7 @@ from asyncstep.models.layers.linear import (
     RowParallelLinear,
 )
 from asyncstep.models.layers.norm import RMSNorm
-from asyncstep.models.layers.rotary import RotaryEmbedding
+from asyncstep.models.layers.rotary import RotaryCosSin, RotaryEmbedding
 
 # Checkpoint names folded into our fused parameters: (ours, theirs, shard id).
 STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
@@ -86,12 +86,12 @@ class LlamaAttention(nn.Module):
         return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+        self, cos_sin: RotaryCosSin, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self._per_head_norm(q, self.q_norm), self._per_head_norm(k, self.k_norm)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = self.rotary[0](cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -120,13 +120,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: RotaryCosSin,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(cos_sin, hidden, meta)
         hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -176,8 +176,9 @@ class LlamaModel(nn.Module):
                 intermediate_tensors["hidden_states"],
                 intermediate_tensors["residual"],
             )
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer in self.layers[self.start_layer : self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(cos_sin, hidden, residual, meta)
         if self.norm is None:
             assert residual is not None
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})

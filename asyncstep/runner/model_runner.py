@@ -26,7 +26,12 @@ from asyncstep.datatypes import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from asyncstep.models.layers.attention import AttentionMetadata
+from asyncstep.models.layers.attention import (
+    BLOCK_DIM,
+    AttentionMetadata,
+    kv_cache_shape,
+    plan_decode_buckets,
+)
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.sampler import Sampler
@@ -93,7 +98,7 @@ class ModelRunner:
 
     @property
     def num_kv_blocks(self) -> int:
-        return self.kv_caches[0].shape[1] if self.kv_caches else 0
+        return self.kv_caches[0].shape[BLOCK_DIM] if self.kv_caches else 0
 
     def kv_cache_block_bytes(self) -> int:
         """Bytes one KV block takes over all of this rank's layers."""
@@ -106,7 +111,7 @@ class ModelRunner:
         self.kv_caches = []
         for attn in self.model.attention_layers():
             cache = torch.zeros(
-                (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim),
+                kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim),
                 dtype=self.dtype,
                 device=self.device,
             )
@@ -258,17 +263,22 @@ class ModelRunner:
         # A request samples once every token it has is in the cache.
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs]).tolist()
         max_seq_len = int(seq_lens.max())
+        num_decodes = int((num_sched == 1).sum())
+        block_table = batch.block_table.commit(num_reqs, -(-max_seq_len // self.block_size))
         attn_metadata = AttentionMetadata(
             num_actual_tokens=total,
-            num_decodes=int((num_sched == 1).sum()),
+            num_decodes=num_decodes,
             query_start_loc=self._to_device(query_start_loc),
             seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            block_table=batch.block_table.commit(num_reqs, -(-max_seq_len // self.block_size)),
+            block_table=block_table,
             slot_mapping=self._to_device(slot_mapping),
             max_query_len=int(num_sched.max()),
             max_seq_len=max_seq_len,
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
+            decode_buckets=plan_decode_buckets(
+                seq_lens[:num_decodes], block_table[:num_decodes], self.block_size
+            ),
         )
         return StepInputs(
             input_ids=self._to_device(input_ids.astype(np.int64)),

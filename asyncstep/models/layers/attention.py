@@ -1,22 +1,38 @@
 """Attention over a paged KV cache: the metadata a step's attention needs,
 and the reference backend in plain torch (runs on CPU and CUDA).
 
-The KV cache of one layer is ``[2, num_blocks, block_size, num_kv_heads,
-head_dim]``; token ``t`` of a step writes its key and value at
+The KV cache of one layer is ``[2, num_kv_heads, num_blocks, block_size,
+head_dim]`` (head-major: one KV head's block is a contiguous ``[block_size,
+head_dim]`` tile). Token ``t`` of a step writes its key and value at
 ``slot_mapping[t] = block_id * block_size + offset`` (-1 for a padding token,
-which writes nothing). Requests are ordered decodes first (query length 1),
-so decodes run as one batched gather, and prompt chunks one request at a time
-over their cached prefix plus the new tokens.
+which writes nothing). Requests are ordered decodes first (query length 1):
+decodes run as one batched gather per bucket of similar lengths, prompt
+chunks one request at a time over their cached prefix plus the new tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+#: KV cache dimension of ``[2, kv_heads, blocks, block_size, head_dim]`` holding blocks.
+BLOCK_DIM = 2
+
+
+@dataclass
+class DecodeBucket:
+    """Decode requests of similar length, attended in one batch."""
+
+    rows: torch.Tensor  # [n] int64: request (= token) rows of the bucket
+    block_ids: torch.Tensor  # [n * num_blocks] int64, row-major
+    max_len: int
+    #: [n, 1, 1, max_len] keys past a request's end masked; None when all are max_len long.
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -34,57 +50,113 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: np.ndarray  # host copies: the reference loops without a device sync
     seq_lens_cpu: np.ndarray
+    #: The reference backend's plan for the decodes, made once per step.
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
 
 
+def plan_decode_buckets(
+    seq_lens: np.ndarray,
+    block_table: torch.Tensor,
+    block_size: int,
+    max_buckets: int = 4,
+    min_bucket: int = 4,
+) -> list[DecodeBucket]:
+    """Split decode requests (lengths ``seq_lens``) into buckets of similar
+    length, so a short request is not padded to the longest: sorted by
+    length, cut where that saves the most padding, while buckets hold at
+    least ``min_bucket`` requests."""
+    if len(seq_lens) == 0:
+        return []
+    order = np.argsort(seq_lens, kind="stable")
+    cuts = _cuts(seq_lens[order], max_buckets, min_bucket)
+    device = block_table.device
+    buckets = []
+    for lo, hi in itertools.pairwise(cuts):
+        rows = order[lo:hi]
+        lens = seq_lens[rows]
+        max_len = int(lens.max())
+        rows_t = torch.from_numpy(rows.astype(np.int64)).to(device)
+        blocks = block_table.index_select(0, rows_t)[:, : -(-max_len // block_size)]
+        mask = None
+        if int(lens.min()) != max_len:
+            valid = torch.arange(max_len)[None, :] < torch.from_numpy(lens)[:, None]
+            mask = valid[:, None, None, :].to(device)
+        buckets.append(DecodeBucket(rows_t, blocks.reshape(-1).long(), max_len, mask))
+    return buckets
+
+
+def _cuts(sorted_lens: np.ndarray, max_buckets: int, min_bucket: int) -> list[int]:
+    """Greedy cut points [0, ..., n] of sorted lengths into at most ``max_buckets``."""
+    n = len(sorted_lens)
+    cuts = [0, n]
+    while len(cuts) - 1 < max_buckets:
+        best, best_gain = None, 0
+        for i in range(len(cuts) - 1):
+            lo, hi = cuts[i], cuts[i + 1]
+            for c in range(lo + min_bucket, hi - min_bucket + 1):
+                # Cutting at c: rows lo..c-1 pad to sorted_lens[c-1] instead of [hi-1].
+                gain = (c - lo) * int(sorted_lens[hi - 1] - sorted_lens[c - 1])
+                if gain > best_gain:
+                    best, best_gain = c, gain
+        if best is None:
+            return cuts
+        cuts = sorted([*cuts, best])
+    return cuts
+
+
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store each real token's key/value at its slot.
+    """Store each real token's key/value ([tokens, kv_heads, dim]) at its slot.
 
-    ``key``/``value`` hold the step's real tokens only; padding tokens (slot
-    -1) come after them in ``slot_mapping`` and are never written.
+    Only the step's real tokens are given; padding tokens (slot -1) come after
+    them in ``slot_mapping`` and are never written.
     """
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    n = key.shape[0]
-    slots = slot_mapping[:n]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
+    slots = slot_mapping[: key.shape[0]]
+    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, key.transpose(0, 1))
+    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, value.transpose(0, 1))
 
 
 def _gather_kv(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, rows: int, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of ``block_ids`` (one row per request): [rows, length, kv_heads, dim]."""
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    rows = block_ids.shape[0]
-    k = kv_cache[0][block_ids].view(rows, -1, num_kv_heads, head_dim)[:, :length]
-    v = kv_cache[1][block_ids].view(rows, -1, num_kv_heads, head_dim)[:, :length]
-    return k, v
+    """Keys and values of ``block_ids`` (``rows`` requests' blocks, row-major):
+    ``[rows, kv_heads, length, dim]``, each head's keys contiguous.
+
+    ``index_select`` on whole blocks: on the CPU about 5x faster than the
+    equivalent advanced indexing."""
+    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        picked = cache.index_select(1, block_ids).view(num_kv_heads, rows, -1, head_dim)
+        return picked[:, :, :length].transpose(0, 1)
+
+    return gather(kv_cache[0]), gather(kv_cache[1])
 
 
 def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, scale: float
 ) -> torch.Tensor:
-    """Every decode request at once: q [n, heads, dim] -> [n, heads, dim]."""
-    n = meta.num_decodes
-    block_size = kv_cache.shape[2]
-    max_len = int(meta.seq_lens_cpu[:n].max())
-    num_blocks = -(-max_len // block_size)
-    k, v = _gather_kv(kv_cache, meta.block_table[:n, :num_blocks], max_len)
-    mask = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:n, None]
+    """One bucket of decodes: q [n, heads, dim] -> [n, heads, dim].
+
+    The query heads that share a KV head ride as that head's query "length"
+    (``[n, kv_heads, group, dim]``), so keys and values are never repeated."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[1]
+    k, v = _gather_kv(kv_cache, bucket.block_ids, n, bucket.max_len)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [n, heads, 1, dim]
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
+        q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim),
+        k,
+        v,
+        attn_mask=bucket.mask,
         scale=scale,
-        enable_gqa=True,
     )
-    return out.squeeze(2)
+    return out.reshape(n, num_heads, head_dim)
 
 
 def _prefill_attention(
@@ -99,17 +171,17 @@ def _prefill_attention(
     """One request's query chunk [q_len, heads, dim] over its prefix and itself."""
     q_len, seq_len = q.shape[0], int(meta.seq_lens_cpu[req])
     if seq_len == q_len:  # no cached prefix: the new keys are the whole sequence
-        k, v, mask, causal = k_new, v_new, None, True
+        k, v, mask, causal = k_new.transpose(0, 1), v_new.transpose(0, 1), None, True
     else:
-        block_size = kv_cache.shape[2]
-        blocks = meta.block_table[req : req + 1, : -(-seq_len // block_size)]
-        k, v = (t[0] for t in _gather_kv(kv_cache, blocks, seq_len))
+        block_size = kv_cache.shape[3]
+        blocks = meta.block_table[req, : -(-seq_len // block_size)].long()
+        k, v = (t[0] for t in _gather_kv(kv_cache, blocks, 1, seq_len))
         mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
         causal = False
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),  # [heads, q_len, dim]
-        k.transpose(0, 1),
-        v.transpose(0, 1),
+        k,
+        v,
         attn_mask=mask,
         is_causal=causal,
         scale=scale,
@@ -129,11 +201,14 @@ def reference_attention(
     """Paged attention in plain torch. q [tokens, heads, dim], k/v [tokens, kv_heads, dim]
     (already written to the cache). Returns [tokens, heads, dim]."""
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale)
+    for bucket in meta.decode_buckets:
+        out.index_copy_(
+            0,
+            bucket.rows,
+            _decode_attention(q.index_select(0, bucket.rows), kv_cache, bucket, scale),
+        )
     qsl = meta.query_start_loc_cpu
-    for req in range(nd, meta.num_reqs):
+    for req in range(meta.num_decodes, meta.num_reqs):
         s, e = int(qsl[req]), int(qsl[req + 1])
         out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], kv_cache, meta, req, scale)
     return out
@@ -163,3 +238,9 @@ class Attention(nn.Module):
         write_kv_cache(k, v, self.kv_cache, meta.slot_mapping)
         out = reference_attention(q, k, v, self.kv_cache, meta, self.scale)
         return out.reshape(n, self.num_heads * self.head_dim)
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, ...]:
+    return (2, num_kv_heads, num_blocks, block_size, head_dim)

@@ -1,8 +1,13 @@
-"""RMSNorm, optionally fused with the residual add (HF Llama's numerics)."""
+"""RMSNorm, optionally after the residual add.
+
+``torch.nn.functional.rms_norm`` is one fused kernel; in float32 it equals HF
+Llama's ``weight * (x * rsqrt(mean(x^2) + eps))`` bit for bit; in bf16/fp16 it
+applies the weight before rounding (as vLLM's kernel does), not after."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,9 +18,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x)

@@ -11,6 +11,9 @@ from torch import nn
 
 from asyncstep.errors import UnsupportedModelError
 
+#: cos and sin of each token's rotation angles: [tokens, 1, head_dim / 2] each.
+RotaryCosSin = tuple[torch.Tensor, torch.Tensor]
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -64,9 +67,15 @@ class RotaryEmbedding(nn.Module):
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return out.view(shape)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryCosSin:
+        """The step's cos and sin, looked up once and shared by every layer."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        return cos, sin
+
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, cos_sin: RotaryCosSin, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads * head_dim], k: [tokens, kv_heads * head_dim]."""
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = cos_sin
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,196 @@
+"""CPU benchmark: asyncstep against HF transformers ``generate`` on the same
+SmolLM2-135M-Instruct weights (the embedded GGUF, dequantized, fp32), in one
+process: 1 request, and 16 concurrent requests of mixed prompt lengths with
+equal and with mixed output lengths.
+
+Each workload runs twice per system: generating its output lengths, and
+generating 1 token (the prefill). Decode tokens/s = (useful tokens of the long
+run - those of the short run) / (time difference); end-to-end tokens/s =
+useful tokens / time of the long run. Greedy, EOS ignored. HF's ``generate``
+runs the whole batch to its longest output (that is how static batching
+works), so with mixed output lengths it computes tokens nobody asked for:
+only the requested ones count. Prints a table and the ratios; ``--out`` also
+writes them as JSON with the command and the machine.
+
+    python benchmarks/cpu_vs_hf.py --out benchmarks/results/cpu_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+import trio
+
+import asyncstep
+from asyncstep.config import ModelConfig
+from asyncstep.models.loader import open_checkpoint
+from asyncstep.models.model_loader import LoadedModel, load_model
+
+
+def make_prompts(vocab: int, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def hf_model(loaded: LoadedModel) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    arch = loaded.arch_config
+    config = LlamaConfig(
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        pad_token_id=2,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.load_state_dict(dict(open_checkpoint(None).iter_weights()), strict=False)
+    return model
+
+
+def hf_run(model: Any, prompts: list[list[int]], out_lens: list[int]) -> tuple[float, int]:
+    """Left-padded batch through ``generate``; returns (seconds, useful tokens)."""
+    max_tokens = max(out_lens)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), 2, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=2,
+        )
+    elapsed = time.perf_counter() - t0
+    assert out.shape[1] - width == max_tokens
+    return elapsed, sum(out_lens)
+
+
+async def ours_run(
+    engine: asyncstep.Engine, prompts: list[list[int]], out_lens: list[int]
+) -> tuple[float, int]:
+    """All requests at once, each with its own output length; (seconds, tokens)."""
+    counts: list[int] = []
+
+    async def one(p: list[int], n: int) -> None:
+        params = asyncstep.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        counts.append(len((await engine.generate(p, params)).token_ids))
+
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for p, n in zip(prompts, out_lens, strict=True):
+            nursery.start_soon(one, p, n)
+    elapsed = time.perf_counter() - t0
+    assert sum(counts) == sum(out_lens)
+    return elapsed, sum(counts)
+
+
+def summarize(long: tuple[float, int], short: tuple[float, int]) -> dict[str, float]:
+    (t_long, n_long), (t_short, n_short) = long, short
+    return {
+        "decode_tok_s": (n_long - n_short) / (t_long - t_short),
+        "e2e_tok_s": n_long / t_long,
+        "seconds": t_long,
+        "prefill_seconds": t_short,
+    }
+
+
+def workloads(args: argparse.Namespace, vocab: int) -> dict[str, tuple[list[list[int]], list[int]]]:
+    rng = random.Random(1)
+    cases: dict[str, tuple[list[list[int]], list[int]]] = {}
+    for n in args.concurrency:
+        prompts = make_prompts(vocab, n, args.min_prompt, args.max_prompt, seed=n)
+        cases[f"{n} x {args.max_tokens} tokens"] = (prompts, [args.max_tokens] * n)
+        if n > 1:
+            mixed = [rng.randint(args.max_tokens // 4, args.max_tokens) for _ in range(n)]
+            cases[f"{n} x {args.max_tokens // 4}-{args.max_tokens} tokens"] = (prompts, mixed)
+    return cases
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    loaded = load_model(ModelConfig(None, device="cpu", dtype="float32"))
+    reference = hf_model(loaded)
+    results: dict[str, Any] = {}
+    async with asyncstep.open_engine(loaded, enable_prefix_caching=False) as engine:
+        await ours_run(engine, [[5, 6, 7]], [4])  # warm-up
+        hf_run(reference, [[5, 6, 7]], [4])
+        for name, (prompts, out_lens) in workloads(args, loaded.arch_config.vocab_size).items():
+            ones = [1] * len(prompts)
+            best: dict[str, dict[str, float]] = {}
+            for _ in range(args.repeats):
+                ours = summarize(
+                    await ours_run(engine, prompts, out_lens), await ours_run(engine, prompts, ones)
+                )
+                hf = summarize(
+                    hf_run(reference, prompts, out_lens), hf_run(reference, prompts, ones)
+                )
+                for system, r in (("asyncstep", ours), ("hf", hf)):
+                    if system not in best or r["decode_tok_s"] > best[system]["decode_tok_s"]:
+                        best[system] = r
+            results[name] = {
+                **best,
+                "decode_ratio": best["asyncstep"]["decode_tok_s"] / best["hf"]["decode_tok_s"],
+                "e2e_ratio": best["asyncstep"]["e2e_tok_s"] / best["hf"]["e2e_tok_s"],
+                "prompt_lengths": [len(p) for p in prompts],
+                "output_lengths": out_lens,
+            }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2, help="best of N")
+    parser.add_argument("--out", help="write the results here as JSON")
+    args = parser.parse_args()
+    results = trio.run(bench, args)
+    print(
+        f"{'requests':<20} {'ours dec tok/s':>15} {'HF dec tok/s':>13} {'ratio':>6}"
+        f" {'ours e2e tok/s':>15} {'HF e2e tok/s':>13} {'ratio':>6}"
+    )
+    for name, row in results.items():
+        ours, hf = row["asyncstep"], row["hf"]
+        print(
+            f"{name:<20} {ours['decode_tok_s']:15.1f} {hf['decode_tok_s']:13.1f}"
+            f" {row['decode_ratio']:6.2f} {ours['e2e_tok_s']:15.1f} {hf['e2e_tok_s']:13.1f}"
+            f" {row['e2e_ratio']:6.2f}"
+        )
+    if args.out:
+        record = {
+            "command": "python " + " ".join(sys.argv),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()} {platform.processor() or ''} "
+            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}".strip(),
+            "results": results,
+        }
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
