@@ -1,7 +1,12 @@
-"""Shared fixtures: models are loaded once per session and reused."""
+"""Shared fixtures: models are loaded once per session and reused.
+
+``ASYNCSTEP_TEST_DEVICE=cuda`` runs the device-aware tests (runner, attention,
+engine, HF parity on tiny checkpoints) on the GPU instead of the CPU.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +22,21 @@ def _deterministic() -> None:
     torch.manual_seed(0)
 
 
+TEST_DEVICE = os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="session")
-def tiny_model() -> LoadedModel:
-    """A tiny random Llama (dummy weights, no tokenizer), on the CPU in fp32."""
-    return load_model(ModelConfig("tiny-llama", load_format="dummy", device="cpu"))
+def device() -> torch.device:
+    """The device the device-aware tests run on (fp32 there too)."""
+    return torch.device(TEST_DEVICE)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(device: torch.device) -> LoadedModel:
+    """A tiny random Llama (dummy weights, no tokenizer), in fp32."""
+    return load_model(
+        ModelConfig("tiny-llama", load_format="dummy", device=str(device), dtype="float32")
+    )
 
 
 @pytest.fixture(scope="session")

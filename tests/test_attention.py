@@ -37,7 +37,9 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
         ([1, 1, 5, 3], [9, 3, 0, 6]),  # decodes first, then prompt chunks with prefixes
     ],
 )
-def test_paged_attention_matches_dense(query_lens: list[int], computed: list[int]) -> None:
+def test_paged_attention_matches_dense(
+    query_lens: list[int], computed: list[int], device: torch.device
+) -> None:
     gen = torch.Generator().manual_seed(sum(query_lens) + sum(computed))
     num_blocks = 32
     kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, KV_HEADS, DIM))
@@ -77,14 +79,17 @@ def test_paged_attention_matches_dense(query_lens: list[int], computed: list[int
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=qsl,
         seq_lens_cpu=np.array(seq_lens),
-        decode_buckets=plan_decode_buckets(
-            np.array(seq_lens[:num_decodes]), block_table[:num_decodes], BLOCK, min_bucket=1
-        ),
+    )
+    kv_cache, q, k_new, v_new = (t.to(device) for t in (kv_cache, q, k_new, v_new))
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    meta.decode_buckets = plan_decode_buckets(
+        meta.seq_lens_cpu[:num_decodes], meta.block_table[:num_decodes], BLOCK, min_bucket=1
     )
     write_kv_cache(k_new, v_new, kv_cache, meta.slot_mapping)
-    out = reference_attention(q, k_new, v_new, kv_cache, meta, DIM**-0.5)
+    out = reference_attention(q, k_new, v_new, kv_cache, meta, DIM**-0.5).cpu()
     for r in range(len(seq_lens)):
-        expected = dense_attention(q[qsl[r] : qsl[r + 1]], full_k[r], full_v[r])
+        expected = dense_attention(q[qsl[r] : qsl[r + 1]].cpu(), full_k[r], full_v[r])
         torch.testing.assert_close(
             out[qsl[r] : qsl[r + 1]].double(), expected, atol=1e-5, rtol=1e-5
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,34 @@ def test_exit_status_and_no_traceback_in_a_real_process() -> None:
     )
     assert proc.returncode == 1
     assert proc.stderr.strip() == "asyncstep: error: top_p must be in (0, 1], got 2.0"
+
+
+def test_ctrl_c_stops_cleanly(tiny_hf_dir: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncstep",
+            "generate",
+            "--model",
+            str(tiny_hf_dir),
+            "--no-chat",
+            "--max-tokens",
+            "100000",
+            "--ignore-eos",
+            "--max-model-len",
+            "512",
+            "Once upon a time",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        proc.stdout.read(1)  # generation has started
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert b"asyncstep: interrupted" in err and b"Traceback" not in err

@@ -175,3 +175,14 @@ async def test_every_step_logs_one_event(tiny_model: LoadedModel, tmp_path: Path
         assert e["rank"] == 0
         assert {"num_reqs", "num_tokens", "prepare_ms", "forward_ms", "sample_ms"} <= set(e)
     assert sum(e["num_tokens"] for e in steps) == sum(len(p) for p in PROMPTS) + 3 * 7
+
+
+@pytest.mark.trio
+async def test_an_error_in_the_callers_block_comes_out_as_raised(tiny_model: LoadedModel) -> None:
+    with pytest.raises(KeyError, match="mine"):
+        async with asyncstep.open_engine(tiny_model) as engine:
+            await engine.generate(PROMPTS[0], GREEDY)
+            raise KeyError("mine")
+    # The model is free again for the next engine.
+    async with asyncstep.open_engine(tiny_model) as engine:
+        assert len((await engine.generate(PROMPTS[0], GREEDY)).token_ids) == 8

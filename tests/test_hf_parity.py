@@ -63,10 +63,11 @@ def checkpoint(
 
 
 def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    device = next(model.parameters()).device
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             max_new_tokens=MAX_TOKENS,
             min_new_tokens=MAX_TOKENS,
             do_sample=False,
@@ -76,13 +77,15 @@ def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
 
 @pytest.mark.trio
 @pytest.mark.parametrize("chunk", [2048, 4])
-async def test_greedy_equals_transformers(checkpoint: tuple[Path, Any], chunk: int) -> None:
+async def test_greedy_equals_transformers(
+    checkpoint: tuple[Path, Any], chunk: int, device: torch.device
+) -> None:
     path, hf_model = checkpoint
-    expected = [hf_greedy(hf_model, p) for p in PROMPTS]
+    expected = [hf_greedy(hf_model.to(device), p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     results: list[Any] = [None] * len(PROMPTS)
     async with asyncstep.open_engine(
-        path, device="cpu", dtype="float32", max_num_batched_tokens=chunk
+        path, device=str(device), dtype="float32", max_num_batched_tokens=chunk
     ) as engine:
 
         async def one(i: int) -> None:

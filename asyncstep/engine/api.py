@@ -107,12 +107,21 @@ async def open_engine(
         )
         runner = _build_runner(config, loaded)
         engine = Engine(config, loaded.arch_config, loaded.tokenizer, runner.num_kv_blocks)
-        async with anyio.create_task_group() as tg:
-            await tg.start(engine.serve, RankActor(runner))
-            try:
-                yield engine
-            finally:
-                tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(engine.serve, RankActor(runner))
+                try:
+                    yield engine
+                finally:
+                    tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # The engine's own tasks never raise out (a failure ends requests
+            # with EngineDeadError), so a group holds the caller's one error:
+            # give it back as it was raised.
+            if len(group.exceptions) == 1:
+                error = group.exceptions[0]
+                raise error from error.__cause__
+            raise
     if engine.error is not None:
         raise EngineDeadError(f"the engine stopped: {engine.error}") from engine.error
 
