@@ -1,27 +1,38 @@
 """Process groups of this rank: the tensor-parallel (TP) and pipeline-parallel
 (PP) groups, vLLM's ``GroupCoordinator`` shape.
 
+Rank layout: ``rank = pp_rank * tp_size + tp_rank``. A TP group holds the
+ranks of one pipeline stage; a PP group holds the ranks with the same
+``tp_rank`` across stages (the "lanes"). Each group has a device group
+(gloo on CPU, NCCL on CUDA) for tensors and a gloo CPU group for metadata.
+
 A group of one rank needs no ``torch.distributed`` at all: its collectives are
 the identity, so a single-rank run never initialises a process group. The
 model's layers ask ``get_tp_group()`` / ``get_pp_group()``; the rank's launcher
-sets them once with :func:`set_parallel_groups` before the model is built.
+sets them once (:func:`init_distributed`) before the model is built.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from asyncstep.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class GroupCoordinator:
     """One process group seen from one of its ranks."""
 
+    #: Global ranks of the group, in group order.
     ranks: tuple[int, ...]
     rank_in_group: int
     device_group: dist.ProcessGroup | None = None
+    #: gloo group over the same ranks, for metadata (the device group on CPU).
+    cpu_group: dist.ProcessGroup | None = None
 
     @classmethod
     def single(cls) -> GroupCoordinator:
@@ -32,6 +43,11 @@ class GroupCoordinator:
         return len(self.ranks)
 
     @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self.ranks[self.rank_in_group]
+
+    @property
     def is_first_rank(self) -> bool:
         return self.rank_in_group == 0
 
@@ -39,8 +55,18 @@ class GroupCoordinator:
     def is_last_rank(self) -> bool:
         return self.rank_in_group == self.world_size - 1
 
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next member (wrapping)."""
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous member (wrapping)."""
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place where the backend allows; returns the sum."""
+        """Sum over the group (in place); returns the sum."""
         if self.world_size == 1:
             return x
         dist.all_reduce(x, group=self.device_group)
@@ -50,9 +76,48 @@ class GroupCoordinator:
         """Concatenate every rank's ``x`` along ``dim``."""
         if self.world_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.device_group)
-        return torch.cat(parts, dim=dim)
+        dim = dim % x.dim()
+        x = x.movedim(dim, 0).contiguous()
+        out = torch.empty(
+            (self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device
+        )
+        dist.all_gather_into_tensor(out, x, group=self.device_group)
+        return out.movedim(0, dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Sum over the group, and keep this rank's ``1/world_size`` slice along ``dim``."""
+        if self.world_size == 1:
+            return x
+        dim = dim % x.dim()
+        x = x.movedim(dim, 0).contiguous()
+        if x.shape[0] % self.world_size:
+            raise ValueError(
+                f"reduce_scatter: size {x.shape[0]} not divisible by {self.world_size}"
+            )
+        out = torch.empty(
+            (x.shape[0] // self.world_size, *x.shape[1:]), dtype=x.dtype, device=x.device
+        )
+        dist.reduce_scatter_tensor(out, x, group=self.device_group)
+        return out.movedim(0, dim)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.cpu_group)
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    world: GroupCoordinator
+    tp: GroupCoordinator
+    pp: GroupCoordinator
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank_in_group
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp.rank_in_group
 
 
 _TP = GroupCoordinator.single()
@@ -71,3 +136,76 @@ def get_tp_group() -> GroupCoordinator:
 
 def get_pp_group() -> GroupCoordinator:
     return _PP
+
+
+def check_layout(world_size: int, tp_size: int, pp_size: int) -> None:
+    if tp_size < 1 or pp_size < 1:
+        raise ConfigError("tensor and pipeline parallel sizes must be >= 1")
+    if world_size != tp_size * pp_size:
+        raise ConfigError(
+            f"world size {world_size} is not tensor_parallel_size x pipeline_parallel_size "
+            f"({tp_size} x {pp_size})"
+        )
+
+
+def init_distributed(
+    *,
+    rank: int,
+    world_size: int,
+    tp_size: int,
+    pp_size: int,
+    init_method: str,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> ParallelGroups:
+    """Join the world, create every TP and PP group (device and CPU), and set
+    this rank's. Every rank calls it with the same sizes."""
+    check_layout(world_size, tp_size, pp_size)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+    )
+    world = _make_group(list(range(world_size)), rank, backend, timeout, whole_world=True)
+    tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    tp = pp = None
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    for stage in range(pp_size):
+        ranks = [stage * tp_size + i for i in range(tp_size)]
+        group = _make_group(ranks, rank, backend, timeout)
+        if stage == pp_rank:
+            tp = group
+    for lane in range(tp_size):
+        ranks = [stage * tp_size + lane for stage in range(pp_size)]
+        group = _make_group(ranks, rank, backend, timeout)
+        if lane == tp_rank:
+            pp = group
+    assert tp is not None and pp is not None
+    set_parallel_groups(tp, pp)
+    return ParallelGroups(world, tp, pp)
+
+
+def _make_group(
+    ranks: list[int],
+    rank: int,
+    backend: str,
+    timeout: datetime.timedelta,
+    *,
+    whole_world: bool = False,
+) -> GroupCoordinator:
+    device = None if whole_world else dist.new_group(ranks, backend=backend, timeout=timeout)
+    cpu = device if backend == "gloo" else None
+    if cpu is None:
+        cpu = None if whole_world else dist.new_group(ranks, backend="gloo", timeout=timeout)
+    member = rank in ranks
+    return GroupCoordinator(
+        ranks=tuple(ranks),
+        rank_in_group=ranks.index(rank) if member else -1,
+        device_group=device if member else None,
+        cpu_group=cpu if member else None,
+    )
+
+
+def destroy_distributed() -> None:
+    set_parallel_groups(GroupCoordinator.single(), GroupCoordinator.single())
+    if dist.is_initialized():
+        dist.destroy_process_group()
