@@ -224,7 +224,9 @@ class ModelRunner:
         num_computed_tokens: int,
     ) -> None:
         state.num_computed_tokens = num_computed_tokens
-        # Tokens sampled elsewhere (a pipeline stage that does not sample).
+        if self.is_last_stage:
+            new_token_ids = []  # this stage sampled them itself
+        # Tokens sampled by the last pipeline stage, which this stage needs as inputs.
         state.output_token_ids.extend(new_token_ids)
         if resumed:
             state.block_ids = list(new_block_ids)
