@@ -71,6 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GIB",
         help="KV cache size on the CPU (GiB)",
     )
+    parallel = gen.add_argument_group("parallelism")
+    parallel.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks")
+    parallel.add_argument("--pp", type=int, default=1, metavar="M", help="pipeline stages")
+    parallel.add_argument(
+        "--sequence-parallel", action="store_true", help="keep activations split along tokens"
+    )
+    parallel.add_argument(
+        "--external-ranks",
+        action="store_true",
+        help="do not start the ranks: wait for them to connect (python -m asyncstep.rank)",
+    )
+    parallel.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="address the ranks connect to (default: loopback, any free port)",
+    )
     out = gen.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     out.add_argument(
@@ -84,9 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = ("warning", "info", "debug")[min(args.verbose, 2)]
+    args.log_level = ("warning", "info", "debug")[min(args.verbose, 2)]
     try:
-        configure_logging(level, args.log_json)
+        configure_logging(args.log_level, args.log_json)
         params = sampling_params(args)
         prompts = list(args.prompts) or read_prompts(sys.stdin)
         if not prompts:
@@ -131,6 +148,12 @@ async def generate_all(args: argparse.Namespace, prompts: list[str], params: Sam
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gib=args.kv_cache_memory,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        sequence_parallel=args.sequence_parallel,
+        launch_ranks=not args.external_ranks,
+        listen=args.listen,
+        rank_log_level=args.log_level,
     )
     with LoadProgress() as progress:
         async with open_engine(config=config, progress=progress.update) as engine:

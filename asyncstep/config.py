@@ -97,14 +97,34 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """Tensor and pipeline parallel sizes (rank = pp_rank * tp_size + tp_rank)."""
+    """Tensor and pipeline parallel sizes (rank = pp_rank * tp_size + tp_rank).
+
+    ``sequence_parallel`` keeps the residual stream split along tokens over
+    the TP group (Megatron-SP): reduce-scatter + all-gather in place of each
+    all-reduce; steps are padded to a multiple of tensor_parallel_size. No
+    effect without tensor parallelism.
+
+    With more than one rank, the engine listens on ``listen`` (``HOST:PORT``,
+    loopback and any free port by default) for its ranks' control
+    connections, and starts them itself as local processes unless
+    ``launch_ranks`` is False (ranks started elsewhere, e.g. by torchrun,
+    connect to that address).
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    sequence_parallel: bool = False
+    launch_ranks: bool = True
+    listen: str = "127.0.0.1:0"
+    #: Console log level of the rank processes.
+    rank_log_level: str = "warning"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"listen must be HOST:PORT, got {self.listen!r}")
 
     @property
     def world_size(self) -> int:

@@ -24,6 +24,8 @@ class ScriptedRunner:
     """Keeps the runner's contract and records the calls; ``sample_gate``
     holds sample_tokens until the test lets it go."""
 
+    num_kv_blocks = 0
+
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.pending: SchedulerOutput | None = None
@@ -33,7 +35,9 @@ class ScriptedRunner:
         self.sampling_started = threading.Event()
         self.fail_on_sample: int | None = None
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(
+        self, so: SchedulerOutput, intermediate_tensors: object = None
+    ) -> ModelRunnerOutput | None:
         if self.pending is not None:
             raise RuntimeError(REENTRY_ERROR)
         self.calls.append(f"execute {so.step_id}")

@@ -22,6 +22,10 @@ import torch.distributed as dist
 
 from asyncstep.errors import ConfigError
 
+# torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only those.
+all_gather_into_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 @dataclass(frozen=True)
 class GroupCoordinator:
@@ -81,7 +85,7 @@ class GroupCoordinator:
         out = torch.empty(
             (self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device
         )
-        dist.all_gather_into_tensor(out, x, group=self.device_group)
+        all_gather_into_tensor(out, x, group=self.device_group)
         return out.movedim(0, dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -97,7 +101,7 @@ class GroupCoordinator:
         out = torch.empty(
             (x.shape[0] // self.world_size, *x.shape[1:]), dtype=x.dtype, device=x.device
         )
-        dist.reduce_scatter_tensor(out, x, group=self.device_group)
+        reduce_scatter_tensor(out, x, group=self.device_group)
         return out.movedim(0, dim)
 
     def barrier(self) -> None:

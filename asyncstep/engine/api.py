@@ -3,13 +3,14 @@ the engine's step loop in a task group, and hand the caller an :class:`Engine`."
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
-import torch
 
+from asyncstep.channels.control import RankSpec
 from asyncstep.config import (
     CacheConfig,
     EngineConfig,
@@ -17,9 +18,11 @@ from asyncstep.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from asyncstep.engine.engine import Engine
+from asyncstep.engine.engine import Engine, Executor
+from asyncstep.engine.remote import RemoteRanks
 from asyncstep.errors import ConfigError, EngineDeadError
 from asyncstep.logging import get_logger
+from asyncstep.models.model_info import describe_model, validate_parallel_layout
 from asyncstep.models.model_loader import (
     LoadedModel,
     ProgressFn,
@@ -27,12 +30,10 @@ from asyncstep.models.model_loader import (
     resolve_max_model_len,
 )
 from asyncstep.nursery import RankActor
+from asyncstep.runner.kv_sizing import num_kv_blocks
 from asyncstep.runner.model_runner import ModelRunner
 
 log = get_logger("engine")
-
-#: GPU memory kept back for activations, beyond the estimate from the batch shape.
-ACTIVATION_RESERVE_BYTES = 1 << 30
 
 
 def make_config(
@@ -53,6 +54,10 @@ def make_config(
     enable_chunked_prefill: bool = True,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    launch_ranks: bool = True,
+    listen: str = "127.0.0.1:0",
+    rank_log_level: str = "warning",
 ) -> EngineConfig:
     """An :class:`EngineConfig` from flat keyword options (``open_engine``'s)."""
     return EngineConfig(
@@ -65,7 +70,14 @@ def make_config(
             enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill),
-        parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
+        parallel=ParallelConfig(
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            sequence_parallel,
+            launch_ranks,
+            listen,
+            rank_log_level,
+        ),
     )
 
 
@@ -93,26 +105,37 @@ async def open_engine(
         config = make_config(None if preloaded else model, **options)  # type: ignore[arg-type]
     elif options or model is not None:
         raise ConfigError("pass either config or model/options to open_engine, not both")
-    if config.parallel.world_size != 1:
-        raise ConfigError("tensor and pipeline parallelism need the multi-rank launcher")
-    if preloaded is None:
-        loaded = await anyio.to_thread.run_sync(load_model, config.model, progress)
+    if config.parallel.world_size == 1:
+        if preloaded is None:
+            loaded = await anyio.to_thread.run_sync(load_model, config.model, progress)
+        else:
+            loaded = preloaded
+        claim: contextlib.AbstractContextManager[None] = loaded.claim()
+        if preloaded is not None:
+            max_model_len = resolve_max_model_len(config.model.max_model_len, loaded.arch_config)
+        else:
+            max_model_len = loaded.max_model_len
+        config.scheduler.max_model_len = max_model_len
+        executor: Executor = RankActor(_build_runner(config, loaded))
+        arch, tokenizer = loaded.arch_config, loaded.tokenizer
     else:
-        loaded = preloaded
-    with loaded.claim():
-        config.scheduler.max_model_len = (
-            resolve_max_model_len(config.model.max_model_len, loaded.arch_config)
-            if preloaded
-            else loaded.max_model_len
-        )
-        runner = _build_runner(config, loaded)
-        engine = Engine(config, loaded.arch_config, loaded.tokenizer, runner.num_kv_blocks)
+        if preloaded is not None:
+            raise ConfigError("a LoadedModel serves one rank; pass a model path for TP/PP")
+        info = await anyio.to_thread.run_sync(describe_model, config.model)
+        validate_parallel_layout(info.arch_config, config.parallel)
+        config.scheduler.max_model_len = info.max_model_len
+        executor = remote_ranks(config)
+        arch, tokenizer, claim = info.arch_config, info.tokenizer, contextlib.nullcontext()
+    engine = Engine(config, arch, tokenizer, executor)
+    with claim:
         try:
             async with anyio.create_task_group() as tg:
-                await tg.start(engine.serve, RankActor(runner))
+                await tg.start(engine.serve)
                 try:
                     yield engine
                 finally:
+                    with anyio.CancelScope(shield=True):
+                        await engine.aclose()
                     tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # The engine's own tasks never raise out (a failure ends requests
@@ -126,6 +149,36 @@ async def open_engine(
         raise EngineDeadError(f"the engine stopped: {engine.error}") from engine.error
 
 
+def remote_ranks(config: EngineConfig) -> RemoteRanks:
+    """The ranks of a TP x PP engine, in their own processes."""
+    model, parallel = config.model, config.parallel
+    spec = RankSpec(
+        model=None if model.model is None else str(model.model),
+        load_format=model.load_format,
+        dtype=model.dtype,
+        device=model.device,
+        max_model_len=config.scheduler.max_model_len,
+        seed=model.seed,
+        block_size=config.cache.block_size,
+        num_blocks=config.cache.num_blocks,
+        kv_cache_memory_gib=config.cache.kv_cache_memory_gib,
+        gpu_memory_utilization=config.cache.gpu_memory_utilization,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+    )
+    host, _, port = parallel.listen.rpartition(":")
+    return RemoteRanks(
+        spec,
+        launch=parallel.launch_ranks,
+        listen_host=host,
+        listen_port=int(port),
+        log_level=parallel.rank_log_level,
+    )
+
+
 def _build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
     runner = ModelRunner(
         loaded.model,
@@ -135,7 +188,16 @@ def _build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         max_num_reqs=config.scheduler.max_num_seqs,
         block_size=config.cache.block_size,
     )
-    num_blocks = num_kv_blocks(config, runner, loaded)
+    num_blocks = num_kv_blocks(
+        config.cache,
+        block_bytes=runner.kv_cache_block_bytes(),
+        max_model_len=config.scheduler.max_model_len,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        arch=loaded.arch_config,
+        device=loaded.device,
+        dtype=loaded.dtype,
+    )
     runner.initialize_kv_cache(num_blocks)
     log.info(
         "kv cache ready",
@@ -145,32 +207,3 @@ def _build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         gib=round(num_blocks * runner.kv_cache_block_bytes() / 2**30, 3),
     )
     return runner
-
-
-def num_kv_blocks(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel) -> int:
-    """How many KV blocks to allocate: as configured, else what the memory allows
-    (never more than ``max_num_seqs`` full-length sequences need)."""
-    cache = config.cache
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    block_bytes = runner.kv_cache_block_bytes()
-    if loaded.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(loaded.device)
-        arch = loaded.arch_config
-        activations = (
-            config.scheduler.max_num_batched_tokens
-            * ((4 * arch.hidden_size + 2 * arch.intermediate_size) * loaded.dtype.itemsize)
-            + config.scheduler.max_num_seqs * arch.vocab_size * 4 * 3
-        )
-        budget = free - (1 - cache.gpu_memory_utilization) * total - activations
-        budget -= ACTIVATION_RESERVE_BYTES
-    else:
-        budget = cache.kv_cache_memory_gib * 2**30
-    blocks_per_seq = -(-config.scheduler.max_model_len // cache.block_size)
-    num_blocks = min(int(budget // block_bytes), config.scheduler.max_num_seqs * blocks_per_seq)
-    if num_blocks < blocks_per_seq and num_blocks < 16:
-        raise ConfigError(
-            f"no memory left for the KV cache ({num_blocks} blocks); lower max_model_len "
-            "or raise the KV cache memory"
-        )
-    return num_blocks

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
 from anyio.abc import TaskStatus
@@ -26,7 +26,6 @@ from asyncstep.engine.scheduler import Scheduler
 from asyncstep.errors import EngineDeadError, InvalidRequestError
 from asyncstep.logging import get_logger
 from asyncstep.models.config import ModelArchConfig
-from asyncstep.nursery import RankActor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -35,6 +34,20 @@ log = get_logger("engine")
 
 #: A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+
+class Executor(Protocol):
+    """Runs the ranks: scheduler outputs in, the last stage's outputs out.
+    Reports the number of KV blocks through ``task_status`` once ready."""
+
+    async def run(
+        self,
+        inbox: MemoryObjectReceiveStream[SchedulerOutput],
+        outbox: MemoryObjectSendStream[ModelRunnerOutput],
+        *,
+        task_status: TaskStatus[int] = ...,
+    ) -> None: ...
+
 
 #: Most log-probs a request may ask for per position.
 MAX_LOGPROBS = 20
@@ -61,19 +74,23 @@ class Engine:
         config: EngineConfig,
         arch_config: ModelArchConfig,
         tokenizer: PreTrainedTokenizerBase | None,
-        num_blocks: int,
+        executor: Executor,
     ) -> None:
         self.config = config
         self.arch_config = arch_config
         self.tokenizer = tokenizer
+        self.executor = executor
         self.max_model_len = config.scheduler.max_model_len
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        # Built by serve() once the ranks report how many KV blocks they hold.
+        self.scheduler: Scheduler = None  # type: ignore[assignment]
         self.eos_token_ids = frozenset(arch_config.eos_token_ids) | _tokenizer_eos(tokenizer)
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._wakeup = anyio.Event()
         self._error: BaseException | None = None
         self._closed = False
+        self._closing = False
+        self._stopped = anyio.Event()
         self._num_generated_tokens = 0
         self._num_finished = 0
 
@@ -236,25 +253,47 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------
 
-    async def serve(
-        self, actor: RankActor, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Run the rank and the step loop until cancelled. A failure of either
-        ends every request in flight with :class:`EngineDeadError`."""
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Start the ranks, then run the step loop until cancelled. A failure
+        while starting is raised; a failure later ends every request in
+        flight with :class:`EngineDeadError`."""
         to_rank_tx, to_rank_rx = anyio.create_memory_object_stream[SchedulerOutput](1)
         from_rank_tx, from_rank_rx = anyio.create_memory_object_stream[ModelRunnerOutput](1)
+        started = False
         try:
             async with anyio.create_task_group() as tg:
-                await tg.start(actor.run, to_rank_rx, from_rank_tx)
+                num_blocks = await tg.start(self.executor.run, to_rank_rx, from_rank_tx)
+                self.scheduler = Scheduler(
+                    self.config.scheduler,
+                    self.config.cache,
+                    num_blocks,
+                    send_new_token_ids=self.config.parallel.pipeline_parallel_size > 1,
+                )
+                started = True
                 task_status.started()
                 await self._step_loop(to_rank_tx, from_rank_rx)
         except* Exception as group:
-            self._die(root_cause(group))
+            error = root_cause(group)
+            if not started:
+                raise error from error.__cause__
+            self._die(error)
         finally:
             self._closed = True
             for state in list(self._requests.values()):
                 state.fail(self._error or EngineDeadError("the engine is closed"))
             self._requests.clear()
+            self._stopped.set()
+
+    async def aclose(self, timeout_s: float = 10.0) -> bool:
+        """Stop after the step in flight: requests still running fail with
+        :class:`EngineDeadError`, the ranks are told to shut down. Returns
+        False if that took longer than ``timeout_s`` (the caller then cancels)."""
+        self._closing = True
+        self._wakeup.set()
+        with anyio.move_on_after(timeout_s):
+            await self._stopped.wait()
+            return True
+        return False
 
     @property
     def error(self) -> BaseException | None:
@@ -267,10 +306,12 @@ class Engine:
         from_rank: MemoryObjectReceiveStream[ModelRunnerOutput],
     ) -> None:
         async with to_rank, from_rank:
-            while True:
-                while not self.scheduler.has_requests():
+            while not self._closing:
+                while not self.scheduler.has_requests() and not self._closing:
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()
+                if self._closing:
+                    break
                 scheduler_output = self.scheduler.schedule()
                 await to_rank.send(scheduler_output)
                 output = await from_rank.receive()

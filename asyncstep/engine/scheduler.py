@@ -21,8 +21,9 @@ Conventions the runner relies on:
   ``new_block_ids`` = ALL its block ids, which REPLACE the runner's (its
   ``num_computed_tokens`` restarts from its prefix-cache hits, often 0); for
   the others ``new_block_ids`` are the blocks appended this step.
-  ``new_token_ids`` is a list of empty lists (only pipeline stages that do not
-  sample will need it).
+  ``new_token_ids`` holds, with ``send_new_token_ids`` (pipeline parallelism),
+  the output tokens each request produced since the ranks last heard of it
+  (stages that do not sample need them as inputs); else empty lists.
 * ``num_computed_tokens`` in both is the value before this step's tokens.
 * ``finished_req_ids``: requests that ended (or were aborted) since the previous
   ``schedule()``, reported exactly once, even in a step that schedules no
@@ -113,7 +114,12 @@ class Scheduler:
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        *,
+        send_new_token_ids: bool = False,
     ) -> None:
         if scheduler_config.max_model_len <= 0:
             raise ConfigError(
@@ -121,6 +127,9 @@ class Scheduler:
                 f"got {scheduler_config.max_model_len}"
             )
         self.scheduler_config = scheduler_config
+        self.send_new_token_ids = send_new_token_ids
+        #: request id -> output tokens already sent to the ranks (new_token_ids).
+        self._num_output_tokens_sent: dict[str, int] = {}
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -305,7 +314,7 @@ class Scheduler:
         cached_data = CachedRequestData(
             req_ids=[r.request_id for r in cached],
             resumed_from_preemption=resumed,
-            new_token_ids=[[] for _ in cached],
+            new_token_ids=[self._unsent_output_tokens(r) for r in cached],
             new_block_ids=new_block_ids,
             num_computed_tokens=[r.num_computed_tokens for r in cached],
         )
@@ -317,6 +326,13 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=sorted(self.finished_req_ids),
         )
+
+    def _unsent_output_tokens(self, request: Request) -> list[int]:
+        if not self.send_new_token_ids:
+            return []
+        sent = self._num_output_tokens_sent.get(request.request_id, 0)
+        self._num_output_tokens_sent[request.request_id] = request.num_output_tokens
+        return list(request.output_token_ids[sent:])
 
     # -- results ---------------------------------------------------------------
 
@@ -388,6 +404,7 @@ class Scheduler:
         """Forget a finished request: free its blocks, report it to the runner next step."""
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._num_output_tokens_sent.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
 
     def _check_fits(self, request: Request) -> None:

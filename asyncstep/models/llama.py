@@ -1,11 +1,23 @@
 """The Llama family: Llama 2/3, Mistral, SmolLM2 (Llama), Qwen2 (q/k/v bias)
 and Qwen3 (per-head q/k RMSNorm), with tensor- and pipeline-parallel layers.
 
-``forward`` takes a flat batch of tokens (no padding, no batch dimension):
-``input_ids`` and ``positions`` of every scheduled token of every request, and
-the step's :class:`AttentionMetadata`. A pipeline stage owns layers
+``forward`` takes a flat batch of tokens (no batch dimension): ``input_ids``
+and ``positions`` of every scheduled token of every request (then padding
+tokens, under sequence parallelism), and the step's
+:class:`AttentionMetadata`. A pipeline stage owns layers
 ``[start_layer, end_layer)``; the first embeds, the last normalises and owns
 the LM head; the others exchange ``IntermediateTensors``.
+
+With ``sequence_parallel`` (Megatron-SP) the residual stream between the
+tensor-parallel layers is split along tokens: each TP rank holds
+``num_tokens / tp_size`` rows, and the norms and residual adds run on that
+shard. The column-parallel layers all-gather their input rows, the
+row-parallel layers and the embedding reduce-scatter instead of all-reducing,
+and the last stage all-gathers the final norm's output, so ``forward`` still
+returns every token's hidden state. The step's token count must then be a
+multiple of ``tp_size`` (the runner pads the step to
+:attr:`LlamaForCausalLM.num_tokens_multiple`); the intermediate tensors
+between pipeline stages are the token shards.
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncstep.channels import get_pp_group
+from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.datatypes import IntermediateTensors
 from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.models.config import ModelArchConfig
@@ -26,6 +38,7 @@ from asyncstep.models.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    gather_tokens,
 )
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.layers.rotary import RotaryCosSin, RotaryEmbedding
@@ -55,7 +68,13 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -63,10 +82,15 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=config.attention_bias,
+            sequence_parallel=sequence_parallel,
             params_dtype=dtype,
         )
         self.o_proj = RowParallelLinear(
-            config.q_size, config.hidden_size, bias=False, params_dtype=dtype
+            config.q_size,
+            config.hidden_size,
+            bias=False,
+            sequence_parallel=sequence_parallel,
+            params_dtype=dtype,
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.head_dim = config.head_dim
@@ -96,13 +120,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelArchConfig, dtype: torch.dtype):
+    def __init__(
+        self, config: ModelArchConfig, dtype: torch.dtype, sequence_parallel: bool = False
+    ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, params_dtype=dtype
+            config.hidden_size,
+            [config.intermediate_size] * 2,
+            sequence_parallel=sequence_parallel,
+            params_dtype=dtype,
         )
         self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, params_dtype=dtype
+            config.intermediate_size,
+            config.hidden_size,
+            sequence_parallel=sequence_parallel,
+            params_dtype=dtype,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,12 +143,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    """Under sequence parallelism ``hidden`` and ``residual`` (in and out) are
+    this rank's token shard; the projections gather and scatter the rows."""
+
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, rotary, dtype)
+        self.self_attn = LlamaAttention(config, rotary, dtype, sequence_parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, sequence_parallel)
 
     def forward(
         self,
@@ -132,8 +173,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelArchConfig, dtype: torch.dtype):
+    def __init__(
+        self, config: ModelArchConfig, dtype: torch.dtype, sequence_parallel: bool = False
+    ):
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
         self.start_layer, self.end_layer = pp_layer_range(
@@ -146,12 +190,17 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
         )
         self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+            VocabParallelEmbedding(
+                config.vocab_size,
+                config.hidden_size,
+                dtype,
+                sequence_parallel=sequence_parallel,
+            )
             if self.is_first_stage
             else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, dtype)
+            LlamaDecoderLayer(config, self.rotary, dtype, sequence_parallel)
             if self.start_layer <= i < self.end_layer
             else nn.Identity()  # a layer of another stage: holds nothing here
             for i in range(config.num_hidden_layers)
@@ -183,24 +232,44 @@ class LlamaModel(nn.Module):
             assert residual is not None
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self.norm.forward_residual(hidden, residual)
-        return hidden
+        return gather_tokens(hidden, self.sequence_parallel)
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM: ``forward`` to hidden states (or intermediate
     tensors), ``compute_logits`` on the rows to sample, ``load_weights`` from
-    HF-named tensors."""
+    HF-named tensors. ``sequence_parallel`` is a no-op for a TP group of one."""
 
-    def __init__(self, config: ModelArchConfig, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        dtype: torch.dtype = torch.float32,
+        *,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         config.validate()
         self.config = config
-        self.model = LlamaModel(config, dtype)
+        self.tp_size = get_tp_group().world_size
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.model = LlamaModel(config, dtype, self.sequence_parallel)
         self.lm_head: ParallelLMHead | None = None
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
             if config.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_tokens_multiple(self) -> int:
+        """A step's token count must be a multiple of this (the runner pads to it)."""
+        return self.tp_size if self.sequence_parallel else 1
+
+    def pp_all_gather_keys(self) -> dict[str, bool]:
+        """For each intermediate tensor: may the pipeline channel send
+        ``1 / tp_size`` of it per TP lane and all-gather it at the receiver?
+        Yes for the replicated tensors of plain TP; no under sequence
+        parallelism, where each lane's tensors are already its own token shard."""
+        return {key: not self.sequence_parallel for key in ("hidden_states", "residual")}
 
     def attention_layers(self) -> list[Attention]:
         """This stage's attention layers, in order (the runner binds KV caches to them)."""
@@ -213,6 +282,11 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor | IntermediateTensors:
+        if input_ids.shape[0] % self.num_tokens_multiple:
+            raise ValueError(
+                f"sequence parallelism: {input_ids.shape[0]} tokens is not a multiple of "
+                f"tp_size ({self.tp_size}); pad the step"
+            )
         return self.model(input_ids, positions, meta, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -82,8 +82,15 @@ def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
     return requested
 
 
-def load_model(config: ModelConfig, progress: ProgressFn | None = None) -> LoadedModel:
-    """Build the model described by ``config`` on its device, weights loaded."""
+def load_model(
+    config: ModelConfig,
+    progress: ProgressFn | None = None,
+    *,
+    sequence_parallel: bool = False,
+    with_tokenizer: bool = True,
+) -> LoadedModel:
+    """Build the model described by ``config`` on its device, weights loaded
+    (``sequence_parallel``: see :class:`~asyncstep.config.ParallelConfig`)."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if config.load_format == "dummy" and (config.model is None or str(config.model) in SHAPES):
@@ -93,12 +100,12 @@ def load_model(config: ModelConfig, progress: ProgressFn | None = None) -> Loade
         fmt = "auto" if config.load_format == "dummy" else config.load_format
         checkpoint = open_checkpoint(config.model, fmt)
         arch = checkpoint.arch_config()
-        tokenizer = _maybe_tokenizer(checkpoint)
+        tokenizer = maybe_tokenizer(checkpoint) if with_tokenizer else None
         source = str(checkpoint.path)
         weights = None if config.load_format == "dummy" else checkpoint
     max_model_len = resolve_max_model_len(config.max_model_len, arch)
     with torch.device(device):
-        model = LlamaForCausalLM(arch, dtype)
+        model = LlamaForCausalLM(arch, dtype, sequence_parallel=sequence_parallel)
     if weights is None:
         needed = model.expected_weight_names()
         tensors = dummy_weights(arch, seed=config.seed, device=device, names=needed)
@@ -110,7 +117,7 @@ def load_model(config: ModelConfig, progress: ProgressFn | None = None) -> Loade
     return LoadedModel(model, arch, tokenizer, device, dtype, max_model_len, source)
 
 
-def _maybe_tokenizer(checkpoint: Checkpoint) -> PreTrainedTokenizerBase | None:
+def maybe_tokenizer(checkpoint: Checkpoint) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer; without one, prompts must be token ids."""
     try:
         return checkpoint.load_tokenizer()

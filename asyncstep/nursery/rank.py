@@ -2,29 +2,36 @@
 
 ::
 
-    inbox (SchedulerOutput) ──> step task ──> sampler task ──> outbox (ModelRunnerOutput)
-                                 │   ▲
-                    send task <──┘   └── recv task      (pipeline parallelism only)
+    inbox ──> recv task ──(step, tensors)──> step task ──> sampler task ──> outbox
+                                                │
+                                            send task (deferred PP send completion)
 
-* **step task** owns the runner's ``execute_model``: for each scheduler
-  output, in order, it waits until the previous step's ``sample_tokens`` has
-  been called (the runner's two-phase contract), then runs the step.
-* **sampler task** calls ``sample_tokens`` for each step that left logits,
-  and delivers every step's output to the outbox in step order.
-* **recv task** and **send task** move intermediate tensors between pipeline
-  stages; with a single stage nobody feeds them and they wait, idle, until
-  shutdown.
+* **recv task** owns the PP receive channel: for each step with tokens on a
+  stage that is not the first, it posts the receive of the previous stage's
+  intermediate tensors (metadata first, then the tensors into pooled
+  buffers) and hands an ``AsyncIntermediateTensors`` (waited lazily, at first
+  use) to the step task, ahead of the step that needs it.
+* **step task** owns the runner's ``execute_model`` (``GPUWorker.execute_model``
+  semantics): it waits until the previous step was sampled (the runner's
+  two-phase contract) and until the previous step's sends completed
+  (``_pp_send_work``), runs the step, and on a stage that is not the last
+  posts the non-blocking send of its ``IntermediateTensors``.
+* **send task** owns deferred send completion: it awaits each send's handles,
+  and only then hands its buffers back to the pool; cancelled, it drains the
+  sends still in flight in a shielded, time-bounded scope first.
+* **sampler task** calls ``sample_tokens`` for each step that left logits
+  and delivers every step's output to the outbox, in step order.
 
-Closing the inbox shuts the rank down in order: each task closes its outgoing
-channel when its input ends. An error in any task cancels the others and
-propagates out of :meth:`RankActor.run`. The runner's blocking work runs in a
-worker thread (``to_thread``), so the event loop keeps serving the other tasks
-during a forward; a cancelled task waits for that thread's work to finish (the
-device work that uses the step's buffers cannot be abandoned).
+A step with no tokens opens no forward, no receive and no send. Closing the
+inbox shuts the rank down in order: each task closes its outgoing channel
+when its input ends. An error in any task cancels the others and propagates
+out of :meth:`RankActor.run`. The runner's blocking work runs in a worker
+thread, so the event loop keeps serving the other tasks during a forward.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -32,11 +39,20 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncstep.channels.parallel_state import GroupCoordinator, ParallelGroups
+from asyncstep.channels.tensor_dict import PendingSend
 from asyncstep.datatypes import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from asyncstep.logging import bind_rank, bound_step, get_logger
+from asyncstep.nursery.pipe import PipeStage, ReceivedTensors, SendInFlight
 from asyncstep.runner.model_runner import ModelRunner
 
 log = get_logger("rank")
+
+
+class _Kind(enum.Enum):
+    SAMPLE = "sample"  # logits are waiting for sample_tokens
+    OUTPUT = "output"  # the output is ready (an empty step)
+    NONE = "none"  # a stage that is not the last: nothing to deliver
 
 
 @dataclass
@@ -44,11 +60,11 @@ class _StepResult:
     """A step on its way from the step task to the sampler task."""
 
     scheduler_output: SchedulerOutput
-    #: Set when the step needs no sampling (an empty step).
+    kind: _Kind
     output: ModelRunnerOutput | None
     prepare_s: float
     forward_s: float
-    #: Set by the sampler once ``sample_tokens`` was called: the runner may step again.
+    #: Set once ``sample_tokens`` was called: the runner may step again.
     sampled: anyio.Event = field(default_factory=anyio.Event)
 
 
@@ -57,14 +73,34 @@ class RankStatistics:
     steps: int = 0
     forward_steps: int = 0
     tokens: int = 0
+    sends: int = 0
+    receives: int = 0
 
 
 class RankActor:
     """Runs a :class:`ModelRunner` as a nursery of tasks (see the module doc)."""
 
-    def __init__(self, runner: ModelRunner, *, rank: int = 0) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        rank: int = 0,
+        groups: ParallelGroups | None = None,
+        drain_timeout_s: float = 10.0,
+    ) -> None:
         self.runner = runner
         self.rank = rank
+        tp = groups.tp if groups is not None else GroupCoordinator.single()
+        pp = groups.pp if groups is not None else GroupCoordinator.single()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        #: The rank whose outputs the engine reads: first TP rank of the last stage.
+        self.is_driver = self.is_last_stage and tp.is_first_rank
+        self.pipe = (
+            PipeStage(pp, tp, runner.device, runner.model.pp_all_gather_keys())
+            if pp.world_size > 1
+            else None
+        )
+        self.drain_timeout_s = drain_timeout_s
         self._stats = RankStatistics()
 
     def statistics(self) -> RankStatistics:
@@ -75,50 +111,125 @@ class RankActor:
         inbox: MemoryObjectReceiveStream[SchedulerOutput],
         outbox: MemoryObjectSendStream[ModelRunnerOutput],
         *,
-        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+        task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve steps from ``inbox`` until it is closed."""
         bind_rank(self.rank)
+        Received = tuple[SchedulerOutput, ReceivedTensors | None]
+        steps_tx, steps_rx = anyio.create_memory_object_stream[Received](1)
         to_sampler_tx, to_sampler_rx = anyio.create_memory_object_stream[_StepResult](1)
-        send_tx, send_rx = anyio.create_memory_object_stream[IntermediateTensors](1)
-        post_tx, post_rx = anyio.create_memory_object_stream[SchedulerOutput](1)
-        recv_tx, recv_rx = anyio.create_memory_object_stream[IntermediateTensors](1)
+        send_tx, send_rx = anyio.create_memory_object_stream[SendInFlight](1)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._recv_task, post_rx, recv_tx)
+            tg.start_soon(self._recv_task, inbox, steps_tx)
             tg.start_soon(self._send_task, send_rx)
             tg.start_soon(self._sampler_task, to_sampler_rx, outbox)
-            tg.start_soon(self._step_task, inbox, to_sampler_tx, send_tx, post_tx, recv_rx)
-            task_status.started()
+            tg.start_soon(self._step_task, steps_rx, to_sampler_tx, send_tx)
+            task_status.started(self.runner.num_kv_blocks)
         log.debug("rank stopped", **vars(self._stats))
+
+    # -- recv task --------------------------------------------------------
+
+    async def _recv_task(
+        self,
+        inbox: MemoryObjectReceiveStream[SchedulerOutput],
+        steps: MemoryObjectSendStream[tuple[SchedulerOutput, ReceivedTensors | None]],
+    ) -> None:
+        async with inbox, steps:
+            async for scheduler_output in inbox:
+                received = None
+                if self.pipe is not None and self._needs_receive(scheduler_output):
+                    received = await anyio.to_thread.run_sync(
+                        self.pipe.post_receive, scheduler_output.step_id
+                    )
+                    self._stats.receives += 1
+                await steps.send((scheduler_output, received))
+
+    def _needs_receive(self, scheduler_output: SchedulerOutput) -> bool:
+        return scheduler_output.total_num_scheduled_tokens > 0 and not self.is_first_stage
+
+    # -- step task --------------------------------------------------------
 
     async def _step_task(
         self,
-        inbox: MemoryObjectReceiveStream[SchedulerOutput],
+        steps: MemoryObjectReceiveStream[tuple[SchedulerOutput, ReceivedTensors | None]],
         to_sampler: MemoryObjectSendStream[_StepResult],
-        send_tx: MemoryObjectSendStream[IntermediateTensors],
-        post_tx: MemoryObjectSendStream[SchedulerOutput],
-        recv_rx: MemoryObjectReceiveStream[IntermediateTensors],
+        sends: MemoryObjectSendStream[SendInFlight],
     ) -> None:
         previous: _StepResult | None = None
-        async with inbox, to_sampler, send_tx, post_tx, recv_rx:
-            async for scheduler_output in inbox:
+        last_send: SendInFlight | None = None
+        async with steps, to_sampler, sends:
+            async for scheduler_output, received in steps:
                 if previous is not None:
                     await previous.sampled.wait()
+                if last_send is not None:  # GPUWorker: wait for the last step's sends first
+                    await last_send.done.wait()
                 with bound_step(scheduler_output.step_id):
-                    previous = await self._run_step(scheduler_output, to_sampler)
+                    previous, in_flight = await self._run_step(scheduler_output, received)
+                    if in_flight is not None:
+                        last_send = in_flight
+                        await sends.send(in_flight)
+                        self._stats.sends += 1
+                    await to_sampler.send(previous)
 
     async def _run_step(
-        self, scheduler_output: SchedulerOutput, to_sampler: MemoryObjectSendStream[_StepResult]
-    ) -> _StepResult:
-        result = await anyio.to_thread.run_sync(self.runner.execute_model, scheduler_output)
-        if isinstance(result, IntermediateTensors):
-            raise RuntimeError("pipeline stages other than the last are not wired yet")
+        self, scheduler_output: SchedulerOutput, received: ReceivedTensors | None
+    ) -> tuple[_StepResult, SendInFlight | None]:
+        result, pending = await anyio.to_thread.run_sync(self._execute, scheduler_output, received)
+        in_flight = SendInFlight(pending) if pending is not None else None
         timings = self.runner.timings
-        step = _StepResult(scheduler_output, result, timings.prepare, timings.forward)
-        if result is not None:
+        if isinstance(result, IntermediateTensors):
+            step = _StepResult(scheduler_output, _Kind.NONE, None, timings.prepare, timings.forward)
+        elif result is None:
+            step = _StepResult(
+                scheduler_output, _Kind.SAMPLE, None, timings.prepare, timings.forward
+            )
+        else:
+            step = _StepResult(
+                scheduler_output, _Kind.OUTPUT, result, timings.prepare, timings.forward
+            )
+        if step.kind is not _Kind.SAMPLE:
             step.sampled.set()  # nothing to sample: the runner is free at once
-        await to_sampler.send(step)
-        return step
+        return step, in_flight
+
+    def _execute(
+        self, scheduler_output: SchedulerOutput, received: ReceivedTensors | None
+    ) -> tuple[ModelRunnerOutput | IntermediateTensors | None, PendingSend | None]:
+        """The step's blocking part, in a worker thread: the forward, then
+        (not last stage) the non-blocking send of its intermediate tensors."""
+        try:
+            result = self.runner.execute_model(scheduler_output, received)
+        finally:
+            if received is not None and self.pipe is not None:
+                self.pipe.done_with(received)
+        pending = None
+        if isinstance(result, IntermediateTensors) and self.pipe is not None:
+            pending = self.pipe.send(result, scheduler_output.step_id)
+        return result, pending
+
+    # -- send task --------------------------------------------------------
+
+    async def _send_task(self, sends: MemoryObjectReceiveStream[SendInFlight]) -> None:
+        """Completes each send in order and only then hands its buffers back.
+        Cancelled, it drains what is still in flight before leaving."""
+        current: SendInFlight | None = None
+        try:
+            async with sends:
+                async for current in sends:
+                    await current.complete()
+                    current = None
+        finally:
+            with anyio.CancelScope(shield=True):
+                in_flight = [] if current is None or current.done.is_set() else [current]
+                while True:
+                    try:
+                        in_flight.append(sends.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                        break
+                if in_flight:
+                    drained = await PipeStage.drain(in_flight, self.drain_timeout_s)
+                    log.info("pp sends drained", drained=drained, in_flight=len(in_flight))
+
+    # -- sampler task -----------------------------------------------------
 
     async def _sampler_task(
         self,
@@ -129,13 +240,14 @@ class RankActor:
             async for step in steps:
                 with bound_step(step.scheduler_output.step_id):
                     output, sample_s = step.output, 0.0
-                    if output is None:
+                    if step.kind is _Kind.SAMPLE:
                         t0 = time.perf_counter()
                         output = await anyio.to_thread.run_sync(self.runner.sample_tokens)
                         sample_s = time.perf_counter() - t0
                         step.sampled.set()
                     self._log_step(step, sample_s)
-                    await outbox.send(output)
+                    if output is not None:
+                        await outbox.send(output)
 
     def _log_step(self, step: _StepResult, sample_s: float) -> None:
         so = step.scheduler_output
@@ -152,22 +264,3 @@ class RankActor:
             forward_ms=round(step.forward_s * 1e3, 3),
             sample_ms=round(sample_s * 1e3, 3),
         )
-
-    async def _recv_task(
-        self,
-        posts: MemoryObjectReceiveStream[SchedulerOutput],
-        recv_tx: MemoryObjectSendStream[IntermediateTensors],
-    ) -> None:
-        """Posts the receive of each step's intermediate tensors from the
-        previous pipeline stage. A first stage posts none: the task waits until
-        the step task closes ``posts``."""
-        async with posts, recv_tx:
-            async for _ in posts:
-                raise RuntimeError("pipeline stages other than the first are not wired yet")
-
-    async def _send_task(self, send_rx: MemoryObjectReceiveStream[IntermediateTensors]) -> None:
-        """Sends intermediate tensors to the next stage and completes the
-        sends. A single stage never feeds it: it ends when the step task does."""
-        async with send_rx:
-            async for _ in send_rx:
-                raise RuntimeError("pipeline stages other than the last are not wired yet")

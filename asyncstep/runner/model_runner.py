@@ -93,6 +93,9 @@ class ModelRunner:
         self.execute_model_state: ExecuteModelState | None = None
         self.timings = StepTimings()
         self.is_last_stage = model.lm_head is not None
+        #: Sequence parallelism splits a step's tokens over the TP group: the
+        #: step is padded to a multiple of tp_size (1 otherwise: no padding).
+        self.num_tokens_multiple = model.num_tokens_multiple
 
     # -- KV cache ---------------------------------------------------------
 
@@ -254,6 +257,7 @@ class ModelRunner:
         num_sched = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64)
         cu_num_tokens = np.cumsum(num_sched)
         total = int(cu_num_tokens[-1])
+        num_input_tokens = -(-total // self.num_tokens_multiple) * self.num_tokens_multiple
         req_indices = np.repeat(np.arange(num_reqs), num_sched)
         offsets = np.arange(total) - np.repeat(cu_num_tokens - num_sched, num_sched)
         computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
@@ -273,7 +277,7 @@ class ModelRunner:
             query_start_loc=self._to_device(query_start_loc),
             seq_lens=self._to_device(seq_lens.astype(np.int32)),
             block_table=block_table,
-            slot_mapping=self._to_device(slot_mapping),
+            slot_mapping=self._to_device(_pad(slot_mapping, num_input_tokens, -1)),
             max_query_len=int(num_sched.max()),
             max_seq_len=max_seq_len,
             query_start_loc_cpu=query_start_loc,
@@ -282,9 +286,10 @@ class ModelRunner:
                 seq_lens[:num_decodes], block_table[:num_decodes], self.block_size
             ),
         )
+        # Padding tokens (id 0, position 0, slot -1) come after the real ones.
         return StepInputs(
-            input_ids=self._to_device(input_ids.astype(np.int64)),
-            positions=self._to_device(positions),
+            input_ids=self._to_device(_pad(input_ids.astype(np.int64), num_input_tokens, 0)),
+            positions=self._to_device(_pad(positions, num_input_tokens, 0)),
             attn_metadata=attn_metadata,
             logits_indices=self._to_device(cu_num_tokens[sample_rows] - 1),
             sample_rows=sample_rows,
@@ -304,3 +309,10 @@ class ModelRunner:
                     Logprobs(lp.token_ids[: n + 1], lp.logprobs[: n + 1], lp.sampled_token_rank)
                 ]
         return out
+
+
+def _pad(array: np.ndarray, length: int, value: int) -> np.ndarray:
+    """``array`` followed by ``value`` up to ``length`` entries."""
+    if len(array) == length:
+        return array
+    return np.pad(array, (0, length - len(array)), constant_values=value)

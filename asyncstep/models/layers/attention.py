@@ -217,7 +217,10 @@ def reference_attention(
 class Attention(nn.Module):
     """Writes this layer's keys/values into its paged cache, then attends.
 
-    The runner binds ``kv_cache`` once the cache is allocated.
+    The runner binds ``kv_cache`` once the cache is allocated. Rows past
+    ``meta.num_actual_tokens`` are padding (sequence parallelism pads a step to
+    a multiple of tp_size): they are neither written nor attended, and their
+    output rows are zeros.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
@@ -231,13 +234,14 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        n = meta.num_actual_tokens
+        n, num_padding = meta.num_actual_tokens, q.shape[0] - meta.num_actual_tokens
         q = q[:n].view(n, self.num_heads, self.head_dim)
         k = k[:n].view(n, self.num_kv_heads, self.head_dim)
         v = v[:n].view(n, self.num_kv_heads, self.head_dim)
         write_kv_cache(k, v, self.kv_cache, meta.slot_mapping)
         out = reference_attention(q, k, v, self.kv_cache, meta, self.scale)
-        return out.reshape(n, self.num_heads * self.head_dim)
+        out = out.reshape(n, self.num_heads * self.head_dim)
+        return F.pad(out, (0, 0, 0, num_padding)) if num_padding else out
 
 
 def kv_cache_shape(

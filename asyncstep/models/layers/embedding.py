@@ -9,16 +9,27 @@ from torch import nn
 
 from asyncstep.channels import get_tp_group
 from asyncstep.errors import ModelLoadError
+from asyncstep.models.layers.linear import reduce_partial_sums
 
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds rows ``[vocab_start, vocab_end)``; tokens outside the
-    range look up zeros, and the all-reduce sums the one non-zero row."""
+    range look up zeros, and the all-reduce sums the one non-zero row. With
+    ``sequence_parallel`` a reduce-scatter along tokens sums them instead:
+    each rank gets its ``1 / tp_size`` of the token rows."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype,
+        *,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.sequence_parallel = sequence_parallel
         self.num_embeddings = num_embeddings
         self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
@@ -44,7 +55,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = (input_ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
-        return get_tp_group().all_reduce(out)
+        return reduce_partial_sums(out, self.sequence_parallel)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

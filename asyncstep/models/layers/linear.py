@@ -1,5 +1,14 @@
 """Tensor-parallel linear layers: column-parallel (QKV, merged gate/up) and
-row-parallel (o_proj, down_proj) with all-reduce."""
+row-parallel (o_proj, down_proj) with all-reduce.
+
+With sequence parallelism (Megatron-SP) the activations between the layers
+are split along tokens: each TP rank holds ``num_tokens / tp_size`` rows. A
+column-parallel layer then all-gathers its input rows first, and a
+row-parallel layer reduce-scatters its partial sums along tokens instead of
+all-reducing them: the reduce-scatter and the next all-gather move what one
+all-reduce does, and the norms and residual adds in between run on
+``1 / tp_size`` of the rows.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +28,18 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ModelLoadError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
     return numerator // denominator
+
+
+def gather_tokens(x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """Under sequence parallelism, every rank's token rows, concatenated in rank order."""
+    return get_tp_group().all_gather(x, dim=0) if sequence_parallel else x
+
+
+def reduce_partial_sums(x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """Sum partial results over the TP group: all-reduce, or under sequence
+    parallelism reduce-scatter along tokens (this rank keeps its rows)."""
+    tp = get_tp_group()
+    return tp.reduce_scatter(x, dim=0) if sequence_parallel else tp.all_reduce(x)
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -41,7 +62,9 @@ class ColumnParallelLinear(nn.Module):
 
     Each rank computes its slice of the output features; with
     ``gather_output`` the slices are all-gathered (rarely wanted: the next
-    layer is usually row-parallel and consumes the slice as is).
+    layer is usually row-parallel and consumes the slice as is). With
+    ``sequence_parallel`` the input is this rank's token rows, all-gathered
+    before the matmul.
     """
 
     def __init__(
@@ -51,6 +74,7 @@ class ColumnParallelLinear(nn.Module):
         *,
         bias: bool = False,
         gather_output: bool = False,
+        sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
@@ -60,6 +84,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size = output_size
         self.output_size_per_partition = divide(output_size, self.tp_size, "output features")
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         self.weight = _make_param(
             (self.output_size_per_partition, input_size), params_dtype, self.weight_loader
         )
@@ -74,7 +99,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(param, loaded.narrow(0, self.tp_rank * shard, shard), "column-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(gather_tokens(x, self.sequence_parallel), self.weight, self.bias)
         if self.gather_output:
             y = get_tp_group().all_gather(y, dim=-1)
         return y
@@ -91,10 +116,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         output_sizes: Sequence[int],
         *,
         bias: bool = False,
+        sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias=bias, params_dtype=params_dtype)
+        super().__init__(
+            input_size,
+            sum(output_sizes),
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+        )
 
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
@@ -120,6 +152,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         *,
         bias: bool = False,
+        sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
     ) -> None:
         tp_size = get_tp_group().world_size
@@ -127,7 +160,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = divide(num_heads, tp_size, "attention heads")
         self.num_kv_heads = divide(num_kv_heads, tp_size, "key/value heads")
         output_size = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, output_size, bias=bias, params_dtype=params_dtype)
+        super().__init__(
+            hidden_size,
+            output_size,
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+        )
 
     @property
     def q_size(self) -> int:
@@ -153,7 +192,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split along its input columns: each rank
     multiplies its slice of the input features, then the partial sums are
-    all-reduced over the TP group (the bias is added once, after the sum)."""
+    all-reduced over the TP group (the bias is added once, after the sum).
+    With ``sequence_parallel`` they are reduce-scattered along tokens instead:
+    each rank gets the summed output of its ``1 / tp_size`` of the rows."""
 
     def __init__(
         self,
@@ -162,6 +203,7 @@ class RowParallelLinear(nn.Module):
         *,
         bias: bool = False,
         reduce_results: bool = True,
+        sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
@@ -170,6 +212,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = divide(input_size, self.tp_size, "input features")
         self.output_size = output_size
         self.reduce_results = reduce_results
+        self.sequence_parallel = sequence_parallel
         self.weight = _make_param(
             (output_size, self.input_size_per_partition), params_dtype, self.weight_loader
         )
@@ -185,7 +228,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.reduce_results:
-            y = get_tp_group().all_reduce(y)
+            y = reduce_partial_sums(y, self.sequence_parallel)
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -1,0 +1,106 @@
+"""This rank's place in the pipeline: the PP transfers its actor's tasks use.
+
+Wraps the tensor-dict channel (``asyncstep.channels.tensor_dict``) with the
+rank's groups, device, buffer pool and the model's per-key lane choice, and
+keeps the rule that a receive buffer goes back to the pool only once the
+forward that read it is done (on CUDA, once an event recorded after the
+forward has completed).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import torch
+
+from asyncstep.channels.buffer_pool import BufferPool
+from asyncstep.channels.parallel_state import GroupCoordinator
+from asyncstep.channels.tensor_dict import (
+    AsyncIntermediateTensors,
+    PendingSend,
+    drain,
+    recv_tensor_dict,
+    send_tensor_dict,
+)
+from asyncstep.datatypes import IntermediateTensors
+
+ReceivedTensors = AsyncIntermediateTensors
+
+
+@dataclass
+class SendInFlight:
+    """One step's send, from its posting to its completion (``done``)."""
+
+    pending: PendingSend
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+    async def complete(self) -> None:
+        """Wait for the send's handles; its buffers then go back to the pool."""
+        await self.pending.wait(abandon_on_cancel=False)
+        self.done.set()
+
+
+class PipeStage:
+    def __init__(
+        self,
+        pp: GroupCoordinator,
+        tp: GroupCoordinator,
+        device: torch.device,
+        all_gather_keys: Mapping[str, bool],
+        *,
+        poison: bool = False,
+    ) -> None:
+        self.pp, self.tp, self.device = pp, tp, device
+        self.all_gather_keys = dict(all_gather_keys)
+        self.pool = BufferPool(poison=poison, name=f"pp-rank{pp.rank}")
+        self._lock = threading.Lock()
+        self._releases: list[tuple[ReceivedTensors, torch.cuda.Event]] = []
+
+    def post_receive(self, step_id: int) -> ReceivedTensors:
+        """Receive a step's metadata and post the receives of its tensors
+        (blocking until the metadata arrives: call it from a worker thread)."""
+        self._release_finished()
+        return recv_tensor_dict(
+            pool=self.pool, device=self.device, step_id=step_id, pp=self.pp, tp=self.tp
+        )
+
+    def send(self, tensors: IntermediateTensors, step_id: int) -> PendingSend:
+        """Post the non-blocking send of a step's intermediate tensors."""
+        return send_tensor_dict(
+            tensors,
+            step_id=step_id,
+            pool=self.pool,
+            pp=self.pp,
+            tp=self.tp,
+            all_gather=self.all_gather_keys,
+        )
+
+    def done_with(self, received: ReceivedTensors) -> None:
+        """The forward that read ``received`` was launched: its buffers may go
+        back to the pool once that forward completed."""
+        if self.device.type != "cuda":
+            received.release()  # the CPU forward has finished
+            return
+        event = torch.cuda.Event()
+        event.record()
+        with self._lock:
+            self._releases.append((received, event))
+
+    def _release_finished(self) -> None:
+        with self._lock:
+            finished = [(r, e) for r, e in self._releases if e.query()]
+            self._releases = [(r, e) for r, e in self._releases if not e.query()]
+        for received, _ in finished:
+            received.release()
+
+    @staticmethod
+    async def drain(in_flight: Sequence[SendInFlight], timeout_s: float) -> int:
+        """Complete the sends still in flight (shielded, at most ``timeout_s``)."""
+        drained = await drain([s.pending for s in in_flight], timeout_s)
+        for send in in_flight:
+            if send.pending.done:
+                send.done.set()
+        return drained

@@ -1,0 +1,275 @@
+"""The per-rank entry: one ``trio.run`` per rank process.
+
+``python -m asyncstep.rank --engine HOST:PORT`` connects to the engine,
+receives its setup, joins the torch.distributed world, loads its shard of the
+model, reports how many KV blocks fit, then serves steps as a
+:class:`~asyncstep.nursery.RankActor` until the engine says stop. The rank,
+world size and local rank come from the arguments or from torchrun's
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``), so ``torchrun ... -m asyncstep.rank --engine HOST:PORT``
+runs it across machines.
+
+A rank never outlives a failure: its error goes to the engine as
+:class:`RankFailed`, and if a thread is stuck (a collective whose peer died),
+a watchdog ends the process after ``--exit-grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import anyio
+import torch
+import trio
+
+from asyncstep.channels.control import (
+    Hello,
+    InitKVCache,
+    MessageStream,
+    RankFailed,
+    RankReady,
+    RankSetup,
+    Shutdown,
+    Step,
+    StepOutput,
+)
+from asyncstep.channels.parallel_state import ParallelGroups, destroy_distributed, init_distributed
+from asyncstep.config import CacheConfig, ModelConfig
+from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.logging import bind_rank, configure_logging, get_logger
+from asyncstep.models.model_loader import LoadedModel, load_model
+from asyncstep.nursery.rank import RankActor
+from asyncstep.runner.kv_sizing import num_kv_blocks
+from asyncstep.runner.model_runner import ModelRunner
+
+log = get_logger("rank")
+
+
+_M = TypeVar("_M")
+
+
+class EngineGone(Exception):
+    """The engine closed the control connection."""
+
+
+@dataclass
+class RankIdentity:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    env = os.environ
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncstep.rank", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--engine", required=True, metavar="HOST:PORT", help="the engine's control address"
+    )
+    parser.add_argument("--rank", type=int, default=int(env.get("RANK", 0)))
+    parser.add_argument("--world-size", type=int, default=int(env.get("WORLD_SIZE", 1)))
+    parser.add_argument("--local-rank", type=int, default=int(env.get("LOCAL_RANK", 0)))
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-json", metavar="FILE")
+    parser.add_argument(
+        "--exit-grace",
+        type=float,
+        default=5.0,
+        help="seconds a failing rank waits for stuck work before it exits anyway",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level, args.log_json)
+    identity = RankIdentity(args.rank, args.world_size, args.local_rank)
+    bind_rank(identity.rank)
+    try:
+        code = trio.run(serve_rank, args.engine, identity, args.exit_grace)
+    except KeyboardInterrupt:
+        code = 130
+    return code
+
+
+async def serve_rank(engine_address: str, identity: RankIdentity, exit_grace: float) -> int:
+    host, _, port = engine_address.rpartition(":")
+    stream = MessageStream(await anyio.connect_tcp(host or "127.0.0.1", int(port)))
+    await stream.send(Hello(identity.rank, identity.world_size, os.getpid(), socket.gethostname()))
+    try:
+        await _serve(stream, identity)
+    except EngineGone:
+        _exit_soon(exit_grace)
+        return 1
+    except Exception as exc:
+        error = root_error(exc)
+        log.debug("rank failed", error=repr(error), traceback=traceback.format_exc())
+        with anyio.move_on_after(2, shield=True):
+            await stream.send(RankFailed(identity.rank, f"{type(error).__name__}: {error}"))
+        _exit_soon(exit_grace)
+        return 1
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+    destroy_distributed()
+    return 0
+
+
+async def _serve(stream: MessageStream, identity: RankIdentity) -> None:
+    setup = await _expect(stream, RankSetup)
+    runner, groups, loaded = await anyio.to_thread.run_sync(build_rank, setup, identity)
+    spec = setup.spec
+    num_blocks = num_kv_blocks(
+        CacheConfig(
+            spec.block_size, spec.num_blocks, spec.kv_cache_memory_gib, spec.gpu_memory_utilization
+        ),
+        block_bytes=runner.kv_cache_block_bytes(),
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        arch=loaded.arch_config,
+        device=loaded.device,
+        dtype=loaded.dtype,
+    )
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    await stream.send(RankReady(identity.rank, num_blocks, weight_bytes, str(loaded.device)))
+    init = await _expect(stream, InitKVCache)
+    runner.initialize_kv_cache(init.num_blocks)
+    actor = RankActor(runner, rank=identity.rank, groups=groups)
+    await _run_actor(actor, stream, is_driver=actor.is_driver)
+
+
+async def _run_actor(actor: RankActor, stream: MessageStream, *, is_driver: bool) -> None:
+    inbox_tx, inbox_rx = anyio.create_memory_object_stream[SchedulerOutput](1)
+    outbox_tx, outbox_rx = anyio.create_memory_object_stream[ModelRunnerOutput](1)
+
+    async def read_engine() -> None:
+        async with inbox_tx:
+            while True:
+                try:
+                    message = await stream.receive()
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+                    raise EngineGone("the engine closed the connection") from None
+                if isinstance(message, Shutdown):
+                    return
+                if not isinstance(message, Step):
+                    raise RuntimeError(f"unexpected control message {type(message).__name__}")
+                await inbox_tx.send(message.scheduler_output)
+
+    async def write_engine() -> None:
+        async with outbox_rx:
+            async for output in outbox_rx:
+                if is_driver:
+                    await stream.send(StepOutput(output))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read_engine)
+        tg.start_soon(write_engine)
+        await actor.run(inbox_rx, outbox_tx)
+
+
+async def _expect(stream: MessageStream, kind: type[_M]) -> _M:
+    try:
+        message = await stream.receive()
+    except (anyio.EndOfStream, anyio.IncompleteRead):
+        raise EngineGone("the engine closed the connection") from None
+    if isinstance(message, Shutdown):
+        raise EngineGone("the engine shut down before the rank was ready")
+    if not isinstance(message, kind):
+        raise RuntimeError(f"expected {kind.__name__}, got {type(message).__name__}")
+    return message
+
+
+def build_rank(
+    setup: RankSetup, identity: RankIdentity
+) -> tuple[ModelRunner, ParallelGroups, LoadedModel]:
+    """Join the world and load this rank's shard (blocking: runs in a thread)."""
+    spec = setup.spec
+    device = _rank_device(spec.device, identity.local_rank)
+    groups = init_distributed(
+        rank=identity.rank,
+        world_size=identity.world_size,
+        tp_size=spec.tensor_parallel_size,
+        pp_size=spec.pipeline_parallel_size,
+        init_method=setup.init_method or "env://",
+        backend="nccl" if device.type == "cuda" else "gloo",
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # The same seed on every rank: TP ranks of the last stage sample identically.
+    torch.manual_seed(spec.seed)
+    loaded = load_model(
+        ModelConfig(
+            spec.model, spec.load_format, spec.dtype, str(device), spec.max_model_len, spec.seed
+        ),
+        sequence_parallel=spec.sequence_parallel,
+        with_tokenizer=False,  # the engine detokenizes
+    )
+    runner = ModelRunner(
+        loaded.model,
+        device=loaded.device,
+        dtype=loaded.dtype,
+        max_model_len=spec.max_model_len,
+        max_num_reqs=spec.max_num_seqs,
+        block_size=spec.block_size,
+    )
+    _inject_fault(runner, identity.rank)
+    return runner, groups, loaded
+
+
+#: Testing hook: ``ASYNCSTEP_INJECT_FAULT=RANK:STEP`` makes that rank's step raise.
+FAULT_ENV = "ASYNCSTEP_INJECT_FAULT"
+
+
+def _inject_fault(runner: ModelRunner, rank: int) -> None:
+    target = os.environ.get(FAULT_ENV)
+    if not target:
+        return
+    fault_rank, _, fault_step = target.partition(":")
+    if int(fault_rank) != rank:
+        return
+    execute = runner.execute_model
+
+    def execute_or_fail(so: SchedulerOutput, *args: object) -> object:
+        if so.step_id == int(fault_step):
+            raise RuntimeError(f"injected fault in rank {rank} at step {so.step_id}")
+        return execute(so, *args)  # type: ignore[arg-type]
+
+    runner.execute_model = execute_or_fail  # type: ignore[method-assign,assignment]
+
+
+def _rank_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def root_error(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def _exit_soon(grace: float) -> None:
+    """End the process after ``grace`` seconds even if a thread is stuck in a
+    collective whose peer died (such a thread cannot be cancelled)."""
+
+    def hard_exit() -> None:
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(grace, hard_exit)
+    timer.daemon = True
+    timer.start()

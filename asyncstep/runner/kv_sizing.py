@@ -1,0 +1,50 @@
+"""How many paged KV blocks a rank can hold."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncstep.config import CacheConfig
+from asyncstep.errors import ConfigError
+from asyncstep.models.config import ModelArchConfig
+
+#: GPU memory kept back for activations, beyond the estimate from the batch shape.
+ACTIVATION_RESERVE_BYTES = 1 << 30
+
+
+def num_kv_blocks(
+    cache: CacheConfig,
+    *,
+    block_bytes: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    arch: ModelArchConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> int:
+    """As configured, else what the memory allows: ``kv_cache_memory_gib`` on
+    the CPU; on CUDA, ``gpu_memory_utilization`` of the device less the weights
+    already loaded and an activation estimate. Never more than ``max_num_seqs``
+    sequences of ``max_model_len`` tokens need."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        activations = (
+            max_num_batched_tokens
+            * ((4 * arch.hidden_size + 2 * arch.intermediate_size) * dtype.itemsize)
+            + max_num_seqs * arch.vocab_size * 4 * 3
+        )
+        budget = free - (1 - cache.gpu_memory_utilization) * total - activations
+        budget -= ACTIVATION_RESERVE_BYTES
+    else:
+        budget = cache.kv_cache_memory_gib * 2**30
+    blocks_per_seq = -(-max_model_len // cache.block_size)
+    num_blocks = min(int(budget // block_bytes), max_num_seqs * blocks_per_seq)
+    if num_blocks < min(blocks_per_seq, 16):
+        raise ConfigError(
+            f"no memory left for the KV cache ({num_blocks} blocks); lower max_model_len "
+            "or raise the KV cache memory"
+        )
+    return num_blocks

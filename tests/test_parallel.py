@@ -1,0 +1,251 @@
+"""Tensor and pipeline parallelism through the engine, every rank its own
+process (gloo on the CPU): each layout gives the single rank's greedy tokens;
+a dying or failing rank takes everything down quickly with its error named;
+impossible layouts are refused before any process starts; ranks started the
+torchrun way join an engine that waits for them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import trio
+
+import asyncstep
+from asyncstep import ConfigError, EngineDeadError, SamplingParams
+from asyncstep.engine.remote import RemoteRanks
+from asyncstep.nursery.rank_main import FAULT_ENV
+
+PROMPTS = [[5, 9, 2], list(range(40, 80)), [7] * 17, [200, 3, 99, 14, 8, 61, 1, 2, 3]]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+#: Small steps: the 40-token prompt is prefilled in chunks.
+ENGINE = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, num_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def peaked_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with large random weights: its logits are far from ties, so
+    fp32 reduction-order differences between layouts cannot flip a token."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    path = tmp_path_factory.mktemp("peaked-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+async def generate_all(
+    engine: asyncstep.Engine, prompts: list[Any], params: SamplingParams
+) -> list[list[int]]:
+    results: list[Any] = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        results[i] = (await engine.generate(prompts[i], params)).token_ids
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return results
+
+
+@pytest.fixture(scope="module")
+def single_rank_tokens(peaked_llama: Path) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        async with asyncstep.open_engine(peaked_llama, **ENGINE) as engine:
+            return await generate_all(engine, PROMPTS, GREEDY)
+
+    return trio.run(run)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie is gone for our purposes only once reaped; the engine reaps its children.
+    return False
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize(
+    "tp,pp,sp",
+    [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, False), (2, 2, True)],
+    ids=["tp2", "tp2-sp", "pp2", "pp2xtp2", "pp2xtp2-sp"],
+)
+async def test_layout_matches_single_rank(
+    peaked_llama: Path, single_rank_tokens: list[list[int]], tp: int, pp: int, sp: bool
+) -> None:
+    async with asyncstep.open_engine(
+        peaked_llama,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        sequence_parallel=sp,
+        **ENGINE,
+    ) as engine:
+        assert isinstance(engine.executor, RemoteRanks)
+        pids = engine.executor.pids
+        assert len(pids) == tp * pp
+        assert await generate_all(engine, PROMPTS, GREEDY) == single_rank_tokens
+        # Weight memory per rank: about 1 / (tp * pp) of the model, plus replicated norms.
+        per_rank = [r.weight_bytes for r in engine.executor.ready]
+    assert all(_gone(pid) for pid in pids)
+    if tp == 2 and pp == 1:
+        whole = sum(per_rank) / 2 * 2  # two halves of each sharded weight
+        assert max(per_rank) < 0.55 * whole
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("tp,pp", [(1, 2), (3, 1)], ids=["pp2", "tp3"])
+async def test_smollm2_layouts_match_single_rank(smollm2: Any, tp: int, pp: int) -> None:
+    questions = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Hi")]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    async with asyncstep.open_engine(smollm2, max_num_batched_tokens=32) as engine:
+        expected = await generate_all(engine, questions, params)
+    async with asyncstep.open_engine(
+        None,
+        device="cpu",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        max_num_batched_tokens=32,
+    ) as engine:
+        assert await generate_all(engine, questions, params) == expected
+
+
+@pytest.mark.trio
+async def test_a_killed_rank_brings_everything_down(peaked_llama: Path) -> None:
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with pytest.raises(EngineDeadError, match="rank 1 died"):
+        async with asyncstep.open_engine(peaked_llama, tensor_parallel_size=2, **ENGINE) as engine:
+            assert isinstance(engine.executor, RemoteRanks)
+            pids = engine.executor.pids
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError, match=r"rank 1 died \(killed by signal SIGKILL\)"):
+                async for chunk in engine.stream(PROMPTS[1], long):
+                    if chunk.token_ids:
+                        os.kill(pids[1], signal.SIGKILL)
+            assert time.monotonic() - started < 10
+    assert all(_gone(pid) for pid in pids)
+
+
+@pytest.mark.trio
+async def test_a_rank_that_raises_brings_everything_down(
+    peaked_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1 (stage 1) raises in step 3
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 1 failed: RuntimeError: injected fault"):
+        async with asyncstep.open_engine(
+            peaked_llama, tensor_parallel_size=1, pipeline_parallel_size=2, **ENGINE
+        ) as engine:
+            assert isinstance(engine.executor, RemoteRanks)
+            pids = engine.executor.pids
+            with pytest.raises(EngineDeadError, match="injected fault in rank 1 at step 3"):
+                await engine.generate(PROMPTS[1], GREEDY)
+    assert time.monotonic() - started < 30  # spawn and load included
+    assert all(_gone(pid) for pid in pids)
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(tensor_parallel_size=3), "does not divide the model's attention heads"),
+        (dict(tensor_parallel_size=4), "does not divide the model's key/value heads"),
+        (dict(pipeline_parallel_size=5), "larger than the layer count"),
+        (dict(tensor_parallel_size=2, listen="nowhere"), "listen must be HOST:PORT"),
+    ],
+)
+async def test_impossible_layouts_are_refused_before_any_process_starts(
+    peaked_llama: Path, options: dict[str, Any], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_spawn(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a rank process was started")
+
+    monkeypatch.setattr(anyio, "open_process", no_spawn)
+    with pytest.raises(ConfigError, match=message):
+        async with asyncstep.open_engine(peaked_llama, **{**ENGINE, **options}):
+            pass
+
+
+def _start_rank(port: int, rank: int, world: int, master_port: int) -> subprocess.Popen[bytes]:
+    """A rank started the way torchrun starts it: everything in the environment."""
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncstep.rank", "--engine", f"127.0.0.1:{port}"], env=env
+    )
+
+
+@pytest.mark.trio
+async def test_ranks_started_elsewhere_join_the_engine(
+    peaked_llama: Path, single_rank_tokens: list[list[int]]
+) -> None:
+    from asyncstep.engine.remote import _free_port
+
+    port, master_port = _free_port(), _free_port()
+    ranks = [_start_rank(port, r, 2, master_port) for r in range(2)]
+    try:
+        async with asyncstep.open_engine(
+            peaked_llama,
+            pipeline_parallel_size=2,
+            launch_ranks=False,
+            listen=f"127.0.0.1:{port}",
+            **ENGINE,
+        ) as engine:
+            assert await generate_all(engine, PROMPTS, GREEDY) == single_rank_tokens
+        for proc in ranks:
+            assert proc.wait(timeout=20) == 0
+    finally:
+        for proc in ranks:
+            proc.kill()
+
+
+@pytest.mark.trio
+async def test_a_rank_of_the_wrong_world_is_refused(peaked_llama: Path) -> None:
+    from asyncstep.engine.remote import RankError, _free_port
+
+    port = _free_port()
+    stray = _start_rank(port, 0, 3, _free_port())
+    try:
+        with pytest.raises(
+            RankError, match=r"rank 0 of world 3 connected; this engine runs 2 ranks"
+        ):
+            async with asyncstep.open_engine(
+                peaked_llama,
+                tensor_parallel_size=2,
+                launch_ranks=False,
+                listen=f"127.0.0.1:{port}",
+                **ENGINE,
+            ):
+                pass
+    finally:
+        stray.kill()
+        stray.wait()

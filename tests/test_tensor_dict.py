@@ -1,0 +1,657 @@
+"""The pipeline-parallel tensor-dict channel, its buffer pool and the awaitable
+Work handles.
+
+The multi-rank scenarios run on ONE spawned 4-rank gloo world (PP=2 x TP=2,
+``tests/distributed.py``), shared by the tests of this module: stage 0 (ranks
+0, 1) sends, stage 1 (ranks 2, 3) receives, lane 0 = ranks 0 -> 2, lane 1 =
+ranks 1 -> 3. Ranks coordinate with barriers on the world group (never with
+sleeps). Facts the scenarios rely on, checked where they matter: a gloo send
+does not complete before the peer posted its receive (any size: gloo's p2p is
+a rendezvous), and gloo reads the send buffer only then, so a buffer poisoned
+too early shows up as NaN on the receiver.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import trio
+import trio.testing
+from distributed import ParallelGroups, RankFailed, World, run_world
+
+from asyncstep.channels.buffer_pool import BufferPool, BufferPoolStatistics, poison_value
+from asyncstep.channels.parallel_state import GroupCoordinator
+from asyncstep.channels.tensor_dict import (
+    METADATA_BYTES,
+    AsyncIntermediateTensors,
+    PendingSend,
+    TensorDictMetadata,
+    TensorMetadata,
+    decode_metadata,
+    drain,
+    encode_metadata,
+    recv_tensor_dict,
+    send_tensor_dict,
+)
+from asyncstep.gpu import PendingWork, wait_cuda_event, wait_work
+
+H = 6
+#: (step_id, num_tokens): odd and even token counts, one token, reordered sizes.
+ROUND_TRIP_STEPS = [(0, 5), (1, 8), (2, 1), (3, 7), (4, 4)]
+#: residual is sequence-parallel scattered: every TP rank sends its own shard, no gather.
+ALL_GATHER = {"residual": False}
+
+
+# ---------------------------------------------------------------------------
+# Helpers that run inside the ranks
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_step(step: int, num_tokens: int, tp_rank: int) -> dict[str, torch.Tensor]:
+    """One step's tensors, reproducible on the receiving side (CPU)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    shard = torch.Generator().manual_seed(5000 + 10 * step + tp_rank)
+    hidden = torch.randn(H, num_tokens, generator=g).t()  # not contiguous
+    return {
+        "hidden_states": hidden,
+        "residual": torch.randn(num_tokens, H, generator=shard),
+        "empty": torch.empty(0, H),
+        "positions": torch.arange(num_tokens, dtype=torch.int64) + 100 * step,
+        # numel 3T: split into lanes for even T, sent whole for odd T.
+        "odd": torch.randn(num_tokens, 3, generator=g),
+    }
+
+
+def expected_lanes(data: dict[str, torch.Tensor], tp_size: int) -> list[bool]:
+    return [
+        ALL_GATHER.get(k, True) and t.numel() > 0 and t.numel() % tp_size == 0
+        for k, t in data.items()
+    ]
+
+
+def check_received(it: AsyncIntermediateTensors, step: int, num_tokens: int, tp: Any) -> None:
+    expected = make_step(step, num_tokens, tp.rank_in_group)
+    assert it.step_id == step
+    assert it.keys() == list(expected)
+    assert [m.key for m in it.metadata.tensors] == list(expected)
+    assert [m.lane for m in it.metadata.tensors] == expected_lanes(expected, tp.world_size)
+    for key, want in expected.items():
+        got = it[key]
+        assert got.dtype == want.dtype and got.shape == want.shape, key
+        assert torch.equal(got.cpu(), want), f"step {step} {key}"
+
+
+def stage_kwargs(groups: ParallelGroups) -> dict[str, Any]:
+    return {"pp": groups.pp, "tp": groups.tp}
+
+
+def send_step(groups: ParallelGroups, pool: BufferPool, step: int, num_tokens: int) -> PendingSend:
+    data = {k: v.to(_device()) for k, v in make_step(step, num_tokens, groups.tp_rank).items()}
+    pending = send_tensor_dict(
+        data, step_id=step, pool=pool, all_gather=ALL_GATHER, **stage_kwargs(groups)
+    )
+    for tensor in data.values():  # the channel copied them: the caller may reuse at once
+        tensor.zero_()
+    return pending
+
+
+async def recv_step(
+    groups: ParallelGroups, pool: BufferPool, step: int
+) -> AsyncIntermediateTensors:
+    recv = functools.partial(
+        recv_tensor_dict, pool=pool, device=_device(), step_id=step, **stage_kwargs(groups)
+    )
+    return await trio.to_thread.run_sync(recv)
+
+
+async def barrier() -> None:
+    """Every rank of the world (the default gloo group, not the PP groups)."""
+    await trio.to_thread.run_sync(dist.barrier)
+
+
+# ---------------------------------------------------------------------------
+# Scenarios (every rank runs the function)
+
+
+async def scenario_round_trip(groups: ParallelGroups) -> BufferPoolStatistics:
+    pool = BufferPool(poison=True, name=f"rank{groups.world.rank}")
+    if groups.pp.is_first_rank:
+        pending = [send_step(groups, pool, step, t) for step, t in ROUND_TRIP_STEPS]
+        for send in pending:
+            await send.wait()
+            assert send.done
+    else:
+        for i, (step, t) in enumerate(ROUND_TRIP_STEPS):
+            it = await recv_step(groups, pool, step)
+            assert len(it) == 5 and not it.ready
+            if i % 2:
+                await it.wait()  # off the loop
+                assert it.ready
+            check_received(it, step, t, groups.tp)  # otherwise lazily, at first use
+            it.release()
+    return pool.statistics()
+
+
+async def scenario_buffer_safety(groups: ParallelGroups) -> dict[str, Any]:
+    """The receiver reads only after the sender completed, released (poisoned)
+    and reused its staging buffers for later steps; then two deliberate misuses
+    show that the poison would have shown."""
+    pool = BufferPool(poison=True)
+    steps = [10, 11, 12, 13]
+    t = 4  # the same shapes every step, so buffers are reused
+    out: dict[str, Any] = {}
+    if groups.pp.is_first_rank:
+        p10, p11 = send_step(groups, pool, 10, t), send_step(groups, pool, 11, t)
+        before = pool.statistics()
+        assert before.in_use == len(p10.buffers) + len(p11.buffers)
+        await p10.wait()  # completes once the receiver posted step 10's receives
+        assert pool.statistics().in_use == len(p11.buffers)
+        p12 = send_step(groups, pool, 12, t)
+        # step 12 reuses step 10's (released, poisoned, overwritten) buffers
+        assert {id(b) for b in p12.buffers} == {id(b) for b in p10.buffers}
+        await p11.wait()
+        p13 = send_step(groups, pool, 13, t)
+        await p12.wait()
+        await p13.wait()
+        stats = pool.statistics()
+        assert stats.allocated == before.allocated
+        assert stats.in_use == 0 and stats.released == stats.acquired
+        await barrier()  # (1) every staging buffer has been released and reused
+        # Misuse: give the data buffers back before the send completed. gloo
+        # reads them only once the receiver posted (after barrier 2): poisoned.
+        bad = send_step(groups, pool, 14, t)
+        for buf in bad.buffers[1:]:
+            pool.release(buf)
+        await barrier()  # (2)
+        await bad.work.wait()
+        pool.release(bad.buffers[0])
+        out["stats"] = pool.statistics()
+    else:
+        received = [await recv_step(groups, pool, step) for step in steps]
+        await barrier()  # (1)
+        for it, step in zip(received, steps, strict=True):
+            check_received(it, step, t, groups.tp)
+        # Misuse: keep a tensor past release(): it reads as poison.
+        kept = received[0]["hidden_states"]
+        kept_positions = received[0]["positions"]
+        received[0].release()
+        assert torch.isnan(kept).all()
+        assert (kept_positions == poison_value(torch.int64)).all()
+        with pytest.raises(RuntimeError, match="used after release"):
+            received[0]["hidden_states"]
+        for it in received[1:]:
+            it.release()
+        await barrier()  # (2)
+        poisoned = await recv_step(groups, pool, 14)
+        await poisoned.wait()
+        assert torch.isnan(poisoned["hidden_states"]).all()
+        assert torch.isnan(poisoned["residual"]).all()
+        assert (poisoned["positions"] == poison_value(torch.int64)).all()
+        poisoned.release()
+        out["stats"] = pool.statistics()
+    return out
+
+
+DRAIN_STEPS = 4
+DRAIN_SHAPE = (256, 1024)  # 1 MiB of float32 per tensor
+
+
+def drain_data(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"hidden_states": torch.randn(DRAIN_SHAPE, generator=g), "step": torch.tensor([step])}
+
+
+async def scenario_drain_on_cancel(groups: ParallelGroups) -> dict[str, Any]:
+    pool = BufferPool(poison=True)
+    kwargs = stage_kwargs(groups)
+    steps = [20 + i for i in range(DRAIN_STEPS)]
+    out: dict[str, Any] = {}
+    if groups.pp.is_first_rank:
+        pending: list[PendingSend] = []
+        ready, cancelled = trio.Event(), trio.Event()
+
+        async def send_task() -> None:
+            try:
+                for step in steps:
+                    data = drain_data(step)
+                    pending.append(send_tensor_dict(data, step_id=step, pool=pool, **kwargs))
+                # The premise: no send can complete before the receiver posts.
+                with trio.move_on_after(1.0) as probe:
+                    await pending[0].wait()  # abandoned on cancel; drain joins it
+                assert probe.cancelled_caught, "a gloo send completed with no receive posted"
+                assert not any(p.done for p in pending)
+                out["in_use_before_drain"] = pool.statistics().in_use
+                ready.set()
+                await trio.sleep_forever()
+            finally:
+                cancelled.set()
+                # Inside the cancelled nursery: drain's own shield lets it wait.
+                out["drained"] = await drain(pending, timeout_s=30)
+
+        async def let_receiver_go() -> None:
+            await cancelled.wait()
+            await barrier()  # the receiver may now post its receives
+
+        async with trio.open_nursery() as outer:
+            outer.start_soon(let_receiver_go)
+            async with trio.open_nursery() as nursery:  # the send task's nursery
+                nursery.start_soon(send_task)
+                await ready.wait()
+                nursery.cancel_scope.cancel()
+        out["done"] = [p.done for p in pending]
+        out["stats"] = pool.statistics()
+        out["buffers_per_send"] = len(pending[0].buffers)
+    else:
+        await barrier()
+        for step in steps:
+            it = await recv_step(groups, pool, step)
+            await it.wait()
+            for key, want in drain_data(step).items():
+                assert torch.equal(it[key], want), (step, key)
+            it.release()
+        out["stats"] = pool.statistics()
+    return out
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(str(record.msg))
+
+
+async def scenario_drain_timeout(groups: ParallelGroups) -> dict[str, Any]:
+    """A send that cannot complete in time keeps its buffers; a later wait gives them back."""
+    pool = BufferPool(poison=True)
+    out: dict[str, Any] = {}
+    if groups.pp.is_first_rank:
+        records = _Records()
+        logger = logging.getLogger("asyncstep.channels.tensor_dict")
+        logger.addHandler(records)
+        send = send_tensor_dict(drain_data(30), step_id=30, pool=pool, **stage_kwargs(groups))
+        out["drained"] = await drain([send], timeout_s=0.3)
+        out["done_after_drain"] = send.done
+        out["in_use_after_drain"] = pool.statistics().in_use
+        out["warned"] = any("pp_send_drain_incomplete" in m for m in records.messages)
+        logger.removeHandler(records)
+        await barrier()
+        await send.wait()  # joins the thread drain abandoned; waits no handle twice
+        out["done"] = send.done
+        out["stats"] = pool.statistics()
+    else:
+        await barrier()
+        it = await recv_step(groups, pool, 30)
+        assert torch.equal(it["hidden_states"], drain_data(30)["hidden_states"])
+        it.release()
+    return out
+
+
+async def scenario_wait_work_cancel(groups: ParallelGroups) -> bool | None:
+    """wait_work delivers a cancellation only after the send completed."""
+    if groups.pp.is_first_rank:
+        buf = torch.full((1024,), 3.0)
+        work = dist.isend(buf, dst=groups.pp.next_rank, group=groups.pp.device_group)
+        assert work is not None
+        started = trio.Event()
+        caught: list[bool] = []
+
+        async def waiter(scope: trio.CancelScope) -> None:
+            with scope:
+                started.set()
+                await wait_work(work)
+            caught.append(scope.cancelled_caught)
+            buf.fill_(float("nan"))  # were the wait early, the receiver would see NaN
+
+        async with trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+            nursery.start_soon(waiter, scope)
+            await started.wait()
+            scope.cancel()  # the send cannot complete yet: the receiver waits at the barrier
+            await barrier()
+        return caught[0]
+    await barrier()
+    got = torch.empty(1024)
+    dist.irecv(got, src=groups.pp.prev_rank, group=groups.pp.device_group).wait()
+    assert (got == 3.0).all()
+    return None
+
+
+async def scenario_step_mismatch(groups: ParallelGroups) -> str | None:
+    pool = BufferPool()
+    if groups.pp.is_first_rank:
+        # Metadata only (an empty tensor): nothing is left in flight after the error.
+        send = send_tensor_dict(
+            {"empty": torch.empty(0)}, step_id=41, pool=pool, **stage_kwargs(groups)
+        )
+        await send.wait()
+        return None
+    with pytest.raises(RuntimeError, match="expected the tensors of step 40") as info:
+        await recv_step(groups, pool, 40)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# The tests
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[World]:
+    with World(4, tp_size=2, pp_size=2, dist_timeout_s=60) as w:
+        yield w
+
+
+def _is_sender(rank: int) -> bool:
+    return rank < 2
+
+
+def test_round_trip_pp2_tp2(world: World) -> None:
+    for rank, stats in enumerate(world.run(scenario_round_trip, timeout_s=60)):
+        assert stats.in_use == 0 and stats.released == stats.acquired, (rank, stats)
+        if _is_sender(rank):
+            # A metadata message and 4 non-empty tensors per step.
+            assert stats.acquired == 5 * len(ROUND_TRIP_STEPS)
+        else:
+            # Lane keys take a slice buffer and a gathered buffer each.
+            assert stats.acquired > 4 * len(ROUND_TRIP_STEPS)
+
+
+def test_buffer_safety_and_poison(world: World) -> None:
+    for rank, out in enumerate(world.run(scenario_buffer_safety, timeout_s=60)):
+        stats = out["stats"]
+        assert stats.in_use == 0 and stats.released == stats.acquired, (rank, stats)
+
+
+def test_drain_on_cancel(world: World) -> None:
+    results = world.run(scenario_drain_on_cancel, timeout_s=60)
+    for rank, out in enumerate(results):
+        stats = out["stats"]
+        assert stats.in_use == 0 and stats.released == stats.acquired, (rank, stats)
+        if _is_sender(rank):
+            assert out["in_use_before_drain"] == DRAIN_STEPS * out["buffers_per_send"]
+            assert out["drained"] == DRAIN_STEPS
+            assert out["done"] == [True] * DRAIN_STEPS
+
+
+def test_drain_timeout_keeps_buffers(world: World) -> None:
+    for rank, out in enumerate(world.run(scenario_drain_timeout, timeout_s=60)):
+        if _is_sender(rank):
+            assert out["drained"] == 0 and not out["done_after_drain"]
+            assert out["in_use_after_drain"] == 3  # metadata + 2 tensors
+            assert out["warned"]
+            assert out["done"] and out["stats"].in_use == 0
+
+
+def test_wait_work_delivers_cancel_after_completion(world: World) -> None:
+    results = world.run(scenario_wait_work_cancel, timeout_s=60)
+    assert results[0] is True and results[1] is True
+
+
+def test_step_id_mismatch(world: World) -> None:
+    results = world.run(scenario_step_mismatch, timeout_s=60)
+    assert "received step 41" in results[2] and "received step 41" in results[3]
+
+
+# -- the harness itself
+
+
+async def scenario_fail_on_rank_1(groups: ParallelGroups) -> None:
+    if groups.world.rank == 1:
+        raise ValueError("boom on rank 1")
+    await barrier()  # rank 1 never comes: the others hang until killed
+
+
+def test_harness_names_the_failed_rank_and_kills_hung_ones() -> None:
+    with pytest.raises(RankFailed, match="rank 1 failed first") as info:
+        run_world(scenario_fail_on_rank_1, world_size=2, timeout_s=30, failure_grace_s=0.5)
+    assert "boom on rank 1" in str(info.value)
+    assert "rank 0: no answer (killed)" in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# Single-process unit tests
+
+
+def test_metadata_round_trip() -> None:
+    meta = TensorDictMetadata(
+        step_id=7,
+        tensors=[
+            TensorMetadata("hidden_states", "bfloat16", [3, 4], True),
+            TensorMetadata("empty", "float32", [0, 4], False),
+        ],
+    )
+    buf = encode_metadata(meta)
+    assert buf.dtype == torch.uint8 and buf.numel() == METADATA_BYTES
+    assert decode_metadata(buf) == meta
+
+
+def test_metadata_too_large() -> None:
+    meta = TensorDictMetadata(
+        step_id=0,
+        tensors=[TensorMetadata(f"key_{i:04d}" * 4, "float32", [1], False) for i in range(200)],
+    )
+    with pytest.raises(ValueError, match="more than the 4096-byte metadata message"):
+        encode_metadata(meta)
+    # send_tensor_dict checks before taking a buffer or posting a send.
+    fake = GroupCoordinator(
+        ranks=(0, 1), rank_in_group=0, device_group=object(), cpu_group=object()
+    )  # type: ignore[arg-type]
+    pool = BufferPool()
+    tensors = {f"key_{i:04d}" * 4: torch.zeros(1) for i in range(200)}
+    with pytest.raises(ValueError, match="metadata"):
+        send_tensor_dict(tensors, step_id=0, pool=pool, pp=fake, tp=GroupCoordinator.single())
+    assert pool.statistics().acquired == 0
+
+
+def test_corrupt_metadata() -> None:
+    buf = torch.full((METADATA_BYTES,), 0xFF, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="corrupt tensor-dict metadata"):
+        decode_metadata(buf)
+    buf[:8] = torch.tensor([4, 0, 0, 0, 1, 2, 3, 4], dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="corrupt tensor-dict metadata"):
+        decode_metadata(buf)
+
+
+def test_pool_statistics_reuse_and_clear() -> None:
+    pool = BufferPool()
+    a = pool.acquire((4, 2), torch.float32)
+    b = pool.acquire(8, torch.float32)
+    assert a.shape == (4, 2) and b.shape == (8,)
+    pool.release(a)
+    assert pool.acquire([4, 2], torch.float32) is a  # reused
+    assert pool.acquire((4, 2), torch.float16) is not a  # another dtype, another buffer
+    s = pool.statistics()
+    assert (s.acquired, s.released, s.in_use, s.allocated, s.idle) == (4, 1, 3, 3, 0)
+    for buf in (a, b):
+        pool.release(buf)
+    assert pool.clear() == 2
+    assert pool.statistics().idle == 0
+
+
+def test_pool_misuse_is_an_error() -> None:
+    pool = BufferPool()
+    buf = pool.acquire((4,), torch.float32)
+    with pytest.raises(ValueError, match="did not hand out"):
+        pool.release(buf.view(2, 2))
+    with pytest.raises(ValueError, match="did not hand out"):
+        pool.release(torch.empty(4))
+    pool.release(buf)
+    with pytest.raises(RuntimeError, match="released twice"):
+        pool.release(buf)
+    assert pool.statistics().released == 1
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [
+        (torch.float32, None),
+        (torch.bfloat16, None),
+        (torch.int64, -(2**63)),
+        (torch.uint8, 255),
+        (torch.bool, True),
+    ],
+)
+def test_pool_poison(dtype: torch.dtype, value: Any) -> None:
+    pool = BufferPool(poison=True)
+    buf = pool.acquire((3,), dtype)
+    buf.fill_(0)
+    kept = buf  # a use after release, on purpose
+    pool.release(buf)
+    if value is None:
+        assert torch.isnan(kept).all()
+    else:
+        assert (kept == value).all()
+
+
+def test_async_intermediate_tensors_release_twice() -> None:
+    pool = BufferPool(poison=True)
+    buf = pool.acquire((6,), torch.float32)
+    buf.copy_(torch.arange(6.0))
+    entry = TensorMetadata("hidden_states", "float32", [2, 3], False)
+    it = AsyncIntermediateTensors(
+        metadata=TensorDictMetadata(step_id=3, tensors=[entry]),
+        src=0,
+        tp=GroupCoordinator.single(),
+        device=torch.device("cpu"),
+        work=PendingWork([]),
+        received=[(entry, buf)],
+        pool=pool,
+    )
+    assert torch.equal(it["hidden_states"], torch.arange(6.0).view(2, 3))
+    it.release()
+    with pytest.raises(RuntimeError, match="released twice"):
+        it.release()
+    with pytest.raises(RuntimeError, match="used after release"):
+        _ = it.tensors
+    assert pool.statistics().in_use == 0
+
+
+class FakeWork:
+    """A Work whose wait() blocks until ``gate`` is set; counts its waits."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.calls = 0
+
+    def wait(self) -> bool:
+        self.calls += 1
+        self.entered.set()
+        self.gate.wait()
+        return True
+
+
+@pytest.mark.trio
+async def test_pending_work_abandoned_wait_is_joined_not_repeated() -> None:
+    work = FakeWork()
+    pending = PendingWork([work])  # type: ignore[list-item]
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+
+        async def first() -> None:
+            with scope:
+                await pending.wait(abandon_on_cancel=True)
+
+        nursery.start_soon(first)
+        await trio.to_thread.run_sync(work.entered.wait)
+        scope.cancel()  # the task leaves at once; its thread keeps waiting
+    assert scope.cancelled_caught and not pending.done
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pending.wait)
+        await trio.testing.wait_all_tasks_blocked()
+        work.gate.set()
+    assert pending.done and work.calls == 1
+
+
+@pytest.mark.trio
+async def test_wait_work_shields_until_completion() -> None:
+    work = FakeWork()
+    finished: list[bool] = []
+
+    async def waiter(scope: trio.CancelScope) -> None:
+        with scope:
+            await wait_work(work)  # type: ignore[arg-type]
+            finished.append(True)  # not reached: the cancel is delivered after the wait
+        finished.append(False)
+
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+        nursery.start_soon(waiter, scope)
+        await trio.to_thread.run_sync(work.entered.wait)
+        scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert finished == []  # still waiting, although cancelled
+        work.gate.set()
+    assert finished == [False] and scope.cancelled_caught and work.calls == 1
+
+
+# ---------------------------------------------------------------------------
+# NCCL (run on a machine with 2 or 4 GPUs: PP=2 x TP=1 or PP=2 x TP=2)
+
+
+async def scenario_cuda(groups: ParallelGroups) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    event = torch.cuda.Event(blocking=True)
+    event.record()
+    await wait_cuda_event(event)
+    results["round_trip"] = await scenario_round_trip(groups)
+    pool = BufferPool(poison=True)
+    steps = [50 + i for i in range(3)]
+    if groups.pp.is_first_rank:
+        sends = [send_step(groups, pool, step, 64) for step in steps]
+        results["drained"] = await drain(sends, timeout_s=30)
+    else:
+        for step in steps:
+            it = await recv_step(groups, pool, step)
+            await it.wait()
+            check_received(it, step, 64, groups.tp)
+            it.release()
+    # Completion on NCCL: the sender's staging buffer is poisoned as soon as
+    # wait() returned, on a stream that does not wait for the NCCL stream. The
+    # receiver's NCCL receive starts only after a ~50 ms GPU spin (its stream
+    # waits for the current one), so a wait that returned at enqueue (NCCL's
+    # future, or a bare work.wait()) would let NaN through: measured so.
+    cpu_barrier = functools.partial(dist.barrier, group=groups.pp.cpu_group)
+    if groups.pp.is_first_rank:
+        big = {"hidden_states": torch.full((4096, 4096), 7.0, device=_device())}
+        send = send_tensor_dict(big, step_id=60, pool=pool, **stage_kwargs(groups))
+        del big
+        await trio.to_thread.run_sync(cpu_barrier)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            await send.wait()  # the pool poisons the released buffers on this stream
+        assert send.done
+    else:
+        await trio.to_thread.run_sync(cpu_barrier)
+        torch.cuda._sleep(100_000_000)  # GPU cycles, on the stream the receive waits for
+        it = await recv_step(groups, pool, 60)
+        await it.wait()
+        assert bool((it["hidden_states"] == 7.0).all())
+        it.release()
+    torch.cuda.synchronize()
+    results["stats"] = pool.statistics()
+    return results
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_round_trip_and_drain() -> None:
+    world_size = 4 if torch.cuda.device_count() >= 4 else 2
+    results = run_world(
+        scenario_cuda, world_size=world_size, tp_size=world_size // 2, backend="nccl", timeout_s=120
+    )
+    for out in results:
+        for stats in (out["round_trip"], out["stats"]):
+            assert stats.in_use == 0 and stats.released == stats.acquired
+    assert results[0]["drained"] == 3
