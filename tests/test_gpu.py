@@ -113,3 +113,60 @@ async def test_dummy_llama_1b_serves_a_batch_on_cuda() -> None:
         assert engine.statistics().kv_cache_usage == 0.0
     for r in results:
         assert len(r.token_ids) == 16 and all(0 <= t < 128256 for t in r.token_ids)
+
+
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+@pytest.fixture(scope="module")
+def peaked_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Large random weights: logits far from ties, so TP's reduction order
+    cannot flip a greedy token."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    path = tmp_path_factory.mktemp("peaked-gpu")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+async def _tokens(path: Path, **options: Any) -> list[list[int]]:
+    prompts = [[5, 9, 2], list(range(40, 140)), [7] * 33, [200, 3, 99, 14, 8, 61]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results: list[Any] = [None] * len(prompts)
+    async with asyncstep.open_engine(
+        path, device="cuda", dtype="float32", max_num_batched_tokens=64, **options
+    ) as engine:
+
+        async def one(i: int) -> None:
+            results[i] = (await engine.generate(prompts[i], params)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+    return results
+
+
+@needs_2_gpus
+@pytest.mark.trio
+async def test_two_gpus_give_the_tokens_of_one(peaked_llama: Path) -> None:
+    """NCCL: TP = 2 (with and without sequence parallelism) and PP = 2 give
+    the single GPU's greedy tokens, with chunked prefill."""
+    one_gpu = await _tokens(peaked_llama)
+    assert await _tokens(peaked_llama, tensor_parallel_size=2) == one_gpu
+    assert await _tokens(peaked_llama, tensor_parallel_size=2, sequence_parallel=True) == one_gpu
+    assert await _tokens(peaked_llama, pipeline_parallel_size=2) == one_gpu

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -25,6 +26,7 @@ class ScriptedRunner:
     holds sample_tokens until the test lets it go."""
 
     num_kv_blocks = 0
+    device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -105,7 +107,7 @@ async def test_next_step_waits_for_sample_tokens() -> None:
         await inbox_tx.send(step(1))
         # sample_tokens(0) has begun (in its thread) and is held at the gate;
         # then every task settles: the step task holds step 1.
-        await trio.to_thread.run_sync(runner.sampling_started.wait)
+        assert await trio.to_thread.run_sync(runner.sampling_started.wait, 10)
         await trio.testing.wait_all_tasks_blocked()
         # Step 1 is queued, but the runner is still waiting for step 0's sampling.
         assert runner.calls == ["execute 0"]

@@ -4,11 +4,17 @@ Work handles.
 The multi-rank scenarios run on ONE spawned 4-rank gloo world (PP=2 x TP=2,
 ``tests/distributed.py``), shared by the tests of this module: stage 0 (ranks
 0, 1) sends, stage 1 (ranks 2, 3) receives, lane 0 = ranks 0 -> 2, lane 1 =
-ranks 1 -> 3. Ranks coordinate with barriers on the world group (never with
-sleeps). Facts the scenarios rely on, checked where they matter: a gloo send
-does not complete before the peer posted its receive (any size: gloo's p2p is
-a rendezvous), and gloo reads the send buffer only then, so a buffer poisoned
-too early shows up as NaN on the receiver.
+ranks 1 -> 3. Ranks coordinate with barriers on the world group, never with
+sleeps; the only timed waits are bounded negative checks ("this send must not
+complete within 1 s, its receiver has not posted yet"), which a slow machine
+cannot make fail. Facts the scenarios rely on, checked where they matter: a
+gloo send does not complete before the peer posted its receive (any size:
+gloo's p2p is a rendezvous), and gloo reads the send buffer only then, so a
+buffer poisoned too early shows up as NaN on the receiver.
+
+The NCCL test (PP=2 x TP=1 on 2 GPUs, PP=2 x TP=2 on 4) runs where there are
+GPUs; it passed on 4 H200s (torch 2.11, NCCL 2.28), where it also failed, as
+it should, with the host-side completion wait taken out.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from asyncstep.channels.tensor_dict import (
     encode_metadata,
     recv_tensor_dict,
     send_tensor_dict,
+    warm_up,
 )
 from asyncstep.gpu import PendingWork, wait_cuda_event, wait_work
 
@@ -127,6 +134,7 @@ async def barrier() -> None:
 
 async def scenario_round_trip(groups: ParallelGroups) -> BufferPoolStatistics:
     pool = BufferPool(poison=True, name=f"rank{groups.world.rank}")
+    await trio.to_thread.run_sync(functools.partial(warm_up, device=_device(), pp=groups.pp))
     if groups.pp.is_first_rank:
         pending = [send_step(groups, pool, step, t) for step, t in ROUND_TRIP_STEPS]
         for send in pending:
@@ -604,6 +612,7 @@ async def test_wait_work_shields_until_completion() -> None:
 
 async def scenario_cuda(groups: ParallelGroups) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    warm_up(device=_device(), pp=groups.pp)
     event = torch.cuda.Event(blocking=True)
     event.record()
     await wait_cuda_event(event)
@@ -619,27 +628,35 @@ async def scenario_cuda(groups: ParallelGroups) -> dict[str, Any]:
             await it.wait()
             check_received(it, step, 64, groups.tp)
             it.release()
-    # Completion on NCCL: the sender's staging buffer is poisoned as soon as
-    # wait() returned, on a stream that does not wait for the NCCL stream. The
-    # receiver's NCCL receive starts only after a ~50 ms GPU spin (its stream
-    # waits for the current one), so a wait that returned at enqueue (NCCL's
-    # future, or a bare work.wait()) would let NaN through: measured so.
+    # Completion on NCCL (whose future completes at enqueue, and whose wait()
+    # only orders a stream): the receiver takes the metadata, then holds back
+    # its tensor receive. The send cannot complete meanwhile, so wait() must
+    # not return within a second; then the receiver posts and wait() ends.
+    # Measured on H200s (NCCL 2.28): sends of up to 32 MiB complete before
+    # the receive is posted (NCCL buffers them); 256 MiB ones do not.
+    rows = 8192 * groups.tp.world_size  # 256 MiB of float32 per lane
     cpu_barrier = functools.partial(dist.barrier, group=groups.pp.cpu_group)
     if groups.pp.is_first_rank:
-        big = {"hidden_states": torch.full((4096, 4096), 7.0, device=_device())}
+        big = {"hidden_states": torch.full((rows, 8192), 7.0, device=_device())}
         send = send_tensor_dict(big, step_id=60, pool=pool, **stage_kwargs(groups))
         del big
-        await trio.to_thread.run_sync(cpu_barrier)
-        with torch.cuda.stream(torch.cuda.Stream()):
-            await send.wait()  # the pool poisons the released buffers on this stream
+        with trio.move_on_after(1.0) as probe:
+            await send.wait()
+        results["waited_before_receive"] = probe.cancelled_caught and not send.done
+        await trio.to_thread.run_sync(cpu_barrier)  # the receiver may post now
+        await send.wait()
         assert send.done
     else:
+        # The wire protocol by hand, to post the tensor receive late.
+        meta_buf = torch.empty(METADATA_BYTES, dtype=torch.uint8)
+        src = groups.pp.prev_rank
+        dist.irecv(meta_buf, src=src, group=groups.pp.cpu_group).wait()
+        (entry,) = decode_metadata(meta_buf).tensors
+        assert entry.lane == (groups.tp.world_size > 1)
+        part = torch.empty(8192 * 8192, device=_device())
         await trio.to_thread.run_sync(cpu_barrier)
-        torch.cuda._sleep(100_000_000)  # GPU cycles, on the stream the receive waits for
-        it = await recv_step(groups, pool, 60)
-        await it.wait()
-        assert bool((it["hidden_states"] == 7.0).all())
-        it.release()
+        dist.irecv(part, src=src, group=groups.pp.device_group).wait()
+        assert bool((part == 7.0).all())
     torch.cuda.synchronize()
     results["stats"] = pool.statistics()
     return results
@@ -655,3 +672,4 @@ def test_nccl_round_trip_and_drain() -> None:
         for stats in (out["round_trip"], out["stats"]):
             assert stats.in_use == 0 and stats.released == stats.acquired
     assert results[0]["drained"] == 3
+    assert all(results[rank]["waited_before_receive"] for rank in range(world_size // 2))

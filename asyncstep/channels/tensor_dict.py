@@ -60,6 +60,7 @@ __all__ = [
     "encode_metadata",
     "recv_tensor_dict",
     "send_tensor_dict",
+    "warm_up",
 ]
 
 log = get_logger("channels.tensor_dict")
@@ -154,6 +155,33 @@ def _posted(work: dist.Work | None, what: str) -> dist.Work:
     if work is None:
         raise RuntimeError(f"{what}: this rank is not a member of the group")
     return work
+
+
+def warm_up(
+    *,
+    device: torch.device | str = "cpu",
+    pp: GroupCoordinator | None = None,
+) -> None:
+    """Open the channel's links to both neighbour stages; every rank of the PP
+    group calls it once at start (blocking).
+
+    NCCL creates the communicator of a pair of ranks lazily, at their first
+    unbatched send/recv, and that first call blocks until the peer makes its
+    own (137 ms measured): without a warm-up the first step pays it, and a
+    first ``send_tensor_dict`` whose receiver waits on something else first
+    deadlocks. One element goes down the chain of stages (stage ``i``
+    receives from ``i - 1``, then sends to ``i + 1``), so no pair waits on
+    another. Harmless on gloo.
+    """
+    pp = pp if pp is not None else get_pp_group()
+    _check_pp(pp)
+    x = torch.zeros(1, device=device)
+    if not pp.is_first_rank:
+        _posted(dist.irecv(x, src=pp.prev_rank, group=pp.device_group), "irecv").wait()
+    if not pp.is_last_rank:
+        _posted(dist.isend(x, dst=pp.next_rank, group=pp.device_group), "isend").wait()
+    if x.is_cuda:
+        torch.cuda.current_stream(x.device).synchronize()
 
 
 # ---------------------------------------------------------------------------
@@ -345,11 +373,12 @@ async def drain(pending: Iterable[PendingSend], timeout_s: float) -> int:
     end even inside a cancelled scope. Returns how many of the sends completed
     (their buffers are back in the pool); check it against the number given.
     The sends that did not complete in time (or failed) keep their buffers
-    forever (never handed back: the transport may still read them), are left
-    with ``done == False``, stay referenced (so their handles are not
-    collected, which would cancel a gloo send), and are reported in a warning. ``drain`` raises
-    nothing for them: it usually runs while another exception or a
-    cancellation is propagating, which an exception of its own would hide.
+    out of the pool (the transport may still read them; should one complete
+    later, the next ``drain`` or ``wait()`` hands them back), are left with
+    ``done == False``, stay referenced (a collected handle would cancel a gloo
+    send), and are reported in a warning. ``drain`` raises nothing for them:
+    it usually runs while another exception or a cancellation propagates,
+    which an exception of its own would hide.
     """
     sends = list(pending)
 

@@ -24,6 +24,7 @@ from asyncstep.channels.tensor_dict import (
     drain,
     recv_tensor_dict,
     send_tensor_dict,
+    warm_up,
 )
 from asyncstep.datatypes import IntermediateTensors
 
@@ -58,6 +59,12 @@ class PipeStage:
         self.pool = BufferPool(poison=poison, name=f"pp-rank{pp.rank}")
         self._lock = threading.Lock()
         self._releases: list[tuple[ReceivedTensors, torch.cuda.Event]] = []
+
+    def warm_up(self) -> None:
+        """Open the links to both neighbour stages (NCCL creates them lazily,
+        and a first send whose receiver waits on something else deadlocks).
+        Every rank of the PP group calls it once, before the first step."""
+        warm_up(device=self.device, pp=self.pp)
 
     def post_receive(self, step_id: int) -> ReceivedTensors:
         """Receive a step's metadata and post the receives of its tensors

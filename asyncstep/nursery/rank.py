@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import anyio
+import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -47,6 +50,8 @@ from asyncstep.nursery.pipe import PipeStage, ReceivedTensors, SendInFlight
 from asyncstep.runner.model_runner import ModelRunner
 
 log = get_logger("rank")
+
+_T = TypeVar("_T")
 
 
 class _Kind(enum.Enum):
@@ -138,7 +143,7 @@ class RankActor:
             async for scheduler_output in inbox:
                 received = None
                 if self.pipe is not None and self._needs_receive(scheduler_output):
-                    received = await anyio.to_thread.run_sync(
+                    received = await self._in_thread(
                         self.pipe.post_receive, scheduler_output.step_id
                     )
                     self._stats.receives += 1
@@ -174,7 +179,7 @@ class RankActor:
     async def _run_step(
         self, scheduler_output: SchedulerOutput, received: ReceivedTensors | None
     ) -> tuple[_StepResult, SendInFlight | None]:
-        result, pending = await anyio.to_thread.run_sync(self._execute, scheduler_output, received)
+        result, pending = await self._in_thread(self._execute, scheduler_output, received)
         in_flight = SendInFlight(pending) if pending is not None else None
         timings = self.runner.timings
         if isinstance(result, IntermediateTensors):
@@ -242,12 +247,22 @@ class RankActor:
                     output, sample_s = step.output, 0.0
                     if step.kind is _Kind.SAMPLE:
                         t0 = time.perf_counter()
-                        output = await anyio.to_thread.run_sync(self.runner.sample_tokens)
+                        output = await self._in_thread(self.runner.sample_tokens)
                         sample_s = time.perf_counter() - t0
                         step.sampled.set()
                     self._log_step(step, sample_s)
                     if output is not None:
                         await outbox.send(output)
+
+    async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run blocking device work in a worker thread, on this rank's device
+        (a new thread's current CUDA device is device 0, whatever the rank's)."""
+        return await anyio.to_thread.run_sync(self._on_device, fn, *args)
+
+    def _on_device(self, fn: Callable[..., _T], *args: Any) -> _T:
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)
+        return fn(*args)
 
     def _log_step(self, step: _StepResult, sample_s: float) -> None:
         so = step.scheduler_output

@@ -46,6 +46,7 @@ from asyncstep.config import CacheConfig, ModelConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
 from asyncstep.logging import bind_rank, configure_logging, get_logger
 from asyncstep.models.model_loader import LoadedModel, load_model
+from asyncstep.nursery.pipe import PipeStage
 from asyncstep.nursery.rank import RankActor
 from asyncstep.runner.kv_sizing import num_kv_blocks
 from asyncstep.runner.model_runner import ModelRunner
@@ -145,6 +146,8 @@ async def _serve(stream: MessageStream, identity: RankIdentity) -> None:
     init = await _expect(stream, InitKVCache)
     runner.initialize_kv_cache(init.num_blocks)
     actor = RankActor(runner, rank=identity.rank, groups=groups)
+    if actor.pipe is not None:
+        await anyio.to_thread.run_sync(_warm_up, actor.pipe, loaded.device)
     await _run_actor(actor, stream, is_driver=actor.is_driver)
 
 
@@ -195,6 +198,8 @@ def build_rank(
     """Join the world and load this rank's shard (blocking: runs in a thread)."""
     spec = setup.spec
     device = _rank_device(spec.device, identity.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     groups = init_distributed(
         rank=identity.rank,
         world_size=identity.world_size,
@@ -203,8 +208,6 @@ def build_rank(
         init_method=setup.init_method or "env://",
         backend="nccl" if device.type == "cuda" else "gloo",
     )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     # The same seed on every rank: TP ranks of the last stage sample identically.
     torch.manual_seed(spec.seed)
     loaded = load_model(
@@ -245,6 +248,12 @@ def _inject_fault(runner: ModelRunner, rank: int) -> None:
         return execute(so, *args)  # type: ignore[arg-type]
 
     runner.execute_model = execute_or_fail  # type: ignore[method-assign,assignment]
+
+
+def _warm_up(pipe: PipeStage, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    pipe.warm_up()
 
 
 def _rank_device(name: str, local_rank: int) -> torch.device:
