@@ -83,7 +83,7 @@ def make_step(step: int, num_tokens: int, tp_rank: int) -> dict[str, torch.Tenso
 
 def expected_lanes(data: dict[str, torch.Tensor], tp_size: int) -> list[bool]:
     return [
-        ALL_GATHER.get(k, True) and t.numel() > 0 and t.numel() % tp_size == 0
+        tp_size > 1 and ALL_GATHER.get(k, True) and t.numel() > 0 and t.numel() % tp_size == 0
         for k, t in data.items()
     ]
 
