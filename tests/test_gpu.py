@@ -149,7 +149,12 @@ async def _tokens(path: Path, **options: Any) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results: list[Any] = [None] * len(prompts)
     async with asyncstep.open_engine(
-        path, device="cuda", dtype="float32", max_num_batched_tokens=64, **options
+        path,
+        device="cuda",
+        dtype="float32",
+        max_num_batched_tokens=64,
+        gpu_memory_utilization=0.3,
+        **options,
     ) as engine:
 
         async def one(i: int) -> None:

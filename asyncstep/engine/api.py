@@ -4,7 +4,7 @@ the engine's step loop in a task group, and hand the caller an :class:`Engine`."
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -116,7 +116,9 @@ async def open_engine(
         else:
             max_model_len = loaded.max_model_len
         config.scheduler.max_model_len = max_model_len
-        executor: Executor = RankActor(_build_runner(config, loaded))
+        runner = _build_runner(config, loaded)
+        executor: Executor = RankActor(runner)
+        claim = _freeing_kv_cache(claim, runner)
         arch, tokenizer = loaded.arch_config, loaded.tokenizer
     else:
         if preloaded is not None:
@@ -147,6 +149,17 @@ async def open_engine(
             raise
     if engine.error is not None:
         raise EngineDeadError(f"the engine stopped: {engine.error}") from engine.error
+
+
+@contextlib.contextmanager
+def _freeing_kv_cache(
+    claim: contextlib.AbstractContextManager[None], runner: ModelRunner
+) -> Iterator[None]:
+    with claim:
+        try:
+            yield
+        finally:
+            runner.free_kv_cache()
 
 
 def remote_ranks(config: EngineConfig) -> RemoteRanks:

@@ -109,6 +109,14 @@ class ModelRunner:
         per_layer = sum(2 * a.num_kv_heads * a.head_dim for a in layers[:1])
         return per_layer * len(layers) * self.block_size * self.dtype.itemsize
 
+    def free_kv_cache(self) -> None:
+        """Drop the KV cache (the engine closed): its memory goes back to the device."""
+        for attn in self.model.attention_layers():
+            attn.kv_cache = torch.empty(0)
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's paged cache and bind it to its attention layer."""
         self.kv_caches = []
