@@ -189,6 +189,28 @@ async def test_impossible_layouts_are_refused_before_any_process_starts(
             pass
 
 
+def _torchrun(port: int, nproc: int) -> subprocess.Popen[bytes]:
+    from asyncstep.engine.remote import _free_port
+
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "asyncstep.rank",
+            "--engine",
+            f"127.0.0.1:{port}",
+        ],
+    )
+
+
 def _start_rank(port: int, rank: int, world: int, master_port: int) -> subprocess.Popen[bytes]:
     """A rank started the way torchrun starts it: everything in the environment."""
     env = {
@@ -205,13 +227,15 @@ def _start_rank(port: int, rank: int, world: int, master_port: int) -> subproces
 
 
 @pytest.mark.trio
-async def test_ranks_started_elsewhere_join_the_engine(
+async def test_ranks_started_by_torchrun_join_the_engine(
     peaked_llama: Path, single_rank_tokens: list[list[int]]
 ) -> None:
+    """The README's multi-machine recipe, on one machine: torchrun starts the
+    ranks (``-m asyncstep.rank``), the engine waits for them."""
     from asyncstep.engine.remote import _free_port
 
-    port, master_port = _free_port(), _free_port()
-    ranks = [_start_rank(port, r, 2, master_port) for r in range(2)]
+    port = _free_port()
+    torchrun = _torchrun(port, nproc=2)
     try:
         async with asyncstep.open_engine(
             peaked_llama,
@@ -221,11 +245,10 @@ async def test_ranks_started_elsewhere_join_the_engine(
             **ENGINE,
         ) as engine:
             assert await generate_all(engine, PROMPTS, GREEDY) == single_rank_tokens
-        for proc in ranks:
-            assert proc.wait(timeout=20) == 0
+        assert torchrun.wait(timeout=30) == 0
     finally:
-        for proc in ranks:
-            proc.kill()
+        torchrun.kill()
+        torchrun.wait()
 
 
 @pytest.mark.trio
