@@ -31,37 +31,13 @@ import trio
 
 import asyncstep
 from asyncstep.config import ModelConfig
-from asyncstep.models.loader import open_checkpoint
-from asyncstep.models.model_loader import LoadedModel, load_model
+from asyncstep.models.hf_reference import hf_reference_model
+from asyncstep.models.model_loader import load_model
 
 
 def make_prompts(vocab: int, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def hf_model(loaded: LoadedModel) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    arch = loaded.arch_config
-    config = LlamaConfig(
-        vocab_size=arch.vocab_size,
-        hidden_size=arch.hidden_size,
-        intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_hidden_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-        rms_norm_eps=arch.rms_norm_eps,
-        rope_theta=arch.rope_theta,
-        max_position_embeddings=arch.max_position_embeddings,
-        tie_word_embeddings=arch.tie_word_embeddings,
-        pad_token_id=2,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.load_state_dict(dict(open_checkpoint(None).iter_weights()), strict=False)
-    return model
 
 
 def hf_run(model: Any, prompts: list[list[int]], out_lens: list[int]) -> tuple[float, int]:
@@ -131,7 +107,7 @@ def workloads(args: argparse.Namespace, vocab: int) -> dict[str, tuple[list[list
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model(ModelConfig(None, device="cpu", dtype="float32"))
-    reference = hf_model(loaded)
+    reference = hf_reference_model(None, pad_token_id=2)
     results: dict[str, Any] = {}
     async with asyncstep.open_engine(loaded, enable_prefix_caching=False) as engine:
         await ours_run(engine, [[5, 6, 7]], [4])  # warm-up

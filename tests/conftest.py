@@ -49,32 +49,9 @@ def smollm2() -> LoadedModel:
 def hf_smollm2(smollm2: LoadedModel) -> Any:
     """transformers' Llama on the same weights (the GGUF's, dequantized; the
     loader tests prove they equal transformers' own GGUF loading)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from asyncstep.models.hf_reference import hf_reference_model
 
-    from asyncstep.models.loader import open_checkpoint
-
-    arch = smollm2.arch_config
-    config = LlamaConfig(
-        vocab_size=arch.vocab_size,
-        hidden_size=arch.hidden_size,
-        intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_hidden_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-        rms_norm_eps=arch.rms_norm_eps,
-        rope_theta=arch.rope_theta,
-        max_position_embeddings=arch.max_position_embeddings,
-        tie_word_embeddings=arch.tie_word_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    model = LlamaForCausalLM(config).eval()
-    state = dict(open_checkpoint(None).iter_weights())
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    return model
+    return hf_reference_model(None, pad_token_id=2)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,58 @@
+"""transformers' own model on our weights: the reference that parity tests
+and benchmarks compare asyncstep against (same weights, HF's code)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.loader import open_checkpoint
+
+_CONFIG_CLASSES = {
+    "LlamaForCausalLM": "LlamaConfig",
+    "MistralForCausalLM": "LlamaConfig",  # same layers; Mistral's sliding window is not used
+    "Qwen2ForCausalLM": "Qwen2Config",
+    "Qwen3ForCausalLM": "Qwen3Config",
+}
+
+
+def hf_config(arch: ModelArchConfig, **overrides: Any) -> Any:
+    """A transformers config of ``arch``'s shape."""
+    import transformers
+
+    cls = getattr(transformers, _CONFIG_CLASSES[arch.architecture])
+    rope: dict[str, Any] = {"rope_theta": arch.rope_theta}
+    if arch.rope_scaling:
+        rope["rope_scaling"] = dict(arch.rope_scaling)
+    fields: dict[str, Any] = dict(
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        rms_norm_eps=arch.rms_norm_eps,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        bos_token_id=arch.bos_token_id,
+        eos_token_id=list(arch.eos_token_ids) or None,
+        **rope,
+    )
+    if arch.family == "llama":
+        fields["attention_bias"] = arch.attention_bias
+    return cls(**(fields | overrides))
+
+
+def hf_reference_model(model: str | Path | None = None, **config_overrides: Any) -> Any:
+    """transformers' causal LM on the checkpoint's weights (fp32, CPU, eval)."""
+    import transformers
+
+    checkpoint = open_checkpoint(model)
+    config = hf_config(checkpoint.arch_config(), **config_overrides)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    missing, unexpected = hf.load_state_dict(dict(checkpoint.iter_weights()), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"reference model: missing {missing}, unexpected {unexpected}")
+    return hf
