@@ -5,6 +5,7 @@ closing the inbox, and an error in one task ending the rank."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import trio.testing
 from asyncstep.datatypes import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     CachedRequestData,
+    IntermediateTensors,
     ModelRunnerOutput,
     SchedulerOutput,
 )
@@ -135,3 +137,94 @@ async def test_closing_the_inbox_shuts_down_every_task() -> None:
     with trio.fail_after(5):
         assert await serve(runner, []) == []
     assert runner.calls == []
+
+
+# -- a pipeline stage cancelled while its send is in flight (two processes, gloo)
+
+DRAIN_SHAPE = (256, 1024)  # 1 MiB per tensor: a gloo send cannot finish before its receive
+
+
+def stage_tensors(step_id: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step_id)
+    return {
+        "hidden_states": torch.randn(DRAIN_SHAPE, generator=g),
+        "residual": torch.randn(DRAIN_SHAPE, generator=g),
+    }
+
+
+class FirstStageRunner(ScriptedRunner):
+    """A first pipeline stage: every step returns intermediate tensors."""
+
+    class _Model:
+        @staticmethod
+        def pp_all_gather_keys() -> dict[str, bool]:
+            return {"hidden_states": True, "residual": True}
+
+    model = _Model()
+
+    def execute_model(self, so: SchedulerOutput, intermediate_tensors: object = None) -> Any:
+        self.calls.append(f"execute {so.step_id}")
+        return IntermediateTensors(stage_tensors(so.step_id))
+
+
+async def scenario_cancel_stage_with_send_in_flight(groups: Any) -> dict[str, Any]:
+    from asyncstep.channels.buffer_pool import BufferPool
+    from asyncstep.channels.tensor_dict import recv_tensor_dict, warm_up
+
+    await trio.to_thread.run_sync(lambda: warm_up(pp=groups.pp))
+    out: dict[str, Any] = {}
+    if groups.pp.is_first_rank:
+        actor = RankActor(FirstStageRunner(), groups=groups, drain_timeout_s=30)  # type: ignore[arg-type]
+        assert actor.pipe is not None
+        actor.pipe.pool = BufferPool(poison=True)
+        posted = threading.Event()
+        send = actor.pipe.send
+
+        def send_and_tell(*args: Any) -> Any:
+            pending = send(*args)
+            out["pending"] = pending
+            posted.set()
+            return pending
+
+        actor.pipe.send = send_and_tell  # type: ignore[method-assign]
+        inbox_tx, inbox_rx = trio.open_memory_channel[SchedulerOutput](1)
+        outbox_tx, _ = trio.open_memory_channel[ModelRunnerOutput](1)
+        inbox_tx.send_nowait(step(7, tokens=256))
+
+        async def let_receiver_go() -> None:
+            await trio.to_thread.run_sync(torch.distributed.barrier)
+
+        async with trio.open_nursery() as outer:
+            with trio.CancelScope() as rank_scope:
+                async with trio.open_nursery() as rank:
+                    rank.start_soon(actor.run, inbox_rx, outbox_tx)
+                    assert await trio.to_thread.run_sync(posted.wait, 30)
+                    out["done_at_cancel"] = out["pending"].done
+                    out["in_use_at_cancel"] = actor.pipe.pool.statistics().in_use
+                    outer.start_soon(let_receiver_go)  # the receive is posted only now
+                    rank_scope.cancel()
+        out["done_after"] = out.pop("pending").done
+        out["stats"] = actor.pipe.pool.statistics()
+    else:
+        await trio.to_thread.run_sync(torch.distributed.barrier)
+        received = await trio.to_thread.run_sync(
+            lambda: recv_tensor_dict(pool=BufferPool(), step_id=7, pp=groups.pp, tp=groups.tp)
+        )
+        await received.wait()
+        out["equal"] = all(torch.equal(received[k], v) for k, v in stage_tensors(7).items())
+    return out
+
+
+def test_a_cancelled_stage_drains_its_send_before_freeing_the_buffers() -> None:
+    from distributed import run_world
+
+    sender, receiver = run_world(
+        scenario_cancel_stage_with_send_in_flight, world_size=2, pp_size=2, timeout_s=90
+    )
+    # Cancelled while the send was in flight, the rank waited for it (the
+    # receiver posted its receive only after the cancel) and only then gave
+    # the buffers back; the receiver saw exactly the data sent, no poison.
+    assert sender["done_at_cancel"] is False and sender["in_use_at_cancel"] > 0
+    assert sender["done_after"] is True
+    assert sender["stats"].in_use == 0 and sender["stats"].released == sender["stats"].acquired
+    assert receiver["equal"] is True
