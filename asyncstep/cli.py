@@ -109,15 +109,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not prompts:
             raise AsyncstepError("no prompts: pass them as arguments or on stdin")
         return trio.run(generate_all, args, prompts, params)
-    except AsyncstepError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:  # e.g. --log-json into a missing directory
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        return exit_status(exc)
+
+
+def exit_status(error: BaseException) -> int:
+    """The exit status (and one stderr line) for an error a user can cause;
+    Ctrl-C may arrive inside any task, so it can come wrapped in a group."""
+    leaves = _leaves(error)
+    if any(isinstance(e, KeyboardInterrupt) for e in leaves):
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    for leaf in leaves:
+        # OSError: e.g. --log-json into a missing directory.
+        if isinstance(leaf, AsyncstepError | OSError):
+            print(f"{PROG}: error: {leaf}", file=sys.stderr)
+            return 1
+    raise error
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error]
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

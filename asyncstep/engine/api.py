@@ -18,7 +18,7 @@ from asyncstep.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from asyncstep.engine.engine import Engine, Executor
+from asyncstep.engine.engine import Engine, Executor, describe
 from asyncstep.engine.remote import RemoteRanks
 from asyncstep.errors import ConfigError, EngineDeadError
 from asyncstep.logging import get_logger
@@ -148,7 +148,7 @@ async def open_engine(
                 raise error from error.__cause__
             raise
     if engine.error is not None:
-        raise EngineDeadError(f"the engine stopped: {engine.error}") from engine.error
+        raise EngineDeadError(f"the engine stopped: {describe(engine.error)}") from engine.error
 
 
 @contextlib.contextmanager

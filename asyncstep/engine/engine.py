@@ -203,7 +203,7 @@ class Engine:
                 yield chunk
         if state.error is not None:
             raise EngineDeadError(
-                f"request {state.request_id} failed: {state.error}"
+                f"request {state.request_id} failed: {describe(state.error)}"
             ) from state.error
 
     def _abort_unfinished(self, state: RequestState) -> None:
@@ -215,7 +215,7 @@ class Engine:
 
     def _check_alive(self) -> None:
         if self._error is not None:
-            raise EngineDeadError(f"the engine stopped: {self._error}") from self._error
+            raise EngineDeadError(f"the engine stopped: {describe(self._error)}") from self._error
         if self._closed:
             raise EngineDeadError("the engine is closed")
 
@@ -272,8 +272,17 @@ class Engine:
                 started = True
                 task_status.started()
                 await self._step_loop(to_rank_tx, from_rank_rx)
-        except* Exception as group:
-            error = root_cause(group)
+        except BaseException as exc:
+            leaves = _leaves(exc)
+            cancelled = anyio.get_cancelled_exc_class()
+            if any(not isinstance(e, Exception | cancelled) for e in leaves):
+                # Ctrl-C (or SystemExit) reached a task: not an engine failure.
+                self._die(EngineDeadError("the engine was interrupted"))
+                raise
+            errors = [e for e in leaves if isinstance(e, Exception)]
+            if not errors:
+                raise  # plain cancellation: the engine is being closed
+            error = root_cause(exc)
             if not started:
                 raise error from error.__cause__
             self._die(error)
@@ -335,7 +344,7 @@ class Engine:
     def _die(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
-            log.error("engine stopped", error=repr(error))
+            log.error("engine stopped", error=describe(error))
 
 
 def _tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
@@ -351,6 +360,11 @@ def _leaves(error: BaseException) -> list[BaseException]:
     if isinstance(error, BaseExceptionGroup):
         return [leaf for e in error.exceptions for leaf in _leaves(e)]
     return [error]
+
+
+def describe(error: BaseException) -> str:
+    """An error in one line, its type when it says nothing itself."""
+    return str(error) or type(error).__name__
 
 
 def root_cause(error: BaseException) -> BaseException:

@@ -10,7 +10,7 @@ forward has completed).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import anyio
@@ -59,6 +59,9 @@ class PipeStage:
         self.pool = BufferPool(poison=poison, name=f"pp-rank{pp.rank}")
         self._lock = threading.Lock()
         self._releases: list[tuple[ReceivedTensors, torch.cuda.Event]] = []
+        #: Every send posted and not known complete, whoever holds it: a
+        #: cancellation between posting and hand-over cannot lose one.
+        self._posted: list[PendingSend] = []
 
     def warm_up(self) -> None:
         """Open the links to both neighbour stages (NCCL creates them lazily,
@@ -76,7 +79,7 @@ class PipeStage:
 
     def send(self, tensors: IntermediateTensors, step_id: int) -> PendingSend:
         """Post the non-blocking send of a step's intermediate tensors."""
-        return send_tensor_dict(
+        pending = send_tensor_dict(
             tensors,
             step_id=step_id,
             pool=self.pool,
@@ -84,6 +87,10 @@ class PipeStage:
             tp=self.tp,
             all_gather=self.all_gather_keys,
         )
+        with self._lock:
+            self._posted = [p for p in self._posted if not p.done]
+            self._posted.append(pending)
+        return pending
 
     def done_with(self, received: ReceivedTensors) -> None:
         """The forward that read ``received`` was launched: its buffers may go
@@ -103,11 +110,11 @@ class PipeStage:
         for received, _ in finished:
             received.release()
 
-    @staticmethod
-    async def drain(in_flight: Sequence[SendInFlight], timeout_s: float) -> int:
-        """Complete the sends still in flight (shielded, at most ``timeout_s``)."""
-        drained = await drain([s.pending for s in in_flight], timeout_s)
-        for send in in_flight:
-            if send.pending.done:
-                send.done.set()
-        return drained
+    async def drain(self, timeout_s: float) -> tuple[int, int]:
+        """Complete every send still in flight (shielded, at most
+        ``timeout_s``); returns (drained, in flight). Buffers of sends that
+        did not complete stay out of the pool."""
+        with self._lock:
+            in_flight = [p for p in self._posted if not p.done]
+        drained = await drain(in_flight, timeout_s) if in_flight else 0
+        return drained, len(in_flight)

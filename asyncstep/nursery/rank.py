@@ -215,24 +215,18 @@ class RankActor:
 
     async def _send_task(self, sends: MemoryObjectReceiveStream[SendInFlight]) -> None:
         """Completes each send in order and only then hands its buffers back.
-        Cancelled, it drains what is still in flight before leaving."""
-        current: SendInFlight | None = None
+        Cancelled, it first drains every send still in flight (the pipe keeps
+        them all, also one posted just before the cancellation)."""
         try:
             async with sends:
-                async for current in sends:
-                    await current.complete()
-                    current = None
+                async for in_flight in sends:
+                    await in_flight.complete()
         finally:
-            with anyio.CancelScope(shield=True):
-                in_flight = [] if current is None or current.done.is_set() else [current]
-                while True:
-                    try:
-                        in_flight.append(sends.receive_nowait())
-                    except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                        break
-                if in_flight:
-                    drained = await PipeStage.drain(in_flight, self.drain_timeout_s)
-                    log.info("pp sends drained", drained=drained, in_flight=len(in_flight))
+            if self.pipe is not None:
+                with anyio.CancelScope(shield=True):
+                    drained, posted = await self.pipe.drain(self.drain_timeout_s)
+                if posted:
+                    log.info("pp sends drained", drained=drained, in_flight=posted)
 
     # -- sampler task -----------------------------------------------------
 
