@@ -22,7 +22,7 @@ from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.api import make_config, open_engine
 from asyncstep.engine.engine import Engine, Prompt
 from asyncstep.engine.outputs import Completion
-from asyncstep.errors import AsyncstepError
+from asyncstep.errors import AsyncstepError, leaves
 from asyncstep.logging import configure_logging
 
 PROG = "asyncstep"
@@ -116,22 +116,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def exit_status(error: BaseException) -> int:
     """The exit status (and one stderr line) for an error a user can cause;
     Ctrl-C may arrive inside any task, so it can come wrapped in a group."""
-    leaves = _leaves(error)
-    if any(isinstance(e, KeyboardInterrupt) for e in leaves):
+    found = leaves(error)
+    if any(isinstance(e, KeyboardInterrupt) for e in found):
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    for leaf in leaves:
+    for leaf in found:
         # OSError: e.g. --log-json into a missing directory.
         if isinstance(leaf, AsyncstepError | OSError):
             print(f"{PROG}: error: {leaf}", file=sys.stderr)
             return 1
     raise error
-
-
-def _leaves(error: BaseException) -> list[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        return [leaf for e in error.exceptions for leaf in _leaves(e)]
-    return [error]
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -2,10 +2,13 @@
 
 Every error a user can cause (a bad request, a bad model file, a configuration
 that cannot work) is an :class:`AsyncstepError` with a one-line message; the
-CLI prints that line and exits non-zero, without a traceback. Imports nothing.
+CLI prints that line and exits non-zero, without a traceback. Also how to
+find the error that matters in a group of them. Imports only anyio.
 """
 
 from __future__ import annotations
+
+import anyio
 
 
 class AsyncstepError(Exception):
@@ -33,3 +36,25 @@ class UnsupportedModelError(ModelLoadError):
 
 class EngineDeadError(AsyncstepError):
     """The engine stopped (a rank failed, or it was closed): the request cannot finish."""
+
+
+#: Errors a task sees because another task died and closed a channel.
+CONSEQUENCES = (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError)
+
+
+def leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, in order."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in leaves(e)]
+    return [error]
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The first error of a group that is not a consequence of another."""
+    found = leaves(error)
+    return next((e for e in found if not isinstance(e, CONSEQUENCES)), found[0])
+
+
+def describe(error: BaseException) -> str:
+    """An error in one line, its type when it says nothing itself."""
+    return str(error) or type(error).__name__

@@ -18,9 +18,9 @@ from asyncstep.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from asyncstep.engine.engine import Engine, Executor, describe
+from asyncstep.engine.engine import Engine, Executor
 from asyncstep.engine.remote import RemoteRanks
-from asyncstep.errors import ConfigError, EngineDeadError
+from asyncstep.errors import ConfigError, EngineDeadError, describe
 from asyncstep.logging import get_logger
 from asyncstep.models.model_info import describe_model, validate_parallel_layout
 from asyncstep.models.model_loader import (

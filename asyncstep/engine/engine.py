@@ -23,7 +23,7 @@ from asyncstep.engine.outputs import Completion, CompletionChunk
 from asyncstep.engine.request import Request, RequestStatus
 from asyncstep.engine.request_state import RequestState
 from asyncstep.engine.scheduler import Scheduler
-from asyncstep.errors import EngineDeadError, InvalidRequestError
+from asyncstep.errors import EngineDeadError, InvalidRequestError, describe, leaves, root_cause
 from asyncstep.logging import get_logger
 from asyncstep.models.config import ModelArchConfig
 
@@ -273,13 +273,13 @@ class Engine:
                 task_status.started()
                 await self._step_loop(to_rank_tx, from_rank_rx)
         except BaseException as exc:
-            leaves = _leaves(exc)
+            found = leaves(exc)
             cancelled = anyio.get_cancelled_exc_class()
-            if any(not isinstance(e, Exception | cancelled) for e in leaves):
+            if any(not isinstance(e, Exception | cancelled) for e in found):
                 # Ctrl-C (or SystemExit) reached a task: not an engine failure.
                 self._die(EngineDeadError("the engine was interrupted"))
                 raise
-            errors = [e for e in leaves if isinstance(e, Exception)]
+            errors = [e for e in found if isinstance(e, Exception)]
             if not errors:
                 raise  # plain cancellation: the engine is being closed
             error = root_cause(exc)
@@ -350,24 +350,3 @@ class Engine:
 def _tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     return frozenset([eos]) if isinstance(eos, int) else frozenset()
-
-
-#: Errors a task sees because another task died and closed a channel.
-_CONSEQUENCES = (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError)
-
-
-def _leaves(error: BaseException) -> list[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        return [leaf for e in error.exceptions for leaf in _leaves(e)]
-    return [error]
-
-
-def describe(error: BaseException) -> str:
-    """An error in one line, its type when it says nothing itself."""
-    return str(error) or type(error).__name__
-
-
-def root_cause(error: BaseException) -> BaseException:
-    """The first error of a group that is not a consequence of another."""
-    leaves = _leaves(error)
-    return next((e for e in leaves if not isinstance(e, _CONSEQUENCES)), leaves[0])

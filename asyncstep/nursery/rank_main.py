@@ -44,6 +44,7 @@ from asyncstep.channels.control import (
 from asyncstep.channels.parallel_state import ParallelGroups, destroy_distributed, init_distributed
 from asyncstep.config import CacheConfig, ModelConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.errors import leaves, root_cause
 from asyncstep.logging import bind_rank, configure_logging, get_logger
 from asyncstep.models.model_loader import LoadedModel, load_model
 from asyncstep.nursery.pipe import PipeStage
@@ -96,10 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     identity = RankIdentity(args.rank, args.world_size, args.local_rank)
     bind_rank(identity.rank)
     try:
-        code = trio.run(serve_rank, args.engine, identity, args.exit_grace)
-    except KeyboardInterrupt:
-        code = 130
-    return code
+        return trio.run(serve_rank, args.engine, identity, args.exit_grace)
+    except BaseException as exc:
+        # Ctrl-C in a terminal reaches every rank of its process group too.
+        if any(isinstance(e, KeyboardInterrupt) for e in leaves(exc)):
+            return 130
+        raise
 
 
 async def serve_rank(engine_address: str, identity: RankIdentity, exit_grace: float) -> int:
@@ -112,7 +115,7 @@ async def serve_rank(engine_address: str, identity: RankIdentity, exit_grace: fl
         _exit_soon(exit_grace)
         return 1
     except Exception as exc:
-        error = root_error(exc)
+        error = root_cause(exc)
         log.debug("rank failed", error=repr(error), traceback=traceback.format_exc())
         with anyio.move_on_after(2, shield=True):
             await stream.send(RankFailed(identity.rank, f"{type(error).__name__}: {error}"))
@@ -263,12 +266,6 @@ def _rank_device(name: str, local_rank: int) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank)
     return device
-
-
-def root_error(error: BaseException) -> BaseException:
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
 
 
 def _exit_soon(grace: float) -> None:
