@@ -24,6 +24,7 @@ from asyncstep.engine.engine import Engine, Prompt
 from asyncstep.engine.outputs import Completion
 from asyncstep.errors import AsyncstepError, leaves
 from asyncstep.logging import configure_logging
+from asyncstep.logging.trace import add_trace_parser
 
 PROG = "asyncstep"
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text for prompts")
+    add_trace_parser(commands)
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts (default: stdin lines)")
     model = gen.add_argument_group("model")
     model.add_argument(
@@ -63,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine = gen.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="async scheduling: launch step N+1 while step N is sampled (--no-overlap: "
+        "one step at a time, for ablation and debugging)",
+    )
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument(
         "--kv-cache-memory",
@@ -91,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     out = gen.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     out.add_argument(
-        "--log-json", metavar="FILE", help="write every log event (steps too) as JSON lines"
+        "--log-json",
+        metavar="FILE",
+        help="write every log event (step-timeline spans too) as JSON lines; started ranks "
+        "write FILE.rank<N> (read them with: asyncstep trace FILE FILE.rank* -o trace.json)",
     )
     out.add_argument(
         "-v", "--verbose", action="count", default=0, help="log to stderr: -v info, -vv every step"
@@ -101,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if (handler := getattr(args, "handler", None)) is not None:
+        return int(handler(args))  # a subcommand with its own handler (trace)
     args.log_level = ("warning", "info", "debug")[min(args.verbose, 2)]
     try:
         configure_logging(args.log_level, args.log_json)
@@ -162,6 +176,8 @@ async def generate_all(args: argparse.Namespace, prompts: list[str], params: Sam
         launch_ranks=not args.external_ranks,
         listen=args.listen,
         rank_log_level=args.log_level,
+        rank_log_json=args.log_json,
+        async_scheduling=args.overlap,
     )
     with LoadProgress() as progress:
         async with open_engine(config=config, progress=progress.update) as engine:

@@ -85,6 +85,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     #: Filled in from the model when the engine starts.
     max_model_len: int = 0
+    #: Overlap: schedule one step ahead (the forward of step N+1 runs while
+    #: step N is sampled and delivered). False runs steps one at a time.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -118,6 +121,9 @@ class ParallelConfig:
     listen: str = "127.0.0.1:0"
     #: Console log level of the rank processes.
     rank_log_level: str = "warning"
+    #: Started ranks write every event (step-timeline spans too) as JSON lines
+    #: to ``<rank_log_json>.rank<N>``.
+    rank_log_json: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -137,3 +143,18 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def batch_queue_size(self) -> int:
+        """Steps the engine keeps in flight: 1 without overlap, else
+        ``max(2, pp_size)`` (every pipeline stage busy)."""
+        if not self.scheduler.async_scheduling:
+            return 1
+        return max(2, self.parallel.pipeline_parallel_size)
+
+    @property
+    def uses_output_placeholders(self) -> bool:
+        """Async scheduling over output placeholders: the runners keep sampled
+        ids on the device for the next step. One pipeline stage only: with
+        pipeline parallelism the first stage needs every token's id."""
+        return self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size == 1

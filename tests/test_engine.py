@@ -111,6 +111,7 @@ async def test_cancelled_caller_aborts_its_request(tiny_model: LoadedModel) -> N
                 if received >= 3:
                     scope.cancel()
         assert scope.cancelled_caught
+        await engine.wait_idle()  # the aborted request's blocks wait for its steps in flight
         stats = engine.statistics()
         assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
         # generate() cancelled while waiting aborts too.

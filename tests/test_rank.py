@@ -29,6 +29,8 @@ class ScriptedRunner:
 
     num_kv_blocks = 0
     device = torch.device("cpu")
+    async_scheduling = False
+    last_step_events = None
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -40,7 +42,11 @@ class ScriptedRunner:
         self.fail_on_sample: int | None = None
 
     def execute_model(
-        self, so: SchedulerOutput, intermediate_tensors: object = None
+        self,
+        so: SchedulerOutput,
+        intermediate_tensors: object = None,
+        *,
+        on_forward_start: object = None,
     ) -> ModelRunnerOutput | None:
         if self.pending is not None:
             raise RuntimeError(REENTRY_ERROR)
@@ -162,7 +168,9 @@ class FirstStageRunner(ScriptedRunner):
 
     model = _Model()
 
-    def execute_model(self, so: SchedulerOutput, intermediate_tensors: object = None) -> Any:
+    def execute_model(
+        self, so: SchedulerOutput, intermediate_tensors: object = None, **_: object
+    ) -> Any:
         self.calls.append(f"execute {so.step_id}")
         return IntermediateTensors(stage_tensors(so.step_id))
 

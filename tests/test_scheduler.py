@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -156,6 +157,7 @@ def make_scheduler(
     chunked: bool = True,
     max_model_len: int = 128,
     prefix_caching: bool = True,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -166,7 +168,14 @@ def make_scheduler(
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_blocks,
+        async_scheduling=async_scheduling,
     )
+
+
+#: How the engine drives the scheduler: (async_scheduling, batch queue depth).
+#: "sync": one step at a time; "async": one step ahead with output
+#: placeholders; "pipeline": three steps in flight, no placeholders (PP = 3).
+MODES = {"sync": (False, 1), "async": (True, 2), "pipeline": (False, 3)}
 
 
 def make_request(
@@ -215,9 +224,13 @@ def check_kv_accounting(sched: Scheduler) -> None:
     kv = sched.kv_cache_manager
     pool = kv.block_pool
     holders = [0] * kv.num_blocks
-    for request in sched.requests.values():
+    finishing = sched._finishing.values()
+    assert all(r.is_finished and r.num_in_flight_steps > 0 for r in finishing)
+    for request in [*sched.requests.values(), *finishing]:
         ids = kv.get_block_ids(request.request_id)
-        if request.status == RequestStatus.RUNNING:
+        if request.is_finished:
+            pass  # held until its steps in flight are back
+        elif request.status == RequestStatus.RUNNING:
             assert len(ids) == cdiv(request.num_computed_tokens, kv.block_size)
         else:
             assert ids == []
@@ -243,22 +256,35 @@ def drive(
     arrivals: dict[int, list[Request]] | None = None,
     aborts: dict[int, list[str]] | None = None,
     max_steps: int = 5000,
+    depth: int = 1,
 ) -> Run:
-    """Run the engine loop until everything finished and was reported to the runner."""
+    """Run the engine loop until everything finished and was reported to the runner.
+
+    ``depth`` is the engine's batch queue: with 1 each iteration schedules a
+    step and takes its output; with more, an iteration either schedules one
+    more step (the runner executes it at once, in order) or takes the output
+    of the oldest step in flight, as the engine does.
+    """
     arrivals = dict(arrivals or {})
     aborts = dict(aborts or {})
     run = Run()
+    in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     for step in range(max_steps):
         for request in arrivals.pop(step, []):
             sched.add_request(request)
         sched.finish_requests(aborts.pop(step, []), RequestStatus.FINISHED_ABORTED)
-        if not sched.has_requests() and not arrivals:
+        if not sched.has_requests() and not arrivals and not in_flight:
             break
-        out = sched.schedule()
-        check_step(sched, out)
-        run.outputs.append(out)
-        run.finished_reported.extend(out.finished_req_ids)
-        core = sched.update_from_output(out, runner.execute(out))
+        if len(in_flight) < depth and (sched.has_work_to_schedule() or not in_flight):
+            out = sched.schedule()
+            check_step(sched, out)
+            run.outputs.append(out)
+            run.finished_reported.extend(out.finished_req_ids)
+            in_flight.append((out, runner.execute(out)))
+            if len(in_flight) < depth:
+                continue
+        out, runner_output = in_flight.popleft()
+        core = sched.update_from_output(out, runner_output)
         run.core_outputs.append(core)
         for req_id, co in core.items():
             assert co.new_token_ids or co.finished
@@ -677,6 +703,7 @@ def test_identical_prompt_never_hits_the_whole_prompt(length: int) -> None:
     assert 0 < hit < length and hit % 4 == 0
     assert out.num_scheduled_tokens == {"again": length - hit}
     sched.finish_requests("again", RequestStatus.FINISHED_ABORTED)
+    sched.update_from_output(out, EMPTY_MODEL_RUNNER_OUTPUT)  # the step came back
     sched.schedule()
     assert_all_blocks_free(sched)
 
@@ -752,12 +779,15 @@ def test_statistics() -> None:
     sched = make_scheduler(num_blocks=10, max_num_seqs=1)
     sched.add_request(make_request("a", prompt_of(1, 6)))
     sched.add_request(make_request("b", prompt_of(2, 6)))
-    sched.schedule()
+    out = sched.schedule()
     stats = sched.statistics()
     assert (stats.step_id, stats.num_running_reqs, stats.num_waiting_reqs) == (1, 1, 1)
     assert stats.kv_cache.num_free_blocks == 8
     assert stats.kv_cache_usage == pytest.approx(0.2)
     sched.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    # "a" is in a step in flight: its blocks are held until that step is back.
+    assert sched.statistics().kv_cache_usage == pytest.approx(0.2)
+    sched.update_from_output(out, FakeRunner(4).execute(out))
     assert sched.statistics().kv_cache_usage == 0.0
 
 
@@ -774,7 +804,7 @@ request_spec = st.tuples(
 
 
 @settings(
-    max_examples=400,
+    max_examples=250,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     derandomize=True,
@@ -788,7 +818,9 @@ request_spec = st.tuples(
     chunked=st.booleans(),
     prefix_caching=st.booleans(),
 )
+@pytest.mark.parametrize("mode", list(MODES))
 def test_random_traffic_never_leaks_and_matches_the_reference(
+    mode: str,
     specs: list[tuple[int, int, int, int, int | None, bool]],
     num_blocks: int,
     budget: int,
@@ -800,7 +832,9 @@ def test_random_traffic_never_leaks_and_matches_the_reference(
     if not chunked:
         budget = max(budget, 20)  # every prompt must fit one step
     token_fn = hash_token_fn(vocab=40)  # small vocabulary: EOS (0) happens
+    async_scheduling, depth = MODES[mode]
     sched = make_scheduler(
+        async_scheduling=async_scheduling,
         num_blocks=num_blocks,
         block_size=block_size,
         budget=budget,
@@ -824,7 +858,7 @@ def test_random_traffic_never_leaks_and_matches_the_reference(
         arrivals.setdefault(arrive, []).append(req)
         if abort is not None:
             aborts.setdefault(max(abort, arrive), []).append(req.request_id)
-    run = drive(sched, FakeRunner(block_size, token_fn), arrivals, aborts)
+    run = drive(sched, FakeRunner(block_size, token_fn), arrivals, aborts, depth=depth)
     max_seq_len = min(max_model_len, num_blocks * block_size)
     for req in reqs:
         want, reason, stop_reason = reference(req, max_seq_len, token_fn)
@@ -836,3 +870,81 @@ def test_random_traffic_never_leaks_and_matches_the_reference(
         else:
             assert (got, run.finish[req.request_id]) == (want, reason)
             assert run.stop_reason[req.request_id] == stop_reason
+
+
+# -- several steps in flight: async scheduling and pipeline parallelism ----------------
+
+
+def test_async_scheduling_schedules_the_next_step_over_a_placeholder() -> None:
+    sched = make_scheduler(async_scheduling=True)
+    runner = FakeRunner(4)
+    a = make_request("a", prompt_of(1, 5), max_tokens=3)
+    sched.add_request(a)
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"a": 5}
+    assert a.num_output_placeholders == 1
+    # Step 1 is scheduled before step 0's token is known: it computes that token.
+    second = sched.schedule()
+    assert second.num_scheduled_tokens == {"a": 1}
+    assert (a.num_output_placeholders, a.num_computed_tokens, a.num_tokens) == (2, 6, 5)
+    out0, out1 = runner.execute(first), runner.execute(second)
+    sched.update_from_output(first, out0)
+    third = sched.schedule()
+    assert third.num_scheduled_tokens == {"a": 1}
+    # Three tokens are due (max_tokens): one known, two in flight: nothing to schedule.
+    assert (a.num_output_tokens, a.num_output_placeholders) == (1, 2)
+    assert not sched.has_work_to_schedule()
+    sched.update_from_output(second, out1)
+    sched.update_from_output(third, runner.execute(third))
+    run = drive(sched, runner, depth=2)
+    assert a.output_token_ids == reference(a, 128)[0]
+    assert run.finished_reported == ["a"] and not run.outputs[-1].num_scheduled_tokens
+
+
+def test_late_stop_drops_the_extra_token_and_frees_blocks_after_its_step() -> None:
+    sched = make_scheduler(async_scheduling=True)
+    a = make_request("a", prompt_of(1, 5), max_tokens=10)
+    # The second sampled token is a stop token.
+    stop = reference(a, 128)[0][1]
+    a.sampling_params = SamplingParams(max_tokens=10, stop_token_ids=[stop])
+    runner = FakeRunner(4)
+    sched.add_request(a)
+    steps = [sched.schedule(), sched.schedule()]
+    outputs = [runner.execute(s) for s in steps]
+    sched.update_from_output(steps[0], outputs[0])
+    steps.append(sched.schedule())  # the third step samples past the stop
+    outputs.append(runner.execute(steps[2]))
+    core = sched.update_from_output(steps[1], outputs[1])
+    assert core["a"].finish_reason == FinishReason.STOP and core["a"].stop_reason == stop
+    # Its blocks stay with the step in flight; it is not reported finished yet.
+    assert sched.kv_cache_manager.get_block_ids("a") != []
+    assert not sched.schedule().finished_req_ids
+    assert sched.update_from_output(steps[2], outputs[2]) == {}  # the extra token is dropped
+    assert a.output_token_ids == reference(a, 128)[0][:2]
+    assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks
+    assert sched.schedule().finished_req_ids == ["a"]
+
+
+def test_pipeline_mode_waits_for_a_token_before_scheduling_its_request_again() -> None:
+    sched = make_scheduler(budget=5)
+    a, b = make_request("a", prompt_of(1, 5)), make_request("b", prompt_of(2, 5))
+    sched.add_request(a)
+    sched.add_request(b)
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"a": 5}
+    # While step 0 is in flight, b's prompt goes in the second step, not a's decode.
+    second = sched.schedule()
+    assert second.num_scheduled_tokens == {"b": 5}
+    assert not sched.has_work_to_schedule()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_abort_with_steps_in_flight_frees_blocks_once_they_are_back(mode: str) -> None:
+    async_scheduling, depth = MODES[mode]
+    sched = make_scheduler(async_scheduling=async_scheduling, budget=8)
+    reqs = [make_request(f"r{i}", prompt_of(i, 6), max_tokens=6) for i in range(4)]
+    run = drive(sched, FakeRunner(4), {0: reqs}, {3: ["r0", "r2"]}, depth=depth)
+    assert run.finished_reported.count("r0") == 1
+    for req in reqs:
+        want = reference(req, 128)[0]
+        assert req.output_token_ids == want[: len(req.output_token_ids)]

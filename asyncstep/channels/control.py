@@ -44,6 +44,8 @@ class RankSpec(msgspec.Struct, frozen=True):
     tensor_parallel_size: int
     pipeline_parallel_size: int
     sequence_parallel: bool
+    #: The runner keeps sampled ids on the device for the next step.
+    async_scheduling: bool = False
 
 
 class Hello(msgspec.Struct, frozen=True, tag=True):

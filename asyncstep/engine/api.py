@@ -52,12 +52,14 @@ def make_config(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     enable_chunked_prefill: bool = True,
+    async_scheduling: bool = True,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     sequence_parallel: bool = False,
     launch_ranks: bool = True,
     listen: str = "127.0.0.1:0",
     rank_log_level: str = "warning",
+    rank_log_json: str | None = None,
 ) -> EngineConfig:
     """An :class:`EngineConfig` from flat keyword options (``open_engine``'s)."""
     return EngineConfig(
@@ -69,7 +71,12 @@ def make_config(
             gpu_memory_utilization,
             enable_prefix_caching,
         ),
-        scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens,
+            max_num_seqs,
+            enable_chunked_prefill,
+            async_scheduling=async_scheduling,
+        ),
         parallel=ParallelConfig(
             tensor_parallel_size,
             pipeline_parallel_size,
@@ -77,6 +84,7 @@ def make_config(
             launch_ranks,
             listen,
             rank_log_level,
+            rank_log_json,
         ),
     )
 
@@ -181,6 +189,7 @@ def remote_ranks(config: EngineConfig) -> RemoteRanks:
         tensor_parallel_size=parallel.tensor_parallel_size,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
+        async_scheduling=config.uses_output_placeholders,
     )
     host, _, port = parallel.listen.rpartition(":")
     return RemoteRanks(
@@ -189,6 +198,7 @@ def remote_ranks(config: EngineConfig) -> RemoteRanks:
         listen_host=host,
         listen_port=int(port),
         log_level=parallel.rank_log_level,
+        log_json=parallel.rank_log_json,
     )
 
 
@@ -200,6 +210,7 @@ def _build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         max_model_len=config.scheduler.max_model_len,
         max_num_reqs=config.scheduler.max_num_seqs,
         block_size=config.cache.block_size,
+        async_scheduling=config.uses_output_placeholders,
     )
     num_blocks = num_kv_blocks(
         config.cache,

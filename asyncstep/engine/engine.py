@@ -2,6 +2,13 @@
 states, sends each step's :class:`SchedulerOutput` to the rank and feeds the
 :class:`ModelRunnerOutput` back, then detokenizes and hands out chunks.
 
+The step loop keeps a **batch queue** of steps in flight (vLLM's
+``step_with_batch_queue``): while it holds fewer than its depth and the
+scheduler has work, it schedules and sends one more step; otherwise it takes
+the oldest step's output. Depth 1 without overlap (one step at a time), 2
+with async scheduling (step N+1 is on the ranks while step N is sampled and
+processed here), ``pp_size`` with pipeline parallelism (every stage busy).
+
 Everything here runs on the caller's event loop (Trio, or asyncio through
 AnyIO); :func:`asyncstep.open_engine` starts it.
 """
@@ -9,6 +16,7 @@ AnyIO); :func:`asyncstep.open_engine` starts it.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -25,6 +33,7 @@ from asyncstep.engine.request_state import RequestState
 from asyncstep.engine.scheduler import Scheduler
 from asyncstep.errors import EngineDeadError, InvalidRequestError, describe, leaves, root_cause
 from asyncstep.logging import get_logger
+from asyncstep.logging.spans import now_us, record_span, span
 from asyncstep.models.config import ModelArchConfig
 
 if TYPE_CHECKING:
@@ -87,6 +96,8 @@ class Engine:
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._wakeup = anyio.Event()
+        #: Set while the step loop has nothing in flight and nothing to schedule.
+        self._idle = anyio.Event()
         self._error: BaseException | None = None
         self._closed = False
         self._closing = False
@@ -138,6 +149,13 @@ class Engine:
         state = self._requests.get(request_id)
         if state is not None:
             self._abort_unfinished(state)
+
+    async def wait_idle(self) -> None:
+        """Wait until no step is in flight and nothing is left to schedule:
+        aborted and finished requests have given back their blocks (they
+        wait for the steps in flight that use them)."""
+        self._check_alive()
+        await self._idle.wait()
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text as ``tokenizer(text).input_ids``, chat
@@ -263,11 +281,13 @@ class Engine:
         try:
             async with anyio.create_task_group() as tg:
                 num_blocks = await tg.start(self.executor.run, to_rank_rx, from_rank_tx)
+                pp = self.config.parallel.pipeline_parallel_size
                 self.scheduler = Scheduler(
                     self.config.scheduler,
                     self.config.cache,
                     num_blocks,
-                    send_new_token_ids=self.config.parallel.pipeline_parallel_size > 1,
+                    send_new_token_ids=pp > 1,
+                    async_scheduling=self.config.uses_output_placeholders,
                 )
                 started = True
                 task_status.started()
@@ -314,17 +334,36 @@ class Engine:
         to_rank: MemoryObjectSendStream[SchedulerOutput],
         from_rank: MemoryObjectReceiveStream[ModelRunnerOutput],
     ) -> None:
+        in_flight: deque[SchedulerOutput] = deque()
+        depth = self.config.batch_queue_size
         async with to_rank, from_rank:
-            while not self._closing:
-                while not self.scheduler.has_requests() and not self._closing:
+            # Closing: schedule nothing more, but take the outputs in flight.
+            while not (self._closing and not in_flight):
+                if (
+                    not self._closing
+                    and len(in_flight) < depth
+                    and self.scheduler.has_work_to_schedule()
+                ):
+                    start_us = now_us()
+                    scheduler_output = self.scheduler.schedule()
+                    record_span(
+                        "schedule",
+                        "engine",
+                        start_us,
+                        now_us() - start_us,
+                        step=scheduler_output.step_id,
+                    )
+                    await to_rank.send(scheduler_output)
+                    in_flight.append(scheduler_output)
+                elif in_flight:
+                    output = await from_rank.receive()
+                    with span("update", "engine", step=in_flight[0].step_id):
+                        self._process_output(in_flight.popleft(), output)
+                else:
+                    self._idle.set()
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()
-                if self._closing:
-                    break
-                scheduler_output = self.scheduler.schedule()
-                await to_rank.send(scheduler_output)
-                output = await from_rank.receive()
-                self._process_output(scheduler_output, output)
+                    self._idle = anyio.Event()
 
     def _process_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
         for req_id, news in self.scheduler.update_from_output(scheduler_output, output).items():

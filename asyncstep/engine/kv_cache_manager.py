@@ -285,7 +285,9 @@ class KVCacheManager:
     def _cache_computed_blocks(self, request: Request, blocks: list[KVBlock]) -> None:
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        # Placeholder tokens (async scheduling) have no ids yet: hash known tokens only.
+        num_known = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_known // self.block_size, len(blocks))
         start = self._num_cached[request.request_id]
         if num_full <= start:
             return

@@ -65,6 +65,8 @@ class RemoteRanks:
     #: Seconds ranks get to exit after Shutdown before they are terminated.
     exit_timeout_s: float = 10.0
     log_level: str = "warning"
+    #: Each started rank logs JSON lines to ``<log_json>.rank<N>``.
+    log_json: str | None = None
     #: RankReady of every rank, once they are ready.
     ready: list[RankReady] = field(default_factory=list)
     _processes: dict[int, Process] = field(default_factory=dict)
@@ -147,6 +149,8 @@ class RemoteRanks:
                 "--log-level",
                 self.log_level,
             ]
+            if self.log_json is not None:
+                command += ["--log-json", f"{self.log_json}.rank{rank}"]
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
             process = await anyio.open_process(
                 command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None, env=env

@@ -49,7 +49,9 @@ class Request:
 
     ``num_computed_tokens`` counts the leading tokens of :attr:`all_token_ids`
     whose KV the cache holds (or will hold once the step that scheduled them
-    has run: the scheduler advances it in ``schedule()``). ``block_hashes`` is
+    has run: the scheduler advances it in ``schedule()``); with async
+    scheduling it may run ``num_output_placeholders`` past them (the steps in
+    flight compute tokens whose ids come back later). ``block_hashes`` is
     the chain of hashes of the full blocks of :attr:`all_token_ids`, filled in
     lazily by the KV cache manager (it outlives a preemption).
     """
@@ -61,6 +63,8 @@ class Request:
         "block_hashes",
         "eos_token_ids",
         "num_computed_tokens",
+        "num_in_flight_steps",
+        "num_output_placeholders",
         "num_preemptions",
         "output_token_ids",
         "prompt_token_ids",
@@ -87,6 +91,11 @@ class Request:
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        #: Tokens sampled by steps in flight whose ids the engine does not
+        #: know yet (async scheduling schedules the next step over them).
+        self.num_output_placeholders = 0
+        #: Steps sent to the ranks that include this request, output not back yet.
+        self.num_in_flight_steps = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

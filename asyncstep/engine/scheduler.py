@@ -9,8 +9,28 @@ library, msgspec and ``asyncstep.datatypes`` / ``asyncstep.config`` /
 One loop, no prefill/decode phases: every step hands each request the tokens
 it lacks (``num_tokens - num_computed_tokens``: a prompt chunk, a whole prompt,
 or the one token sampled last), within a token budget. The engine calls
-``schedule()``, runs the model on the result, then ``update_from_output()``;
-steps do not overlap (``schedule()`` advances ``num_computed_tokens`` at once).
+``schedule()``, sends the result to the ranks, and later
+``update_from_output()`` with that step's output; ``schedule()`` advances
+``num_computed_tokens`` at once, so several steps may be in flight (the
+engine's batch queue):
+
+* **Async scheduling** (``async_scheduling=True``, one pipeline stage): a step
+  that samples for a request leaves an *output placeholder*; the next step
+  may already compute that token (the ranks take its id from the device, where
+  the sampler left it), so the forward of step N+1 is launched before the
+  engine knows step N's tokens. A request with placeholders is not scheduled
+  past ``max_tokens``. A stop found in step N's output therefore comes one
+  step late: the token step N+1 sampled for that request is dropped.
+* **Pipeline parallelism** (``async_scheduling=False``, several steps in
+  flight): the first stage needs each token's id, so a request is scheduled
+  again only once its last token is back; steps in flight hold different
+  requests (or prompt chunks) and keep every stage busy.
+* A request that finishes (stop, length, abort) while steps that include it
+  are in flight keeps its blocks until those steps' outputs are back, and is
+  reported in ``finished_req_ids`` only then. A preempted request frees its
+  blocks at once (each rank runs its steps in order, so a step in flight has
+  written them before a later step can reuse them) but is not resumed while
+  a step that includes it is in flight.
 
 Conventions the runner relies on:
 
@@ -120,6 +140,7 @@ class Scheduler:
         num_blocks: int,
         *,
         send_new_token_ids: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         if scheduler_config.max_model_len <= 0:
             raise ConfigError(
@@ -128,6 +149,7 @@ class Scheduler:
             )
         self.scheduler_config = scheduler_config
         self.send_new_token_ids = send_new_token_ids
+        self.async_scheduling = async_scheduling
         #: request id -> output tokens already sent to the ranks (new_token_ids).
         self._num_output_tokens_sent: dict[str, int] = {}
         self.cache_config = cache_config
@@ -145,6 +167,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        #: Ended requests whose blocks wait for their steps in flight.
+        self._finishing: dict[str, Request] = {}
         self.step_id = 0
         self.num_preemptions = 0
 
@@ -170,9 +194,7 @@ class Scheduler:
         ended = [self.requests[i] for i in ids if i in self.requests]
         if not ended:
             return
-        ended_ids = {r.request_id for r in ended}
-        self.running = [r for r in self.running if r.request_id not in ended_ids]
-        self.waiting = deque(r for r in self.waiting if r.request_id not in ended_ids)
+        self._remove_from_queues({r.request_id for r in ended})
         for request in ended:
             request.status = status
             self._release(request)
@@ -189,6 +211,16 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def has_work_to_schedule(self) -> bool:
+        """Whether ``schedule()`` now has anything to do: finished requests to
+        report, a running request with tokens to compute, or room to admit a
+        waiting one."""
+        if self.finished_req_ids:
+            return True
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return True
+        return any(self._num_uncomputed(r, r.num_computed_tokens) > 0 for r in self.running)
 
     def statistics(self) -> SchedulerStats:
         return SchedulerStats(
@@ -216,7 +248,11 @@ class Scheduler:
             self._schedule_waiting(plan)
         output = self._build_output(plan)
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            request.num_in_flight_steps += 1
+            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens:
+                request.num_output_placeholders += 1  # this step samples for it
         self.finished_req_ids = set()
         self.step_id += 1
         return output
@@ -264,6 +300,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_in_flight_steps:
+                break  # preempted with a step in flight: resume once its output is back
             _, num_computed = kv.get_computed_blocks(request)
             num_new = self._num_tokens_to_schedule(request, num_computed, plan.token_budget)
             request.num_computed_tokens = num_computed
@@ -288,12 +326,23 @@ class Scheduler:
         a preempted request grown longer than the whole budget: it is
         recomputed in chunks, as it could never run again otherwise.
         """
-        num_new = request.num_tokens - num_computed
+        num_new = self._num_uncomputed(request, num_computed)
         num_new = min(num_new, self.max_model_len - num_computed)
         if num_new > budget:
             chunkable = self.enable_chunked_prefill or num_new > self.max_num_batched_tokens
             num_new = budget if chunkable else 0
         return max(num_new, 0)
+
+    def _num_uncomputed(self, request: Request, num_computed: int) -> int:
+        """Tokens the request lacks, counting its placeholders; 0 when the
+        tokens in flight already end it (``max_tokens`` or the context)."""
+        placeholders = request.num_output_placeholders
+        if placeholders and (
+            request.num_output_tokens + placeholders >= request.sampling_params.max_tokens
+            or request.num_tokens + placeholders >= self.max_seq_len
+        ):
+            return 0
+        return request.num_tokens + placeholders - num_computed
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         new_reqs = [
@@ -348,16 +397,17 @@ class Scheduler:
         stopped: list[Request] = []
         index_of = model_runner_output.req_id_to_index
         for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            index = index_of.get(req_id)
-            if request is None or index is None or request.status != RequestStatus.RUNNING:
+            request = self.requests.get(req_id) or self._finishing.get(req_id)
+            if request is None:
                 continue
-            sampled = model_runner_output.sampled_token_ids[index]
-            if not sampled:
-                continue  # a prompt chunk that is not the last
+            index = index_of.get(req_id)
+            sampled = model_runner_output.sampled_token_ids[index] if index is not None else []
+            self._step_returned(request, len(sampled))
+            if request.is_finished or not sampled:
+                continue  # ended (the token of a late stop is dropped), or a prompt chunk
             new_token_ids = self._append_until_stop(request, sampled)
             logprobs = None
-            if model_runner_output.logprobs is not None:
+            if model_runner_output.logprobs is not None and index is not None:
                 logprobs = model_runner_output.logprobs[index][: len(new_token_ids)]
             if request.is_finished:
                 stopped.append(request)
@@ -369,8 +419,9 @@ class Scheduler:
                 new_logprobs=logprobs,
             )
         if stopped:
-            stopped_ids = {r.request_id for r in stopped}
-            self.running = [r for r in self.running if r.request_id not in stopped_ids]
+            # A request preempted with a step in flight may stop from that step's
+            # token: it waits in the queue, not among the running ones.
+            self._remove_from_queues({r.request_id for r in stopped})
             for request in stopped:
                 self._release(request)
         return outputs
@@ -400,11 +451,31 @@ class Scheduler:
 
     # -- helpers ---------------------------------------------------------------
 
+    def _remove_from_queues(self, request_ids: set[str]) -> None:
+        self.running = [r for r in self.running if r.request_id not in request_ids]
+        if any(r.request_id in request_ids for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if r.request_id not in request_ids)
+
+    def _step_returned(self, request: Request, num_sampled: int) -> None:
+        """A step that included ``request`` is back: settle its accounting."""
+        request.num_in_flight_steps -= 1
+        request.num_output_placeholders = max(request.num_output_placeholders - num_sampled, 0)
+        if request.is_finished and request.num_in_flight_steps == 0:
+            self._finishing.pop(request.request_id, None)
+            self._free_finished(request)
+
     def _release(self, request: Request) -> None:
-        """Forget a finished request: free its blocks, report it to the runner next step."""
-        self.kv_cache_manager.free(request)
+        """Forget a finished request: free its blocks (once no step in flight
+        uses them) and report it to the runner in the next step."""
         del self.requests[request.request_id]
         self._num_output_tokens_sent.pop(request.request_id, None)
+        if request.num_in_flight_steps:
+            self._finishing[request.request_id] = request
+        else:
+            self._free_finished(request)
+
+    def _free_finished(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
 
     def _check_fits(self, request: Request) -> None:

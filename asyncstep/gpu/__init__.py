@@ -4,6 +4,31 @@ later CUDA graphs and Triton kernels.
 May import torch, triton, trio/anyio.
 """
 
+from asyncstep.gpu.stream import (
+    CpuEvent,
+    CudaEvent,
+    DeviceClock,
+    HostStream,
+    HostStreamStatistics,
+    StreamEvent,
+    await_future,
+    cuda_waiter,
+    record_event,
+)
 from asyncstep.gpu.work import PendingWork, is_cuda, wait_cuda_event, wait_work
 
-__all__ = ["PendingWork", "is_cuda", "wait_cuda_event", "wait_work"]
+__all__ = [
+    "CpuEvent",
+    "CudaEvent",
+    "DeviceClock",
+    "HostStream",
+    "HostStreamStatistics",
+    "PendingWork",
+    "StreamEvent",
+    "await_future",
+    "cuda_waiter",
+    "is_cuda",
+    "record_event",
+    "wait_cuda_event",
+    "wait_work",
+]

@@ -52,6 +52,8 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 
+from asyncstep.gpu.stream import await_future, cuda_waiter
+
 __all__ = ["PendingWork", "is_cuda", "wait_cuda_event", "wait_work"]
 
 
@@ -188,14 +190,19 @@ async def wait_work(work: dist.Work, *, device: torch.device | str | None = None
 async def wait_cuda_event(event: torch.cuda.Event) -> None:
     """Wait until ``event`` completed, without blocking the event loop.
 
-    Uses a worker thread that calls ``event.synchronize()``; create the event
-    with ``blocking=True`` so the thread sleeps (and releases the GIL) rather
-    than spinning. Shielded like :func:`wait_work`: a cancellation is delivered
-    after the event completed.
+    ``event.synchronize()`` runs in the event's device's long-lived waiter
+    thread (:func:`~asyncstep.gpu.stream.cuda_waiter`, shared by the events
+    waited here, one after the other), and the loop is woken by the future's
+    done-callback (:func:`~asyncstep.gpu.stream.await_future`). Create the
+    event with ``blocking=True`` so the thread sleeps (and releases the GIL)
+    rather than spinning. Shielded like :func:`wait_work`: a cancellation is
+    delivered after the event completed.
     """
     if event.query():
         await anyio.lowlevel.checkpoint()
         return
-    with anyio.CancelScope(shield=True):
-        await anyio.to_thread.run_sync(event.synchronize)
-    await anyio.lowlevel.checkpoint_if_cancelled()
+    # Recorded events know their device; the current one otherwise (any
+    # thread may synchronize any device's event: this only picks the thread).
+    device = getattr(event, "device", None)
+    future = cuda_waiter(device).submit(event.synchronize)
+    await await_future(future, shield=True)

@@ -52,6 +52,7 @@ def configure_logging(
         renderer = structlog.dev.ConsoleRenderer(colors=_isatty(out))
         handler.setFormatter(structlog.stdlib.ProcessorFormatter(processor=renderer))
         handler.setLevel(level.upper())
+        handler.addFilter(_not_spans)  # step-timeline spans go to the JSON file only
         logger.addHandler(handler)
         levels.append(handler.level)
     if json_file is not None:
@@ -63,6 +64,15 @@ def configure_logging(
         logger.addHandler(file_handler)
         levels.append(logging.DEBUG)
     logger.setLevel(min(levels) if levels else logging.CRITICAL + 1)
+    # Spans (asyncstep.logging.spans) are recorded only when a JSON file takes them.
+    logging.getLogger(_TRACE_LOGGER).setLevel(logging.NOTSET if json_file else logging.INFO)
+
+
+_TRACE_LOGGER = f"{LOGGER_NAME}.trace"
+
+
+def _not_spans(record: logging.LogRecord) -> bool:
+    return record.name != _TRACE_LOGGER
 
 
 def _isatty(stream: Any) -> bool:

@@ -27,6 +27,7 @@ from asyncstep.channels.tensor_dict import (
     warm_up,
 )
 from asyncstep.datatypes import IntermediateTensors
+from asyncstep.runner.model_runner import StepEvents
 
 ReceivedTensors = AsyncIntermediateTensors
 
@@ -36,6 +37,9 @@ class SendInFlight:
     """One step's send, from its posting to its completion (``done``)."""
 
     pending: PendingSend
+    step_id: int = -1
+    #: The device events of the forward that made the tensors (for timelines).
+    events: StepEvents | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
 
     async def complete(self) -> None:

@@ -22,18 +22,32 @@
 * **sampler task** calls ``sample_tokens`` for each step that left logits
   and delivers every step's output to the outbox, in step order.
 
+**Overlap** (the runner's ``async_scheduling``): ``sample_tokens`` only
+enqueues sampling and a copy of the ids to the host, so the runner is free at
+once and the step task launches step N+1 (its input ids scattered on the
+device from N's sampled ids) while the sampler task awaits N's copy event and
+delivers N. When step N+1 is already queued, the sampler delivers N only
+once N+1's forward has started (the overlap loop of mini-sglang: launch N+1,
+then hand out N), so the device never waits for the engine between steps.
+
+The runner's calls all run in order on one thread, the rank's
+:class:`~asyncstep.gpu.stream.HostStream` (its "launch thread"), so the event
+loop keeps serving the other tasks during a forward. On the CPU that thread
+is the device: the overlap is real there too.
+
 A step with no tokens opens no forward, no receive and no send. Closing the
 inbox shuts the rank down in order: each task closes its outgoing channel
 when its input ends. An error in any task cancels the others and propagates
-out of :meth:`RankActor.run`. The runner's blocking work runs in a worker
-thread, so the event loop keeps serving the other tasks during a forward.
+out of :meth:`RankActor.run`. Every task records step-timeline spans
+(:mod:`asyncstep.logging.spans`) when tracing is on.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -45,9 +59,12 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from asyncstep.channels.parallel_state import GroupCoordinator, ParallelGroups
 from asyncstep.channels.tensor_dict import PendingSend
 from asyncstep.datatypes import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
+from asyncstep.gpu.stream import HostStream, StreamEvent, await_future
 from asyncstep.logging import bind_rank, bound_step, get_logger
+from asyncstep.logging.spans import now_us, record_span, span, tracing
 from asyncstep.nursery.pipe import PipeStage, ReceivedTensors, SendInFlight
-from asyncstep.runner.model_runner import ModelRunner
+from asyncstep.runner.async_output import AsyncModelRunnerOutput
+from asyncstep.runner.model_runner import ModelRunner, StepEvents
 
 log = get_logger("rank")
 
@@ -64,13 +81,20 @@ class _Kind(enum.Enum):
 class _StepResult:
     """A step on its way from the step task to the sampler task."""
 
+    #: The step's place in this rank's order (0, 1, ...).
+    seq: int
     scheduler_output: SchedulerOutput
     kind: _Kind
     output: ModelRunnerOutput | None
     prepare_s: float
     forward_s: float
+    events: StepEvents | None = None
     #: Set once ``sample_tokens`` was called: the runner may step again.
     sampled: anyio.Event = field(default_factory=anyio.Event)
+    #: Completed (from the launch thread) when the next step's forward started.
+    next_launched: concurrent.futures.Future[None] = field(
+        default_factory=concurrent.futures.Future
+    )
 
 
 @dataclass
@@ -106,6 +130,12 @@ class RankActor:
             else None
         )
         self.drain_timeout_s = drain_timeout_s
+        #: The launch thread: every runner call runs there, in order.
+        self.stream = HostStream(f"rank{rank}", runner.device)
+        #: Steps taken from the inbox so far (the recv task counts them).
+        self._num_received = 0
+        #: One stage, overlap on: hand out step N once step N+1 was launched.
+        self._deliver_after_next_launch = runner.async_scheduling and pp.world_size == 1
         self._stats = RankStatistics()
 
     def statistics(self) -> RankStatistics:
@@ -124,12 +154,16 @@ class RankActor:
         steps_tx, steps_rx = anyio.create_memory_object_stream[Received](1)
         to_sampler_tx, to_sampler_rx = anyio.create_memory_object_stream[_StepResult](1)
         send_tx, send_rx = anyio.create_memory_object_stream[SendInFlight](1)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._recv_task, inbox, steps_tx)
-            tg.start_soon(self._send_task, send_rx)
-            tg.start_soon(self._sampler_task, to_sampler_rx, outbox)
-            tg.start_soon(self._step_task, steps_rx, to_sampler_tx, send_tx)
-            task_status.started(self.runner.num_kv_blocks)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._recv_task, inbox, steps_tx)
+                tg.start_soon(self._send_task, send_rx)
+                tg.start_soon(self._sampler_task, to_sampler_rx, outbox)
+                tg.start_soon(self._step_task, steps_rx, to_sampler_tx, send_tx)
+                task_status.started(self.runner.num_kv_blocks)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.stream.aclose()
         log.debug("rank stopped", **vars(self._stats))
 
     # -- recv task --------------------------------------------------------
@@ -143,10 +177,12 @@ class RankActor:
             async for scheduler_output in inbox:
                 received = None
                 if self.pipe is not None and self._needs_receive(scheduler_output):
-                    received = await self._in_thread(
-                        self.pipe.post_receive, scheduler_output.step_id
-                    )
+                    with bound_step(scheduler_output.step_id), span("recv_post", "recv"):
+                        received = await anyio.to_thread.run_sync(
+                            self._on_device, self.pipe.post_receive, scheduler_output.step_id
+                        )
                     self._stats.receives += 1
+                self._num_received += 1
                 await steps.send((scheduler_output, received))
 
     def _needs_receive(self, scheduler_output: SchedulerOutput) -> bool:
@@ -163,13 +199,21 @@ class RankActor:
         previous: _StepResult | None = None
         last_send: SendInFlight | None = None
         async with steps, to_sampler, sends:
-            async for scheduler_output, received in steps:
-                if previous is not None:
-                    await previous.sampled.wait()
-                if last_send is not None:  # GPUWorker: wait for the last step's sends first
-                    await last_send.done.wait()
+            async for seq, (scheduler_output, received) in _enumerate(steps):
                 with bound_step(scheduler_output.step_id):
-                    previous, in_flight = await self._run_step(scheduler_output, received)
+                    with span("wait_sampled", "step"):
+                        if previous is not None:
+                            await previous.sampled.wait()
+                        if last_send is not None:  # GPUWorker: the last step's sends first
+                            await last_send.done.wait()
+                    launched = previous.next_launched if previous is not None else None
+                    try:
+                        previous, in_flight = await self._run_step(
+                            seq, scheduler_output, received, launched
+                        )
+                    finally:
+                        if launched is not None and not launched.done():
+                            launched.set_result(None)  # no forward (or it failed)
                     if in_flight is not None:
                         last_send = in_flight
                         await sends.send(in_flight)
@@ -177,32 +221,52 @@ class RankActor:
                     await to_sampler.send(previous)
 
     async def _run_step(
-        self, scheduler_output: SchedulerOutput, received: ReceivedTensors | None
+        self,
+        seq: int,
+        scheduler_output: SchedulerOutput,
+        received: ReceivedTensors | None,
+        launched: concurrent.futures.Future[None] | None,
     ) -> tuple[_StepResult, SendInFlight | None]:
-        result, pending = await self._in_thread(self._execute, scheduler_output, received)
-        in_flight = SendInFlight(pending) if pending is not None else None
+        start_us = now_us()
+        result, pending = await self.stream.run(self._execute, scheduler_output, received, launched)
         timings = self.runner.timings
+        events = self.runner.last_step_events if timings.forward else None
+        in_flight = None
+        if pending is not None:
+            in_flight = SendInFlight(pending, scheduler_output.step_id, events)
         if isinstance(result, IntermediateTensors):
-            step = _StepResult(scheduler_output, _Kind.NONE, None, timings.prepare, timings.forward)
+            kind, output = _Kind.NONE, None
         elif result is None:
-            step = _StepResult(
-                scheduler_output, _Kind.SAMPLE, None, timings.prepare, timings.forward
-            )
+            kind, output = _Kind.SAMPLE, None
         else:
-            step = _StepResult(
-                scheduler_output, _Kind.OUTPUT, result, timings.prepare, timings.forward
-            )
+            kind, output = _Kind.OUTPUT, result
+        step = _StepResult(seq, scheduler_output, kind, output, timings.prepare, timings.forward)
+        if kind is not _Kind.OUTPUT:
+            step.events = events
+            self._record_host_spans(start_us, timings.prepare, timings.forward)
         if step.kind is not _Kind.SAMPLE:
             step.sampled.set()  # nothing to sample: the runner is free at once
         return step, in_flight
 
     def _execute(
-        self, scheduler_output: SchedulerOutput, received: ReceivedTensors | None
+        self,
+        scheduler_output: SchedulerOutput,
+        received: ReceivedTensors | None,
+        launched: concurrent.futures.Future[None] | None,
     ) -> tuple[ModelRunnerOutput | IntermediateTensors | None, PendingSend | None]:
-        """The step's blocking part, in a worker thread: the forward, then
+        """The step's blocking part, on the launch thread: the forward, then
         (not last stage) the non-blocking send of its intermediate tensors."""
+        on_start = None
+        if launched is not None:
+
+            def on_start() -> None:
+                if not launched.done():
+                    launched.set_result(None)
+
         try:
-            result = self.runner.execute_model(scheduler_output, received)
+            result = self.runner.execute_model(
+                scheduler_output, received, on_forward_start=on_start
+            )
         finally:
             if received is not None and self.pipe is not None:
                 self.pipe.done_with(received)
@@ -220,7 +284,10 @@ class RankActor:
         try:
             async with sends:
                 async for in_flight in sends:
-                    await in_flight.complete()
+                    with bound_step(in_flight.step_id), span("send_drain", "send"):
+                        await in_flight.complete()
+                    if in_flight.events is not None:
+                        _record_device_spans(in_flight.events)
         finally:
             if self.pipe is not None:
                 with anyio.CancelScope(shield=True):
@@ -241,24 +308,49 @@ class RankActor:
                     output, sample_s = step.output, 0.0
                     if step.kind is _Kind.SAMPLE:
                         t0 = time.perf_counter()
-                        output = await self._in_thread(self.runner.sample_tokens)
+                        with span("sample", "sampler"):
+                            sampled = await self.stream.run(self.runner.sample_tokens)
                         sample_s = time.perf_counter() - t0
                         step.sampled.set()
+                        output = await self._wait_output(step, sampled)
                     self._log_step(step, sample_s)
                     if output is not None:
-                        await outbox.send(output)
+                        with span("output", "sampler"):
+                            await outbox.send(output)
 
-    async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run blocking device work in a worker thread, on this rank's device
-        (a new thread's current CUDA device is device 0, whatever the rank's)."""
-        return await anyio.to_thread.run_sync(self._on_device, fn, *args)
+    async def _wait_output(
+        self, step: _StepResult, sampled: ModelRunnerOutput | AsyncModelRunnerOutput
+    ) -> ModelRunnerOutput:
+        """Step N's output once its tokens are on the host; with the next step
+        already queued, only after that step's forward started."""
+        if isinstance(sampled, AsyncModelRunnerOutput):
+            if self._deliver_after_next_launch and self._num_received > step.seq + 1:
+                with span("wait_next_launch", "sampler"):
+                    await await_future(step.next_launched, shield=False)
+            with span("copy_wait", "sampler"):
+                await sampled.wait()
+            output = sampled.get_output()
+        else:
+            output = sampled  # overlap off: the runner waited for the tokens
+        if step.events is not None:
+            _record_device_spans(step.events)
+        return output
 
     def _on_device(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run ``fn`` on this rank's device (a new thread's current CUDA device
+        is device 0, whatever the rank's)."""
         if self.runner.device.type == "cuda":
             torch.cuda.set_device(self.runner.device)
         return fn(*args)
 
+    def _record_host_spans(self, start_us: int, prepare_s: float, forward_s: float) -> None:
+        if tracing():
+            prepare_us, launch_us = int(prepare_s * 1e6), int(forward_s * 1e6)
+            record_span("prepare", "step", start_us, prepare_us)
+            record_span("launch", "step", start_us + prepare_us, launch_us)
+
     def _log_step(self, step: _StepResult, sample_s: float) -> None:
+        """One ``step`` event per step (DEBUG), with the host phases' times."""
         so = step.scheduler_output
         self._stats.steps += 1
         self._stats.tokens += so.total_num_scheduled_tokens
@@ -273,3 +365,22 @@ class RankActor:
             forward_ms=round(step.forward_s * 1e3, 3),
             sample_ms=round(sample_s * 1e3, 3),
         )
+
+
+def _record_device_spans(events: StepEvents) -> None:
+    """The device's view of a step (complete events only): the forward, and
+    sampling with the copy of its ids to the host."""
+    if not tracing() or not events.forward_end.query():
+        return
+    start, end = events.forward_start.timestamp_us(), events.forward_end.timestamp_us()
+    record_span("forward", "device", start, end - start)
+    copy_end: StreamEvent | None = events.copy_end
+    if copy_end is not None and copy_end.query():
+        record_span("sample_copy", "device", end, copy_end.timestamp_us() - end)
+
+
+async def _enumerate(items: AsyncIterator[_T]) -> AsyncIterator[tuple[int, _T]]:
+    index = 0
+    async for item in items:
+        yield index, item
+        index += 1

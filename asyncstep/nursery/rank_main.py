@@ -227,6 +227,7 @@ def build_rank(
         max_model_len=spec.max_model_len,
         max_num_reqs=spec.max_num_seqs,
         block_size=spec.block_size,
+        async_scheduling=spec.async_scheduling,
     )
     _inject_fault(runner, identity.rank)
     return runner, groups, loaded
@@ -245,10 +246,10 @@ def _inject_fault(runner: ModelRunner, rank: int) -> None:
         return
     execute = runner.execute_model
 
-    def execute_or_fail(so: SchedulerOutput, *args: object) -> object:
+    def execute_or_fail(so: SchedulerOutput, *args: object, **kwargs: object) -> object:
         if so.step_id == int(fault_step):
             raise RuntimeError(f"injected fault in rank {rank} at step {so.step_id}")
-        return execute(so, *args)  # type: ignore[arg-type]
+        return execute(so, *args, **kwargs)  # type: ignore[arg-type]
 
     runner.execute_model = execute_or_fail  # type: ignore[method-assign,assignment]
 

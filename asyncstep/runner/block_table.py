@@ -8,7 +8,8 @@ import torch
 
 
 class BlockTable:
-    """Block ids per request row, kept on the host and copied to the device per step."""
+    """Block ids per request row, kept on the host; the runner copies the
+    step's rows to the device (through its staging buffers)."""
 
     def __init__(
         self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int, device: torch.device
@@ -17,9 +18,6 @@ class BlockTable:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.block_table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
-        self.block_table = torch.zeros(
-            (max_num_reqs, max_num_blocks_per_req), dtype=torch.int32, device=device
-        )
 
     def add_row(self, block_ids: list[int], row: int) -> None:
         """Replace a row's blocks (a new request, or one resumed after preemption)."""
@@ -53,9 +51,3 @@ class BlockTable:
         """Slot of every token of the step, from its request row and position."""
         block_ids = self.block_table_np[req_indices, positions // self.block_size]
         return block_ids.astype(np.int64) * self.block_size + positions % self.block_size
-
-    def commit(self, num_reqs: int, num_blocks: int) -> torch.Tensor:
-        """Copy the first ``num_reqs`` rows (``num_blocks`` columns) to the device."""
-        view = self.block_table[:num_reqs, :num_blocks]
-        view.copy_(torch.from_numpy(self.block_table_np[:num_reqs, :num_blocks]), non_blocking=True)
-        return view

@@ -9,11 +9,23 @@ mapping, attention metadata), runs the forward and keeps an
 empty output at once. ``sample_tokens()`` then samples from the kept logits
 and returns the :class:`ModelRunnerOutput`. Calling ``execute_model`` twice
 without ``sample_tokens`` in between is an error.
+
+With ``async_scheduling`` the runner never waits for the device between
+steps. ``sample_tokens()`` enqueues the sampler and returns an
+:class:`AsyncModelRunnerOutput` (the ids are copied to pinned host memory on
+a copy stream); the sampled ids stay on the device, and the next step, which
+the scheduler built before it knew them (output placeholders), scatters
+them into its input ids. The host learns the tokens when a later step starts
+(``_resolve_outputs``: by then the copy has long landed), and appends them to
+the persistent batch. Inputs go to the device through pinned staging buffers
+guarded by ``prepare_inputs_event`` (:mod:`asyncstep.runner.staging`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,10 +34,11 @@ import torch
 from asyncstep.datatypes import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     IntermediateTensors,
-    Logprobs,
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from asyncstep.gpu.stream import StreamEvent, record_event
+from asyncstep.logging.spans import tracing
 from asyncstep.models.layers.attention import (
     BLOCK_DIM,
     AttentionMetadata,
@@ -33,8 +46,10 @@ from asyncstep.models.layers.attention import (
     plan_decode_buckets,
 )
 from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.runner.async_output import AsyncModelRunnerOutput, copy_to_host, host_logprobs
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.sampler import Sampler
+from asyncstep.runner.staging import StagingBuffers
 
 REENTRY_ERROR = "sample_tokens() must be called after execute_model() returns None"
 
@@ -53,6 +68,16 @@ class StepInputs:
 
 
 @dataclass
+class StepEvents:
+    """Device events of one step (recorded only while tracing or when asked):
+    the forward's start and end, and the end of sampling + the host copy."""
+
+    forward_start: StreamEvent
+    forward_end: StreamEvent
+    copy_end: StreamEvent | None = None
+
+
+@dataclass
 class ExecuteModelState:
     """What ``execute_model`` leaves for ``sample_tokens``."""
 
@@ -60,6 +85,7 @@ class ExecuteModelState:
     req_ids: list[str]
     logits: torch.Tensor  # [len(sample_rows), vocab]
     sample_rows: list[int]
+    events: StepEvents | None = None
 
 
 @dataclass
@@ -81,6 +107,7 @@ class ModelRunner:
         max_model_len: int,
         max_num_reqs: int,
         block_size: int,
+        async_scheduling: bool = False,
     ) -> None:
         self.model = model
         self.device, self.dtype = device, dtype
@@ -96,6 +123,18 @@ class ModelRunner:
         #: Sequence parallelism splits a step's tokens over the TP group: the
         #: step is padded to a multiple of tp_size (1 otherwise: no padding).
         self.num_tokens_multiple = model.num_tokens_multiple
+        self.async_scheduling = async_scheduling
+        self.staging = StagingBuffers(device)
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        #: The last sampled ids, still on the device, and each request's index in them.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_sampled_index: dict[str, int] = {}
+        #: Sampled outputs whose tokens the persistent batch does not hold yet.
+        self._unresolved: deque[AsyncModelRunnerOutput] = deque()
+        #: Record device events for step timelines even when not tracing (benchmarks).
+        self.record_step_events = False
+        #: The events of the last step that ran a forward.
+        self.last_step_events: StepEvents | None = None
 
     # -- KV cache ---------------------------------------------------------
 
@@ -136,54 +175,104 @@ class ModelRunner:
         self,
         scheduler_output: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | None = None,
+        *,
+        on_forward_start: Callable[[], None] | None = None,
     ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """Run one step's forward (see the module doc). ``on_forward_start``
+        is called once the inputs are prepared and the forward is about to
+        be launched (the rank's overlap loop waits for it)."""
         if self.execute_model_state is not None:
             raise RuntimeError(REENTRY_ERROR)
         t0 = time.perf_counter()
+        self._resolve_outputs(keep_last=self.async_scheduling)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.timings = StepTimings()
             return EMPTY_MODEL_RUNNER_OUTPUT
         inputs = self._prepare_inputs(scheduler_output)
         t1 = time.perf_counter()
+        record = self.record_step_events or tracing()
+        start = record_event(self.device) if record else None
+        if on_forward_start is not None:
+            on_forward_start()
         out = self.model(
             inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate_tensors
         )
-        if isinstance(out, IntermediateTensors):
-            self.timings = StepTimings(prepare=t1 - t0, forward=time.perf_counter() - t1)
-            return out
-        logits = self.model.compute_logits(out[inputs.logits_indices])
-        self.execute_model_state = ExecuteModelState(
-            scheduler_output, self.input_batch.req_ids, logits, inputs.sample_rows
-        )
+        if not isinstance(out, IntermediateTensors):
+            out = self.model.compute_logits(out[inputs.logits_indices])
+        events = StepEvents(start, record_event(self.device)) if start is not None else None
+        self.last_step_events = events
         self.timings = StepTimings(prepare=t1 - t0, forward=time.perf_counter() - t1)
+        if isinstance(out, IntermediateTensors):
+            return out
+        self.execute_model_state = ExecuteModelState(
+            scheduler_output, self.input_batch.req_ids, out, inputs.sample_rows, events
+        )
         return None
 
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Sample the kept logits. Synchronous runner: the output, the tokens
+        appended to the batch. Async scheduling: an
+        :class:`AsyncModelRunnerOutput` at once (the device still samples)."""
         state = self.execute_model_state
         if state is None:
             raise RuntimeError("sample_tokens() called without a pending execute_model()")
         self.execute_model_state = None
         t0 = time.perf_counter()
-        sampled_token_ids: list[list[int]] = [[] for _ in state.req_ids]
-        logprobs: list[list[Logprobs]] | None = None
-        if state.sample_rows:
-            metadata = self.input_batch.sampling_metadata(state.sample_rows)
-            result = self.sampler(state.logits, metadata)
-            tokens = result.sampled_token_ids.tolist()
-            for row, token in zip(state.sample_rows, tokens, strict=True):
-                sampled_token_ids[row] = [token]
-                self._append_token(state.req_ids[row], row, token)
-            if result.logprobs_tensors is not None:
-                logprobs = self._logprobs_lists(state, result.logprobs_tensors.tolists())
+        output = self._sample(state)
+        if state.events is not None:
+            state.events.copy_end = output.copy_event
         self.timings.sample = time.perf_counter() - t0
-        return ModelRunnerOutput(
-            req_ids=state.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
-        )
+        if self.async_scheduling:
+            self._unresolved.append(output)
+            return output
+        self._apply_sampled(output)
+        return output.get_output()
+
+    def _sample(self, state: ExecuteModelState) -> AsyncModelRunnerOutput:
+        """Enqueue sampling and the copy of its result to the host."""
+        rows = state.sample_rows
+        if not rows:
+            self._prev_sampled, self._prev_sampled_index = None, {}
+            empty = torch.empty(0, dtype=torch.int64)
+            return AsyncModelRunnerOutput(state.req_ids, [], empty, record_event(None))
+        metadata = self.input_batch.sampling_metadata(rows)
+        result = self.sampler(state.logits, metadata)
+        sampled = result.sampled_token_ids
+        self._prev_sampled = sampled
+        self._prev_sampled_index = {state.req_ids[row]: i for i, row in enumerate(rows)}
+        tensors = [sampled]
+        lp = result.logprobs_tensors
+        if lp is not None:
+            tensors += [lp.logprob_token_ids, lp.logprobs, lp.selected_token_ranks]
+        hosts, copy_event = copy_to_host(tensors, self._copy_stream)
+        logprobs = None
+        if lp is not None:
+            asked = [self.input_batch.sampling_params[row].logprobs for row in rows]  # type: ignore[union-attr]
+            logprobs = host_logprobs(hosts[1:], asked)
+        return AsyncModelRunnerOutput(state.req_ids, rows, hosts[0], copy_event, logprobs)
+
+    def _resolve_outputs(self, *, keep_last: bool) -> None:
+        """Append the tokens of sampled steps to the persistent batch; all of
+        them, or all but the newest (whose ids the next step takes from the
+        device, even when its copy has landed: one code path on every device).
+        Blocks on a copy only if it has not landed yet."""
+        keep = 1 if keep_last else 0
+        while len(self._unresolved) > keep:
+            self._apply_sampled(self._unresolved.popleft())
+
+    def _apply_sampled(self, output: AsyncModelRunnerOutput) -> None:
+        tokens = output.sampled_token_ids()
+        for row, token in zip(output.sample_rows, tokens, strict=True):
+            req_id = output.req_ids[row]
+            state = self.requests.get(req_id)
+            if state is None:
+                continue  # finished meanwhile
+            state.output_token_ids.append(token)
+            current_row = self.input_batch.req_id_to_index.get(req_id)
+            if current_row is not None:
+                self.input_batch.append_token(current_row, token)
 
     # -- persistent batch -------------------------------------------------
 
@@ -253,10 +342,6 @@ class ModelRunner:
             self.input_batch.append_token(row, token)
         self.input_batch.block_table.append_row(new_block_ids, row)
 
-    def _append_token(self, req_id: str, row: int, token: int) -> None:
-        self.requests[req_id].output_token_ids.append(token)
-        self.input_batch.append_token(row, token)
-
     # -- inputs -----------------------------------------------------------
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -278,45 +363,68 @@ class ModelRunner:
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs]).tolist()
         max_seq_len = int(seq_lens.max())
         num_decodes = int((num_sched == 1).sum())
-        block_table = batch.block_table.commit(num_reqs, -(-max_seq_len // self.block_size))
+        to_device = self.staging.to_device
+        self.staging.begin_step()  # the last step's copies have read the buffers
+        num_blocks = -(-max_seq_len // self.block_size)
+        block_table = to_device(
+            "block_table", batch.block_table.block_table_np[:num_reqs, :num_blocks]
+        )
         attn_metadata = AttentionMetadata(
             num_actual_tokens=total,
             num_decodes=num_decodes,
-            query_start_loc=self._to_device(query_start_loc),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            query_start_loc=to_device("query_start_loc", query_start_loc),
+            seq_lens=to_device("seq_lens", seq_lens.astype(np.int32)),
             block_table=block_table,
-            slot_mapping=self._to_device(_pad(slot_mapping, num_input_tokens, -1)),
+            slot_mapping=to_device("slot_mapping", _pad(slot_mapping, num_input_tokens, -1)),
             max_query_len=int(num_sched.max()),
             max_seq_len=max_seq_len,
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
             decode_buckets=plan_decode_buckets(
-                seq_lens[:num_decodes], block_table[:num_decodes], self.block_size
+                seq_lens[:num_decodes],
+                block_table[:num_decodes],
+                self.block_size,
+                to_device=to_device,
             ),
         )
         # Padding tokens (id 0, position 0, slot -1) come after the real ones.
-        return StepInputs(
-            input_ids=self._to_device(_pad(input_ids.astype(np.int64), num_input_tokens, 0)),
-            positions=self._to_device(_pad(positions, num_input_tokens, 0)),
+        ids = to_device("input_ids", _pad(input_ids.astype(np.int64), num_input_tokens, 0))
+        inputs = StepInputs(
+            input_ids=self._scatter_sampled(ids, seq_lens, cu_num_tokens, to_device),
+            positions=to_device("positions", _pad(positions, num_input_tokens, 0)),
             attn_metadata=attn_metadata,
-            logits_indices=self._to_device(cu_num_tokens[sample_rows] - 1),
+            logits_indices=to_device("logits_indices", cu_num_tokens[sample_rows] - 1),
             sample_rows=sample_rows,
         )
+        self.staging.end_step()
+        return inputs
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
-
-    def _logprobs_lists(
-        self, state: ExecuteModelState, rows: list[Logprobs]
-    ) -> list[list[Logprobs]]:
-        out: list[list[Logprobs]] = [[] for _ in state.req_ids]
-        for row, lp in zip(state.sample_rows, rows, strict=True):
-            n = self.input_batch.sampling_params[row].logprobs  # type: ignore[union-attr]
-            if n is not None:
-                out[row] = [
-                    Logprobs(lp.token_ids[: n + 1], lp.logprobs[: n + 1], lp.sampled_token_rank)
-                ]
-        return out
+    def _scatter_sampled(
+        self,
+        input_ids: torch.Tensor,
+        seq_lens: np.ndarray,
+        cu_num_tokens: np.ndarray,
+        to_device: Callable[[str, np.ndarray], torch.Tensor],
+    ) -> torch.Tensor:
+        """Fill the tokens whose ids only the device knows (sampled by the
+        previous step, async scheduling) from the sampled ids left there.
+        Such a token is its request's last of this step."""
+        batch = self.input_batch
+        rows = np.flatnonzero(seq_lens > batch.num_tokens[: batch.num_reqs])
+        if len(rows) == 0:
+            return input_ids
+        req_ids = batch.req_ids
+        missing = [req_ids[r] for r in rows if req_ids[r] not in self._prev_sampled_index]
+        if missing or self._prev_sampled is None:
+            raise RuntimeError(
+                f"step computes tokens that were never sampled (requests {missing}): "
+                "a placeholder without a sampled id"
+            )
+        src = np.array([self._prev_sampled_index[req_ids[r]] for r in rows], dtype=np.int64)
+        dst = to_device("scatter_dst", (cu_num_tokens[rows] - 1).astype(np.int64))
+        src_t = to_device("scatter_src", src)
+        input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src_t))
+        return input_ids
 
 
 def _pad(array: np.ndarray, length: int, value: int) -> np.ndarray:

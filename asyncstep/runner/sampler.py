@@ -79,7 +79,7 @@ class SamplingMetadata:
         all_random = not any(greedy)
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return _to_device(values, torch.float32, device)
 
         temperature = None if all_greedy else floats([p.temperature for p in params])
         top_p = None
@@ -87,7 +87,7 @@ class SamplingMetadata:
             top_p = floats([p.top_p for p in params])
         top_k = None
         if any(p.top_k_enabled for p in random_params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+            top_k = _to_device([p.top_k for p in params], torch.int64, device)
         min_p = None
         if any(p.min_p > 0.0 for p in random_params):
             min_p = floats([p.min_p for p in params])
@@ -102,6 +102,19 @@ class SamplingMetadata:
             generators={i: g for i, g in generators.items() if not greedy[i]},
             max_num_logprobs=max(asked) if asked else None,
         )
+
+
+def _to_device(
+    values: list[float] | list[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A small host list on the device without a host sync: a plain
+    ``torch.tensor(..., device=cuda)`` would wait for the whole stream (the
+    forward still running there). Pinned memory comes from torch's caching
+    host allocator, which keeps it until the copy is done."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

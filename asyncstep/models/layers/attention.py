@@ -13,6 +13,7 @@ chunks one request at a time over their cached prefix plus the new tokens.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,27 +65,34 @@ def plan_decode_buckets(
     block_size: int,
     max_buckets: int = 4,
     min_bucket: int = 4,
+    to_device: Callable[[str, np.ndarray], torch.Tensor] | None = None,
 ) -> list[DecodeBucket]:
     """Split decode requests (lengths ``seq_lens``) into buckets of similar
     length, so a short request is not padded to the longest: sorted by
     length, cut where that saves the most padding, while buckets hold at
-    least ``min_bucket`` requests."""
+    least ``min_bucket`` requests. ``to_device(name, array)`` moves host
+    arrays to the device (default: a plain copy)."""
     if len(seq_lens) == 0:
         return []
     order = np.argsort(seq_lens, kind="stable")
     cuts = _cuts(seq_lens[order], max_buckets, min_bucket)
     device = block_table.device
+    if to_device is None:
+
+        def to_device(name: str, array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
     buckets = []
-    for lo, hi in itertools.pairwise(cuts):
+    for i, (lo, hi) in enumerate(itertools.pairwise(cuts)):
         rows = order[lo:hi]
         lens = seq_lens[rows]
         max_len = int(lens.max())
-        rows_t = torch.from_numpy(rows.astype(np.int64)).to(device)
+        rows_t = to_device(f"bucket{i}_rows", rows.astype(np.int64))
         blocks = block_table.index_select(0, rows_t)[:, : -(-max_len // block_size)]
         mask = None
         if int(lens.min()) != max_len:
-            valid = torch.arange(max_len)[None, :] < torch.from_numpy(lens)[:, None]
-            mask = valid[:, None, None, :].to(device)
+            valid = np.arange(max_len)[None, :] < lens[:, None]
+            mask = to_device(f"bucket{i}_mask", valid)[:, None, None, :]
         buckets.append(DecodeBucket(rows_t, blocks.reshape(-1).long(), max_len, mask))
     return buckets
 

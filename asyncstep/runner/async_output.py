@@ -1,0 +1,125 @@
+"""A step's sampled tokens on their way from the device to the host (vLLM's
+``AsyncModelRunnerOutput``).
+
+``sample_tokens`` enqueues the sampler, leaves the sampled ids on the device
+(the next step's input ids are scattered from them) and starts a
+non-blocking copy of them (and of the log-probs) into pinned host memory on
+a copy stream, with its own event. :class:`AsyncModelRunnerOutput` holds that
+copy: ``await wait()`` (or ``synchronize()``) until it landed, then
+``get_output()`` builds the :class:`ModelRunnerOutput` from host memory only,
+off the runner's thread: it touches no runner state.
+
+On the CPU the "copy" is the sampled tensor itself and its event is complete
+at once.
+
+May import torch, :mod:`asyncstep.gpu` and :mod:`asyncstep.datatypes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncstep.datatypes import Logprobs, ModelRunnerOutput
+from asyncstep.gpu.stream import StreamEvent, record_event
+
+__all__ = ["AsyncModelRunnerOutput", "copy_to_host"]
+
+
+@dataclass
+class _HostLogprobs:
+    token_ids: torch.Tensor  # [n, k + 1]
+    logprobs: torch.Tensor
+    ranks: torch.Tensor  # [n]
+    #: Log-probs each sample row asked for (None: that row did not).
+    num_logprobs: list[int | None]
+
+
+class AsyncModelRunnerOutput:
+    """One step's output whose tokens are still being copied to the host."""
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        sample_rows: list[int],
+        sampled_host: torch.Tensor,
+        copy_event: StreamEvent,
+        logprobs: _HostLogprobs | None = None,
+    ) -> None:
+        self.req_ids = req_ids
+        self.sample_rows = sample_rows
+        self._sampled_host = sampled_host
+        self._logprobs = logprobs
+        self.copy_event = copy_event
+
+    def is_ready(self) -> bool:
+        return self.copy_event.query()
+
+    async def wait(self) -> None:
+        """Until the copy landed (shielded: the copy cannot be cancelled)."""
+        await self.copy_event.wait()
+
+    def synchronize(self) -> None:
+        self.copy_event.synchronize()
+
+    def sampled_token_ids(self) -> list[int]:
+        """The token of each sample row (blocks until the copy landed)."""
+        self.copy_event.synchronize()
+        return [int(t) for t in self._sampled_host.tolist()]
+
+    def get_output(self) -> ModelRunnerOutput:
+        """The :class:`ModelRunnerOutput` (blocks until the copy landed)."""
+        tokens = self.sampled_token_ids()
+        sampled: list[list[int]] = [[] for _ in self.req_ids]
+        for row, token in zip(self.sample_rows, tokens, strict=True):
+            sampled[row] = [token]
+        return ModelRunnerOutput(
+            req_ids=self.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=self._logprobs_lists(),
+        )
+
+    def _logprobs_lists(self) -> list[list[Logprobs]] | None:
+        lp = self._logprobs
+        if lp is None:
+            return None
+        out: list[list[Logprobs]] = [[] for _ in self.req_ids]
+        rows = zip(
+            self.sample_rows,
+            lp.token_ids.tolist(),
+            lp.logprobs.tolist(),
+            lp.ranks.tolist(),
+            lp.num_logprobs,
+            strict=True,
+        )
+        for row, ids, values, rank, n in rows:
+            if n is not None:
+                out[row] = [Logprobs(ids[: n + 1], values[: n + 1], rank)]
+        return out
+
+
+def copy_to_host(
+    tensors: list[torch.Tensor], copy_stream: torch.cuda.Stream | None
+) -> tuple[list[torch.Tensor], StreamEvent]:
+    """Non-blocking device-to-host copies of ``tensors`` on ``copy_stream``
+    (after the work the current stream has enqueued so far), and the event
+    that marks their end. On the CPU: the tensors themselves, complete."""
+    if copy_stream is None:
+        return tensors, record_event(None)
+    copy_stream.wait_stream(torch.cuda.current_stream(copy_stream.device))
+    hosts = []
+    with torch.cuda.stream(copy_stream):
+        for tensor in tensors:
+            # The allocator must not hand this memory out again before the copy read it.
+            tensor.record_stream(copy_stream)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            hosts.append(host)
+    return hosts, record_event(copy_stream.device, copy_stream)
+
+
+def host_logprobs(tensors: list[torch.Tensor], num_logprobs: list[int | None]) -> _HostLogprobs:
+    token_ids, logprobs, ranks = tensors
+    return _HostLogprobs(token_ids, logprobs, ranks, num_logprobs)

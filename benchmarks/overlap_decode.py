@@ -1,0 +1,183 @@
+"""Decode benchmark: async scheduling (overlap) on against off, in one run.
+
+For each batch size, B requests (random prompts of ``--prompt-len`` tokens,
+``ignore_eos``) decode ``--output-len`` tokens each, once with overlap on and
+once off, on the same engine configuration (dummy weights of a named shape).
+Reported per run, over the steady decode steps (every request decoding):
+
+* inter-token latency (ITL): median gap between consecutive steps' forward
+  starts, from CUDA event timestamps (device time);
+* GPU busy: the fraction of the window from the first step's forward start
+  to the last step's copy end during which a step's work (forward through
+  sampling and the copy of its ids) occupied the device, from the same events;
+* wall ITL: decode wall time / decode steps, measured again with tracing off
+  (so the cost of tracing shows as the ratio of the two).
+
+The events come from the step-timeline spans (``asyncstep trace`` draws them);
+``--trace-dir`` keeps the span logs and writes a timeline picture per run.
+
+    python benchmarks/overlap_decode.py --shape llama-1b --batch 1 32 \
+        --out benchmarks/results/overlap_decode_h200.json --trace-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+import asyncstep
+from asyncstep import SamplingParams
+from asyncstep.logging import configure_logging
+from asyncstep.logging.trace import Span, draw_timeline, load_spans
+
+
+def make_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+async def run_batch(args: argparse.Namespace, batch: int, overlap: bool) -> dict[str, float]:
+    """Serve one batch; returns wall-clock facts (the spans go to the log)."""
+    async with asyncstep.open_engine(
+        args.shape,
+        load_format="dummy",
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.prompt_len + args.output_len + 16,
+        max_num_seqs=max(batch, 1),
+        async_scheduling=overlap,
+    ) as engine:
+        vocab = engine.arch_config.vocab_size
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        # Warm-up (allocator, kernels' first launch).
+        await engine.generate(make_prompts(vocab, 1, args.prompt_len, seed=99)[0], params)
+        prompts = make_prompts(vocab, batch, args.prompt_len)
+        t0 = time.perf_counter()
+        steps_before = engine.statistics().num_steps
+        async with trio.open_nursery() as nursery:
+            for prompt in prompts:
+                nursery.start_soon(engine.generate, prompt, params)
+        wall = time.perf_counter() - t0
+        steps = engine.statistics().num_steps - steps_before
+    return {"wall_s": wall, "steps": steps, "first_step": steps_before}
+
+
+def device_figures(spans: list[Span], first_step: int) -> dict[str, float]:
+    """ITL and busy fraction from the device spans of steady decode steps
+    (from ``first_step``, leaving out the last two)."""
+    fwd = {s.step: s for s in spans if s.task == "device" and s.name == "forward"}
+    copy = {s.step: s for s in spans if s.task == "device" and s.name == "sample_copy"}
+    steps = sorted(n for n in fwd if n is not None and n >= first_step and n in copy)
+    steps = steps[: len(steps) - 2]
+    if len(steps) < 4:
+        raise RuntimeError(f"too few steady steps ({len(steps)}): raise --output-len")
+    starts = [fwd[n].ts_us for n in steps]
+    ends = [copy[n].end_us for n in steps]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    window = ends[-1] - starts[0]
+    # Union of the steps' [start, end] intervals (they may overlap with overlap on).
+    busy, cur_start, cur_end = 0, starts[0], ends[0]
+    for s, e in zip(starts[1:], ends[1:], strict=True):
+        if s > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    busy += cur_end - cur_start
+    return {
+        "device_itl_ms": statistics.median(gaps) / 1e3,
+        "gpu_busy": busy / window,
+        "steady_steps": len(steps),
+    }
+
+
+def measure(args: argparse.Namespace, batch: int, overlap: bool, trace_dir: Path) -> dict[str, Any]:
+    log = trace_dir / f"overlap_{args.shape}_b{batch}_{'on' if overlap else 'off'}.jsonl"
+    configure_logging("warning", log, console=False)
+    try:
+        traced = trio.run(run_batch, args, batch, overlap)
+    finally:
+        configure_logging("warning", console=False)
+    spans = load_spans([log])
+    # Leave out the warm-up request, the batch's prefill steps and a ramp-up step.
+    prefill_steps = -(-batch * args.prompt_len // 2048)
+    figures = device_figures(spans, traced["first_step"] + prefill_steps + 2)
+    if args.trace_dir is not None:
+        steps = sorted(s.step for s in spans if s.step is not None)
+        mid = steps[len(steps) * 3 // 4]
+        draw_timeline(
+            spans,
+            log.with_suffix(".png"),
+            steps=(mid, mid + 6),
+            title=f"{args.shape} batch {batch}, overlap {'on' if overlap else 'off'}",
+        )
+    untraced = trio.run(run_batch, args, batch, overlap)
+    return {
+        "batch": batch,
+        "overlap": overlap,
+        **figures,
+        "wall_itl_ms": untraced["wall_s"] / untraced["steps"] * 1e3,
+        "wall_itl_traced_ms": traced["wall_s"] / traced["steps"] * 1e3,
+        "trace_log": str(log) if args.trace_dir is not None else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-1b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--trace-dir", type=Path)
+    args = parser.parse_args()
+    trace_dir = args.trace_dir or Path(tempfile.mkdtemp())
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for batch in args.batch:
+        for overlap in (True, False):
+            row = measure(args, batch, overlap, trace_dir)
+            rows.append(row)
+            print(
+                f"batch {batch:3d} overlap {'on ' if overlap else 'off'}: "
+                f"ITL {row['device_itl_ms']:.3f} ms (device), {row['wall_itl_ms']:.3f} ms "
+                f"(wall; traced {row['wall_itl_traced_ms']:.3f}), "
+                f"GPU busy {row['gpu_busy'] * 100:.1f} % over {row['steady_steps']} steps",
+                flush=True,
+            )
+    for batch in args.batch:
+        on, off = (r for r in rows if r["batch"] == batch)
+        print(
+            f"batch {batch}: ITL off/on = {off['device_itl_ms'] / on['device_itl_ms']:.3f}, "
+            f"busy on {on['gpu_busy'] * 100:.1f} % vs off {off['gpu_busy'] * 100:.1f} %"
+        )
+    if args.out is not None:
+        result = {
+            "command": "python " + " ".join(sys.argv),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": platform.node(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__,
+            "rows": rows,
+        }
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
