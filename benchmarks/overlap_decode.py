@@ -10,8 +10,8 @@ Reported per run, over the steady decode steps (every request decoding):
 * GPU busy: the fraction of the window from the first step's forward start
   to the last step's copy end during which a step's work (forward through
   sampling and the copy of its ids) occupied the device, from the same events;
-* wall ITL: decode wall time / decode steps, measured again with tracing off
-  (so the cost of tracing shows as the ratio of the two).
+* wall ITL: the batch's wall time / its steps, measured again with tracing
+  off (``--repeats`` runs, median; the cost of tracing shows as the ratio).
 
 The events come from the step-timeline spans (``asyncstep trace`` draws them);
 ``--trace-dir`` keeps the span logs and writes a timeline picture per run.
@@ -41,7 +41,7 @@ import trio
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.logging import configure_logging
-from asyncstep.logging.trace import Span, draw_timeline, load_spans
+from asyncstep.logging.trace import Span, draw_timeline, load_spans, summarize
 
 
 def make_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -112,6 +112,10 @@ def measure(args: argparse.Namespace, batch: int, overlap: bool, trace_dir: Path
     finally:
         configure_logging("warning", console=False)
     spans = load_spans([log])
+    if args.summary:
+        steady = [s for s in spans if s.step is not None and s.step >= traced["first_step"] + 3]
+        for key, row in summarize(steady).items():
+            print(f"  b{batch} {'on' if overlap else 'off'} {key}: mean {row['mean_ms']:.3f} ms")
     # Leave out the warm-up request, the batch's prefill steps and a ramp-up step.
     prefill_steps = -(-batch * args.prompt_len // 2048)
     figures = device_figures(spans, traced["first_step"] + prefill_steps + 2)
@@ -124,12 +128,16 @@ def measure(args: argparse.Namespace, batch: int, overlap: bool, trace_dir: Path
             steps=(mid, mid + 6),
             title=f"{args.shape} batch {batch}, overlap {'on' if overlap else 'off'}",
         )
-    untraced = trio.run(run_batch, args, batch, overlap)
+    walls = []
+    for _ in range(args.repeats):
+        untraced = trio.run(run_batch, args, batch, overlap)
+        walls.append(untraced["wall_s"] / untraced["steps"] * 1e3)
     return {
         "batch": batch,
         "overlap": overlap,
         **figures,
-        "wall_itl_ms": untraced["wall_s"] / untraced["steps"] * 1e3,
+        "wall_itl_ms": statistics.median(walls),
+        "wall_itl_runs_ms": walls,
         "wall_itl_traced_ms": traced["wall_s"] / traced["steps"] * 1e3,
         "trace_log": str(log) if args.trace_dir is not None else None,
     }
@@ -145,7 +153,16 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--trace-dir", type=Path)
+    parser.add_argument("--summary", action="store_true", help="print mean span times")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="untraced runs per configuration (median)"
+    )
+    parser.add_argument(
+        "--switch-interval", type=float, help="sys.setswitchinterval (seconds) for the run"
+    )
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     trace_dir = args.trace_dir or Path(tempfile.mkdtemp())
     trace_dir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -173,6 +190,7 @@ def main() -> int:
             "machine": platform.node(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__,
+            "switch_interval_s": sys.getswitchinterval(),
             "rows": rows,
         }
         args.out.write_text(json.dumps(result, indent=2) + "\n")

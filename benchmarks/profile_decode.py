@@ -1,7 +1,6 @@
-"""Profile steady decode steps of the engine with torch.profiler (GPU).
-
-Serves a batch of random prompts on dummy weights, then profiles a few
-decode steps and prints the ops by device time and by host time.
+"""Profile the host side of decode steps: cProfile inside the rank's launch
+thread (where ``execute_model`` and ``sample_tokens`` run), over the steps
+after the prefill, for a batch of random prompts on dummy weights.
 
     python benchmarks/profile_decode.py --shape llama-1b --batch 32
 """
@@ -9,13 +8,36 @@ decode steps and prints the ops by device time and by host time.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
+from collections.abc import Callable
+from typing import Any
 
-import torch
 import trio
 
 import asyncstep
 from asyncstep import SamplingParams
+from asyncstep.runner.model_runner import ModelRunner
+
+
+def profiled(
+    fn: Callable[..., Any], prof: cProfile.Profile, after_calls: int
+) -> Callable[..., Any]:
+    calls = 0
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls <= after_calls:
+            return fn(*args, **kwargs)
+        prof.enable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            prof.disable()
+
+    return wrapper
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -33,28 +55,8 @@ async def run(args: argparse.Namespace) -> None:
             [rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)
         ]
         params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-
-        async def profiled(prompt: list[int]) -> None:
-            """Stream one request: each chunk is one step; profile steps 16-20."""
-            prof = torch.profiler.profile(
-                activities=[
-                    torch.profiler.ProfilerActivity.CPU,
-                    torch.profiler.ProfilerActivity.CUDA,
-                ]
-            )
-            count = 0
-            async for _chunk in engine.stream(prompt, params):
-                count += 1
-                if count == 16:
-                    prof.start()
-                elif count == 21:
-                    prof.stop()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(profiled, prompts[0])
-            for prompt in prompts[1:]:
+            for prompt in prompts:
                 nursery.start_soon(engine.generate, prompt, params)
 
 
@@ -65,7 +67,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
-    trio.run(run, parser.parse_args())
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    prof = cProfile.Profile()
+    skip = -(-args.batch * args.prompt_len // 2048) + 2  # prefill steps and one more
+    ModelRunner.execute_model = profiled(ModelRunner.execute_model, prof, skip)  # type: ignore[method-assign]
+    ModelRunner.sample_tokens = profiled(ModelRunner.sample_tokens, prof, skip)  # type: ignore[method-assign]
+    trio.run(run, args)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":

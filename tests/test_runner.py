@@ -168,9 +168,7 @@ def test_resumed_request_replaces_its_blocks(tiny_model: LoadedModel) -> None:
 
 
 def test_slot_mapping_from_block_table() -> None:
-    table = BlockTable(
-        max_num_reqs=2, max_num_blocks_per_req=4, block_size=4, device=torch.device("cpu")
-    )
+    table = BlockTable(max_num_reqs=2, max_num_blocks_per_req=4, block_size=4)
     table.add_row([7, 2], 0)
     table.add_row([5], 1)
     table.append_row([9], 1)

@@ -1,15 +1,15 @@
-"""Awaitables for CUDA events and ``torch.distributed`` Work; stream helpers;
-later CUDA graphs and Triton kernels.
+"""Awaitables for futures, CUDA events and ``torch.distributed`` Work
+(``stream``, ``work``); a rank's launch thread (``host_stream``); later CUDA
+graphs and Triton kernels.
 
 May import torch, triton, trio/anyio.
 """
 
+from asyncstep.gpu.host_stream import HostStream, HostStreamStatistics
 from asyncstep.gpu.stream import (
     CpuEvent,
     CudaEvent,
     DeviceClock,
-    HostStream,
-    HostStreamStatistics,
     StreamEvent,
     await_future,
     cuda_waiter,

@@ -1,4 +1,4 @@
-"""Device completion as awaitables, and a CPU stand-in for a device stream.
+"""Device completion as awaitables: futures and stream events (CPU and CUDA).
 
 What it holds:
 
@@ -8,10 +8,6 @@ What it holds:
   default) delivers a cancellation only after the future completed, because the
   work it stands for cannot be stopped and its buffers must not be reused
   before.
-- :class:`HostStream`: the host side of a device stream: one worker thread that
-  runs submitted callables strictly in submission order. With CPU tensors it is
-  the stand-in for a CUDA stream (CPU torch ops are synchronous, so "the thread
-  ran it" is "the device completed it").
 - :class:`StreamEvent` and its two kinds: :class:`CpuEvent` (a marker completed
   by a host thread) and :class:`CudaEvent` (a ``torch.cuda.Event`` waited in a
   long-lived waiter thread), both with a wall-clock :meth:`~StreamEvent.timestamp_us`
@@ -41,9 +37,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, ClassVar, TypeVar, TypeVarTuple
+from typing import ClassVar, TypeVar, TypeVarTuple
 
 import anyio
 import anyio.lowlevel
@@ -56,8 +50,6 @@ __all__ = [
     "CpuEvent",
     "CudaEvent",
     "DeviceClock",
-    "HostStream",
-    "HostStreamStatistics",
     "StreamEvent",
     "await_future",
     "cuda_waiter",
@@ -402,135 +394,3 @@ def record_event(
     if stream is not None:
         raise ValueError("a CUDA stream was given for a CPU event")
     return CpuEvent.record()
-
-
-# ---------------------------------------------------------------------------
-# HostStream
-
-
-@dataclass(frozen=True, slots=True)
-class HostStreamStatistics:
-    name: str
-    submitted: int
-    """Callables submitted (markers of :meth:`HostStream.record_event` excluded)."""
-    completed: int
-    """Of those, the ones that ran to the end (returned or raised)."""
-    busy_s: float
-    """Total seconds the thread spent running them."""
-
-
-class HostStream:
-    """The host side of a device stream: one worker thread that runs submitted
-    callables strictly in submission order.
-
-    On a CUDA ``device`` the thread's current device is set to it (a new
-    thread's current device is 0); the callables then enqueue device work on
-    that thread's current stream, and :meth:`record_event` only says the host
-    side ran (use ``await stream.run(record_event, stream.device)`` for a
-    :class:`CudaEvent` after it). On the CPU (``None``), the host side *is* the
-    device.
-
-    An exception in one callable is its future's and does not stop the stream.
-    """
-
-    def __init__(self, name: str, device: torch.device | str | None = None) -> None:
-        self.name = name
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        initializer: Callable[..., object] | None = None
-        initargs: tuple[Any, ...] = ()
-        if self.device.type == "cuda":
-            index = _cuda_index(self.device)
-            self.device = torch.device("cuda", index)
-            initializer, initargs = torch.cuda.set_device, (index,)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix=f"asyncstep-stream-{name}",
-            initializer=initializer,
-            initargs=initargs,
-        )
-        self._lock = threading.Lock()
-        self._closed = False
-        self._submitted = 0
-        self._completed = 0
-        self._busy_s = 0.0
-
-    def __repr__(self) -> str:
-        return f"HostStream({self.name!r}, device={self.device}, closed={self._closed})"
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _timed(self, call: Callable[[], T]) -> T:
-        start = time.perf_counter()
-        try:
-            return call()
-        finally:
-            elapsed = time.perf_counter() - start
-            with self._lock:
-                self._completed += 1
-                self._busy_s += elapsed
-
-    def submit(self, fn: Callable[[*Ts], T], *args: *Ts) -> concurrent.futures.Future[T]:
-        """Queue ``fn(*args)`` after everything submitted before; returns its
-        future. ``RuntimeError`` once the stream is closed."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"stream {self.name!r} is closed")
-            self._submitted += 1
-            return self._executor.submit(self._timed, lambda: fn(*args))
-
-    async def run(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
-        """Submit ``fn(*args)`` and await its result. Once submitted the work
-        runs to the end: a cancellation is delivered after it finished."""
-        return await await_future(self.submit(fn, *args), shield=True)
-
-    def record_event(self) -> CpuEvent:
-        """A marker that completes (stamped with the moment) once everything
-        submitted before it ran."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"stream {self.name!r} is closed")
-            return CpuEvent(self._executor.submit(_now_us))
-
-    def statistics(self) -> HostStreamStatistics:
-        with self._lock:
-            return HostStreamStatistics(
-                name=self.name,
-                submitted=self._submitted,
-                completed=self._completed,
-                busy_s=self._busy_s,
-            )
-
-    def close(self, wait: bool = True) -> None:
-        """Refuse new work; what was submitted still runs. ``wait=True`` blocks
-        until it ran and the thread ended (from async code prefer :meth:`aclose`)."""
-        with self._lock:
-            self._closed = True
-        self._executor.shutdown(wait=wait)
-
-    async def aclose(self) -> None:
-        """Close, and wait without blocking the loop for the submitted work
-        (shielded: a cancellation is delivered after it ran)."""
-        with self._lock:
-            if self._closed:
-                marker = None
-            else:
-                self._closed = True
-                marker = self._executor.submit(_now_us)
-        try:
-            if marker is not None:
-                await await_future(marker, shield=True)
-        finally:
-            self._executor.shutdown(wait=False)
-
-    def __enter__(self) -> HostStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -11,6 +11,8 @@ from typing import Any
 
 import structlog
 
+from asyncstep.logging.spans import set_span_sink
+
 LOGGER_NAME = "asyncstep"
 
 _PROCESSORS: list[Any] = [
@@ -40,6 +42,7 @@ def configure_logging(
     the standard ``logging`` logger ``"asyncstep"``, for an application's own
     handlers. structlog's global configuration is left alone.
     """
+    set_span_sink(None)
     logger = logging.getLogger(LOGGER_NAME)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
@@ -52,9 +55,9 @@ def configure_logging(
         renderer = structlog.dev.ConsoleRenderer(colors=_isatty(out))
         handler.setFormatter(structlog.stdlib.ProcessorFormatter(processor=renderer))
         handler.setLevel(level.upper())
-        handler.addFilter(_not_spans)  # step-timeline spans go to the JSON file only
         logger.addHandler(handler)
         levels.append(handler.level)
+    file_handler = None
     if json_file is not None:
         file_handler = logging.FileHandler(json_file, mode="w", encoding="utf-8")
         file_handler.setFormatter(
@@ -64,15 +67,7 @@ def configure_logging(
         logger.addHandler(file_handler)
         levels.append(logging.DEBUG)
     logger.setLevel(min(levels) if levels else logging.CRITICAL + 1)
-    # Spans (asyncstep.logging.spans) are recorded only when a JSON file takes them.
-    logging.getLogger(_TRACE_LOGGER).setLevel(logging.NOTSET if json_file else logging.INFO)
-
-
-_TRACE_LOGGER = f"{LOGGER_NAME}.trace"
-
-
-def _not_spans(record: logging.LogRecord) -> bool:
-    return record.name != _TRACE_LOGGER
+    set_span_sink(file_handler)  # spans go to the JSON file only
 
 
 def _isatty(stream: Any) -> bool:

@@ -11,16 +11,17 @@
   intermediate tensors (metadata first, then the tensors into pooled
   buffers) and hands an ``AsyncIntermediateTensors`` (waited lazily, at first
   use) to the step task, ahead of the step that needs it.
-* **step task** owns the runner's ``execute_model`` (``GPUWorker.execute_model``
-  semantics): it waits until the previous step was sampled (the runner's
-  two-phase contract) and until the previous step's sends completed
-  (``_pp_send_work``), runs the step, and on a stage that is not the last
-  posts the non-blocking send of its ``IntermediateTensors``.
+* **step task** owns the runner (``GPUWorker.execute_model`` semantics): it
+  waits until the previous step's sends completed (``_pp_send_work``), then,
+  in one call on the launch thread, runs ``execute_model`` and, on the last
+  stage, ``sample_tokens`` right after it (the runner's two-phase contract
+  kept by construction); on a stage that is not the last it posts the
+  non-blocking send of the ``IntermediateTensors``.
 * **send task** owns deferred send completion: it awaits each send's handles,
   and only then hands its buffers back to the pool; cancelled, it drains the
   sends still in flight in a shielded, time-bounded scope first.
-* **sampler task** calls ``sample_tokens`` for each step that left logits
-  and delivers every step's output to the outbox, in step order.
+* **sampler task** waits until each step's sampled ids are on the host and
+  delivers every step's output to the outbox, in step order.
 
 **Overlap** (the runner's ``async_scheduling``): ``sample_tokens`` only
 enqueues sampling and a copy of the ids to the host, so the runner is free at
@@ -29,9 +30,10 @@ device from N's sampled ids) while the sampler task awaits N's copy event and
 delivers N. When step N+1 is already queued, the sampler delivers N only
 once N+1's forward has started (the overlap loop of mini-sglang: launch N+1,
 then hand out N), so the device never waits for the engine between steps.
+Without overlap ``sample_tokens`` waits for the tokens itself.
 
 The runner's calls all run in order on one thread, the rank's
-:class:`~asyncstep.gpu.stream.HostStream` (its "launch thread"), so the event
+:class:`~asyncstep.gpu.host_stream.HostStream` (its "launch thread"), so the event
 loop keeps serving the other tasks during a forward. On the CPU that thread
 is the device: the overlap is real there too.
 
@@ -45,8 +47,7 @@ out of :meth:`RankActor.run`. Every task records step-timeline spans
 from __future__ import annotations
 
 import concurrent.futures
-import enum
-import time
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -59,22 +60,17 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from asyncstep.channels.parallel_state import GroupCoordinator, ParallelGroups
 from asyncstep.channels.tensor_dict import PendingSend
 from asyncstep.datatypes import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
-from asyncstep.gpu.stream import HostStream, StreamEvent, await_future
+from asyncstep.gpu.host_stream import HostStream
+from asyncstep.gpu.stream import StreamEvent, await_future
 from asyncstep.logging import bind_rank, bound_step, get_logger
 from asyncstep.logging.spans import now_us, record_span, span, tracing
 from asyncstep.nursery.pipe import PipeStage, ReceivedTensors, SendInFlight
 from asyncstep.runner.async_output import AsyncModelRunnerOutput
-from asyncstep.runner.model_runner import ModelRunner, StepEvents
+from asyncstep.runner.model_runner import ModelRunner, StepEvents, StepTimings
 
 log = get_logger("rank")
 
 _T = TypeVar("_T")
-
-
-class _Kind(enum.Enum):
-    SAMPLE = "sample"  # logits are waiting for sample_tokens
-    OUTPUT = "output"  # the output is ready (an empty step)
-    NONE = "none"  # a stage that is not the last: nothing to deliver
 
 
 @dataclass
@@ -84,13 +80,12 @@ class _StepResult:
     #: The step's place in this rank's order (0, 1, ...).
     seq: int
     scheduler_output: SchedulerOutput
-    kind: _Kind
+    #: Ready at once: an empty step's output (None: nothing ready to deliver).
     output: ModelRunnerOutput | None
-    prepare_s: float
-    forward_s: float
-    events: StepEvents | None = None
-    #: Set once ``sample_tokens`` was called: the runner may step again.
-    sampled: anyio.Event = field(default_factory=anyio.Event)
+    timings: StepTimings
+    #: What ``sample_tokens`` returned (last stage, a step with tokens).
+    sampled: ModelRunnerOutput | AsyncModelRunnerOutput | None
+    events: StepEvents | None
     #: Completed (from the launch thread) when the next step's forward started.
     next_launched: concurrent.futures.Future[None] = field(
         default_factory=concurrent.futures.Future
@@ -201,10 +196,8 @@ class RankActor:
         async with steps, to_sampler, sends:
             async for seq, (scheduler_output, received) in _enumerate(steps):
                 with bound_step(scheduler_output.step_id):
-                    with span("wait_sampled", "step"):
-                        if previous is not None:
-                            await previous.sampled.wait()
-                        if last_send is not None:  # GPUWorker: the last step's sends first
+                    if last_send is not None:  # GPUWorker: the last step's sends first
+                        with span("wait_send", "step"):
                             await last_send.done.wait()
                     launched = previous.next_launched if previous is not None else None
                     try:
@@ -228,24 +221,18 @@ class RankActor:
         launched: concurrent.futures.Future[None] | None,
     ) -> tuple[_StepResult, SendInFlight | None]:
         start_us = now_us()
-        result, pending = await self.stream.run(self._execute, scheduler_output, received, launched)
-        timings = self.runner.timings
+        result, sampled, pending = await self.stream.run(
+            self._execute, scheduler_output, received, launched
+        )
+        timings = dataclasses.replace(self.runner.timings)
         events = self.runner.last_step_events if timings.forward else None
         in_flight = None
         if pending is not None:
             in_flight = SendInFlight(pending, scheduler_output.step_id, events)
-        if isinstance(result, IntermediateTensors):
-            kind, output = _Kind.NONE, None
-        elif result is None:
-            kind, output = _Kind.SAMPLE, None
-        else:
-            kind, output = _Kind.OUTPUT, result
-        step = _StepResult(seq, scheduler_output, kind, output, timings.prepare, timings.forward)
-        if kind is not _Kind.OUTPUT:
-            step.events = events
-            self._record_host_spans(start_us, timings.prepare, timings.forward)
-        if step.kind is not _Kind.SAMPLE:
-            step.sampled.set()  # nothing to sample: the runner is free at once
+        ready = result if isinstance(result, ModelRunnerOutput) else None
+        step = _StepResult(seq, scheduler_output, ready, timings, sampled, events)
+        if timings.forward:
+            self._record_host_spans(start_us, timings)
         return step, in_flight
 
     def _execute(
@@ -253,9 +240,15 @@ class RankActor:
         scheduler_output: SchedulerOutput,
         received: ReceivedTensors | None,
         launched: concurrent.futures.Future[None] | None,
-    ) -> tuple[ModelRunnerOutput | IntermediateTensors | None, PendingSend | None]:
+    ) -> tuple[
+        ModelRunnerOutput | IntermediateTensors | None,
+        ModelRunnerOutput | AsyncModelRunnerOutput | None,
+        PendingSend | None,
+    ]:
         """The step's blocking part, on the launch thread: the forward, then
-        (not last stage) the non-blocking send of its intermediate tensors."""
+        ``sample_tokens`` (the last stage: with async scheduling it only
+        enqueues sampling, so the runner is free for the next step at once)
+        or the non-blocking send of the intermediate tensors (other stages)."""
         on_start = None
         if launched is not None:
 
@@ -270,10 +263,11 @@ class RankActor:
         finally:
             if received is not None and self.pipe is not None:
                 self.pipe.done_with(received)
+        sampled = self.runner.sample_tokens() if result is None else None
         pending = None
         if isinstance(result, IntermediateTensors) and self.pipe is not None:
             pending = self.pipe.send(result, scheduler_output.step_id)
-        return result, pending
+        return result, sampled, pending
 
     # -- send task --------------------------------------------------------
 
@@ -305,15 +299,10 @@ class RankActor:
         async with steps, outbox:
             async for step in steps:
                 with bound_step(step.scheduler_output.step_id):
-                    output, sample_s = step.output, 0.0
-                    if step.kind is _Kind.SAMPLE:
-                        t0 = time.perf_counter()
-                        with span("sample", "sampler"):
-                            sampled = await self.stream.run(self.runner.sample_tokens)
-                        sample_s = time.perf_counter() - t0
-                        step.sampled.set()
-                        output = await self._wait_output(step, sampled)
-                    self._log_step(step, sample_s)
+                    output = step.output
+                    if step.sampled is not None:
+                        output = await self._wait_output(step, step.sampled)
+                    self._log_step(step)
                     if output is not None:
                         with span("output", "sampler"):
                             await outbox.send(output)
@@ -343,13 +332,16 @@ class RankActor:
             torch.cuda.set_device(self.runner.device)
         return fn(*args)
 
-    def _record_host_spans(self, start_us: int, prepare_s: float, forward_s: float) -> None:
+    def _record_host_spans(self, start_us: int, timings: StepTimings) -> None:
         if tracing():
-            prepare_us, launch_us = int(prepare_s * 1e6), int(forward_s * 1e6)
+            prepare_us, launch_us = int(timings.prepare * 1e6), int(timings.forward * 1e6)
             record_span("prepare", "step", start_us, prepare_us)
             record_span("launch", "step", start_us + prepare_us, launch_us)
+            if timings.sample:
+                sample_us = int(timings.sample * 1e6)
+                record_span("sample", "step", start_us + prepare_us + launch_us, sample_us)
 
-    def _log_step(self, step: _StepResult, sample_s: float) -> None:
+    def _log_step(self, step: _StepResult) -> None:
         """One ``step`` event per step (DEBUG), with the host phases' times."""
         so = step.scheduler_output
         self._stats.steps += 1
@@ -361,9 +353,9 @@ class RankActor:
             num_new_reqs=len(so.scheduled_new_reqs),
             num_tokens=so.total_num_scheduled_tokens,
             num_finished=len(so.finished_req_ids),
-            prepare_ms=round(step.prepare_s * 1e3, 3),
-            forward_ms=round(step.forward_s * 1e3, 3),
-            sample_ms=round(sample_s * 1e3, 3),
+            prepare_ms=round(step.timings.prepare * 1e3, 3),
+            forward_ms=round(step.timings.forward * 1e3, 3),
+            sample_ms=round(step.timings.sample * 1e3, 3),
         )
 
 

@@ -53,9 +53,6 @@ class AsyncModelRunnerOutput:
         self._logprobs = logprobs
         self.copy_event = copy_event
 
-    def is_ready(self) -> bool:
-        return self.copy_event.query()
-
     async def wait(self) -> None:
         """Until the copy landed (shielded: the copy cannot be cancelled)."""
         await self.copy_event.wait()

@@ -4,16 +4,13 @@ slot mapping derived from it (``slot = block_id * block_size + offset``)."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 
 class BlockTable:
     """Block ids per request row, kept on the host; the runner copies the
     step's rows to the device (through its staging buffers)."""
 
-    def __init__(
-        self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int, device: torch.device
-    ) -> None:
+    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int) -> None:
         self.block_size = block_size
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.block_table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)

@@ -52,9 +52,7 @@ class InputBatch:
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
-        self.block_table = BlockTable(
-            max_num_reqs, -(-max_model_len // block_size), block_size, device
-        )
+        self.block_table = BlockTable(max_num_reqs, -(-max_model_len // block_size), block_size)
         self.sampling_params: list[SamplingParams | None] = []
         self.generators: dict[int, torch.Generator] = {}
 

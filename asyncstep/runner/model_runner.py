@@ -44,6 +44,7 @@ from asyncstep.models.layers.attention import (
     AttentionMetadata,
     kv_cache_shape,
     plan_decode_buckets,
+    reference_attention_backends,
 )
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.runner.async_output import AsyncModelRunnerOutput, copy_to_host, host_logprobs
@@ -195,9 +196,10 @@ class ModelRunner:
         start = record_event(self.device) if record else None
         if on_forward_start is not None:
             on_forward_start()
-        out = self.model(
-            inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate_tensors
-        )
+        with reference_attention_backends():
+            out = self.model(
+                inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate_tensors
+            )
         if not isinstance(out, IntermediateTensors):
             out = self.model.compute_logits(out[inputs.logits_indices])
         events = StepEvents(start, record_event(self.device)) if start is not None else None

@@ -32,14 +32,12 @@ class StagingBuffers:
         self._host: dict[str, torch.Tensor] = {}
         #: Recorded after the last step's copies; waited before writing again.
         self.prepare_inputs_event: torch.cuda.Event | None = None
-        self.num_waits = 0
 
     def begin_step(self) -> None:
         """Wait until the previous step's copies have read their buffers."""
         if self.prepare_inputs_event is not None:
             self.prepare_inputs_event.synchronize()
             self.prepare_inputs_event = None
-            self.num_waits += 1
 
     def to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
         """``array`` on the device (non-blocking on CUDA, through ``name``'s buffer)."""
