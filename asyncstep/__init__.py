@@ -15,7 +15,14 @@
     trio.run(main)
 """
 
-from asyncstep.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from asyncstep.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from asyncstep.datatypes import FinishReason, Logprobs, SamplingParams
 from asyncstep.engine.api import make_config, open_engine
 from asyncstep.engine.engine import Engine, EngineStatistics
@@ -34,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncstepError",
     "CacheConfig",
+    "CompilationConfig",
     "Completion",
     "CompletionChunk",
     "ConfigError",

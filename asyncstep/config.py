@@ -137,12 +137,67 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class CompilationConfig:
+    """How a step's forward runs on the device (vLLM's ``CompilationConfig``).
+
+    ``cudagraph_mode``: NONE (eager), PIECEWISE (every batch in graphs cut at
+    attention, which runs eagerly between them), FULL (whole forward in one
+    graph, any batch shape), FULL_DECODE_ONLY (FULL for uniform decode
+    batches, eager otherwise), FULL_AND_PIECEWISE (FULL for uniform decode,
+    PIECEWISE for the rest; the default). CUDA graphs need a CUDA device and
+    the Triton attention backend; elsewhere the mode falls back to NONE.
+
+    ``cudagraph_capture_sizes``: token counts captured (batches are padded up
+    to the next one); None: ``[1, 2, 4] + 8, 16, ..., 256 + 272, 288, ...``
+    up to ``max_cudagraph_capture_size`` (None: ``min(2 * max_num_seqs,
+    512)``). ``attention_backend``: auto (triton on CUDA, torch on the CPU).
+    ``ubatch_*``: micro-batching (two micro-batches whose TP communication
+    overlaps each other's compute); off by default.
+    """
+
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+    attention_backend: str = "auto"
+    enable_ubatching: bool = False
+    ubatch_decode_threshold: int = 32
+    ubatch_prefill_threshold: int = 512
+
+    def __post_init__(self) -> None:
+        if self.cudagraph_mode.upper() not in CUDAGRAPH_MODES:
+            raise ConfigError(
+                f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}"
+            )
+        self.cudagraph_mode = self.cudagraph_mode.upper()
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (not sizes or any(s <= 0 for s in sizes)):
+            raise ConfigError(f"cudagraph_capture_sizes must be positive sizes, got {sizes}")
+        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size <= 0:
+            raise ConfigError(
+                "max_cudagraph_capture_size must be positive, "
+                f"got {self.max_cudagraph_capture_size}"
+            )
+        if self.ubatch_decode_threshold < 2 or self.ubatch_prefill_threshold < 2:
+            raise ConfigError("ubatch thresholds must be at least 2 tokens")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
 
     @property
     def batch_queue_size(self) -> int:

@@ -13,6 +13,7 @@ import anyio
 from asyncstep.channels.control import RankSpec
 from asyncstep.config import (
     CacheConfig,
+    CompilationConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -60,6 +61,13 @@ def make_config(
     listen: str = "127.0.0.1:0",
     rank_log_level: str = "warning",
     rank_log_json: str | None = None,
+    cudagraph_mode: str = "FULL_AND_PIECEWISE",
+    cudagraph_capture_sizes: list[int] | None = None,
+    max_cudagraph_capture_size: int | None = None,
+    attention_backend: str = "auto",
+    enable_ubatching: bool = False,
+    ubatch_decode_threshold: int = 32,
+    ubatch_prefill_threshold: int = 512,
 ) -> EngineConfig:
     """An :class:`EngineConfig` from flat keyword options (``open_engine``'s)."""
     return EngineConfig(
@@ -85,6 +93,15 @@ def make_config(
             listen,
             rank_log_level,
             rank_log_json,
+        ),
+        compilation=CompilationConfig(
+            cudagraph_mode,
+            cudagraph_capture_sizes,
+            max_cudagraph_capture_size,
+            attention_backend,
+            enable_ubatching,
+            ubatch_decode_threshold,
+            ubatch_prefill_threshold,
         ),
     )
 
