@@ -15,8 +15,6 @@ from typing import Any, TextIO
 
 import msgspec
 import trio
-from rich.console import Console
-from rich.progress import Progress, TaskID
 
 from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.api import make_config, open_engine
@@ -25,6 +23,7 @@ from asyncstep.engine.outputs import Completion
 from asyncstep.errors import AsyncstepError, leaves
 from asyncstep.logging import configure_logging
 from asyncstep.logging.trace import add_trace_parser
+from asyncstep.progress import ProgressBar
 
 PROG = "asyncstep"
 
@@ -179,7 +178,7 @@ async def generate_all(args: argparse.Namespace, prompts: list[str], params: Sam
         rank_log_json=args.log_json,
         async_scheduling=args.overlap,
     )
-    with LoadProgress() as progress:
+    with ProgressBar("loading weights") as progress:
         async with open_engine(config=config, progress=progress.update) as engine:
             progress.close()
             chat = args.chat
@@ -257,33 +256,6 @@ def _print_error(prompt: str, error: AsyncstepError) -> None:
 
 def _emit(record: dict[str, Any]) -> None:
     print(json.dumps(record, ensure_ascii=False), flush=True)
-
-
-class LoadProgress:
-    """A rich progress bar on stderr while weights load (on a terminal only)."""
-
-    def __init__(self) -> None:
-        self._progress: Progress | None = None
-        self._task: TaskID | None = None
-
-    def __enter__(self) -> LoadProgress:
-        if sys.stderr.isatty():
-            self._progress = Progress(transient=True, console=Console(stderr=True))
-            self._progress.start()
-            self._task = self._progress.add_task("loading weights", total=None)
-        return self
-
-    def update(self, done: int, total: int) -> None:
-        if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, completed=done, total=total)
-
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 if __name__ == "__main__":

@@ -164,9 +164,14 @@ class CompilationConfig:
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
     attention_backend: str = "auto"
+    #: With the Triton backend, also fuse residual add + RMSNorm, and rotary.
+    fused_kernels: bool = True
     enable_ubatching: bool = False
     ubatch_decode_threshold: int = 32
     ubatch_prefill_threshold: int = 512
+    #: Run the graph modes without CUDA, replaying a "graph" by calling the
+    #: captured function again (tests the padding and cuts on the CPU).
+    cudagraph_stand_in: bool = False
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode.upper() not in CUDAGRAPH_MODES:

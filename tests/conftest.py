@@ -10,6 +10,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+# Triton kernels run interpreted on the CPU; the variable must be set before
+# triton is first imported.
+if os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

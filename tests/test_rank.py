@@ -45,8 +45,6 @@ class ScriptedRunner:
         self,
         so: SchedulerOutput,
         intermediate_tensors: object = None,
-        *,
-        on_forward_start: object = None,
     ) -> ModelRunnerOutput | None:
         if self.pending is not None:
             raise RuntimeError(REENTRY_ERROR)

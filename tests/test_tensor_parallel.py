@@ -385,7 +385,7 @@ def test_runner_padding_gives_the_same_logits() -> None:
     plain = run_schedule([make_runner(model)])
     handle = attn.register_forward_hook(hook)
     padded_runner = make_runner(model)
-    padded_runner.num_tokens_multiple = 4
+    padded_runner.step_inputs.num_tokens_multiple = 4
     try:
         padded = run_schedule([padded_runner])
     finally:

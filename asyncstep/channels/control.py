@@ -46,6 +46,16 @@ class RankSpec(msgspec.Struct, frozen=True):
     sequence_parallel: bool
     #: The runner keeps sampled ids on the device for the next step.
     async_scheduling: bool = False
+    #: CompilationConfig's fields (CUDA graphs, attention backend).
+    cudagraph_mode: str = "NONE"
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+    attention_backend: str = "auto"
+    fused_kernels: bool = True
+    enable_ubatching: bool = False
+    ubatch_decode_threshold: int = 32
+    ubatch_prefill_threshold: int = 512
+    cudagraph_stand_in: bool = False
 
 
 class Hello(msgspec.Struct, frozen=True, tag=True):

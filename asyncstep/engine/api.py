@@ -31,6 +31,7 @@ from asyncstep.models.model_loader import (
     resolve_max_model_len,
 )
 from asyncstep.nursery import RankActor
+from asyncstep.runner.capture import capture_cuda_graphs
 from asyncstep.runner.kv_sizing import num_kv_blocks
 from asyncstep.runner.model_runner import ModelRunner
 
@@ -65,9 +66,11 @@ def make_config(
     cudagraph_capture_sizes: list[int] | None = None,
     max_cudagraph_capture_size: int | None = None,
     attention_backend: str = "auto",
+    fused_kernels: bool = True,
     enable_ubatching: bool = False,
     ubatch_decode_threshold: int = 32,
     ubatch_prefill_threshold: int = 512,
+    cudagraph_stand_in: bool = False,
 ) -> EngineConfig:
     """An :class:`EngineConfig` from flat keyword options (``open_engine``'s)."""
     return EngineConfig(
@@ -99,9 +102,11 @@ def make_config(
             cudagraph_capture_sizes,
             max_cudagraph_capture_size,
             attention_backend,
+            fused_kernels,
             enable_ubatching,
             ubatch_decode_threshold,
             ubatch_prefill_threshold,
+            cudagraph_stand_in,
         ),
     )
 
@@ -142,6 +147,7 @@ async def open_engine(
             max_model_len = loaded.max_model_len
         config.scheduler.max_model_len = max_model_len
         runner = _build_runner(config, loaded)
+        await anyio.to_thread.run_sync(capture_cuda_graphs, runner)
         executor: Executor = RankActor(runner)
         claim = _freeing_kv_cache(claim, runner)
         arch, tokenizer = loaded.arch_config, loaded.tokenizer
@@ -207,6 +213,15 @@ def remote_ranks(config: EngineConfig) -> RemoteRanks:
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         async_scheduling=config.uses_output_placeholders,
+        cudagraph_mode=config.compilation.cudagraph_mode,
+        cudagraph_capture_sizes=config.compilation.cudagraph_capture_sizes,
+        max_cudagraph_capture_size=config.compilation.max_cudagraph_capture_size,
+        attention_backend=config.compilation.attention_backend,
+        fused_kernels=config.compilation.fused_kernels,
+        enable_ubatching=config.compilation.enable_ubatching,
+        ubatch_decode_threshold=config.compilation.ubatch_decode_threshold,
+        ubatch_prefill_threshold=config.compilation.ubatch_prefill_threshold,
+        cudagraph_stand_in=config.compilation.cudagraph_stand_in,
     )
     host, _, port = parallel.listen.rpartition(":")
     return RemoteRanks(
@@ -228,6 +243,9 @@ def _build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         max_num_reqs=config.scheduler.max_num_seqs,
         block_size=config.cache.block_size,
         async_scheduling=config.uses_output_placeholders,
+        compilation=config.compilation,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        graph_stand_in=config.compilation.cudagraph_stand_in,
     )
     num_blocks = num_kv_blocks(
         config.cache,

@@ -109,13 +109,21 @@ class LlamaAttention(nn.Module):
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape)
 
-    def forward(
-        self, cos_sin: RotaryCosSin, hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def qkv(
+        self, cos_sin: RotaryCosSin, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's inputs: projected, normed (Qwen3) and rotated q, k, v."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self._per_head_norm(q, self.q_norm), self._per_head_norm(k, self.k_norm)
-        q, k = self.rotary[0](cos_sin, q, k)
+        if self.attn.fused_rotary is None:  # else rotated by the attention's KV store
+            q, k = self.rotary[0](cos_sin, q, k)
+        return q, k, v
+
+    def forward(
+        self, cos_sin: RotaryCosSin, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv(cos_sin, hidden)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -136,9 +144,16 @@ class LlamaMLP(nn.Module):
             sequence_parallel=sequence_parallel,
             params_dtype=dtype,
         )
+        #: One Triton kernel for silu(gate) * up (set by the runner on CUDA).
+        self.fused_silu_and_mul = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu_and_mul:
+            from asyncstep.gpu.triton_fused import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -159,6 +174,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, sequence_parallel)
 
+    def pre_attention(
+        self, cos_sin: RotaryCosSin, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Up to the attention: (q, k, v, residual)."""
+        hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
+        q, k, v = self.self_attn.qkv(cos_sin, hidden)
+        return q, k, v, residual
+
+    def post_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the attention's output on: (hidden, residual)."""
+        hidden = self.self_attn.o_proj(attn_out)
+        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
+        return self.mlp(hidden), residual
+
     def forward(
         self,
         cos_sin: RotaryCosSin,
@@ -166,10 +197,8 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
-        hidden = self.self_attn(cos_sin, hidden, meta)
-        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
-        return self.mlp(hidden), residual
+        q, k, v, residual = self.pre_attention(cos_sin, hidden, residual)
+        return self.post_attention(self.self_attn.attn(q, k, v, meta), residual)
 
 
 class LlamaModel(nn.Module):
@@ -209,6 +238,29 @@ class LlamaModel(nn.Module):
             RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
         )
 
+    def stage_layers(self) -> list[LlamaDecoderLayer]:
+        """This stage's decoder layers, in order."""
+        return list(self.layers[self.start_layer : self.end_layer])  # type: ignore[arg-type]
+
+    def begin(
+        self, input_ids: torch.Tensor, intermediate_tensors: IntermediateTensors | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's input stream: (hidden, residual) embedded or received."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens(input_ids), None
+        assert intermediate_tensors is not None, "a later stage needs intermediate tensors"
+        return intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+
+    def finish(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | IntermediateTensors:
+        """The stage's output: final norm (last stage) or intermediate tensors."""
+        if self.norm is None:
+            assert residual is not None
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
+        hidden, _ = self.norm.forward_residual(hidden, residual)
+        return gather_tokens(hidden, self.sequence_parallel)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -216,23 +268,11 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        residual: torch.Tensor | None
-        if self.embed_tokens is not None:
-            hidden, residual = self.embed_tokens(input_ids), None
-        else:
-            assert intermediate_tensors is not None, "a later stage needs intermediate tensors"
-            hidden, residual = (
-                intermediate_tensors["hidden_states"],
-                intermediate_tensors["residual"],
-            )
+        hidden, residual = self.begin(input_ids, intermediate_tensors)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer in self.layers[self.start_layer : self.end_layer]:
+        for layer in self.stage_layers():
             hidden, residual = layer(cos_sin, hidden, residual, meta)
-        if self.norm is None:
-            assert residual is not None
-            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
-        hidden, _ = self.norm.forward_residual(hidden, residual)
-        return gather_tokens(hidden, self.sequence_parallel)
+        return self.finish(hidden, residual)
 
 
 class LlamaForCausalLM(nn.Module):

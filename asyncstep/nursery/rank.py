@@ -86,7 +86,7 @@ class _StepResult:
     #: What ``sample_tokens`` returned (last stage, a step with tokens).
     sampled: ModelRunnerOutput | AsyncModelRunnerOutput | None
     events: StepEvents | None
-    #: Completed (from the launch thread) when the next step's forward started.
+    #: Completed (from the launch thread) once the next step's forward is launched.
     next_launched: concurrent.futures.Future[None] = field(
         default_factory=concurrent.futures.Future
     )
@@ -249,21 +249,17 @@ class RankActor:
         ``sample_tokens`` (the last stage: with async scheduling it only
         enqueues sampling, so the runner is free for the next step at once)
         or the non-blocking send of the intermediate tensors (other stages)."""
-        on_start = None
-        if launched is not None:
-
-            def on_start() -> None:
-                if not launched.done():
-                    launched.set_result(None)
-
         try:
-            result = self.runner.execute_model(
-                scheduler_output, received, on_forward_start=on_start
-            )
+            result = self.runner.execute_model(scheduler_output, received)
         finally:
             if received is not None and self.pipe is not None:
                 self.pipe.done_with(received)
         sampled = self.runner.sample_tokens() if result is None else None
+        # Only now, with the whole step enqueued: waking the event loop
+        # earlier hands it the GIL while this thread still has kernels to
+        # launch (measured: the device then idles ~0.5 ms a step).
+        if launched is not None and not launched.done():
+            launched.set_result(None)
         pending = None
         if isinstance(result, IntermediateTensors) and self.pipe is not None:
             pending = self.pipe.send(result, scheduler_output.step_id)
@@ -311,7 +307,7 @@ class RankActor:
         self, step: _StepResult, sampled: ModelRunnerOutput | AsyncModelRunnerOutput
     ) -> ModelRunnerOutput:
         """Step N's output once its tokens are on the host; with the next step
-        already queued, only after that step's forward started."""
+        already queued, only after that step's forward was launched."""
         if isinstance(sampled, AsyncModelRunnerOutput):
             if self._deliver_after_next_launch and self._num_received > step.seq + 1:
                 with span("wait_next_launch", "sampler"):

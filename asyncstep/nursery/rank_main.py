@@ -42,13 +42,14 @@ from asyncstep.channels.control import (
     StepOutput,
 )
 from asyncstep.channels.parallel_state import ParallelGroups, destroy_distributed, init_distributed
-from asyncstep.config import CacheConfig, ModelConfig
+from asyncstep.config import CacheConfig, CompilationConfig, ModelConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
 from asyncstep.errors import leaves, root_cause
 from asyncstep.logging import bind_rank, configure_logging, get_logger
 from asyncstep.models.model_loader import LoadedModel, load_model
 from asyncstep.nursery.pipe import PipeStage
 from asyncstep.nursery.rank import RankActor
+from asyncstep.runner.capture import capture_cuda_graphs
 from asyncstep.runner.kv_sizing import num_kv_blocks
 from asyncstep.runner.model_runner import ModelRunner
 
@@ -148,6 +149,7 @@ async def _serve(stream: MessageStream, identity: RankIdentity) -> None:
     await stream.send(RankReady(identity.rank, num_blocks, weight_bytes, str(loaded.device)))
     init = await _expect(stream, InitKVCache)
     runner.initialize_kv_cache(init.num_blocks)
+    await anyio.to_thread.run_sync(_capture, runner, identity.rank == 0)
     actor = RankActor(runner, rank=identity.rank, groups=groups)
     if actor.pipe is not None:
         await anyio.to_thread.run_sync(_warm_up, actor.pipe, loaded.device)
@@ -228,6 +230,19 @@ def build_rank(
         max_num_reqs=spec.max_num_seqs,
         block_size=spec.block_size,
         async_scheduling=spec.async_scheduling,
+        compilation=CompilationConfig(
+            spec.cudagraph_mode,
+            spec.cudagraph_capture_sizes,
+            spec.max_cudagraph_capture_size,
+            spec.attention_backend,
+            spec.fused_kernels,
+            spec.enable_ubatching,
+            spec.ubatch_decode_threshold,
+            spec.ubatch_prefill_threshold,
+            cudagraph_stand_in=spec.cudagraph_stand_in,
+        ),
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        graph_stand_in=spec.cudagraph_stand_in,
     )
     _inject_fault(runner, identity.rank)
     return runner, groups, loaded
@@ -280,3 +295,9 @@ def _exit_soon(grace: float) -> None:
     timer = threading.Timer(grace, hard_exit)
     timer.daemon = True
     timer.start()
+
+
+def _capture(runner: ModelRunner, show_progress: bool) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.set_device(runner.device)
+    capture_cuda_graphs(runner, show_progress)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncstep.config import CompilationConfig
 from asyncstep.datatypes import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     IntermediateTensors,
@@ -41,31 +42,29 @@ from asyncstep.gpu.stream import StreamEvent, record_event
 from asyncstep.logging.spans import tracing
 from asyncstep.models.layers.attention import (
     BLOCK_DIM,
-    AttentionMetadata,
+    Attention,
     kv_cache_shape,
-    plan_decode_buckets,
     reference_attention_backends,
 )
-from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.models.layers.norm import RMSNorm
+from asyncstep.models.llama import LlamaForCausalLM, LlamaMLP
 from asyncstep.runner.async_output import AsyncModelRunnerOutput, copy_to_host, host_logprobs
+from asyncstep.runner.attention_backend import (
+    resolve_attention_backend,
+    resolve_cudagraph_mode,
+)
+from asyncstep.runner.cudagraph_dispatcher import (
+    CudagraphDispatcher,
+    CUDAGraphMode,
+)
+from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.sampler import Sampler
 from asyncstep.runner.staging import StagingBuffers
+from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs
+from asyncstep.runner.ubatch_forward import forward_ubatches
 
 REENTRY_ERROR = "sample_tokens() must be called after execute_model() returns None"
-
-
-@dataclass
-class StepInputs:
-    """The device inputs of one step, and where to read logits from."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata
-    #: Token index of each sampling request's last token.
-    logits_indices: torch.Tensor
-    #: Batch rows that sample this step (their whole known sequence is computed).
-    sample_rows: list[int]
 
 
 @dataclass
@@ -109,7 +108,13 @@ class ModelRunner:
         max_num_reqs: int,
         block_size: int,
         async_scheduling: bool = False,
+        compilation: CompilationConfig | None = None,
+        max_num_batched_tokens: int = 2048,
+        graph_stand_in: bool = False,
     ) -> None:
+        """``graph_stand_in``: run CUDA-graph modes without CUDA (graphs
+        replayed by calling the captured function again), to test the
+        graph wiring on the CPU; otherwise the CPU runs eagerly."""
         self.model = model
         self.device, self.dtype = device, dtype
         self.max_model_len = max_model_len
@@ -136,6 +141,36 @@ class ModelRunner:
         self.record_step_events = False
         #: The events of the last step that ran a forward.
         self.last_step_events: StepEvents | None = None
+        compilation = compilation or CompilationConfig()
+        self.attention_backend = resolve_attention_backend(compilation.attention_backend, device)
+        for attn in model.attention_layers():
+            attn.backend = self.attention_backend
+        self.fused_kernels = compilation.fused_kernels and self.attention_backend == "triton"
+        _use_fused_kernels(model, self.fused_kernels)
+        mode = resolve_cudagraph_mode(
+            compilation.cudagraph_mode, device, self.attention_backend, graph_stand_in
+        )
+        self.dispatcher = CudagraphDispatcher(
+            mode,
+            max_num_seqs=max_num_reqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            capture_sizes=compilation.cudagraph_capture_sizes,
+            max_capture_size=compilation.max_cudagraph_capture_size,
+            num_tokens_multiple=self.num_tokens_multiple,
+        )
+        self._graph_stand_in = graph_stand_in
+        self._ubatch_stream: torch.cuda.Stream | None = None
+        self.graph_runner: CudaGraphRunner | None = None
+        self.step_inputs = StepInputBuilder(
+            self.input_batch,
+            self.staging,
+            self.dispatcher,
+            compilation,
+            block_size=block_size,
+            attention_backend=self.attention_backend,
+            num_tokens_multiple=self.num_tokens_multiple,
+            sequence_parallel=model.sequence_parallel,
+        )
 
     # -- KV cache ---------------------------------------------------------
 
@@ -149,8 +184,32 @@ class ModelRunner:
         per_layer = sum(2 * a.num_kv_heads * a.head_dim for a in layers[:1])
         return per_layer * len(layers) * self.block_size * self.dtype.itemsize
 
+    def capture_model(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Capture the CUDA graphs the dispatcher lists (after the KV cache
+        is bound: graphs hold its address), largest first; returns how many."""
+        if self.dispatcher.mode is CUDAGraphMode.NONE or not self.dispatcher.capture_sizes:
+            return 0
+        assert self.kv_caches, "initialize the KV cache before capturing graphs"
+        self.graph_runner = CudaGraphRunner(
+            self.model,
+            self.dispatcher,
+            device=self.device,
+            dtype=self.dtype,
+            max_num_reqs=self.input_batch.max_num_reqs,
+            max_blocks_per_req=self.input_batch.block_table.max_num_blocks_per_req,
+            stand_in=self._graph_stand_in,
+        )
+        self.step_inputs.graph_runner = self.graph_runner
+        with torch.inference_mode(), reference_attention_backends():
+            self.graph_runner.capture(progress)
+        return self.graph_runner.num_graphs
+
     def free_kv_cache(self) -> None:
-        """Drop the KV cache (the engine closed): its memory goes back to the device."""
+        """Drop the CUDA graphs and the KV cache (the engine closed): their
+        memory goes back to the device."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = self.step_inputs.graph_runner = None
         for attn in self.model.attention_layers():
             attn.kv_cache = torch.empty(0)
         self.kv_caches = []
@@ -176,12 +235,8 @@ class ModelRunner:
         self,
         scheduler_output: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | None = None,
-        *,
-        on_forward_start: Callable[[], None] | None = None,
     ) -> ModelRunnerOutput | IntermediateTensors | None:
-        """Run one step's forward (see the module doc). ``on_forward_start``
-        is called once the inputs are prepared and the forward is about to
-        be launched (the rank's overlap loop waits for it)."""
+        """Run one step's forward (see the module doc)."""
         if self.execute_model_state is not None:
             raise RuntimeError(REENTRY_ERROR)
         t0 = time.perf_counter()
@@ -190,19 +245,21 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.timings = StepTimings()
             return EMPTY_MODEL_RUNNER_OUTPUT
-        inputs = self._prepare_inputs(scheduler_output)
+        inputs = self.step_inputs.prepare(
+            scheduler_output, intermediate_tensors, self._scatter_sampled
+        )
         t1 = time.perf_counter()
         record = self.record_step_events or tracing()
         start = record_event(self.device) if record else None
-        if on_forward_start is not None:
-            on_forward_start()
-        with reference_attention_backends():
-            out = self.model(
-                inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate_tensors
-            )
+        if self.attention_backend == "torch":
+            with reference_attention_backends():
+                out = self._forward(inputs, intermediate_tensors)
+        else:
+            out = self._forward(inputs, intermediate_tensors)
         if not isinstance(out, IntermediateTensors):
             out = self.model.compute_logits(out[inputs.logits_indices])
         events = StepEvents(start, record_event(self.device)) if start is not None else None
+
         self.last_step_events = events
         self.timings = StepTimings(prepare=t1 - t0, forward=time.perf_counter() - t1)
         if isinstance(out, IntermediateTensors):
@@ -211,6 +268,23 @@ class ModelRunner:
             scheduler_output, self.input_batch.req_ids, out, inputs.sample_rows, events
         )
         return None
+
+    def _forward(
+        self, inputs: StepInputs, intermediate_tensors: IntermediateTensors | None
+    ) -> torch.Tensor | IntermediateTensors:
+        if inputs.ubatches is not None:
+            if self._ubatch_stream is None and self.device.type == "cuda":
+                self._ubatch_stream = torch.cuda.Stream(self.device)
+            return forward_ubatches(self.model, inputs.ubatches, self._ubatch_stream)
+        if inputs.cudagraph_mode is CUDAGraphMode.NONE:
+            assert inputs.attn_metadata is not None
+            return self.model(
+                inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate_tensors
+            )
+        assert self.graph_runner is not None
+        return self.graph_runner.run(
+            inputs.cudagraph_mode, inputs.batch_descriptor, inputs.attn_metadata
+        )
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
@@ -346,67 +420,11 @@ class ModelRunner:
 
     # -- inputs -----------------------------------------------------------
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        batch = self.input_batch
-        num_reqs = batch.num_reqs
-        num_sched = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64)
-        cu_num_tokens = np.cumsum(num_sched)
-        total = int(cu_num_tokens[-1])
-        num_input_tokens = -(-total // self.num_tokens_multiple) * self.num_tokens_multiple
-        req_indices = np.repeat(np.arange(num_reqs), num_sched)
-        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_sched, num_sched)
-        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        positions = computed[req_indices] + offsets
-        input_ids = batch.token_ids_cpu.ravel()[req_indices * batch.max_model_len + positions]
-        seq_lens = computed + num_sched
-        query_start_loc = np.concatenate([[0], cu_num_tokens]).astype(np.int32)
-        slot_mapping = batch.block_table.compute_slot_mapping(req_indices, positions)
-        # A request samples once every token it has is in the cache.
-        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs]).tolist()
-        max_seq_len = int(seq_lens.max())
-        num_decodes = int((num_sched == 1).sum())
-        to_device = self.staging.to_device
-        self.staging.begin_step()  # the last step's copies have read the buffers
-        num_blocks = -(-max_seq_len // self.block_size)
-        block_table = to_device(
-            "block_table", batch.block_table.block_table_np[:num_reqs, :num_blocks]
-        )
-        attn_metadata = AttentionMetadata(
-            num_actual_tokens=total,
-            num_decodes=num_decodes,
-            query_start_loc=to_device("query_start_loc", query_start_loc),
-            seq_lens=to_device("seq_lens", seq_lens.astype(np.int32)),
-            block_table=block_table,
-            slot_mapping=to_device("slot_mapping", _pad(slot_mapping, num_input_tokens, -1)),
-            max_query_len=int(num_sched.max()),
-            max_seq_len=max_seq_len,
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-            decode_buckets=plan_decode_buckets(
-                seq_lens[:num_decodes],
-                block_table[:num_decodes],
-                self.block_size,
-                to_device=to_device,
-            ),
-        )
-        # Padding tokens (id 0, position 0, slot -1) come after the real ones.
-        ids = to_device("input_ids", _pad(input_ids.astype(np.int64), num_input_tokens, 0))
-        inputs = StepInputs(
-            input_ids=self._scatter_sampled(ids, seq_lens, cu_num_tokens, to_device),
-            positions=to_device("positions", _pad(positions, num_input_tokens, 0)),
-            attn_metadata=attn_metadata,
-            logits_indices=to_device("logits_indices", cu_num_tokens[sample_rows] - 1),
-            sample_rows=sample_rows,
-        )
-        self.staging.end_step()
-        return inputs
-
     def _scatter_sampled(
         self,
         input_ids: torch.Tensor,
         seq_lens: np.ndarray,
         cu_num_tokens: np.ndarray,
-        to_device: Callable[[str, np.ndarray], torch.Tensor],
     ) -> torch.Tensor:
         """Fill the tokens whose ids only the device knows (sampled by the
         previous step, async scheduling) from the sampled ids left there.
@@ -423,14 +441,22 @@ class ModelRunner:
                 "a placeholder without a sampled id"
             )
         src = np.array([self._prev_sampled_index[req_ids[r]] for r in rows], dtype=np.int64)
+        to_device = self.staging.to_device
         dst = to_device("scatter_dst", (cu_num_tokens[rows] - 1).astype(np.int64))
         src_t = to_device("scatter_src", src)
         input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src_t))
         return input_ids
 
 
-def _pad(array: np.ndarray, length: int, value: int) -> np.ndarray:
-    """``array`` followed by ``value`` up to ``length`` entries."""
-    if len(array) == length:
-        return array
-    return np.pad(array, (0, length - len(array)), constant_values=value)
+def _use_fused_kernels(model: LlamaForCausalLM, fused: bool) -> None:
+    """Switch the model's layers to (or off) the fused Triton kernels:
+    residual add + RMSNorm, silu * up, and rotary inside the KV store."""
+    rotary = model.model.rotary
+    rotary.use_triton = fused
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.use_triton = fused
+        elif isinstance(module, LlamaMLP):
+            module.fused_silu_and_mul = fused
+        elif isinstance(module, Attention):
+            module.fused_rotary = rotary if fused else None

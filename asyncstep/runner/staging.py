@@ -49,6 +49,18 @@ class StagingBuffers:
         host.copy_(source)
         return host.to(self.device, non_blocking=True)
 
+    def copy_to(self, name: str, array: np.ndarray, dst: torch.Tensor) -> None:
+        """Copy ``array`` into the device tensor ``dst`` (same number of
+        elements; non-blocking on CUDA, through ``name``'s buffer)."""
+        source = torch.from_numpy(np.ascontiguousarray(array)).view(dst.shape)
+        if source.dtype != dst.dtype:
+            source = source.to(dst.dtype)
+        if self.pinned:
+            host = self._buffer(name, source)
+            host.copy_(source)
+            source = host
+        dst.copy_(source, non_blocking=self.pinned)
+
     def end_step(self) -> None:
         """Mark the end of this step's copies on the current stream."""
         if self.pinned:

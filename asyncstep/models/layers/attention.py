@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from asyncstep.models.layers.rotary import RotaryEmbedding
+
 #: KV cache dimension of ``[2, kv_heads, blocks, block_size, head_dim]`` holding blocks.
 BLOCK_DIM = 2
 
@@ -55,6 +57,8 @@ class AttentionMetadata:
     seq_lens_cpu: np.ndarray
     #: The reference backend's plan for the decodes, made once per step.
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    #: Token positions (device): for a rotary fused into the KV store.
+    positions: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -253,10 +257,19 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache = torch.empty(0)
+        #: "torch" (the reference: host-planned, dynamic shapes) or "triton"
+        #: (paged kernels reading only device metadata: CUDA-graph safe).
+        self.backend = "torch"
+        #: With the Triton backend, the rotary embedding to apply to q and k
+        #: in the KV-store kernel (then q and k come in unrotated); None: the
+        #: caller rotated them.
+        self.fused_rotary: RotaryEmbedding | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        if self.backend == "triton":
+            return self._forward_triton(q, k, v, meta)
         n, num_padding = meta.num_actual_tokens, q.shape[0] - meta.num_actual_tokens
         q = q[:n].view(n, self.num_heads, self.head_dim)
         k = k[:n].view(n, self.num_kv_heads, self.head_dim)
@@ -265,6 +278,43 @@ class Attention(nn.Module):
         out = reference_attention(q, k, v, self.kv_cache, meta, self.scale)
         out = out.reshape(n, self.num_heads * self.head_dim)
         return F.pad(out, (0, 0, 0, num_padding)) if num_padding else out
+
+    def _forward_triton(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Every row, padding too: pads store nothing (slot -1) and attend to
+        nothing (past ``query_start_loc[-1]``: zeros); only device metadata is
+        read, so this runs inside a CUDA graph."""
+        from asyncstep.gpu.triton_attention import paged_attention, store_kv_cache
+
+        n = q.shape[0]
+        if self.fused_rotary is not None:
+            from asyncstep.gpu.triton_fused import rotary_and_store_kv
+
+            assert meta.positions is not None, "a fused rotary needs the positions"
+            rotary_and_store_kv(
+                meta.positions[:n],
+                q,
+                k,
+                v,
+                self.fused_rotary.cos_sin_cache,
+                self.head_dim,
+                self.kv_cache,
+                meta.slot_mapping,
+            )
+        else:
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+            v = v.view(n, self.num_kv_heads, self.head_dim)
+            store_kv_cache(k, v, self.kv_cache, meta.slot_mapping)
+        out = paged_attention(
+            q.view(n, self.num_heads, self.head_dim),
+            self.kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            self.scale,
+        )
+        return out.view(n, self.num_heads * self.head_dim)
 
 
 def kv_cache_shape(

@@ -16,6 +16,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        #: Add and normalise in one Triton kernel (set by the runner on CUDA).
+        self.use_triton = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -27,5 +29,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += x`` (or start it), then normalise: returns (normed, residual)."""
+        if self.use_triton and residual is not None:
+            from asyncstep.gpu.triton_fused import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x if residual is None else residual + x
         return self._norm(residual), residual

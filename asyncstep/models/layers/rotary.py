@@ -4,6 +4,7 @@ default, linear and llama3 frequency schedules."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,8 +12,16 @@ from torch import nn
 
 from asyncstep.errors import UnsupportedModelError
 
-#: cos and sin of each token's rotation angles: [tokens, 1, head_dim / 2] each.
-RotaryCosSin = tuple[torch.Tensor, torch.Tensor]
+
+@dataclass
+class RotaryCosSin:
+    """A step's rotation: each token's position and, for the torch path,
+    the cos and sin of its angles ([tokens, 1, head_dim / 2] each; the
+    fused Triton kernel reads them from the cache by position)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -59,6 +68,8 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim]: cos in the first half, sin in the second.
         self.cos_sin_cache: torch.Tensor
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), False)
+        #: Rotate with the fused Triton kernel (set by the runner on CUDA).
+        self.use_triton = False
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -68,14 +79,21 @@ class RotaryEmbedding(nn.Module):
         return out.view(shape)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryCosSin:
-        """The step's cos and sin, looked up once and shared by every layer."""
+        """The step's cos and sin, looked up once and shared by every layer
+        (the fused kernel looks them up itself)."""
+        if self.use_triton:
+            return RotaryCosSin(positions)
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         cos, sin = cos_sin.chunk(2, dim=-1)
-        return cos, sin
+        return RotaryCosSin(positions, cos, sin)
 
     def forward(
         self, cos_sin: RotaryCosSin, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads * head_dim], k: [tokens, kv_heads * head_dim]."""
-        cos, sin = cos_sin
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        """q: [tokens, heads * head_dim], k: [tokens, kv_heads * head_dim]
+        (the Triton path rotates them in place)."""
+        if cos_sin.cos is None or cos_sin.sin is None:
+            from asyncstep.gpu.triton_fused import rotary_embedding
+
+            return rotary_embedding(cos_sin.positions, q, k, self.cos_sin_cache, self.head_dim)
+        return self._rotate(q, cos_sin.cos, cos_sin.sin), self._rotate(k, cos_sin.cos, cos_sin.sin)

@@ -1,0 +1,523 @@
+"""Fused Triton kernels for the decoder layer's elementwise work.
+
+``fused_add_rms_norm``: the residual add and RMSNorm in one kernel (one read
+of ``x`` and ``residual``, one write of each output), equal to
+``RMSNorm.forward_residual`` in ``asyncstep.models.layers.norm``.
+
+``rotary_embedding``: neox-style rotary embedding of q and k, in place, equal
+to ``RotaryEmbedding`` in ``asyncstep.models.layers.rotary`` (here with the
+cos/sin kept in float32).
+
+``silu_and_mul``: the gated MLP activation, ``silu(gate) * up`` of a
+``gate_up_proj`` output ``[tokens, 2 * d]``, in one kernel (the torch version
+is three: silu, the product, and the copy of the strided halves).
+
+``rotary_and_store_kv``: ``rotary_embedding`` and the paged KV-cache write of
+``asyncstep.gpu.triton_attention.store_kv_cache`` in one kernel: q and k are
+rotated in place and the rotated k and v go to each token's cache slot.
+
+All do their math in float32, take strided rows (unit last stride: q and k
+may be column slices of a fused qkv output), compute their launch grid from
+shapes only (no host sync: safe to capture in a CUDA graph once warmed up, the
+first call of a new specialization compiles), and raise ``ValueError`` for
+mismatched shapes, dtypes or devices. On the CPU they run under the Triton
+interpreter (``TRITON_INTERPRET=1``), which the tests use.
+
+May import torch and triton only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fused_add_rms_norm", "rotary_and_store_kv", "rotary_embedding", "silu_and_mul"]
+
+#: Widest row one program handles (elements): a row lives in registers.
+_MAX_BLOCK = 65536
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _fused_add_rms_norm_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    res_ptr,
+    weight_ptr,
+    out_ptr,
+    res_out_ptr,
+    x_row_stride,
+    res_row_stride,
+    n_cols,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    # The residual is stored in the activation dtype and normalised as stored,
+    # as the torch version does (a no-op round trip in float32).
+    summed = (x + res).to(res_out_ptr.dtype.element_ty)
+    tl.store(res_out_ptr + row * n_cols + cols, summed, mask=mask)
+    r = summed.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(r * r, axis=0) / n_cols + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + row * n_cols + cols, (r * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [tokens, features], got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit last stride, got strides {t.stride()}")
+
+
+def _num_warps(block: int) -> int:
+    return min(max(block // 256, 1), 8)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(out, residual_out)``: ``residual_out = residual + x`` (computed in
+    float32, stored in x's dtype), ``out = rms_norm(residual_out) * weight``
+    (in float32, rounded once to x's dtype).
+
+    x, residual: [tokens, hidden] of one dtype, rows may be strided (unit last
+    stride); weight: [hidden], any float dtype. Both outputs are new contiguous
+    tensors; the inputs are not modified.
+    """
+    _check_rows("x", x)
+    _check_rows("residual", residual)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"residual dtype {residual.dtype} != x dtype {x.dtype}")
+    hidden = x.shape[1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} != ({hidden},)")
+    if weight.dtype not in _FLOAT_DTYPES or (hidden > 1 and weight.stride(0) != 1):
+        raise ValueError(f"weight must be a contiguous float tensor, got {weight.dtype}")
+    if not x.device == residual.device == weight.device:
+        raise ValueError(
+            f"x, residual and weight on different devices: "
+            f"{x.device}, {residual.device}, {weight.device}"
+        )
+    block = triton.next_power_of_2(hidden)
+    if block > _MAX_BLOCK:
+        raise ValueError(f"hidden size {hidden} too large (at most {_MAX_BLOCK})")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    tokens = x.shape[0]
+    if tokens == 0 or hidden == 0:
+        return out, residual_out
+    _fused_add_rms_norm_kernel[(tokens,)](
+        x,
+        residual,
+        weight,
+        out,
+        residual_out,
+        x.stride(0),
+        residual.stride(0),
+        hidden,
+        float(eps),
+        BLOCK=block,
+        num_warps=_num_warps(block),
+    )
+    return out, residual_out
+
+
+@triton.jit
+def _rotate_heads(  # type: ignore[no-untyped-def]
+    x_ptr,
+    row_stride,
+    cos,
+    sin,
+    dim_mask,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HEADS_BLOCK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+):
+    """Rotates all heads of one token's row in place (cos/sin: [1, HALF_BLOCK])."""
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_BLOCK)[:, None]
+    dims = tl.arange(0, HALF_BLOCK)[None, :]
+    mask = (heads < num_heads) & dim_mask
+    ptr1 = x_ptr + row * row_stride + heads * HEAD_DIM + dims
+    ptr2 = ptr1 + HALF
+    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr2, mask=mask, other=0.0).to(tl.float32)
+    out1 = x1 * cos - x2 * sin
+    out2 = x2 * cos + x1 * sin
+    tl.store(ptr1, out1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr2, out2.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(  # type: ignore[no-untyped-def]
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    q_row_stride,
+    k_row_stride,
+    cache_row_stride,
+    num_q_heads,
+    num_k_heads,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    Q_HEADS_BLOCK: tl.constexpr,
+    K_HEADS_BLOCK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + row).to(tl.int64)
+    dims = tl.arange(0, HALF_BLOCK)[None, :]
+    dim_mask = dims < HALF
+    cache_row = cache_ptr + pos * cache_row_stride
+    cos = tl.load(cache_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cache_row + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    _rotate_heads(
+        q_ptr,
+        q_row_stride,
+        cos,
+        sin,
+        dim_mask,
+        num_q_heads,
+        HEAD_DIM,
+        HALF,
+        Q_HEADS_BLOCK,
+        HALF_BLOCK,
+    )
+    _rotate_heads(
+        k_ptr,
+        k_row_stride,
+        cos,
+        sin,
+        dim_mask,
+        num_k_heads,
+        HEAD_DIM,
+        HALF,
+        K_HEADS_BLOCK,
+        HALF_BLOCK,
+    )
+
+
+def _check_rotary_args(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> None:
+    """Raise ValueError for arguments rotary_embedding cannot take."""
+    _check_rows("q", q)
+    _check_rows("k", k)
+    if k.dtype != q.dtype:
+        raise ValueError(f"k dtype {k.dtype} != q dtype {q.dtype}")
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim must be positive and even, got {head_dim}")
+    tokens = q.shape[0]
+    if positions.shape != (tokens,) or k.shape[0] != tokens:
+        raise ValueError(
+            f"positions {tuple(positions.shape)}, q {tuple(q.shape)} and k {tuple(k.shape)} "
+            "disagree on the number of tokens"
+        )
+    if positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"positions must be int64 or int32, got {positions.dtype}")
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[1] % head_dim:
+            raise ValueError(f"{name} width {t.shape[1]} is not a multiple of head_dim {head_dim}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(
+            f"cos_sin_cache must be [max_pos, {head_dim}], got {tuple(cos_sin_cache.shape)}"
+        )
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(1) != 1:
+        raise ValueError(
+            f"cos_sin_cache must be float32 with unit last stride, got {cos_sin_cache.dtype}"
+        )
+    if not positions.device == q.device == k.device == cos_sin_cache.device:
+        raise ValueError(
+            f"positions, q, k and cos_sin_cache on different devices: {positions.device}, "
+            f"{q.device}, {k.device}, {cos_sin_cache.device}"
+        )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k **in place** (neox style) and return them, ``(q, k)``.
+
+    q: [tokens, num_heads * head_dim], k: [tokens, num_kv_heads * head_dim], of
+    one float dtype; rows may be strided (unit last stride), so both may be
+    column slices of a fused qkv output, which is then rotated in place.
+    positions: int64 (or int32) [tokens]; cos_sin_cache: float32
+    [max_pos, head_dim], cos in the first half, sin in the second. The math is
+    in float32 (cos/sin are not rounded to q's dtype first). Positions are not
+    range-checked (that would need a host sync): each must be < max_pos.
+    """
+    _check_rotary_args(positions, q, k, cos_sin_cache, head_dim)
+    tokens = q.shape[0]
+    if tokens == 0:
+        return q, k
+    half = head_dim // 2
+    num_q_heads, num_k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    q_heads_block = triton.next_power_of_2(max(num_q_heads, 1))
+    k_heads_block = triton.next_power_of_2(max(num_k_heads, 1))
+    half_block = triton.next_power_of_2(half)
+    _rotary_kernel[(tokens,)](
+        positions,
+        q,
+        k,
+        cos_sin_cache,
+        q.stride(0),
+        k.stride(0),
+        cos_sin_cache.stride(0),
+        num_q_heads,
+        num_k_heads,
+        HEAD_DIM=head_dim,
+        HALF=half,
+        Q_HEADS_BLOCK=q_heads_block,
+        K_HEADS_BLOCK=k_heads_block,
+        HALF_BLOCK=half_block,
+        num_warps=_num_warps(q_heads_block * half_block),
+    )
+    return q, k
+
+
+# -- silu_and_mul ------------------------------------------------------------------
+
+#: Columns of the output one silu_and_mul program writes (a row wider than this
+#: is split over several programs, so one decode token still fills the GPU).
+_SILU_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    out_ptr,
+    x_row_stride,
+    d,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    x_row = x_ptr + row * x_row_stride
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
+    # silu(g) = g * sigmoid(g), written as torch computes it: g / (1 + exp(-g)).
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * d + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Return ``silu(gate) * up`` for ``gate, up = x.chunk(2, -1)``.
+
+    x: [tokens, 2 * d] of a float dtype (gate in the first half of each row, up
+    in the second), rows may be strided (unit last stride). The result is a new
+    contiguous [tokens, d] tensor of x's dtype, computed in float32 and rounded
+    once (torch in bfloat16 rounds after the silu and again after the product).
+    """
+    _check_rows("x", x)
+    if x.shape[1] % 2:
+        raise ValueError(f"x width {x.shape[1]} is odd: expected [tokens, 2 * d]")
+    tokens, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty((tokens, d), dtype=x.dtype, device=x.device)
+    if tokens == 0 or d == 0:
+        return out
+    block = min(triton.next_power_of_2(d), _SILU_BLOCK)
+    _silu_and_mul_kernel[(tokens, triton.cdiv(d, block))](
+        x, out, x.stride(0), d, BLOCK=block, num_warps=_num_warps(block)
+    )
+    return out
+
+
+# -- rotary_and_store_kv -------------------------------------------------------------
+
+
+@triton.jit
+def _rotary_store_kv_kernel(  # type: ignore[no-untyped-def]
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_sin_ptr,
+    kv_ptr,
+    slot_ptr,
+    q_row_stride,
+    k_row_stride,
+    v_row_stride,
+    cos_sin_row_stride,
+    stride_c,
+    stride_ch,
+    stride_cb,
+    stride_cs,
+    num_q_heads,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    Q_HEADS_BLOCK: tl.constexpr,
+    K_HEADS_BLOCK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One program per token: rotates its q and k rows in place and copies the
+    rotated k and its v to the token's cache slot (none for slot < 0)."""
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + row).to(tl.int64)
+    dims = tl.arange(0, HALF_BLOCK)[None, :]
+    dim_mask = dims < HALF
+    cos_sin_row = cos_sin_ptr + pos * cos_sin_row_stride
+    cos = tl.load(cos_sin_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_row + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    _rotate_heads(
+        q_ptr,
+        q_row_stride,
+        cos,
+        sin,
+        dim_mask,
+        num_q_heads,
+        HEAD_DIM,
+        HALF,
+        Q_HEADS_BLOCK,
+        HALF_BLOCK,
+    )
+    # k: as _rotate_heads, keeping the rotated halves for the cache.
+    heads = tl.arange(0, K_HEADS_BLOCK).to(tl.int64)[:, None]
+    mask = (heads < num_kv_heads) & dim_mask
+    k1_ptr = k_ptr + row * k_row_stride + heads * HEAD_DIM + dims
+    k1 = tl.load(k1_ptr, mask=mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k1_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty)
+    out2 = (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty)
+    tl.store(k1_ptr, out1, mask=mask)
+    tl.store(k1_ptr + HALF, out2, mask=mask)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        dst = kv_ptr + block * stride_cb + offset * stride_cs + heads * stride_ch + dims
+        tl.store(dst, out1, mask=mask)
+        tl.store(dst + HALF, out2, mask=mask)
+        v1_ptr = v_ptr + row * v_row_stride + heads * HEAD_DIM + dims
+        tl.store(dst + stride_c, tl.load(v1_ptr, mask=mask), mask=mask)
+        tl.store(dst + stride_c + HALF, tl.load(v1_ptr + HALF, mask=mask), mask=mask)
+
+
+def _check_store_args(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    head_dim: int,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Raise ValueError for a v, kv_cache or slot_mapping that does not fit k."""
+    _check_rows("v", v)
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
+    if v.dtype != k.dtype:
+        raise ValueError(f"v dtype {v.dtype} != k dtype {k.dtype}")
+    num_kv_heads = k.shape[1] // head_dim
+    if (
+        kv_cache.dim() != 5
+        or kv_cache.shape[0] != 2
+        or kv_cache.shape[1] != num_kv_heads
+        or kv_cache.shape[4] != head_dim
+    ):
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} is not "
+            f"[2, {num_kv_heads}, blocks, block_size, {head_dim}]"
+        )
+    if kv_cache.dtype != k.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} != k dtype {k.dtype}")
+    if kv_cache.stride(4) != 1:
+        raise ValueError(f"kv_cache must have unit last stride, got strides {kv_cache.stride()}")
+    if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64:
+        raise ValueError(
+            f"slot_mapping must be 1-D int64, got {slot_mapping.dtype} "
+            f"of shape {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.shape[0] < k.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens"
+        )
+    if not k.device == v.device == kv_cache.device == slot_mapping.device:
+        raise ValueError(
+            f"k, v, kv_cache and slot_mapping on different devices: {k.device}, {v.device}, "
+            f"{kv_cache.device}, {slot_mapping.device}"
+        )
+
+
+def rotary_and_store_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``rotary_embedding(positions, q, k, cos_sin_cache, head_dim)`` then
+    ``store_kv_cache(k, v, kv_cache, slot_mapping)``, in one kernel.
+
+    q and k are rotated **in place** (as by rotary_embedding, whose argument
+    rules apply); the rotated k and v are written to
+    ``kv_cache[:, head, slot // block_size, slot % block_size]`` for each token's
+    ``slot = slot_mapping[t]``; slot -1 (padding) writes nothing. v: [tokens,
+    num_kv_heads * head_dim] like k, not modified; q, k and v may be column
+    slices of one fused qkv output. kv_cache: [2, num_kv_heads, blocks,
+    block_size, head_dim] of q's dtype, unit last stride; slot_mapping: int64
+    [>= tokens] (only the first ``tokens`` entries are read). Slots are not
+    range-checked (no host sync): each must be < blocks * block_size.
+    """
+    _check_rotary_args(positions, q, k, cos_sin_cache, head_dim)
+    _check_store_args(k, v, head_dim, kv_cache, slot_mapping)
+    tokens = q.shape[0]
+    if tokens == 0:
+        return
+    half = head_dim // 2
+    num_q_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    q_heads_block = triton.next_power_of_2(max(num_q_heads, 1))
+    k_heads_block = triton.next_power_of_2(max(num_kv_heads, 1))
+    half_block = triton.next_power_of_2(half)
+    _rotary_store_kv_kernel[(tokens,)](
+        positions,
+        q,
+        k,
+        v,
+        cos_sin_cache,
+        kv_cache,
+        slot_mapping,
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
+        cos_sin_cache.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        num_q_heads,
+        num_kv_heads,
+        HEAD_DIM=head_dim,
+        HALF=half,
+        Q_HEADS_BLOCK=q_heads_block,
+        K_HEADS_BLOCK=k_heads_block,
+        HALF_BLOCK=half_block,
+        BLOCK_SIZE=kv_cache.shape[3],
+        num_warps=_num_warps(q_heads_block * half_block),
+    )

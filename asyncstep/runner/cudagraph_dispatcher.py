@@ -1,0 +1,181 @@
+"""CUDA-graph dispatch by batch shape (vLLM's ``CudagraphDispatcher``).
+
+A step's batch is described by a :class:`BatchDescriptor` (token count,
+request count, uniform decode or not). At start-up the dispatcher lists the
+descriptors to capture, from the configured :class:`CUDAGraphMode` and the
+capture sizes; each step it pads the batch up to the next capture size and
+picks how to run it, in this order: a FULL graph of exactly this uniform
+decode shape, a FULL graph of any batch of that many tokens ("relaxed"), a
+PIECEWISE graph (attention eager, between graphs), else NONE (eager, unpadded).
+
+Padding conventions (the runner applies them): padding tokens have id 0,
+position 0 and slot -1 (nothing stored); padding requests have seq_len 0 and
+an empty query range, so ``query_start_loc`` stays non-decreasing.
+
+Pure Python: imports nothing from torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from asyncstep.errors import ConfigError
+
+__all__ = [
+    "BatchDescriptor",
+    "CUDAGraphMode",
+    "CudagraphDispatcher",
+    "default_capture_sizes",
+]
+
+
+class CUDAGraphMode(enum.Enum):
+    """How a batch runs: the three runtime modes, and the two configured
+    combinations (decode batches one way, mixed batches another)."""
+
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (2, 0)
+    FULL_AND_PIECEWISE = (2, 1)
+
+    @classmethod
+    def parse(cls, name: str) -> CUDAGraphMode:
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ConfigError(
+                f"cudagraph_mode must be one of {[m.name for m in cls]}, got {name!r}"
+            ) from None
+
+    def decode_mode(self) -> CUDAGraphMode:
+        """The runtime mode for uniform decode batches."""
+        value = self.value[0] if isinstance(self.value, tuple) else self.value
+        return CUDAGraphMode(value)
+
+    def mixed_mode(self) -> CUDAGraphMode:
+        """The runtime mode for every other batch."""
+        value = self.value[1] if isinstance(self.value, tuple) else self.value
+        return CUDAGraphMode(value)
+
+    def has_full_cudagraphs(self) -> bool:
+        return CUDAGraphMode.FULL in (self.decode_mode(), self.mixed_mode())
+
+    def separate_decode_routine(self) -> bool:
+        """Decode batches get their own (FULL) graphs, apart from mixed ones."""
+        return isinstance(self.value, tuple)
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """The shape a graph was captured for (and a batch is padded to).
+
+    ``num_reqs`` is the captured request count: equal to ``num_tokens`` for a
+    uniform decode graph; for a relaxed (mixed) FULL graph the most requests
+    that many tokens can hold; None for PIECEWISE graphs (attention, the only
+    part that depends on requests, runs outside them)."""
+
+    num_tokens: int
+    num_reqs: int | None = None
+    uniform_decode: bool = False
+
+
+def default_capture_sizes(max_size: int) -> list[int]:
+    """vLLM's sizes: 1, 2, 4, then multiples of 8 up to 256, then multiples
+    of 16, up to ``max_size`` (ascending)."""
+    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, max_size + 1, 16)]
+    return [s for s in sizes if s <= max_size]
+
+
+class CudagraphDispatcher:
+    """Chooses the runtime mode and padded shape of each batch.
+
+    ``capture_sizes``: token counts to capture (None: the default list up to
+    ``max_capture_size``, itself defaulting to ``min(2 * max_num_seqs,
+    512)``); sizes are rounded to ``num_tokens_multiple`` (sequence
+    parallelism pads steps to a multiple of the TP size) and capped at
+    ``max_num_batched_tokens``. Uniform decode graphs go up to
+    ``max_num_seqs`` requests.
+    """
+
+    def __init__(
+        self,
+        mode: CUDAGraphMode,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        capture_sizes: Iterable[int] | None = None,
+        max_capture_size: int | None = None,
+        num_tokens_multiple: int = 1,
+    ) -> None:
+        self.mode = mode
+        self.max_num_seqs = max_num_seqs
+        if max_capture_size is None:
+            max_capture_size = min(2 * max_num_seqs, 512)
+        max_capture_size = min(max_capture_size, max_num_batched_tokens)
+        sizes = default_capture_sizes(max_capture_size) if capture_sizes is None else capture_sizes
+        m = num_tokens_multiple
+        self.capture_sizes = sorted(
+            {-(-s // m) * m for s in sizes if -(-s // m) * m <= max_num_batched_tokens}
+        )
+        self.full_keys: set[BatchDescriptor] = set()
+        self.piecewise_keys: set[BatchDescriptor] = set()
+        if mode is not CUDAGraphMode.NONE:
+            self._init_keys()
+
+    def _init_keys(self) -> None:
+        mixed = self.mode.mixed_mode()
+        for size in self.capture_sizes:
+            if mixed is CUDAGraphMode.PIECEWISE:
+                self.piecewise_keys.add(BatchDescriptor(size))
+            elif mixed is CUDAGraphMode.FULL:
+                num_reqs = min(size, self.max_num_seqs)
+                self.full_keys.add(BatchDescriptor(size, num_reqs, uniform_decode=False))
+        if self.mode.decode_mode() is CUDAGraphMode.FULL and self.mode.separate_decode_routine():
+            for size in self.capture_sizes:
+                if size <= self.max_num_seqs:
+                    self.full_keys.add(BatchDescriptor(size, size, uniform_decode=True))
+
+    @property
+    def max_capture_size(self) -> int:
+        return self.capture_sizes[-1] if self.capture_sizes else 0
+
+    def padded_num_tokens(self, num_tokens: int) -> int | None:
+        """The smallest capture size holding ``num_tokens`` (None: too many)."""
+        i = bisect.bisect_left(self.capture_sizes, num_tokens)
+        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
+
+    def dispatch(
+        self, num_tokens: int, num_reqs: int, uniform_decode: bool
+    ) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        """The runtime mode and the (padded) descriptor to run this batch with.
+
+        ``uniform_decode``: every request has exactly one query token (then
+        ``num_tokens == num_reqs``)."""
+        unpadded = BatchDescriptor(num_tokens, num_reqs, uniform_decode)
+        if self.mode is CUDAGraphMode.NONE:
+            return CUDAGraphMode.NONE, unpadded
+        padded = self.padded_num_tokens(num_tokens)
+        if padded is None:
+            return CUDAGraphMode.NONE, unpadded
+        if uniform_decode:
+            exact = BatchDescriptor(padded, padded, uniform_decode=True)
+            if exact in self.full_keys:
+                return CUDAGraphMode.FULL, exact
+        relaxed = BatchDescriptor(padded, min(padded, self.max_num_seqs), uniform_decode=False)
+        if relaxed in self.full_keys and num_reqs <= (relaxed.num_reqs or 0):
+            return CUDAGraphMode.FULL, relaxed
+        piecewise = BatchDescriptor(padded)
+        if piecewise in self.piecewise_keys:
+            return CUDAGraphMode.PIECEWISE, piecewise
+        return CUDAGraphMode.NONE, unpadded
+
+    def keys_to_capture(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+        """Every graph to capture, largest first (the shared memory pool
+        then serves the smaller graphs from what the largest reserved)."""
+        keys = [(CUDAGraphMode.FULL, k) for k in self.full_keys]
+        keys += [(CUDAGraphMode.PIECEWISE, k) for k in self.piecewise_keys]
+        return sorted(keys, key=lambda mk: (-mk[1].num_tokens, mk[0].value, mk[1].uniform_decode))

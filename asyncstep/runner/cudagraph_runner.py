@@ -1,0 +1,315 @@
+"""Runs a step's forward through CUDA graphs chosen by batch shape.
+
+The runner keeps static device buffers for the step inputs (input ids,
+positions, slot mapping, ``query_start_loc``, seq lens, block table and, on
+later pipeline stages, the received hidden states and residual). Each step
+the host arrays are copied into them, padded to the dispatched
+:class:`BatchDescriptor` (padding: id 0, position 0, slot -1; padding
+requests seq_len 0 with an empty query range), and the graph replays.
+
+* FULL: the whole stage forward is one graph; attention reads only device
+  metadata (the Triton backend), so one graph serves every batch of its shape.
+* PIECEWISE: the forward is cut at each attention: graph 0 runs up to the
+  first layer's q/k/v, graph i from layer i-1's attention output to layer i's
+  q/k/v, the last graph to the stage's output. Attention runs eagerly in
+  between, with the step's exact metadata (any backend). The q/k/v,
+  attention output and residual crossing a cut live in static buffers shared
+  by every size (one size runs at a time).
+
+Capture happens once at start-up, largest shape first, into one shared pool.
+Without CUDA an :class:`~asyncstep.gpu.cuda_graph.EagerGraph` stands in, so
+the wiring (padding, buffers, cuts) is tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncstep.datatypes import IntermediateTensors
+from asyncstep.gpu.cuda_graph import Graph, GraphPool, capture_graph
+from asyncstep.models.layers.attention import AttentionMetadata
+from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.runner.cudagraph_dispatcher import (
+    BatchDescriptor,
+    CudagraphDispatcher,
+    CUDAGraphMode,
+)
+
+__all__ = ["CudaGraphRunner", "HostInputs"]
+
+CopyFn = Callable[[str, np.ndarray, torch.Tensor], None]
+StageOutput = torch.Tensor | IntermediateTensors
+
+
+@dataclass
+class HostInputs:
+    """One step's inputs on the host, unpadded."""
+
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    query_start_loc: np.ndarray  # [num_reqs + 1] int32
+    seq_lens: np.ndarray  # [num_reqs] int32
+    block_table: np.ndarray  # [num_reqs, blocks] int32
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+
+@dataclass
+class _Cut:
+    """The tensors crossing a piecewise cut (views of the static buffers)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_out: torch.Tensor
+    residual: torch.Tensor
+
+
+class CudaGraphRunner:
+    """Static buffers, captured graphs, and the replay of one step."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        dispatcher: CudagraphDispatcher,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        stand_in: bool = False,
+    ) -> None:
+        self.model = model
+        self.dispatcher = dispatcher
+        self.device, self.dtype = device, dtype
+        self.pool = GraphPool(device, stand_in)
+        n, r = max(dispatcher.max_capture_size, 1), max(max_num_reqs, 1)
+        self.max_num_tokens, self.max_num_reqs = n, r
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(n)
+        self.positions = zeros(n)
+        self.slot_mapping = zeros(n)
+        self.query_start_loc = zeros(r + 1, dtype=torch.int32)
+        self.seq_lens = zeros(r, dtype=torch.int32)
+        self.block_table = zeros(r, max_blocks_per_req, dtype=torch.int32)
+        config = model.config
+        self.layers = model.model.stage_layers()
+        attn = self.layers[0].self_attn
+        hidden = config.hidden_size
+        self._cut_buffers = _Cut(
+            q=zeros(n, attn.q_size, dtype=dtype),
+            k=zeros(n, attn.kv_size, dtype=dtype),
+            v=zeros(n, attn.kv_size, dtype=dtype),
+            attn_out=zeros(n, attn.q_size, dtype=dtype),
+            residual=zeros(n, hidden, dtype=dtype),
+        )
+        self._received = {
+            key: zeros(n, hidden, dtype=dtype) for key in ("hidden_states", "residual")
+        }
+        self.full_graphs: dict[BatchDescriptor, Graph[StageOutput]] = {}
+        self.piecewise_graphs: dict[BatchDescriptor, list[Graph[StageOutput | None]]] = {}
+        self._full_meta: dict[BatchDescriptor, AttentionMetadata] = {}
+
+    # -- inputs -------------------------------------------------------------
+
+    def _rows(self, num_tokens: int) -> int:
+        """Rows of the residual stream for ``num_tokens`` (token shards under SP)."""
+        return num_tokens // self.model.num_tokens_multiple
+
+    def _static_meta(
+        self, desc: BatchDescriptor, num_reqs: int, num_actual: int
+    ) -> AttentionMetadata:
+        n = desc.num_tokens
+        return AttentionMetadata(
+            num_actual_tokens=num_actual,
+            num_decodes=0,
+            query_start_loc=self.query_start_loc[: num_reqs + 1],
+            seq_lens=self.seq_lens[:num_reqs],
+            block_table=self.block_table[:num_reqs],
+            slot_mapping=self.slot_mapping[:n],
+            max_query_len=n,
+            max_seq_len=0,
+            query_start_loc_cpu=np.zeros(num_reqs + 1, dtype=np.int32),
+            seq_lens_cpu=np.zeros(num_reqs, dtype=np.int32),
+            positions=self.positions[:n],
+        )
+
+    def load_inputs(
+        self,
+        desc: BatchDescriptor,
+        host: HostInputs,
+        copy: CopyFn,
+        intermediate_tensors: IntermediateTensors | None,
+    ) -> None:
+        """Copy the step's inputs into the static buffers, padded to ``desc``.
+
+        Request-level buffers are padded to ``desc.num_reqs`` (FULL graphs);
+        PIECEWISE attention runs eagerly on the exact requests."""
+        n, t = desc.num_tokens, host.num_tokens
+        num_reqs = desc.num_reqs if desc.num_reqs is not None else host.num_reqs
+        copy("input_ids", _pad(host.input_ids, n, 0), self.input_ids[:n])
+        copy("positions", _pad(host.positions, n, 0), self.positions[:n])
+        copy("slot_mapping", _pad(host.slot_mapping, n, -1), self.slot_mapping[:n])
+        copy(
+            "query_start_loc",
+            _pad(host.query_start_loc, num_reqs + 1, t),
+            self.query_start_loc[: num_reqs + 1],
+        )
+        copy("seq_lens", _pad(host.seq_lens, num_reqs, 0), self.seq_lens[:num_reqs])
+        blocks = host.block_table.shape[1]
+        copy(
+            "block_table",
+            np.ascontiguousarray(host.block_table),
+            self.block_table[: host.num_reqs, :blocks],
+        )
+        if intermediate_tensors is not None:
+            rows = self._rows(n)
+            for key, buffer in self._received.items():
+                received = intermediate_tensors[key]
+                buffer[: received.shape[0]].copy_(received, non_blocking=True)
+                buffer[received.shape[0] : rows].zero_()
+
+    def input_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.input_ids[:num_tokens], self.positions[:num_tokens]
+
+    def eager_meta(
+        self, host: HostInputs, num_tokens: int, meta: AttentionMetadata
+    ) -> AttentionMetadata:
+        """``meta`` (the step's exact metadata) with its device tensors
+        pointing at the static buffers, for PIECEWISE attention."""
+        r = host.num_reqs
+        meta.query_start_loc = self.query_start_loc[: r + 1]
+        meta.seq_lens = self.seq_lens[:r]
+        meta.block_table = self.block_table[:r]
+        meta.slot_mapping = self.slot_mapping[:num_tokens]
+        meta.positions = self.positions[:num_tokens]
+        return meta
+
+    # -- replay -------------------------------------------------------------
+
+    def run(
+        self, mode: CUDAGraphMode, desc: BatchDescriptor, meta: AttentionMetadata | None
+    ) -> StageOutput:
+        """Replay the graph(s) of ``desc`` on the loaded inputs. Intermediate
+        tensors are cloned: the next replay overwrites the graph's outputs
+        while the pipeline send may still read them."""
+        if mode is CUDAGraphMode.FULL:
+            out = self.full_graphs[desc].replay()
+        else:
+            assert meta is not None, "PIECEWISE attention needs the step's metadata"
+            out = self._replay_pieces(desc, meta)
+        if isinstance(out, IntermediateTensors):
+            return IntermediateTensors({k: v.clone() for k, v in out.tensors.items()})
+        return out
+
+    def _replay_pieces(self, desc: BatchDescriptor, meta: AttentionMetadata) -> StageOutput:
+        graphs = self.piecewise_graphs[desc]
+        cut = self._cut_views(desc.num_tokens)
+        for graph, layer in zip(graphs, self.layers, strict=False):
+            graph.replay()
+            cut.attn_out.copy_(layer.self_attn.attn(cut.q, cut.k, cut.v, meta))
+        out = graphs[-1].replay()
+        assert out is not None
+        return out
+
+    # -- capture ------------------------------------------------------------
+
+    def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Capture every dispatcher key, largest first, into the shared pool."""
+        keys = self.dispatcher.keys_to_capture()
+        for i, (mode, desc) in enumerate(keys):
+            if mode is CUDAGraphMode.FULL:
+                self._capture_full(desc)
+            else:
+                self._capture_pieces(desc)
+            if progress is not None:
+                progress(i + 1, len(keys))
+
+    def _intermediate(self, num_tokens: int) -> IntermediateTensors | None:
+        if self.model.model.is_first_stage:
+            return None
+        rows = self._rows(num_tokens)
+        return IntermediateTensors({k: v[:rows] for k, v in self._received.items()})
+
+    def _capture_full(self, desc: BatchDescriptor) -> None:
+        n = desc.num_tokens
+        assert desc.num_reqs is not None
+        meta = self._static_meta(desc, desc.num_reqs, n)
+        ids, positions = self.input_views(n)
+        intermediate = self._intermediate(n)
+
+        def forward() -> StageOutput:
+            return self.model(ids, positions, meta, intermediate)
+
+        self._full_meta[desc] = meta
+        self.full_graphs[desc] = capture_graph(forward, self.pool)
+
+    def _cut_views(self, num_tokens: int) -> _Cut:
+        b, rows = self._cut_buffers, self._rows(num_tokens)
+        return _Cut(
+            b.q[:num_tokens],
+            b.k[:num_tokens],
+            b.v[:num_tokens],
+            b.attn_out[:num_tokens],
+            b.residual[:rows],
+        )
+
+    def _capture_pieces(self, desc: BatchDescriptor) -> None:
+        n = desc.num_tokens
+        cut = self._cut_views(n)
+        ids, positions = self.input_views(n)
+        intermediate = self._intermediate(n)
+        model = self.model.model
+
+        def piece(i: int) -> StageOutput | None:
+            if i == 0:
+                hidden, residual = model.begin(ids, intermediate)
+            else:
+                hidden, residual = self.layers[i - 1].post_attention(cut.attn_out, cut.residual)
+            if i == len(self.layers):
+                return model.finish(hidden, residual)
+            cos_sin = model.rotary.cos_sin(positions, self.dtype)
+            q, k, v, residual = self.layers[i].pre_attention(cos_sin, hidden, residual)
+            for dst, src in ((cut.q, q), (cut.k, k), (cut.v, v), (cut.residual, residual)):
+                dst.copy_(src)
+            return None
+
+        self.piecewise_graphs[desc] = [
+            capture_graph(functools.partial(piece, i), self.pool)
+            for i in range(len(self.layers) + 1)
+        ]
+
+    def release(self) -> None:
+        """Drop every graph (their pool memory goes back to the allocator)."""
+        self.full_graphs.clear()
+        self.piecewise_graphs.clear()
+        self._full_meta.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.full_graphs) + sum(len(g) for g in self.piecewise_graphs.values())
+
+
+def _pad(array: np.ndarray, length: int, value: int) -> np.ndarray:
+    """``array`` followed by ``value`` up to ``length`` entries."""
+    if len(array) >= length:
+        return array
+    return np.pad(array, (0, length - len(array)), constant_values=value)

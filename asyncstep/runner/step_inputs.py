@@ -1,0 +1,256 @@
+"""A step's inputs: from the persistent batch and the scheduler output to
+device tensors (input ids, positions, slot mapping, attention metadata),
+through the staging buffers, with the CUDA-graph mode and padded shape the
+dispatcher picks and, when enabled, the step's two micro-batches."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncstep.config import CompilationConfig
+from asyncstep.datatypes import IntermediateTensors, SchedulerOutput
+from asyncstep.models.layers.attention import AttentionMetadata, plan_decode_buckets
+from asyncstep.runner.cudagraph_dispatcher import (
+    BatchDescriptor,
+    CudagraphDispatcher,
+    CUDAGraphMode,
+)
+from asyncstep.runner.cudagraph_runner import CudaGraphRunner, HostInputs
+from asyncstep.runner.input_batch import InputBatch
+from asyncstep.runner.staging import StagingBuffers
+from asyncstep.runner.ubatch_forward import UBatchInputs
+from asyncstep.runner.ubatching import (
+    UBatchSlice,
+    maybe_create_ubatch_slices,
+    num_leading_decodes,
+    split_host_metadata,
+)
+
+__all__ = ["StepInputBuilder", "StepInputs"]
+
+#: (input_ids, seq_lens, cu_num_tokens) -> input_ids with device-only ids filled in.
+ScatterFn = Callable[[torch.Tensor, np.ndarray, np.ndarray], torch.Tensor]
+
+
+@dataclass
+class StepInputs:
+    """The device inputs of one step, and where to read logits from."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    #: None for a FULL graph (its metadata is static, inside the graph runner).
+    attn_metadata: AttentionMetadata | None
+    #: Token index of each sampling request's last token.
+    logits_indices: torch.Tensor
+    #: Batch rows that sample this step (their whole known sequence is computed).
+    sample_rows: list[int]
+    cudagraph_mode: CUDAGraphMode
+    batch_descriptor: BatchDescriptor
+    #: Two micro-batches (``enable_ubatching``), or None: the step runs whole.
+    ubatches: list[UBatchInputs] | None = None
+
+
+class StepInputBuilder:
+    """Builds :class:`StepInputs` for a runner (whose persistent batch,
+    staging buffers and dispatcher it shares)."""
+
+    def __init__(
+        self,
+        input_batch: InputBatch,
+        staging: StagingBuffers,
+        dispatcher: CudagraphDispatcher,
+        compilation: CompilationConfig,
+        *,
+        block_size: int,
+        attention_backend: str,
+        num_tokens_multiple: int,
+        sequence_parallel: bool,
+    ) -> None:
+        self.input_batch = input_batch
+        self.staging = staging
+        self.dispatcher = dispatcher
+        self.compilation = compilation
+        self.block_size = block_size
+        self.attention_backend = attention_backend
+        self.num_tokens_multiple = num_tokens_multiple
+        self.sequence_parallel = sequence_parallel
+        #: Set once the graphs are captured.
+        self.graph_runner: CudaGraphRunner | None = None
+        #: Steps run per runtime mode (NONE / PIECEWISE / FULL).
+        self.cudagraph_steps: Counter[str] = Counter()
+        self.num_ubatched_steps = 0
+
+    def prepare(
+        self,
+        so: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None,
+        scatter_sampled: ScatterFn,
+    ) -> StepInputs:
+        """The step's device inputs; ``scatter_sampled`` fills in the ids
+        that only the device knows (async scheduling)."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        num_sched = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64)
+        cu_num_tokens = np.cumsum(num_sched)
+        total = int(cu_num_tokens[-1])
+        num_input_tokens = -(-total // self.num_tokens_multiple) * self.num_tokens_multiple
+        req_indices = np.repeat(np.arange(num_reqs), num_sched)
+        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_sched, num_sched)
+        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        positions = computed[req_indices] + offsets
+        seq_lens = computed + num_sched
+        host = HostInputs(
+            input_ids=batch.token_ids_cpu.ravel()[
+                req_indices * batch.max_model_len + positions
+            ].astype(np.int64),
+            positions=positions,
+            slot_mapping=batch.block_table.compute_slot_mapping(req_indices, positions),
+            query_start_loc=np.concatenate([[0], cu_num_tokens]).astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
+            block_table=batch.block_table.block_table_np[:num_reqs],
+        )
+        # A request samples once every token it has is in the cache.
+        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs]).tolist()
+        num_decodes = int((num_sched == 1).sum())
+        mode, desc = self.dispatcher.dispatch(num_input_tokens, num_reqs, num_decodes == num_reqs)
+        ubatch_slices = self._ubatch_slices(num_sched, num_input_tokens, num_decodes == num_reqs)
+        if ubatch_slices is not None:
+            mode, desc = CUDAGraphMode.NONE, BatchDescriptor(num_input_tokens, num_reqs)
+            self.num_ubatched_steps += 1
+        self.cudagraph_steps[mode.name] += 1
+        self.staging.begin_step()  # the last step's copies have read the buffers
+        meta: AttentionMetadata | None = None
+        if mode is CUDAGraphMode.NONE:
+            input_ids, positions_t, meta = self._eager_inputs(host, num_input_tokens, num_decodes)
+        else:
+            assert self.graph_runner is not None
+            self.graph_runner.load_inputs(desc, host, self.staging.copy_to, intermediate_tensors)
+            input_ids, positions_t = self.graph_runner.input_views(desc.num_tokens)
+            if mode is CUDAGraphMode.PIECEWISE:  # attention runs eagerly, on the exact batch
+                meta = self.graph_runner.eager_meta(
+                    host, desc.num_tokens, self._host_meta(host, num_decodes)
+                )
+                self._plan_buckets(meta, host.seq_lens)
+        inputs = StepInputs(
+            input_ids=scatter_sampled(input_ids, seq_lens, cu_num_tokens),
+            positions=positions_t,
+            attn_metadata=meta,
+            logits_indices=self.staging.to_device("logits_indices", cu_num_tokens[sample_rows] - 1),
+            sample_rows=sample_rows,
+            cudagraph_mode=mode,
+            batch_descriptor=desc,
+        )
+        if ubatch_slices is not None:
+            assert meta is not None
+            inputs.ubatches = [
+                self._ubatch_inputs(inputs, host, meta, sl, i, intermediate_tensors)
+                for i, sl in enumerate(ubatch_slices)
+            ]
+        self.staging.end_step()
+        return inputs
+
+    def _ubatch_slices(
+        self, num_sched: np.ndarray, num_input_tokens: int, uniform_decode: bool
+    ) -> list[UBatchSlice] | None:
+        config = self.compilation
+        if not config.enable_ubatching or self.sequence_parallel:
+            return None
+        return maybe_create_ubatch_slices(
+            num_sched,
+            num_input_tokens,
+            uniform_decode=uniform_decode,
+            decode_threshold=config.ubatch_decode_threshold,
+            prefill_threshold=config.ubatch_prefill_threshold,
+        )
+
+    def _ubatch_inputs(
+        self,
+        inputs: StepInputs,
+        host: HostInputs,
+        meta: AttentionMetadata,
+        ubatch: UBatchSlice,
+        index: int,
+        intermediate_tensors: IntermediateTensors | None,
+    ) -> UBatchInputs:
+        """One micro-batch's slice of the step's inputs, with its own metadata."""
+        split = split_host_metadata(ubatch, host.query_start_loc, host.seq_lens)
+        tokens, reqs = ubatch.token_slice, ubatch.request_slice
+        to_device = self.staging.to_device
+        ub_meta = AttentionMetadata(
+            num_actual_tokens=ubatch.num_tokens,
+            num_decodes=num_leading_decodes(split.query_start_loc),
+            query_start_loc=to_device(f"ub{index}_query_start_loc", split.query_start_loc),
+            seq_lens=to_device(f"ub{index}_seq_lens", split.seq_lens),
+            block_table=meta.block_table[reqs],
+            slot_mapping=meta.slot_mapping[tokens],
+            positions=inputs.positions[tokens],
+            max_query_len=int(np.diff(split.query_start_loc).max()),
+            max_seq_len=int(split.seq_lens.max()),
+            query_start_loc_cpu=split.query_start_loc,
+            seq_lens_cpu=split.seq_lens,
+        )
+        self._plan_buckets(ub_meta, split.seq_lens)
+        received = None
+        if intermediate_tensors is not None:
+            received = IntermediateTensors(
+                {k: v[tokens] for k, v in intermediate_tensors.tensors.items()}
+            )
+        return UBatchInputs(inputs.input_ids[tokens], inputs.positions[tokens], ub_meta, received)
+
+    def _host_meta(self, host: HostInputs, num_decodes: int) -> AttentionMetadata:
+        """The step's metadata; device tensors are filled in by the caller."""
+        empty = torch.empty(0)
+        return AttentionMetadata(
+            num_actual_tokens=host.num_tokens,
+            num_decodes=num_decodes,
+            query_start_loc=empty,
+            seq_lens=empty,
+            block_table=empty,
+            slot_mapping=empty,
+            max_query_len=int(np.diff(host.query_start_loc).max()),
+            max_seq_len=int(host.seq_lens.max()),
+            query_start_loc_cpu=host.query_start_loc,
+            seq_lens_cpu=host.seq_lens,
+        )
+
+    def _plan_buckets(self, meta: AttentionMetadata, seq_lens: np.ndarray) -> None:
+        """The reference backend's decode plan (the Triton kernels need none)."""
+        if self.attention_backend != "torch":
+            return
+        n = meta.num_decodes
+        meta.decode_buckets = plan_decode_buckets(
+            seq_lens[:n],
+            meta.block_table[:n],
+            self.block_size,
+            to_device=self.staging.to_device,
+        )
+
+    def _eager_inputs(
+        self, host: HostInputs, num_input_tokens: int, num_decodes: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Device inputs of an eager step; padding tokens (SP: id 0, position
+        0, slot -1) after the real ones."""
+        to_device = self.staging.to_device
+        meta = self._host_meta(host, num_decodes)
+        num_blocks = -(-meta.max_seq_len // self.block_size)
+        meta.block_table = to_device("block_table", host.block_table[:, :num_blocks])
+        meta.query_start_loc = to_device("query_start_loc", host.query_start_loc)
+        meta.seq_lens = to_device("seq_lens", host.seq_lens)
+        meta.slot_mapping = to_device("slot_mapping", _pad(host.slot_mapping, num_input_tokens, -1))
+        self._plan_buckets(meta, host.seq_lens)
+        input_ids = to_device("input_ids", _pad(host.input_ids, num_input_tokens, 0))
+        positions = to_device("positions", _pad(host.positions, num_input_tokens, 0))
+        meta.positions = positions
+        return input_ids, positions, meta
+
+
+def _pad(array: np.ndarray, length: int, value: int) -> np.ndarray:
+    """``array`` followed by ``value`` up to ``length`` entries."""
+    if len(array) == length:
+        return array
+    return np.pad(array, (0, length - len(array)), constant_values=value)

@@ -1,0 +1,179 @@
+"""CUDA graphs by batch shape: the dispatcher (capture sizes, padding,
+dispatch order, capture order) and the graph runner's wiring — static
+buffers, padding conventions, piecewise cuts — checked on the CPU through the
+stand-in graphs (a replay re-runs the captured function on the static
+buffers), against eager runs of the same engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import asyncstep
+from asyncstep import SamplingParams
+from asyncstep.errors import ConfigError
+from asyncstep.models.model_loader import LoadedModel
+from asyncstep.runner.cudagraph_dispatcher import (
+    BatchDescriptor,
+    CudagraphDispatcher,
+    CUDAGraphMode,
+    default_capture_sizes,
+)
+from tests.conftest import TEST_DEVICE
+from tests.test_engine import generate_all
+
+NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+
+
+def dispatcher(mode: str, **kw: Any) -> CudagraphDispatcher:
+    options: dict[str, Any] = {"max_num_seqs": 64, "max_num_batched_tokens": 2048} | kw
+    return CudagraphDispatcher(CUDAGraphMode.parse(mode), **options)
+
+
+def test_default_capture_sizes() -> None:
+    sizes = default_capture_sizes(512)
+    assert sizes[:5] == [1, 2, 4, 8, 16]
+    assert sizes[sizes.index(256) + 1 :] == list(range(272, 513, 16))
+    assert all(s % 8 == 0 for s in sizes[3 : sizes.index(256) + 1])
+    # Capped by max_num_seqs (2x, at most 512) and by the token budget.
+    assert dispatcher("FULL_AND_PIECEWISE", max_num_seqs=16).capture_sizes[-1] == 32
+    assert dispatcher("PIECEWISE", max_num_batched_tokens=100).capture_sizes[-1] == 96
+
+
+def test_sizes_rounded_to_the_sequence_parallel_multiple() -> None:
+    d = dispatcher("PIECEWISE", capture_sizes=[1, 2, 3, 4, 6], num_tokens_multiple=2)
+    assert d.capture_sizes == [2, 4, 6]
+    assert d.dispatch(3, 2, False) == (PIECEWISE, BatchDescriptor(4))
+
+
+def test_batches_are_padded_to_the_next_capture_size() -> None:
+    d = dispatcher("FULL_AND_PIECEWISE")
+    assert d.dispatch(3, 3, True) == (FULL, BatchDescriptor(4, 4, uniform_decode=True))
+    assert d.dispatch(9, 9, True) == (FULL, BatchDescriptor(16, 16, uniform_decode=True))
+    # A mixed batch: PIECEWISE, padded in tokens only (its attention runs eagerly).
+    assert d.dispatch(9, 3, False) == (PIECEWISE, BatchDescriptor(16))
+    # Too many tokens for any graph: eager, unpadded.
+    assert d.dispatch(129, 64, False) == (NONE, BatchDescriptor(129, 64, False))
+
+
+def test_dispatch_order_full_exact_then_relaxed_then_piecewise() -> None:
+    full = dispatcher("FULL", max_num_seqs=8)
+    # No separate decode routine: a decode batch takes the relaxed FULL graph,
+    # whose request count is the most that many tokens can hold (<= max_num_seqs).
+    assert full.dispatch(3, 3, True) == (FULL, BatchDescriptor(4, 4, uniform_decode=False))
+    assert full.dispatch(12, 2, False) == (FULL, BatchDescriptor(16, 8, uniform_decode=False))
+    both = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8)
+    assert both.dispatch(8, 8, True)[0] is FULL
+    # Decode graphs stop at max_num_seqs: 16 single-token requests cannot happen,
+    # but 16 tokens of mixed requests go PIECEWISE.
+    assert BatchDescriptor(16, 16, True) not in both.full_keys
+    assert both.dispatch(16, 5, False) == (PIECEWISE, BatchDescriptor(16))
+    decode_only = dispatcher("FULL_DECODE_ONLY")
+    assert decode_only.dispatch(5, 5, True)[0] is FULL
+    assert decode_only.dispatch(5, 2, False) == (NONE, BatchDescriptor(5, 2, False))
+    assert dispatcher("PIECEWISE").dispatch(5, 5, True) == (PIECEWISE, BatchDescriptor(8))
+    assert dispatcher("NONE").dispatch(5, 5, True)[0] is NONE
+    assert not dispatcher("NONE").keys_to_capture()
+
+
+def test_keys_are_captured_largest_first() -> None:
+    keys = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8).keys_to_capture()
+    sizes = [desc.num_tokens for _, desc in keys]
+    assert sizes == sorted(sizes, reverse=True)
+    assert {mode for mode, _ in keys} == {FULL, PIECEWISE}
+    # One FULL decode graph and one PIECEWISE graph per size up to max_num_seqs.
+    assert len(keys) == 2 * 4 + 1  # sizes 1, 2, 4, 8 twice, 16 piecewise only
+
+
+def test_mode_names_are_checked() -> None:
+    with pytest.raises(ConfigError, match="cudagraph_mode must be one of"):
+        CUDAGraphMode.parse("ALWAYS")
+    with pytest.raises(ConfigError, match="cudagraph_mode must be one of"):
+        asyncstep.CompilationConfig(cudagraph_mode="fast")
+    with pytest.raises(ConfigError, match="cudagraph_capture_sizes must be positive"):
+        asyncstep.CompilationConfig(cudagraph_capture_sizes=[0, 8])
+    with pytest.raises(ConfigError, match="attention_backend must be one of"):
+        asyncstep.CompilationConfig(attention_backend="flash")
+    assert CUDAGraphMode.FULL_AND_PIECEWISE.decode_mode() is FULL
+    assert CUDAGraphMode.FULL_AND_PIECEWISE.mixed_mode() is PIECEWISE
+    assert CUDAGraphMode.FULL_DECODE_ONLY.mixed_mode() is NONE
+
+
+# -- the graph runner, on the CPU stand-in --------------------------------
+
+#: Real CUDA graphs on a GPU (ASYNCSTEP_TEST_DEVICE=cuda), the stand-in elsewhere.
+STAND_IN = TEST_DEVICE != "cuda"
+PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1], [42], [5] * 20, [7, 7]]
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=12, ignore_eos=True)
+
+
+async def run_engine(
+    model: LoadedModel, *, short: bool = False, **options: Any
+) -> tuple[list[Any], Any]:
+    """Serve PROMPTS (greedy), then two seeded requests; ``short``: fewer
+    and shorter (the Triton interpreter is slow)."""
+    prompts, params = PROMPTS, PARAMS
+    if short:
+        prompts, params = (
+            [PROMPTS[1], PROMPTS[2], PROMPTS[3]],
+            SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        )
+    async with asyncstep.open_engine(
+        model,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,  # the 20-token prompt is chunked
+        cudagraph_capture_sizes=[1, 2, 4, 8, 16],
+        **options,
+    ) as engine:
+        results = await generate_all(engine, prompts, params)
+        if not short:
+            results += await generate_all(engine, prompts[:2], SEEDED)
+        runner = engine.executor.runner  # type: ignore[attr-defined]
+        return [r.token_ids for r in results], runner
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_piecewise_graphs_give_the_eager_tokens(
+    tiny_model: LoadedModel, overlap: bool
+) -> None:
+    eager, runner = await run_engine(tiny_model, cudagraph_mode="NONE", async_scheduling=overlap)
+    assert set(runner.step_inputs.cudagraph_steps) == {"NONE"}
+    graphed, runner = await run_engine(
+        tiny_model,
+        cudagraph_mode="PIECEWISE",
+        cudagraph_stand_in=STAND_IN,
+        async_scheduling=overlap,
+    )
+    assert graphed == eager
+    # Mixed and decode batches of 1..5 requests all ran through the pieces
+    # (5 decodes padded to 8); the graphs were released at shutdown.
+    assert (
+        runner.step_inputs.cudagraph_steps["PIECEWISE"] > 10
+        and "NONE" not in runner.step_inputs.cudagraph_steps
+    )
+    assert runner.graph_runner is None
+
+
+@pytest.mark.trio
+async def test_full_graphs_with_triton_attention_give_the_eager_tokens(
+    tiny_model: LoadedModel,
+) -> None:
+    """FULL decode graphs need attention that reads only device metadata:
+    the Triton kernels (interpreted on the CPU). Graphs against the same
+    kernels run eagerly."""
+    pytest.importorskip("triton")
+    options: dict[str, Any] = {
+        "attention_backend": "triton",
+        "cudagraph_stand_in": STAND_IN,
+        "short": True,
+    }
+    eager, _ = await run_engine(tiny_model, cudagraph_mode="NONE", **options)
+    graphed, runner = await run_engine(tiny_model, cudagraph_mode="FULL_AND_PIECEWISE", **options)
+    assert graphed == eager
+    steps = runner.step_inputs.cudagraph_steps
+    assert steps["FULL"] >= 4 and steps["PIECEWISE"] > 0 and "NONE" not in steps
+    relaxed, runner = await run_engine(tiny_model, cudagraph_mode="FULL", **options)
+    assert relaxed == eager and set(runner.step_inputs.cudagraph_steps) == {"FULL"}
