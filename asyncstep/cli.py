@@ -16,6 +16,7 @@ from typing import Any, TextIO
 import msgspec
 import trio
 
+from asyncstep.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES
 from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.api import make_config, open_engine
 from asyncstep.engine.engine import Engine, Prompt
@@ -78,6 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         metavar="GIB",
         help="KV cache size on the CPU (GiB)",
+    )
+    device = gen.add_argument_group("device fast path")
+    device.add_argument(
+        "--cudagraph-mode",
+        type=str.upper,
+        default="FULL_AND_PIECEWISE",
+        choices=CUDAGRAPH_MODES,
+        help="CUDA graphs by batch shape (CUDA only; default FULL_AND_PIECEWISE)",
+    )
+    device.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="auto: triton on CUDA, torch on the CPU",
+    )
+    device.add_argument(
+        "--ubatching",
+        action="store_true",
+        help="split large steps into two micro-batches (TP communication overlaps compute)",
     )
     parallel = gen.add_argument_group("parallelism")
     parallel.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks")
@@ -177,6 +197,9 @@ async def generate_all(args: argparse.Namespace, prompts: list[str], params: Sam
         rank_log_level=args.log_level,
         rank_log_json=args.log_json,
         async_scheduling=args.overlap,
+        cudagraph_mode=args.cudagraph_mode,
+        attention_backend=args.attention_backend,
+        enable_ubatching=args.ubatching,
     )
     with ProgressBar("loading weights") as progress:
         async with open_engine(config=config, progress=progress.update) as engine:

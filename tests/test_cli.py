@@ -200,3 +200,18 @@ def test_ctrl_c_stops_cleanly(tiny_hf_dir: Path) -> None:
         proc.kill()
     assert proc.returncode == 130
     assert b"asyncstep: interrupted" in err and b"Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--cudagraph-mode", "always"], "invalid choice: 'ALWAYS'"),
+        (["--attention-backend", "flash"], "invalid choice: 'flash'"),
+    ],
+)
+def test_bad_fast_path_options(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", *args, "x"])
+    assert exited.value.code == 2 and message in capsys.readouterr().err

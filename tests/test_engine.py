@@ -150,7 +150,8 @@ async def test_a_failing_rank_fails_requests_and_the_engine(
 
     monkeypatch.setattr(tiny_model.model, "forward", failing_forward)
     with pytest.raises(EngineDeadError, match="device fell off the bus"):
-        async with asyncstep.open_engine(tiny_model) as engine:
+        # Eager: CUDA-graph capture at start-up would call forward itself.
+        async with asyncstep.open_engine(tiny_model, cudagraph_mode="NONE") as engine:
             with pytest.raises(EngineDeadError, match="device fell off the bus"):
                 await engine.generate(PROMPTS[0], GREEDY)
             with pytest.raises(EngineDeadError):

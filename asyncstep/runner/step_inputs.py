@@ -118,6 +118,8 @@ class StepInputBuilder:
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs]).tolist()
         num_decodes = int((num_sched == 1).sum())
         mode, desc = self.dispatcher.dispatch(num_input_tokens, num_reqs, num_decodes == num_reqs)
+        if self.graph_runner is None:  # graphs not captured (yet): eager
+            mode, desc = CUDAGraphMode.NONE, BatchDescriptor(num_input_tokens, num_reqs)
         ubatch_slices = self._ubatch_slices(num_sched, num_input_tokens, num_decodes == num_reqs)
         if ubatch_slices is not None:
             mode, desc = CUDAGraphMode.NONE, BatchDescriptor(num_input_tokens, num_reqs)

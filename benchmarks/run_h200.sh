@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU fast-path measurements (issue 5; issue 4's busy figure), one stage
+# per call so each fits the device tool's 10-minute limit:
+#     bash benchmarks/run_h200.sh tests|kernels|latency8b|latency1b|throughput|overlap|tp2|pp2
+# Output (text and JSON) goes to $OUT (default benchmarks/results/fastpath).
+set -u
+OUT=${OUT:-benchmarks/results/fastpath}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+bench() { python3 benchmarks/bench.py "$@" --no-record; }
+case "$1" in
+tests)
+    ASYNCSTEP_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_triton_attention.py tests/test_triton_fused.py tests/test_cudagraph.py \
+        tests/test_ubatching.py tests/test_gpu.py tests/test_runner.py tests/test_engine.py \
+        > "$OUT/gpu_tests_h200.txt" 2>&1
+    tail -5 "$OUT/gpu_tests_h200.txt" ;;
+kernels)
+    timeout 150 python3 benchmarks/attention_kernel.py --out "$OUT/attention_kernel.json" \
+        2>&1 | tee "$OUT/attention_kernel.txt"
+    timeout 150 python3 benchmarks/fused_kernels.py --out "$OUT/fused_kernels.json" \
+        2>&1 | tee "$OUT/fused_kernels.txt" ;;
+latency8b)
+    timeout 280 bench latency --shape llama-8b --batch 1 32 --prompt-len 128 --output-len 64 \
+        --out "$OUT/latency_llama-8b_p128.json" 2>&1 | tail -12
+    timeout 280 bench latency --shape llama-8b --batch 32 --prompt-len 1024 --output-len 64 \
+        --out "$OUT/latency_llama-8b_p1024.json" 2>&1 | tail -10 ;;
+latency1b)
+    timeout 280 bench latency --shape llama-1b --batch 1 8 32 128 --prompt-len 128 \
+        --output-len 64 --out "$OUT/latency_llama-1b_p128.json" 2>&1 | tail -12
+    timeout 250 bench latency --shape qwen3-0.6b --batch 1 32 --prompt-len 128 \
+        --output-len 64 --out "$OUT/latency_qwen3-0.6b_p128.json" 2>&1 | tail -10 ;;
+throughput)
+    timeout 550 bench throughput --shape llama-1b --out "$OUT/throughput_llama-1b.json" \
+        2>&1 | tail -12 ;;
+overlap)
+    for shape in llama-8b llama-1b; do
+        timeout 250 python3 benchmarks/overlap_decode.py --shape "$shape" --batch 1 32 \
+            --output-len 96 --repeats 1 --summary --out "$OUT/overlap_$shape.json" \
+            --trace-dir "$OUT/traces" 2>&1 | grep -E "^batch" | tee -a "$OUT/overlap.txt"
+    done
+    rm -f "$OUT"/traces/*.jsonl* ;;
+tp2)
+    timeout 400 bench latency --shape llama-8b --batch 1 32 --prompt-len 128 --output-len 64 \
+        --tp 2 --no-hf --out "$OUT/latency_llama-8b_tp2.json" 2>&1 | tail -10 ;;
+pp2)
+    for pp in 1 2; do
+        timeout 280 bench throughput --shape llama-1b --num-requests 64 --pp "$pp" --no-hf \
+            --engine-opt max_num_seqs=64 --out "$OUT/throughput_llama-1b_pp$pp.json" \
+            2>&1 | tail -6
+    done ;;
+esac
