@@ -320,34 +320,40 @@ async def warm_up_engine(engine: asyncstep.Engine, seed: int) -> None:
 
 
 async def stream_batch(engine: asyncstep.Engine, prompts: list[list[int]], output_len: int) -> Row:
-    """Submit all prompts at once; each request's ITL and TTFT from the
-    client-side times of its streamed tokens; medians over requests."""
+    """Submit all prompts at once; each request's TTFT and token times from
+    the client side. ITL (``itl_ms``) is the steady decode's: the median over
+    requests of their mean token gap after the last request's first token
+    (every request decoding, no prefill in the steps); ``itl_all_ms`` over
+    each request's whole output (prefill steps of others included)."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    itls: list[float] = []
-    ttfts: list[float] = []
+    times: list[list[float]] = []
     start = time.perf_counter()
 
     async def one(prompt: list[int]) -> None:
-        first = last = 0.0
-        count = 0
+        stamps: list[float] = []
         async for chunk in engine.stream(prompt, params):
             now = time.perf_counter()
-            if chunk.token_ids:
-                first = first or now
-                last, count = now, count + len(chunk.token_ids)
-        if count != output_len:
-            raise RuntimeError(f"got {count} tokens, asked for {output_len}")
-        ttfts.append(first - start)
-        if count > 1:
-            itls.append((last - first) / (count - 1))
+            stamps += [now] * len(chunk.token_ids)
+        if len(stamps) != output_len:
+            raise RuntimeError(f"got {len(stamps)} tokens, asked for {output_len}")
+        times.append(stamps)
 
     async with trio.open_nursery() as nursery:
         for prompt in prompts:
             nursery.start_soon(one, prompt)
+    all_started = max(t[0] for t in times)
+    ttfts = [t[0] - start for t in times]
+    itls_all = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
+    itls = []
+    for t in times:
+        steady = [x for x in t if x > all_started]
+        if len(steady) > 1:
+            itls.append((steady[-1] - steady[0]) / (len(steady) - 1))
     return {
         "itl_ms": statistics.median(itls) * 1e3 if itls else math.nan,
         "itl_ms_min": min(itls, default=math.nan) * 1e3,
         "itl_ms_max": max(itls, default=math.nan) * 1e3,
+        "itl_all_ms": statistics.median(itls_all) * 1e3 if itls_all else math.nan,
         "ttft_ms": statistics.median(ttfts) * 1e3,
         "ttft_ms_max": max(ttfts) * 1e3,
         "wall_s": time.perf_counter() - start,

@@ -7,7 +7,7 @@ set -u
 OUT=${OUT:-benchmarks/results/fastpath}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-bench() { python3 benchmarks/bench.py "$@" --no-record; }
+BENCH="python3 benchmarks/bench.py"
 case "$1" in
 tests)
     ASYNCSTEP_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
@@ -21,17 +21,22 @@ kernels)
     timeout 150 python3 benchmarks/fused_kernels.py --out "$OUT/fused_kernels.json" \
         2>&1 | tee "$OUT/fused_kernels.txt" ;;
 latency8b)
-    timeout 280 bench latency --shape llama-8b --batch 1 32 --prompt-len 128 --output-len 64 \
+    timeout 280 $BENCH latency --no-record --shape llama-8b --batch 1 32 --prompt-len 128 --output-len 64 \
         --out "$OUT/latency_llama-8b_p128.json" 2>&1 | tail -12
-    timeout 280 bench latency --shape llama-8b --batch 32 --prompt-len 1024 --output-len 64 \
+    timeout 280 $BENCH latency --no-record --shape llama-8b --batch 32 --prompt-len 1024 --output-len 64 \
         --out "$OUT/latency_llama-8b_p1024.json" 2>&1 | tail -10 ;;
+latency8b-steady)  # steady-decode ITL; HF quoted from the latency8b run
+    timeout 200 $BENCH latency --no-record --shape llama-8b --batch 32 --prompt-len 1024 \
+        --output-len 64 --hf-from "$OUT/latency_llama-8b_p1024_whole-output-itl.json" \
+        --out "$OUT/latency_llama-8b_p1024.json" 2>&1 | tail -8 ;;
 latency1b)
-    timeout 280 bench latency --shape llama-1b --batch 1 8 32 128 --prompt-len 128 \
-        --output-len 64 --out "$OUT/latency_llama-1b_p128.json" 2>&1 | tail -12
-    timeout 250 bench latency --shape qwen3-0.6b --batch 1 32 --prompt-len 128 \
+    timeout 280 $BENCH latency --no-record --shape llama-1b --batch 1 32 --prompt-len 128 \
+        --output-len 64 --out "$OUT/latency_llama-1b_p128.json" 2>&1 | tail -10 ;;
+qwen)
+    timeout 250 $BENCH latency --no-record --shape qwen3-0.6b --batch 1 32 --prompt-len 128 \
         --output-len 64 --out "$OUT/latency_qwen3-0.6b_p128.json" 2>&1 | tail -10 ;;
 throughput)
-    timeout 550 bench throughput --shape llama-1b --out "$OUT/throughput_llama-1b.json" \
+    timeout 550 $BENCH throughput --no-record --shape llama-1b --out "$OUT/throughput_llama-1b.json" \
         2>&1 | tail -12 ;;
 overlap)
     for shape in llama-8b llama-1b; do
@@ -41,11 +46,11 @@ overlap)
     done
     rm -f "$OUT"/traces/*.jsonl* ;;
 tp2)
-    timeout 400 bench latency --shape llama-8b --batch 1 32 --prompt-len 128 --output-len 64 \
+    timeout 400 $BENCH latency --no-record --shape llama-8b --batch 1 32 --prompt-len 128 --output-len 64 \
         --tp 2 --no-hf --out "$OUT/latency_llama-8b_tp2.json" 2>&1 | tail -10 ;;
 pp2)
     for pp in 1 2; do
-        timeout 280 bench throughput --shape llama-1b --num-requests 64 --pp "$pp" --no-hf \
+        timeout 280 $BENCH throughput --no-record --shape llama-1b --num-requests 64 --pp "$pp" --no-hf \
             --engine-opt max_num_seqs=64 --out "$OUT/throughput_llama-1b_pp$pp.json" \
             2>&1 | tail -6
     done ;;
