@@ -27,7 +27,7 @@ latency8b)
         --out "$OUT/latency_llama-8b_p1024.json" 2>&1 | tail -10 ;;
 latency8b-steady)  # steady-decode ITL; HF quoted from the latency8b run
     timeout 200 $BENCH latency --no-record --shape llama-8b --batch 32 --prompt-len 1024 \
-        --output-len 64 --hf-from "$OUT/latency_llama-8b_p1024_whole-output-itl.json" \
+        --output-len 64 --hf-from benchmarks/results/fastpath/latency_llama-8b_p1024_whole-output-itl.json \
         --out "$OUT/latency_llama-8b_p1024.json" 2>&1 | tail -8 ;;
 latency1b)
     timeout 280 $BENCH latency --no-record --shape llama-1b --batch 1 32 --prompt-len 128 \
