@@ -6,9 +6,10 @@ Modes:
 
 * ``latency``: per (batch, prompt length), B requests of random prompts
   (greedy, ``ignore_eos``) submitted together to one engine (built once and
-  reused). ITL per request = (time of its last output token - time of its
-  first) / (n - 1), from client-side stream timestamps; median over requests;
-  TTFT likewise. HF ITL = (generate N tokens - generate 1 token) / (N - 1).
+  reused). ITL per request = its mean gap between output tokens once every
+  request is decoding (after the last request's first token), from
+  client-side stream timestamps; median over requests (``itl_all_ms``: over
+  whole outputs, others' prefill steps included); TTFT likewise. HF ITL = (generate N tokens - generate 1 token) / (N - 1).
 * ``throughput``: ``--num-requests`` requests, input and output lengths each
   uniform in [``--min-len``, ``--max-len``] (seeded), all submitted at once:
   output and total tokens/s, wall time, and the GPU busy fraction from the

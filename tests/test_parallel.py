@@ -90,19 +90,44 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.trio
 @pytest.mark.parametrize(
-    "tp,pp,sp",
-    [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, False), (2, 2, True)],
-    ids=["tp2", "tp2-sp", "pp2", "pp2xtp2", "pp2xtp2-sp"],
+    "tp,pp,sp,graphs",
+    [
+        (2, 1, False, False),
+        (2, 1, True, False),
+        (1, 2, False, False),
+        (2, 2, False, False),
+        (2, 2, True, False),
+        (1, 2, False, True),
+        (2, 2, True, True),
+    ],
+    ids=["tp2", "tp2-sp", "pp2", "pp2xtp2", "pp2xtp2-sp", "pp2-graphs", "pp2xtp2-sp-graphs"],
 )
 async def test_layout_matches_single_rank(
-    peaked_llama: Path, single_rank_tokens: list[list[int]], tp: int, pp: int, sp: bool
+    peaked_llama: Path,
+    single_rank_tokens: list[list[int]],
+    tp: int,
+    pp: int,
+    sp: bool,
+    graphs: bool,
+    tmp_path: Path,
 ) -> None:
+    """``graphs``: every step through (stand-in) piecewise CUDA graphs on each
+    rank: static received tensors on the second stage, SP-padded sizes."""
+    log = tmp_path / "ranks.jsonl"
+    options: dict[str, Any] = {}
+    if graphs:
+        options = {
+            "cudagraph_mode": "PIECEWISE",
+            "cudagraph_stand_in": True,
+            "rank_log_json": str(log),
+        }
     async with asyncstep.open_engine(
         peaked_llama,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         sequence_parallel=sp,
         **ENGINE,
+        **options,
     ) as engine:
         assert isinstance(engine.executor, RemoteRanks)
         pids = engine.executor.pids
@@ -111,6 +136,10 @@ async def test_layout_matches_single_rank(
         # Weight memory per rank: about 1 / (tp * pp) of the model, plus replicated norms.
         per_rank = [r.weight_bytes for r in engine.executor.ready]
     assert all(_gone(pid) for pid in pids)
+    if graphs:  # every rank captured its graphs
+        for rank in range(tp * pp):
+            events = Path(f"{log}.rank{rank}").read_text()
+            assert '"cuda graphs captured"' in events and '"PIECEWISE"' in events
     if tp == 2 and pp == 1:
         whole = sum(per_rank) / 2 * 2  # two halves of each sharded weight
         assert max(per_rank) < 0.55 * whole

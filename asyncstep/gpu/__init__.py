@@ -1,10 +1,14 @@
 """Awaitables for futures, CUDA events and ``torch.distributed`` Work
-(``stream``, ``work``); a rank's launch thread (``host_stream``); later CUDA
-graphs and Triton kernels.
+(``stream``, ``work``); a rank's launch thread (``host_stream``); CUDA-graph
+capture and its CPU stand-in (``cuda_graph``); Triton kernels: paged
+attention and the KV-cache store (``triton_attention``), fused add + RMSNorm,
+silu * up, rotary (+ store) (``triton_fused``; imported lazily: triton is
+optional on the CPU).
 
 May import torch, triton, trio/anyio.
 """
 
+from asyncstep.gpu.cuda_graph import CudaGraph, EagerGraph, GraphPool, capture_graph
 from asyncstep.gpu.host_stream import HostStream, HostStreamStatistics
 from asyncstep.gpu.stream import (
     CpuEvent,
@@ -20,12 +24,16 @@ from asyncstep.gpu.work import PendingWork, is_cuda, wait_cuda_event, wait_work
 __all__ = [
     "CpuEvent",
     "CudaEvent",
+    "CudaGraph",
     "DeviceClock",
+    "EagerGraph",
+    "GraphPool",
     "HostStream",
     "HostStreamStatistics",
     "PendingWork",
     "StreamEvent",
     "await_future",
+    "capture_graph",
     "cuda_waiter",
     "is_cuda",
     "record_event",

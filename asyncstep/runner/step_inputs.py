@@ -97,33 +97,15 @@ class StepInputBuilder:
         num_reqs = batch.num_reqs
         num_sched = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64)
         cu_num_tokens = np.cumsum(num_sched)
-        total = int(cu_num_tokens[-1])
-        num_input_tokens = -(-total // self.num_tokens_multiple) * self.num_tokens_multiple
-        req_indices = np.repeat(np.arange(num_reqs), num_sched)
-        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_sched, num_sched)
-        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        positions = computed[req_indices] + offsets
-        seq_lens = computed + num_sched
-        host = HostInputs(
-            input_ids=batch.token_ids_cpu.ravel()[
-                req_indices * batch.max_model_len + positions
-            ].astype(np.int64),
-            positions=positions,
-            slot_mapping=batch.block_table.compute_slot_mapping(req_indices, positions),
-            query_start_loc=np.concatenate([[0], cu_num_tokens]).astype(np.int32),
-            seq_lens=seq_lens.astype(np.int32),
-            block_table=batch.block_table.block_table_np[:num_reqs],
+        host = self._host_inputs(num_sched, cu_num_tokens)
+        seq_lens = host.seq_lens.astype(np.int64)
+        num_input_tokens = -(-host.num_tokens // self.num_tokens_multiple) * (
+            self.num_tokens_multiple
         )
         # A request samples once every token it has is in the cache.
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs]).tolist()
         num_decodes = int((num_sched == 1).sum())
-        mode, desc = self.dispatcher.dispatch(num_input_tokens, num_reqs, num_decodes == num_reqs)
-        if self.graph_runner is None:  # graphs not captured (yet): eager
-            mode, desc = CUDAGraphMode.NONE, BatchDescriptor(num_input_tokens, num_reqs)
-        ubatch_slices = self._ubatch_slices(num_sched, num_input_tokens, num_decodes == num_reqs)
-        if ubatch_slices is not None:
-            mode, desc = CUDAGraphMode.NONE, BatchDescriptor(num_input_tokens, num_reqs)
-            self.num_ubatched_steps += 1
+        mode, desc, ubatch_slices = self._choose_mode(num_sched, num_input_tokens, num_decodes)
         self.cudagraph_steps[mode.name] += 1
         self.staging.begin_step()  # the last step's copies have read the buffers
         meta: AttentionMetadata | None = None
@@ -155,6 +137,40 @@ class StepInputBuilder:
             ]
         self.staging.end_step()
         return inputs
+
+    def _host_inputs(self, num_sched: np.ndarray, cu_num_tokens: np.ndarray) -> HostInputs:
+        """Token ids, positions, slots and request metadata, on the host."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        total = int(cu_num_tokens[-1])
+        req_indices = np.repeat(np.arange(num_reqs), num_sched)
+        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_sched, num_sched)
+        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        positions = computed[req_indices] + offsets
+        token_index = req_indices * batch.max_model_len + positions
+        return HostInputs(
+            input_ids=batch.token_ids_cpu.ravel()[token_index].astype(np.int64),
+            positions=positions,
+            slot_mapping=batch.block_table.compute_slot_mapping(req_indices, positions),
+            query_start_loc=np.concatenate([[0], cu_num_tokens]).astype(np.int32),
+            seq_lens=(computed + num_sched).astype(np.int32),
+            block_table=batch.block_table.block_table_np[:num_reqs],
+        )
+
+    def _choose_mode(
+        self, num_sched: np.ndarray, num_input_tokens: int, num_decodes: int
+    ) -> tuple[CUDAGraphMode, BatchDescriptor, list[UBatchSlice] | None]:
+        """The dispatcher's graph and padded shape; eager without captured
+        graphs, or when the step runs as two micro-batches."""
+        num_reqs = len(num_sched)
+        uniform = num_decodes == num_reqs
+        mode, desc = self.dispatcher.dispatch(num_input_tokens, num_reqs, uniform)
+        ubatch_slices = self._ubatch_slices(num_sched, num_input_tokens, uniform)
+        if ubatch_slices is not None:
+            self.num_ubatched_steps += 1
+        if self.graph_runner is None or ubatch_slices is not None:
+            mode, desc = CUDAGraphMode.NONE, BatchDescriptor(num_input_tokens, num_reqs)
+        return mode, desc, ubatch_slices
 
     def _ubatch_slices(
         self, num_sched: np.ndarray, num_input_tokens: int, uniform_decode: bool
