@@ -9,7 +9,8 @@ Modes:
   reused). ITL per request = its mean gap between output tokens once every
   request is decoding (after the last request's first token), from
   client-side stream timestamps; median over requests (``itl_all_ms``: over
-  whole outputs, others' prefill steps included); TTFT likewise. HF ITL = (generate N tokens - generate 1 token) / (N - 1).
+  whole outputs, others' prefill steps included); TTFT likewise.
+  HF ITL = (generate N tokens - generate 1 token) / (N - 1).
 * ``throughput``: ``--num-requests`` requests, input and output lengths each
   uniform in [``--min-len``, ``--max-len``] (seeded), all submitted at once:
   output and total tokens/s, wall time, and the GPU busy fraction from the

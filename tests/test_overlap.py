@@ -205,17 +205,15 @@ async def _generate(path: Path, overlap: bool, params: list[SamplingParams]) -> 
 
 
 def overlapping_steps(spans: list[Span]) -> tuple[int, int]:
-    """(pairs where step N+1 was scheduled before step N's output was
-    delivered, of those the ones whose forward N+1 started before)."""
-    schedule = by_step(spans, "engine", "schedule")
+    """(steps N whose output waited for step N+1 to be launched — N+1 had
+    reached the rank when N's tokens did —, of those the ones whose forward
+    N+1 started before output N was delivered)."""
     output = by_step(spans, "sampler", "output")
     forward = by_step(spans, "device", "forward")
-    ahead = overlapped = 0
-    for n, delivered in output.items():
-        if n + 1 in schedule and n + 1 in forward and schedule[n + 1].end_us <= delivered.ts_us:
-            ahead += 1
-            overlapped += forward[n + 1].ts_us < delivered.end_us
-    return ahead, overlapped
+    # (A successor with no tokens, e.g. all requests done, runs no forward.)
+    waited = [n for n in by_step(spans, "sampler", "wait_next_launch") if n + 1 in forward]
+    overlapped = sum(forward[n + 1].ts_us < output[n].end_us for n in waited)
+    return len(waited), overlapped
 
 
 def test_timeline_shows_the_forward_of_step_n_plus_1_before_the_output_of_step_n(
@@ -223,9 +221,11 @@ def test_timeline_shows_the_forward_of_step_n_plus_1_before_the_output_of_step_n
 ) -> None:
     spans = traced_run(peaked_hf_dir, tmp_path / "on.jsonl", overlap=True)
     ahead, overlapped = overlapping_steps(spans)
-    # Every step but the last is scheduled one ahead, and launched before
-    # the previous step's output is handed out.
-    assert ahead >= 8 and overlapped == ahead
+    # Steps scheduled one ahead are launched before the previous step's output
+    # is handed out. (On the CPU the "device" is the launch thread, so a step's
+    # tokens are ready the moment it returns: about every other step finds its
+    # successor still on its way from the engine, and goes out at once.)
+    assert ahead >= 3 and overlapped == ahead
     spans = traced_run(peaked_hf_dir, tmp_path / "off.jsonl", overlap=False)
     output = by_step(spans, "sampler", "output")
     forward = by_step(spans, "device", "forward")

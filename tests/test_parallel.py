@@ -138,7 +138,7 @@ async def test_layout_matches_single_rank(
     assert all(_gone(pid) for pid in pids)
     if graphs:  # every rank captured its graphs
         for rank in range(tp * pp):
-            events = Path(f"{log}.rank{rank}").read_text()
+            events = await anyio.Path(f"{log}.rank{rank}").read_text()
             assert '"cuda graphs captured"' in events and '"PIECEWISE"' in events
     if tp == 2 and pp == 1:
         whole = sum(per_rank) / 2 * 2  # two halves of each sharded weight
