@@ -1,0 +1,337 @@
+"""The split-KV ("flash decoding") Triton kernels for decode batches, and the
+kernel that combines their segments; launched by
+:mod:`asyncstep.gpu.triton_attention` (the scheme is described in
+:mod:`asyncstep.gpu.attention_kernels`).
+
+May import triton only.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from asyncstep.gpu.attention_kernels import _find_request, _store_rows
+
+# --------------------------------------------------------------------------
+# paged_attention: decode batches, keys split across programs
+
+
+@triton.jit
+def _decode_token(
+    qsl_ptr: tl.tensor,
+    seq_lens_ptr: tl.tensor,
+    num_reqs: tl.tensor,
+    token: tl.tensor,
+) -> tuple[tl.tensor, tl.tensor]:
+    """The request of query token ``token`` (``< qsl[num_reqs]``) and the number
+    of keys it sees (causal: up to and including its own position)."""
+    req = token
+    q_start = tl.load(qsl_ptr + token)
+    q_end = tl.load(qsl_ptr + token + 1)
+    # Fast path, every request one token: request `token` owns token `token`.
+    if (q_start != token) | (q_end != token + 1):
+        req = _find_request(qsl_ptr, num_reqs, token, 1)
+        q_start = tl.load(qsl_ptr + req)
+        q_end = tl.load(qsl_ptr + req + 1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    return req, seq_len - q_end + token + 1
+
+
+@triton.jit
+def _segment_len(keys: tl.tensor, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr) -> tl.tensor:
+    """Keys per segment: ``cdiv(keys, NUM_SPLITS)`` rounded up to the key tile."""
+    per_split = (keys + NUM_SPLITS - 1) // NUM_SPLITS
+    return (per_split + TILE_N - 1) // TILE_N * TILE_N
+
+
+@triton.jit
+def _decode_keys(
+    q: tl.tensor,
+    m_i: tl.tensor,
+    l_i: tl.tensor,
+    acc: tl.tensor,
+    bt_row_ptr: tl.tensor,
+    stride_btb: tl.tensor,
+    k_head_ptr: tl.tensor,
+    v_head_ptr: tl.tensor,
+    stride_cb: tl.tensor,
+    stride_cs: tl.tensor,
+    stride_cd: tl.tensor,
+    start: tl.tensor,
+    keys_end: tl.tensor,
+    scale_log2: tl.tensor,
+    MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """One online-softmax step of a decode row block over keys ``start ..
+    start + TILE_N`` (those at or past ``keys_end`` hidden when MASKED).
+
+    Unlike :func:`_attend_keys`, the block ids are read once for K and V and
+    both tiles are loaded before any arithmetic, so their reads overlap."""
+    keys = start + tl.arange(0, TILE_N)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    if MASKED:
+        key_mask = keys < keys_end
+        blocks = tl.load(bt_row_ptr + (keys // BLOCK_SIZE) * stride_btb, mask=key_mask, other=0)
+    else:
+        key_mask = keys >= 0  # all true
+        blocks = tl.load(bt_row_ptr + (keys // BLOCK_SIZE) * stride_btb)
+    rows = blocks.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE).to(tl.int64) * stride_cs
+    k_ptrs = k_head_ptr + rows[None, :] + dims[:, None] * stride_cd  # [HEAD_DIM_PAD, TILE_N]
+    v_ptrs = v_head_ptr + rows[:, None] + dims[None, :] * stride_cd  # [TILE_N, HEAD_DIM_PAD]
+    if MASKED or HEAD_DIM != HEAD_DIM_PAD:
+        k = tl.load(k_ptrs, mask=key_mask[None, :] & dim_mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        s = tl.where(key_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+# num_reqs changes every step: no variant per value (1, multiples of 16).
+@triton.jit(do_not_specialize=["num_reqs"])
+def _decode_split_kernel(
+    q_ptr: tl.tensor,
+    kv_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    part_ptr: tl.tensor,
+    lse_ptr: tl.tensor,
+    qsl_ptr: tl.tensor,
+    seq_lens_ptr: tl.tensor,
+    bt_ptr: tl.tensor,
+    scale_log2: tl.tensor,
+    num_reqs: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_qd: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_od: tl.tensor,
+    stride_pt: tl.tensor,
+    stride_ph: tl.tensor,
+    stride_ps: tl.tensor,
+    stride_pd: tl.tensor,
+    stride_lt: tl.tensor,
+    stride_lh: tl.tensor,
+    stride_c: tl.tensor,
+    stride_ch: tl.tensor,
+    stride_cb: tl.tensor,
+    stride_cs: tl.tensor,
+    stride_cd: tl.tensor,
+    stride_btr: tl.tensor,
+    stride_btb: tl.tensor,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+) -> None:
+    """Grid ``(num_tokens == num_reqs, num_kv_heads, NUM_SPLITS)``: token ``t``'s GROUP
+    query heads of one KV head against key segment ``split``. NUM_SPLITS > 1:
+    the normalised fp32 output and the log2-sum-exp go to ``part[t, head,
+    split]`` / ``lse[t, head, split]`` (an empty segment writes lse -inf only,
+    padding rows nothing); NUM_SPLITS == 1: the output goes to ``out``,
+    padding rows zeros."""
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    tokens = tl.zeros_like(rows) + token
+    if token < tl.load(qsl_ptr + num_reqs):
+        req, keys_end = _decode_token(qsl_ptr, seq_lens_ptr, num_reqs, token)
+        seg_len = _segment_len(keys_end, NUM_SPLITS, TILE_N)
+        seg_start = split * seg_len
+        seg_end = tl.minimum(seg_start + seg_len, keys_end)
+        if seg_start < seg_end:
+            dims = tl.arange(0, HEAD_DIM_PAD)
+            q_ptrs = (
+                q_ptr
+                + token.to(tl.int64) * stride_qt
+                + heads[:, None] * stride_qh
+                + dims[None, :] * stride_qd
+            )
+            q = tl.load(q_ptrs, mask=row_mask[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+            bt_row_ptr = bt_ptr + req.to(tl.int64) * stride_btr
+            k_head_ptr = kv_ptr + kv_head.to(tl.int64) * stride_ch
+            v_head_ptr = k_head_ptr + stride_c
+            full_end = seg_start + (seg_end - seg_start) // TILE_N * TILE_N
+            m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+            for start in range(seg_start, full_end, TILE_N):
+                m_i, l_i, acc = _decode_keys(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    bt_row_ptr,
+                    stride_btb,
+                    k_head_ptr,
+                    v_head_ptr,
+                    stride_cb,
+                    stride_cs,
+                    stride_cd,
+                    start,
+                    seg_end,
+                    scale_log2,
+                    False,
+                    HEAD_DIM,
+                    HEAD_DIM_PAD,
+                    BLOCK_SIZE,
+                    TILE_N,
+                    DOT_PRECISION,
+                )
+            for start in range(full_end, seg_end, TILE_N):  # at most one partial tile
+                m_i, l_i, acc = _decode_keys(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    bt_row_ptr,
+                    stride_btb,
+                    k_head_ptr,
+                    v_head_ptr,
+                    stride_cb,
+                    stride_cs,
+                    stride_cd,
+                    start,
+                    seg_end,
+                    scale_log2,
+                    True,
+                    HEAD_DIM,
+                    HEAD_DIM_PAD,
+                    BLOCK_SIZE,
+                    TILE_N,
+                    DOT_PRECISION,
+                )
+            # A non-empty segment has l_i >= 1 on every row (its maximum adds 1).
+            acc = acc / l_i[:, None]
+            if NUM_SPLITS == 1:
+                _store_rows(
+                    out_ptr,
+                    acc,
+                    tokens,
+                    heads,
+                    row_mask,
+                    stride_ot,
+                    stride_oh,
+                    stride_od,
+                    HEAD_DIM,
+                    HEAD_DIM_PAD,
+                )
+            else:
+                _store_rows(
+                    part_ptr + split.to(tl.int64) * stride_ps,
+                    acc,
+                    tokens,
+                    heads,
+                    row_mask,
+                    stride_pt,
+                    stride_ph,
+                    stride_pd,
+                    HEAD_DIM,
+                    HEAD_DIM_PAD,
+                )
+                lse_ptrs = lse_ptr + token.to(tl.int64) * stride_lt + heads * stride_lh + split
+                tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=row_mask)
+        elif NUM_SPLITS == 1:  # no visible key (not a valid input): zeros, not garbage
+            zeros = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+            _store_rows(
+                out_ptr,
+                zeros,
+                tokens,
+                heads,
+                row_mask,
+                stride_ot,
+                stride_oh,
+                stride_od,
+                HEAD_DIM,
+                HEAD_DIM_PAD,
+            )
+        else:  # an empty segment: weight exp2(-inf) = 0, its partial output unread
+            lse_ptrs = lse_ptr + token.to(tl.int64) * stride_lt + heads * stride_lh + split
+            tl.store(lse_ptrs, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
+    elif NUM_SPLITS == 1:  # a padding row (the combine kernel zeros them otherwise)
+        zeros = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+        _store_rows(
+            out_ptr,
+            zeros,
+            tokens,
+            heads,
+            row_mask,
+            stride_ot,
+            stride_oh,
+            stride_od,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+        )
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _decode_combine_kernel(
+    out_ptr: tl.tensor,
+    part_ptr: tl.tensor,
+    lse_ptr: tl.tensor,
+    qsl_ptr: tl.tensor,
+    num_reqs: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_od: tl.tensor,
+    stride_pt: tl.tensor,
+    stride_ph: tl.tensor,
+    stride_ps: tl.tensor,
+    stride_pd: tl.tensor,
+    stride_lt: tl.tensor,
+    stride_lh: tl.tensor,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+) -> None:
+    """Grid ``(num_tokens, num_heads)``: ``out[t, head]`` from the segments'
+    partial outputs, weighted by ``exp2(lse)``; empty segments (lse -inf) are
+    not read. Padding rows zeros."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    result = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    if token < tl.load(qsl_ptr + num_reqs):
+        splits = tl.arange(0, SPLITS_PAD)
+        lse_row = lse_ptr + token.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
+        lse = tl.load(lse_row + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+        used = lse > float("-inf")
+        lse_max = tl.max(lse, 0)
+        # All empty (no visible key, not a valid input): zeros, not NaN.
+        weight = tl.where(used, tl.exp2(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0)), 0.0)
+        part_ptrs = (
+            part_ptr
+            + token.to(tl.int64) * stride_pt
+            + head.to(tl.int64) * stride_ph
+            + splits[:, None] * stride_ps
+            + dims[None, :] * stride_pd
+        )
+        part = tl.load(part_ptrs, mask=used[:, None] & dim_mask[None, :], other=0.0)
+        total = tl.sum(weight, 0)
+        result = tl.sum(part * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims * stride_od
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=dim_mask)
