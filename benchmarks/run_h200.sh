@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU fast-path measurements (issue 5; issue 4's busy figure), one stage
 # per call so each fits the device tool's 10-minute limit:
-#     bash benchmarks/run_h200.sh tests|kernels|latency8b|latency1b|throughput|overlap|tp2|pp2
+#     bash benchmarks/run_h200.sh tests|kernels|latency8b|latency8b-steady|latency1b|qwen|
+#                                 throughput|overlap|tp2|pp2   (tp2, pp2: on nvidia-h200-x2)
 # Output (text and JSON) goes to $OUT (default benchmarks/results/fastpath).
 set -u
 OUT=${OUT:-benchmarks/results/fastpath}
@@ -50,8 +51,8 @@ tp2)
         --tp 2 --no-hf --out "$OUT/latency_llama-8b_tp2.json" 2>&1 | tail -10 ;;
 pp2)
     for pp in 1 2; do
-        timeout 280 $BENCH throughput --no-record --shape llama-1b --num-requests 64 --pp "$pp" --no-hf \
-            --engine-opt max_num_seqs=64 --out "$OUT/throughput_llama-1b_pp$pp.json" \
+        timeout 280 $BENCH throughput --no-record --shape llama-8b --num-requests 64 --pp "$pp" --no-hf \
+            --engine-opt max_num_seqs=64 --out "$OUT/throughput_llama-8b_n64_pp$pp.json" \
             2>&1 | tail -6
     done ;;
 esac
