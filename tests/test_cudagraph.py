@@ -95,6 +95,10 @@ def test_mode_names_are_checked() -> None:
         asyncstep.CompilationConfig(cudagraph_capture_sizes=[0, 8])
     with pytest.raises(ConfigError, match="attention_backend must be one of"):
         asyncstep.CompilationConfig(attention_backend="flash")
+    with pytest.raises(ConfigError, match="max_cudagraph_capture_size must be positive"):
+        asyncstep.CompilationConfig(max_cudagraph_capture_size=0)
+    with pytest.raises(ConfigError, match="ubatch thresholds must be at least 2"):
+        asyncstep.CompilationConfig(ubatch_decode_threshold=1)
     assert CUDAGraphMode.FULL_AND_PIECEWISE.decode_mode() is FULL
     assert CUDAGraphMode.FULL_AND_PIECEWISE.mixed_mode() is PIECEWISE
     assert CUDAGraphMode.FULL_DECODE_ONLY.mixed_mode() is NONE
