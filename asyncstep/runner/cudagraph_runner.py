@@ -123,7 +123,6 @@ class CudaGraphRunner:
         }
         self.full_graphs: dict[BatchDescriptor, Graph[StageOutput]] = {}
         self.piecewise_graphs: dict[BatchDescriptor, list[Graph[StageOutput | None]]] = {}
-        self._full_meta: dict[BatchDescriptor, AttentionMetadata] = {}
 
     # -- inputs -------------------------------------------------------------
 
@@ -256,7 +255,6 @@ class CudaGraphRunner:
         def forward() -> StageOutput:
             return self.model(ids, positions, meta, intermediate)
 
-        self._full_meta[desc] = meta
         self.full_graphs[desc] = capture_graph(forward, self.pool)
 
     def _cut_views(self, num_tokens: int) -> _Cut:
@@ -298,7 +296,6 @@ class CudaGraphRunner:
         """Drop every graph (their pool memory goes back to the allocator)."""
         self.full_graphs.clear()
         self.piecewise_graphs.clear()
-        self._full_meta.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
