@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="async scheduling: launch step N+1 while step N is sampled (--no-overlap: "
         "one step at a time, for ablation and debugging)",
     )
+    engine.add_argument(
+        "--max-concurrent-batches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="steps in flight (0: 1 without overlap, 2 with it, the pipeline depth with --pp)",
+    )
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument(
         "--kv-cache-memory",
@@ -197,6 +204,7 @@ async def generate_all(args: argparse.Namespace, prompts: list[str], params: Sam
         rank_log_level=args.log_level,
         rank_log_json=args.log_json,
         async_scheduling=args.overlap,
+        max_concurrent_batches=args.max_concurrent_batches,
         cudagraph_mode=args.cudagraph_mode,
         attention_backend=args.attention_backend,
         enable_ubatching=args.ubatching,

@@ -79,7 +79,9 @@ class SchedulerConfig:
 
     #: Token budget of one step (prompt chunks + decodes).
     max_num_batched_tokens: int = 2048
-    #: Most requests in one step.
+    #: Most requests in one step. With pipeline parallelism each of the
+    #: ``pp_size`` steps in flight holds different requests, so up to
+    #: ``pp_size * max_num_seqs`` run at once (vLLM v0's virtual engines).
     max_num_seqs: int = 64
     #: Split long prompts over several steps (chunked prefill).
     enable_chunked_prefill: bool = True
@@ -88,6 +90,12 @@ class SchedulerConfig:
     #: Overlap: schedule one step ahead (the forward of step N+1 runs while
     #: step N is sampled and delivered). False runs steps one at a time.
     async_scheduling: bool = True
+    #: Steps the engine keeps in flight (its batch queue); 0 chooses: 1
+    #: without overlap, 2 with it (step N+1 launched while step N is
+    #: sampled), ``pp_size`` with pipeline parallelism. With overlap, 3 also
+    #: hides the engine's update and schedule of a step behind the device
+    #: (a stop is then found two steps late: the extra tokens are dropped).
+    max_concurrent_batches: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -96,6 +104,11 @@ class SchedulerConfig:
             )
         if self.max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_concurrent_batches < 0:
+            raise ConfigError(
+                "max_concurrent_batches must be 0 (automatic) or positive, "
+                f"got {self.max_concurrent_batches}"
+            )
 
 
 @dataclass
@@ -206,11 +219,21 @@ class EngineConfig:
 
     @property
     def batch_queue_size(self) -> int:
-        """Steps the engine keeps in flight: 1 without overlap, else
-        ``max(2, pp_size)`` (every pipeline stage busy)."""
-        if not self.scheduler.async_scheduling:
-            return 1
-        return max(2, self.parallel.pipeline_parallel_size)
+        """Steps the engine keeps in flight: ``max_concurrent_batches`` if
+        set, else 1 without overlap or pipeline, ``pp_size`` with a pipeline
+        (every stage busy), at least 2 with overlap."""
+        if self.scheduler.max_concurrent_batches:
+            return self.scheduler.max_concurrent_batches
+        pp = self.parallel.pipeline_parallel_size
+        return max(2 if self.scheduler.async_scheduling else 1, pp)
+
+    @property
+    def max_num_running_reqs(self) -> int:
+        """Requests that may run at once: ``max_num_seqs`` per step, times the
+        steps in flight when these hold different requests (a pipeline)."""
+        if self.uses_output_placeholders:
+            return self.scheduler.max_num_seqs
+        return self.scheduler.max_num_seqs * self.batch_queue_size
 
     @property
     def uses_output_placeholders(self) -> bool:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU fast-path measurements (issue 5; issue 4's busy figure), one stage
 # per call so each fits the device tool's 10-minute limit:
-#     bash benchmarks/run_h200.sh tests|kernels|latency8b|latency8b-steady|latency1b|qwen|
-#                                 throughput|overlap|tp2|pp2   (tp2, pp2: on nvidia-h200-x2)
+#     bash benchmarks/run_h200.sh tests|kernels|latency8b|latency8b-steady|latency1b|host1b|
+#                                 qwen|throughput|overlap|tests2|allreduce|tp2|pp2
+#     (tests2, allreduce, tp2, pp2: on nvidia-h200-x2)
 # Output (text and JSON) goes to $OUT (default benchmarks/results/fastpath).
 set -u
 OUT=${OUT:-benchmarks/results/fastpath}
@@ -33,6 +34,14 @@ latency8b-steady)  # steady-decode ITL; HF quoted from the latency8b run
 latency1b)
     timeout 280 $BENCH latency --no-record --shape llama-1b --batch 1 32 --prompt-len 128 \
         --output-len 64 --out "$OUT/latency_llama-1b_p128.json" 2>&1 | tail -10 ;;
+host1b)  # the host-bound shape: steps in flight (2, 3) and the GIL switch interval
+    for variant in "d2:" "d3:--engine-opt max_concurrent_batches=3" \
+        "d3s:--engine-opt max_concurrent_batches=3 --switch-interval 0.0005"; do
+        name=${variant%%:*}
+        timeout 150 $BENCH latency --no-record --no-hf --shape llama-1b --batch 1 32 \
+            --prompt-len 128 --output-len 64 ${variant#*:} \
+            --out "$OUT/latency_llama-1b_p128_$name.json" 2>&1 | tail -4
+    done ;;
 qwen)
     timeout 250 $BENCH latency --no-record --shape qwen3-0.6b --batch 1 32 --prompt-len 128 \
         --output-len 64 --out "$OUT/latency_qwen3-0.6b_p128.json" 2>&1 | tail -10 ;;
@@ -46,13 +55,20 @@ overlap)
             --trace-dir "$OUT/traces" 2>&1 | grep -E "^batch" | tee -a "$OUT/overlap.txt"
     done
     rm -f "$OUT"/traces/*.jsonl* ;;
+tests2)
+    ASYNCSTEP_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_gpu.py > "$OUT/gpu_tests_x2.txt" 2>&1
+    tail -5 "$OUT/gpu_tests_x2.txt" ;;
+allreduce)
+    timeout 200 python3 benchmarks/allreduce.py --out "$OUT/allreduce.json" 2>&1 \
+        | tee "$OUT/allreduce.txt" ;;
 tp2)
     timeout 400 $BENCH latency --no-record --shape llama-8b --batch 1 32 --prompt-len 128 --output-len 64 \
         --tp 2 --no-hf --out "$OUT/latency_llama-8b_tp2.json" 2>&1 | tail -10 ;;
-pp2)
+pp2)  # batch 64 a step; with PP = 2 two steps (128 requests) are in flight
     for pp in 1 2; do
-        timeout 280 $BENCH throughput --no-record --shape llama-8b --num-requests 64 --pp "$pp" --no-hf \
-            --engine-opt max_num_seqs=64 --out "$OUT/throughput_llama-8b_n64_pp$pp.json" \
+        timeout 280 $BENCH throughput --no-record --shape llama-8b --num-requests 256 --pp "$pp" \
+            --no-hf --engine-opt max_num_seqs=64 --out "$OUT/throughput_llama-8b_n256_pp$pp.json" \
             2>&1 | tail -6
     done ;;
 esac

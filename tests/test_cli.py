@@ -106,6 +106,7 @@ LLAMA_CONFIG = dict(
         (["--model", "/no/such/model.gguf", "x"], "model not found"),
         (["--max-model-len", "0", "x"], "max_model_len must be positive"),
         (["--device", "tpu", "x"], "device must be"),
+        (["--max-concurrent-batches", "-1", "x"], "max_concurrent_batches must be 0"),
     ],
 )
 def test_bad_arguments(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 import asyncstep
 from asyncstep import SamplingParams
@@ -20,6 +22,8 @@ from asyncstep.runner.cudagraph_dispatcher import (
     CUDAGraphMode,
     default_capture_sizes,
 )
+from asyncstep.runner.staging import StagedArena
+from asyncstep.runner.step_inputs import is_arange
 from tests.conftest import TEST_DEVICE
 from tests.test_engine import generate_all
 
@@ -181,3 +185,43 @@ async def test_full_graphs_with_triton_attention_give_the_eager_tokens(
     assert steps["FULL"] >= 4 and steps["PIECEWISE"] > 0 and "NONE" not in steps
     relaxed, runner = await run_engine(tiny_model, cudagraph_mode="FULL", **options)
     assert relaxed == eager and set(runner.step_inputs.cudagraph_steps) == {"FULL"}
+
+
+# -- the graph runner's staged inputs -------------------------------------------
+
+
+def test_staged_arena_regions_are_typed_disjoint_views() -> None:
+    device = torch.device(TEST_DEVICE)
+    arena = StagedArena(
+        device,
+        {
+            "ids": ((5,), torch.int64),
+            "lens": ((3,), torch.int32),
+            "table": ((3, 4), torch.int32),
+        },
+    )
+    assert {n: (t.shape, t.dtype) for n, t in arena.tensors.items()} == {
+        "ids": ((5,), torch.int64),
+        "lens": ((3,), torch.int32),
+        "table": ((3, 4), torch.int32),
+    }
+    arena.host["ids"][:] = np.arange(5) - 2
+    arena.host["lens"][:] = [7, 8, 9]
+    arena.host["table"][:] = np.arange(12).reshape(3, 4)
+    arena.upload("table", 2)  # the first two rows of the table
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    assert arena.tensors["ids"].tolist() == [-2, -1, 0, 1, 2]
+    assert arena.tensors["lens"].tolist() == [7, 8, 9]
+    table = arena.tensors["table"].tolist()
+    assert table[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    if device.type == "cuda":  # the last row was not uploaded
+        assert table[2] == [0, 0, 0, 0]
+
+
+def test_is_arange() -> None:
+    assert is_arange(np.array([], dtype=np.int64))
+    assert is_arange(np.arange(4))
+    assert not is_arange(np.array([0, 2, 1, 3]))
+    assert not is_arange(np.array([1, 2, 3]))
+    assert not is_arange(np.array([0, 1, 1, 3]))

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncstep.config import CacheConfig, SchedulerConfig
+from asyncstep.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from asyncstep.datatypes import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     FinishReason,
@@ -158,7 +158,11 @@ def make_scheduler(
     max_model_len: int = 128,
     prefix_caching: bool = True,
     async_scheduling: bool = False,
+    depth: int = 1,
 ) -> Scheduler:
+    """``depth``: the engine's steps in flight; without placeholders (a
+    pipeline) they hold different requests, so ``depth * max_num_seqs`` may
+    run at once, as the engine sets it."""
     return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=budget,
@@ -169,13 +173,15 @@ def make_scheduler(
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_blocks,
         async_scheduling=async_scheduling,
+        max_num_running_reqs=max_num_seqs * (1 if async_scheduling else depth),
     )
 
 
 #: How the engine drives the scheduler: (async_scheduling, batch queue depth).
 #: "sync": one step at a time; "async": one step ahead with output
-#: placeholders; "pipeline": three steps in flight, no placeholders (PP = 3).
-MODES = {"sync": (False, 1), "async": (True, 2), "pipeline": (False, 3)}
+#: placeholders; "async3": two steps ahead; "pipeline": three steps in
+#: flight, no placeholders (PP = 3).
+MODES = {"sync": (False, 1), "async": (True, 2), "async3": (True, 3), "pipeline": (False, 3)}
 
 
 def make_request(
@@ -209,7 +215,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert all(n > 0 for n in counts.values())
     assert len(counts) <= cfg.max_num_seqs
-    assert len(sched.running) <= cfg.max_num_seqs
+    assert len(sched.running) <= sched.max_num_running_reqs
     kv = sched.kv_cache_manager
     cached = out.scheduled_cached_reqs
     for i, req_id in enumerate(cached.req_ids):
@@ -835,6 +841,7 @@ def test_random_traffic_never_leaks_and_matches_the_reference(
     async_scheduling, depth = MODES[mode]
     sched = make_scheduler(
         async_scheduling=async_scheduling,
+        depth=depth,
         num_blocks=num_blocks,
         block_size=block_size,
         budget=budget,
@@ -938,13 +945,73 @@ def test_pipeline_mode_waits_for_a_token_before_scheduling_its_request_again() -
     assert not sched.has_work_to_schedule()
 
 
+def test_pipeline_steps_in_flight_hold_different_full_batches() -> None:
+    # PP = 2, two requests a step: four run at once, two in each step in flight.
+    sched = make_scheduler(max_num_seqs=2, depth=2)
+    reqs = [make_request(f"r{i}", prompt_of(i, 3)) for i in range(5)]
+    for req in reqs:
+        sched.add_request(req)
+    first, second = sched.schedule(), sched.schedule()
+    assert list(first.num_scheduled_tokens) == ["r0", "r1"]
+    assert list(second.num_scheduled_tokens) == ["r2", "r3"]
+    assert len(sched.running) == 4 and [r.request_id for r in sched.waiting] == ["r4"]
+    assert not sched.has_work_to_schedule()  # all four are in flight; r4 has no room
+    runner = FakeRunner(4)
+    sched.update_from_output(first, runner.execute(first))
+    third = sched.schedule()
+    assert list(third.num_scheduled_tokens) == ["r0", "r1"]  # r4 waits: four run already
+    sched.update_from_output(second, runner.execute(second))
+    sched.update_from_output(third, runner.execute(third))
+    run = drive(sched, runner, depth=2)
+    assert all(len(out.num_scheduled_tokens) <= 2 for out in run.outputs)
+    for req in reqs:
+        assert req.output_token_ids == reference(req, 128)[0]
+
+
+def test_running_cap_below_max_num_seqs_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="max_num_running_reqs"):
+        Scheduler(
+            SchedulerConfig(max_num_seqs=4, max_model_len=32),
+            CacheConfig(block_size=4),
+            16,
+            max_num_running_reqs=2,
+        )
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_abort_with_steps_in_flight_frees_blocks_once_they_are_back(mode: str) -> None:
     async_scheduling, depth = MODES[mode]
-    sched = make_scheduler(async_scheduling=async_scheduling, budget=8)
+    sched = make_scheduler(async_scheduling=async_scheduling, depth=depth, budget=8)
     reqs = [make_request(f"r{i}", prompt_of(i, 6), max_tokens=6) for i in range(4)]
     run = drive(sched, FakeRunner(4), {0: reqs}, {3: ["r0", "r2"]}, depth=depth)
     assert run.finished_reported.count("r0") == 1
     for req in reqs:
         want = reference(req, 128)[0]
         assert req.output_token_ids == want[: len(req.output_token_ids)]
+
+
+@pytest.mark.parametrize(
+    "async_scheduling,pp,asked,depth,running",
+    [
+        (False, 1, 0, 1, 8),  # one step at a time
+        (True, 1, 0, 2, 8),  # overlap: one step ahead, over placeholders
+        (True, 1, 3, 3, 8),  # two steps ahead, still the same requests
+        (True, 2, 0, 2, 16),  # a pipeline: different requests in each step in flight
+        (False, 4, 0, 4, 32),
+    ],
+)
+def test_engine_config_batch_queue_and_running_requests(
+    async_scheduling: bool, pp: int, asked: int, depth: int, running: int
+) -> None:
+    config = EngineConfig(
+        scheduler=SchedulerConfig(
+            max_num_seqs=8, async_scheduling=async_scheduling, max_concurrent_batches=asked
+        ),
+        parallel=ParallelConfig(pipeline_parallel_size=pp),
+    )
+    assert (config.batch_queue_size, config.max_num_running_reqs) == (depth, running)
+
+
+def test_negative_max_concurrent_batches_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="max_concurrent_batches must be 0"):
+        SchedulerConfig(max_concurrent_batches=-1)

@@ -40,6 +40,8 @@ class RankSpec(msgspec.Struct, frozen=True):
     kv_cache_memory_gib: float
     gpu_memory_utilization: float
     max_num_seqs: int
+    #: Requests that may run at once (their KV cache must fit).
+    max_num_running_reqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int
     pipeline_parallel_size: int

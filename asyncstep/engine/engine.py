@@ -288,6 +288,7 @@ class Engine:
                     num_blocks,
                     send_new_token_ids=pp > 1,
                     async_scheduling=self.config.uses_output_placeholders,
+                    max_num_running_reqs=self.config.max_num_running_reqs,
                 )
                 started = True
                 task_status.started()

@@ -24,7 +24,10 @@ engine's batch queue):
 * **Pipeline parallelism** (``async_scheduling=False``, several steps in
   flight): the first stage needs each token's id, so a request is scheduled
   again only once its last token is back; steps in flight hold different
-  requests (or prompt chunks) and keep every stage busy.
+  requests (or prompt chunks) and keep every stage busy. Each step holds at
+  most ``max_num_seqs`` requests; ``max_num_running_reqs`` (the engine sets
+  ``pp_size * max_num_seqs``) may run at once, so every step in flight can
+  be full.
 * A request that finishes (stop, length, abort) while steps that include it
   are in flight keeps its blocks until those steps' outputs are back, and is
   reported in ``finished_req_ids`` only then. A preempted request frees its
@@ -119,6 +122,10 @@ class _StepPlan:
     new_block_ids: dict[str, list[int]]
     num_preempted: int = 0
 
+    def has_room(self, max_num_seqs: int) -> bool:
+        """Token budget left, and fewer than ``max_num_seqs`` requests."""
+        return self.token_budget > 0 and len(self.num_scheduled_tokens) < max_num_seqs
+
     def add(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.new_block_ids[request.request_id] = new_block_ids
@@ -141,7 +148,11 @@ class Scheduler:
         *,
         send_new_token_ids: bool = False,
         async_scheduling: bool = False,
+        max_num_running_reqs: int | None = None,
     ) -> None:
+        """``max_num_running_reqs``: requests admitted at once (default
+        ``max_num_seqs``); more with a pipeline, whose steps in flight hold
+        different requests. A step never holds more than ``max_num_seqs``."""
         if scheduler_config.max_model_len <= 0:
             raise ConfigError(
                 "scheduler max_model_len must be set (positive) before building the scheduler, "
@@ -156,6 +167,12 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_running_reqs = max_num_running_reqs or self.max_num_seqs
+        if self.max_num_running_reqs < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_running_reqs ({self.max_num_running_reqs}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
@@ -218,7 +235,7 @@ class Scheduler:
         waiting one."""
         if self.finished_req_ids:
             return True
-        if self.waiting and len(self.running) < self.max_num_seqs:
+        if self.waiting and len(self.running) < self.max_num_running_reqs:
             return True
         return any(self._num_uncomputed(r, r.num_computed_tokens) > 0 for r in self.running)
 
@@ -259,7 +276,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
-        while index < len(self.running) and plan.token_budget > 0:
+        while index < len(self.running) and plan.has_room(self.max_num_seqs):
             request = self.running[index]
             num_new = self._num_tokens_to_schedule(
                 request, request.num_computed_tokens, plan.token_budget
@@ -298,7 +315,11 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
-        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting
+            and plan.has_room(self.max_num_seqs)
+            and len(self.running) < self.max_num_running_reqs
+        ):
             request = self.waiting[0]
             if request.num_in_flight_steps:
                 break  # preempted with a step in flight: resume once its output is back

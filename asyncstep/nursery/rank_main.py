@@ -139,7 +139,7 @@ async def _serve(stream: MessageStream, identity: RankIdentity) -> None:
         ),
         block_bytes=runner.kv_cache_block_bytes(),
         max_model_len=spec.max_model_len,
-        max_num_seqs=spec.max_num_seqs,
+        max_num_running_reqs=spec.max_num_running_reqs,
         max_num_batched_tokens=spec.max_num_batched_tokens,
         arch=loaded.arch_config,
         device=loaded.device,

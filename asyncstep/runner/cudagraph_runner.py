@@ -39,10 +39,10 @@ from asyncstep.runner.cudagraph_dispatcher import (
     CudagraphDispatcher,
     CUDAGraphMode,
 )
+from asyncstep.runner.staging import StagedArena
 
 __all__ = ["CudaGraphRunner", "HostInputs"]
 
-CopyFn = Callable[[str, np.ndarray, torch.Tensor], None]
 StageOutput = torch.Tensor | IntermediateTensors
 
 
@@ -101,12 +101,24 @@ class CudaGraphRunner:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.input_ids = zeros(n)
-        self.positions = zeros(n)
-        self.slot_mapping = zeros(n)
-        self.query_start_loc = zeros(r + 1, dtype=torch.int32)
-        self.seq_lens = zeros(r, dtype=torch.int32)
-        self.block_table = zeros(r, max_blocks_per_req, dtype=torch.int32)
+        # The step's inputs, uploaded with one copy (the block table last:
+        # only its rows in use are copied).
+        self.inputs = StagedArena(
+            device,
+            {
+                "input_ids": ((n,), torch.int64),
+                "positions": ((n,), torch.int64),
+                "slot_mapping": ((n,), torch.int64),
+                "query_start_loc": ((r + 1,), torch.int32),
+                "seq_lens": ((r,), torch.int32),
+                "block_table": ((r, max_blocks_per_req), torch.int32),
+            },
+        )
+        static = self.inputs.tensors
+        self.input_ids, self.positions = static["input_ids"], static["positions"]
+        self.slot_mapping = static["slot_mapping"]
+        self.query_start_loc, self.seq_lens = static["query_start_loc"], static["seq_lens"]
+        self.block_table = static["block_table"]
         config = model.config
         self.layers = model.model.stage_layers()
         attn = self.layers[0].self_attn
@@ -152,30 +164,24 @@ class CudaGraphRunner:
         self,
         desc: BatchDescriptor,
         host: HostInputs,
-        copy: CopyFn,
         intermediate_tensors: IntermediateTensors | None,
     ) -> None:
-        """Copy the step's inputs into the static buffers, padded to ``desc``.
+        """Write the step's inputs into the static buffers, padded to
+        ``desc``, and upload them (one copy).
 
         Request-level buffers are padded to ``desc.num_reqs`` (FULL graphs);
         PIECEWISE attention runs eagerly on the exact requests."""
         n, t = desc.num_tokens, host.num_tokens
         num_reqs = desc.num_reqs if desc.num_reqs is not None else host.num_reqs
-        copy("input_ids", _pad(host.input_ids, n, 0), self.input_ids[:n])
-        copy("positions", _pad(host.positions, n, 0), self.positions[:n])
-        copy("slot_mapping", _pad(host.slot_mapping, n, -1), self.slot_mapping[:n])
-        copy(
-            "query_start_loc",
-            _pad(host.query_start_loc, num_reqs + 1, t),
-            self.query_start_loc[: num_reqs + 1],
-        )
-        copy("seq_lens", _pad(host.seq_lens, num_reqs, 0), self.seq_lens[:num_reqs])
+        staged = self.inputs.host
+        _write_padded(staged["input_ids"], host.input_ids, n, 0)
+        _write_padded(staged["positions"], host.positions, n, 0)
+        _write_padded(staged["slot_mapping"], host.slot_mapping, n, -1)
+        _write_padded(staged["query_start_loc"], host.query_start_loc, num_reqs + 1, t)
+        _write_padded(staged["seq_lens"], host.seq_lens, num_reqs, 0)
         blocks = host.block_table.shape[1]
-        copy(
-            "block_table",
-            np.ascontiguousarray(host.block_table),
-            self.block_table[: host.num_reqs, :blocks],
-        )
+        staged["block_table"][: host.num_reqs, :blocks] = host.block_table
+        self.inputs.upload("block_table", host.num_reqs)
         if intermediate_tensors is not None:
             rows = self._rows(n)
             for key, buffer in self._received.items():
@@ -305,8 +311,7 @@ class CudaGraphRunner:
         return len(self.full_graphs) + sum(len(g) for g in self.piecewise_graphs.values())
 
 
-def _pad(array: np.ndarray, length: int, value: int) -> np.ndarray:
-    """``array`` followed by ``value`` up to ``length`` entries."""
-    if len(array) >= length:
-        return array
-    return np.pad(array, (0, length - len(array)), constant_values=value)
+def _write_padded(dst: np.ndarray, values: np.ndarray, length: int, pad: int) -> None:
+    """``dst[:length]`` = ``values`` followed by ``pad``."""
+    dst[: len(values)] = values
+    dst[len(values) : length] = pad

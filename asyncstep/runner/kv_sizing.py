@@ -17,7 +17,7 @@ def num_kv_blocks(
     *,
     block_bytes: int,
     max_model_len: int,
-    max_num_seqs: int,
+    max_num_running_reqs: int,
     max_num_batched_tokens: int,
     arch: ModelArchConfig,
     device: torch.device,
@@ -25,7 +25,7 @@ def num_kv_blocks(
 ) -> int:
     """As configured, else what the memory allows: ``kv_cache_memory_gib`` on
     the CPU; on CUDA, ``gpu_memory_utilization`` of the device less the weights
-    already loaded and an activation estimate. Never more than ``max_num_seqs``
+    already loaded and an activation estimate. Never more than ``max_num_running_reqs``
     sequences of ``max_model_len`` tokens need."""
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -34,14 +34,14 @@ def num_kv_blocks(
         activations = (
             max_num_batched_tokens
             * ((4 * arch.hidden_size + 2 * arch.intermediate_size) * dtype.itemsize)
-            + max_num_seqs * arch.vocab_size * 4 * 3
+            + max_num_running_reqs * arch.vocab_size * 4 * 3
         )
         budget = free - (1 - cache.gpu_memory_utilization) * total - activations
         budget -= ACTIVATION_RESERVE_BYTES
     else:
         budget = cache.kv_cache_memory_gib * 2**30
     blocks_per_seq = -(-max_model_len // cache.block_size)
-    num_blocks = min(int(budget // block_bytes), max_num_seqs * blocks_per_seq)
+    num_blocks = min(int(budget // block_bytes), max_num_running_reqs * blocks_per_seq)
     if num_blocks < min(blocks_per_seq, 16):
         raise ConfigError(
             f"no memory left for the KV cache ({num_blocks} blocks); lower max_model_len "

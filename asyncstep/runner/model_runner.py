@@ -61,7 +61,7 @@ from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.sampler import Sampler
 from asyncstep.runner.staging import StagingBuffers
-from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs
+from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs, is_arange
 from asyncstep.runner.ubatch_forward import forward_ubatches
 
 REENTRY_ERROR = "sample_tokens() must be called after execute_model() returns None"
@@ -441,10 +441,14 @@ class ModelRunner:
                 "a placeholder without a sampled id"
             )
         src = np.array([self._prev_sampled_index[req_ids[r]] for r in rows], dtype=np.int64)
+        dst = (cu_num_tokens[rows] - 1).astype(np.int64)
+        if is_arange(src) and is_arange(dst):
+            # Steady decode: the same requests in the same order, one token each.
+            input_ids[: len(src)].copy_(self._prev_sampled[: len(src)])
+            return input_ids
         to_device = self.staging.to_device
-        dst = to_device("scatter_dst", (cu_num_tokens[rows] - 1).astype(np.int64))
-        src_t = to_device("scatter_src", src)
-        input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src_t))
+        dst_t, src_t = to_device("scatter_dst", dst), to_device("scatter_src", src)
+        input_ids.index_copy_(0, dst_t, self._prev_sampled.index_select(0, src_t))
         return input_ids
 
 

@@ -31,7 +31,7 @@ from asyncstep.runner.ubatching import (
     split_host_metadata,
 )
 
-__all__ = ["StepInputBuilder", "StepInputs"]
+__all__ = ["StepInputBuilder", "StepInputs", "is_arange"]
 
 #: (input_ids, seq_lens, cu_num_tokens) -> input_ids with device-only ids filled in.
 ScatterFn = Callable[[torch.Tensor, np.ndarray, np.ndarray], torch.Tensor]
@@ -45,8 +45,9 @@ class StepInputs:
     positions: torch.Tensor
     #: None for a FULL graph (its metadata is static, inside the graph runner).
     attn_metadata: AttentionMetadata | None
-    #: Token index of each sampling request's last token.
-    logits_indices: torch.Tensor
+    #: Token index of each sampling request's last token (a slice when
+    #: these are the first tokens in order: every request decoding).
+    logits_indices: torch.Tensor | slice
     #: Batch rows that sample this step (their whole known sequence is computed).
     sample_rows: list[int]
     cudagraph_mode: CUDAGraphMode
@@ -113,7 +114,7 @@ class StepInputBuilder:
             input_ids, positions_t, meta = self._eager_inputs(host, num_input_tokens, num_decodes)
         else:
             assert self.graph_runner is not None
-            self.graph_runner.load_inputs(desc, host, self.staging.copy_to, intermediate_tensors)
+            self.graph_runner.load_inputs(desc, host, intermediate_tensors)
             input_ids, positions_t = self.graph_runner.input_views(desc.num_tokens)
             if mode is CUDAGraphMode.PIECEWISE:  # attention runs eagerly, on the exact batch
                 meta = self.graph_runner.eager_meta(
@@ -124,7 +125,7 @@ class StepInputBuilder:
             input_ids=scatter_sampled(input_ids, seq_lens, cu_num_tokens),
             positions=positions_t,
             attn_metadata=meta,
-            logits_indices=self.staging.to_device("logits_indices", cu_num_tokens[sample_rows] - 1),
+            logits_indices=self._logits_indices(cu_num_tokens[sample_rows] - 1),
             sample_rows=sample_rows,
             cudagraph_mode=mode,
             batch_descriptor=desc,
@@ -137,6 +138,11 @@ class StepInputBuilder:
             ]
         self.staging.end_step()
         return inputs
+
+    def _logits_indices(self, indices: np.ndarray) -> torch.Tensor | slice:
+        if is_arange(indices):
+            return slice(0, len(indices))  # no copy, no gather
+        return self.staging.to_device("logits_indices", indices)
 
     def _host_inputs(self, num_sched: np.ndarray, cu_num_tokens: np.ndarray) -> HostInputs:
         """Token ids, positions, slots and request metadata, on the host."""
@@ -265,6 +271,14 @@ class StepInputBuilder:
         positions = to_device("positions", _pad(host.positions, num_input_tokens, 0))
         meta.positions = positions
         return input_ids, positions, meta
+
+
+def is_arange(indices: np.ndarray) -> bool:
+    """Whether ``indices`` is ``0, 1, ..., len - 1``."""
+    n = len(indices)
+    return n == 0 or (
+        int(indices[0]) == 0 and int(indices[-1]) == n - 1 and bool((np.diff(indices) == 1).all())
+    )
 
 
 def _pad(array: np.ndarray, length: int, value: int) -> np.ndarray:
