@@ -96,6 +96,10 @@ class SchedulerConfig:
     #: hides the engine's update and schedule of a step behind the device
     #: (a stop is then found two steps late: the extra tokens are dropped).
     max_concurrent_batches: int = 0
+    #: ``sys.setswitchinterval`` while a rank serves (None: Python's 5 ms).
+    #: The launch thread and the event loop share the GIL; a short interval
+    #: keeps their hand-offs from stalling the device.
+    gil_switch_interval_s: float | None = 0.0005
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -108,6 +112,11 @@ class SchedulerConfig:
             raise ConfigError(
                 "max_concurrent_batches must be 0 (automatic) or positive, "
                 f"got {self.max_concurrent_batches}"
+            )
+        if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:
+            raise ConfigError(
+                "gil_switch_interval_s must be positive (or None), "
+                f"got {self.gil_switch_interval_s}"
             )
 
 

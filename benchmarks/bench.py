@@ -156,12 +156,6 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="extra open_engine keyword (repeatable; overrides the sizing)",
     )
-    p.add_argument(
-        "--switch-interval",
-        type=float,
-        metavar="SECONDS",
-        help="sys.setswitchinterval for this process (default: Python's, 0.005)",
-    )
     p.add_argument("--ours-repeats", type=int, default=1, help="our runs per configuration")
     p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     p.add_argument("--hf-from", type=Path, help="quote HF figures from an earlier JSON")
@@ -683,8 +677,6 @@ def options_summary(args: argparse.Namespace) -> str:
     parts = [args.dtype, "overlap off" if args.no_overlap else "overlap on"]
     parts.append(f"cudagraph {args.cudagraph_mode or 'default'}")
     parts += [f"{k}={v}" for k, v in args.engine_opt]
-    if args.switch_interval:
-        parts.append(f"switch interval {args.switch_interval} s")
     parts.append(f"HF {hf_options(args).label}")
     return ", ".join(parts)
 
@@ -757,8 +749,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     arch = get_shape(args.shape)
     device = resolve_device(args.device)
     started = datetime.now(UTC)
-    if getattr(args, "switch_interval", None):
-        sys.setswitchinterval(args.switch_interval)
     bandwidth = copy_bandwidth(device, args.copy_gib, args.copy_repeats)
     print(f"copy bandwidth on {device}: {bandwidth / 1e12:.3f} TB/s", flush=True)
     run = {"latency": run_latency, "throughput": run_throughput, "floor": run_floor}[args.mode]

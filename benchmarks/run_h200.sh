@@ -34,9 +34,10 @@ latency8b-steady)  # steady-decode ITL; HF quoted from the latency8b run
 latency1b)
     timeout 280 $BENCH latency --no-record --shape llama-1b --batch 1 32 --prompt-len 128 \
         --output-len 64 --out "$OUT/latency_llama-1b_p128.json" 2>&1 | tail -10 ;;
-host1b)  # the host-bound shape: steps in flight (2, 3) and the GIL switch interval
+host1b)  # the host-bound shape: steps in flight (2, 3), GIL switch interval 0.5 ms or Python's
     for variant in "d2:" "d3:--engine-opt max_concurrent_batches=3" \
-        "d3s:--engine-opt max_concurrent_batches=3 --switch-interval 0.0005"; do
+        "d2py:--engine-opt gil_switch_interval_s=None" \
+        "d3py:--engine-opt max_concurrent_batches=3 --engine-opt gil_switch_interval_s=None"; do
         name=${variant%%:*}
         timeout 150 $BENCH latency --no-record --no-hf --shape llama-1b --batch 1 32 \
             --prompt-len 128 --output-len 64 ${variant#*:} \

@@ -1015,3 +1015,9 @@ def test_engine_config_batch_queue_and_running_requests(
 def test_negative_max_concurrent_batches_is_rejected() -> None:
     with pytest.raises(ConfigError, match="max_concurrent_batches must be 0"):
         SchedulerConfig(max_concurrent_batches=-1)
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1e-3])
+def test_bad_gil_switch_interval_is_rejected(seconds: float) -> None:
+    with pytest.raises(ConfigError, match="gil_switch_interval_s must be positive"):
+        SchedulerConfig(gil_switch_interval_s=seconds)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from asyncstep.gpu import (
     await_future,
     cuda_waiter,
     record_event,
+    switch_interval,
     wait_cuda_event,
 )
 
@@ -441,3 +443,12 @@ async def test_host_stream_sets_the_threads_cuda_device() -> None:
         event = await stream.run(record_event, stream.device)
         await event.wait()
         assert event.query()
+
+
+def test_switch_interval_is_set_for_the_block_and_restored() -> None:
+    before = sys.getswitchinterval()
+    with switch_interval(0.0007):
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+    assert sys.getswitchinterval() == before
+    with switch_interval(None):
+        assert sys.getswitchinterval() == before

@@ -43,6 +43,8 @@ class RankSpec(msgspec.Struct, frozen=True):
     #: Requests that may run at once (their KV cache must fit).
     max_num_running_reqs: int
     max_num_batched_tokens: int
+    #: sys.setswitchinterval while serving (None: Python's).
+    gil_switch_interval_s: float | None
     tensor_parallel_size: int
     pipeline_parallel_size: int
     sequence_parallel: bool

@@ -22,6 +22,7 @@ from asyncstep.config import (
 from asyncstep.engine.engine import Engine, Executor
 from asyncstep.engine.remote import RemoteRanks
 from asyncstep.errors import ConfigError, EngineDeadError, describe
+from asyncstep.gpu import switch_interval
 from asyncstep.logging import get_logger
 from asyncstep.models.model_info import describe_model, validate_parallel_layout
 from asyncstep.models.model_loader import (
@@ -56,6 +57,7 @@ def make_config(
     enable_chunked_prefill: bool = True,
     async_scheduling: bool = True,
     max_concurrent_batches: int = 0,
+    gil_switch_interval_s: float | None = 0.0005,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     sequence_parallel: bool = False,
@@ -89,6 +91,7 @@ def make_config(
             enable_chunked_prefill,
             async_scheduling=async_scheduling,
             max_concurrent_batches=max_concurrent_batches,
+            gil_switch_interval_s=gil_switch_interval_s,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size,
@@ -152,6 +155,7 @@ async def open_engine(
         await anyio.to_thread.run_sync(capture_cuda_graphs, runner)
         executor: Executor = RankActor(runner)
         claim = _freeing_kv_cache(claim, runner)
+        claim = _chained(claim, switch_interval(config.scheduler.gil_switch_interval_s))
         arch, tokenizer = loaded.arch_config, loaded.tokenizer
     else:
         if preloaded is not None:
@@ -195,6 +199,14 @@ def _freeing_kv_cache(
             runner.free_kv_cache()
 
 
+@contextlib.contextmanager
+def _chained(
+    outer: contextlib.AbstractContextManager[None], inner: contextlib.AbstractContextManager[None]
+) -> Iterator[None]:
+    with outer, inner:
+        yield
+
+
 def remote_ranks(config: EngineConfig) -> RemoteRanks:
     """The ranks of a TP x PP engine, in their own processes."""
     model, parallel = config.model, config.parallel
@@ -212,6 +224,7 @@ def remote_ranks(config: EngineConfig) -> RemoteRanks:
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_running_reqs=config.max_num_running_reqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        gil_switch_interval_s=config.scheduler.gil_switch_interval_s,
         tensor_parallel_size=parallel.tensor_parallel_size,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         sequence_parallel=parallel.sequence_parallel,

@@ -9,7 +9,7 @@ May import torch, triton, trio/anyio.
 """
 
 from asyncstep.gpu.cuda_graph import CudaGraph, EagerGraph, GraphPool, capture_graph
-from asyncstep.gpu.host_stream import HostStream, HostStreamStatistics
+from asyncstep.gpu.host_stream import HostStream, HostStreamStatistics, switch_interval
 from asyncstep.gpu.stream import (
     CpuEvent,
     CudaEvent,
@@ -37,6 +37,7 @@ __all__ = [
     "cuda_waiter",
     "is_cuda",
     "record_event",
+    "switch_interval",
     "wait_cuda_event",
     "wait_work",
 ]

@@ -11,9 +11,11 @@ May import torch, anyio and :mod:`asyncstep.gpu.stream`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar, TypeVarTuple
@@ -22,10 +24,28 @@ import torch
 
 from asyncstep.gpu.stream import CpuEvent, _cuda_index, _now_us, await_future
 
-__all__ = ["HostStream", "HostStreamStatistics"]
+__all__ = ["HostStream", "HostStreamStatistics", "switch_interval"]
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: float | None) -> Iterator[None]:
+    """Set the interpreter's thread switch interval (``sys.setswitchinterval``)
+    for the block; None leaves it. The launch thread and the event loop share
+    the GIL: a thread that wants it waits up to this interval for the other
+    to let go, so Python's 5 ms default stalls every hand-off between them
+    (measured: llama-1b decode, 1.38 -> 1.16 ms a step at 0.5 ms)."""
+    if seconds is None:
+        yield
+        return
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 @dataclass(frozen=True, slots=True)

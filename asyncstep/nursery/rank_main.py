@@ -45,6 +45,7 @@ from asyncstep.channels.parallel_state import ParallelGroups, destroy_distribute
 from asyncstep.config import CacheConfig, CompilationConfig, ModelConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
 from asyncstep.errors import leaves, root_cause
+from asyncstep.gpu import switch_interval
 from asyncstep.logging import bind_rank, configure_logging, get_logger
 from asyncstep.models.model_loader import LoadedModel, load_model
 from asyncstep.nursery.pipe import PipeStage
@@ -153,7 +154,8 @@ async def _serve(stream: MessageStream, identity: RankIdentity) -> None:
     actor = RankActor(runner, rank=identity.rank, groups=groups)
     if actor.pipe is not None:
         await anyio.to_thread.run_sync(_warm_up, actor.pipe, loaded.device)
-    await _run_actor(actor, stream, is_driver=actor.is_driver)
+    with switch_interval(spec.gil_switch_interval_s):
+        await _run_actor(actor, stream, is_driver=actor.is_driver)
 
 
 async def _run_actor(actor: RankActor, stream: MessageStream, *, is_driver: bool) -> None:
