@@ -23,7 +23,9 @@ BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
-def make_runner(loaded: LoadedModel, num_blocks: int = 64) -> ModelRunner:
+def make_runner(
+    loaded: LoadedModel, num_blocks: int = 64, num_input_batches: int = 1
+) -> ModelRunner:
     runner = ModelRunner(
         loaded.model,
         device=loaded.device,
@@ -31,6 +33,7 @@ def make_runner(loaded: LoadedModel, num_blocks: int = 64) -> ModelRunner:
         max_model_len=128,
         max_num_reqs=8,
         block_size=BLOCK,
+        num_input_batches=num_input_batches,
     )
     runner.initialize_kv_cache(num_blocks)
     return runner
@@ -165,6 +168,62 @@ def test_resumed_request_replaces_its_blocks(tiny_model: LoadedModel) -> None:
     assert runner.input_batch.block_table.block_table_np[row, :2].tolist() == [3, 4]
     assert runner.input_batch.token_ids_cpu[row, :6].tolist() == [1, 2, 3, 4, 5, *token]
     runner.sample_tokens()
+
+
+def alternating_steps(runner: ModelRunner) -> list[dict[str, list[int]]]:
+    """Pipeline-style steps: two request sets in turn (a, b; then c, d),
+    each prefilled once and decoded twice. Returns each step's tokens."""
+    prompts = {"a": [1, 2, 3], "b": [4, 5], "c": [6, 7, 8, 9], "d": [10]}
+    blocks = {"a": [0, 1], "b": [2, 3], "c": [4, 5], "d": [6, 7]}
+    sets = [["a", "b"], ["c", "d"]]
+    computed = {r: 0 for r in prompts}
+    sampled: list[dict[str, list[int]]] = []
+    for i in range(6):
+        ids = sets[i % 2]
+        if i < 2:
+            so = step(
+                i,
+                [new_req(r, prompts[r], blocks[r]) for r in ids],
+                tokens={r: len(prompts[r]) for r in ids},
+            )
+        else:
+            so = step(
+                i, cached=decode(ids, [computed[r] for r in ids]), tokens=dict.fromkeys(ids, 1)
+            )
+        for r in ids:
+            computed[r] += so.num_scheduled_tokens[r]
+        assert runner.execute_model(so) is None
+        out = runner.sample_tokens()
+        sampled.append(dict(zip(out.req_ids, out.sampled_token_ids, strict=True)))
+    return sampled
+
+
+def test_one_persistent_batch_per_step_in_flight(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    want = alternating_steps(make_runner(tiny_model))
+    runner = make_runner(tiny_model, num_input_batches=2)
+    added: list[str] = []
+    real_add = InputBatch.add_request
+
+    def counting_add(self: InputBatch, req: CachedRequestState) -> int:
+        added.append(req.req_id)
+        return real_add(self, req)
+
+    monkeypatch.setattr(InputBatch, "add_request", counting_add)
+    assert alternating_steps(runner) == want
+    # Each request joined a batch once: alternating steps rebuilt no rows.
+    assert sorted(added) == ["a", "b", "c", "d"]
+    first, second = runner.input_batches
+    assert {frozenset(first.req_id_to_index), frozenset(second.req_id_to_index)} == {
+        frozenset("ab"),
+        frozenset("cd"),
+    }
+
+
+def test_num_input_batches_must_be_positive(tiny_model: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="num_input_batches must be >= 1"):
+        make_runner(tiny_model, num_input_batches=0)
 
 
 def test_slot_mapping_from_block_table() -> None:

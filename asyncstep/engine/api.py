@@ -262,6 +262,7 @@ def _build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         compilation=config.compilation,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         graph_stand_in=config.compilation.cudagraph_stand_in,
+        num_input_batches=config.max_num_running_reqs // config.scheduler.max_num_seqs,
     )
     num_blocks = num_kv_blocks(
         config.cache,

@@ -245,6 +245,7 @@ def build_rank(
         ),
         max_num_batched_tokens=spec.max_num_batched_tokens,
         graph_stand_in=spec.cudagraph_stand_in,
+        num_input_batches=spec.max_num_running_reqs // spec.max_num_seqs,
     )
     _inject_fault(runner, identity.rank)
     return runner, groups, loaded

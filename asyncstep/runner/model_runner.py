@@ -111,16 +111,28 @@ class ModelRunner:
         compilation: CompilationConfig | None = None,
         max_num_batched_tokens: int = 2048,
         graph_stand_in: bool = False,
+        num_input_batches: int = 1,
     ) -> None:
         """``graph_stand_in``: run CUDA-graph modes without CUDA (graphs
         replayed by calling the captured function again), to test the
-        graph wiring on the CPU; otherwise the CPU runs eagerly."""
+        graph wiring on the CPU; otherwise the CPU runs eagerly.
+
+        ``num_input_batches``: persistent batches kept (pipeline parallelism:
+        one per step in flight, whose requests differ, so alternating steps
+        do not rebuild every row each step)."""
         self.model = model
         self.device, self.dtype = device, dtype
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size, device)
+        if num_input_batches < 1:
+            raise ValueError(f"num_input_batches must be >= 1, got {num_input_batches}")
+        self.input_batches = [
+            InputBatch(max_num_reqs, max_model_len, block_size, device)
+            for _ in range(num_input_batches)
+        ]
+        #: The persistent batch of the current step.
+        self.input_batch = self.input_batches[0]
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
@@ -241,6 +253,7 @@ class ModelRunner:
             raise RuntimeError(REENTRY_ERROR)
         t0 = time.perf_counter()
         self._resolve_outputs(keep_last=self.async_scheduling)
+        self._select_input_batch(scheduler_output)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.timings = StepTimings()
@@ -346,17 +359,35 @@ class ModelRunner:
             if state is None:
                 continue  # finished meanwhile
             state.output_token_ids.append(token)
-            current_row = self.input_batch.req_id_to_index.get(req_id)
-            if current_row is not None:
-                self.input_batch.append_token(current_row, token)
+            for batch in self.input_batches:
+                current_row = batch.req_id_to_index.get(req_id)
+                if current_row is not None:
+                    batch.append_token(current_row, token)
 
     # -- persistent batch -------------------------------------------------
+
+    def _select_input_batch(self, so: SchedulerOutput) -> None:
+        """The persistent batch holding most of this step's requests (an
+        emptier one on a tie, e.g. a step of new requests)."""
+        if len(self.input_batches) == 1:
+            return
+        scheduled = so.num_scheduled_tokens
+
+        def fit(batch: InputBatch) -> tuple[int, int]:
+            return sum(r in scheduled for r in batch.req_id_to_index), -batch.num_reqs
+
+        self.input_batch = max(self.input_batches, key=fit)
+        self.step_inputs.input_batch = self.input_batch
+
+    def _remove_everywhere(self, req_id: str) -> None:
+        for batch in self.input_batches:
+            batch.remove_request(req_id)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
-            batch.remove_request(req_id)
+            self._remove_everywhere(req_id)
         # Requests not in this step (preempted, or waiting for budget) leave the
         # batch but keep their state here.
         for req_id in list(batch.req_id_to_index):
@@ -386,6 +417,7 @@ class ModelRunner:
             )
         for req_id in so.num_scheduled_tokens:
             if req_id not in batch.req_id_to_index:
+                self._remove_everywhere(req_id)  # a request lives in one batch
                 batch.add_request(self.requests[req_id])
         batch.condense()
         batch.reorder_decodes_first(so.num_scheduled_tokens)
@@ -409,7 +441,7 @@ class ModelRunner:
         else:
             state.block_ids.extend(new_block_ids)
         if resumed:  # its row (if any) is stale: re-add it whole
-            self.input_batch.remove_request(state.req_id)
+            self._remove_everywhere(state.req_id)
         row = self.input_batch.req_id_to_index.get(state.req_id)
         if row is None:
             return  # (re-)added whole by _update_states
