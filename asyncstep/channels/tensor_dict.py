@@ -113,10 +113,12 @@ class PendingSend:
         work: PendingWork,
         buffers: Iterable[torch.Tensor],
         pool: BufferPool,
+        device_works: Iterable[dist.Work] = (),
     ) -> None:
         self.step_id = step_id
         self.dst = dst
         self.work = work
+        self._device_works = tuple(device_works)
         self._buffers = tuple(buffers)
         self._pool = pool
         self._released = False
@@ -130,6 +132,13 @@ class PendingSend:
     def done(self) -> bool:
         """Every send completed and the buffers are back in the pool."""
         return self._released
+
+    def order_current_stream(self) -> None:
+        """Make the current CUDA stream wait for this step's device (NCCL)
+        sends, as vLLM's ``_pp_send_work`` wait does: NCCL's ``wait()`` only
+        orders the stream, the host never blocks. No-op for CPU sends."""
+        for work in self._device_works:
+            work.wait()
 
     @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
@@ -255,6 +264,7 @@ def send_tensor_dict(
         work=PendingWork(works, device=device),
         buffers=buffers,
         pool=pool,
+        device_works=works[1:] if device is not None else (),
     )
 
 

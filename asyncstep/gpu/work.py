@@ -101,6 +101,11 @@ class PendingWork:
     def __len__(self) -> int:
         return len(self._works)
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where the handles' tensors live (None: the CPU, gloo)."""
+        return self._device if is_cuda(self._device) else None
+
     def __repr__(self) -> str:
         return f"PendingWork({self._num_done}/{len(self._works)} done, device={self._device})"
 

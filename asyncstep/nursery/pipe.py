@@ -42,6 +42,12 @@ class SendInFlight:
     events: StepEvents | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
 
+    @property
+    def on_device(self) -> bool:
+        """The tensors go over NCCL: the next step orders itself after them
+        on the device stream rather than on the host."""
+        return self.pending.work.device is not None
+
     async def complete(self) -> None:
         """Wait for the send's handles; its buffers then go back to the pool."""
         await self.pending.wait(abandon_on_cancel=False)

@@ -12,7 +12,11 @@
   buffers) and hands an ``AsyncIntermediateTensors`` (waited lazily, at first
   use) to the step task, ahead of the step that needs it.
 * **step task** owns the runner (``GPUWorker.execute_model`` semantics): it
-  waits until the previous step's sends completed (``_pp_send_work``), then,
+  orders the step after the previous step's sends (``_pp_send_work``: on
+  CUDA the stream waits for them, as NCCL's ``wait()`` does in vLLM, so the
+  host enqueues the step at once — measured at PP = 2, a host wait cost each
+  stage the hand-over latency every step; gloo sends on the CPU are waited
+  by the task), then,
   in one call on the launch thread, runs ``execute_model`` and, on the last
   stage, ``sample_tokens`` right after it (the runner's two-phase contract
   kept by construction); on a stage that is not the last it posts the
@@ -196,13 +200,16 @@ class RankActor:
         async with steps, to_sampler, sends:
             async for seq, (scheduler_output, received) in _enumerate(steps):
                 with bound_step(scheduler_output.step_id):
-                    if last_send is not None:  # GPUWorker: the last step's sends first
+                    # GPUWorker: the last step's sends first. On CUDA the
+                    # device orders them (the stream waits, as NCCL's wait()
+                    # does in vLLM); CPU (gloo) sends are waited here.
+                    if last_send is not None and not last_send.on_device:
                         with span("wait_send", "step"):
                             await last_send.done.wait()
                     launched = previous.next_launched if previous is not None else None
                     try:
                         previous, in_flight = await self._run_step(
-                            seq, scheduler_output, received, launched
+                            seq, scheduler_output, received, launched, last_send
                         )
                     finally:
                         if launched is not None and not launched.done():
@@ -219,10 +226,11 @@ class RankActor:
         scheduler_output: SchedulerOutput,
         received: ReceivedTensors | None,
         launched: concurrent.futures.Future[None] | None,
+        order_after: SendInFlight | None,
     ) -> tuple[_StepResult, SendInFlight | None]:
         start_us = now_us()
         result, sampled, pending = await self.stream.run(
-            self._execute, scheduler_output, received, launched
+            self._execute, scheduler_output, received, launched, order_after
         )
         timings = dataclasses.replace(self.runner.timings)
         events = self.runner.last_step_events if timings.forward else None
@@ -240,15 +248,19 @@ class RankActor:
         scheduler_output: SchedulerOutput,
         received: ReceivedTensors | None,
         launched: concurrent.futures.Future[None] | None,
+        order_after: SendInFlight | None = None,
     ) -> tuple[
         ModelRunnerOutput | IntermediateTensors | None,
         ModelRunnerOutput | AsyncModelRunnerOutput | None,
         PendingSend | None,
     ]:
-        """The step's blocking part, on the launch thread: the forward, then
+        """The step's blocking part, on the launch thread: the forward (after
+        the device sends of ``order_after``, on the stream), then
         ``sample_tokens`` (the last stage: with async scheduling it only
         enqueues sampling, so the runner is free for the next step at once)
         or the non-blocking send of the intermediate tensors (other stages)."""
+        if order_after is not None and order_after.on_device:
+            order_after.pending.order_current_stream()
         try:
             result = self.runner.execute_model(scheduler_output, received)
         finally:
