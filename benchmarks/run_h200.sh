@@ -2,8 +2,8 @@
 # The GPU fast-path measurements (issue 5; issue 4's busy figure), one stage
 # per call so each fits the device tool's 10-minute limit:
 #     bash benchmarks/run_h200.sh tests|kernels|latency8b|latency8b-steady|latency1b|host1b|
-#                                 qwen|throughput|overlap|tests2|allreduce|tp2|pp2
-#     (tests2, allreduce, tp2, pp2: on nvidia-h200-x2)
+#                                 qwen|throughput|overlap|tests2|allreduce|tp2|pp2|pp2-steady
+#     (tests2, allreduce, tp2, pp2, pp2-steady: on nvidia-h200-x2)
 # Output (text and JSON) goes to $OUT (default benchmarks/results/fastpath).
 set -u
 OUT=${OUT:-benchmarks/results/fastpath}
@@ -39,16 +39,16 @@ host1b)  # the host-bound shape: steps in flight (2, 3), GIL switch interval 0.5
         "d2py:--engine-opt gil_switch_interval_s=None" \
         "d3py:--engine-opt max_concurrent_batches=3 --engine-opt gil_switch_interval_s=None"; do
         name=${variant%%:*}
-        timeout 150 $BENCH latency --no-record --no-hf --shape llama-1b --batch 1 32 \
-            --prompt-len 128 --output-len 64 ${variant#*:} \
-            --out "$OUT/latency_llama-1b_p128_$name.json" 2>&1 | tail -4
+        timeout 100 $BENCH latency --no-record --no-hf --shape llama-1b --batch 1 --prompt-len 128 \
+            --output-len 64 --ours-repeats 3 ${variant#*:} \
+            --out "$OUT/host1b/latency_llama-1b_b1_x3_$name.json" 2>&1 | grep "ours b1"
     done ;;
 qwen)
     timeout 250 $BENCH latency --no-record --shape qwen3-0.6b --batch 1 32 --prompt-len 128 \
         --output-len 64 --out "$OUT/latency_qwen3-0.6b_p128.json" 2>&1 | tail -10 ;;
 throughput)
-    timeout 550 $BENCH throughput --no-record --shape llama-1b --out "$OUT/throughput_llama-1b.json" \
-        2>&1 | tail -12 ;;
+    timeout 550 $BENCH throughput --no-record --shape llama-1b --no-hf \
+        --out "$OUT/throughput_llama-1b.json" 2>&1 | tail -12 ;;
 overlap)
     for shape in llama-8b llama-1b; do
         timeout 250 python3 benchmarks/overlap_decode.py --shape "$shape" --batch 1 32 \
@@ -66,10 +66,22 @@ allreduce)
 tp2)
     timeout 400 $BENCH latency --no-record --shape llama-8b --batch 1 32 --prompt-len 128 --output-len 64 \
         --tp 2 --no-hf --out "$OUT/latency_llama-8b_tp2.json" 2>&1 | tail -10 ;;
-pp2)  # batch 64 a step; with PP = 2 two steps (128 requests) are in flight
-    for pp in 1 2; do
-        timeout 280 $BENCH throughput --no-record --shape llama-8b --num-requests 256 --pp "$pp" \
-            --no-hf --engine-opt max_num_seqs=64 --out "$OUT/throughput_llama-8b_n256_pp$pp.json" \
-            2>&1 | tail -6
+pp2)  # batch 64 a step; with PP = 2 each step in flight holds its own 64 requests
+    B="$BENCH throughput --no-record --shape llama-8b --no-hf --engine-opt max_num_seqs=64"
+    timeout 150 $B --num-requests 256 --pp 1 --out "$OUT/throughput_llama-8b_n256_pp1.json" \
+        2>&1 | grep "│ *256"
+    timeout 150 $B --num-requests 256 --pp 2 --out "$OUT/throughput_llama-8b_n256_pp2.json" \
+        2>&1 | grep "│ *256"
+    for d in 3 4; do
+        timeout 140 $B --num-requests 256 --pp 2 --engine-opt max_concurrent_batches=$d \
+            --out "$OUT/throughput_llama-8b_n256_pp2_d$d.json" 2>&1 | grep "│ *256"
+    done ;;
+pp2-steady)  # every request 256 in / 256 out: full steps, no long tail
+    B="$BENCH throughput --no-record --shape llama-8b --no-hf --engine-opt max_num_seqs=64"
+    B="$B --num-requests 512 --min-len 256 --max-len 256"
+    timeout 100 $B --pp 1 --out "$OUT/throughput_llama-8b_n512_len256_pp1.json" 2>&1 | grep "│ *512"
+    for d in 2 3; do
+        timeout 100 $B --pp 2 --engine-opt max_concurrent_batches=$d \
+            --out "$OUT/throughput_llama-8b_n512_len256_pp2_d$d.json" 2>&1 | grep "│ *512"
     done ;;
 esac

@@ -222,6 +222,19 @@ def test_run_trace_command(logs: list[Path], tmp_path: Path) -> None:
     png = tmp_path / "t.png"
     assert run_trace_command(paths, str(png), "1:2").startswith(f"wrote {png}: ")
     read_png(png)
+    txt = tmp_path / "t.txt"
+    line = run_trace_command(paths[:1], str(txt), "2:2")
+    assert line == f"wrote {txt}: 5 spans (steps 2:2), 1 process, 5 tracks"
+    header, *rows = txt.read_text().splitlines()
+    assert header.split() == ["start", "ms", "dur", "ms", "process", "task", "span", "step"]
+    assert [r.split()[-3:] for r in rows] == [
+        ["recv", "recv_wait", "2"],
+        ["step", "prepare", "2"],
+        ["device", "forward", "2"],
+        ["sampler", "sample", "2"],
+        ["send", "output", "2"],
+    ]
+    assert rows[0].split()[:2] == ["0.000", "0.050"] and rows[2].split()[:2] == ["0.150", "0.300"]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -256,8 +269,8 @@ def test_cli_requires_output_and_logs(capsys: pytest.CaptureFixture[str]) -> Non
         ("missing", "missing.jsonl: no such log file"),
         ("directory", ": is not a file"),
         ("no spans", "no spans (was the run logged with --log-json?)"),
-        ("bad suffix", "the output must end in .json or .png (got '.svg')"),
-        ("no suffix", "the output must end in .json or .png (got 'none')"),
+        ("bad suffix", "the output must end in .json or .png or .txt (got '.svg')"),
+        ("no suffix", "the output must end in .json or .png or .txt (got 'none')"),
         ("bad steps", "--steps wants A:B (two step numbers), got 'x:2'"),
         ("reversed steps", "--steps 4:2: the first step is after the last"),
         ("empty steps", "no spans in steps 100:200"),

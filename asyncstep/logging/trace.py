@@ -30,7 +30,7 @@ TASK_ORDER: tuple[str, ...] = ("recv", "step", "device", "sampler", "send")
 ENGINE_PID = 0
 """Chrome-trace pid of the engine process; rank ``r`` gets pid ``r + 1``."""
 
-OUTPUT_SUFFIXES: tuple[str, ...] = (".json", ".png")
+OUTPUT_SUFFIXES: tuple[str, ...] = (".json", ".png", ".txt")
 
 _DPI = 120
 _WIDTH_IN = 14.0
@@ -347,7 +347,7 @@ def summarize(spans: Iterable[Span]) -> dict[str, dict[str, float]]:
 
 def run_trace_command(logs: list[str], output: str, steps: str | None) -> str:
     """``asyncstep trace LOG... -o OUTPUT [--steps A:B]``: write a Chrome
-    trace (``.json``) or a PNG timeline (``.png``) of the logs' spans and
+    trace (``.json``), a PNG timeline (``.png``) or a listing (``.txt``) of the logs' spans and
     return a one-line description of what was written. Raises ValueError or
     OSError (FileNotFoundError for a missing log) for bad input."""
     suffix = Path(output).suffix.lower()
@@ -360,6 +360,8 @@ def run_trace_command(logs: list[str], output: str, steps: str | None) -> str:
         spans = select_steps(spans, step_range)
     if suffix == ".json":
         write_chrome_trace(spans, output)
+    elif suffix == ".txt":
+        write_span_listing(spans, output)
     else:
         draw_timeline(spans, output)
     processes = len({s.rank for s in spans})
@@ -368,6 +370,24 @@ def run_trace_command(logs: list[str], output: str, steps: str | None) -> str:
         f"wrote {output}: {len(spans)} spans{where}, "
         f"{processes} process{'es' if processes != 1 else ''}, {len(tracks(spans))} tracks"
     )
+
+
+def span_listing(spans: Sequence[Span]) -> list[str]:
+    """One line per span in start order: start (ms after the first span),
+    duration (ms), process, task, name and step."""
+    if not spans:
+        return []
+    t0 = min(s.ts_us for s in spans)
+    return [
+        f"{(s.ts_us - t0) / 1e3:10.3f} {s.dur_us / 1e3:8.3f}  {process_name(s.rank):8} "
+        f"{s.task:8} {s.name:16} {'' if s.step is None else s.step}".rstrip()
+        for s in sorted(spans, key=lambda s: s.ts_us)
+    ]
+
+
+def write_span_listing(spans: Sequence[Span], path: str | Path) -> None:
+    header = f"{'start ms':>10} {'dur ms':>8}  {'process':8} {'task':8} {'span':16} step"
+    Path(path).write_text("\n".join([header, *span_listing(spans)]) + "\n", encoding="utf-8")
 
 
 def trace_main(args: argparse.Namespace) -> int:
@@ -407,12 +427,16 @@ def add_trace_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         description=(
             "Read the step-timeline spans of one or more --log-json files (e.g. one per "
             "rank) and write a Chrome/Perfetto trace (OUTPUT.json: open it in "
-            "https://ui.perfetto.dev) or a timeline picture (OUTPUT.png)."
+            "https://ui.perfetto.dev), a timeline picture (OUTPUT.png) or a span listing "
+            "(OUTPUT.txt)."
         ),
     )
     parser.add_argument("logs", nargs="+", metavar="LOG", help="JSON-lines log file(s)")
     parser.add_argument(
-        "-o", "--output", required=True, help="OUTPUT.json (Chrome trace) or OUTPUT.png (picture)"
+        "-o",
+        "--output",
+        required=True,
+        help="OUTPUT.json (Chrome trace), OUTPUT.png (picture) or OUTPUT.txt (listing)",
     )
     parser.add_argument(
         "--steps", metavar="A:B", help="only steps A to B (inclusive), and what overlaps them"
