@@ -140,6 +140,8 @@ async def test_layout_matches_single_rank(
         for rank in range(tp * pp):
             events = await anyio.Path(f"{log}.rank{rank}").read_text()
             assert '"cuda graphs captured"' in events and '"PIECEWISE"' in events
+            # Each step's arrival is marked (the engine-to-rank hop's end).
+            assert '"name":"step_in"' in events
     if tp == 2 and pp == 1:
         whole = sum(per_rank) / 2 * 2  # two halves of each sharded weight
         assert max(per_rank) < 0.55 * whole

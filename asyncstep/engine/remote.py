@@ -43,6 +43,7 @@ from asyncstep.channels.control import (
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
 from asyncstep.errors import AsyncstepError
 from asyncstep.logging import get_logger
+from asyncstep.logging.spans import span
 
 log = get_logger("engine")
 
@@ -205,12 +206,15 @@ class RemoteRanks:
         encoder = msgspec.msgpack.Encoder()
         async with inbox:
             async for scheduler_output in inbox:
-                frame = encoder.encode(Step(scheduler_output))
-                for rank, stream in self._streams.items():
-                    try:
-                        await stream.send_encoded(frame)
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        raise RankError(await self._death_notice(rank)) from None
+                # The span (encode + a send to each rank) pairs with each
+                # rank's ``step_in`` marker: the engine-to-rank hop.
+                with span("broadcast", "engine", step=scheduler_output.step_id):
+                    frame = encoder.encode(Step(scheduler_output))
+                    for rank, stream in self._streams.items():
+                        try:
+                            await stream.send_encoded(frame)
+                        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                            raise RankError(await self._death_notice(rank)) from None
 
     async def _read_rank(
         self, rank: int, stream: MessageStream, outbox: MemoryObjectSendStream[ModelRunnerOutput]

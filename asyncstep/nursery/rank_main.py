@@ -47,6 +47,7 @@ from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
 from asyncstep.errors import leaves, root_cause
 from asyncstep.gpu import switch_interval
 from asyncstep.logging import bind_rank, configure_logging, get_logger
+from asyncstep.logging.spans import now_us, record_span
 from asyncstep.models.model_loader import LoadedModel, load_model
 from asyncstep.nursery.pipe import PipeStage
 from asyncstep.nursery.rank import RankActor
@@ -173,6 +174,8 @@ async def _run_actor(actor: RankActor, stream: MessageStream, *, is_driver: bool
                     return
                 if not isinstance(message, Step):
                     raise RuntimeError(f"unexpected control message {type(message).__name__}")
+                step_id = message.scheduler_output.step_id
+                record_span("step_in", "recv", now_us(), 0, step=step_id)  # arrival marker
                 await inbox_tx.send(message.scheduler_output)
 
     async def write_engine() -> None:
