@@ -7,7 +7,8 @@ model, reports how many KV blocks fit, then serves steps as a
 world size and local rank come from the arguments or from torchrun's
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``), so ``torchrun ... -m asyncstep.rank --engine HOST:PORT``
-runs it across machines.
+runs it across machines. A rank may start before its engine listens: it
+retries the connection for ``--connect-timeout`` seconds.
 
 A rank never outlives a failure: its error goes to the engine as
 :class:`RankFailed`, and if a thread is stuck (a collective whose peer died),
@@ -86,6 +87,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--log-json", metavar="FILE")
     parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to keep trying the engine's address before giving up",
+    )
+    parser.add_argument(
         "--exit-grace",
         type=float,
         default=5.0,
@@ -100,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     identity = RankIdentity(args.rank, args.world_size, args.local_rank)
     bind_rank(identity.rank)
     try:
-        return trio.run(serve_rank, args.engine, identity, args.exit_grace)
+        return trio.run(serve_rank, args.engine, identity, args.exit_grace, args.connect_timeout)
     except BaseException as exc:
         # Ctrl-C in a terminal reaches every rank of its process group too.
         if any(isinstance(e, KeyboardInterrupt) for e in leaves(exc)):
@@ -108,9 +115,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
 
 
-async def serve_rank(engine_address: str, identity: RankIdentity, exit_grace: float) -> int:
+#: Pause between attempts to reach an engine that does not listen yet.
+CONNECT_RETRY_S = 0.2
+
+
+async def connect_engine(engine_address: str, timeout_s: float) -> MessageStream:
+    """Connect to the engine at ``HOST:PORT``, retrying while nothing listens
+    there (the engine may start after its ranks) for at most ``timeout_s``
+    seconds; then raise ``ConnectionError`` naming the address."""
     host, _, port = engine_address.rpartition(":")
-    stream = MessageStream(await anyio.connect_tcp(host or "127.0.0.1", int(port)))
+    if not port.isdigit():
+        raise ValueError(f"--engine must be HOST:PORT, got {engine_address!r}")
+    last: OSError | None = None
+    with anyio.move_on_after(timeout_s):
+        while True:
+            try:
+                return MessageStream(await anyio.connect_tcp(host or "127.0.0.1", int(port)))
+            except OSError as exc:
+                last = exc
+            await anyio.sleep(CONNECT_RETRY_S)
+    raise ConnectionError(
+        f"no engine answered at {engine_address} within {timeout_s:g} s (last error: {last})"
+    )
+
+
+async def serve_rank(
+    engine_address: str, identity: RankIdentity, exit_grace: float, connect_timeout_s: float = 60.0
+) -> int:
+    stream = await connect_engine(engine_address, connect_timeout_s)
     await stream.send(Hello(identity.rank, identity.world_size, os.getpid(), socket.gethostname()))
     try:
         await _serve(stream, identity)
@@ -152,7 +184,9 @@ async def _serve(stream: MessageStream, identity: RankIdentity) -> None:
     init = await _expect(stream, InitKVCache)
     runner.initialize_kv_cache(init.num_blocks)
     await anyio.to_thread.run_sync(_capture, runner, identity.rank == 0)
-    actor = RankActor(runner, rank=identity.rank, groups=groups)
+    actor = RankActor(
+        runner, rank=identity.rank, groups=groups, pp_tensor_lanes=spec.pp_tensor_lanes
+    )
     if actor.pipe is not None:
         await anyio.to_thread.run_sync(_warm_up, actor.pipe, loaded.device)
     with switch_interval(spec.gil_switch_interval_s):
