@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import anyio
 import pytest
 import torch
 import trio
@@ -124,6 +125,77 @@ async def test_next_step_waits_for_sample_tokens() -> None:
     assert runner.calls == ["execute 0", "sample 0", "execute 1", "sample 1"]
 
 
+class GatedPipe:
+    """Stands in for a later stage's PipeStage: ``post_receive`` blocks until
+    the test opens ``metadata`` (the previous stage has not sent yet)."""
+
+    def __init__(self) -> None:
+        self.metadata = threading.Event()
+        self.posted: list[int] = []
+        self.done: list[object] = []
+
+    def post_receive(self, step_id: int) -> IntermediateTensors:
+        assert self.metadata.wait(timeout=10)
+        self.posted.append(step_id)
+        return IntermediateTensors({"hidden_states": torch.full((1, 2), float(step_id))})
+
+    async def drain(self, timeout_s: float) -> tuple[int, int]:
+        return 0, 0  # nothing is sent from this stage
+
+    def done_with(self, received: object) -> None:
+        from asyncstep.nursery.pipe import PendingReceive
+
+        assert isinstance(received, PendingReceive)
+        self.done.append(received.result())
+
+
+class ReadingRunner(ScriptedRunner):
+    """Records whether a step's receive was posted when the runner began the
+    step, then reads the tensors (as the forward does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began = threading.Event()
+        self.posted_at_begin: list[bool] = []
+        self.read: list[float] = []
+
+    def execute_model(
+        self, so: SchedulerOutput, intermediate_tensors: object = None
+    ) -> ModelRunnerOutput | None:
+        from asyncstep.nursery.pipe import PendingReceive
+
+        assert isinstance(intermediate_tensors, PendingReceive)
+        self.posted_at_begin.append(intermediate_tensors.future.done())
+        self.began.set()  # the step's inputs would be prepared here
+        self.read.append(float(intermediate_tensors["hidden_states"][0, 0]))
+        return super().execute_model(so, intermediate_tensors)
+
+
+@pytest.mark.trio
+async def test_a_later_stage_begins_its_step_before_the_previous_stage_sent() -> None:
+    """The step task does not wait for the receive to be posted: the runner
+    begins the step (input preparation) while the metadata is still on its
+    way, and blocks only when it reads the tensors."""
+    runner = ReadingRunner()
+    actor = RankActor(runner)  # type: ignore[arg-type]
+    pipe = GatedPipe()
+    actor.pipe, actor.is_first_stage = pipe, False  # type: ignore[assignment]
+    inbox_tx, inbox_rx = trio.open_memory_channel[SchedulerOutput](2)
+    outbox_tx, outbox_rx = trio.open_memory_channel[ModelRunnerOutput](2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.run, inbox_rx, outbox_tx)
+        await inbox_tx.send(step(4))
+        assert await trio.to_thread.run_sync(runner.began.wait, 10)
+        await trio.testing.wait_all_tasks_blocked()
+        assert runner.posted_at_begin == [False] and runner.read == []
+        pipe.metadata.set()  # the previous stage sends
+        assert (await outbox_rx.receive()).sampled_token_ids == [[4]]
+        await inbox_tx.aclose()
+    assert runner.read == [4.0] and pipe.posted == [4]
+    assert len(pipe.done) == 1 and float(pipe.done[0]["hidden_states"][0, 0]) == 4.0  # type: ignore[index]
+    assert actor.statistics().receives == 1
+
+
 @pytest.mark.trio
 async def test_an_error_in_a_task_ends_the_rank() -> None:
     runner = ScriptedRunner()
@@ -234,3 +306,51 @@ def test_a_cancelled_stage_drains_its_send_before_freeing_the_buffers() -> None:
     assert sender["done_after"] is True
     assert sender["stats"].in_use == 0 and sender["stats"].released == sender["stats"].acquired
     assert receiver["equal"] is True
+
+
+def _unused_port() -> int:
+    from asyncstep.engine.remote import _free_port
+
+    return _free_port()
+
+
+@pytest.mark.trio
+async def test_a_rank_started_before_its_engine_waits_for_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from asyncstep.channels.control import Hello, MessageStream
+    from asyncstep.nursery.rank_main import connect_engine
+
+    port = _unused_port()
+    address = f"127.0.0.1:{port}"
+    got: list[object] = []
+    async with trio.open_nursery() as nursery:
+        rank_connected = trio.Event()
+
+        async def rank() -> None:
+            stream = await connect_engine(address, timeout_s=30)
+            await stream.send(Hello(3, 4, 1234, "host"))
+            rank_connected.set()
+
+        nursery.start_soon(rank)
+        await trio.sleep(5)  # the engine comes up late (virtual seconds)
+        assert not rank_connected.is_set()
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=port)
+        async with listener:
+            engine_side = MessageStream(await listener.listeners[0].accept())  # type: ignore[attr-defined]
+            got.append(await engine_side.receive())
+            await rank_connected.wait()
+    assert got == [Hello(3, 4, 1234, "host")]
+
+
+@pytest.mark.trio
+async def test_a_rank_gives_up_on_an_engine_that_never_comes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from asyncstep.nursery.rank_main import connect_engine
+
+    address = f"127.0.0.1:{_unused_port()}"
+    with pytest.raises(ConnectionError, match=rf"no engine answered at {address} within 2 s"):
+        await connect_engine(address, timeout_s=2)
+    with pytest.raises(ValueError, match="--engine must be HOST:PORT"):
+        await connect_engine("localhost", timeout_s=2)

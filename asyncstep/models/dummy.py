@@ -161,18 +161,29 @@ def dummy_weights(
     seed: int = 0,
     device: torch.device | str = "cpu",
     names: set[str] | None = None,
-    scale: float = 1e-3,
+    scale: float | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Uniform random tensors in ``[-scale, scale]`` (norm weights around 1),
-    the same for a name and seed on every rank. ``names`` limits the output
-    to the tensors a rank needs."""
+    """Uniform random tensors, the same for a name and seed on every rank;
+    ``names`` limits the output to the tensors a rank needs.
+
+    Norm weights are ``1 + U(-1e-3, 1e-3)``; every other tensor is uniform in
+    ``[-scale, scale]``, by default ``1 / sqrt(fan_in)`` (``torch.nn.Linear``'s
+    own init; fan-in = the last dimension, the hidden size for an embedding
+    table). That keeps each projection's gain near one at every model size, so
+    the model's output depends on its whole context and layouts can be checked
+    against each other by their greedy tokens (a fixed tiny scale makes every
+    layer's contribution vanish next to the residual: the next token would be a
+    function of the current one alone).
+    """
     for name, shape in dummy_weight_shapes(arch).items():
         if names is not None and name not in names:
             continue
         generator = torch.Generator(device=device).manual_seed(
             seed * 1_000_003 + zlib.crc32(name.encode())
         )
-        tensor = torch.empty(shape, device=device).uniform_(-scale, scale, generator=generator)
-        if name.endswith("norm.weight"):
+        norm = name.endswith("norm.weight")
+        bound = 1e-3 if norm else scale if scale is not None else shape[-1] ** -0.5
+        tensor = torch.empty(shape, device=device).uniform_(-bound, bound, generator=generator)
+        if norm:
             tensor += 1.0
         yield name, tensor
