@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--sequence-parallel", action="store_true", help="keep activations split along tokens"
     )
     parallel.add_argument(
+        "--pp-tensor-lanes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="between stages, each TP rank sends 1/TP of a tensor and the next stage "
+        "all-gathers (--no-pp-tensor-lanes: whole tensors, faster on one NVLink host)",
+    )
+    parallel.add_argument(
         "--external-ranks",
         action="store_true",
         help="do not start the ranks: wait for them to connect (python -m asyncstep.rank)",
@@ -199,6 +206,7 @@ async def generate_all(args: argparse.Namespace, prompts: list[str], params: Sam
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
         sequence_parallel=args.sequence_parallel,
+        pp_tensor_lanes=args.pp_tensor_lanes,
         launch_ranks=not args.external_ranks,
         listen=args.listen,
         rank_log_level=args.log_level,

@@ -134,6 +134,13 @@ class ParallelConfig:
     connections, and starts them itself as local processes unless
     ``launch_ranks`` is False (ranks started elsewhere, e.g. by torchrun,
     connect to that address).
+
+    ``pp_tensor_lanes``: between pipeline stages with TP, each TP rank sends
+    ``1 / tp_size`` of every replicated tensor to its peer and the receiving
+    stage all-gathers (vLLM's way; pays where the stage-to-stage link is slower
+    than the links inside a stage, e.g. stages on different hosts). False: each
+    TP rank sends its whole tensors, no gather (measured faster on one NVLink
+    host: ``benchmarks/results/layout/``).
     """
 
     tensor_parallel_size: int = 1
@@ -146,6 +153,7 @@ class ParallelConfig:
     #: Started ranks write every event (step-timeline spans too) as JSON lines
     #: to ``<rank_log_json>.rank<N>``.
     rank_log_json: str | None = None
+    pp_tensor_lanes: bool = True
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:

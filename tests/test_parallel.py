@@ -303,3 +303,21 @@ async def test_a_rank_of_the_wrong_world_is_refused(peaked_llama: Path) -> None:
     finally:
         stray.kill()
         stray.wait()
+
+
+@pytest.mark.trio
+async def test_whole_tensor_sends_between_stages_match_single_rank(
+    peaked_llama: Path, single_rank_tokens: list[list[int]]
+) -> None:
+    """``pp_tensor_lanes=False``: each TP rank sends its whole tensors to the
+    next stage (no slicing, no all-gather); the tokens stay the single rank's."""
+    async with asyncstep.open_engine(
+        peaked_llama,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        pp_tensor_lanes=False,
+        **ENGINE,
+    ) as engine:
+        assert isinstance(engine.executor, RemoteRanks)
+        assert engine.executor.spec.pp_tensor_lanes is False
+        assert await generate_all(engine, PROMPTS, GREEDY) == single_rank_tokens

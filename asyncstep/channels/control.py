@@ -60,6 +60,8 @@ class RankSpec(msgspec.Struct, frozen=True):
     ubatch_decode_threshold: int = 32
     ubatch_prefill_threshold: int = 512
     cudagraph_stand_in: bool = False
+    #: ParallelConfig.pp_tensor_lanes.
+    pp_tensor_lanes: bool = True
 
 
 class Hello(msgspec.Struct, frozen=True, tag=True):

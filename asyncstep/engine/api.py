@@ -65,6 +65,7 @@ def make_config(
     listen: str = "127.0.0.1:0",
     rank_log_level: str = "warning",
     rank_log_json: str | None = None,
+    pp_tensor_lanes: bool = True,
     cudagraph_mode: str = "FULL_AND_PIECEWISE",
     cudagraph_capture_sizes: list[int] | None = None,
     max_cudagraph_capture_size: int | None = None,
@@ -101,6 +102,7 @@ def make_config(
             listen,
             rank_log_level,
             rank_log_json,
+            pp_tensor_lanes,
         ),
         compilation=CompilationConfig(
             cudagraph_mode,
@@ -228,6 +230,7 @@ def remote_ranks(config: EngineConfig) -> RemoteRanks:
         tensor_parallel_size=parallel.tensor_parallel_size,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
+        pp_tensor_lanes=parallel.pp_tensor_lanes,
         async_scheduling=config.uses_output_placeholders,
         cudagraph_mode=config.compilation.cudagraph_mode,
         cudagraph_capture_sizes=config.compilation.cudagraph_capture_sizes,

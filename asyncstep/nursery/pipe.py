@@ -5,10 +5,15 @@ rank's groups, device, buffer pool and the model's per-key lane choice, and
 keeps the rule that a receive buffer goes back to the pool only once the
 forward that read it is done (on CUDA, once an event recorded after the
 forward has completed).
+
+:class:`PendingReceive` is a step's receive while a thread is still posting
+it: the step's host work (inputs, metadata, uploads) runs meanwhile, and only
+the first use of the tensors waits for the post.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +35,43 @@ from asyncstep.datatypes import IntermediateTensors
 from asyncstep.runner.model_runner import StepEvents
 
 ReceivedTensors = AsyncIntermediateTensors
+
+
+class PendingReceive(IntermediateTensors):
+    """A step's intermediate tensors whose receive another thread is posting
+    (metadata first, then the tensors' receives): the first use of the
+    tensors blocks until it was posted, then waits for them as
+    :class:`AsyncIntermediateTensors` does (on CUDA the stream waits, not the
+    host). The runner prepares the step's inputs before it touches them, so
+    that work no longer waits for the previous stage.
+    """
+
+    def __init__(self, step_id: int, future: concurrent.futures.Future[ReceivedTensors]) -> None:
+        # IntermediateTensors.__init__ is not called: ``tensors`` is a property here.
+        self.step_id = step_id
+        self.future = future
+
+    def __repr__(self) -> str:
+        state = "posted" if self.future.done() else "posting"
+        return f"PendingReceive(step={self.step_id}, {state})"
+
+    def result(self) -> ReceivedTensors:
+        """The posted receive (blocks until posted; raises what posting raised)."""
+        return self.future.result()
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.result().tensors
+
+    @tensors.setter
+    def tensors(self, value: dict[str, torch.Tensor]) -> None:
+        raise AttributeError("PendingReceive.tensors cannot be replaced")
+
+    def keys(self) -> list[str]:
+        return self.result().keys()
+
+    def __len__(self) -> int:
+        return len(self.result())
 
 
 @dataclass
@@ -102,9 +144,14 @@ class PipeStage:
             self._posted.append(pending)
         return pending
 
-    def done_with(self, received: ReceivedTensors) -> None:
+    def done_with(self, received: ReceivedTensors | PendingReceive) -> None:
         """The forward that read ``received`` was launched: its buffers may go
-        back to the pool once that forward completed."""
+        back to the pool once that forward completed. A receive whose posting
+        failed has nothing to give back."""
+        if isinstance(received, PendingReceive):
+            if received.future.exception() is not None:
+                return
+            received = received.result()
         if self.device.type != "cuda":
             received.release()  # the CPU forward has finished
             return
