@@ -65,6 +65,7 @@ from typing import Any
 import bench_hf
 import torch
 import trio
+from rank_gpus import open_engine_on_gpus
 
 import asyncstep
 from asyncstep import SamplingParams
@@ -148,6 +149,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     p.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, help="default: not passed")
     p.add_argument("--no-overlap", action="store_true", help="async_scheduling=False")
+    p.add_argument(
+        "--rank-gpus",
+        type=int,
+        metavar="N",
+        help="start the ranks here on N GPUs (fewer than tp x pp: stages share GPUs; "
+        "see rank_gpus.py)",
+    )
     p.add_argument(
         "--engine-opt",
         type=engine_opt,
@@ -298,6 +306,15 @@ def kv_blocks(token_counts: Sequence[int]) -> int:
     return math.ceil(sum(-(-n // BLOCK_SIZE) for n in token_counts) * KV_HEADROOM)
 
 
+def open_bench_engine(args: argparse.Namespace, **sizing: Any) -> Any:
+    """Our engine on dummy weights: its own ranks, or (``--rank-gpus``) ranks
+    started here on the given number of GPUs."""
+    options = engine_options(args, **sizing)
+    if args.rank_gpus is not None:
+        return open_engine_on_gpus(args.shape, args.rank_gpus, **options)
+    return asyncstep.open_engine(args.shape, **options)
+
+
 def engine_options(args: argparse.Namespace, **sizing: Any) -> dict[str, Any]:
     """open_engine keywords: dummy weights, the layout, the sizing, the extras."""
     options: dict[str, Any] = {
@@ -375,7 +392,7 @@ async def ours_latency(args: argparse.Namespace, configs: list[tuple[int, int]])
     }
     seeds = itertools.count(args.seed * 1000 + 1)  # fresh prompts: no prefix-cache hits
     results: dict[str, Row] = {}
-    async with asyncstep.open_engine(args.shape, **engine_options(args, **sizing)) as engine:
+    async with open_bench_engine(args, **sizing) as engine:
         vocab = engine.arch_config.vocab_size
         await warm_up_engine(engine, next(seeds))
         for batch, prompt_len in configs:
@@ -413,7 +430,7 @@ async def ours_throughput(
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         counts.append(len((await engine.generate(prompt, params)).token_ids))
 
-    async with asyncstep.open_engine(args.shape, **engine_options(args, **sizing)) as engine:
+    async with open_bench_engine(args, **sizing) as engine:
         await warm_up_engine(engine, args.seed + 7919)
         await engine.wait_idle()
         first_step = engine.statistics().num_steps
