@@ -216,3 +216,11 @@ def test_bad_fast_path_options(
     with pytest.raises(SystemExit) as exited:
         main(["generate", *args, "x"])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_pipeline_tensor_lanes_flag() -> None:
+    from asyncstep.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "hi"]).pp_tensor_lanes is True
+    assert parser.parse_args(["generate", "hi", "--no-pp-tensor-lanes"]).pp_tensor_lanes is False
