@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 6: PP = 2 x TP = 2 with NCCL, one stage per call (each fits the device
 # tool's 10-minute limit):
-#     bash benchmarks/run_layout.sh tokens|transfer|latency|throughput
+#     bash benchmarks/run_layout.sh tokens|transfer|latency|throughput|whole
 # On nvidia-h200-x4 as written. On nvidia-h200-x2, RANK_GPUS=2 lays the four
 # ranks on two GPUs (the two stages share them; see benchmarks/rank_gpus.py):
 # the protocol, the code path and the tokens are those of the layout, the
@@ -31,7 +31,13 @@ throughput)  # as issue 5's PP runs: 256 random requests, 64 a step
     timeout 400 $BENCH throughput --no-record --shape llama-8b --no-hf \
         --engine-opt max_num_seqs=64 --num-requests 256 --tp 2 --pp 2 $RG \
         --out "$OUT/throughput_llama-8b_n256_pp2xtp2$TAG.json" 2>&1 | tail -6 ;;
+whole)  # latency and throughput again, whole tensors between stages (no lanes)
+    W="--no-record --shape llama-8b --tp 2 --pp 2 $RG --engine-opt pp_tensor_lanes=False"
+    timeout 280 $BENCH latency $W --batch 1 32 --prompt-len 128 --output-len 64 --no-hf \
+        --out "$OUT/latency_llama-8b_pp2xtp2_whole$TAG.json" 2>&1 | grep -E "ours b"
+    timeout 280 $BENCH throughput $W --no-hf --engine-opt max_num_seqs=64 --num-requests 256 \
+        --out "$OUT/throughput_llama-8b_n256_pp2xtp2_whole$TAG.json" 2>&1 | grep "│ *256" ;;
 *)
-    echo "usage: [RANK_GPUS=N] $0 tokens|transfer|latency|throughput" >&2
+    echo "usage: [RANK_GPUS=N] $0 tokens|transfer|latency|throughput|whole" >&2
     exit 2 ;;
 esac
