@@ -353,6 +353,21 @@ async def test_aclose_waits_for_submitted_work_without_blocking() -> None:
     assert closed.is_set() and work.finished
 
 
+@pytest.mark.trio
+async def test_close_can_drop_the_work_not_started() -> None:
+    """What a rank does with its receive thread on the way out: the running
+    call finishes, the queued ones never start."""
+    stream = HostStream("dropping")
+    running, queued = Gated("ran"), Gated("queued")
+    first, second = stream.submit(running), stream.submit(queued)
+    await running.wait_entered()
+    stream.close(wait=False, cancel_pending=True)
+    assert second.cancelled() and not queued.entered.is_set()
+    running.gate.set()
+    assert await trio.to_thread.run_sync(first.result, 10) == "ran"
+    assert not queued.entered.is_set()
+
+
 def test_host_stream_cpu_device_needs_no_initializer() -> None:
     with HostStream("cpu", torch.device("cpu")) as stream:
         assert stream.device == torch.device("cpu")

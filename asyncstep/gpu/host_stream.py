@@ -143,12 +143,14 @@ class HostStream:
                 busy_s=self._busy_s,
             )
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
         """Refuse new work; what was submitted still runs. ``wait=True`` blocks
-        until it ran and the thread ended (from async code prefer :meth:`aclose`)."""
+        until it ran and the thread ended (from async code prefer :meth:`aclose`).
+        ``cancel_pending=True`` cancels the work that has not started yet (its
+        futures end cancelled); the call running now still finishes."""
         with self._lock:
             self._closed = True
-        self._executor.shutdown(wait=wait)
+        self._executor.shutdown(wait=wait, cancel_futures=cancel_pending)
 
     async def aclose(self) -> None:
         """Close, and wait without blocking the loop for the submitted work

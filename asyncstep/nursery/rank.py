@@ -173,8 +173,9 @@ class RankActor:
         finally:
             with anyio.CancelScope(shield=True):
                 await self.stream.aclose()
-            # Not awaited: after a failure it may block on metadata that never comes.
-            self.recv_stream.close(wait=False)
+            # Not awaited, queued receives dropped: after a failure or a
+            # cancellation a receive may wait for metadata that never comes.
+            self.recv_stream.close(wait=False, cancel_pending=True)
         log.debug("rank stopped", **vars(self._stats))
 
     # -- recv task --------------------------------------------------------
