@@ -1,8 +1,10 @@
 """The command line: ``asyncstep generate [PROMPT ...]``.
 
 Prompts come from the arguments, or one per line from stdin when none are
-given. Errors a user can cause print one line on stderr and exit 1, without
-a traceback.
+given. The engine flags are derived from the config's fields
+(:func:`asyncstep.config.engine_options`): one per option, its description
+and default as help. Errors a user can cause print one line on stderr and
+exit 1, without a traceback.
 """
 
 from __future__ import annotations
@@ -10,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO, get_args, get_origin
 
 import msgspec
 import trio
 
-from asyncstep.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES
+from asyncstep.config import EngineConfig, EngineOption, engine_options
 from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.api import make_config, open_engine
 from asyncstep.engine.engine import Engine, Prompt
@@ -29,106 +31,64 @@ from asyncstep.progress import ProgressBar
 PROG = "asyncstep"
 
 
+#: Flags kept from before the engine flags were derived from the config
+#: (option -> more flags for it; a bool's alias gets its ``--no-`` form too).
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    "tensor_parallel_size": ("--tp",),
+    "pipeline_parallel_size": ("--pp",),
+    "kv_cache_memory_gib": ("--kv-cache-memory",),
+    "async_scheduling": ("--overlap",),
+    "enable_ubatching": ("--ubatching",),
+}
+#: Options whose flag is not ``--`` + their name (``--seed`` is the sampling seed).
+FLAG_NAMES: dict[str, str] = {"seed": "--engine-seed"}
+#: Options the CLI sets from its other flags (``-v``, ``--log-json``).
+DERIVED_OPTIONS = frozenset({"rank_log_level", "rank_log_json"})
+#: Options whose values the config stores upper-case, whatever case is given.
+UPPER_CASE_OPTIONS = frozenset({"cudagraph_mode"})
+_METAVARS = {
+    "model": "PATH",
+    "kv_cache_memory_gib": "GIB",
+    "listen": "HOST:PORT",
+    "tensor_parallel_size": "N",
+    "pipeline_parallel_size": "M",
+    "cudagraph_mode": "MODE",
+}
+#: The help group of each config section.
+_GROUPS = {
+    "model": "model",
+    "cache": "KV cache",
+    "scheduler": "scheduler",
+    "parallel": "parallelism",
+    "compilation": "device fast path",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """``asyncstep generate`` (an engine flag per config option, and the
+    sampling and output flags) and ``asyncstep trace``."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text for prompts")
+    gen = commands.add_parser(
+        "generate",
+        help="generate text for prompts",
+        description="Generate text for prompts. Every engine option (make_config's keywords) "
+        "is a flag; options that may be unset take 'none'.",
+    )
     add_trace_parser(commands)
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts (default: stdin lines)")
-    model = gen.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        help="GGUF file or HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)",
-    )
-    model.add_argument(
-        "--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"]
-    )
-    model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    model.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    model.add_argument("--max-model-len", type=int, help="longest prompt + output")
-    sampling = gen.add_argument_group("sampling")
-    sampling.add_argument("--max-tokens", type=int, default=256)
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
-    sampling.add_argument("--min-p", type=float, default=0.0)
-    sampling.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens)")
-    sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    sampling.add_argument("--ignore-eos", action="store_true")
-    sampling.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="apply the chat template (default: when the tokenizer has one)",
-    )
-    engine = gen.add_argument_group("engine")
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument(
-        "--overlap",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="async scheduling: launch step N+1 while step N is sampled (--no-overlap: "
-        "one step at a time, for ablation and debugging)",
-    )
-    engine.add_argument(
-        "--max-concurrent-batches",
-        type=int,
-        default=0,
-        metavar="N",
-        help="steps in flight (0: 1 without overlap, 2 with it, the pipeline depth with --pp)",
-    )
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=1.0,
-        metavar="GIB",
-        help="KV cache size on the CPU (GiB)",
-    )
-    device = gen.add_argument_group("device fast path")
-    device.add_argument(
-        "--cudagraph-mode",
-        type=str.upper,
-        default="FULL_AND_PIECEWISE",
-        choices=CUDAGRAPH_MODES,
-        help="CUDA graphs by batch shape (CUDA only; default FULL_AND_PIECEWISE)",
-    )
-    device.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=ATTENTION_BACKENDS,
-        help="auto: triton on CUDA, torch on the CPU",
-    )
-    device.add_argument(
-        "--ubatching",
-        action="store_true",
-        help="split large steps into two micro-batches (TP communication overlaps compute)",
-    )
-    parallel = gen.add_argument_group("parallelism")
-    parallel.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks")
-    parallel.add_argument("--pp", type=int, default=1, metavar="M", help="pipeline stages")
-    parallel.add_argument(
-        "--sequence-parallel", action="store_true", help="keep activations split along tokens"
-    )
-    parallel.add_argument(
-        "--pp-tensor-lanes",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="between stages, each TP rank sends 1/TP of a tensor and the next stage "
-        "all-gathers (--no-pp-tensor-lanes: whole tensors, faster on one NVLink host)",
-    )
-    parallel.add_argument(
+    groups = {"model": gen.add_argument_group(_GROUPS["model"])}
+    _add_sampling_flags(gen)
+    groups.update({s: gen.add_argument_group(t) for s, t in _GROUPS.items() if s != "model"})
+    for option in engine_options().values():
+        if option.name not in DERIVED_OPTIONS:
+            _add_engine_flag(groups[option.section], option)
+    groups["parallel"].add_argument(
         "--external-ranks",
-        action="store_true",
-        help="do not start the ranks: wait for them to connect (python -m asyncstep.rank)",
-    )
-    parallel.add_argument(
-        "--listen",
-        default="127.0.0.1:0",
-        metavar="HOST:PORT",
-        help="address the ranks connect to (default: loopback, any free port)",
+        dest=_dest("launch_ranks"),
+        action="store_false",
+        help="do not start the ranks: wait for them to connect (python -m asyncstep.rank); "
+        "same as --no-launch-ranks",
     )
     out = gen.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
@@ -144,13 +104,135 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=256)
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
+    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens)")
+    sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true")
+    sampling.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: when the tokenizer has one)",
+    )
+
+
+def engine_flag(name: str) -> str:
+    """The flag of engine option ``name`` (aliases aside)."""
+    return FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+
+
+def _dest(name: str) -> str:
+    """Where the flag of option ``name`` is parsed to: the flag's name
+    (``engine_seed``: ``seed`` is the sampling seed's)."""
+    return engine_flag(name)[2:].replace("-", "_")
+
+
+def _add_engine_flag(group: argparse._ArgumentGroup, option: EngineOption) -> None:
+    """The flag of one engine option: its description and default as help,
+    ``none`` accepted where None is a value, bools as ``--x/--no-x``."""
+    flags = [engine_flag(option.name), *FLAG_ALIASES.get(option.name, ())]
+    kind = option.value_type
+    common: dict[str, Any] = {"dest": _dest(option.name), "default": option.default}
+    if kind is bool:
+        action = group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
+    elif get_origin(kind) is list:
+        (item,) = get_args(kind)
+        action = group.add_argument(
+            *flags,
+            nargs="+",
+            type=_value_parser(item, option.optional),
+            action=_ListOrNone,
+            metavar="N",
+            **common,
+        )
+    else:
+        upper = option.name in UPPER_CASE_OPTIONS
+        action = group.add_argument(
+            *flags,
+            type=str.upper if upper else _value_parser(kind, option.optional),
+            choices=option.choices,
+            metavar=_METAVARS.get(option.name, _metavar(option)),
+            **common,
+        )
+    # Set afterwards: BooleanOptionalAction would append its own default.
+    action.help = f"{option.description} (default: {_shown(option.default)})".replace("%", "%%")
+
+
+def _value_parser(kind: type, optional: bool) -> Callable[[str], Any]:
+    """argparse's ``type`` for ``kind``; with ``optional``, ``none`` is None."""
+
+    def parse(text: str) -> Any:
+        if optional and text.lower() == "none":
+            return None
+        return kind(text)
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
+    return parse
+
+
+def _metavar(option: EngineOption) -> str | None:
+    if option.choices is not None:
+        return None  # argparse shows {a,b,c}
+    return {int: "N", float: "X"}.get(option.value_type, option.name.upper())
+
+
+def _shown(default: object) -> str:
+    """A default as a user would type it."""
+    if default is None:
+        return "none"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, list):
+        return " ".join(map(str, default))
+    return str(default)
+
+
+class _ListOrNone(argparse.Action):
+    """``--sizes 1 2 4`` is a list; ``--sizes none`` is None."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        items = list(values or [])
+        if None in items:
+            if len(items) > 1:
+                raise argparse.ArgumentError(self, "none cannot be mixed with values")
+            setattr(namespace, self.dest, None)
+        else:
+            setattr(namespace, self.dest, items)
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """The console log level of ``-v`` (this process's, and the ranks')."""
+    return ("warning", "info", "debug")[min(args.verbose, 2)]
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine config of parsed ``generate`` arguments: every engine flag,
+    the ranks' logging from ``-v`` and ``--log-json``. A bad value raises
+    :class:`ConfigError` (one line), as :func:`make_config` does."""
+    options = {
+        name: getattr(args, _dest(name)) for name in engine_options() if name not in DERIVED_OPTIONS
+    }
+    return make_config(**options, rank_log_level=log_level(args), rank_log_json=args.log_json)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (handler := getattr(args, "handler", None)) is not None:
         return int(handler(args))  # a subcommand with its own handler (trace)
-    args.log_level = ("warning", "info", "debug")[min(args.verbose, 2)]
     try:
-        configure_logging(args.log_level, args.log_json)
+        configure_logging(log_level(args), args.log_json)
         params = sampling_params(args)
         prompts = list(args.prompts) or read_prompts(sys.stdin)
         if not prompts:
@@ -194,29 +276,7 @@ def read_prompts(stream: TextIO) -> list[str]:
 
 async def generate_all(args: argparse.Namespace, prompts: list[str], params: SamplingParams) -> int:
     """Serve every prompt concurrently; returns the exit status."""
-    config = make_config(
-        args.model,
-        load_format=args.load_format,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_gib=args.kv_cache_memory,
-        tensor_parallel_size=args.tp,
-        pipeline_parallel_size=args.pp,
-        sequence_parallel=args.sequence_parallel,
-        pp_tensor_lanes=args.pp_tensor_lanes,
-        launch_ranks=not args.external_ranks,
-        listen=args.listen,
-        rank_log_level=args.log_level,
-        rank_log_json=args.log_json,
-        async_scheduling=args.overlap,
-        max_concurrent_batches=args.max_concurrent_batches,
-        cudagraph_mode=args.cudagraph_mode,
-        attention_backend=args.attention_backend,
-        enable_ubatching=args.ubatching,
-    )
+    config = config_from_args(args)
     with ProgressBar("loading weights") as progress:
         async with open_engine(config=config, progress=progress.update) as engine:
             progress.close()

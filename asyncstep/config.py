@@ -1,39 +1,78 @@
-"""Engine configuration: model, cache, scheduler and parallel settings.
+"""Engine configuration: model, cache, scheduler, parallel and compilation settings.
 
-Plain dataclasses, validated on construction with one-line
-:class:`~asyncstep.errors.ConfigError` messages. Imports nothing heavy.
+Every section is a keyword-only :class:`msgspec.Struct`: the whole
+:class:`EngineConfig` is msgpack-encodable and travels as it is to the engine
+core and to every rank. Each section validates itself in ``__post_init__``
+(run on construction and on decode alike) with one-line
+:class:`~asyncstep.errors.ConfigError` messages. Each user-facing field carries
+its one-line description (``msgspec.Meta(description=...)``, choices in
+``extra``): :func:`engine_options` reads them, and so ``make_config``'s
+keywords and the CLI's flags are derived from the fields, written once.
+Imports nothing heavy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+import difflib
+import functools
+import numbers
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Annotated, Any, get_args, get_origin
+
+import msgspec
 
 from asyncstep.errors import ConfigError
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-@dataclass
-class ModelConfig:
+def _doc(description: str, **extra: object) -> msgspec.Meta:
+    """A field's one-line description (the CLI help); ``extra``: e.g. ``choices``."""
+    return msgspec.Meta(description=description, extra=extra or None)
+
+
+class ModelConfig(msgspec.Struct, kw_only=True):
     """Which weights to run, and where.
 
     ``model`` is a GGUF file, an HF checkpoint directory, or None for the
     embedded default (SmolLM2-135M-Instruct). With ``load_format="dummy"``,
     ``model`` names a shape (see ``asyncstep.models.loader.dummy``) or an HF
-    directory whose config is used with random weights.
+    directory whose config is used with random weights. A ``pathlib.Path`` is
+    accepted and stored as ``str``.
+
+    ``max_model_len`` is the one context length of the engine: the user's
+    limit (None: the model's own), which the engine replaces with the length
+    it resolved when it starts, so that the config it hands on carries it.
     """
 
-    model: str | Path | None = None
-    load_format: str = "auto"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda when available, else cpu
-    #: Longest sequence (prompt + output); None: the model's own limit.
-    max_model_len: int | None = None
-    seed: int = 0
+    model: Annotated[
+        str | None,
+        _doc(
+            "GGUF file or HF checkpoint directory (a shape name with load_format dummy); "
+            "none: the embedded SmolLM2-135M-Instruct"
+        ),
+    ] = None
+    load_format: Annotated[
+        str, _doc("weights format; dummy: random weights", choices=LOAD_FORMATS)
+    ] = "auto"
+    dtype: Annotated[
+        str, _doc("weights dtype; auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    ] = "auto"
+    device: Annotated[str, _doc("auto, cpu, cuda or cuda:N; auto: cuda when available")] = "auto"
+    max_model_len: Annotated[
+        int | None, _doc("longest sequence (prompt + output); none: the model's own limit")
+    ] = None
+    seed: Annotated[int, _doc("seed of random (dummy) weights and of every rank's torch RNG")] = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(
                 f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
@@ -46,17 +85,24 @@ class ModelConfig:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
-@dataclass
-class CacheConfig:
+class CacheConfig(msgspec.Struct, kw_only=True):
     """The paged KV cache: block size and how many blocks."""
 
-    block_size: int = 16
-    #: Number of KV blocks; None: as many as ``kv_cache_memory_gib`` (CPU) or
-    #: ``gpu_memory_utilization`` (CUDA) allows.
-    num_blocks: int | None = None
-    kv_cache_memory_gib: float = 1.0
-    gpu_memory_utilization: float = 0.85
-    enable_prefix_caching: bool = True
+    block_size: Annotated[int, _doc("tokens per KV cache block (a power of two)")] = 16
+    num_blocks: Annotated[
+        int | None,
+        _doc(
+            "KV cache blocks; none: as many as kv_cache_memory_gib (CPU) or "
+            "gpu_memory_utilization (CUDA) allows"
+        ),
+    ] = None
+    kv_cache_memory_gib: Annotated[float, _doc("KV cache size on the CPU (GiB)")] = 1.0
+    gpu_memory_utilization: Annotated[
+        float, _doc("fraction of the GPU's memory the rank may fill (weights + KV cache)")
+    ] = 0.85
+    enable_prefix_caching: Annotated[
+        bool, _doc("share the KV blocks of identical prompt prefixes between requests")
+    ] = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -73,33 +119,44 @@ class CacheConfig:
             )
 
 
-@dataclass
-class SchedulerConfig:
-    """Continuous batching limits."""
+class SchedulerConfig(msgspec.Struct, kw_only=True):
+    """Continuous batching limits.
 
-    #: Token budget of one step (prompt chunks + decodes).
-    max_num_batched_tokens: int = 2048
-    #: Most requests in one step. With pipeline parallelism each of the
-    #: ``pp_size`` steps in flight holds different requests, so up to
-    #: ``pp_size * max_num_seqs`` run at once (vLLM v0's virtual engines).
-    max_num_seqs: int = 64
-    #: Split long prompts over several steps (chunked prefill).
-    enable_chunked_prefill: bool = True
-    #: Filled in from the model when the engine starts.
-    max_model_len: int = 0
-    #: Overlap: schedule one step ahead (the forward of step N+1 runs while
-    #: step N is sampled and delivered). False runs steps one at a time.
-    async_scheduling: bool = True
-    #: Steps the engine keeps in flight (its batch queue); 0 chooses: 1
-    #: without overlap, 2 with it (step N+1 launched while step N is
-    #: sampled), ``pp_size`` with pipeline parallelism. With overlap, 3 also
-    #: hides the engine's update and schedule of a step behind the device
-    #: (a stop is then found two steps late: the extra tokens are dropped).
-    max_concurrent_batches: int = 0
-    #: ``sys.setswitchinterval`` while a rank serves (None: Python's 5 ms).
-    #: The launch thread and the event loop share the GIL; a short interval
-    #: keeps their hand-offs from stalling the device.
-    gil_switch_interval_s: float | None = 0.0005
+    ``max_num_seqs``: with pipeline parallelism each of the ``pp_size`` steps
+    in flight holds different requests, so up to ``pp_size * max_num_seqs``
+    run at once (vLLM v0's virtual engines).
+
+    ``max_concurrent_batches``: the engine's batch queue; 0 chooses (see
+    :attr:`EngineConfig.batch_queue_size`). With overlap, 3 also hides the
+    engine's update and schedule of a step behind the device (a stop is then
+    found two steps late: the extra tokens are dropped).
+
+    ``gil_switch_interval_s``: the launch thread and the event loop share the
+    GIL; a short interval keeps their hand-offs from stalling the device.
+    """
+
+    max_num_batched_tokens: Annotated[
+        int, _doc("token budget of one step (prompt chunks + decodes)")
+    ] = 2048
+    max_num_seqs: Annotated[int, _doc("most requests in one step")] = 64
+    enable_chunked_prefill: Annotated[
+        bool, _doc("split long prompts over several steps (chunked prefill)")
+    ] = True
+    async_scheduling: Annotated[
+        bool,
+        _doc(
+            "overlap: launch step N+1 while step N is sampled and delivered "
+            "(off: one step at a time, for ablation and debugging)"
+        ),
+    ] = True
+    max_concurrent_batches: Annotated[
+        int,
+        _doc("steps in flight; 0: 1 without overlap, 2 with it, the pipeline depth with PP"),
+    ] = 0
+    gil_switch_interval_s: Annotated[
+        float | None,
+        _doc("sys.setswitchinterval while a rank serves; none: Python's 5 ms"),
+    ] = 0.0005
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -120,8 +177,7 @@ class SchedulerConfig:
             )
 
 
-@dataclass
-class ParallelConfig:
+class ParallelConfig(msgspec.Struct, kw_only=True):
     """Tensor and pipeline parallel sizes (rank = pp_rank * tp_size + tp_rank).
 
     ``sequence_parallel`` keeps the residual stream split along tokens over
@@ -143,17 +199,40 @@ class ParallelConfig:
     host: ``benchmarks/results/layout/``).
     """
 
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    sequence_parallel: bool = False
-    launch_ranks: bool = True
-    listen: str = "127.0.0.1:0"
-    #: Console log level of the rank processes.
-    rank_log_level: str = "warning"
-    #: Started ranks write every event (step-timeline spans too) as JSON lines
-    #: to ``<rank_log_json>.rank<N>``.
-    rank_log_json: str | None = None
-    pp_tensor_lanes: bool = True
+    tensor_parallel_size: Annotated[int, _doc("tensor-parallel ranks per pipeline stage")] = 1
+    pipeline_parallel_size: Annotated[int, _doc("pipeline stages")] = 1
+    sequence_parallel: Annotated[
+        bool, _doc("keep activations split along tokens over the TP group (Megatron-SP)")
+    ] = False
+    launch_ranks: Annotated[
+        bool,
+        _doc(
+            "start the ranks as local processes (off: wait for ranks started elsewhere, "
+            "python -m asyncstep.rank, to connect)"
+        ),
+    ] = True
+    listen: Annotated[
+        str, _doc("address the ranks connect to (HOST:PORT; port 0: any free port)")
+    ] = "127.0.0.1:0"
+    rank_log_level: Annotated[str, _doc("console log level of the rank processes")] = "warning"
+    rank_log_json: Annotated[
+        str | None,
+        _doc("started ranks write every event as JSON lines to <this>.rank<N>; none: not"),
+    ] = None
+    pp_tensor_lanes: Annotated[
+        bool,
+        _doc(
+            "between stages, each TP rank sends 1/TP of a tensor and the next stage "
+            "all-gathers (off: whole tensors, faster on one NVLink host)"
+        ),
+    ] = True
+    engine_process: Annotated[
+        bool,
+        _doc(
+            "run the scheduler and the rank in a child process (the engine core); "
+            "off keeps them in the caller's process (debugging, tests)"
+        ),
+    ] = True
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -166,13 +245,14 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        """``listen`` as (host, port)."""
+        host, _, port = self.listen.rpartition(":")
+        return host, int(port)
 
-CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
-
-@dataclass
-class CompilationConfig:
+class CompilationConfig(msgspec.Struct, kw_only=True):
     """How a step's forward runs on the device (vLLM's ``CompilationConfig``).
 
     ``cudagraph_mode``: NONE (eager), PIECEWISE (every batch in graphs cut at
@@ -180,7 +260,8 @@ class CompilationConfig:
     graph, any batch shape), FULL_DECODE_ONLY (FULL for uniform decode
     batches, eager otherwise), FULL_AND_PIECEWISE (FULL for uniform decode,
     PIECEWISE for the rest; the default). CUDA graphs need a CUDA device and
-    the Triton attention backend; elsewhere the mode falls back to NONE.
+    the Triton attention backend; elsewhere the mode falls back to NONE. Any
+    case is accepted; it is stored upper-case.
 
     ``cudagraph_capture_sizes``: token counts captured (batches are padded up
     to the next one); None: ``[1, 2, 4] + 8, 16, ..., 256 + 272, 288, ...``
@@ -190,18 +271,41 @@ class CompilationConfig:
     overlaps each other's compute); off by default.
     """
 
-    cudagraph_mode: str = "FULL_AND_PIECEWISE"
-    cudagraph_capture_sizes: list[int] | None = None
-    max_cudagraph_capture_size: int | None = None
-    attention_backend: str = "auto"
-    #: With the Triton backend, also fuse residual add + RMSNorm, and rotary.
-    fused_kernels: bool = True
-    enable_ubatching: bool = False
-    ubatch_decode_threshold: int = 32
-    ubatch_prefill_threshold: int = 512
-    #: Run the graph modes without CUDA, replaying a "graph" by calling the
-    #: captured function again (tests the padding and cuts on the CPU).
-    cudagraph_stand_in: bool = False
+    cudagraph_mode: Annotated[
+        str, _doc("CUDA graphs by batch shape (CUDA only)", choices=CUDAGRAPH_MODES)
+    ] = "FULL_AND_PIECEWISE"
+    cudagraph_capture_sizes: Annotated[
+        list[int] | None,
+        _doc("token counts captured in CUDA graphs; none: 1 2 4 8 16 ... up to the max size"),
+    ] = None
+    max_cudagraph_capture_size: Annotated[
+        int | None,
+        _doc("largest CUDA graph capture size; none: min(2 * max_num_seqs, 512)"),
+    ] = None
+    attention_backend: Annotated[
+        str,
+        _doc("auto: triton on CUDA, torch on the CPU", choices=ATTENTION_BACKENDS),
+    ] = "auto"
+    fused_kernels: Annotated[
+        bool, _doc("with the triton backend, also fuse residual add + RMSNorm, and rotary")
+    ] = True
+    enable_ubatching: Annotated[
+        bool,
+        _doc("split large steps into two micro-batches (TP communication overlaps compute)"),
+    ] = False
+    ubatch_decode_threshold: Annotated[
+        int, _doc("fewest tokens of a decode step split into micro-batches")
+    ] = 32
+    ubatch_prefill_threshold: Annotated[
+        int, _doc("fewest tokens of a step with prompts split into micro-batches")
+    ] = 512
+    cudagraph_stand_in: Annotated[
+        bool,
+        _doc(
+            "run the graph modes without CUDA, replaying a graph by calling the captured "
+            "function again (tests the padding and cuts on the CPU)"
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode.upper() not in CUDAGRAPH_MODES:
@@ -226,13 +330,38 @@ class CompilationConfig:
             raise ConfigError("ubatch thresholds must be at least 2 tokens")
 
 
-@dataclass
-class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """The whole engine configuration, one section per concern.
+
+    Build it from flat options with :meth:`from_options` (``make_config``),
+    or decode it with :func:`decode_config`; either way a bad value ends in
+    one :class:`ConfigError`.
+    """
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = msgspec.field(default_factory=CompilationConfig)
+
+    @classmethod
+    def from_options(cls, **options: object) -> EngineConfig:
+        """The config of flat options (:func:`engine_options`' names; the
+        rest default). Values are type-checked and validated as on decode (so
+        the config encodes and decodes to itself); a path or a numpy scalar
+        counts as its builtin value. An unknown name or a bad value raises a
+        one-line :class:`ConfigError`."""
+        known = engine_options()
+        sections: dict[str, dict[str, object]] = {}
+        for name, value in options.items():
+            option = known.get(name)
+            if option is None:
+                raise ConfigError(_unknown_option(name, known))
+            sections.setdefault(option.section, {})[name] = _builtin(value)
+        try:
+            return msgspec.convert(sections, cls)
+        except msgspec.ValidationError as exc:
+            raise config_error(exc) from None
 
     @property
     def batch_queue_size(self) -> int:
@@ -258,3 +387,108 @@ class EngineConfig:
         ids on the device for the next step. One pipeline stage only: with
         pipeline parallelism the first stage needs every token's id."""
         return self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size == 1
+
+    @property
+    def num_input_batches(self) -> int:
+        """Persistent batches a runner keeps: one per step in flight whose
+        requests differ from the others' (see :attr:`max_num_running_reqs`)."""
+        return self.max_num_running_reqs // self.scheduler.max_num_seqs
+
+
+def _builtin(value: object) -> object:
+    """``value`` as msgspec's strict conversion takes it: a path as its str,
+    a numpy (or other) integer or real as int or float, sequences item by item."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, bool | str | None):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, list | tuple):
+        return [_builtin(v) for v in value]
+    return value
+
+
+def config_error(error: msgspec.DecodeError) -> ConfigError:
+    """The one-line :class:`ConfigError` for a config msgspec refused: the
+    section's own message when its ``__post_init__`` raised it (msgspec wraps
+    a ``ValueError`` raised there in a ``ValidationError``), else msgspec's
+    (the type expected and where, or what is malformed)."""
+    if isinstance(error.__cause__, ConfigError):
+        return ConfigError(str(error.__cause__))
+    return ConfigError(f"bad engine config: {error}")
+
+
+def decode_config(data: bytes) -> EngineConfig:
+    """An :class:`EngineConfig` from msgpack; one :class:`ConfigError` if bad."""
+    try:
+        return msgspec.msgpack.decode(data, type=EngineConfig)
+    except msgspec.DecodeError as exc:
+        raise config_error(exc) from None
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One flat engine option: a field of a section of :class:`EngineConfig`."""
+
+    #: The field's name: ``make_config``'s keyword (and the CLI's flag).
+    name: str
+    #: The section holding it: EngineConfig's field name (``"cache"``, ...).
+    section: str
+    #: The field's type (``int``, ``float | None``, ``list[int] | None``, ...).
+    type: Any
+    default: Any
+    description: str
+    #: The values allowed, when they are a fixed few.
+    choices: tuple[Any, ...] | None = None
+
+    @property
+    def optional(self) -> bool:
+        """None is a value of this option."""
+        return type(None) in get_args(self.type)
+
+    @property
+    def value_type(self) -> Any:
+        """The type without ``| None``."""
+        args = [a for a in get_args(self.type) if a is not type(None)]
+        return args[0] if self.optional and len(args) == 1 else self.type
+
+
+@functools.cache
+def engine_options() -> Mapping[str, EngineOption]:
+    """Every field of every section, by name (names are unique across
+    sections), in the order of the sections and their fields."""
+    options: dict[str, EngineOption] = {}
+    for section in msgspec.structs.fields(EngineConfig):
+        for field in msgspec.structs.fields(section.type):
+            if field.name in options:
+                raise TypeError(f"engine option {field.name!r} is in two config sections")
+            options[field.name] = _option(section.name, field)
+    return MappingProxyType(options)
+
+
+def _option(section: str, field: msgspec.structs.FieldInfo) -> EngineOption:
+    kind, meta = field.type, None
+    if get_origin(kind) is Annotated:
+        kind, *extras = get_args(kind)
+        meta = next((m for m in extras if isinstance(m, msgspec.Meta)), None)
+    default = field.default
+    if default is msgspec.NODEFAULT:
+        default = field.default_factory()
+    extra = (meta.extra if meta else None) or {}
+    return EngineOption(
+        name=field.name,
+        section=section,
+        type=kind,
+        default=default,
+        description=(meta.description if meta else None) or "",
+        choices=extra.get("choices"),
+    )
+
+
+def _unknown_option(name: str, known: Mapping[str, EngineOption]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return f"unknown engine option {name!r}{hint}"

@@ -38,6 +38,10 @@ class EngineDeadError(AsyncstepError):
     """The engine stopped (a rank failed, or it was closed): the request cannot finish."""
 
 
+class RankError(EngineDeadError):
+    """A rank failed, died, or broke the control protocol."""
+
+
 #: Errors a task sees because another task died and closed a channel.
 CONSEQUENCES = (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError)
 
@@ -58,3 +62,31 @@ def root_cause(error: BaseException) -> BaseException:
 def describe(error: BaseException) -> str:
     """An error in one line, its type when it says nothing itself."""
     return str(error) or type(error).__name__
+
+
+def error_kind(error: BaseException) -> str | None:
+    """The name of ``error``'s class if it is one of this module's (so that
+    it can cross a process boundary as a name and a message), else None."""
+    name = type(error).__name__
+    return name if _KINDS.get(name) is type(error) else None
+
+
+def error_from_core(message: str, kind: str | None) -> AsyncstepError:
+    """The error an engine-core process reported: of its own class when
+    that is one of this module's, else an :class:`EngineDeadError`."""
+    cls = _KINDS.get(kind or "", EngineDeadError)
+    return cls(message)
+
+
+_KINDS: dict[str, type[AsyncstepError]] = {
+    cls.__name__: cls
+    for cls in (
+        AsyncstepError,
+        InvalidRequestError,
+        ConfigError,
+        ModelLoadError,
+        UnsupportedModelError,
+        EngineDeadError,
+        RankError,
+    )
+}

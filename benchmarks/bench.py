@@ -491,7 +491,8 @@ def traced_throughput(
         ours = trio.run(ours_throughput, args, prompts, out_lens, span_log)
     finally:
         configure_logging("warning", console=False)
-    logs = [span_log, *sorted(log_dir.glob(span_log.name + ".rank*"))]
+    # The engine core (a process of its own by default) writes FILE.core, ranks FILE.rank<N>.
+    logs = [span_log, *sorted(log_dir.glob(span_log.name + ".*"))]
     try:
         busy = busy_fractions(load_spans(logs), ours["first_step"])
     except ValueError as error:  # no spans were written

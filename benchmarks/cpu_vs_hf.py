@@ -106,7 +106,7 @@ def workloads(args: argparse.Namespace, vocab: int) -> dict[str, tuple[list[list
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    loaded = load_model(ModelConfig(None, device="cpu", dtype="float32"))
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32"))
     reference = hf_reference_model(None, pad_token_id=2)
     results: dict[str, Any] = {}
     async with asyncstep.open_engine(loaded, enable_prefix_caching=False) as engine:

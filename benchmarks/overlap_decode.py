@@ -111,7 +111,7 @@ def measure(args: argparse.Namespace, batch: int, overlap: bool, trace_dir: Path
         traced = trio.run(run_batch, args, batch, overlap)
     finally:
         configure_logging("warning", console=False)
-    spans = load_spans([log])
+    spans = load_spans([log, *sorted(log.parent.glob(log.name + ".*"))])  # FILE.core too
     if args.summary:
         steady = [s for s in spans if s.step is not None and s.step >= traced["first_step"] + 3]
         for key, row in summarize(steady).items():

@@ -40,14 +40,14 @@ def device() -> torch.device:
 def tiny_model(device: torch.device) -> LoadedModel:
     """A tiny random Llama (dummy weights, no tokenizer), in fp32."""
     return load_model(
-        ModelConfig("tiny-llama", load_format="dummy", device=str(device), dtype="float32")
+        ModelConfig(model="tiny-llama", load_format="dummy", device=str(device), dtype="float32")
     )
 
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The embedded SmolLM2-135M-Instruct (GGUF), on the CPU in fp32."""
-    return load_model(ModelConfig(None, device="cpu", dtype="float32"))
+    return load_model(ModelConfig(device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from asyncstep.cli import main
+from asyncstep.cli import (
+    DERIVED_OPTIONS,
+    build_parser,
+    config_from_args,
+    engine_flag,
+    main,
+)
+from asyncstep.config import EngineConfig, engine_options
+from asyncstep.engine.api import make_config
 from asyncstep.models.loader import open_checkpoint
 
 
@@ -58,7 +67,9 @@ def test_json_no_chat_stdin_and_log_json(
         assert r["prompt_token_ids"] == tokenizer(r["prompt"]).input_ids
         assert len(r["token_ids"]) == 5 and r["finish_reason"] == "length"
         assert r["text"] == tokenizer.decode(r["token_ids"], skip_special_tokens=True)
-    events = [json.loads(line) for line in log_file.read_text().splitlines()]
+    # The step events come from the engine core, a process of its own: FILE.core.
+    lines = log_file.read_text().splitlines() + Path(f"{log_file}.core").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
     assert any(e["event"] == "step" and e["num_tokens"] > 0 for e in events)
 
 
@@ -107,6 +118,11 @@ LLAMA_CONFIG = dict(
         (["--max-model-len", "0", "x"], "max_model_len must be positive"),
         (["--device", "tpu", "x"], "device must be"),
         (["--max-concurrent-batches", "-1", "x"], "max_concurrent_batches must be 0"),
+        (["--block-size", "3", "x"], "block_size must be a power of two, got 3"),
+        (["--gpu-memory-utilization", "2", "x"], "gpu_memory_utilization must be in (0, 1]"),
+        (["--num-blocks", "0", "x"], "num_blocks must be positive, got 0"),
+        (["--listen", "nowhere", "x"], "listen must be HOST:PORT, got 'nowhere'"),
+        (["--cudagraph-capture-sizes", "0", "8", "--ignore-eos", "x"], "capture_sizes must be"),
     ],
 )
 def test_bad_arguments(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
@@ -208,6 +224,9 @@ def test_ctrl_c_stops_cleanly(tiny_hf_dir: Path) -> None:
     [
         (["--cudagraph-mode", "always"], "invalid choice: 'ALWAYS'"),
         (["--attention-backend", "flash"], "invalid choice: 'flash'"),
+        (["--block-size", "x"], "invalid int value: 'x'"),
+        (["--num-blocks", "many"], "invalid int value: 'many'"),
+        (["--cudagraph-capture-sizes", "8", "none", "--json"], "none cannot be mixed with"),
     ],
 )
 def test_bad_fast_path_options(
@@ -219,8 +238,126 @@ def test_bad_fast_path_options(
 
 
 def test_pipeline_tensor_lanes_flag() -> None:
-    from asyncstep.cli import build_parser
-
     parser = build_parser()
     assert parser.parse_args(["generate", "hi"]).pp_tensor_lanes is True
     assert parser.parse_args(["generate", "hi", "--no-pp-tensor-lanes"]).pp_tensor_lanes is False
+
+
+# -- engine flags, derived from the config's fields ------------------------------------
+
+#: A value other than the default for every option the CLI has a flag for:
+#: (the flag's arguments, the value make_config gets).
+SAMPLES: dict[str, tuple[list[str], object]] = {
+    "model": (["/models/x.gguf"], "/models/x.gguf"),
+    "load_format": (["dummy"], "dummy"),
+    "dtype": (["bfloat16"], "bfloat16"),
+    "device": (["cuda:1"], "cuda:1"),
+    "max_model_len": (["512"], 512),
+    "seed": (["7"], 7),
+    "block_size": (["32"], 32),
+    "num_blocks": (["100"], 100),
+    "kv_cache_memory_gib": (["2.5"], 2.5),
+    "gpu_memory_utilization": (["0.5"], 0.5),
+    "enable_prefix_caching": ([], False),
+    "max_num_batched_tokens": (["512"], 512),
+    "max_num_seqs": (["8"], 8),
+    "enable_chunked_prefill": ([], False),
+    "async_scheduling": ([], False),
+    "max_concurrent_batches": (["3"], 3),
+    "gil_switch_interval_s": (["none"], None),
+    "tensor_parallel_size": (["2"], 2),
+    "pipeline_parallel_size": (["2"], 2),
+    "sequence_parallel": ([], True),
+    "launch_ranks": ([], False),
+    "listen": (["0.0.0.0:5555"], "0.0.0.0:5555"),
+    "pp_tensor_lanes": ([], False),
+    "engine_process": ([], False),
+    "cudagraph_mode": (["piecewise"], "PIECEWISE"),
+    "cudagraph_capture_sizes": (["1", "2", "8"], [1, 2, 8]),
+    "max_cudagraph_capture_size": (["64"], 64),
+    "attention_backend": (["torch"], "torch"),
+    "fused_kernels": ([], False),
+    "enable_ubatching": ([], True),
+    "ubatch_decode_threshold": (["16"], 16),
+    "ubatch_prefill_threshold": (["256"], 256),
+    "cudagraph_stand_in": ([], True),
+}
+
+
+def config_of(*flags: str) -> EngineConfig:
+    return config_from_args(build_parser().parse_args(["generate", "hi", *flags]))
+
+
+def test_every_engine_option_is_a_flag() -> None:
+    options = engine_options()
+    assert set(SAMPLES) == set(options) - DERIVED_OPTIONS
+    assert config_of() == make_config()  # the flags' defaults are the config's
+    for name, (values, value) in SAMPLES.items():
+        option = options[name]
+        flag = engine_flag(name)
+        if option.value_type is bool:  # --x / --no-x
+            flag = flag if value else "--no-" + flag[2:]
+        assert option.default != value, name
+        assert config_of(flag, *values) == make_config(**{name: value}), name
+
+
+@pytest.mark.parametrize(
+    "flags,options",
+    [
+        (["--tp", "2", "--pp", "3"], {"tensor_parallel_size": 2, "pipeline_parallel_size": 3}),
+        (["--kv-cache-memory", "2"], {"kv_cache_memory_gib": 2.0}),
+        (["--no-overlap"], {"async_scheduling": False}),
+        (["--no-overlap", "--overlap"], {}),
+        (["--ubatching"], {"enable_ubatching": True}),
+        (
+            ["--external-ranks", "--listen", "0.0.0.0:5555"],
+            {"launch_ranks": False, "listen": "0.0.0.0:5555"},
+        ),
+        (["--no-pp-tensor-lanes"], {"pp_tensor_lanes": False}),
+        (["--max-concurrent-batches", "3"], {"max_concurrent_batches": 3}),
+        (["--engine-seed", "3", "--seed", "5"], {"seed": 3}),  # --seed: sampling
+        (["--num-blocks", "None", "--model", "none"], {}),
+        (["--cudagraph-capture-sizes", "none"], {}),
+        (
+            ["-vv", "--log-json", "log.jsonl"],
+            {"rank_log_level": "debug", "rank_log_json": "log.jsonl"},
+        ),
+    ],
+)
+def test_flag_aliases_and_none(flags: list[str], options: dict[str, object]) -> None:
+    assert config_of(*flags) == make_config(**options)
+
+
+def test_help_shows_each_engine_option_and_its_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--help"])
+    assert exited.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    for option in engine_options().values():
+        if option.name in DERIVED_OPTIONS:
+            continue
+        flag = engine_flag(option.name)
+        (at,) = [i for i, li in enumerate(lines) if re.match(rf"\s+{flag}[ ,]", li + " ")]
+        entry = " ".join(lines[at : at + 2])  # a long invocation puts its help below
+        default = option.default
+        shown = ("on" if default else "off") if isinstance(default, bool) else str(default)
+        shown = "none" if default is None else shown
+        assert f"{option.description} (default: {shown})" in entry, entry
+
+
+#: A long flag quoted in text (``--no-`` alone is not one).
+FLAG = r"(?<![\w-])--[a-z](?:[a-z0-9-]*[a-z0-9])?(?![\w-])"
+
+
+def test_every_flag_the_readme_quotes_exists() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## The command line", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    quoted = {f for row in rows for f in re.findall(FLAG, row)}
+    assert {"--tp", "--block-size", "--overlap", "--no-overlap"} <= quoted
+    gen = build_parser()._subparsers._group_actions[0].choices["generate"]  # type: ignore[union-attr]
+    known = {flag for action in gen._actions for flag in action.option_strings}
+    assert quoted - known == set()

@@ -49,7 +49,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 
 
 def our_last_logits(path: Path, dtype: str) -> torch.Tensor:
-    loaded = load_model(ModelConfig(str(path), device="cuda", dtype=dtype))
+    loaded = load_model(ModelConfig(model=str(path), device="cuda", dtype=dtype))
     runner = ModelRunner(
         loaded.model,
         device=loaded.device,

@@ -21,6 +21,7 @@ import trio
 
 import asyncstep
 from asyncstep import ConfigError, EngineDeadError, SamplingParams
+from asyncstep.engine.core import EngineCore
 from asyncstep.engine.remote import RemoteRanks
 from asyncstep.nursery.rank_main import FAULT_ENV
 
@@ -121,20 +122,26 @@ async def test_layout_matches_single_rank(
             "cudagraph_stand_in": True,
             "rank_log_json": str(log),
         }
+    # TP = 2 alone keeps the engine core in this process, to read its ranks'
+    # weight sizes; every other layout runs it in its own process (the default).
+    in_process = tp == 2 and pp == 1
     async with asyncstep.open_engine(
         peaked_llama,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         sequence_parallel=sp,
+        engine_process=not in_process,
         **ENGINE,
         **options,
     ) as engine:
-        assert isinstance(engine.executor, RemoteRanks)
-        pids = engine.executor.pids
+        pids = engine.rank_pids
         assert len(pids) == tp * pp
         assert await generate_all(engine, PROMPTS, GREEDY) == single_rank_tokens
-        # Weight memory per rank: about 1 / (tp * pp) of the model, plus replicated norms.
-        per_rank = [r.weight_bytes for r in engine.executor.ready]
+        if in_process:
+            # Weight memory per rank: about 1 / (tp * pp) of the model, plus replicated norms.
+            assert isinstance(engine.core, EngineCore)
+            assert isinstance(engine.core.executor, RemoteRanks)
+            per_rank = [r.weight_bytes for r in engine.core.executor.ready]
     assert all(_gone(pid) for pid in pids)
     if graphs:  # every rank captured its graphs
         for rank in range(tp * pp):
@@ -142,7 +149,7 @@ async def test_layout_matches_single_rank(
             assert '"cuda graphs captured"' in events and '"PIECEWISE"' in events
             # Each step's arrival is marked (the engine-to-rank hop's end).
             assert '"name":"step_in"' in events
-    if tp == 2 and pp == 1:
+    if in_process:
         whole = sum(per_rank) / 2 * 2  # two halves of each sharded weight
         assert max(per_rank) < 0.55 * whole
 
@@ -169,8 +176,7 @@ async def test_a_killed_rank_brings_everything_down(peaked_llama: Path) -> None:
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     with pytest.raises(EngineDeadError, match="rank 1 died"):
         async with asyncstep.open_engine(peaked_llama, tensor_parallel_size=2, **ENGINE) as engine:
-            assert isinstance(engine.executor, RemoteRanks)
-            pids = engine.executor.pids
+            pids = engine.rank_pids
             started = time.monotonic()
             with pytest.raises(EngineDeadError, match=r"rank 1 died \(killed by signal SIGKILL\)"):
                 async for chunk in engine.stream(PROMPTS[1], long):
@@ -190,8 +196,7 @@ async def test_a_rank_that_raises_brings_everything_down(
         async with asyncstep.open_engine(
             peaked_llama, tensor_parallel_size=1, pipeline_parallel_size=2, **ENGINE
         ) as engine:
-            assert isinstance(engine.executor, RemoteRanks)
-            pids = engine.executor.pids
+            pids = engine.rank_pids
             with pytest.raises(EngineDeadError, match="injected fault in rank 1 at step 3"):
                 await engine.generate(PROMPTS[1], GREEDY)
     assert time.monotonic() - started < 30  # spawn and load included
@@ -284,7 +289,8 @@ async def test_ranks_started_by_torchrun_join_the_engine(
 
 @pytest.mark.trio
 async def test_a_rank_of_the_wrong_world_is_refused(peaked_llama: Path) -> None:
-    from asyncstep.engine.remote import RankError, _free_port
+    from asyncstep.engine.remote import _free_port
+    from asyncstep.errors import RankError
 
     port = _free_port()
     stray = _start_rank(port, 0, 3, _free_port())
@@ -318,6 +324,5 @@ async def test_whole_tensor_sends_between_stages_match_single_rank(
         pp_tensor_lanes=False,
         **ENGINE,
     ) as engine:
-        assert isinstance(engine.executor, RemoteRanks)
-        assert engine.executor.spec.pp_tensor_lanes is False
+        assert engine.config.parallel.pp_tensor_lanes is False
         assert await generate_all(engine, PROMPTS, GREEDY) == single_rank_tokens

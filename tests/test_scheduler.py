@@ -168,10 +168,10 @@ def make_scheduler(
             max_num_batched_tokens=budget,
             max_num_seqs=max_num_seqs,
             enable_chunked_prefill=chunked,
-            max_model_len=max_model_len,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_blocks,
+        max_model_len=max_model_len,
         async_scheduling=async_scheduling,
         max_num_running_reqs=max_num_seqs * (1 if async_scheduling else depth),
     )
@@ -662,8 +662,8 @@ def test_empty_prompt_and_duplicate_id_are_rejected() -> None:
 
 
 def test_max_model_len_must_be_set() -> None:
-    with pytest.raises(ConfigError):
-        Scheduler(SchedulerConfig(), CacheConfig(), 8)
+    with pytest.raises(ConfigError, match="max_model_len must be resolved"):
+        Scheduler(SchedulerConfig(), CacheConfig(), 8, max_model_len=0)
 
 
 # -- prefix caching -------------------------------------------------------------------
@@ -971,9 +971,10 @@ def test_pipeline_steps_in_flight_hold_different_full_batches() -> None:
 def test_running_cap_below_max_num_seqs_is_rejected() -> None:
     with pytest.raises(ConfigError, match="max_num_running_reqs"):
         Scheduler(
-            SchedulerConfig(max_num_seqs=4, max_model_len=32),
+            SchedulerConfig(max_num_seqs=4),
             CacheConfig(block_size=4),
             16,
+            max_model_len=32,
             max_num_running_reqs=2,
         )
 

@@ -246,6 +246,34 @@ async def test_host_stream_runs_in_submission_order() -> None:
 
 
 @pytest.mark.trio
+async def test_an_inline_host_stream_runs_on_the_callers_thread() -> None:
+    stream = HostStream("inline", inline=True)
+    ran_on: list[str] = []
+
+    def step(i: int) -> int:
+        ran_on.append(threading.current_thread().name)
+        return i * i
+
+    future = stream.submit(step, 3)
+    assert future.done() and future.result() == 9  # ran during submit
+    assert await stream.run(step, 4) == 16
+    assert ran_on == [threading.current_thread().name] * 2
+
+    def fail() -> None:
+        raise ZeroDivisionError("inline")
+
+    with pytest.raises(ZeroDivisionError, match="inline"):
+        await stream.run(fail)
+    marker = stream.record_event()
+    await marker.wait()
+    assert marker.query() and marker.timestamp_us() > 0
+    assert stream.statistics().completed == 3
+    await stream.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        stream.submit(step, 1)
+
+
+@pytest.mark.trio
 async def test_run_returns_values_and_raises_errors() -> None:
     with HostStream("run") as stream:
         total = await stream.run(torch.add, torch.ones(3), torch.ones(3))

@@ -3,7 +3,7 @@ tensor-parallel layers use, and (with pipeline parallelism) the tensor-dict
 channel between stages and the typed control-plane messages.
 
 May import torch, msgspec, ``asyncstep.gpu`` and the shared
-``asyncstep.datatypes`` / ``errors``. Never pickle: metadata travels as msgspec.
+``asyncstep.datatypes`` / ``config`` / ``errors``. Never pickle: metadata travels as msgspec.
 """
 
 from asyncstep.channels.parallel_state import (

@@ -3,12 +3,12 @@
 length over any AnyIO byte stream (a TCP connection).
 
 A rank connects to the engine and says :class:`Hello`; the engine answers
-with :class:`RankSetup`; the rank loads its shard and reports
-:class:`RankReady` (how many KV blocks fit); the engine sends
-:class:`InitKVCache` with the smallest count, then one :class:`Step` per
-scheduler step to every rank. The driver rank (first TP rank of the last
-pipeline stage) answers each with :class:`StepOutput`. :class:`RankFailed`
-carries a rank's error; :class:`Shutdown` ends a rank.
+with :class:`RankSetup` (its whole :class:`~asyncstep.config.EngineConfig`);
+the rank loads its shard and reports :class:`RankReady` (how many KV blocks
+fit); the engine sends :class:`InitKVCache` with the smallest count, then one
+:class:`Step` per scheduler step to every rank. The driver rank (first TP
+rank of the last pipeline stage) answers each with :class:`StepOutput`.
+:class:`RankFailed` carries a rank's error; :class:`Shutdown` ends a rank.
 """
 
 from __future__ import annotations
@@ -19,49 +19,13 @@ import msgspec
 from anyio.abc import ByteStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from asyncstep.config import EngineConfig, config_error
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.errors import ConfigError
 
 #: Largest frame accepted (a step of a huge batch is far below this).
 MAX_FRAME_BYTES = 256 << 20
 _HEADER = struct.Struct("!I")
-
-
-class RankSpec(msgspec.Struct, frozen=True):
-    """What a rank needs to build its shard (the engine's configuration)."""
-
-    model: str | None
-    load_format: str
-    dtype: str
-    device: str
-    max_model_len: int
-    seed: int
-    block_size: int
-    num_blocks: int | None
-    kv_cache_memory_gib: float
-    gpu_memory_utilization: float
-    max_num_seqs: int
-    #: Requests that may run at once (their KV cache must fit).
-    max_num_running_reqs: int
-    max_num_batched_tokens: int
-    #: sys.setswitchinterval while serving (None: Python's).
-    gil_switch_interval_s: float | None
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    sequence_parallel: bool
-    #: The runner keeps sampled ids on the device for the next step.
-    async_scheduling: bool = False
-    #: CompilationConfig's fields (CUDA graphs, attention backend).
-    cudagraph_mode: str = "NONE"
-    cudagraph_capture_sizes: list[int] | None = None
-    max_cudagraph_capture_size: int | None = None
-    attention_backend: str = "auto"
-    fused_kernels: bool = True
-    enable_ubatching: bool = False
-    ubatch_decode_threshold: int = 32
-    ubatch_prefill_threshold: int = 512
-    cudagraph_stand_in: bool = False
-    #: ParallelConfig.pp_tensor_lanes.
-    pp_tensor_lanes: bool = True
 
 
 class Hello(msgspec.Struct, frozen=True, tag=True):
@@ -72,7 +36,8 @@ class Hello(msgspec.Struct, frozen=True, tag=True):
 
 
 class RankSetup(msgspec.Struct, frozen=True, tag=True):
-    spec: RankSpec
+    #: The engine's whole configuration, ``model.max_model_len`` resolved.
+    config: EngineConfig
     #: torch.distributed rendezvous, e.g. ``tcp://127.0.0.1:29500``; None: the
     #: rank's own (torchrun's MASTER_ADDR/MASTER_PORT).
     init_method: str | None
@@ -133,13 +98,20 @@ class MessageStream:
         await self._stream.send(_HEADER.pack(len(payload)) + payload)
 
     async def receive(self) -> ControlMessage:
-        """The next message; ``anyio.EndOfStream``/``IncompleteRead`` when the peer left."""
+        """The next message; ``anyio.EndOfStream``/``IncompleteRead`` when the peer
+        left. A message that does not decode raises :class:`ProtocolError`; an
+        :class:`EngineConfig` in it that fails its checks, that check's
+        :class:`ConfigError`."""
         (size,) = _HEADER.unpack(await self._receive.receive_exactly(_HEADER.size))
         if size > MAX_FRAME_BYTES:
             raise ProtocolError(f"control frame of {size} bytes is larger than {MAX_FRAME_BYTES}")
         payload = await self._receive.receive_exactly(size)
         try:
             return self._decoder.decode(payload)
+        except msgspec.ValidationError as exc:
+            if isinstance(exc.__cause__, ConfigError):
+                raise config_error(exc) from None
+            raise ProtocolError(f"bad control message: {exc}") from None
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"bad control message: {exc}") from None
 

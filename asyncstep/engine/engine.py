@@ -1,22 +1,26 @@
-"""The engine: requests in, text out. It owns the scheduler and the requests'
-states, sends each step's :class:`SchedulerOutput` to the rank and feeds the
-:class:`ModelRunnerOutput` back, then detokenizes and hands out chunks.
+"""The front end: requests in, text out (vLLM v1's ``AsyncLLM`` and its
+output processor).
 
-The step loop keeps a **batch queue** of steps in flight (vLLM's
-``step_with_batch_queue``): while it holds fewer than its depth and the
-scheduler has work, it schedules and sends one more step; otherwise it takes
-the oldest step's output. Depth 1 without overlap (one step at a time), 2
-with async scheduling (step N+1 is on the ranks while step N is sampled and
-processed here), ``pp_size`` with pipeline parallelism (every stage busy).
+:class:`Engine` lives on the caller's event loop (Trio, or asyncio through
+AnyIO). It validates and tokenizes each request, applies chat templates,
+hands the request to the engine core (:mod:`asyncstep.engine.core`: the
+scheduler and the ranks, by default in a process of its own), and turns the
+core's per-step token news into text for the callers: detokenization, stop
+strings, the client streams. It never waits on the core to accept a request:
+requests, aborts and stops queue on an unbounded channel that the transport
+sends as one message per batch.
 
-Everything here runs on the caller's event loop (Trio, or asyncio through
-AnyIO); :func:`asyncstep.open_engine` starts it.
+A caller of :meth:`Engine.generate` is woken once, when its request ends; a
+reader of :meth:`Engine.stream` once per step at most, with everything new
+since its last chunk. Text is decoded when a caller takes it, except for
+requests with stop strings, whose new tokens are decoded as they arrive.
+:func:`asyncstep.open_engine` starts it.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
+import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -26,14 +30,32 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from asyncstep.datatypes import SamplingParams
+from asyncstep.engine.core_messages import (
+    CoreFailed,
+    CoreInputs,
+    CoreOutputs,
+    CoreReady,
+    CoreStats,
+    EngineCoreRequest,
+    FromCore,
+    Idle,
+    Shutdown,
+    ToCore,
+    WaitIdle,
+)
 from asyncstep.engine.outputs import Completion, CompletionChunk
-from asyncstep.engine.request import Request, RequestStatus
 from asyncstep.engine.request_state import RequestState
-from asyncstep.engine.scheduler import Scheduler
-from asyncstep.errors import EngineDeadError, InvalidRequestError, describe, leaves, root_cause
+from asyncstep.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    describe,
+    error_from_core,
+    leaves,
+    root_cause,
+)
 from asyncstep.logging import get_logger
-from asyncstep.logging.spans import now_us, record_span, span
+from asyncstep.logging.spans import span
 from asyncstep.models.config import ModelArchConfig
 
 if TYPE_CHECKING:
@@ -44,22 +66,23 @@ log = get_logger("engine")
 #: A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
+#: Most log-probs a request may ask for per position.
+MAX_LOGPROBS = 20
 
-class Executor(Protocol):
-    """Runs the ranks: scheduler outputs in, the last stage's outputs out.
-    Reports the number of KV blocks through ``task_status`` once ready."""
+
+class CoreClient(Protocol):
+    """Runs an engine core for the front end (in this process or another):
+    started once the core is ready; then carries ``to_core`` to it and its
+    messages to ``from_core`` until ``to_core`` ends and the core has
+    stopped. Raises if the core fails or dies."""
 
     async def run(
         self,
-        inbox: MemoryObjectReceiveStream[SchedulerOutput],
-        outbox: MemoryObjectSendStream[ModelRunnerOutput],
+        to_core: MemoryObjectReceiveStream[ToCore],
+        from_core: MemoryObjectSendStream[FromCore],
         *,
-        task_status: TaskStatus[int] = ...,
+        task_status: TaskStatus[None] = ...,
     ) -> None: ...
-
-
-#: Most log-probs a request may ask for per position.
-MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -83,24 +106,26 @@ class Engine:
         config: EngineConfig,
         arch_config: ModelArchConfig,
         tokenizer: PreTrainedTokenizerBase | None,
-        executor: Executor,
+        core: CoreClient,
     ) -> None:
         self.config = config
         self.arch_config = arch_config
         self.tokenizer = tokenizer
-        self.executor = executor
-        self.max_model_len = config.scheduler.max_model_len
-        # Built by serve() once the ranks report how many KV blocks they hold.
-        self.scheduler: Scheduler = None  # type: ignore[assignment]
-        self.eos_token_ids = frozenset(arch_config.eos_token_ids) | _tokenizer_eos(tokenizer)
+        #: The engine core's transport (an ``EngineCore`` itself in-process).
+        self.core = core
+        self.max_model_len = config.model.max_model_len or 0
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
-        self._wakeup = anyio.Event()
-        #: Set while the step loop has nothing in flight and nothing to schedule.
-        self._idle = anyio.Event()
+        self._to_core: MemoryObjectSendStream[ToCore] | None = None
+        self._core_stats = CoreStats()
+        #: Process ids of the rank processes (none when the rank runs in the core).
+        self.rank_pids: list[int] = []
+        self._idle_waiters: dict[int, anyio.Event] = {}
+        self._tickets = itertools.count()
         self._error: BaseException | None = None
-        self._closed = False
+        #: aclose() was called: nothing more goes to the core.
         self._closing = False
+        self._closed = False
         self._stopped = anyio.Event()
         self._num_generated_tokens = 0
         self._num_finished = 0
@@ -120,10 +145,10 @@ class Engine:
         """
         state = self._add_request(prompt, sampling_params, request_id)
         try:
-            async for _ in self._chunks(state):
-                pass
+            await state.wait_finished()
         finally:
             self._abort_unfinished(state)
+        self._raise_if_failed(state)
         return state.completion()
 
     async def stream(
@@ -133,16 +158,17 @@ class Engine:
         *,
         request_id: str | None = None,
     ) -> AsyncIterator[CompletionChunk]:
-        """Generate one completion chunk by chunk (new text and tokens per step).
-
-        Leaving the iteration early aborts the request.
+        """Generate one completion chunk by chunk: each chunk holds the text
+        and tokens new since the previous one (one step's, or several when
+        the reader fell behind). Leaving the iteration early aborts the request.
         """
         state = self._add_request(prompt, sampling_params, request_id)
         try:
-            async for chunk in self._chunks(state):
+            while (chunk := await state.next_chunk()) is not None:
                 yield chunk
         finally:
             self._abort_unfinished(state)
+        self._raise_if_failed(state)
 
     def abort(self, request_id: str) -> None:
         """Abort a request in flight (no-op when it already ended)."""
@@ -155,7 +181,11 @@ class Engine:
         aborted and finished requests have given back their blocks (they
         wait for the steps in flight that use them)."""
         self._check_alive()
-        await self._idle.wait()
+        ticket = next(self._tickets)
+        event = self._idle_waiters[ticket] = anyio.Event()
+        self._send(WaitIdle(ticket))
+        await event.wait()
+        self._check_alive()
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text as ``tokenizer(text).input_ids``, chat
@@ -178,19 +208,24 @@ class Engine:
         return ids
 
     def statistics(self) -> EngineStatistics:
-        stats = self.scheduler.statistics()
-        kv = stats.kv_cache
+        """Counters; the scheduler's are as of the core's latest message."""
+        core = self._core_stats
         return EngineStatistics(
-            num_running_reqs=stats.num_running_reqs,
-            num_waiting_reqs=stats.num_waiting_reqs,
-            num_steps=stats.step_id,
-            num_preemptions=stats.num_preemptions,
+            num_running_reqs=core.num_running_reqs,
+            num_waiting_reqs=core.num_waiting_reqs,
+            num_steps=core.num_steps,
+            num_preemptions=core.num_preemptions,
             num_generated_tokens=self._num_generated_tokens,
             num_finished_reqs=self._num_finished,
-            kv_cache_usage=kv.usage,
-            num_kv_blocks=kv.num_blocks,
-            prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+            kv_cache_usage=core.kv_cache_usage,
+            num_kv_blocks=core.num_kv_blocks,
+            prefix_cache_hit_rate=core.prefix_cache_hit_rate,
         )
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that stopped the engine, if one did."""
+        return self._error
 
     # -- requests ---------------------------------------------------------
 
@@ -207,34 +242,40 @@ class Engine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         ids = self.encode_prompt(prompt)
-        self.scheduler.add_request(Request(request_id, ids, params, self.eos_token_ids))
         state = RequestState(
             request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer
         )
         self._requests[request_id] = state
-        self._wakeup.set()
+        self._send(CoreInputs(new_requests=[EngineCoreRequest(request_id, ids, params)]))
         return state
-
-    async def _chunks(self, state: RequestState) -> AsyncIterator[CompletionChunk]:
-        async with state.chunks_rx:
-            async for chunk in state.chunks_rx:
-                yield chunk
-        if state.error is not None:
-            raise EngineDeadError(
-                f"request {state.request_id} failed: {describe(state.error)}"
-            ) from state.error
 
     def _abort_unfinished(self, state: RequestState) -> None:
         if state.finished or state.error is not None:
             return
-        self.scheduler.finish_requests(state.request_id, RequestStatus.FINISHED_ABORTED)
         self._requests.pop(state.request_id, None)
         state.abort()
+        self._send(CoreInputs(aborted=[state.request_id]))
+
+    def _raise_if_failed(self, state: RequestState) -> None:
+        if state.error is None:
+            return
+        if isinstance(state.error, InvalidRequestError):
+            raise InvalidRequestError(str(state.error))
+        raise EngineDeadError(
+            f"request {state.request_id} failed: {describe(state.error)}"
+        ) from state.error
+
+    def _send(self, message: ToCore) -> None:
+        """Queue a message for the core (unbounded: never waits); dropped
+        once the engine is closing (the core then ends every request)."""
+        if self._closing or self._closed or self._to_core is None:
+            return
+        self._to_core.send_nowait(message)
 
     def _check_alive(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped: {describe(self._error)}") from self._error
-        if self._closed:
+        if self._closed or self._closing:
             raise EngineDeadError("the engine is closed")
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -269,30 +310,23 @@ class Engine:
             raise InvalidRequestError(f"chat template failed: {exc}") from None
         return list(tokenizer(text, add_special_tokens=False).input_ids)
 
-    # -- the loop ---------------------------------------------------------
+    # -- serving ----------------------------------------------------------
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Start the ranks, then run the step loop until cancelled. A failure
-        while starting is raised; a failure later ends every request in
-        flight with :class:`EngineDeadError`."""
-        to_rank_tx, to_rank_rx = anyio.create_memory_object_stream[SchedulerOutput](1)
-        from_rank_tx, from_rank_rx = anyio.create_memory_object_stream[ModelRunnerOutput](1)
+        """Start the engine core, then hand its outputs to the requests until
+        it stops. A failure while starting is raised; a failure later ends
+        every request in flight with :class:`EngineDeadError`."""
+        to_core_tx, to_core_rx = anyio.create_memory_object_stream[ToCore](math.inf)
+        from_core_tx, from_core_rx = anyio.create_memory_object_stream[FromCore](math.inf)
+        self._to_core = to_core_tx
         started = False
         try:
             async with anyio.create_task_group() as tg:
-                num_blocks = await tg.start(self.executor.run, to_rank_rx, from_rank_tx)
-                pp = self.config.parallel.pipeline_parallel_size
-                self.scheduler = Scheduler(
-                    self.config.scheduler,
-                    self.config.cache,
-                    num_blocks,
-                    send_new_token_ids=pp > 1,
-                    async_scheduling=self.config.uses_output_placeholders,
-                    max_num_running_reqs=self.config.max_num_running_reqs,
-                )
+                await tg.start(self.core.run, to_core_rx, from_core_tx)
+                self._take_ready(await from_core_rx.receive())
                 started = True
                 task_status.started()
-                await self._step_loop(to_rank_tx, from_rank_rx)
+                await self._read_core(from_core_rx)
         except BaseException as exc:
             found = leaves(exc)
             cancelled = anyio.get_cancelled_exc_class()
@@ -309,77 +343,74 @@ class Engine:
             self._die(error)
         finally:
             self._closed = True
+            to_core_tx.close()
             for state in list(self._requests.values()):
                 state.fail(self._error or EngineDeadError("the engine is closed"))
             self._requests.clear()
+            for event in self._idle_waiters.values():
+                event.set()
             self._stopped.set()
 
     async def aclose(self, timeout_s: float = 10.0) -> bool:
-        """Stop after the step in flight: requests still running fail with
+        """Stop after the steps in flight: requests still running fail with
         :class:`EngineDeadError`, the ranks are told to shut down. Returns
         False if that took longer than ``timeout_s`` (the caller then cancels)."""
+        if self._to_core is not None and not (self._closing or self._closed):
+            self._to_core.send_nowait(Shutdown())
+            self._to_core.close()
         self._closing = True
-        self._wakeup.set()
         with anyio.move_on_after(timeout_s):
             await self._stopped.wait()
             return True
         return False
 
-    @property
-    def error(self) -> BaseException | None:
-        """The error that stopped the engine, if one did."""
-        return self._error
+    async def _read_core(self, from_core: MemoryObjectReceiveStream[FromCore]) -> None:
+        async with from_core:
+            async for message in from_core:
+                if isinstance(message, CoreOutputs):
+                    with span("output", "frontend", step=message.step_id):
+                        self._process_outputs(message)
+                elif isinstance(message, Idle):
+                    self._core_stats = message.stats
+                    event = self._idle_waiters.pop(message.ticket, None)
+                    if event is not None:
+                        event.set()
+                elif isinstance(message, CoreFailed):
+                    raise error_from_core(message.error, message.kind)
 
-    async def _step_loop(
-        self,
-        to_rank: MemoryObjectSendStream[SchedulerOutput],
-        from_rank: MemoryObjectReceiveStream[ModelRunnerOutput],
-    ) -> None:
-        in_flight: deque[SchedulerOutput] = deque()
-        depth = self.config.batch_queue_size
-        async with to_rank, from_rank:
-            # Closing: schedule nothing more, but take the outputs in flight.
-            while not (self._closing and not in_flight):
-                if (
-                    not self._closing
-                    and len(in_flight) < depth
-                    and self.scheduler.has_work_to_schedule()
-                ):
-                    start_us = now_us()
-                    scheduler_output = self.scheduler.schedule()
-                    record_span(
-                        "schedule",
-                        "engine",
-                        start_us,
-                        now_us() - start_us,
-                        step=scheduler_output.step_id,
-                    )
-                    await to_rank.send(scheduler_output)
-                    in_flight.append(scheduler_output)
-                elif in_flight:
-                    output = await from_rank.receive()
-                    with span("update", "engine", step=in_flight[0].step_id):
-                        self._process_output(in_flight.popleft(), output)
-                else:
-                    self._idle.set()
-                    await self._wakeup.wait()
-                    self._wakeup = anyio.Event()
-                    self._idle = anyio.Event()
+    def _take_ready(self, message: FromCore) -> None:
+        """The core's first message: CoreReady (the core sends it before it
+        reports started)."""
+        if isinstance(message, CoreFailed):
+            raise error_from_core(message.error, message.kind)
+        if not isinstance(message, CoreReady):
+            raise EngineDeadError(f"the engine core sent {type(message).__name__} first")
+        self._core_stats = message.stats
+        self.rank_pids = message.rank_pids
 
-    def _process_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
-        for req_id, news in self.scheduler.update_from_output(scheduler_output, output).items():
-            state = self._requests.get(req_id)
+    def _process_outputs(self, message: CoreOutputs) -> None:
+        self._core_stats = message.stats
+        requests = self._requests
+        for rejected in message.rejected:
+            state = requests.pop(rejected.request_id, None)
+            if state is not None:
+                state.fail(InvalidRequestError(rejected.error))
+        stopped: list[str] = []
+        for news in message.outputs:
+            state = requests.get(news.request_id)
             if state is None:
-                continue
+                continue  # aborted, or stopped by a stop string a step ago
             self._num_generated_tokens += len(news.new_token_ids)
             stop_string = state.add_output(
                 news.new_token_ids, news.new_logprobs, news.finish_reason, news.stop_reason
             )
             if stop_string is not None and not news.finished:
-                self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)
+                stopped.append(news.request_id)
             if state.finished:
                 self._num_finished += 1
-                del self._requests[req_id]
+                del requests[news.request_id]
+        if stopped:
+            self._send(CoreInputs(stopped=stopped))
 
     def _die(self, error: BaseException) -> None:
         if self._error is None:
@@ -387,6 +418,6 @@ class Engine:
             log.error("engine stopped", error=describe(error))
 
 
-def _tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+def tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     return frozenset([eos]) if isinstance(eos, int) else frozenset()

@@ -4,7 +4,7 @@
 :class:`~asyncstep.nursery.RankActor`: scheduler outputs in, the driver
 rank's model runner outputs out. It listens for the ranks' connections
 (loopback unless told otherwise), starts them itself on this machine
-(``launch=True``) or waits for ranks started elsewhere (torchrun), hands them
+(``launch_ranks``) or waits for ranks started elsewhere (torchrun), hands them
 the setup, and then broadcasts every step to all of them.
 
 Failure: the first rank error (a :class:`RankFailed` message, a closed
@@ -35,39 +35,31 @@ from asyncstep.channels.control import (
     RankFailed,
     RankReady,
     RankSetup,
-    RankSpec,
     Shutdown,
     Step,
     StepOutput,
 )
+from asyncstep.config import EngineConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
-from asyncstep.errors import AsyncstepError
+from asyncstep.errors import RankError
 from asyncstep.logging import get_logger
 from asyncstep.logging.spans import span
 
 log = get_logger("engine")
 
 
-class RankError(AsyncstepError):
-    """A rank failed, died, or broke the control protocol."""
-
-
 @dataclass
 class RemoteRanks:
-    spec: RankSpec
-    #: Start the ranks as local processes; False: wait for ranks started elsewhere.
-    launch: bool = True
-    #: Address the engine listens on for its ranks (port 0: any free port).
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 0
+    """The ranks of ``config``'s layout; where the engine listens, whether it
+    starts the ranks and how they log come from ``config.parallel``. Every
+    rank receives the whole ``config`` (``model.max_model_len`` resolved)."""
+
+    config: EngineConfig
     #: Seconds to wait for every rank to connect, and then to load its shard.
     connect_timeout_s: float = 120.0
     ready_timeout_s: float = 1800.0
     #: Seconds ranks get to exit after Shutdown before they are terminated.
     exit_timeout_s: float = 10.0
-    log_level: str = "warning"
-    #: Each started rank logs JSON lines to ``<log_json>.rank<N>``.
-    log_json: str | None = None
     #: RankReady of every rank, once they are ready.
     ready: list[RankReady] = field(default_factory=list)
     _processes: dict[int, Process] = field(default_factory=dict)
@@ -75,13 +67,19 @@ class RemoteRanks:
     _stopping: bool = False
 
     @property
+    def launch(self) -> bool:
+        """Start the ranks as local processes; False: wait for ranks started elsewhere."""
+        return self.config.parallel.launch_ranks
+
+    @property
     def world_size(self) -> int:
-        return self.spec.tensor_parallel_size * self.spec.pipeline_parallel_size
+        return self.config.parallel.world_size
 
     @property
     def driver_rank(self) -> int:
         """The first TP rank of the last pipeline stage: it reports the outputs."""
-        return (self.spec.pipeline_parallel_size - 1) * self.spec.tensor_parallel_size
+        parallel = self.config.parallel
+        return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
 
     @property
     def pids(self) -> list[int]:
@@ -96,9 +94,8 @@ class RemoteRanks:
     ) -> None:
         """Start (or await) the ranks, report the KV block count, serve steps
         until ``inbox`` closes, then shut the ranks down."""
-        listener = await anyio.create_tcp_listener(
-            local_host=self.listen_host, local_port=self.listen_port
-        )
+        listen_host, listen_port = self.config.parallel.listen_address
+        listener = await anyio.create_tcp_listener(local_host=listen_host, local_port=listen_port)
         try:
             async with anyio.create_task_group() as tg:
                 port = listener.listeners[0].extra(anyio.abc.SocketAttribute.local_port)
@@ -108,7 +105,7 @@ class RemoteRanks:
                     log.warning(
                         "waiting for ranks",
                         world_size=self.world_size,
-                        address=f"{self.listen_host}:{port}",
+                        address=f"{listen_host}:{port}",
                         command=f"python -m asyncstep.rank --engine HOST:{port}",
                     )
                 with anyio.fail_after(self.connect_timeout_s):
@@ -134,6 +131,7 @@ class RemoteRanks:
 
     async def _spawn(self, port: int, tg: TaskGroup) -> None:
         master_port = _free_port()
+        parallel = self.config.parallel
         for rank in range(self.world_size):
             command = [
                 sys.executable,
@@ -148,10 +146,10 @@ class RemoteRanks:
                 "--local-rank",
                 str(rank),
                 "--log-level",
-                self.log_level,
+                parallel.rank_log_level,
             ]
-            if self.log_json is not None:
-                command += ["--log-json", f"{self.log_json}.rank{rank}"]
+            if parallel.rank_log_json is not None:
+                command += ["--log-json", f"{parallel.rank_log_json}.rank{rank}"]
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
             process = await anyio.open_process(
                 command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None, env=env
@@ -168,10 +166,11 @@ class RemoteRanks:
             if not isinstance(hello, Hello):
                 raise RankError(f"a rank opened with {type(hello).__name__}, not Hello")
             if hello.world_size != self.world_size or not 0 <= hello.rank < self.world_size:
+                parallel = self.config.parallel
                 raise RankError(
                     f"rank {hello.rank} of world {hello.world_size} connected; this engine "
-                    f"runs {self.world_size} ranks (tp {self.spec.tensor_parallel_size} x "
-                    f"pp {self.spec.pipeline_parallel_size})"
+                    f"runs {self.world_size} ranks (tp {parallel.tensor_parallel_size} x "
+                    f"pp {parallel.pipeline_parallel_size})"
                 )
             if hello.rank in self._streams:
                 raise RankError(f"rank {hello.rank} connected twice")
@@ -181,8 +180,10 @@ class RemoteRanks:
         init_method = None
         if self.launch:  # the ranks' own env carries MASTER_ADDR/PORT
             init_method = "env://"
+        # One encoding of the whole config for every rank.
+        setup = msgspec.msgpack.encode(RankSetup(self.config, init_method))
         for stream in self._streams.values():
-            await stream.send(RankSetup(self.spec, init_method))
+            await stream.send_encoded(setup)
         with anyio.fail_after(self.ready_timeout_s):
             for rank, stream in sorted(self._streams.items()):
                 message = await self._receive(rank, stream)

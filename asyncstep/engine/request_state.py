@@ -1,9 +1,16 @@
-"""The engine's view of one request in flight: its detokenizer, what it has
-produced so far, and the channel its chunks go out on."""
+"""The front end's view of one request in flight: what it has produced so
+far, its detokenizer, and how its caller is woken.
+
+Tokens are appended as each step's news arrives; the caller's task is woken
+only if it waits (one wake-up per step at most, however many steps it fell
+behind). Text is decoded when the caller takes it (a stream's chunk, or the
+whole completion at the end), so a ``generate`` call costs one decode; a
+request with stop strings decodes each step's tokens as they arrive, since
+its end depends on its text.
+"""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import anyio
@@ -34,16 +41,26 @@ class RequestState:
         self.logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
-        #: Why the request cannot finish (the engine died or closed), if so.
+        #: Why the request cannot finish (refused, or the engine died or closed).
         self.error: BaseException | None = None
-        # Unbounded: a slow reader never holds the engine's loop up.
-        self.chunks_tx, self.chunks_rx = anyio.create_memory_object_stream[CompletionChunk](
-            math.inf
-        )
+        #: Decode every step's tokens on arrival (stop strings need the text).
+        self._eager = bool(params.stop)
+        self._num_decoded = 0
+        #: Tokens (and log-probs) already handed out in chunks.
+        self._num_taken = 0
+        self._ended_taken = False
+        self._wakeup: anyio.Event | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def ended(self) -> bool:
+        """Finished, aborted or failed: nothing more will arrive."""
+        return self.finish_reason is not None or self.error is not None
+
+    # -- the engine's side ------------------------------------------------
 
     def add_output(
         self,
@@ -57,34 +74,74 @@ class RequestState:
         self.token_ids.extend(new_token_ids)
         if self.logprobs is not None and new_logprobs:
             self.logprobs.extend(new_logprobs)
-        stop_string = self.detokenizer.update(new_token_ids)
+        stop_string = self._decode() if self._eager else None
         if stop_string is not None:
             finish_reason, stop_reason = FinishReason.STOP, stop_string
         self.finish_reason, self.stop_reason = finish_reason, stop_reason
-        chunk = CompletionChunk(
-            request_id=self.request_id,
-            text=self.detokenizer.next_delta(self.finished),
-            token_ids=list(new_token_ids),
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            logprobs=list(new_logprobs) if new_logprobs else None,
-        )
-        self.chunks_tx.send_nowait(chunk)
-        if self.finished:
-            self.chunks_tx.close()
+        self._wake()
         return stop_string
 
     def fail(self, error: BaseException) -> None:
-        """End the request's stream with an error (the engine stopped)."""
+        """End the request with an error (refused, or the engine stopped)."""
         self.error = error
-        self.chunks_tx.close()
+        self._wake()
 
     def abort(self) -> None:
         self.finish_reason = FinishReason.ABORT
-        self.chunks_tx.close()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+            self._wakeup = None
+
+    def _decode(self) -> str | None:
+        new = self.token_ids[self._num_decoded :]
+        self._num_decoded = len(self.token_ids)
+        return self.detokenizer.update(new) if new else None
+
+    # -- the caller's side ------------------------------------------------
+
+    async def _wait(self) -> None:
+        self._wakeup = event = anyio.Event()
+        await event.wait()
+
+    async def wait_finished(self) -> None:
+        """Wait until the request has ended (finished, aborted or failed)."""
+        while not self.ended:
+            await self._wait()
+
+    async def next_chunk(self) -> CompletionChunk | None:
+        """Everything new since the last chunk (waiting for it); None once
+        the last chunk was handed out or the request failed."""
+        while not self._ended_taken:
+            if self.error is not None:
+                return None
+            if len(self.token_ids) > self._num_taken or self.finished:
+                return self._take_chunk()
+            await self._wait()
+        return None
+
+    def _take_chunk(self) -> CompletionChunk:
+        if not self._eager:
+            self._decode()
+        start, end = self._num_taken, len(self.token_ids)
+        self._num_taken = end
+        self._ended_taken = self.finished
+        logprobs = self.logprobs[start:end] if self.logprobs is not None else None
+        return CompletionChunk(
+            request_id=self.request_id,
+            text=self.detokenizer.next_delta(self.finished),
+            token_ids=self.token_ids[start:end],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=logprobs or None,
+        )
 
     def completion(self) -> Completion:
         assert self.finish_reason is not None
+        if not self._eager:
+            self._decode()
         return Completion(
             request_id=self.request_id,
             prompt=self.prompt,

@@ -149,14 +149,19 @@ class Scheduler:
         send_new_token_ids: bool = False,
         async_scheduling: bool = False,
         max_num_running_reqs: int | None = None,
+        max_model_len: int,
     ) -> None:
         """``max_num_running_reqs``: requests admitted at once (default
         ``max_num_seqs``); more with a pipeline, whose steps in flight hold
-        different requests. A step never holds more than ``max_num_seqs``."""
-        if scheduler_config.max_model_len <= 0:
+        different requests. A step never holds more than ``max_num_seqs``.
+
+        ``max_model_len``: the resolved context length
+        (``config.model.max_model_len`` once the engine has resolved it);
+        ConfigError unless positive."""
+        if max_model_len <= 0:
             raise ConfigError(
-                "scheduler max_model_len must be set (positive) before building the scheduler, "
-                f"got {scheduler_config.max_model_len}"
+                "max_model_len must be resolved (positive) before building the scheduler, "
+                f"got {max_model_len}"
             )
         self.scheduler_config = scheduler_config
         self.send_new_token_ids = send_new_token_ids
@@ -164,7 +169,7 @@ class Scheduler:
         #: request id -> output tokens already sent to the ranks (new_token_ids).
         self._num_output_tokens_sent: dict[str, int] = {}
         self.cache_config = cache_config
-        self.max_model_len = scheduler_config.max_model_len
+        self.max_model_len = max_model_len
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_running_reqs = max_num_running_reqs or self.max_num_seqs

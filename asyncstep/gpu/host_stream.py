@@ -72,10 +72,19 @@ class HostStream:
     device.
 
     An exception in one callable is its future's and does not stop the stream.
+
+    ``inline=True``: no thread; :meth:`submit` runs the callable at once on
+    the caller's thread and returns its finished future. For CUDA, where the
+    calls only enqueue device work, this saves the two thread hand-offs per
+    call (and their wait for the GIL); the caller's event loop is held while a
+    call runs. On the CPU, where a call *is* the device's work, keep the thread.
     """
 
-    def __init__(self, name: str, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, name: str, device: torch.device | str | None = None, *, inline: bool = False
+    ) -> None:
         self.name = name
+        self.inline = inline
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         initializer: Callable[..., object] | None = None
         initargs: tuple[Any, ...] = ()
@@ -119,7 +128,9 @@ class HostStream:
             if self._closed:
                 raise RuntimeError(f"stream {self.name!r} is closed")
             self._submitted += 1
-            return self._executor.submit(self._timed, lambda: fn(*args))
+            if not self.inline:
+                return self._executor.submit(self._timed, lambda: fn(*args))
+        return _finished(self._timed, lambda: fn(*args))
 
     async def run(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Submit ``fn(*args)`` and await its result. Once submitted the work
@@ -132,7 +143,9 @@ class HostStream:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"stream {self.name!r} is closed")
-            return CpuEvent(self._executor.submit(_now_us))
+            if not self.inline:
+                return CpuEvent(self._executor.submit(_now_us))
+        return CpuEvent(_finished(_now_us))
 
     def statistics(self) -> HostStreamStatistics:
         with self._lock:
@@ -156,7 +169,8 @@ class HostStream:
         """Close, and wait without blocking the loop for the submitted work
         (shielded: a cancellation is delivered after it ran)."""
         with self._lock:
-            if self._closed:
+            if self._closed or self.inline:
+                self._closed = True
                 marker = None
             else:
                 self._closed = True
@@ -177,3 +191,13 @@ class HostStream:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _finished(fn: Callable[[*Ts], T], *args: *Ts) -> concurrent.futures.Future[T]:
+    """A future holding what ``fn(*args)``, run now, returned or raised."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as exc:  # the future's, as on the thread
+        future.set_exception(exc)
+    return future

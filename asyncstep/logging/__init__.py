@@ -10,6 +10,7 @@ from asyncstep.logging.setup import (
     bound_step,
     configure_logging,
     get_logger,
+    json_log_file,
 )
 
-__all__ = ["bind_rank", "bound_step", "configure_logging", "get_logger"]
+__all__ = ["bind_rank", "bound_step", "configure_logging", "get_logger", "json_log_file"]

@@ -26,6 +26,9 @@ _PROCESSORS: list[Any] = [
 
 logging.getLogger(LOGGER_NAME).addHandler(logging.NullHandler())
 
+#: The JSON-lines file of the current set-up (child processes log next to it).
+_json_file: Path | None = None
+
 
 def configure_logging(
     level: str = "info",
@@ -42,7 +45,9 @@ def configure_logging(
     the standard ``logging`` logger ``"asyncstep"``, for an application's own
     handlers. structlog's global configuration is left alone.
     """
+    global _json_file
     set_span_sink(None)
+    _json_file = Path(json_file) if json_file is not None else None
     logger = logging.getLogger(LOGGER_NAME)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
@@ -68,6 +73,11 @@ def configure_logging(
         levels.append(logging.DEBUG)
     logger.setLevel(min(levels) if levels else logging.CRITICAL + 1)
     set_span_sink(file_handler)  # spans go to the JSON file only
+
+
+def json_log_file() -> Path | None:
+    """The JSON-lines file :func:`configure_logging` writes to, if any."""
+    return _json_file
 
 
 def _isatty(stream: Any) -> bool:

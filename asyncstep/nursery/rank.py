@@ -122,7 +122,10 @@ class RankActor:
         groups: ParallelGroups | None = None,
         drain_timeout_s: float = 10.0,
         pp_tensor_lanes: bool = True,
+        launch_inline: bool = False,
     ) -> None:
+        """``launch_inline``: run the runner's calls on the event loop's
+        thread, not a launch thread (see :class:`HostStream`'s ``inline``)."""
         self.runner = runner
         self.rank = rank
         tp = groups.tp if groups is not None else GroupCoordinator.single()
@@ -138,7 +141,7 @@ class RankActor:
             self.pipe = PipeStage(pp, tp, runner.device, lanes)
         self.drain_timeout_s = drain_timeout_s
         #: The launch thread: every runner call runs there, in order.
-        self.stream = HostStream(f"rank{rank}", runner.device)
+        self.stream = HostStream(f"rank{rank}", runner.device, inline=launch_inline)
         #: The receive thread: posts each step's PP receive, in step order.
         self.recv_stream = HostStream(f"rank{rank}-recv", runner.device)
         #: Steps taken from the inbox so far (the recv task counts them).

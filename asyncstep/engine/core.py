@@ -1,0 +1,230 @@
+"""The engine core: the scheduler, the KV block bookkeeping and the step loop
+that drives the ranks (vLLM v1's ``EngineCore``).
+
+It reads :class:`~asyncstep.engine.core_messages.CoreInputs` (requests added,
+aborted, stopped) and answers with one
+:class:`~asyncstep.engine.core_messages.CoreOutputs` per step. It knows
+nothing of text: tokenizing, detokenizing, stop strings and the client
+streams are the front end's (:mod:`asyncstep.engine.engine`). The same class
+runs in the caller's process (memory channels) or in the engine-core process
+(:mod:`asyncstep.engine.core_process`, over a socket).
+
+The step loop keeps a **batch queue** of steps in flight (vLLM's
+``step_with_batch_queue``): while it holds fewer than its depth and the
+scheduler has work, it schedules and sends one more step; otherwise it takes
+the oldest step's output. Depth 1 without overlap (one step at a time), 2
+with async scheduling (step N+1 is on the ranks while step N is sampled and
+its output sent to the front end), ``pp_size`` with pipeline parallelism.
+Inputs are taken without waiting before every decision, and waited for only
+when there is nothing else to do.
+
+Nothing a request contains stops the loop: a request the scheduler refuses
+is reported back in ``rejected``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from asyncstep.config import EngineConfig
+from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.engine.core_messages import (
+    CoreInputs,
+    CoreOutputs,
+    CoreReady,
+    CoreStats,
+    FromCore,
+    Idle,
+    RejectedRequest,
+    ToCore,
+    WaitIdle,
+)
+from asyncstep.engine.request import Request, RequestStatus
+from asyncstep.engine.scheduler import EngineCoreOutput, Scheduler
+from asyncstep.errors import InvalidRequestError
+from asyncstep.logging import get_logger
+from asyncstep.logging.spans import now_us, record_span, span
+
+log = get_logger("engine")
+
+
+class Executor(Protocol):
+    """Runs the ranks: scheduler outputs in, the last stage's outputs out.
+    Reports the number of KV blocks through ``task_status`` once ready."""
+
+    async def run(
+        self,
+        inbox: MemoryObjectReceiveStream[SchedulerOutput],
+        outbox: MemoryObjectSendStream[ModelRunnerOutput],
+        *,
+        task_status: TaskStatus[int] = ...,
+    ) -> None: ...
+
+
+class EngineCore:
+    """The scheduler and its step loop over an :class:`Executor`."""
+
+    def __init__(
+        self, config: EngineConfig, executor: Executor, eos_token_ids: frozenset[int]
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.eos_token_ids = eos_token_ids
+        # Built by run() once the ranks report how many KV blocks they hold.
+        self.scheduler: Scheduler = None  # type: ignore[assignment]
+        self._rejected: list[RejectedRequest] = []
+        self._idle_tickets: list[int] = []
+        self._inputs_closed = False
+        self._shutting_down = False
+
+    async def run(
+        self,
+        inputs: MemoryObjectReceiveStream[ToCore],
+        events: MemoryObjectSendStream[FromCore],
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Start the ranks, send :class:`CoreReady`, then run the step loop
+        until ``inputs`` closes (or says Shutdown) and the steps in flight
+        are back. A failure while starting or later is raised."""
+        to_rank_tx, to_rank_rx = anyio.create_memory_object_stream[SchedulerOutput](1)
+        from_rank_tx, from_rank_rx = anyio.create_memory_object_stream[ModelRunnerOutput](1)
+        async with anyio.create_task_group() as tg, events:
+            num_blocks = await tg.start(self.executor.run, to_rank_rx, from_rank_tx)
+            self.scheduler = self._build_scheduler(num_blocks)
+            rank_pids = list(getattr(self.executor, "pids", []))
+            await events.send(CoreReady(self.stats(), rank_pids))
+            task_status.started()
+            await self._step_loop(inputs, events, to_rank_tx, from_rank_rx)
+
+    def _build_scheduler(self, num_blocks: int) -> Scheduler:
+        config = self.config
+        return Scheduler(
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            send_new_token_ids=config.parallel.pipeline_parallel_size > 1,
+            async_scheduling=config.uses_output_placeholders,
+            max_num_running_reqs=config.max_num_running_reqs,
+            max_model_len=config.model.max_model_len or 0,
+        )
+
+    def stats(self) -> CoreStats:
+        stats = self.scheduler.statistics()
+        kv = stats.kv_cache
+        return CoreStats(
+            num_steps=stats.step_id,
+            num_running_reqs=stats.num_running_reqs,
+            num_waiting_reqs=stats.num_waiting_reqs,
+            num_preemptions=stats.num_preemptions,
+            kv_cache_usage=kv.usage,
+            num_kv_blocks=kv.num_blocks,
+            prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+        )
+
+    # -- inputs -----------------------------------------------------------
+
+    def _take_inputs(self, inputs: MemoryObjectReceiveStream[ToCore]) -> None:
+        """Apply every input already queued, without waiting."""
+        while not self._inputs_closed:
+            try:
+                message = inputs.receive_nowait()
+            except anyio.WouldBlock:
+                return
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                self._inputs_closed = True
+                return
+            self._apply(message)
+
+    async def _wait_input(self, inputs: MemoryObjectReceiveStream[ToCore]) -> None:
+        try:
+            message = await inputs.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._inputs_closed = True
+            return
+        self._apply(message)
+
+    def _apply(self, message: ToCore) -> None:
+        if isinstance(message, CoreInputs):
+            self._add_requests(message)
+            if message.aborted:
+                self.scheduler.finish_requests(message.aborted, RequestStatus.FINISHED_ABORTED)
+            if message.stopped:
+                self.scheduler.finish_requests(message.stopped, RequestStatus.FINISHED_STOPPED)
+        elif isinstance(message, WaitIdle):
+            self._idle_tickets.append(message.ticket)
+        else:  # Shutdown (a CoreSetup here would be a protocol error of the transport)
+            self._shutting_down = True
+
+    def _add_requests(self, message: CoreInputs) -> None:
+        for new in message.new_requests:
+            request = Request(
+                new.request_id, new.prompt_token_ids, new.sampling_params, self.eos_token_ids
+            )
+            try:
+                self.scheduler.add_request(request)
+            except InvalidRequestError as exc:
+                self._rejected.append(RejectedRequest(new.request_id, str(exc)))
+
+    @property
+    def _closing(self) -> bool:
+        return self._inputs_closed or self._shutting_down
+
+    # -- the loop ---------------------------------------------------------
+
+    async def _step_loop(
+        self,
+        inputs: MemoryObjectReceiveStream[ToCore],
+        events: MemoryObjectSendStream[FromCore],
+        to_rank: MemoryObjectSendStream[SchedulerOutput],
+        from_rank: MemoryObjectReceiveStream[ModelRunnerOutput],
+    ) -> None:
+        in_flight: deque[SchedulerOutput] = deque()
+        depth = self.config.batch_queue_size
+        scheduler = self.scheduler
+        async with to_rank, from_rank:
+            # Closing: schedule nothing more, but take the outputs in flight.
+            while True:
+                self._take_inputs(inputs)
+                if self._rejected:
+                    await self._send_outputs(events, -1, [])
+                if self._closing and not in_flight:
+                    break
+                if (
+                    not self._closing
+                    and len(in_flight) < depth
+                    and scheduler.has_work_to_schedule()
+                ):
+                    start_us = now_us()
+                    scheduler_output = scheduler.schedule()
+                    step = scheduler_output.step_id
+                    record_span("schedule", "engine", start_us, now_us() - start_us, step=step)
+                    await to_rank.send(scheduler_output)
+                    in_flight.append(scheduler_output)
+                elif in_flight:
+                    output = await from_rank.receive()
+                    scheduler_output = in_flight.popleft()
+                    with span("update", "engine", step=scheduler_output.step_id):
+                        news = scheduler.update_from_output(scheduler_output, output)
+                    await self._send_outputs(events, scheduler_output.step_id, list(news.values()))
+                else:
+                    if self._idle_tickets:
+                        stats = self.stats()
+                        for ticket in self._idle_tickets:
+                            await events.send(Idle(ticket, stats))
+                        self._idle_tickets.clear()
+                    await self._wait_input(inputs)
+
+    async def _send_outputs(
+        self,
+        events: MemoryObjectSendStream[FromCore],
+        step_id: int,
+        outputs: list[EngineCoreOutput],
+    ) -> None:
+        rejected, self._rejected = self._rejected, []
+        await events.send(CoreOutputs(step_id, outputs, self.stats(), rejected))

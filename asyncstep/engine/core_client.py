@@ -1,0 +1,223 @@
+"""The process boundary: :class:`CoreProcess` runs the engine core in a child
+process (``python -m asyncstep.engine.core_process``) and carries the front
+end's messages to it and its messages back, over a socket pair (no address
+to listen on, nothing to authenticate), msgpack-framed.
+
+In-process, the front end drives an :class:`~asyncstep.engine.core.EngineCore`
+directly (it has the same ``run`` contract), over memory channels.
+
+Messages to the core are coalesced: every :class:`CoreInputs` queued while
+the previous frame was written goes out as one. The child is started with
+its stdin a pipe from this process, to die with it; its unexpected exit, or the end of its
+connection, ends :meth:`CoreProcess.run` with :class:`EngineCoreDied` within
+a second or two. On the way out the child is given ``exit_timeout_s`` to
+finish, then terminated, then killed: none is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+from anyio.abc import Process, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from asyncstep.config import EngineConfig
+from asyncstep.engine.core_messages import (
+    CoreFailed,
+    CoreInputs,
+    CoreReady,
+    CoreSetup,
+    FromCore,
+    LoadProgress,
+    MessageChannel,
+    Shutdown,
+    ToCore,
+)
+from asyncstep.errors import EngineDeadError, error_from_core
+from asyncstep.logging import get_logger
+from asyncstep.models.model_loader import ProgressFn
+from asyncstep.procs import exit_reason
+
+log = get_logger("engine")
+
+
+class EngineCoreDied(EngineDeadError):
+    """The engine-core process exited, or its connection broke, unasked."""
+
+
+@dataclass
+class CoreProcess:
+    """The engine core in a child process (see the module doc)."""
+
+    config: EngineConfig
+    eos_token_ids: frozenset[int]
+    progress: ProgressFn | None = None
+    log_level: str = "warning"
+    #: The child logs JSON lines (step-timeline spans too) to this file.
+    log_json: str | None = None
+    #: Seconds the child gets to exit after Shutdown before it is terminated.
+    exit_timeout_s: float = 10.0
+    process: Process | None = field(default=None, init=False)
+    _stopping: bool = field(default=False, init=False)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    async def run(
+        self,
+        to_core: MemoryObjectReceiveStream[ToCore],
+        from_core: MemoryObjectSendStream[FromCore],
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        ours, theirs = socket.socketpair()
+        try:
+            self.process = await self._spawn(theirs.fileno())
+        finally:
+            theirs.close()
+        channel = MessageChannel[FromCore](await anyio.abc.SocketStream.from_socket(ours), FromCore)
+        try:
+            async with anyio.create_task_group() as tg, from_core:
+                tg.start_soon(self._watch, self.process)
+                await channel.send(CoreSetup(self.config, sorted(self.eos_token_ids)))
+                await from_core.send(await self._wait_ready(channel))
+                task_status.started()
+                tg.start_soon(self._forward_to_core, to_core, channel)
+                await self._forward_from_core(channel, from_core)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stop(channel)
+
+    async def _spawn(self, fd: int) -> Process:
+        command = [
+            sys.executable,
+            "-m",
+            "asyncstep.engine.core_process",
+            "--fd",
+            str(fd),
+            "--log-level",
+            self.log_level,
+        ]
+        if self.log_json is not None:
+            command += ["--log-json", self.log_json]
+        process = await anyio.open_process(
+            command,
+            stdin=subprocess.PIPE,  # never written: its end tells the child we died
+            stdout=None,
+            stderr=None,
+            pass_fds=(fd,),
+        )
+        log.info("engine core started", pid=process.pid)
+        return process
+
+    async def _wait_ready(self, channel: MessageChannel[FromCore]) -> CoreReady:
+        while True:
+            message = await self._receive(channel)
+            if isinstance(message, CoreReady):
+                return message
+            if isinstance(message, LoadProgress):
+                if self.progress is not None:
+                    self.progress(message.done, message.total)
+            elif isinstance(message, CoreFailed):
+                raise error_from_core(message.error, message.kind)
+            else:
+                raise EngineCoreDied(f"the engine core sent {type(message).__name__} first")
+
+    async def _forward_to_core(
+        self, to_core: MemoryObjectReceiveStream[ToCore], channel: MessageChannel[FromCore]
+    ) -> None:
+        async with to_core:
+            async for first in to_core:
+                for message in _coalesced([first, *_queued(to_core)]):
+                    if isinstance(message, Shutdown):
+                        self._stopping = True
+                    await channel.send(message)
+        self._stopping = True  # the front end is done: the core ends on EOF
+
+    async def _forward_from_core(
+        self, channel: MessageChannel[FromCore], from_core: MemoryObjectSendStream[FromCore]
+    ) -> None:
+        while True:
+            try:
+                message = await self._receive(channel)
+            except EngineCoreDied:
+                if self._stopping:
+                    return
+                raise
+            await from_core.send(message)
+
+    async def _receive(self, channel: MessageChannel[FromCore]) -> FromCore:
+        try:
+            return await channel.receive()
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+            raise EngineCoreDied(await self._death_notice()) from None
+
+    async def _watch(self, process: Process) -> None:
+        code = await process.wait()
+        if not self._stopping:
+            raise EngineCoreDied(f"the engine core process {exit_reason(code)}")
+
+    async def _death_notice(self) -> str:
+        if self.process is not None:
+            with anyio.move_on_after(2):
+                return f"the engine core process {exit_reason(await self.process.wait())}"
+        return "the engine core closed its connection"
+
+    async def _stop(self, channel: MessageChannel[FromCore]) -> None:
+        """Let the child finish (it sees Shutdown or the end of the
+        connection), then terminate, then kill it."""
+        self._stopping = True
+        with contextlib.suppress(Exception):
+            await channel.aclose()
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        with anyio.move_on_after(self.exit_timeout_s):
+            await process.wait()
+            return
+        for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(sig)
+            with anyio.move_on_after(wait_s if wait_s is not None else 30):
+                await process.wait()
+                return
+
+
+def _queued(stream: MemoryObjectReceiveStream[ToCore]) -> list[ToCore]:
+    """Every message already queued on ``stream``, without waiting."""
+    queued: list[ToCore] = []
+    with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
+        while True:
+            queued.append(stream.receive_nowait())
+    return queued
+
+
+def _coalesced(messages: list[ToCore]) -> list[ToCore]:
+    """Runs of :class:`CoreInputs` merged into one (order kept)."""
+    out: list[ToCore] = []
+    for message in messages:
+        last = out[-1] if out else None
+        # The core adds before it aborts: a request added after an abort of
+        # the same id (an id reused at once) must not be merged before it.
+        if (
+            isinstance(message, CoreInputs)
+            and isinstance(last, CoreInputs)
+            and not (message.new_requests and (last.aborted or last.stopped))
+        ):
+            out[-1] = CoreInputs(
+                last.new_requests + message.new_requests,
+                last.aborted + message.aborted,
+                last.stopped + message.stopped,
+            )
+        else:
+            out.append(message)
+    return out

@@ -1,0 +1,166 @@
+"""The messages between the front end (``Engine``, in the caller's process)
+and the engine core (scheduler and ranks, by default in a child process).
+
+msgspec structs, msgpack on the wire (never pickle), one frame per message,
+framed with a 4-byte length. In-process the same objects travel through
+memory channels, unencoded. One message per step each way: the front end
+batches every request added, aborted or stopped since its last message into
+one :class:`CoreInputs`; the core sends one :class:`CoreOutputs` per step
+with every request's new tokens and finishes.
+
+Order of a session: front end -> :class:`CoreSetup` (process mode only), core
+-> :class:`LoadProgress`\\* then :class:`CoreReady` or :class:`CoreFailed`;
+then :class:`CoreInputs` / :class:`WaitIdle` one way and
+:class:`CoreOutputs` / :class:`Idle` the other, until :class:`Shutdown` (or
+the end of the connection). Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Generic, TypeVar
+
+import msgspec
+from anyio.abc import ByteStream
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from asyncstep.config import EngineConfig, config_error
+from asyncstep.datatypes import SamplingParams
+from asyncstep.engine.scheduler import EngineCoreOutput
+from asyncstep.errors import ConfigError
+
+#: Largest frame accepted (256 requests' tokens of a step are a few KiB).
+MAX_FRAME_BYTES = 256 << 20
+_HEADER = struct.Struct("!I")
+
+
+class EngineCoreRequest(msgspec.Struct, frozen=True, array_like=True):
+    """A request, validated and tokenized by the front end."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class CoreStats(msgspec.Struct, frozen=True, array_like=True):
+    """The scheduler's counters, sent with every output (``Engine.statistics``)."""
+
+    num_steps: int = 0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_preemptions: int = 0
+    kv_cache_usage: float = 0.0
+    num_kv_blocks: int = 0
+    prefix_cache_hit_rate: float = 0.0
+
+
+# -- front end -> core ----------------------------------------------------------
+
+
+class CoreSetup(msgspec.Struct, frozen=True, tag=True):
+    """The whole configuration (max_model_len resolved) and the EOS ids."""
+
+    config: EngineConfig
+    eos_token_ids: list[int]
+
+
+class CoreInputs(msgspec.Struct, frozen=True, tag=True):
+    """Everything the front end has for the core since its last message."""
+
+    new_requests: list[EngineCoreRequest] = msgspec.field(default_factory=list)
+    #: Requests to drop (the caller aborted them).
+    aborted: list[str] = msgspec.field(default_factory=list)
+    #: Requests whose text reached a stop string (they finish as ``stop``).
+    stopped: list[str] = msgspec.field(default_factory=list)
+
+
+class WaitIdle(msgspec.Struct, frozen=True, tag=True):
+    """Answer with :class:`Idle` once nothing is in flight or left to schedule."""
+
+    ticket: int
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+# -- core -> front end ----------------------------------------------------------
+
+
+class LoadProgress(msgspec.Struct, frozen=True, tag=True):
+    done: int
+    total: int
+
+
+class CoreReady(msgspec.Struct, frozen=True, tag=True):
+    stats: CoreStats
+    #: Process ids of the ranks the core started (none for an in-process rank).
+    rank_pids: list[int] = msgspec.field(default_factory=list)
+
+
+class RejectedRequest(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    error: str
+
+
+class CoreOutputs(msgspec.Struct, frozen=True, tag=True):
+    """One step's news for every request that got tokens or finished, and
+    the requests the scheduler refused since the last message."""
+
+    step_id: int
+    outputs: list[EngineCoreOutput]
+    stats: CoreStats
+    rejected: list[RejectedRequest] = msgspec.field(default_factory=list)
+
+
+class Idle(msgspec.Struct, frozen=True, tag=True):
+    ticket: int
+    stats: CoreStats
+
+
+class CoreFailed(msgspec.Struct, frozen=True, tag=True):
+    """The core stopped on an error. ``kind`` names an ``asyncstep.errors``
+    class when the error is one (a bad model file, a bad configuration)."""
+
+    error: str
+    kind: str | None = None
+
+
+ToCore = CoreSetup | CoreInputs | WaitIdle | Shutdown
+FromCore = LoadProgress | CoreReady | CoreOutputs | Idle | CoreFailed
+Received = TypeVar("Received", ToCore, FromCore)
+
+
+class CoreProtocolError(Exception):
+    """The peer sent something that is not a message of this protocol."""
+
+
+class MessageChannel(Generic[Received]):
+    """Length-framed messages over a byte stream; it receives one
+    direction's messages (``ToCore`` in the core, ``FromCore`` in the front end)."""
+
+    def __init__(self, stream: ByteStream, receives: Any) -> None:
+        self._stream = stream
+        self._receive = BufferedByteReceiveStream(stream)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[Received] = msgspec.msgpack.Decoder(receives)
+
+    async def send(self, message: ToCore | FromCore) -> None:
+        payload = self._encoder.encode(message)
+        await self._stream.send(_HEADER.pack(len(payload)) + payload)
+
+    async def receive(self) -> Received:
+        """The next message; ``anyio.EndOfStream``/``IncompleteRead`` when the peer left."""
+        (size,) = _HEADER.unpack(await self._receive.receive_exactly(_HEADER.size))
+        if size > MAX_FRAME_BYTES:
+            raise CoreProtocolError(f"frame of {size} bytes is larger than {MAX_FRAME_BYTES}")
+        payload = await self._receive.receive_exactly(size)
+        try:
+            return self._decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            if isinstance(exc.__cause__, ConfigError):  # a CoreSetup's config is refused
+                raise config_error(exc) from None
+            raise CoreProtocolError(f"bad message: {exc}") from None
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()

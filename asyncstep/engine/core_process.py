@@ -1,0 +1,149 @@
+"""The engine-core process: ``python -m asyncstep.engine.core_process --fd N``.
+
+Started by the front end (:class:`~asyncstep.engine.core_client.CoreProcess`)
+with one end of a socket pair as file descriptor ``N``. It receives
+:class:`~asyncstep.engine.core_messages.CoreSetup`, loads the model (or starts
+the rank processes), reports :class:`CoreReady`, then runs the
+:class:`~asyncstep.engine.core.EngineCore` in its own ``trio.run`` until the
+front end says Shutdown or goes away. An error goes back as
+:class:`CoreFailed` before the process exits 1.
+
+It never outlives its parent: its stdin is a pipe from the parent, and when
+that closes (the parent died, however) it exits after ``--exit-grace``
+seconds; the socket closing starts an orderly stop first. Ctrl-C
+belongs to the front end, which shuts the core down: SIGINT is ignored here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+
+import anyio
+import anyio.abc
+import trio
+
+from asyncstep.engine.core import EngineCore
+from asyncstep.engine.core_messages import (
+    CoreFailed,
+    CoreSetup,
+    FromCore,
+    LoadProgress,
+    MessageChannel,
+    Shutdown,
+    ToCore,
+)
+from asyncstep.engine.executor import open_executor
+from asyncstep.errors import describe, error_kind, root_cause
+from asyncstep.logging import configure_logging, get_logger
+from asyncstep.procs import exit_when_parent_dies
+
+log = get_logger("engine")
+
+
+#: What the core sees when the front end closed the connection.
+_PEER_GONE = (
+    anyio.EndOfStream,
+    anyio.IncompleteRead,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncstep.engine.core_process", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--fd", type=int, required=True, help="the socket to the front end")
+    parser.add_argument(
+        "--exit-grace",
+        type=float,
+        default=5.0,
+        help="seconds between the parent's death (stdin closed) and this process's exit",
+    )
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-json", metavar="FILE")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    exit_when_parent_dies(args.exit_grace)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(args.log_level, args.log_json)
+    return trio.run(serve_core, args.fd)
+
+
+async def serve_core(fd: int) -> int:
+    """Serve one front end on socket ``fd``; returns the exit status."""
+    stream = await anyio.abc.SocketStream.from_socket(fd)
+    channel = MessageChannel[ToCore](stream, ToCore)
+    try:
+        setup = await channel.receive()
+        if not isinstance(setup, CoreSetup):
+            raise RuntimeError(f"expected CoreSetup, got {type(setup).__name__}")
+        await _run(channel, setup)
+    except Exception as exc:
+        error = root_cause(exc)
+        if isinstance(error, _PEER_GONE):
+            return 0  # the front end went away: nobody to report to
+        log.debug("engine core failed", error=repr(error), traceback=traceback.format_exc())
+        with anyio.move_on_after(2, shield=True), contextlib.suppress(Exception):
+            await channel.send(CoreFailed(describe(error), error_kind(error)))
+        return 1
+    finally:
+        with anyio.CancelScope(shield=True):
+            await channel.aclose()
+    return 0
+
+
+async def _run(channel: MessageChannel[ToCore], setup: CoreSetup) -> None:
+    events_tx, events_rx = anyio.create_memory_object_stream[FromCore](math.inf)
+    inputs_tx, inputs_rx = anyio.create_memory_object_stream[ToCore](math.inf)
+    token = trio.lowlevel.current_trio_token()
+
+    def progress(done: int, total: int) -> None:  # called on the loading thread
+        if done == total or done % max(total // 50, 1) == 0:
+            token.run_sync_soon(events_tx.send_nowait, LoadProgress(done, total))
+
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(_write_front_end, channel, events_rx)
+        async with open_executor(setup.config, progress=progress, with_tokenizer=False) as opened:
+            core = EngineCore(setup.config, opened.executor, frozenset(setup.eos_token_ids))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_read_front_end, channel, inputs_tx)
+                await core.run(inputs_rx, events_tx)
+                tg.cancel_scope.cancel()
+
+
+async def _read_front_end(
+    channel: MessageChannel[ToCore], inputs: anyio.abc.ObjectSendStream[ToCore]
+) -> None:
+    """Socket -> the core's inputs; the end of the connection ends the inputs."""
+    async with inputs:
+        while True:
+            try:
+                message = await channel.receive()
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+                return
+            await inputs.send(message)
+            if isinstance(message, Shutdown):
+                return
+
+
+async def _write_front_end(
+    channel: MessageChannel[ToCore], events: anyio.abc.ObjectReceiveStream[FromCore]
+) -> None:
+    """The core's events -> socket, until the core closes them."""
+    async with events:
+        async for message in events:
+            await channel.send(message)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""A rank's model runner and its KV cache size, from the engine's whole
+:class:`~asyncstep.config.EngineConfig` (the same in the engine's process and
+in every rank process)."""
+
+from __future__ import annotations
+
+from asyncstep.config import EngineConfig
+from asyncstep.errors import ConfigError
+from asyncstep.models.model_loader import LoadedModel
+from asyncstep.runner.kv_sizing import num_kv_blocks
+from asyncstep.runner.model_runner import ModelRunner
+
+
+def resolved_max_model_len(config: EngineConfig) -> int:
+    """``config.model.max_model_len``, which the engine resolves from the
+    model before it builds a runner; ConfigError while it is still None."""
+    max_model_len = config.model.max_model_len
+    if max_model_len is None:
+        raise ConfigError("max_model_len must be resolved from the model before a runner is built")
+    return max_model_len
+
+
+def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
+    """The runner of ``loaded`` as ``config`` says; its KV cache not allocated yet."""
+    return ModelRunner(
+        loaded.model,
+        device=loaded.device,
+        dtype=loaded.dtype,
+        max_model_len=resolved_max_model_len(config),
+        max_num_reqs=config.scheduler.max_num_seqs,
+        block_size=config.cache.block_size,
+        async_scheduling=config.uses_output_placeholders,
+        compilation=config.compilation,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        graph_stand_in=config.compilation.cudagraph_stand_in,
+        num_input_batches=config.num_input_batches,
+    )
+
+
+def kv_cache_blocks(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel) -> int:
+    """KV blocks this rank holds: ``config.cache.num_blocks``, else what its
+    memory allows (see :func:`~asyncstep.runner.kv_sizing.num_kv_blocks`)."""
+    return num_kv_blocks(
+        config.cache,
+        block_bytes=runner.kv_cache_block_bytes(),
+        max_model_len=resolved_max_model_len(config),
+        max_num_running_reqs=config.max_num_running_reqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        arch=loaded.arch_config,
+        device=loaded.device,
+        dtype=loaded.dtype,
+    )

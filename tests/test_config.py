@@ -1,0 +1,170 @@
+"""The engine config: one msgspec struct, written once, travelling whole.
+Its flat options (``make_config``'s keywords) are its fields; it survives
+msgpack unchanged; a bad value (given, or decoded) is one ConfigError line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import msgspec
+import numpy as np
+import pytest
+
+import asyncstep
+from asyncstep.channels.control import ControlMessage, MessageStream, RankSetup
+from asyncstep.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    config_error,
+    decode_config,
+    engine_options,
+)
+from asyncstep.errors import ConfigError
+
+SECTIONS = ("model", "cache", "scheduler", "parallel", "compilation")
+
+
+def non_default() -> EngineConfig:
+    return asyncstep.make_config(
+        "tiny-llama",
+        load_format="dummy",
+        max_model_len=256,
+        block_size=32,
+        num_blocks=100,
+        enable_prefix_caching=False,
+        max_concurrent_batches=3,
+        gil_switch_interval_s=None,
+        tensor_parallel_size=2,
+        listen="0.0.0.0:5555",
+        rank_log_json="/tmp/log",
+        engine_process=False,
+        cudagraph_mode="full",
+        cudagraph_capture_sizes=(1, 2, 8),
+    )
+
+
+def test_every_field_is_one_flat_option_with_a_description() -> None:
+    options = engine_options()
+    fields = [
+        (section, f.name)
+        for section in SECTIONS
+        for f in msgspec.structs.fields(getattr(EngineConfig(), section))
+    ]
+    assert sorted((o.section, o.name) for o in options.values()) == sorted(fields)
+    assert len(options) == len(fields)  # unique names across sections
+    for option in options.values():
+        assert option.description and "\n" not in option.description, option.name
+        if option.optional:  # says what None means
+            assert "none" in option.description.lower(), option.name
+    assert options["block_size"].section == "cache"
+    assert options["engine_process"].default is True
+
+
+def test_make_config_sets_each_option_in_its_section() -> None:
+    config = non_default()
+    assert config.model.model == "tiny-llama" and config.model.max_model_len == 256
+    assert config.cache.block_size == 32 and config.cache.enable_prefix_caching is False
+    assert config.scheduler.gil_switch_interval_s is None
+    assert config.parallel.tensor_parallel_size == 2 and config.parallel.engine_process is False
+    assert config.compilation.cudagraph_mode == "FULL"
+    assert config.compilation.cudagraph_capture_sizes == [1, 2, 8]
+    assert asyncstep.make_config() == EngineConfig()
+
+
+def test_paths_and_numpy_scalars_count_as_builtins() -> None:
+    assert asyncstep.make_config(Path("/models/x")).model.model == "/models/x"
+    assert ModelConfig(model=Path("/models/x")).model == "/models/x"  # type: ignore[arg-type]
+    config = asyncstep.make_config(num_blocks=np.int64(5), gpu_memory_utilization=np.float32(0.5))
+    assert (config.cache.num_blocks, config.cache.gpu_memory_utilization) == (5, 0.5)
+    assert type(config.cache.num_blocks) is int
+
+
+def test_msgpack_round_trip_equals_itself() -> None:
+    config = non_default()
+    config.model.max_model_len = 128  # resolved by the engine: travels too
+    data = msgspec.msgpack.encode(config)
+    assert decode_config(data) == config
+    assert msgspec.msgpack.decode(data, type=EngineConfig) == config
+    setup = msgspec.msgpack.encode(RankSetup(config, "env://"))
+    assert msgspec.msgpack.decode(setup, type=ControlMessage) == RankSetup(config, "env://")
+
+
+def test_derived_properties() -> None:
+    config = asyncstep.make_config(max_num_seqs=8, async_scheduling=False, pipeline_parallel_size=2)
+    assert (config.batch_queue_size, config.max_num_running_reqs) == (2, 16)
+    assert (config.num_input_batches, config.uses_output_placeholders) == (2, False)
+    assert config.parallel.world_size == 2
+    assert config.parallel.listen_address == ("127.0.0.1", 0)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"blok_size": 16}, "unknown engine option 'blok_size' (did you mean block_size?)"),
+        ({"nonsense": 1}, "unknown engine option 'nonsense'"),
+        ({"block_size": 3}, "block_size must be a power of two, got 3"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
+        ({"listen": "nowhere"}, "listen must be HOST:PORT, got 'nowhere'"),
+        (
+            {"block_size": "16"},
+            "bad engine config: Expected `int`, got `str` - at `$.cache.block_size`",
+        ),
+        (
+            {"max_model_len": 512.0},  # would not decode on a rank
+            "bad engine config: Expected `int | null`, got `float` - at `$.model.max_model_len`",
+        ),
+        (
+            {"enable_prefix_caching": 1},
+            "bad engine config: Expected `bool`, got `int` - at `$.cache.enable_prefix_caching`",
+        ),
+    ],
+)
+def test_make_config_refuses_in_one_line(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        asyncstep.make_config(**options)
+    assert str(error.value) == message
+
+
+def test_decoding_a_bad_config_is_one_config_error() -> None:
+    bad = msgspec.msgpack.encode({"cache": {"block_size": 3}})
+    # msgspec wraps the ValueError raised in __post_init__ (a ConfigError) in
+    # a ValidationError naming where it was; the ConfigError is its cause.
+    with pytest.raises(msgspec.ValidationError) as raw:
+        msgspec.msgpack.decode(bad, type=EngineConfig)
+    assert str(raw.value) == "block_size must be a power of two, got 3 - at `$.cache`"
+    assert isinstance(raw.value.__cause__, ConfigError)
+    assert str(config_error(raw.value)) == "block_size must be a power of two, got 3"
+    # decode_config gives the section's own message.
+    with pytest.raises(ConfigError, match=r"^block_size must be a power of two, got 3$"):
+        decode_config(bad)
+    with pytest.raises(ConfigError, match=r"^bad engine config: Expected `str`, got `int`"):
+        decode_config(msgspec.msgpack.encode({"model": {"device": 0}}))
+    with pytest.raises(ConfigError, match=r"^bad engine config: "):
+        decode_config(b"\xc1")  # not msgpack at all
+
+
+def test_sections_validate_on_construction() -> None:
+    with pytest.raises(ConfigError, match=r"^num_blocks must be positive, got 0$"):
+        CacheConfig(num_blocks=0)
+    with pytest.raises(TypeError):
+        CacheConfig(16)  # type: ignore[misc]  # keyword-only
+
+
+@pytest.mark.trio
+async def test_a_rank_receiving_a_bad_config_gets_the_config_error() -> None:
+    """The engine's config is checked when built; one changed afterwards is
+    checked again where a rank decodes it (a ConfigError, not a protocol one)."""
+    config = EngineConfig()
+    config.cache.block_size = 3  # assignment is not validated: decoding is
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)  # type: ignore[attr-defined]
+    async with listener:
+        rank_side = MessageStream(await anyio.connect_tcp("127.0.0.1", port))
+        engine_side = MessageStream(await listener.listeners[0].accept())  # type: ignore[attr-defined]
+        await engine_side.send(RankSetup(config, None))
+        with pytest.raises(ConfigError, match=r"^block_size must be a power of two, got 3$"):
+            await rank_side.receive()
+        await rank_side.aclose()
+        await engine_side.aclose()
