@@ -306,6 +306,14 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
             "function again (tests the padding and cuts on the CPU)"
         ),
     ] = False
+    launch_inline: Annotated[
+        bool | None,
+        _doc(
+            "run a rank's runner calls on its event loop's thread instead of a launch "
+            "thread (none: inline on CUDA, where the calls only enqueue device work, a "
+            "thread on the CPU, where a call is the forward itself)"
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode.upper() not in CUDAGRAPH_MODES:

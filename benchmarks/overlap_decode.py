@@ -43,6 +43,9 @@ from asyncstep import SamplingParams
 from asyncstep.logging import configure_logging
 from asyncstep.logging.trace import Span, draw_timeline, load_spans, summarize
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench import engine_opt
+
 
 def make_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
@@ -59,6 +62,7 @@ async def run_batch(args: argparse.Namespace, batch: int, overlap: bool) -> dict
         max_model_len=args.prompt_len + args.output_len + 16,
         max_num_seqs=max(batch, 1),
         async_scheduling=overlap,
+        **dict(args.engine_opt),
     ) as engine:
         vocab = engine.arch_config.vocab_size
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -160,6 +164,15 @@ def main() -> int:
     parser.add_argument(
         "--switch-interval", type=float, help="sys.setswitchinterval (seconds) for the run"
     )
+    parser.add_argument(
+        "--engine-opt",
+        type=engine_opt,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra open_engine keyword (repeatable), e.g. engine_process=False",
+    )
+    parser.add_argument("--overlap-only", action="store_true", help="skip the overlap-off runs")
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -167,7 +180,7 @@ def main() -> int:
     trace_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for batch in args.batch:
-        for overlap in (True, False):
+        for overlap in (True,) if args.overlap_only else (True, False):
             row = measure(args, batch, overlap, trace_dir)
             rows.append(row)
             print(
@@ -177,7 +190,7 @@ def main() -> int:
                 f"GPU busy {row['gpu_busy'] * 100:.1f} % over {row['steady_steps']} steps",
                 flush=True,
             )
-    for batch in args.batch:
+    for batch in [] if args.overlap_only else args.batch:
         on, off = (r for r in rows if r["batch"] == batch)
         print(
             f"batch {batch}: ITL off/on = {off['device_itl_ms'] / on['device_itl_ms']:.3f}, "

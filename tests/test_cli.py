@@ -281,6 +281,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "ubatch_decode_threshold": (["16"], 16),
     "ubatch_prefill_threshold": (["256"], 256),
     "cudagraph_stand_in": ([], True),
+    "launch_inline": ([], True),
 }
 
 

@@ -138,7 +138,7 @@ async def run_engine(
         results = await generate_all(engine, prompts, params)
         if not short:
             results += await generate_all(engine, prompts[:2], SEEDED)
-        runner = engine.executor.runner  # type: ignore[attr-defined]
+        runner = engine.core.executor.runner  # type: ignore[attr-defined]
         return [r.token_ids for r in results], runner
 
 

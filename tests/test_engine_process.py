@@ -156,3 +156,11 @@ async def test_an_error_while_the_core_loads_comes_out_of_open_engine() -> None:
     with pytest.raises(ConfigError, match="no CUDA device"):
         async with asyncstep.open_engine("tiny-llama", **{**TINY, "device": "cuda"}):
             pass
+
+
+@pytest.mark.trio
+async def test_inline_launch_gives_the_same_tokens(tiny_model: Any) -> None:
+    async with asyncstep.open_engine(tiny_model) as engine:
+        expected = await run_all(engine, GREEDY)
+    async with asyncstep.open_engine(tiny_model, launch_inline=True) as engine:
+        assert await run_all(engine, GREEDY) == expected

@@ -64,7 +64,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 async def tokens(model: LoadedModel, **options: Any) -> tuple[list[list[int]], int]:
     async with asyncstep.open_engine(model, max_num_batched_tokens=24, **options) as engine:
         results = await generate_all(engine, PROMPTS, PARAMS)
-        runner = engine.executor.runner  # type: ignore[attr-defined]
+        runner = engine.core.executor.runner  # type: ignore[attr-defined]
     return [r.token_ids for r in results], runner.step_inputs.num_ubatched_steps
 
 

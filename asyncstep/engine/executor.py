@@ -80,7 +80,8 @@ async def open_executor(
         try:
             await anyio.to_thread.run_sync(capture_cuda_graphs, runner)
             with switch_interval(config.scheduler.gil_switch_interval_s):
-                yield OpenedExecutor(RankActor(runner), loaded.arch_config, loaded.tokenizer)
+                actor = RankActor(runner, launch_inline=config.compilation.launch_inline)
+                yield OpenedExecutor(actor, loaded.arch_config, loaded.tokenizer)
         finally:
             runner.free_kv_cache()
 

@@ -122,10 +122,16 @@ class RankActor:
         groups: ParallelGroups | None = None,
         drain_timeout_s: float = 10.0,
         pp_tensor_lanes: bool = True,
-        launch_inline: bool = False,
+        launch_inline: bool | None = None,
     ) -> None:
         """``launch_inline``: run the runner's calls on the event loop's
-        thread, not a launch thread (see :class:`HostStream`'s ``inline``)."""
+        thread, not a launch thread (see :class:`HostStream`'s ``inline``);
+        None: inline on CUDA, a thread on the CPU (where the thread is the
+        device, and the overlap real). Measured on an H200, llama-1b, 256
+        random requests: 27.9k -> 35.4k output tok/s inline
+        (``benchmarks/results/host/``)."""
+        if launch_inline is None:
+            launch_inline = runner.device.type == "cuda"
         self.runner = runner
         self.rank = rank
         tp = groups.tp if groups is not None else GroupCoordinator.single()

@@ -178,6 +178,7 @@ async def _serve(stream: MessageStream, identity: RankIdentity) -> None:
         rank=identity.rank,
         groups=groups,
         pp_tensor_lanes=config.parallel.pp_tensor_lanes,
+        launch_inline=config.compilation.launch_inline,
     )
     if actor.pipe is not None:
         await anyio.to_thread.run_sync(_warm_up, actor.pipe, loaded.device)
