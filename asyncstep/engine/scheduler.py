@@ -201,6 +201,11 @@ class Scheduler:
         self._check_fits(request)
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if request.request_id in self._finishing:  # its blocks wait for steps in flight
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is still in use: the request that had it "
+                "is finishing"
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
