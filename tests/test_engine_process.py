@@ -164,3 +164,16 @@ async def test_inline_launch_gives_the_same_tokens(tiny_model: Any) -> None:
         expected = await run_all(engine, GREEDY)
     async with asyncstep.open_engine(tiny_model, launch_inline=True) as engine:
         assert await run_all(engine, GREEDY) == expected
+
+
+@pytest.mark.trio
+async def test_killing_the_core_of_a_tp_engine_leaves_no_rank_behind() -> None:
+    with pytest.raises(EngineDeadError, match="killed by signal SIGKILL"):
+        async with asyncstep.open_engine("tiny-llama", tensor_parallel_size=2, **TINY) as engine:
+            pid, ranks = core_pid(engine), engine.rank_pids
+            assert len(ranks) == 2 and all(alive(r) for r in ranks)
+            assert len((await engine.generate(PROMPTS[0], GREEDY)).token_ids) == 12
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                await engine.generate(PROMPTS[1], SamplingParams(max_tokens=500, ignore_eos=True))
+    assert all(wait_gone(r, 15) for r in ranks), "a rank outlived its engine core"
