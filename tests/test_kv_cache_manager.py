@@ -282,3 +282,88 @@ def test_get_computed_blocks_requires_an_empty_block_table() -> None:
         mgr.get_computed_blocks(a)
     mgr.free(a)
     assert_pool_clean(mgr)
+
+
+# -- the decode limit (the scheduler's fast path) -------------------------------
+
+
+def test_hash_is_sha256_of_parent_and_int64_tokens() -> None:
+    """The block hash format: sha256(parent or root, the tokens as native int64s)."""
+    import hashlib
+    from array import array
+
+    from asyncstep.engine.kv_cache_manager import _ROOT_HASH
+
+    tokens = [0, 1, 31999, 2**40, 7]
+    want = hashlib.sha256(_ROOT_HASH + array("q", tokens).tobytes()).digest()
+    assert hash_block_tokens(None, tokens) == want
+    chained = hashlib.sha256(want + array("q", tokens[:2]).tobytes()).digest()
+    assert hash_block_tokens(want, tokens[:2]) == chained
+    assert hash_block_tokens(None, []) == hashlib.sha256(_ROOT_HASH).digest()
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_decode_limit_follows_blocks_and_registrations(prefix_caching: bool) -> None:
+    mgr = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=prefix_caching)
+    req = make_request("a", list(range(1, 7)))  # 6 tokens
+    assert "a" not in mgr.decode_limits
+    assert compute(mgr, req, 6) == [0, 1]
+    # Block 0 is full and computed but not registered yet (at the next call):
+    # with prefix caching the limit stops before it, so that call is not skipped.
+    assert mgr.decode_limits["a"] == (4 if prefix_caching else 8)
+    req.append_output_token_ids(7)
+    assert compute(mgr, req, 1) == []  # registers block 0
+    assert mgr.statistics().num_cached_blocks == (1 if prefix_caching else 0)
+    assert mgr.decode_limits["a"] == 8
+    req.append_output_token_ids(8)
+    assert compute(mgr, req, 1) == []  # inside block 1: nothing to do
+    req.append_output_token_ids(9)
+    assert compute(mgr, req, 1) == [2]  # token 8 starts block 2; block 1 registered
+    assert mgr.statistics().num_cached_blocks == (2 if prefix_caching else 0)
+    assert mgr.decode_limits["a"] == 12
+    mgr.free(req)
+    assert mgr.decode_limits == {}
+    assert_pool_clean(mgr)
+
+
+def test_below_the_decode_limit_allocate_slots_changes_nothing() -> None:
+    """Below the limit, the general path would take no block and register none:
+    the fast path (skipping it) and the general path agree at every step."""
+    fast = KVCacheManager(num_blocks=16, block_size=BS)
+    slow = KVCacheManager(num_blocks=16, block_size=BS)
+    reqs = {m: make_request("a", list(range(1, 4))) for m in (fast, slow)}
+    for mgr, req in reqs.items():
+        compute(mgr, req, 3)
+    for tok in range(10, 30):
+        below = reqs[fast].num_computed_tokens < fast.decode_limits["a"]
+        results = []
+        for mgr, req in reqs.items():
+            req.append_output_token_ids(tok)
+            if mgr is slow:
+                mgr.decode_limits.clear()  # force the general path
+            results.append(compute(mgr, req, 1))
+        assert results[0] == results[1]
+        if below:
+            assert results[0] == []
+        assert [b.block_hash for b in fast.block_pool.blocks] == [
+            b.block_hash for b in slow.block_pool.blocks
+        ]
+        assert fast.get_block_ids("a") == slow.get_block_ids("a")
+
+
+def test_decode_limit_after_prefix_hits() -> None:
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    a = make_request("a", list(range(1, 10)))  # 9 tokens: 2 full blocks
+    compute(mgr, a, 9)
+    a.append_output_token_ids(10)
+    compute(mgr, a, 1)  # registers blocks 0 and 1
+    b = make_request("b", list(range(1, 10)))
+    hit_ids, num_computed = mgr.get_computed_blocks(b)
+    assert (hit_ids, num_computed) == ([0, 1], 8)
+    assert mgr.decode_limits["b"] == 8  # no block of its own yet: the next call allocates
+    b.num_computed_tokens = num_computed
+    assert mgr.allocate_slots(b, 1) is not None
+    assert mgr.decode_limits["b"] == 12
+    mgr.free(a)
+    mgr.free(b)
+    assert_pool_clean(mgr)

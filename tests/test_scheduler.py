@@ -245,6 +245,19 @@ def check_kv_accounting(sched: Scheduler) -> None:
     assert [b.ref_cnt for b in pool.blocks] == holders
     assert set(pool.free_block_ids()) == {i for i, n in enumerate(holders) if n == 0}
     assert kv.num_free_blocks == holders.count(0)
+    check_decode_limits(sched)
+
+
+def check_decode_limits(sched: Scheduler) -> None:
+    """Every request holding a block table has a decode limit, and it is exact:
+    below it ``allocate_slots(request, 1)`` can have nothing to do."""
+    kv = sched.kv_cache_manager
+    assert set(kv.decode_limits) == set(kv._req_blocks)
+    for req_id, blocks in kv._req_blocks.items():
+        limit = len(blocks) * kv.block_size
+        if kv.enable_prefix_caching:
+            limit = min(limit, (kv._num_cached[req_id] + 1) * kv.block_size)
+        assert kv.decode_limits[req_id] == limit
 
 
 def assert_all_blocks_free(sched: Scheduler) -> None:
@@ -776,6 +789,298 @@ def test_preempted_request_resumes_from_its_cached_blocks() -> None:
     assert resumed_hits and resumed_hits[0] > 0
     assert a.output_token_ids == reference(a, 128)[0]
     assert b.output_token_ids == reference(b, 128)[0]
+
+
+# -- the decode fast path --------------------------------------------------------------
+
+
+class NoDecodeLimits(dict[str, int]):
+    """``decode_limits`` that never allow the fast path: every decode goes
+    through ``allocate_slots``' general path, as before the fast path existed."""
+
+    def get(self, key: str, default: int | None = None) -> int | None:  # type: ignore[override]
+        return default
+
+
+def without_fast_path(sched: Scheduler) -> Scheduler:
+    sched.kv_cache_manager.decode_limits = NoDecodeLimits()
+    return sched
+
+
+def counting_allocations(sched: Scheduler) -> list[tuple[int, str, int, int]]:
+    """Record (step id, request id, num_computed_tokens, num_new) of every
+    ``allocate_slots`` call."""
+    kv = sched.kv_cache_manager
+    calls: list[tuple[int, str, int, int]] = []
+    allocate = kv.allocate_slots
+
+    def spy(request: Request, num_new_tokens: int) -> list[int] | None:
+        calls.append(
+            (sched.step_id, request.request_id, request.num_computed_tokens, num_new_tokens)
+        )
+        return allocate(request, num_new_tokens)
+
+    kv.allocate_slots = spy  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_decode_inside_a_block_skips_the_allocator_and_crosses_boundaries(mode: str) -> None:
+    async_scheduling, depth = MODES[mode]
+    sched = make_scheduler(async_scheduling=async_scheduling, depth=depth, block_size=4)
+    calls = counting_allocations(sched)
+    a = make_request("a", prompt_of(1, 6), max_tokens=11)  # 6 + 11 = 17 tokens: 5 blocks
+    run = drive(sched, FakeRunner(4), {0: [a]}, depth=depth)
+    assert a.output_token_ids == reference(a, 128)[0]
+    # Only the prompt and the decodes that start a block (token 8, 12, 16, ...)
+    # or follow a block filled (with placeholders: once its last id is known)
+    # reach the allocator; the others take the fast path.
+    decode_calls = [(c, n) for _, _, c, n in calls if n == 1]
+    assert calls[0] == (0, "a", 0, 6)
+    assert {c for c, _ in decode_calls} >= {8, 12}
+    assert len(decode_calls) < len(a.output_token_ids) - 1
+    # Block ids arrive exactly at the boundaries: one new block each time.
+    appended = [
+        (
+            out.scheduled_cached_reqs.num_computed_tokens[0],
+            out.scheduled_cached_reqs.new_block_ids[0],
+        )
+        for out in run.outputs
+        if out.scheduled_cached_reqs.req_ids == ["a"]
+    ]
+    assert [c for c, ids in appended if ids] == [8, 12]
+    assert all(len(ids) <= 1 for _, ids in appended)
+
+
+def test_fast_path_registers_full_blocks_for_prefix_caching() -> None:
+    # a decodes past two block boundaries; b, sharing a's prompt and outputs,
+    # arrives later and must hit every full block a computed.
+    sched = make_scheduler(block_size=4, max_num_seqs=2)
+    a = make_request("a", prompt_of(1, 5), max_tokens=9)
+    runner = FakeRunner(4)
+    sched.add_request(a)
+    for _ in range(8):
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+    assert a.num_computed_tokens == 12  # 5 + 7 decodes: three full blocks computed
+    kv = sched.kv_cache_manager
+    # Registration is lazy: block 2, full since the last step, is not in yet.
+    assert kv.block_pool.num_cached_blocks == 2 and kv.decode_limits["a"] == 12
+    b = make_request("b", list(a.all_token_ids)[:13])
+    sched.add_request(b)
+    out = sched.schedule()  # a, scheduled first, registers block 2: b hits it
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 12
+    assert kv.get_block_ids("b")[:3] == kv.get_block_ids("a")[:3]
+    sched.update_from_output(out, runner.execute(out))
+    drive(sched, runner)
+    assert b.output_token_ids == reference(b, 128)[0]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("rule", ["stop_token", "eos", "max_tokens"])
+def test_stop_on_a_block_boundary_token(mode: str, rule: str) -> None:
+    """The last token is the first of a fresh block (or the second): with a step
+    in flight the step after the stop may already hold a block for the dropped
+    token; everything must still be freed, once, and the full blocks cached."""
+    async_scheduling, depth = MODES[mode]
+    for num_outputs in (2, 3):  # the last token at position 8 (a new block) or 9
+        sched = make_scheduler(async_scheduling=async_scheduling, depth=depth, block_size=4)
+        probe = make_request("a", prompt_of(1, 7), max_tokens=20)
+        want = reference(probe, 128)[0][:num_outputs]
+        last = want[-1]
+        if last in want[:-1]:
+            continue  # the stop would fire earlier
+        if rule == "stop_token":
+            a = make_request("a", prompt_of(1, 7), max_tokens=20, stop_token_ids=[last])
+        elif rule == "eos":
+            a = make_request("a", prompt_of(1, 7), max_tokens=20, eos=(last,))
+        else:
+            a = make_request("a", prompt_of(1, 7), max_tokens=num_outputs)
+        run = drive(sched, FakeRunner(4), {0: [a]}, depth=depth)
+        assert a.output_token_ids == run.tokens["a"] == want
+        reason = FinishReason.LENGTH if rule == "max_tokens" else FinishReason.STOP
+        assert run.finish["a"] == reason
+        assert run.stop_reason["a"] == (last if rule == "stop_token" else None)
+        assert run.finished_reported == ["a"]
+        kv = sched.kv_cache_manager
+        assert kv.decode_limits == {}
+        # The computed full blocks (the 8 tokens before the last) stay cached.
+        again = make_request("again", list(a.all_token_ids))
+        assert kv.get_computed_blocks(again)[1] == 8
+        kv.free(again)
+
+
+def test_preempted_fast_path_request_loses_its_decode_limit() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4)
+    calls = counting_allocations(sched)
+    runner = FakeRunner(4)
+    a = make_request("a", prompt_of(1, 8), max_tokens=8)
+    b = make_request("b", prompt_of(2, 6), max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    kv = sched.kv_cache_manager
+
+    def step() -> SchedulerOutput:
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+        return out
+
+    step()  # a: blocks 0-1, b: blocks 2-3
+    # b's block 0 is full but not registered yet: its first decode takes the general path.
+    assert kv.decode_limits["b"] == 4
+    assert step().scheduled_cached_reqs.new_block_ids == [[4], []]
+    assert kv.decode_limits == {"a": 12, "b": 8}
+    assert step().num_scheduled_tokens == {"a": 1, "b": 1}  # both on the fast path
+    assert not [c for c in calls if c[0] == 2]
+    assert step().scheduled_cached_reqs.new_block_ids == [[], [5]]  # b's 3rd block: cache full
+    assert step().num_scheduled_tokens == {"a": 1, "b": 1}
+    assert not [c for c in calls if c[0] == 4]  # b decodes inside its block
+    # a starts a 4th block, none is free: b, last, is preempted from the fast path.
+    out = step()
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert "b" not in kv.decode_limits and kv.get_block_ids("b") == []
+    check_kv_accounting(sched)
+    run = drive(sched, runner)
+    assert any(True in o.scheduled_cached_reqs.resumed_from_preemption for o in run.outputs)
+    assert a.output_token_ids == reference(a, 128)[0]
+    assert b.output_token_ids == reference(b, 128)[0]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_preemption_of_a_request_on_the_fast_path(mode: str) -> None:
+    """As above with steps in flight: b decodes on the fast path, then a needs
+    a block the cache lacks and preempts it (maybe with a step in flight)."""
+    async_scheduling, depth = MODES[mode]
+    sched = make_scheduler(
+        async_scheduling=async_scheduling, depth=depth, num_blocks=6, block_size=4
+    )
+    calls = counting_allocations(sched)
+    a = make_request("a", prompt_of(1, 8), max_tokens=8)
+    b = make_request("b", prompt_of(2, 6), max_tokens=8)
+    run = drive(sched, FakeRunner(4), {0: [a, b]}, depth=depth)
+    assert b.num_preemptions >= 1 and a.num_preemptions == 0
+    resume = min(
+        i
+        for i, out in enumerate(run.outputs)
+        if any(out.scheduled_cached_reqs.resumed_from_preemption)
+    )
+    allocated = {(step, rid) for step, rid, _, _ in calls}
+    fast = [
+        i
+        for i in scheduled_steps(run, "b")
+        if i < resume
+        and (i, "b") not in allocated
+        and run.outputs[i].num_scheduled_tokens["b"] == 1
+    ]
+    assert fast, "b decoded on the fast path before its preemption"
+    assert a.output_token_ids == reference(a, 128)[0]
+    assert b.output_token_ids == reference(b, 128)[0]
+
+
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+    database=None,
+)
+@given(
+    specs=st.lists(
+        st.tuples(st.integers(0, 8), st.integers(1, 14), st.integers(1, 12), st.integers(0, 2)),
+        min_size=1,
+        max_size=8,
+    ),
+    num_blocks=st.integers(5, 12),
+    budget=st.integers(4, 24),
+    max_num_seqs=st.integers(1, 5),
+    prefix_caching=st.booleans(),
+)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fast_path_changes_nothing(
+    mode: str,
+    specs: list[tuple[int, int, int, int]],
+    num_blocks: int,
+    budget: int,
+    max_num_seqs: int,
+    prefix_caching: bool,
+) -> None:
+    """With the decode fast path and without it (every decode through the
+    allocator's general path) the scheduler makes the same steps, outputs,
+    prefix-cache registrations and free queue."""
+    async_scheduling, depth = MODES[mode]
+    token_fn = hash_token_fn(vocab=40)
+
+    def run(fast: bool) -> tuple[Run, list[object]]:
+        sched = make_scheduler(
+            async_scheduling=async_scheduling,
+            depth=depth,
+            num_blocks=num_blocks,
+            block_size=4,
+            budget=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=40,
+            prefix_caching=prefix_caching,
+        )
+        if not fast:
+            without_fast_path(sched)
+        arrivals: dict[int, list[Request]] = {}
+        for i, (arrive, length, max_tokens, family) in enumerate(specs):
+            prompt = prompt_of(100 + family, length) if family else prompt_of(i, length)
+            arrivals.setdefault(arrive, []).append(
+                make_request(f"r{i}", prompt, max_tokens, eos=(0,))
+            )
+        result = drive(sched, FakeRunner(4, token_fn), arrivals, depth=depth)
+        pool = sched.kv_cache_manager.block_pool
+        state: list[object] = [
+            [b.block_hash for b in pool.blocks],
+            pool.free_block_ids(),
+            sched.statistics(),
+        ]
+        return result, state
+
+    fast, fast_state = run(True)
+    slow, slow_state = run(False)
+    assert fast.outputs == slow.outputs
+    assert fast.core_outputs == slow.core_outputs
+    assert fast_state == slow_state
+
+
+# -- requests' derived stop rules ----------------------------------------------------
+
+
+def test_request_derives_its_stop_rules_and_refreshes_them() -> None:
+    r = make_request("r", [1, 2, 3], max_tokens=5, eos=(7,), stop_token_ids=[9])
+    assert (r.num_tokens, r.max_num_tokens) == (3, 8)
+    assert r.stop_ids == {7, 9}
+    r.append_output_token_id(4)
+    r.append_output_token_ids([5, 6])
+    r.append_output_token_ids(8)
+    assert r.num_tokens == len(r.all_token_ids) == 7 and r.output_token_ids == [4, 5, 6, 8]
+    r.sampling_params = SamplingParams(max_tokens=2, ignore_eos=True, stop_token_ids=(3,))
+    assert (r.max_num_tokens, r.stop_ids) == (5, {3})
+    r.sampling_params = SamplingParams(max_tokens=2)
+    r.eos_token_ids = [11, 12]
+    assert r.stop_ids == {11, 12} and r.eos_token_ids == frozenset({11, 12})
+    assert not r.is_finished and r.finish_reason is None
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert r.is_finished and r.finish_reason == FinishReason.LENGTH
+
+
+def test_eos_that_is_also_a_stop_token_reports_no_stop_reason() -> None:
+    probe = make_request("a", prompt_of(1, 5))
+    first = reference(probe, 128)[0][0]
+    a = make_request("a", prompt_of(1, 5), eos=(first,), stop_token_ids=[first])
+    run = drive(make_scheduler(), FakeRunner(4), {0: [a]})
+    assert (run.tokens["a"], run.finish["a"], run.stop_reason["a"]) == (
+        [first],
+        FinishReason.STOP,
+        None,
+    )
+    b = make_request("b", prompt_of(1, 5), eos=(first,), stop_token_ids=[first], ignore_eos=True)
+    run = drive(make_scheduler(), FakeRunner(4), {0: [b]})
+    assert run.stop_reason["b"] == first
 
 
 # -- statistics ----------------------------------------------------------------------

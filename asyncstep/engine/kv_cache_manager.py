@@ -22,12 +22,16 @@ Conventions:
   :meth:`KVCacheManager.allocate_slots` and :meth:`KVCacheManager.free` do
   that. A freed block keeps its hash (a later request may still hit it) until it
   is evicted: taken from the head of the free queue for a new allocation.
+* :attr:`KVCacheManager.decode_limits`: below a request's limit,
+  ``allocate_slots(request, 1)`` has nothing to do (no block to take, none to
+  register), so the scheduler's decode fast path skips the call.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from array import array
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -42,9 +46,18 @@ _ROOT_HASH: BlockHash = hashlib.sha256(b"asyncstep-prefix-cache-root").digest()
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """Hash of one full block: its tokens, chained on the previous block's hash."""
-    digest = hashlib.sha256(_ROOT_HASH if parent_hash is None else parent_hash)
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
+    parent = _ROOT_HASH if parent_hash is None else parent_hash
+    return hashlib.sha256(parent + _pack_tokens(token_ids)).digest()
+
+
+@functools.cache
+def _tokens_struct(num_tokens: int) -> struct.Struct:
+    return struct.Struct(f"{num_tokens}q")
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """The tokens as native int64s: ``array("q", token_ids).tobytes()``, faster."""
+    return _tokens_struct(len(token_ids)).pack(*token_ids)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -120,7 +133,8 @@ class BlockPool:
         taken = []
         for _ in range(num_blocks):
             _, block = self._free.popitem(last=False)
-            self._evict(block)
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
         return taken
@@ -178,6 +192,12 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[KVBlock]] = {}
         # request id -> how many of its leading blocks are registered in the hash table.
         self._num_cached: dict[str, int] = {}
+        #: request id -> the ``num_computed_tokens`` below which
+        #: ``allocate_slots(request, 1)`` has nothing to do: the next token's
+        #: slot is in a block the request holds, and no block it holds can have
+        #: become full since its hashes were last registered. Read-only outside
+        #: this class (the scheduler's decode fast path skips the call then).
+        self.decode_limits: dict[str, int] = {}
         self._queries = 0
         self._hits = 0
 
@@ -237,6 +257,7 @@ class KVCacheManager:
             self._hits += len(hits) * self.block_size
         self._req_blocks[request.request_id] = hits
         self._num_cached[request.request_id] = len(hits)
+        self._set_decode_limit(request.request_id, hits)
         return [b.block_id for b in hits], len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
@@ -246,18 +267,28 @@ class KVCacheManager:
         nothing, when too few blocks are free. Also registers the hashes of the
         blocks that ``request.num_computed_tokens`` now fills.
         """
-        blocks = self._req_blocks.setdefault(request.request_id, [])
-        self._num_cached.setdefault(request.request_id, 0)
-        self._cache_computed_blocks(request, blocks)
-        num_needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
-        num_missing = num_needed - len(blocks)
-        if num_missing > self.block_pool.num_free_blocks:
-            return None
+        request_id = request.request_id
+        num_computed = request.num_computed_tokens
+        if num_new_tokens == 1 and num_computed < self.decode_limits.get(request_id, 0):
+            return []  # a decode inside its last block: nothing to register or take
+        blocks = self._req_blocks.get(request_id)
+        if blocks is None:
+            blocks = self._req_blocks[request_id] = []
+            self._num_cached[request_id] = 0
+        if self.enable_prefix_caching:
+            self._cache_computed_blocks(request, blocks)
+        num_missing = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks)
+        new_block_ids: list[int] | None
         if num_missing <= 0:
-            return []
-        new_blocks = self.block_pool.get_new_blocks(num_missing)
-        blocks.extend(new_blocks)
-        return [b.block_id for b in new_blocks]
+            new_block_ids = []
+        elif num_missing > self.block_pool.num_free_blocks:
+            new_block_ids = None
+        else:
+            new_blocks = self.block_pool.get_new_blocks(num_missing)
+            blocks.extend(new_blocks)
+            new_block_ids = [b.block_id for b in new_blocks]
+        self._set_decode_limit(request_id, blocks)
+        return new_block_ids
 
     def free(self, request: Request) -> None:
         """Drop the request's references (its computed full blocks stay cached)."""
@@ -266,8 +297,17 @@ class KVCacheManager:
             return
         self._cache_computed_blocks(request, blocks)
         self._num_cached.pop(request.request_id, None)
+        self.decode_limits.pop(request.request_id, None)
         # Last block first: the tail of a sequence is evicted before its prefix.
         self.block_pool.free_blocks(reversed(blocks))
+
+    def _set_decode_limit(self, request_id: str, blocks: list[KVBlock]) -> None:
+        """Refresh :attr:`decode_limits` after the request's blocks or registrations changed."""
+        limit = len(blocks) * self.block_size
+        if self.enable_prefix_caching:
+            # Below this no further block is full, so there is nothing to register.
+            limit = min(limit, (self._num_cached[request_id] + 1) * self.block_size)
+        self.decode_limits[request_id] = limit
 
     # -- prefix caching ------------------------------------------------------
 
@@ -277,7 +317,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         size = self.block_size
         parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), len(tokens) // size):
+        for i in range(len(hashes), request.num_tokens // size):
             parent = hash_block_tokens(parent, tokens[i * size : (i + 1) * size])
             hashes.append(parent)
         return hashes
@@ -286,12 +326,20 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         # Placeholder tokens (async scheduling) have no ids yet: hash known tokens only.
-        num_known = min(request.num_computed_tokens, request.num_tokens)
-        num_full = min(num_known // self.block_size, len(blocks))
-        start = self._num_cached[request.request_id]
+        num_known = request.num_computed_tokens
+        if num_known > request.num_tokens:
+            num_known = request.num_tokens
+        num_full = num_known // self.block_size
+        if num_full > len(blocks):
+            num_full = len(blocks)
+        request_id = request.request_id
+        start = self._num_cached[request_id]
         if num_full <= start:
             return
-        hashes = self._update_block_hashes(request)
+        hashes = request.block_hashes
+        if len(hashes) < num_full:
+            hashes = self._update_block_hashes(request)
+        cache_block = self.block_pool.cache_block
         for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], hashes[i])
-        self._num_cached[request.request_id] = num_full
+            cache_block(blocks[i], hashes[i])
+        self._num_cached[request_id] = num_full

@@ -30,12 +30,15 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self >= FIRST_FINISHED_STATUS
 
     @property
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self)
 
+
+#: The first ``FINISHED_*`` status: ``status >= FIRST_FINISHED_STATUS`` is ``is_finished``.
+FIRST_FINISHED_STATUS = RequestStatus.FINISHED_STOPPED
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -54,25 +57,43 @@ class Request:
     flight compute tokens whose ids come back later). ``block_hashes`` is
     the chain of hashes of the full blocks of :attr:`all_token_ids`, filled in
     lazily by the KV cache manager (it outlives a preemption).
+
+    The stop rules the scheduler checks every step are kept as plain
+    attributes, derived from :attr:`sampling_params` and :attr:`eos_token_ids`
+    (and refreshed when either is assigned): :attr:`stop_ids` and
+    :attr:`max_num_tokens`. :attr:`num_tokens` is kept up to date by
+    :meth:`append_output_token_id` / :meth:`append_output_token_ids` (the only
+    ways to add tokens).
     """
 
     __slots__ = (
         "_all_token_ids",
+        "_eos_token_ids",
+        "_sampling_params",
         "arrival_index",
         "arrival_time",
         "block_hashes",
-        "eos_token_ids",
+        "max_num_tokens",
         "num_computed_tokens",
         "num_in_flight_steps",
         "num_output_placeholders",
         "num_preemptions",
+        "num_tokens",
         "output_token_ids",
         "prompt_token_ids",
         "request_id",
-        "sampling_params",
         "status",
+        "stop_ids",
         "stop_reason",
     )
+
+    #: Prompt plus output tokens (``len(all_token_ids)``), kept up to date.
+    num_tokens: int
+    #: ``num_tokens`` at which ``max_tokens`` is reached: prompt + ``max_tokens``.
+    max_num_tokens: int
+    #: Tokens that end the request: ``stop_token_ids``, plus the EOS ids unless
+    #: ``ignore_eos``.
+    stop_ids: frozenset[int]
 
     def __init__(
         self,
@@ -84,12 +105,13 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
-        self.sampling_params = sampling_params
-        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self._sampling_params = sampling_params
+        self._eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
         self.arrival_index: int = next(_arrival_counter) if arrival_index is None else arrival_index
         self.arrival_time: float = time.monotonic()
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_tokens = len(self._all_token_ids)
         self.num_computed_tokens = 0
         #: Tokens sampled by steps in flight whose ids the engine does not
         #: know yet (async scheduling schedules the next step over them).
@@ -101,6 +123,7 @@ class Request:
         self.num_preemptions = 0
         # Typed loosely on purpose: the KV cache manager owns the hash type.
         self.block_hashes: list[bytes] = []
+        self._derive_stop_rules()
 
     def __repr__(self) -> str:
         return (
@@ -109,14 +132,34 @@ class Request:
             f"computed={self.num_computed_tokens})"
         )
 
+    def _derive_stop_rules(self) -> None:
+        params = self._sampling_params
+        self.max_num_tokens = len(self.prompt_token_ids) + params.max_tokens
+        stop_ids = frozenset(params.stop_token_ids)
+        self.stop_ids = stop_ids if params.ignore_eos else stop_ids | self._eos_token_ids
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self._sampling_params
+
+    @sampling_params.setter
+    def sampling_params(self, params: SamplingParams) -> None:
+        self._sampling_params = params
+        self._derive_stop_rules()
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, token_ids: Iterable[int]) -> None:
+        self._eos_token_ids = frozenset(token_ids)
+        self._derive_stop_rules()
+
     @property
     def all_token_ids(self) -> Sequence[int]:
         """Prompt followed by the output tokens (do not mutate)."""
         return self._all_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -128,11 +171,17 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= FIRST_FINISHED_STATUS
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return self.status.finish_reason
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        """Append one sampled token (the decode step's common case)."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         if isinstance(token_ids, int):
@@ -140,3 +189,4 @@ class Request:
         for token_id in token_ids:
             self.output_token_ids.append(token_id)
             self._all_token_ids.append(token_id)
+        self.num_tokens = len(self._all_token_ids)

@@ -74,8 +74,11 @@ from asyncstep.datatypes import (
     SchedulerOutput,
 )
 from asyncstep.engine.kv_cache_manager import KVCacheManager, KVCacheStats
-from asyncstep.engine.request import Request, RequestStatus
+from asyncstep.engine.request import FIRST_FINISHED_STATUS, Request, RequestStatus
 from asyncstep.errors import ConfigError, InvalidRequestError
+
+#: The sampled tokens of a request the runner's output does not list.
+_NO_TOKENS: list[int] = []
 
 
 class EngineCoreOutput(msgspec.Struct, frozen=True):
@@ -110,26 +113,43 @@ class SchedulerStats:
         return self.kv_cache.usage
 
 
-@dataclass(slots=True)
 class _StepPlan:
-    """What one ``schedule()`` call has decided so far."""
+    """What one ``schedule()`` call has decided so far.
 
-    token_budget: int
-    num_scheduled_tokens: dict[str, int]
-    new_reqs: list[Request]
-    resumed_reqs: list[Request]
-    running_reqs: list[Request]
-    new_block_ids: dict[str, list[int]]
-    num_preempted: int = 0
+    The running requests scheduled are advanced at once (``num_computed_tokens``
+    and the in-flight counts); their ``CachedRequestData`` columns are filled
+    as they go (``num_computed_tokens`` before the step). Admitted waiting
+    requests are advanced once the output is built.
+    """
+
+    __slots__ = (
+        "admitted_reqs",
+        "new_reqs",
+        "num_preempted",
+        "num_scheduled_tokens",
+        "resumed_reqs",
+        "running_new_block_ids",
+        "running_num_computed",
+        "running_req_ids",
+        "token_budget",
+    )
+
+    def __init__(self, token_budget: int) -> None:
+        # A plain class, not a dataclass: schedule() builds one every step.
+        self.token_budget = token_budget
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.new_reqs: list[Request] = []
+        self.resumed_reqs: list[Request] = []
+        #: Waiting requests admitted, new and resumed, in order.
+        self.admitted_reqs: list[Request] = []
+        self.running_req_ids: list[str] = []
+        self.running_num_computed: list[int] = []
+        self.running_new_block_ids: list[list[int]] = []
+        self.num_preempted = 0
 
     def has_room(self, max_num_seqs: int) -> bool:
         """Token budget left, and fewer than ``max_num_seqs`` requests."""
         return self.token_budget > 0 and len(self.num_scheduled_tokens) < max_num_seqs
-
-    def add(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.new_block_ids[request.request_id] = new_block_ids
-        self.token_budget -= num_tokens
 
 
 class Scheduler:
@@ -247,7 +267,15 @@ class Scheduler:
             return True
         if self.waiting and len(self.running) < self.max_num_running_reqs:
             return True
-        return any(self._num_uncomputed(r, r.num_computed_tokens) > 0 for r in self.running)
+        max_seq_len = self.max_seq_len
+        for request in self.running:
+            placeholders = request.num_output_placeholders
+            num_tokens = request.num_tokens + placeholders
+            if placeholders and (num_tokens >= request.max_num_tokens or num_tokens >= max_seq_len):
+                continue
+            if num_tokens > request.num_computed_tokens:
+                return True
+        return False
 
     def statistics(self) -> SchedulerStats:
         return SchedulerStats(
@@ -262,44 +290,82 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts (possibly none)."""
-        plan = _StepPlan(
-            token_budget=self.max_num_batched_tokens,
-            num_scheduled_tokens={},
-            new_reqs=[],
-            resumed_reqs=[],
-            running_reqs=[],
-            new_block_ids={},
-        )
+        plan = _StepPlan(self.max_num_batched_tokens)
         self._schedule_running(plan)
         if plan.num_preempted == 0:
             self._schedule_waiting(plan)
         output = self._build_output(plan)
-        for req_id, num_tokens in plan.num_scheduled_tokens.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += num_tokens
+        async_scheduling = self.async_scheduling
+        num_scheduled = plan.num_scheduled_tokens
+        for request in plan.admitted_reqs:
+            request.num_computed_tokens += num_scheduled[request.request_id]
             request.num_in_flight_steps += 1
-            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens:
+            if async_scheduling and request.num_computed_tokens >= request.num_tokens:
                 request.num_output_placeholders += 1  # this step samples for it
-        self.finished_req_ids = set()
+        if self.finished_req_ids:
+            self.finished_req_ids = set()
         self.step_id += 1
         return output
 
     def _schedule_running(self, plan: _StepPlan) -> None:
+        """Schedule the running requests in order, preempting from the back.
+
+        A decode (one token to compute) whose slot is in a block the request
+        holds, with no block to register, skips the allocator: the KV cache
+        manager's :attr:`~KVCacheManager.decode_limits` say so.
+        """
+        running = self.running
+        num_scheduled = plan.num_scheduled_tokens
+        req_ids = plan.running_req_ids
+        num_computed_col = plan.running_num_computed
+        block_ids_col = plan.running_new_block_ids
+        decode_limits = self.kv_cache_manager.decode_limits
+        max_num_seqs = self.max_num_seqs
+        max_seq_len = self.max_seq_len
+        max_model_len = self.max_model_len
+        async_scheduling = self.async_scheduling
+        budget = plan.token_budget
         index = 0
-        while index < len(self.running) and plan.has_room(self.max_num_seqs):
-            request = self.running[index]
-            num_new = self._num_tokens_to_schedule(
-                request, request.num_computed_tokens, plan.token_budget
-            )
-            if num_new == 0:
-                index += 1
-                continue
-            new_block_ids = self._allocate_or_preempt(request, num_new, plan)
-            if new_block_ids is None:
-                break  # the request preempted itself: nothing after it is running
-            plan.add(request, num_new, new_block_ids)
-            plan.running_reqs.append(request)
+        while index < len(running) and budget > 0 and len(num_scheduled) < max_num_seqs:
+            request = running[index]
             index += 1
+            num_computed = request.num_computed_tokens
+            num_tokens = request.num_tokens
+            placeholders = request.num_output_placeholders
+            if placeholders and (
+                num_tokens + placeholders >= request.max_num_tokens
+                or num_tokens + placeholders >= max_seq_len
+            ):
+                continue  # the tokens in flight end it
+            num_new = num_tokens + placeholders - num_computed
+            if num_new <= 0:
+                continue  # its last token is in flight (pipeline)
+            req_id = request.request_id
+            new_block_ids: list[int] | None
+            if (
+                num_new == 1
+                and num_computed < max_model_len
+                and num_computed < decode_limits.get(req_id, 0)
+            ):
+                new_block_ids = []  # the decode fast path: allocate_slots has nothing to do
+            else:
+                num_new = self._num_tokens_to_schedule(request, num_computed, budget)
+                if num_new == 0:
+                    continue
+                new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+                if new_block_ids is None:
+                    break  # the request preempted itself: nothing after it is running
+            num_scheduled[req_id] = num_new
+            budget -= num_new
+            req_ids.append(req_id)
+            num_computed_col.append(num_computed)
+            block_ids_col.append(new_block_ids)
+            num_computed += num_new
+            request.num_computed_tokens = num_computed
+            request.num_in_flight_steps += 1
+            if async_scheduling and num_computed >= num_tokens:
+                request.num_output_placeholders = placeholders + 1  # this step samples for it
+        plan.token_budget = budget
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, plan: _StepPlan
@@ -348,7 +414,9 @@ class Scheduler:
                 plan.new_reqs.append(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            plan.add(request, num_new, new_block_ids)
+            plan.admitted_reqs.append(request)
+            plan.num_scheduled_tokens[request.request_id] = num_new
+            plan.token_budget -= num_new
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens the request gets this step; 0 when it must wait for a bigger budget.
@@ -368,43 +436,55 @@ class Scheduler:
         """Tokens the request lacks, counting its placeholders; 0 when the
         tokens in flight already end it (``max_tokens`` or the context)."""
         placeholders = request.num_output_placeholders
+        num_tokens = request.num_tokens + placeholders
         if placeholders and (
-            request.num_output_tokens + placeholders >= request.sampling_params.max_tokens
-            or request.num_tokens + placeholders >= self.max_seq_len
+            num_tokens >= request.max_num_tokens or num_tokens >= self.max_seq_len
         ):
             return 0
-        return request.num_tokens + placeholders - num_computed
+        return num_tokens - num_computed
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """The step's output; admitted waiting requests are not advanced yet."""
+        kv = self.kv_cache_manager
         new_reqs = [
             NewRequestData(
                 req_id=r.request_id,
                 prompt_token_ids=list(r.prompt_token_ids),
                 sampling_params=r.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
             )
             for r in plan.new_reqs
         ]
-        cached = plan.running_reqs + plan.resumed_reqs
-        resumed = [False] * len(plan.running_reqs) + [True] * len(plan.resumed_reqs)
-        new_block_ids = [plan.new_block_ids[r.request_id] for r in plan.running_reqs] + [
-            self.kv_cache_manager.get_block_ids(r.request_id) for r in plan.resumed_reqs
-        ]
+        req_ids = plan.running_req_ids
+        num_running = len(req_ids)
+        new_block_ids = plan.running_new_block_ids
+        num_computed = plan.running_num_computed
+        resumed = [False] * num_running
+        for r in plan.resumed_reqs:
+            req_ids.append(r.request_id)
+            resumed.append(True)
+            new_block_ids.append(kv.get_block_ids(r.request_id))
+            num_computed.append(r.num_computed_tokens)
+        if self.send_new_token_ids:
+            requests = self.requests
+            new_token_ids = [self._unsent_output_tokens(requests[i]) for i in req_ids]
+        else:
+            new_token_ids = [[] for _ in req_ids]
         cached_data = CachedRequestData(
-            req_ids=[r.request_id for r in cached],
+            req_ids=req_ids,
             resumed_from_preemption=resumed,
-            new_token_ids=[self._unsent_output_tokens(r) for r in cached],
+            new_token_ids=new_token_ids,
             new_block_ids=new_block_ids,
-            num_computed_tokens=[r.num_computed_tokens for r in cached],
+            num_computed_tokens=num_computed,
         )
         return SchedulerOutput(
             step_id=self.step_id,
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_data,
             num_scheduled_tokens=plan.num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
-            finished_req_ids=sorted(self.finished_req_ids),
+            total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
+            finished_req_ids=sorted(self.finished_req_ids) if self.finished_req_ids else [],
         )
 
     def _unsent_output_tokens(self, request: Request) -> list[int]:
@@ -426,29 +506,60 @@ class Scheduler:
         """
         outputs: dict[str, EngineCoreOutput] = {}
         stopped: list[Request] = []
+        requests = self.requests
+        finishing = self._finishing
         index_of = model_runner_output.req_id_to_index
+        all_sampled = model_runner_output.sampled_token_ids
+        all_logprobs = model_runner_output.logprobs
+        max_seq_len = self.max_seq_len
+        first_finished = FIRST_FINISHED_STATUS
         for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id) or self._finishing.get(req_id)
+            request = requests.get(req_id) or finishing.get(req_id)
             if request is None:
                 continue
             index = index_of.get(req_id)
-            sampled = model_runner_output.sampled_token_ids[index] if index is not None else []
-            self._step_returned(request, len(sampled))
-            if request.is_finished or not sampled:
-                continue  # ended (the token of a late stop is dropped), or a prompt chunk
-            new_token_ids = self._append_until_stop(request, sampled)
+            sampled = all_sampled[index] if index is not None else _NO_TOKENS
+            num_sampled = len(sampled)
+            # The step is back: settle its accounting.
+            request.num_in_flight_steps -= 1
+            placeholders = request.num_output_placeholders
+            if placeholders:
+                request.num_output_placeholders = (
+                    placeholders - num_sampled if placeholders > num_sampled else 0
+                )
+            if request.status >= first_finished:
+                # Ended (the token of a late stop is dropped); free once no step holds it.
+                if request.num_in_flight_steps == 0:
+                    finishing.pop(req_id, None)
+                    self._free_finished(request)
+                continue
+            if num_sampled == 1:  # a decode: one inline check of every stop rule
+                token_id = sampled[0]
+                request.append_output_token_id(token_id)
+                new_token_ids = [token_id]
+                num_tokens = request.num_tokens
+                finished = (
+                    token_id in request.stop_ids
+                    or num_tokens >= request.max_num_tokens
+                    or num_tokens >= max_seq_len
+                ) and self._check_stop(request, token_id)
+            elif num_sampled:
+                new_token_ids = self._append_until_stop(request, sampled)
+                finished = request.status >= first_finished
+            else:
+                continue  # a prompt chunk
             logprobs = None
-            if model_runner_output.logprobs is not None and index is not None:
-                logprobs = model_runner_output.logprobs[index][: len(new_token_ids)]
-            if request.is_finished:
+            if all_logprobs is not None and index is not None:
+                logprobs = all_logprobs[index][: len(new_token_ids)]
+            if finished:
                 stopped.append(request)
-            outputs[req_id] = EngineCoreOutput(
-                request_id=req_id,
-                new_token_ids=new_token_ids,
-                finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason,
-                new_logprobs=logprobs,
-            )
+                outputs[req_id] = EngineCoreOutput(
+                    req_id, new_token_ids, request.finish_reason, request.stop_reason, logprobs
+                )
+            else:
+                outputs[req_id] = EngineCoreOutput(
+                    req_id, new_token_ids, None, request.stop_reason, logprobs
+                )
         if stopped:
             # A request preempted with a step in flight may stop from that step's
             # token: it waits in the queue, not among the running ones.
@@ -460,21 +571,17 @@ class Scheduler:
     def _append_until_stop(self, request: Request, sampled: list[int]) -> list[int]:
         """Append tokens one by one until a stop rule fires; returns those appended."""
         for count, token_id in enumerate(sampled, start=1):
-            request.append_output_token_ids(token_id)
+            request.append_output_token_id(token_id)
             if self._check_stop(request, token_id):
                 return sampled[:count]
         return list(sampled)
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
-        params = request.sampling_params
-        if not params.ignore_eos and token_id in request.eos_token_ids:
+        if token_id in request.stop_ids:
             request.status = RequestStatus.FINISHED_STOPPED
-        elif token_id in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token_id
-        elif (
-            request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_seq_len
-        ):
+            if request.sampling_params.ignore_eos or token_id not in request.eos_token_ids:
+                request.stop_reason = token_id  # a stop token id, not EOS
+        elif request.num_tokens >= request.max_num_tokens or request.num_tokens >= self.max_seq_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         else:
             return False
@@ -486,14 +593,6 @@ class Scheduler:
         self.running = [r for r in self.running if r.request_id not in request_ids]
         if any(r.request_id in request_ids for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if r.request_id not in request_ids)
-
-    def _step_returned(self, request: Request, num_sampled: int) -> None:
-        """A step that included ``request`` is back: settle its accounting."""
-        request.num_in_flight_steps -= 1
-        request.num_output_placeholders = max(request.num_output_placeholders - num_sampled, 0)
-        if request.is_finished and request.num_in_flight_steps == 0:
-            self._finishing.pop(request.request_id, None)
-            self._free_finished(request)
 
     def _release(self, request: Request) -> None:
         """Forget a finished request: free its blocks (once no step in flight
