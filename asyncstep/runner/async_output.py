@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncstep.datatypes import Logprobs, ModelRunnerOutput
@@ -63,17 +64,27 @@ class AsyncModelRunnerOutput:
     def sampled_token_ids(self) -> list[int]:
         """The token of each sample row (blocks until the copy landed)."""
         self.copy_event.synchronize()
-        return [int(t) for t in self._sampled_host.tolist()]
+        tokens: list[int] = self._sampled_host.tolist()  # int64: Python ints already
+        return tokens
+
+    def sampled_token_array(self) -> np.ndarray:
+        """:meth:`sampled_token_ids` as an int64 array (a view of the host copy)."""
+        self.copy_event.synchronize()
+        return self._sampled_host.numpy()
 
     def get_output(self) -> ModelRunnerOutput:
         """The :class:`ModelRunnerOutput` (blocks until the copy landed)."""
         tokens = self.sampled_token_ids()
-        sampled: list[list[int]] = [[] for _ in self.req_ids]
-        for row, token in zip(self.sample_rows, tokens, strict=True):
-            sampled[row] = [token]
+        req_ids, rows = self.req_ids, self.sample_rows
+        if len(rows) == len(req_ids):  # every row sampled: rows are 0, 1, ... in order
+            sampled = [[token] for token in tokens]
+        else:
+            sampled = [[] for _ in req_ids]
+            for row, token in zip(rows, tokens, strict=True):
+                sampled[row] = [token]
         return ModelRunnerOutput(
-            req_ids=self.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
+            req_ids=req_ids,
+            req_id_to_index=dict(zip(req_ids, range(len(req_ids)), strict=True)),
             sampled_token_ids=sampled,
             logprobs=self._logprobs_lists(),
         )

@@ -1,5 +1,10 @@
 """The persistent block table: each request row's KV block ids, and the
-slot mapping derived from it (``slot = block_id * block_size + offset``)."""
+slot mapping derived from it (``slot = block_id * block_size + offset``).
+
+Rows whose blocks changed (a new request, a new block, a row moved) are
+marked dirty until :meth:`BlockTable.take_dirty_rows`: a consumer that keeps
+its own copy of the table (the CUDA-graph runner's staged inputs) then
+rewrites only those rows."""
 
 from __future__ import annotations
 
@@ -15,10 +20,17 @@ class BlockTable:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.block_table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
+        #: The table row-major, flat (a view): ``row * max_num_blocks_per_req + block``.
+        self._flat = self.block_table_np.reshape(-1)
+        #: ``row * max_num_blocks_per_req``: where each row starts in ``_flat``.
+        self._row_starts = np.arange(max_num_reqs, dtype=np.int64) * max_num_blocks_per_req
+        #: Rows changed since the last ``take_dirty_rows``.
+        self._dirty: set[int] = set()
 
     def add_row(self, block_ids: list[int], row: int) -> None:
         """Replace a row's blocks (a new request, or one resumed after preemption)."""
         self.num_blocks_per_row[row] = 0
+        self._dirty.add(row)
         self.append_row(block_ids, row)
 
     def append_row(self, block_ids: list[int], row: int) -> None:
@@ -33,18 +45,41 @@ class BlockTable:
             )
         self.block_table_np[row, start:end] = block_ids
         self.num_blocks_per_row[row] = end
+        self._dirty.add(row)
 
     def move_row(self, src: int, dst: int) -> None:
         n = int(self.num_blocks_per_row[src])
         self.block_table_np[dst, :n] = self.block_table_np[src, :n]
         self.num_blocks_per_row[dst] = n
+        self._dirty.add(dst)
 
     def swap_row(self, a: int, b: int) -> None:
         n = int(max(self.num_blocks_per_row[a], self.num_blocks_per_row[b]))
         self.block_table_np[[a, b], :n] = self.block_table_np[[b, a], :n]
         self.num_blocks_per_row[[a, b]] = self.num_blocks_per_row[[b, a]]
+        self._dirty.update((a, b))
+
+    def take_dirty_rows(self, num_rows: int) -> list[int]:
+        """Rows below ``num_rows`` changed since the last call (ascending),
+        and forget every mark (a row at or above ``num_rows`` is marked
+        again when a request takes it)."""
+        if not self._dirty:
+            return []
+        rows = sorted(row for row in self._dirty if row < num_rows)
+        self._dirty.clear()
+        return rows
 
     def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Slot of every token of the step, from its request row and position."""
         block_ids = self.block_table_np[req_indices, positions // self.block_size]
         return block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+
+    def decode_slot_mapping(self, positions: np.ndarray) -> np.ndarray:
+        """:meth:`compute_slot_mapping` when token ``i`` is row ``i``'s (a
+        step of one-token queries), in fewer array operations."""
+        block_index, offset = np.divmod(positions, self.block_size)
+        block_index += self._row_starts[: len(positions)]
+        slots = self._flat.take(block_index).astype(np.int64)
+        slots *= self.block_size
+        slots += offset
+        return slots

@@ -34,6 +34,7 @@ from asyncstep.datatypes import IntermediateTensors
 from asyncstep.gpu.cuda_graph import Graph, GraphPool, capture_graph
 from asyncstep.models.layers.attention import AttentionMetadata
 from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.runner.block_table import BlockTable
 from asyncstep.runner.cudagraph_dispatcher import (
     BatchDescriptor,
     CudagraphDispatcher,
@@ -56,6 +57,9 @@ class HostInputs:
     query_start_loc: np.ndarray  # [num_reqs + 1] int32
     seq_lens: np.ndarray  # [num_reqs] int32
     block_table: np.ndarray  # [num_reqs, blocks] int32
+    #: The table ``block_table`` views (its rows ``[0, num_reqs)``): the graph
+    #: runner then restages only the rows it marks as changed. None: restage all.
+    block_table_source: BlockTable | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +139,9 @@ class CudaGraphRunner:
         }
         self.full_graphs: dict[BatchDescriptor, Graph[StageOutput]] = {}
         self.piecewise_graphs: dict[BatchDescriptor, list[Graph[StageOutput | None]]] = {}
+        #: The block table whose rows the staged block table holds (up to
+        #: the rows it has marked as changed since), if any.
+        self._staged_block_table: BlockTable | None = None
 
     # -- inputs -------------------------------------------------------------
 
@@ -179,8 +186,7 @@ class CudaGraphRunner:
         _write_padded(staged["slot_mapping"], host.slot_mapping, n, -1)
         _write_padded(staged["query_start_loc"], host.query_start_loc, num_reqs + 1, t)
         _write_padded(staged["seq_lens"], host.seq_lens, num_reqs, 0)
-        blocks = host.block_table.shape[1]
-        staged["block_table"][: host.num_reqs, :blocks] = host.block_table
+        self._stage_block_table(host)
         self.inputs.upload("block_table", host.num_reqs)
         if intermediate_tensors is not None:
             rows = self._rows(n)
@@ -188,6 +194,27 @@ class CudaGraphRunner:
                 received = intermediate_tensors[key]
                 buffer[: received.shape[0]].copy_(received, non_blocking=True)
                 buffer[received.shape[0] : rows].zero_()
+
+    def _stage_block_table(self, host: HostInputs) -> None:
+        """The step's block table rows into the staged one: only the rows
+        changed since it was last staged from the same table (a steady
+        decode step: none, or the few that got a new block), else every row,
+        up to the most blocks a row has (no kernel reads past a row's blocks)."""
+        staged = self.inputs.host["block_table"]
+        source, r = host.block_table_source, host.num_reqs
+        if source is None:
+            blocks = host.block_table.shape[1]
+            staged[:r, :blocks] = host.block_table
+            self._staged_block_table = None
+            return
+        changed = source.take_dirty_rows(r)
+        if source is self._staged_block_table:
+            if changed:
+                staged[changed] = source.block_table_np[changed]
+            return
+        blocks = int(source.num_blocks_per_row[:r].max()) if r else 0
+        staged[:r, :blocks] = source.block_table_np[:r, :blocks]
+        self._staged_block_table = source
 
     def input_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.input_ids[:num_tokens], self.positions[:num_tokens]
@@ -313,5 +340,7 @@ class CudaGraphRunner:
 
 def _write_padded(dst: np.ndarray, values: np.ndarray, length: int, pad: int) -> None:
     """``dst[:length]`` = ``values`` followed by ``pad``."""
-    dst[: len(values)] = values
-    dst[len(values) : length] = pad
+    n = len(values)
+    dst[:n] = values
+    if n < length:
+        dst[n:length] = pad

@@ -5,6 +5,11 @@ Requests join at a free row, leave a hole when they end, and ``condense``
 moves the last rows into the holes so rows ``[0, num_reqs)`` are dense. Rows
 are reordered decodes first before a step (``reorder_decodes_first``) so the
 attention backend can treat all one-token queries as one batch.
+
+``layout_version`` changes whenever a row changes hands (a request joins,
+leaves or moves): while it holds, every row is the same request as before,
+which lets a step of the same requests skip the per-request work (the
+runner's steady decode path, the cached sampling metadata).
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ from asyncstep.runner.sampler import SamplingMetadata
 
 @dataclass
 class CachedRequestState:
-    """What the runner knows about one request."""
+    """What the runner knows about one request.
+
+    While the request holds a batch row, the row is the current record of
+    its tokens and computed count (a step appends to the row only):
+    ``num_computed_tokens`` and ``output_token_ids`` catch up when it leaves
+    the row (:meth:`InputBatch.remove_request`), before they are read again
+    (a request joins a row from its state)."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -48,13 +59,23 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.device = device
         self._req_ids: list[str | None] = []
+        #: Each row's request state (parallel to ``_req_ids``).
+        self._states: list[CachedRequestState | None] = []
         self.req_id_to_index: dict[str, int] = {}
+        #: Bumped whenever a row changes hands (see the module doc).
+        self.layout_version = 0
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        #: ``token_ids_cpu`` flat (a view): ``row * max_model_len + position``.
+        self.token_ids_flat = self.token_ids_cpu.reshape(-1)
+        self._rows = np.arange(max_num_reqs)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = BlockTable(max_num_reqs, -(-max_model_len // block_size), block_size)
         self.sampling_params: list[SamplingParams | None] = []
         self.generators: dict[int, torch.Generator] = {}
+        #: (layout_version, rows, metadata) of the last ``sampling_metadata`` call.
+        self._sampling_cache: tuple[int, list[int], SamplingMetadata] | None = None
+        self.cache_sampling_metadata = True
 
     # -- membership -------------------------------------------------------
 
@@ -63,11 +84,21 @@ class InputBatch:
         return len(self.req_id_to_index)
 
     @property
+    def is_dense(self) -> bool:
+        """Whether rows ``[0, num_reqs)`` hold every request (no hole to condense)."""
+        return len(self._req_ids) == len(self.req_id_to_index)
+
+    @property
     def req_ids(self) -> list[str]:
         """Request ids of rows ``[0, num_reqs)`` (valid after ``condense``)."""
         ids = self._req_ids[: self.num_reqs]
-        assert all(i is not None for i in ids), "condense() before reading req_ids"
+        assert None not in ids, "condense() before reading req_ids"
         return ids  # type: ignore[return-value]
+
+    @property
+    def states(self) -> list[CachedRequestState]:
+        """Request states of rows ``[0, num_reqs)`` (valid after ``condense``)."""
+        return self._states[: self.num_reqs]  # type: ignore[return-value]
 
     def add_request(self, req: CachedRequestState) -> int:
         """Place a request at the first free row; returns the row."""
@@ -78,8 +109,11 @@ class InputBatch:
             if row >= self.max_num_reqs:
                 raise RuntimeError(f"input batch is full ({self.max_num_reqs} requests)") from None
             self._req_ids.append(None)
+            self._states.append(None)
             self.sampling_params.append(None)
+        self.layout_version += 1
         self._req_ids[row] = req.req_id
+        self._states[row] = req
         self.req_id_to_index[req.req_id] = row
         n_prompt, n_out = len(req.prompt_token_ids), len(req.output_token_ids)
         self.token_ids_cpu[row, :n_prompt] = req.prompt_token_ids
@@ -92,12 +126,23 @@ class InputBatch:
             self.generators[row] = req.generator
         return row
 
-    def remove_request(self, req_id: str) -> int | None:
-        """Free a request's row (leaving a hole until ``condense``)."""
+    def remove_request(self, req_id: str, *, sync_state: bool = True) -> int | None:
+        """Free a request's row (leaving a hole until ``condense``); its state
+        takes the row's output tokens and computed count (``sync_state``:
+        False for a request that ended, whose state is dropped)."""
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return None
+        state = self._states[row]
+        if sync_state and state is not None:
+            start = len(state.prompt_token_ids)
+            state.output_token_ids[:] = self.token_ids_cpu[
+                row, start : self.num_tokens[row]
+            ].tolist()
+            state.num_computed_tokens = int(self.num_computed_tokens_cpu[row])
+        self.layout_version += 1
         self._req_ids[row] = None
+        self._states[row] = None
         self.sampling_params[row] = None
         self.generators.pop(row, None)
         return row
@@ -107,17 +152,31 @@ class InputBatch:
         self.token_ids_cpu[row, n] = token_id
         self.num_tokens[row] = n + 1
 
+    def append_tokens(self, rows: np.ndarray | None, token_ids: np.ndarray) -> None:
+        """``append_token`` for each of ``rows`` (distinct; None: rows 0, 1,
+        ... one per token) at once."""
+        if rows is None:
+            num_tokens = self.num_tokens[: len(token_ids)]
+            self.token_ids_cpu[self._rows[: len(token_ids)], num_tokens] = token_ids
+            num_tokens += 1  # (a view)
+            return
+        n = self.num_tokens[rows]
+        self.token_ids_cpu[rows, n] = token_ids
+        self.num_tokens[rows] = n + 1
+
     # -- row moves --------------------------------------------------------
 
     def _move_row(self, src: int, dst: int) -> None:
         req_id = self._req_ids[src]
         assert req_id is not None
+        self.layout_version += 1
         n = int(self.num_tokens[src])
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
         self.num_tokens[dst] = n
         self.num_computed_tokens_cpu[dst] = self.num_computed_tokens_cpu[src]
         self.block_table.move_row(src, dst)
         self._req_ids[dst], self._req_ids[src] = req_id, None
+        self._states[dst], self._states[src] = self._states[src], None
         self.sampling_params[dst], self.sampling_params[src] = self.sampling_params[src], None
         self.req_id_to_index[req_id] = dst
         if src in self.generators:
@@ -125,23 +184,28 @@ class InputBatch:
 
     def condense(self) -> None:
         """Fill holes with the last rows so rows ``[0, num_reqs)`` are dense."""
+        if self.is_dense:
+            return  # no request left since the last condense
         n = self.num_reqs
         holes = [row for row in range(n) if self._req_ids[row] is None]
         tail = [row for row in range(len(self._req_ids) - 1, n - 1, -1) if self._req_ids[row]]
         for hole, src in zip(holes, tail, strict=True):
             self._move_row(src, hole)
         del self._req_ids[n:]
+        del self._states[n:]
         del self.sampling_params[n:]
 
     def swap_states(self, a: int, b: int) -> None:
         ia, ib = self._req_ids[a], self._req_ids[b]
         assert ia is not None and ib is not None
+        self.layout_version += 1
         n = int(max(self.num_tokens[a], self.num_tokens[b]))
         self.token_ids_cpu[[a, b], :n] = self.token_ids_cpu[[b, a], :n]
         for arr in (self.num_tokens, self.num_computed_tokens_cpu):
             arr[[a, b]] = arr[[b, a]]
         self.block_table.swap_row(a, b)
         self._req_ids[a], self._req_ids[b] = ib, ia
+        self._states[a], self._states[b] = self._states[b], self._states[a]
         self.req_id_to_index[ia], self.req_id_to_index[ib] = b, a
         sp = self.sampling_params
         sp[a], sp[b] = sp[b], sp[a]
@@ -152,25 +216,35 @@ class InputBatch:
             self.generators[b] = ga
 
     def reorder_decodes_first(self, num_scheduled_tokens: dict[str, int]) -> int:
-        """Move one-token requests to the front; returns how many there are."""
+        """Move one-token requests to the front; returns how many there are.
+        The first non-decode swaps with the last decode, the second with the
+        one before, ... (every other row stays)."""
         ids = self.req_ids
-        is_decode = [num_scheduled_tokens[r] == 1 for r in ids]
-        num_decodes = sum(is_decode)
-        front, back = 0, len(ids) - 1
-        while True:
-            while front < len(ids) and is_decode[front]:
-                front += 1
-            while back >= 0 and not is_decode[back]:
-                back -= 1
-            if front >= num_decodes or back < num_decodes:
-                return num_decodes
-            self.swap_states(front, back)
-            is_decode[front], is_decode[back] = True, False
+        counts = np.fromiter(map(num_scheduled_tokens.__getitem__, ids), np.int64, len(ids))
+        is_decode = counts == 1
+        num_decodes = int(is_decode.sum())
+        front = np.flatnonzero(~is_decode[:num_decodes])
+        if len(front):
+            back = np.flatnonzero(is_decode[num_decodes:])[::-1] + num_decodes
+            for a, b in zip(front.tolist(), back.tolist(), strict=True):
+                self.swap_states(a, b)
+        return num_decodes
 
     # -- sampling ---------------------------------------------------------
 
     def sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
-        """Sampling parameters of the given rows, in that order."""
+        """Sampling parameters of the given rows, in that order; the last
+        call's metadata again while the same requests sample in the same
+        rows (the sampler only reads it)."""
+        cached = self._sampling_cache
+        if cached is not None and cached[0] == self.layout_version and cached[1] == rows:
+            return cached[2]
+        metadata = self._build_sampling_metadata(rows)
+        if self.cache_sampling_metadata:
+            self._sampling_cache = (self.layout_version, list(rows), metadata)
+        return metadata
+
+    def _build_sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
         params = [self.sampling_params[row] for row in rows]
         assert all(p is not None for p in params)
         generators = {

@@ -19,13 +19,23 @@ them into its input ids. The host learns the tokens when a later step starts
 (``_resolve_outputs``: by then the copy has long landed), and appends them to
 the persistent batch. Inputs go to the device through pinned staging buffers
 guarded by ``prepare_inputs_event`` (:mod:`asyncstep.runner.staging`).
+
+The steady decode step (the same requests in the same rows as the step
+before, no request joining, leaving or resuming) skips the per-request
+Python: ``_update_states`` writes the computed counts with one array
+assignment and touches only the requests that got a new block; the sampled
+tokens of a step whose rows have not moved since are appended with one
+array operation; the previous step's ids are copied into the input ids
+without a gather; the sampling metadata is the last step's
+(:attr:`InputBatch.layout_version` tells when rows moved).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,8 +44,10 @@ import torch
 from asyncstep.config import CompilationConfig
 from asyncstep.datatypes import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    CachedRequestData,
     IntermediateTensors,
     ModelRunnerOutput,
+    NewRequestData,
     SchedulerOutput,
 )
 from asyncstep.gpu.stream import StreamEvent, record_event
@@ -65,6 +77,8 @@ from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs, is_arange
 from asyncstep.runner.ubatch_forward import forward_ubatches
 
 REENTRY_ERROR = "sample_tokens() must be called after execute_model() returns None"
+#: Up to this many sampled rows, tokens are appended one by one.
+_FEW_ROWS = 32
 
 
 @dataclass
@@ -89,12 +103,39 @@ class ExecuteModelState:
 
 
 @dataclass
+class _SampledFrom:
+    """Where a step's sampled ids came from: its batch, the batch's layout
+    then, the row of each sampled id, and the rows' request ids."""
+
+    batch: InputBatch
+    layout_version: int
+    rows: list[int]
+    req_ids: list[str]
+
+    def still_in_place(self) -> bool:
+        """Whether every row still holds the request it held then."""
+        return self.batch.layout_version == self.layout_version
+
+    def all_rows(self) -> bool:
+        """Whether every row of the batch sampled (rows are 0, 1, ...)."""
+        return len(self.rows) == len(self.req_ids)
+
+    def index(self) -> dict[str, int]:
+        """Request id -> its id's index in the sampled ids."""
+        ids = map(self.req_ids.__getitem__, self.rows)
+        return dict(zip(ids, range(len(self.rows)), strict=False))  # (as many)
+
+
+@dataclass
 class StepTimings:
     """Host seconds spent in the phases of the last step."""
 
     prepare: float = 0.0
+    #: The launch: the forward call, the logits and the step's events.
     forward: float = 0.0
     sample: float = 0.0
+    #: Of ``forward``, the forward call alone (a graph replay, or the eager forward).
+    replay: float = 0.0
 
 
 class ModelRunner:
@@ -144,11 +185,14 @@ class ModelRunner:
         self.async_scheduling = async_scheduling
         self.staging = StagingBuffers(device)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        #: The last sampled ids, still on the device, and each request's index in them.
+        #: The last sampled ids, still on the device, and whose they are.
         self._prev_sampled: torch.Tensor | None = None
-        self._prev_sampled_index: dict[str, int] = {}
+        self._prev_sampled_from: _SampledFrom | None = None
         #: Sampled outputs whose tokens the persistent batch does not hold yet.
-        self._unresolved: deque[AsyncModelRunnerOutput] = deque()
+        self._unresolved: deque[tuple[AsyncModelRunnerOutput, _SampledFrom | None]] = deque()
+        #: The last steady step's cached request ids and their rows (None:
+        #: row i is request i), valid while the batch's layout is the same.
+        self._steady_rows: tuple[InputBatch, int, list[str], np.ndarray | None] | None = None
         #: Record device events for step timelines even when not tracing (benchmarks).
         self.record_step_events = False
         #: The events of the last step that ran a forward.
@@ -183,6 +227,19 @@ class ModelRunner:
             num_tokens_multiple=self.num_tokens_multiple,
             sequence_parallel=model.sequence_parallel,
         )
+
+    @property
+    def fast_paths(self) -> bool:
+        """Whether steps take the fast paths where they can (the steady
+        decode step's; see the module doc). Off: every step the general
+        path, which computes the same inputs (tests compare the two)."""
+        return self.step_inputs.fast_paths
+
+    @fast_paths.setter
+    def fast_paths(self, enabled: bool) -> None:
+        self.step_inputs.fast_paths = enabled
+        for batch in self.input_batches:
+            batch.cache_sampling_metadata = enabled
 
     # -- KV cache ---------------------------------------------------------
 
@@ -264,17 +321,19 @@ class ModelRunner:
         t1 = time.perf_counter()
         record = self.record_step_events or tracing()
         start = record_event(self.device) if record else None
+        t2 = time.perf_counter()
         if self.attention_backend == "torch":
             with reference_attention_backends():
                 out = self._forward(inputs, intermediate_tensors)
         else:
             out = self._forward(inputs, intermediate_tensors)
+        replay = time.perf_counter() - t2
         if not isinstance(out, IntermediateTensors):
             out = self.model.compute_logits(out[inputs.logits_indices])
         events = StepEvents(start, record_event(self.device)) if start is not None else None
 
         self.last_step_events = events
-        self.timings = StepTimings(prepare=t1 - t0, forward=time.perf_counter() - t1)
+        self.timings = StepTimings(prepare=t1 - t0, forward=time.perf_counter() - t1, replay=replay)
         if isinstance(out, IntermediateTensors):
             return out
         self.execute_model_state = ExecuteModelState(
@@ -314,23 +373,24 @@ class ModelRunner:
             state.events.copy_end = output.copy_event
         self.timings.sample = time.perf_counter() - t0
         if self.async_scheduling:
-            self._unresolved.append(output)
+            self._unresolved.append((output, self._prev_sampled_from))
             return output
-        self._apply_sampled(output)
+        self._apply_sampled(output, self._prev_sampled_from)
         return output.get_output()
 
     def _sample(self, state: ExecuteModelState) -> AsyncModelRunnerOutput:
         """Enqueue sampling and the copy of its result to the host."""
         rows = state.sample_rows
         if not rows:
-            self._prev_sampled, self._prev_sampled_index = None, {}
+            self._prev_sampled, self._prev_sampled_from = None, None
             empty = torch.empty(0, dtype=torch.int64)
             return AsyncModelRunnerOutput(state.req_ids, [], empty, record_event(None))
-        metadata = self.input_batch.sampling_metadata(rows)
+        batch = self.input_batch
+        metadata = batch.sampling_metadata(rows)
         result = self.sampler(state.logits, metadata)
         sampled = result.sampled_token_ids
         self._prev_sampled = sampled
-        self._prev_sampled_index = {state.req_ids[row]: i for i, row in enumerate(rows)}
+        self._prev_sampled_from = _SampledFrom(batch, batch.layout_version, rows, state.req_ids)
         tensors = [sampled]
         lp = result.logprobs_tensors
         if lp is not None:
@@ -349,20 +409,64 @@ class ModelRunner:
         Blocks on a copy only if it has not landed yet."""
         keep = 1 if keep_last else 0
         while len(self._unresolved) > keep:
-            self._apply_sampled(self._unresolved.popleft())
+            self._apply_sampled(*self._unresolved.popleft())
 
-    def _apply_sampled(self, output: AsyncModelRunnerOutput) -> None:
+    def _apply_sampled(self, output: AsyncModelRunnerOutput, origin: _SampledFrom | None) -> None:
+        if self.fast_paths and origin is not None:
+            if origin.still_in_place():
+                self._append_in_place(output, origin)
+                return
+            if len(self.input_batches) == 1 and len(origin.rows) > _FEW_ROWS:
+                self._append_moved(output, origin)
+                return
         tokens = output.sampled_token_ids()
         for row, token in zip(output.sample_rows, tokens, strict=True):
             req_id = output.req_ids[row]
             state = self.requests.get(req_id)
             if state is None:
                 continue  # finished meanwhile
-            state.output_token_ids.append(token)
-            for batch in self.input_batches:
+            for batch in self.input_batches:  # a request is in one batch at most
                 current_row = batch.req_id_to_index.get(req_id)
                 if current_row is not None:
                     batch.append_token(current_row, token)
+                    break
+            else:
+                state.output_token_ids.append(token)  # (its row, if any, has it)
+
+    @staticmethod
+    def _append_in_place(output: AsyncModelRunnerOutput, origin: _SampledFrom) -> None:
+        """``_apply_sampled`` when no row changed hands since the sampling
+        (no request left, so none finished meanwhile): each token to its
+        row, all at once when there are many (a few array operations cost
+        more than a few scalar ones)."""
+        batch = origin.batch
+        if len(origin.rows) <= _FEW_ROWS:
+            for row, token in zip(origin.rows, output.sampled_token_ids(), strict=True):
+                batch.append_token(row, token)
+            return
+        rows = None if origin.all_rows() else np.asarray(origin.rows)
+        batch.append_tokens(rows, output.sampled_token_array())
+
+    def _append_moved(self, output: AsyncModelRunnerOutput, origin: _SampledFrom) -> None:
+        """``_apply_sampled`` with one persistent batch whose rows changed
+        since the sampling: the tokens of the requests still in it at once
+        (at their rows now), the others' to their states (a finished one's
+        nowhere)."""
+        batch = self.input_batch
+        req_ids = [origin.req_ids[row] for row in origin.rows]
+        rows = np.fromiter(
+            map(batch.req_id_to_index.get, req_ids, itertools.repeat(-1)), np.int64, len(req_ids)
+        )
+        tokens = output.sampled_token_array()
+        present = rows >= 0
+        if present.all():
+            batch.append_tokens(rows, tokens)
+            return
+        batch.append_tokens(rows[present], tokens[present])
+        for i in np.flatnonzero(~present).tolist():
+            state = self.requests.get(req_ids[i])
+            if state is not None:
+                state.output_token_ids.append(int(tokens[i]))
 
     # -- persistent batch -------------------------------------------------
 
@@ -379,33 +483,49 @@ class ModelRunner:
         self.input_batch = max(self.input_batches, key=fit)
         self.step_inputs.input_batch = self.input_batch
 
-    def _remove_everywhere(self, req_id: str) -> None:
+    def _remove_everywhere(self, req_id: str, *, finished: bool = False) -> None:
         for batch in self.input_batches:
-            batch.remove_request(req_id)
+            batch.remove_request(req_id, sync_state=not finished)
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        """The persistent batch from the step's diffs: finished requests
+        dropped, requests not in this step out of the batch (preempted, or
+        waiting for budget: their state stays), new ones in, the cached
+        ones' counts, blocks and tokens updated, rows dense and decodes first."""
+        batch = self.input_batch
+        if not self.fast_paths:
+            self._update_states_one_by_one(so)
+            return
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self._remove_everywhere(req_id, finished=True)
+        scheduled, index = so.num_scheduled_tokens, batch.req_id_to_index
+        same = len(scheduled) == len(index) and scheduled.keys() == index.keys()
+        if not same:
+            for req_id in index.keys() - scheduled.keys():
+                batch.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            self._add_state(new)
+        self._update_cached_bulk(so.scheduled_cached_reqs)
+        if len(index) != len(scheduled):  # (index holds only scheduled requests now)
+            for req_id in [r for r in scheduled if r not in index]:
+                self._remove_everywhere(req_id)  # a request lives in one batch
+                batch.add_request(self.requests[req_id])
+        batch.condense()
+        if so.total_num_scheduled_tokens != batch.num_reqs:  # else: all decodes
+            batch.reorder_decodes_first(scheduled)
+
+    def _update_states_one_by_one(self, so: SchedulerOutput) -> None:
+        """``_update_states`` request by request (``fast_paths`` off)."""
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
-            self._remove_everywhere(req_id)
-        # Requests not in this step (preempted, or waiting for budget) leave the
-        # batch but keep their state here.
+            self._remove_everywhere(req_id, finished=True)
         for req_id in list(batch.req_id_to_index):
             if req_id not in so.num_scheduled_tokens:
                 batch.remove_request(req_id)
         for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None
-            if params.seed is not None and not params.greedy:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            self.requests[new.req_id] = CachedRequestState(
-                req_id=new.req_id,
-                prompt_token_ids=list(new.prompt_token_ids),
-                sampling_params=params,
-                generator=generator,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-            )
+            self._add_state(new)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             self._update_cached(
@@ -417,10 +537,102 @@ class ModelRunner:
             )
         for req_id in so.num_scheduled_tokens:
             if req_id not in batch.req_id_to_index:
-                self._remove_everywhere(req_id)  # a request lives in one batch
+                self._remove_everywhere(req_id)
                 batch.add_request(self.requests[req_id])
         batch.condense()
-        batch.reorder_decodes_first(so.num_scheduled_tokens)
+        if so.total_num_scheduled_tokens != batch.num_reqs:
+            batch.reorder_decodes_first(so.num_scheduled_tokens)
+
+    def _add_state(self, new: NewRequestData) -> None:
+        params = new.sampling_params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.requests[new.req_id] = CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=list(new.prompt_token_ids),
+            sampling_params=params,
+            generator=generator,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+
+    def _update_cached_bulk(self, cached: CachedRequestData) -> None:
+        """``_update_cached`` of every cached request, at once for those in
+        their row (not resumed; this stage samples, so no tokens to append):
+        one array assignment of the computed counts, and Python only for the
+        requests that got new blocks. The rest one by one."""
+        req_ids = cached.req_ids
+        num = len(req_ids)
+        if num == 0:
+            return
+        rows: np.ndarray | None
+        if not self.is_last_stage:  # tokens for every request: one by one
+            rows = np.full(num, -1, dtype=np.int64)
+        else:
+            rows = self._cached_rows(req_ids)
+        one_by_one = None if rows is None else rows < 0
+        if any(cached.resumed_from_preemption):
+            resumed = np.fromiter(cached.resumed_from_preemption, bool, num)
+            one_by_one = resumed if one_by_one is None else one_by_one | resumed
+        batch = self.input_batch
+        computed = batch.num_computed_tokens_cpu
+        new_block_ids = cached.new_block_ids
+        if one_by_one is None or not one_by_one.any():  # every request in its row
+            if rows is None:  # request i in row i
+                computed[:num] = cached.num_computed_tokens
+            else:
+                computed[rows] = cached.num_computed_tokens
+            if any(new_block_ids):
+                self._append_blocks(cached, range(num), rows)
+            return
+        if rows is None:
+            rows = np.arange(num)
+        in_row = np.flatnonzero(~one_by_one)
+        rows_in = rows[in_row]
+        computed[rows_in] = np.asarray(cached.num_computed_tokens)[in_row]
+        if any(new_block_ids):
+            with_blocks = itertools.compress(range(num), new_block_ids)
+            self._append_blocks(cached, [i for i in with_blocks if not one_by_one[i]], rows)
+        for i in np.flatnonzero(one_by_one).tolist():
+            self._update_cached(
+                self.requests[req_ids[i]],
+                resumed=cached.resumed_from_preemption[i],
+                new_block_ids=new_block_ids[i],
+                new_token_ids=cached.new_token_ids[i] if cached.new_token_ids else [],
+                num_computed_tokens=cached.num_computed_tokens[i],
+            )
+
+    def _append_blocks(
+        self, cached: CachedRequestData, which: Iterable[int], rows: np.ndarray | None
+    ) -> None:
+        """The new blocks of the cached requests ``which`` (indices into
+        ``cached``), in their rows (None: request i in row i)."""
+        new_block_ids, table = cached.new_block_ids, self.input_batch.block_table
+        for i in itertools.compress(which, map(new_block_ids.__getitem__, which)):
+            blocks = new_block_ids[i]
+            self.requests[cached.req_ids[i]].block_ids.extend(blocks)
+            table.append_row(blocks, i if rows is None else int(rows[i]))
+
+    def _cached_rows(self, req_ids: list[str]) -> np.ndarray | None:
+        """The batch row of each of ``req_ids`` (-1: not in the batch); None
+        when request i is in row i. Remembered while the ids and the batch's
+        layout stay the same (a steady step: no Python per request)."""
+        batch = self.input_batch
+        last = self._steady_rows
+        if (
+            last is not None
+            and last[0] is batch
+            and last[1] == batch.layout_version
+            and last[2] == req_ids
+        ):
+            return last[3]
+        rows = np.fromiter(
+            map(batch.req_id_to_index.get, req_ids, itertools.repeat(-1)), np.int64, len(req_ids)
+        )
+        found = None if len(rows) == batch.num_reqs and is_arange(rows) else rows
+        self._steady_rows = (batch, batch.layout_version, list(req_ids), found)
+        return found
 
     def _update_cached(
         self,
@@ -431,6 +643,13 @@ class ModelRunner:
         new_token_ids: list[int],
         num_computed_tokens: int,
     ) -> None:
+        row = self.input_batch.req_id_to_index.get(state.req_id)
+        if resumed or row is None:
+            # Re-added whole by _update_states (a resumed request's row, if
+            # any, is stale): first its state catches up with a row it has
+            # in any batch, then takes this step's deltas.
+            self._remove_everywhere(state.req_id)
+            row = None
         state.num_computed_tokens = num_computed_tokens
         if self.is_last_stage:
             new_token_ids = []  # this stage sampled them itself
@@ -440,11 +659,8 @@ class ModelRunner:
             state.block_ids = list(new_block_ids)
         else:
             state.block_ids.extend(new_block_ids)
-        if resumed:  # its row (if any) is stale: re-add it whole
-            self._remove_everywhere(state.req_id)
-        row = self.input_batch.req_id_to_index.get(state.req_id)
         if row is None:
-            return  # (re-)added whole by _update_states
+            return
         self.input_batch.num_computed_tokens_cpu[row] = num_computed_tokens
         for token in new_token_ids:
             self.input_batch.append_token(row, token)
@@ -462,25 +678,47 @@ class ModelRunner:
         previous step, async scheduling) from the sampled ids left there.
         Such a token is its request's last of this step."""
         batch = self.input_batch
-        rows = np.flatnonzero(seq_lens > batch.num_tokens[: batch.num_reqs])
-        if len(rows) == 0:
+        num_reqs = batch.num_reqs
+        unknown = seq_lens > batch.num_tokens[:num_reqs]
+        if not unknown.any():
             return input_ids
-        req_ids = batch.req_ids
-        missing = [req_ids[r] for r in rows if req_ids[r] not in self._prev_sampled_index]
-        if missing or self._prev_sampled is None:
+        origin, prev = self._prev_sampled_from, self._prev_sampled
+        if (
+            self.fast_paths
+            and origin is not None
+            and prev is not None
+            and origin.batch is batch
+            and origin.still_in_place()
+            and origin.all_rows()
+            and int(cu_num_tokens[-1]) == num_reqs
+            and unknown.all()
+        ):
+            # Steady decode: the same requests in the same rows, one token each.
+            input_ids[:num_reqs].copy_(prev[:num_reqs])
+            return input_ids
+        rows = np.flatnonzero(unknown)
+        batch_ids = batch.req_ids
+        req_ids = [batch_ids[r] for r in rows.tolist()]
+        index = origin.index() if origin is not None else {}
+        if self.fast_paths:
+            src = np.fromiter(map(index.get, req_ids, itertools.repeat(-1)), np.int64, len(req_ids))
+            missing = [r for r, i in zip(req_ids, src.tolist(), strict=True) if i < 0]
+        else:
+            missing = [r for r in req_ids if r not in index]
+            src = np.array([index.get(r, -1) for r in req_ids], dtype=np.int64)
+        if missing or prev is None:
             raise RuntimeError(
                 f"step computes tokens that were never sampled (requests {missing}): "
                 "a placeholder without a sampled id"
             )
-        src = np.array([self._prev_sampled_index[req_ids[r]] for r in rows], dtype=np.int64)
         dst = (cu_num_tokens[rows] - 1).astype(np.int64)
         if is_arange(src) and is_arange(dst):
-            # Steady decode: the same requests in the same order, one token each.
-            input_ids[: len(src)].copy_(self._prev_sampled[: len(src)])
+            # The same requests in the same order, one token each.
+            input_ids[: len(src)].copy_(prev[: len(src)])
             return input_ids
         to_device = self.staging.to_device
         dst_t, src_t = to_device("scatter_dst", dst), to_device("scatter_src", src)
-        input_ids.index_copy_(0, dst_t, self._prev_sampled.index_select(0, src_t))
+        input_ids.index_copy_(0, dst_t, prev.index_select(0, src_t))
         return input_ids
 
 

@@ -1,7 +1,15 @@
 """A step's inputs: from the persistent batch and the scheduler output to
 device tensors (input ids, positions, slot mapping, attention metadata),
 through the staging buffers, with the CUDA-graph mode and padded shape the
-dispatcher picks and, when enabled, the step's two micro-batches."""
+dispatcher picks and, when enabled, the step's two micro-batches.
+
+A decode step (every request one token: ``total_num_scheduled_tokens ==
+num_reqs``, the common case) takes a shorter path: no per-request Python,
+the step's constant arrays (``query_start_loc``, the token counts) are
+cached views, positions, seq lens and slots come from the batch's computed
+counts in a few array operations, the dispatcher's answer for a decode
+shape is remembered, and the CUDA-graph runner restages only the block
+table rows that changed."""
 
 from __future__ import annotations
 
@@ -85,6 +93,17 @@ class StepInputBuilder:
         #: Steps run per runtime mode (NONE / PIECEWISE / FULL).
         self.cudagraph_steps: Counter[str] = Counter()
         self.num_ubatched_steps = 0
+        n = input_batch.max_num_reqs
+        #: Constant arrays of decode steps (views of their first ``num_reqs``).
+        self._ones = _readonly(np.ones(n, dtype=np.int64))  # tokens per request
+        self._cu_ones = _readonly(np.arange(1, n + 1, dtype=np.int64))  # their cumsum
+        self._query_start_loc = np.arange(n + 1, dtype=np.int32)  # (never written)
+        #: Token ``(row, position)`` of a decode step at ``_row_starts[row] + position``.
+        self._row_starts = np.arange(n, dtype=np.int64) * input_batch.max_model_len
+        #: The dispatcher's answer per uniform decode size (it never changes).
+        self._decode_dispatch: dict[int, tuple[CUDAGraphMode, BatchDescriptor]] = {}
+        #: False: every step takes the general path (tests compare the two).
+        self.fast_paths = True
 
     def prepare(
         self,
@@ -96,16 +115,32 @@ class StepInputBuilder:
         that only the device knows (async scheduling)."""
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        num_sched = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64)
-        cu_num_tokens = np.cumsum(num_sched)
-        host = self._host_inputs(num_sched, cu_num_tokens)
-        seq_lens = host.seq_lens.astype(np.int64)
+        # Every request one token (each has at least one, and the batch holds the step's).
+        decode = self.fast_paths and so.total_num_scheduled_tokens == num_reqs
+        if decode:
+            num_sched = self._ones[:num_reqs]
+            cu_num_tokens = self._cu_ones[:num_reqs]
+            host = self._decode_host_inputs()
+            num_decodes = num_reqs
+        else:
+            scheduled = so.num_scheduled_tokens
+            num_sched = np.fromiter(map(scheduled.__getitem__, batch.req_ids), np.int64, num_reqs)
+            cu_num_tokens = np.cumsum(num_sched)
+            host = self._host_inputs(num_sched, cu_num_tokens)
+            num_decodes = int((num_sched == 1).sum())
+        seq_lens = host.seq_lens
         num_input_tokens = -(-host.num_tokens // self.num_tokens_multiple) * (
             self.num_tokens_multiple
         )
         # A request samples once every token it has is in the cache.
-        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs]).tolist()
-        num_decodes = int((num_sched == 1).sum())
+        samples = seq_lens >= batch.num_tokens[:num_reqs]
+        logits_indices: torch.Tensor | slice | None = None
+        if samples.all():
+            sample_rows = list(range(num_reqs))
+            if decode:
+                logits_indices = slice(0, num_reqs)  # token i is row i's last
+        else:
+            sample_rows = np.flatnonzero(samples).tolist()
         mode, desc, ubatch_slices = self._choose_mode(num_sched, num_input_tokens, num_decodes)
         self.cudagraph_steps[mode.name] += 1
         self.staging.begin_step()  # the last step's copies have read the buffers
@@ -121,11 +156,13 @@ class StepInputBuilder:
                     host, desc.num_tokens, self._host_meta(host, num_decodes)
                 )
                 self._plan_buckets(meta, host.seq_lens)
+        if logits_indices is None:
+            logits_indices = self._logits_indices(cu_num_tokens[sample_rows] - 1)
         inputs = StepInputs(
             input_ids=scatter_sampled(input_ids, seq_lens, cu_num_tokens),
             positions=positions_t,
             attn_metadata=meta,
-            logits_indices=self._logits_indices(cu_num_tokens[sample_rows] - 1),
+            logits_indices=logits_indices,
             sample_rows=sample_rows,
             cudagraph_mode=mode,
             batch_descriptor=desc,
@@ -155,12 +192,33 @@ class StepInputBuilder:
         positions = computed[req_indices] + offsets
         token_index = req_indices * batch.max_model_len + positions
         return HostInputs(
-            input_ids=batch.token_ids_cpu.ravel()[token_index].astype(np.int64),
+            input_ids=batch.token_ids_flat[token_index].astype(np.int64),
             positions=positions,
             slot_mapping=batch.block_table.compute_slot_mapping(req_indices, positions),
             query_start_loc=np.concatenate([[0], cu_num_tokens]).astype(np.int32),
             seq_lens=(computed + num_sched).astype(np.int32),
             block_table=batch.block_table.block_table_np[:num_reqs],
+            block_table_source=batch.block_table if self.fast_paths else None,
+        )
+
+    def _decode_host_inputs(self) -> HostInputs:
+        """:meth:`_host_inputs` of a decode step (token ``i`` is row ``i``'s
+        next one, at its computed count), in a few array operations."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        computed = batch.num_computed_tokens_cpu[:num_reqs]
+        positions = computed.astype(np.int64)
+        table = batch.block_table
+        return HostInputs(
+            input_ids=batch.token_ids_flat.take(self._row_starts[:num_reqs] + positions).astype(
+                np.int64
+            ),
+            positions=positions,
+            slot_mapping=table.decode_slot_mapping(positions),
+            query_start_loc=self._query_start_loc[: num_reqs + 1],
+            seq_lens=computed + 1,
+            block_table=table.block_table_np[:num_reqs],
+            block_table_source=table,  # (the fast path only)
         )
 
     def _choose_mode(
@@ -170,7 +228,14 @@ class StepInputBuilder:
         graphs, or when the step runs as two micro-batches."""
         num_reqs = len(num_sched)
         uniform = num_decodes == num_reqs
-        mode, desc = self.dispatcher.dispatch(num_input_tokens, num_reqs, uniform)
+        if uniform and num_input_tokens == num_reqs and self.fast_paths:
+            cached = self._decode_dispatch.get(num_reqs)
+            if cached is None:
+                cached = self.dispatcher.dispatch(num_input_tokens, num_reqs, True)
+                self._decode_dispatch[num_reqs] = cached
+            mode, desc = cached
+        else:
+            mode, desc = self.dispatcher.dispatch(num_input_tokens, num_reqs, uniform)
         ubatch_slices = self._ubatch_slices(num_sched, num_input_tokens, uniform)
         if ubatch_slices is not None:
             self.num_ubatched_steps += 1
@@ -236,7 +301,9 @@ class StepInputBuilder:
             seq_lens=empty,
             block_table=empty,
             slot_mapping=empty,
-            max_query_len=int(np.diff(host.query_start_loc).max()),
+            max_query_len=(
+                1 if num_decodes == host.num_reqs else int(np.diff(host.query_start_loc).max())
+            ),
             max_seq_len=int(host.seq_lens.max()),
             query_start_loc_cpu=host.query_start_loc,
             seq_lens_cpu=host.seq_lens,
@@ -279,6 +346,11 @@ def is_arange(indices: np.ndarray) -> bool:
     return n == 0 or (
         int(indices[0]) == 0 and int(indices[-1]) == n - 1 and bool((np.diff(indices) == 1).all())
     )
+
+
+def _readonly(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
 
 
 def _pad(array: np.ndarray, length: int, value: int) -> np.ndarray:

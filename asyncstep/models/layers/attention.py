@@ -104,16 +104,18 @@ def plan_decode_buckets(
 
 
 def _cuts(sorted_lens: np.ndarray, max_buckets: int, min_bucket: int) -> list[int]:
-    """Greedy cut points [0, ..., n] of sorted lengths into at most ``max_buckets``."""
+    """Greedy cut points [0, ..., n] of sorted lengths into at most ``max_buckets``
+    (on Python ints: a numpy scalar costs more than the loop's arithmetic)."""
     n = len(sorted_lens)
+    lens: list[int] = sorted_lens.tolist()
     cuts = [0, n]
     while len(cuts) - 1 < max_buckets:
         best, best_gain = None, 0
-        for i in range(len(cuts) - 1):
-            lo, hi = cuts[i], cuts[i + 1]
+        for lo, hi in itertools.pairwise(cuts):
+            top = lens[hi - 1] if hi else 0
             for c in range(lo + min_bucket, hi - min_bucket + 1):
-                # Cutting at c: rows lo..c-1 pad to sorted_lens[c-1] instead of [hi-1].
-                gain = (c - lo) * int(sorted_lens[hi - 1] - sorted_lens[c - 1])
+                # Cutting at c: rows lo..c-1 pad to lens[c-1] instead of lens[hi-1].
+                gain = (c - lo) * (top - lens[c - 1])
                 if gain > best_gain:
                     best, best_gain = c, gain
         if best is None:
