@@ -22,11 +22,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncstep.config import CacheConfig, CompilationConfig, SchedulerConfig
-from asyncstep.datatypes import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from asyncstep.datatypes import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
 from asyncstep.engine.request import Request, RequestStatus
 from asyncstep.engine.scheduler import Scheduler
 from asyncstep.models.layers.attention import _cuts
 from asyncstep.models.model_loader import LoadedModel
+from asyncstep.runner import cudagraph_runner as cudagraph_runner_module
 from asyncstep.runner import model_runner as model_runner_module
 from asyncstep.runner.async_output import AsyncModelRunnerOutput
 from asyncstep.runner.block_table import BlockTable
@@ -34,6 +41,7 @@ from asyncstep.runner.cudagraph_dispatcher import CUDAGraphMode
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner, HostInputs, StageOutput
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.model_runner import ModelRunner
+from asyncstep.runner.sampler import SamplingMetadata
 from asyncstep.runner.step_inputs import StepInputs
 
 BLOCK = 4
@@ -41,6 +49,12 @@ MAX_MODEL_LEN = 64
 VOCAB = 500  # tiny-llama's is 512
 #: (async scheduling, the engine's steps in flight, persistent batches).
 MODES = {"sync": (False, 1, 1), "async": (True, 2, 1), "pipeline": (False, 3, 3)}
+#: Sampling settings of request i (seeded: both runners draw the same tokens).
+SAMPLING: dict[str, Any] = {
+    "greedy": lambda i: {"temperature": 0.0},
+    "seeded": lambda i: {"temperature": 0.9, "top_p": 0.8, "top_k": 20, "seed": i},
+    "logprobs": lambda i: {"temperature": 0.0, "logprobs": 2},
+}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -79,11 +93,14 @@ class Scenario:
     budget: int
     num_blocks: int
     prefix_caching: bool
-    #: (arrival step, prompt, max_tokens, abort step or None)
-    requests: list[tuple[int, list[int], int, int | None]]
+    #: (arrival step, prompt, max_tokens, abort step or None[, sampling])
+    requests: list[tuple[Any, ...]]
     #: Sampled tokens appended one by one up to this many rows (0: always
     #: at once, so small batches take the large batches' path too).
     few_rows: int = 0
+    #: Block tables of up to this many entries are staged whole (0: only the
+    #: changed rows, as long contexts are).
+    small_table: int = 0
 
 
 def make_runner(
@@ -213,6 +230,7 @@ def run_lockstep(loaded: LoadedModel, scenario: Scenario) -> int:
         mp.setattr(model_runner_module, "resolve_cudagraph_mode", _any_mode)
         mp.setattr(CudaGraphRunner, "run", _full_stub)
         mp.setattr(model_runner_module, "_FEW_ROWS", scenario.few_rows)
+        mp.setattr(cudagraph_runner_module, "_SMALL_BLOCK_TABLE", scenario.small_table)
         return _run_lockstep(loaded, scenario)
 
 
@@ -242,8 +260,10 @@ def _run_lockstep(loaded: LoadedModel, scenario: Scenario) -> int:
     )
     arrivals: dict[int, list[Request]] = {}
     aborts: dict[int, list[str]] = {}
-    for i, (arrive, prompt, max_tokens, abort) in enumerate(scenario.requests):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, (arrive, prompt, max_tokens, abort, *sampling) in enumerate(scenario.requests):
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, **SAMPLING[(*sampling, "greedy")[0]](i)
+        )
         arrivals.setdefault(arrive, []).append(Request(f"r{i}", prompt, params))
         if abort is not None:
             aborts.setdefault(arrive + abort, []).append(f"r{i}")
@@ -287,7 +307,10 @@ def scenarios(draw: st.DrawFn) -> Scenario:
             else draw(st.lists(st.integers(3, VOCAB - 1), min_size=length, max_size=length))
         )
         abort = draw(st.none() | st.integers(0, 30))
-        requests.append((draw(st.integers(0, 12)), prompt, draw(st.integers(1, 20)), abort))
+        sampling = draw(st.sampled_from(sorted(SAMPLING)))
+        requests.append(
+            (draw(st.integers(0, 12)), prompt, draw(st.integers(1, 20)), abort, sampling)
+        )
     return Scenario(
         mode=draw(st.sampled_from(sorted(MODES))),
         graphs=draw(st.sampled_from(["NONE", "PIECEWISE", "FULL_AND_PIECEWISE"])),
@@ -297,6 +320,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         prefix_caching=draw(st.booleans()),
         requests=requests,
         few_rows=draw(st.sampled_from([0, 32])),
+        small_table=draw(st.sampled_from([0, 16384])),
     )
 
 
@@ -328,7 +352,10 @@ def test_steady_decode_takes_the_fast_path(
         budget=16,
         num_blocks=20,
         prefix_caching=False,
-        requests=[(0, p, 24, 20 if i == 2 else None) for i, p in enumerate(prompts)],
+        requests=[
+            (0, p, 24, 20 if i == 2 else None, ("greedy", "seeded", "greedy", "logprobs")[i % 4])
+            for i, p in enumerate(prompts)
+        ],
         few_rows=few_rows,
     )
     assert run_lockstep(tiny_model, scenario) > 20
@@ -362,7 +389,10 @@ def test_block_table_marks_changed_rows() -> None:
     assert table.take_dirty_rows(4) == []
 
 
-def test_staged_block_table_rewrites_only_changed_rows(tiny_model: LoadedModel) -> None:
+def test_staged_block_table_rewrites_only_changed_rows(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cudagraph_runner_module, "_SMALL_BLOCK_TABLE", 0)  # a "long context"
     scenario = Scenario("sync", "PIECEWISE", 4, 64, 32, False, [])
     runner = make_runner(tiny_model, scenario, fast=True)
     graphs = runner.graph_runner
@@ -425,6 +455,15 @@ def test_layout_version_and_sampling_metadata_cache() -> None:
     batch.remove_request("a")
     batch.condense()
     assert batch.req_ids == ["b"] and [s.req_id for s in batch.states] == ["b"]
+    # Only plain greedy requests left: one metadata for any rows, from_params' own.
+    batch.remove_request("b")
+    for rid in "cd":
+        batch.add_request(CachedRequestState(rid, [1], greedy, None, [0], 1))
+    batch.condense()
+    want = SamplingMetadata.from_params([greedy, greedy], {}, torch.device("cpu"))
+    assert batch.sampling_metadata([0, 1]) == want == batch.sampling_metadata([1])
+    batch.add_request(CachedRequestState("e", [1], SamplingParams(logprobs=2), None, [0], 1))
+    assert batch.sampling_metadata([0, 1, 2]).max_num_logprobs == 2
 
 
 def test_append_tokens_equals_append_token() -> None:
@@ -520,3 +559,21 @@ def test_reorder_decodes_first_equals_the_scan(counts: list[int]) -> None:
     assert got.req_ids == want.req_ids
     assert got.token_ids_cpu.tolist() == want.token_ids_cpu.tolist()
     assert got.block_table.block_table_np.tolist() == want.block_table.block_table_np.tolist()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_token_never_sampled_is_an_error(tiny_model: LoadedModel, fast: bool) -> None:
+    runner = make_runner(tiny_model, Scenario("async", "NONE", 4, 64, 32, False, []), fast=fast)
+    greedy = SamplingParams(temperature=0.0)
+    first = SchedulerOutput(
+        1, [NewRequestData("a", [1, 2, 3], greedy, [0], 0)], CachedRequestData(), {"a": 3}, 3
+    )
+    assert runner.execute_model(first) is None
+    runner.sample_tokens()
+    # "b" computes its 3rd token, which no step sampled.
+    cached = CachedRequestData(["a"], [False], [[]], [[]], [3])
+    second = SchedulerOutput(
+        2, [NewRequestData("b", [4, 5], greedy, [1], 2)], cached, {"a": 1, "b": 1}, 2
+    )
+    with pytest.raises(RuntimeError, match=r"never sampled \(requests \['b'\]\)"):
+        runner.execute_model(second)

@@ -22,6 +22,7 @@ class BlockTable:
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
         #: The table row-major, flat (a view): ``row * max_num_blocks_per_req + block``.
         self._flat = self.block_table_np.reshape(-1)
+        assert np.shares_memory(self._flat, self.block_table_np)
         #: ``row * max_num_blocks_per_req``: where each row starts in ``_flat``.
         self._row_starts = np.arange(max_num_reqs, dtype=np.int64) * max_num_blocks_per_req
         #: Rows changed since the last ``take_dirty_rows``.

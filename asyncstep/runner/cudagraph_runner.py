@@ -196,13 +196,15 @@ class CudaGraphRunner:
                 buffer[received.shape[0] : rows].zero_()
 
     def _stage_block_table(self, host: HostInputs) -> None:
-        """The step's block table rows into the staged one: only the rows
-        changed since it was last staged from the same table (a steady
-        decode step: none, or the few that got a new block), else every row,
-        up to the most blocks a row has (no kernel reads past a row's blocks)."""
+        """The step's block table rows into the staged one. A small table
+        whole (one copy costs less than finding the rows); a large one (long
+        contexts) only the rows changed since it was last staged from the
+        same table (a steady decode step: none, or the few that got a new
+        block), else every row up to the most blocks a row has (no kernel
+        reads past a row's blocks)."""
         staged = self.inputs.host["block_table"]
         source, r = host.block_table_source, host.num_reqs
-        if source is None:
+        if source is None or r * staged.shape[1] <= _SMALL_BLOCK_TABLE:
             blocks = host.block_table.shape[1]
             staged[:r, :blocks] = host.block_table
             self._staged_block_table = None
@@ -336,6 +338,10 @@ class CudaGraphRunner:
     @property
     def num_graphs(self) -> int:
         return len(self.full_graphs) + sum(len(g) for g in self.piecewise_graphs.values())
+
+
+#: Block table entries up to which the whole table is staged every step.
+_SMALL_BLOCK_TABLE = 16384
 
 
 def _write_padded(dst: np.ndarray, values: np.ndarray, length: int, pad: int) -> None:

@@ -67,6 +67,7 @@ class InputBatch:
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         #: ``token_ids_cpu`` flat (a view): ``row * max_model_len + position``.
         self.token_ids_flat = self.token_ids_cpu.reshape(-1)
+        assert np.shares_memory(self.token_ids_flat, self.token_ids_cpu)
         self._rows = np.arange(max_num_reqs)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
@@ -76,6 +77,8 @@ class InputBatch:
         #: (layout_version, rows, metadata) of the last ``sampling_metadata`` call.
         self._sampling_cache: tuple[int, list[int], SamplingMetadata] | None = None
         self.cache_sampling_metadata = True
+        #: Requests in the batch that are not plain greedy (random, or asking for log-probs).
+        self._num_not_greedy = 0
 
     # -- membership -------------------------------------------------------
 
@@ -122,6 +125,7 @@ class InputBatch:
         self.num_computed_tokens_cpu[row] = req.num_computed_tokens
         self.block_table.add_row(req.block_ids, row)
         self.sampling_params[row] = req.sampling_params
+        self._num_not_greedy += not _plain_greedy(req.sampling_params)
         if req.generator is not None:
             self.generators[row] = req.generator
         return row
@@ -141,6 +145,8 @@ class InputBatch:
             ].tolist()
             state.num_computed_tokens = int(self.num_computed_tokens_cpu[row])
         self.layout_version += 1
+        params = self.sampling_params[row]
+        self._num_not_greedy -= params is not None and not _plain_greedy(params)
         self._req_ids[row] = None
         self._states[row] = None
         self.sampling_params[row] = None
@@ -235,7 +241,10 @@ class InputBatch:
     def sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
         """Sampling parameters of the given rows, in that order; the last
         call's metadata again while the same requests sample in the same
-        rows (the sampler only reads it)."""
+        rows, or the one all-greedy metadata while every request is plain
+        greedy (the sampler only reads it)."""
+        if self._num_not_greedy == 0 and self.cache_sampling_metadata and rows:
+            return _ALL_GREEDY
         cached = self._sampling_cache
         if cached is not None and cached[0] == self.layout_version and cached[1] == rows:
             return cached[2]
@@ -251,3 +260,20 @@ class InputBatch:
             i: self.generators[row] for i, row in enumerate(rows) if row in self.generators
         }
         return SamplingMetadata.from_params(params, generators, self.device)  # type: ignore[arg-type]
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    return params.greedy and params.logprobs is None
+
+
+#: What ``SamplingMetadata.from_params`` makes of any rows that are all plain greedy.
+_ALL_GREEDY = SamplingMetadata(
+    temperature=None,
+    all_greedy=True,
+    all_random=False,
+    top_p=None,
+    top_k=None,
+    min_p=None,
+    generators={},
+    max_num_logprobs=None,
+)

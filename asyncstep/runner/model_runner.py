@@ -20,14 +20,18 @@ them into its input ids. The host learns the tokens when a later step starts
 the persistent batch. Inputs go to the device through pinned staging buffers
 guarded by ``prepare_inputs_event`` (:mod:`asyncstep.runner.staging`).
 
-The steady decode step (the same requests in the same rows as the step
-before, no request joining, leaving or resuming) skips the per-request
-Python: ``_update_states`` writes the computed counts with one array
-assignment and touches only the requests that got a new block; the sampled
-tokens of a step whose rows have not moved since are appended with one
-array operation; the previous step's ids are copied into the input ids
-without a gather; the sampling metadata is the last step's
-(:attr:`InputBatch.layout_version` tells when rows moved).
+A step spends little Python per request (``fast_paths``; off, the runner
+goes request by request, which tests compare): ``_update_states`` writes the
+computed counts of the requests that keep their rows with one array
+assignment and touches only those that got a new block, joined, left or
+resumed (a request's row, not its state, holds its tokens while it has
+one: see :class:`CachedRequestState`); the sampled tokens are appended with
+a few array operations (at the rows the requests hold now). The steady
+decode step (the same requests in the same rows as the step before, one
+token each; :attr:`InputBatch.layout_version` tells when rows moved) also
+copies the previous step's ids into the input ids without a gather and
+samples with the last step's metadata; its inputs take the decode path of
+:mod:`asyncstep.runner.step_inputs`.
 """
 
 from __future__ import annotations
@@ -123,7 +127,7 @@ class _SampledFrom:
     def index(self) -> dict[str, int]:
         """Request id -> its id's index in the sampled ids."""
         ids = map(self.req_ids.__getitem__, self.rows)
-        return dict(zip(ids, range(len(self.rows)), strict=False))  # (as many)
+        return dict(zip(ids, range(len(self.rows)), strict=True))
 
 
 @dataclass
@@ -697,16 +701,11 @@ class ModelRunner:
             input_ids[:num_reqs].copy_(prev[:num_reqs])
             return input_ids
         rows = np.flatnonzero(unknown)
-        batch_ids = batch.req_ids
-        req_ids = [batch_ids[r] for r in rows.tolist()]
+        req_ids = list(map(batch.req_ids.__getitem__, rows.tolist()))
         index = origin.index() if origin is not None else {}
-        if self.fast_paths:
-            src = np.fromiter(map(index.get, req_ids, itertools.repeat(-1)), np.int64, len(req_ids))
-            missing = [r for r, i in zip(req_ids, src.tolist(), strict=True) if i < 0]
-        else:
+        src = np.fromiter(map(index.get, req_ids, itertools.repeat(-1)), np.int64, len(req_ids))
+        if prev is None or (src < 0).any():
             missing = [r for r in req_ids if r not in index]
-            src = np.array([index.get(r, -1) for r in req_ids], dtype=np.int64)
-        if missing or prev is None:
             raise RuntimeError(
                 f"step computes tokens that were never sampled (requests {missing}): "
                 "a placeholder without a sampled id"

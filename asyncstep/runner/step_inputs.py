@@ -7,9 +7,10 @@ A decode step (every request one token: ``total_num_scheduled_tokens ==
 num_reqs``, the common case) takes a shorter path: no per-request Python,
 the step's constant arrays (``query_start_loc``, the token counts) are
 cached views, positions, seq lens and slots come from the batch's computed
-counts in a few array operations, the dispatcher's answer for a decode
-shape is remembered, and the CUDA-graph runner restages only the block
-table rows that changed."""
+counts in a few array operations, and the dispatcher's answer for a decode
+shape is remembered. On any step the CUDA-graph runner restages only the
+block table rows that changed, when the table is large (long contexts).
+``fast_paths`` off: every step the general path (tests compare the two)."""
 
 from __future__ import annotations
 
