@@ -265,8 +265,10 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
 
     ``cudagraph_capture_sizes``: token counts captured (batches are padded up
     to the next one); None: ``[1, 2, 4] + 8, 16, ..., 256 + 272, 288, ...``
-    up to ``max_cudagraph_capture_size`` (None: ``min(2 * max_num_seqs,
-    512)``). ``attention_backend``: auto (triton on CUDA, torch on the CPU).
+    up to ``min(2 * max_num_seqs, 512)``, then steps of 256 (chunked
+    prefills, PIECEWISE) up to ``max_cudagraph_capture_size`` (None:
+    ``max_num_batched_tokens``, at most 4096). ``attention_backend``: auto
+    (triton on CUDA, torch on the CPU).
     ``ubatch_*``: micro-batching (two micro-batches whose TP communication
     overlaps each other's compute); off by default.
     """
@@ -280,7 +282,7 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
     ] = None
     max_cudagraph_capture_size: Annotated[
         int | None,
-        _doc("largest CUDA graph capture size; none: min(2 * max_num_seqs, 512)"),
+        _doc("largest CUDA graph capture size; none: max_num_batched_tokens, at most 4096"),
     ] = None
     attention_backend: Annotated[
         str,

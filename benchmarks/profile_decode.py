@@ -48,6 +48,7 @@ async def run(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         max_model_len=args.prompt_len + 64,
         max_num_seqs=args.batch,
+        engine_process=False,  # the runner in this process, where the profiler is
     ) as engine:
         rng = random.Random(0)
         vocab = engine.arch_config.vocab_size
@@ -68,13 +69,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--skip", type=int, help="calls left out first (default: the prefill steps and one more)"
+    )
+    parser.add_argument("--sort", default="tottime", help="pstats sort key (tottime, cumulative)")
+    parser.add_argument("--dump", help="also write the raw profile here (pstats format)")
     args = parser.parse_args()
     prof = cProfile.Profile()
-    skip = -(-args.batch * args.prompt_len // 2048) + 2  # prefill steps and one more
+    skip = -(-args.batch * args.prompt_len // 2048) + 2 if args.skip is None else args.skip
     ModelRunner.execute_model = profiled(ModelRunner.execute_model, prof, skip)  # type: ignore[method-assign]
     ModelRunner.sample_tokens = profiled(ModelRunner.sample_tokens, prof, skip)  # type: ignore[method-assign]
     trio.run(run, args)
-    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    if args.dump:
+        prof.dump_stats(args.dump)
+    pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
 
 
 if __name__ == "__main__":

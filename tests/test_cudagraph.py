@@ -22,6 +22,7 @@ from asyncstep.runner.cudagraph_dispatcher import (
     CUDAGraphMode,
     default_capture_sizes,
 )
+from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.staging import StagedArena
 from asyncstep.runner.step_inputs import is_arange
 from tests.conftest import TEST_DEVICE
@@ -40,9 +41,13 @@ def test_default_capture_sizes() -> None:
     assert sizes[:5] == [1, 2, 4, 8, 16]
     assert sizes[sizes.index(256) + 1 :] == list(range(272, 513, 16))
     assert all(s % 8 == 0 for s in sizes[3 : sizes.index(256) + 1])
-    # Capped by max_num_seqs (2x, at most 512) and by the token budget.
-    assert dispatcher("FULL_AND_PIECEWISE", max_num_seqs=16).capture_sizes[-1] == 32
+    # Fine steps up to 2x max_num_seqs (at most 512), then steps of 256 (chunked
+    # prefills) up to the token budget (at most 4096).
+    small = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=16).capture_sizes
+    assert small[small.index(32) :] == [32, *range(256, 2049, 256)]
     assert dispatcher("PIECEWISE", max_num_batched_tokens=100).capture_sizes[-1] == 96
+    assert dispatcher("PIECEWISE", max_num_batched_tokens=9000).capture_sizes[-1] == 4096
+    assert dispatcher("PIECEWISE", max_capture_size=300).capture_sizes[-2:] == [128, 256]
 
 
 def test_sizes_rounded_to_the_sequence_parallel_multiple() -> None:
@@ -58,7 +63,8 @@ def test_batches_are_padded_to_the_next_capture_size() -> None:
     # A mixed batch: PIECEWISE, padded in tokens only (its attention runs eagerly).
     assert d.dispatch(9, 3, False) == (PIECEWISE, BatchDescriptor(16))
     # Too many tokens for any graph: eager, unpadded.
-    assert d.dispatch(129, 64, False) == (NONE, BatchDescriptor(129, 64, False))
+    assert d.dispatch(129, 64, False) == (PIECEWISE, BatchDescriptor(256))
+    assert d.dispatch(2049, 64, False) == (NONE, BatchDescriptor(2049, 64, False))
 
 
 def test_dispatch_order_full_exact_then_relaxed_then_piecewise() -> None:
@@ -87,7 +93,8 @@ def test_keys_are_captured_largest_first() -> None:
     assert sizes == sorted(sizes, reverse=True)
     assert {mode for mode, _ in keys} == {FULL, PIECEWISE}
     # One FULL decode graph and one PIECEWISE graph per size up to max_num_seqs.
-    assert len(keys) == 2 * 4 + 1  # sizes 1, 2, 4, 8 twice, 16 piecewise only
+    # Sizes 1, 2, 4, 8 twice; 16 and the 8 prefill sizes 256 .. 2048 piecewise only.
+    assert len(keys) == 2 * 4 + 1 + 8
 
 
 def test_mode_names_are_checked() -> None:
@@ -167,12 +174,21 @@ async def test_piecewise_graphs_give_the_eager_tokens(
 
 @pytest.mark.trio
 async def test_full_graphs_with_triton_attention_give_the_eager_tokens(
-    tiny_model: LoadedModel,
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FULL decode graphs need attention that reads only device metadata:
     the Triton kernels (interpreted on the CPU). Graphs against the same
-    kernels run eagerly."""
+    kernels run eagerly. Uniform decode graphs end with the logits."""
     pytest.importorskip("triton")
+    with_logits: list[bool] = []
+    computes_logits = CudaGraphRunner.computes_logits
+
+    def spy(self: CudaGraphRunner, mode: CUDAGraphMode, desc: BatchDescriptor) -> bool:
+        with_logits.append(computes_logits(self, mode, desc))
+        assert not with_logits[-1] or desc.uniform_decode
+        return with_logits[-1]
+
+    monkeypatch.setattr(CudaGraphRunner, "computes_logits", spy)
     options: dict[str, Any] = {
         "attention_backend": "triton",
         "cudagraph_stand_in": STAND_IN,
@@ -183,6 +199,7 @@ async def test_full_graphs_with_triton_attention_give_the_eager_tokens(
     assert graphed == eager
     steps = runner.step_inputs.cudagraph_steps
     assert steps["FULL"] >= 4 and steps["PIECEWISE"] > 0 and "NONE" not in steps
+    assert with_logits.count(True) == steps["FULL"]
     relaxed, runner = await run_engine(tiny_model, cudagraph_mode="FULL", **options)
     assert relaxed == eager and set(runner.step_inputs.cudagraph_steps) == {"FULL"}
 

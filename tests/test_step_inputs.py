@@ -72,6 +72,8 @@ def _full_stub(self: CudaGraphRunner, mode: CUDAGraphMode, desc: Any, meta: Any)
     n = desc.num_tokens
     hidden, _ = self.model.model.begin(self.input_ids[:n], None)
     scale = 1.0 + (self.positions[:n] % 5).unsqueeze(-1) + (self.slot_mapping[:n] % 3).unsqueeze(-1)
+    if self.computes_logits(mode, desc):  # a uniform decode graph ends with the LM head
+        return self.model.compute_logits(hidden * scale)
     return hidden * scale
 
 

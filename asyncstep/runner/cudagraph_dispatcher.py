@@ -83,19 +83,32 @@ class BatchDescriptor:
     uniform_decode: bool = False
 
 
-def default_capture_sizes(max_size: int) -> list[int]:
+def default_capture_sizes(max_size: int, max_decode_size: int | None = None) -> list[int]:
     """vLLM's sizes: 1, 2, 4, then multiples of 8 up to 256, then multiples
-    of 16, up to ``max_size`` (ascending)."""
-    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, max_size + 1, 16)]
-    return [s for s in sizes if s <= max_size]
+    of 16, up to ``max_decode_size`` (default: ``max_size``); then multiples
+    of :data:`PREFILL_SIZE_STEP` up to ``max_size`` (ascending). The large
+    sizes serve chunked prefills (PIECEWISE): an eager step launches its
+    kernels one by one, slower than the device runs them."""
+    decode_max = max_size if max_decode_size is None else min(max_decode_size, max_size)
+    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, decode_max + 1, 16)]
+    sizes = [s for s in sizes if s <= decode_max]
+    first = (decode_max // PREFILL_SIZE_STEP + 1) * PREFILL_SIZE_STEP
+    return sizes + list(range(first, max_size + 1, PREFILL_SIZE_STEP))
+
+
+#: Step between the large (prefill) capture sizes.
+PREFILL_SIZE_STEP = 256
+#: Largest default capture size (a step of more tokens runs eagerly).
+MAX_DEFAULT_CAPTURE_SIZE = 4096
 
 
 class CudagraphDispatcher:
     """Chooses the runtime mode and padded shape of each batch.
 
-    ``capture_sizes``: token counts to capture (None: the default list up to
-    ``max_capture_size``, itself defaulting to ``min(2 * max_num_seqs,
-    512)``); sizes are rounded to ``num_tokens_multiple`` (sequence
+    ``capture_sizes``: token counts to capture (None: the default list, its
+    fine steps up to ``min(2 * max_num_seqs, 512)``, then steps of 256 up to
+    ``max_capture_size``, itself defaulting to ``max_num_batched_tokens``
+    capped at 4096); sizes are rounded to ``num_tokens_multiple`` (sequence
     parallelism pads steps to a multiple of the TP size) and capped at
     ``max_num_batched_tokens``. Uniform decode graphs go up to
     ``max_num_seqs`` requests.
@@ -114,9 +127,13 @@ class CudagraphDispatcher:
         self.mode = mode
         self.max_num_seqs = max_num_seqs
         if max_capture_size is None:
-            max_capture_size = min(2 * max_num_seqs, 512)
+            max_capture_size = MAX_DEFAULT_CAPTURE_SIZE
         max_capture_size = min(max_capture_size, max_num_batched_tokens)
-        sizes = default_capture_sizes(max_capture_size) if capture_sizes is None else capture_sizes
+        sizes = (
+            default_capture_sizes(max_capture_size, min(2 * max_num_seqs, 512))
+            if capture_sizes is None
+            else capture_sizes
+        )
         m = num_tokens_multiple
         self.capture_sizes = sorted(
             {-(-s // m) * m for s in sizes if -(-s // m) * m <= max_num_batched_tokens}

@@ -9,6 +9,9 @@ requests seq_len 0 with an empty query range), and the graph replays.
 
 * FULL: the whole stage forward is one graph; attention reads only device
   metadata (the Triton backend), so one graph serves every batch of its shape.
+  A uniform decode graph of the last stage also computes the logits (row i
+  is request i's; padding rows' logits are garbage): the LM head is then no
+  eager launch of its own.
 * PIECEWISE: the forward is cut at each attention: graph 0 runs up to the
   first layer's q/k/v, graph i from layer i-1's attention output to layer i's
   q/k/v, the last graph to the stage's output. Attention runs eagerly in
@@ -138,6 +141,8 @@ class CudaGraphRunner:
             key: zeros(n, hidden, dtype=dtype) for key in ("hidden_states", "residual")
         }
         self.full_graphs: dict[BatchDescriptor, Graph[StageOutput]] = {}
+        #: The FULL graphs that end with the logits (uniform decode, last stage).
+        self.logits_graphs: set[BatchDescriptor] = set()
         self.piecewise_graphs: dict[BatchDescriptor, list[Graph[StageOutput | None]]] = {}
         #: The block table whose rows the staged block table holds (up to
         #: the rows it has marked as changed since), if any.
@@ -236,12 +241,18 @@ class CudaGraphRunner:
 
     # -- replay -------------------------------------------------------------
 
+    def computes_logits(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> bool:
+        """:meth:`run` of ``(mode, desc)`` returns logits, not hidden states."""
+        return mode is CUDAGraphMode.FULL and desc in self.logits_graphs
+
     def run(
         self, mode: CUDAGraphMode, desc: BatchDescriptor, meta: AttentionMetadata | None
     ) -> StageOutput:
-        """Replay the graph(s) of ``desc`` on the loaded inputs. Intermediate
-        tensors are cloned: the next replay overwrites the graph's outputs
-        while the pipeline send may still read them."""
+        """Replay the graph(s) of ``desc`` on the loaded inputs: hidden
+        states, intermediate tensors, or logits (:meth:`computes_logits`).
+        Intermediate tensors are cloned: the next replay overwrites the
+        graph's outputs while the pipeline send may still read them; logits
+        are not (the sampler reads them before the next replay)."""
         if mode is CUDAGraphMode.FULL:
             out = self.full_graphs[desc].replay()
         else:
@@ -287,10 +298,18 @@ class CudaGraphRunner:
         ids, positions = self.input_views(n)
         intermediate = self._intermediate(n)
 
+        with_logits = desc.uniform_decode and self.model.lm_head is not None
+
         def forward() -> StageOutput:
-            return self.model(ids, positions, meta, intermediate)
+            out = self.model(ids, positions, meta, intermediate)
+            if with_logits:
+                assert isinstance(out, torch.Tensor)
+                return self.model.compute_logits(out)
+            return out
 
         self.full_graphs[desc] = capture_graph(forward, self.pool)
+        if with_logits:
+            self.logits_graphs.add(desc)
 
     def _cut_views(self, num_tokens: int) -> _Cut:
         b, rows = self._cut_buffers, self._rows(num_tokens)
@@ -330,6 +349,7 @@ class CudaGraphRunner:
     def release(self) -> None:
         """Drop every graph (their pool memory goes back to the allocator)."""
         self.full_graphs.clear()
+        self.logits_graphs.clear()
         self.piecewise_graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -333,7 +333,10 @@ class ModelRunner:
             out = self._forward(inputs, intermediate_tensors)
         replay = time.perf_counter() - t2
         if not isinstance(out, IntermediateTensors):
-            out = self.model.compute_logits(out[inputs.logits_indices])
+            if self._graph_computed_logits(inputs):
+                out = out[inputs.logits_indices]
+            else:
+                out = self.model.compute_logits(out[inputs.logits_indices])
         events = StepEvents(start, record_event(self.device)) if start is not None else None
 
         self.last_step_events = events
@@ -344,6 +347,11 @@ class ModelRunner:
             scheduler_output, self.input_batch.req_ids, out, inputs.sample_rows, events
         )
         return None
+
+    def _graph_computed_logits(self, inputs: StepInputs) -> bool:
+        return self.graph_runner is not None and self.graph_runner.computes_logits(
+            inputs.cudagraph_mode, inputs.batch_descriptor
+        )
 
     def _forward(
         self, inputs: StepInputs, intermediate_tensors: IntermediateTensors | None

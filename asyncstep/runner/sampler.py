@@ -228,11 +228,15 @@ def gather_logprobs(
 class Sampler:
     """Samples one token per row of a ``[num_reqs, vocab]`` logits tensor.
 
-    Works in float32 and never modifies the caller's logits. Greedy rows get
+    Works in float32 (an all-greedy batch without log-probs: the argmax of the
+    logits as they are) and never modifies the caller's logits. Greedy rows get
     exactly ``argmax`` of the raw logits (lowest id on ties), mixed batch or not.
     """
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if metadata.all_greedy and metadata.max_num_logprobs is None:
+            # The argmax of any float dtype is that of its float32 values (exact).
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs_tensors=None)
         # float() returns the same tensor when it is float32 already: no in-place ops on it.
         logits = logits.float()
         sampled = self.sample(logits, metadata)
