@@ -19,7 +19,7 @@ import msgspec
 import trio
 
 from asyncstep.config import EngineConfig, EngineOption, engine_options
-from asyncstep.datatypes import SamplingParams
+from asyncstep.datatypes import SamplingParams, is_utf8
 from asyncstep.engine.api import make_config, open_engine
 from asyncstep.engine.engine import Engine, Prompt
 from asyncstep.engine.outputs import Completion
@@ -258,6 +258,8 @@ def exit_status(error: BaseException) -> int:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as SamplingParams: built before the model loads, so
+    that a bad flag is refused at once (InvalidRequestError, one line)."""
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -283,12 +285,17 @@ async def generate_all(args: argparse.Namespace, prompts: list[str], params: Sam
             chat = args.chat
             if chat is None:
                 chat = bool(getattr(engine.tokenizer, "chat_template", None))
-            requests: list[Prompt] = [
-                [{"role": "user", "content": p}] if chat else p for p in prompts
-            ]
+            requests = [to_request(p, chat) for p in prompts]
             if len(prompts) == 1 and not args.json:
                 return await _stream_one(engine, requests[0], params, prompts[0])
             return await _generate_many(engine, requests, params, prompts, args.json)
+
+
+def to_request(prompt: str, chat: bool) -> Prompt:
+    """The engine's prompt for a command-line prompt: one user turn with
+    ``chat``, else the text. An empty prompt stays empty text in both modes,
+    so that the engine refuses it (a chat turn of no content would be served)."""
+    return [{"role": "user", "content": prompt}] if chat and prompt else prompt
 
 
 async def _stream_one(engine: Engine, request: Prompt, params: SamplingParams, prompt: str) -> int:
@@ -354,7 +361,10 @@ def _print_error(prompt: str, error: AsyncstepError) -> None:
 
 
 def _emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record, ensure_ascii=False), flush=True)
+    line = json.dumps(record, ensure_ascii=False)
+    if not is_utf8(line):  # a prompt with a lone surrogate (undecodable argv bytes)
+        line = json.dumps(record)
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Data types shared by every room: requests' sampling parameters, the
 scheduler's per-step output, the runner's per-step output, intermediate tensors.
 
+:class:`SamplingParams` checks every field's type and range when built or
+decoded (one check per field, in ``_FIELD_CHECKS``), so that nothing a request
+holds can overflow a tensor, a generator's seed or the wire further on.
+
 The wire types are msgspec Structs (typed, no pickle), so the same objects go
 through an in-process memory channel or over a socket to another rank. This
 module imports nothing heavy (no torch at run time), so every package may use it.
@@ -9,8 +13,11 @@ module imports nothing heavy (no torch at run time), so every package may use it
 from __future__ import annotations
 
 import enum
+import math
+import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from msgspec.structs import force_setattr
@@ -24,6 +31,12 @@ if TYPE_CHECKING:
 TOP_K_OFF = (0, -1)
 #: Temperatures below this sample greedily.
 GREEDY_EPSILON = 1e-5
+#: Most log-probs a request may ask for per position (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+#: Largest count (``max_tokens``, ``top_k``, a stop token id): an int64.
+MAX_COUNT = 2**63 - 1
+#: Largest ``seed``: a uint64 (what ``torch.Generator.manual_seed`` takes).
+MAX_SEED = 2**64 - 1
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -33,8 +46,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     strings that end the output (not included unless
     ``include_stop_str_in_output``); ``stop_token_ids`` end it too (EOS always
     does unless ``ignore_eos``). ``logprobs=n`` returns the top-n log-probs of
-    each sampled position, plus the sampled token's. Invalid values raise
-    :class:`~asyncstep.errors.InvalidRequestError` at construction.
+    each sampled position, plus the sampled token's (n <= ``MAX_LOGPROBS``).
+
+    Every field is checked and normalized at construction (and when decoded):
+    numbers become plain ``int`` / ``float`` (numpy scalars too; never a bool
+    or a string), ``stop`` a tuple of strings (a lone string, a list, or None
+    for none), ``stop_token_ids`` a tuple of ints. Anything else raises
+    :class:`~asyncstep.errors.InvalidRequestError` naming the field
+    (``msgspec.structs.replace`` checks too). A struct changed behind its
+    back (``msgspec.structs.force_setattr``) is checked again by
+    :meth:`validate`, which the engine calls for every request.
     """
 
     max_tokens: int = 256
@@ -50,37 +71,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        # Accept a lone string or any iterable for the tuple fields.
-        if isinstance(self.stop, str):
-            force_setattr(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
-            force_setattr(self, "stop", tuple(self.stop))
-        if not isinstance(self.stop_token_ids, tuple):
-            force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
-        self._validate()
+        self.validate()
 
-    def _validate(self) -> None:
-        def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(msg)
-
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise bad(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens <= 0:
-            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not self.temperature >= 0.0 or self.temperature == float("inf"):
-            raise bad(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 and self.top_k not in TOP_K_OFF:
-            raise bad(f"top_k must be >= 1, or 0 / -1 for no top-k, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad(f"logprobs must be >= 0, got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise bad("stop strings must not be empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise bad(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+    def validate(self) -> None:
+        """Check and normalize every field in place (idempotent); raises
+        :class:`~asyncstep.errors.InvalidRequestError` on the first bad one."""
+        for name, check in _FIELD_CHECKS.items():
+            value = getattr(self, name)
+            checked = check(name, value)
+            if checked is not value:
+                force_setattr(self, name, checked)
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +89,173 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
+
+
+# ---------------------------------------------------------------------------
+# SamplingParams' field checks: (field name, value) -> the normalized value.
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """A value in an error message: its repr, on one line and cut short."""
+    try:
+        text = repr(value).replace("\n", " ")
+    except Exception:  # a caller's object whose repr fails
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _invalid(name: str, expected: str, value: object) -> InvalidRequestError:
+    return InvalidRequestError(f"{name} must be {expected}, got {shown(value)}")
+
+
+def _as_int(name: str, value: object, expected: str) -> int:
+    """``value`` as a plain int: ints and numpy integers, not bools."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _invalid(name, expected, value)
+    return int(value)
+
+
+def _as_float(name: str, value: object, expected: str) -> float:
+    """``value`` as a plain float: ints, floats and numpy reals, not bools."""
+    if type(value) is float:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _invalid(name, expected, value)
+    try:
+        return float(value)
+    except OverflowError:  # an int too large for a float
+        raise _invalid(name, expected, value) from None
+
+
+def _check_max_tokens(name: str, value: object) -> int:
+    n = _as_int(name, value, "an integer")
+    if n <= 0:
+        raise InvalidRequestError(f"{name} must be at least 1, got {n}")
+    if n > MAX_COUNT:
+        raise _invalid(name, f"at most {MAX_COUNT} (2**63 - 1)", n)
+    return n
+
+
+def _check_temperature(name: str, value: object) -> float:
+    expected = "a finite number >= 0"
+    t = _as_float(name, value, expected)
+    if not 0.0 <= t < math.inf:  # nan too
+        raise _invalid(name, expected, t)
+    return t
+
+
+def _check_top_p(name: str, value: object) -> float:
+    p = _as_float(name, value, "a number in (0, 1]")
+    if not 0.0 < p <= 1.0:
+        raise InvalidRequestError(f"{name} must be in (0, 1], got {p}")
+    return p
+
+
+def _check_min_p(name: str, value: object) -> float:
+    p = _as_float(name, value, "a number in [0, 1]")
+    if not 0.0 <= p <= 1.0:
+        raise InvalidRequestError(f"{name} must be in [0, 1], got {p}")
+    return p
+
+
+def _check_top_k(name: str, value: object) -> int:
+    k = _as_int(name, value, "an integer >= 1, or 0 / -1 for no top-k")
+    if k < 0 and k not in TOP_K_OFF:
+        raise InvalidRequestError(f"{name} must be >= 1, or 0 / -1 for no top-k, got {shown(k)}")
+    if k > MAX_COUNT:
+        raise _invalid(name, f"at most {MAX_COUNT} (2**63 - 1)", k)
+    return k
+
+
+def _check_seed(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    expected = f"None or an integer in [0, {MAX_SEED}] (2**64 - 1)"
+    seed = _as_int(name, value, expected)
+    if not 0 <= seed <= MAX_SEED:
+        raise _invalid(name, expected, seed)
+    return seed
+
+
+def _check_logprobs(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    n = _as_int(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
+    if n < 0:
+        raise InvalidRequestError(f"{name} must be >= 0, got {n}")
+    if n > MAX_LOGPROBS:
+        raise InvalidRequestError(f"{name} must be <= {MAX_LOGPROBS}, got {shown(n)}")
+    return n
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _invalid(name, "True or False", value)
+    return value
+
+
+def _sequence(name: str, value: object, expected: str) -> tuple[object, ...]:
+    """A list or tuple (or another sequence) as a tuple; None is empty."""
+    if type(value) is tuple:  # the fast paths first: this runs per request
+        return value
+    if type(value) is list:
+        return tuple(value)
+    if value is None:
+        return ()
+    if isinstance(value, str | bytes | bytearray) or not isinstance(value, Sequence):
+        raise _invalid(name, expected, value)
+    return value if isinstance(value, tuple) else tuple(value)
+
+
+def _check_stop(name: str, value: object) -> tuple[str, ...]:
+    expected = "a string or a list of strings"
+    items = (value,) if isinstance(value, str) else _sequence(name, value, expected)
+    for item in items:
+        if not isinstance(item, str):
+            raise InvalidRequestError(f"{name} must hold strings only, got {shown(item)}")
+        if not item:
+            raise InvalidRequestError("stop strings must not be empty")
+        if not is_utf8(item):
+            raise InvalidRequestError(f"{name} string {shown(item)} is not valid UTF-8")
+    return items  # type: ignore[return-value]  # checked above
+
+
+def _check_token_ids(name: str, value: object) -> tuple[int, ...]:
+    items = _sequence(name, value, "a list of token ids")
+    if all(type(t) is int and 0 <= t <= MAX_COUNT for t in items):
+        return items  # type: ignore[return-value]  # checked above
+    ids = tuple(_as_int(name, t, "a list of integers only") for t in items)
+    if any(not 0 <= t <= MAX_COUNT for t in ids):
+        raise InvalidRequestError(f"{name} must be in [0, {MAX_COUNT}], got {shown(list(ids))}")
+    return ids
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes to UTF-8 (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+#: The check of each SamplingParams field, in field order (a new field needs one:
+#: tests/test_validation.py checks that every field has its check).
+_FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "max_tokens": _check_max_tokens,
+    "temperature": _check_temperature,
+    "top_p": _check_top_p,
+    "top_k": _check_top_k,
+    "min_p": _check_min_p,
+    "seed": _check_seed,
+    "stop": _check_stop,
+    "stop_token_ids": _check_token_ids,
+    "ignore_eos": _check_flag,
+    "logprobs": _check_logprobs,
+    "include_stop_str_in_output": _check_flag,
+}
 
 
 class FinishReason(enum.StrEnum):

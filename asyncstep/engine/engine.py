@@ -2,9 +2,12 @@
 output processor).
 
 :class:`Engine` lives on the caller's event loop (Trio, or asyncio through
-AnyIO). It validates and tokenizes each request, applies chat templates,
-hands the request to the engine core (:mod:`asyncstep.engine.core`: the
-scheduler and the ranks, by default in a process of its own), and turns the
+AnyIO). It checks each request whole before anything of it is kept or sent
+(its sampling parameters, its id, its prompt against the model: a refused
+request raises :class:`InvalidRequestError` and leaves nothing behind),
+tokenizes it, applies chat templates, hands it to the engine core
+(:mod:`asyncstep.engine.core`: the scheduler and the ranks, by default in a
+process of its own), and turns the
 core's per-step token news into text for the callers: detokenization, stop
 strings, the client streams. It never waits on the core to accept a request:
 requests, aborts and stops queue on an unbounded channel that the transport
@@ -30,7 +33,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import SamplingParams
+from asyncstep.datatypes import SamplingParams, is_utf8, shown
 from asyncstep.engine.core_messages import (
     CoreFailed,
     CoreInputs,
@@ -65,9 +68,8 @@ log = get_logger("engine")
 
 #: A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
-
-#: Most log-probs a request may ask for per position.
-MAX_LOGPROBS = 20
+#: Sequences of ints that are not token ids.
+_BINARY = (bytes, bytearray, memoryview)
 
 
 class CoreClient(Protocol):
@@ -172,6 +174,8 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request in flight (no-op when it already ended)."""
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a string, got {shown(request_id)}")
         state = self._requests.get(request_id)
         if state is not None:
             self._abort_unfinished(state)
@@ -189,21 +193,27 @@ class Engine:
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text as ``tokenizer(text).input_ids``, chat
-        messages through the tokenizer's chat template."""
+        messages through the tokenizer's chat template, token ids as they are.
+        Anything else, or ids the model cannot take, raise
+        :class:`InvalidRequestError`."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            ids = list(self._need_tokenizer()(prompt).input_ids)
-        else:
+            ids = self._encode_text(prompt)
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, _BINARY):
             items = list(prompt)
             if items and all(isinstance(m, Mapping) for m in items):
                 ids = self._apply_chat_template(cast(list[Mapping[str, Any]], items))
-            elif all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            elif all(type(t) is int for t in items):
                 ids = cast(list[int], items)
             else:
                 raise InvalidRequestError(
-                    "prompt must be a string, a list of token ids or a list of chat messages"
+                    "prompt must be a string, a list of token ids (ints) or a list of chat "
+                    f"messages, got a list holding {_kinds(items)}"
                 )
+        else:
+            raise InvalidRequestError(
+                "prompt must be a string, a list of token ids or a list of chat messages, "
+                f"got {type(prompt).__name__}"
+            )
         self._check_prompt(ids)
         return ids
 
@@ -232,15 +242,11 @@ class Engine:
     def _add_request(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
     ) -> RequestState:
+        """Check the whole request, then register it and send it to the core:
+        a request refused here leaves nothing behind."""
         self._check_alive()
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling_params must be a SamplingParams")
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {params.logprobs}")
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        params = self._check_params(params)
+        request_id = self._check_request_id(request_id)
         ids = self.encode_prompt(prompt)
         state = RequestState(
             request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer
@@ -248,6 +254,34 @@ class Engine:
         self._requests[request_id] = state
         self._send(CoreInputs(new_requests=[EngineCoreRequest(request_id, ids, params)]))
         return state
+
+    def _check_params(self, params: object) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        params.validate()  # again: its fields may have been set behind its back
+        if params.logprobs is not None and params.logprobs > self.arch_config.vocab_size:
+            raise InvalidRequestError(
+                f"logprobs must be <= the vocabulary size ({self.arch_config.vocab_size}), "
+                f"got {params.logprobs}"
+            )
+        return params
+
+    def _check_request_id(self, request_id: object) -> str:
+        if request_id is None:
+            return f"req-{next(self._ids)}"
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(
+                f"request_id must be a string, got {type(request_id).__name__} {shown(request_id)}"
+            )
+        if not is_utf8(request_id):
+            raise InvalidRequestError(f"request_id {shown(request_id)} is not valid UTF-8")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        return request_id
 
     def _abort_unfinished(self, state: RequestState) -> None:
         if state.finished or state.error is not None:
@@ -295,10 +329,20 @@ class Engine:
             raise InvalidRequestError("this model has no tokenizer: pass the prompt as token ids")
         return self.tokenizer
 
+    def _encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if not text:
+            raise InvalidRequestError("prompt is empty")
+        if not is_utf8(text):
+            raise InvalidRequestError("prompt is not valid UTF-8 (it holds a lone surrogate)")
+        tokenizer = self._need_tokenizer()
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
     def _apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         tokenizer = self._need_tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template")
+        for i, message in enumerate(messages):
+            _check_chat_message(i, message)
         try:
             conversation: list[dict[str, Any]] = [dict(m) for m in messages]
             text = tokenizer.apply_chat_template(
@@ -307,8 +351,8 @@ class Engine:
                 tokenize=False,
             )
         except Exception as exc:  # jinja errors: a malformed conversation
-            raise InvalidRequestError(f"chat template failed: {exc}") from None
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
+            raise InvalidRequestError(f"chat template failed: {describe(exc)}") from None
+        return self._encode_text(cast(str, text), add_special_tokens=False)
 
     # -- serving ----------------------------------------------------------
 
@@ -416,6 +460,26 @@ class Engine:
         if self._error is None:
             self._error = error
             log.error("engine stopped", error=describe(error))
+
+
+def _check_chat_message(index: int, message: Mapping[str, Any]) -> None:
+    """A chat message: a string ``role`` and a string ``content``, in UTF-8."""
+    for key in ("role", "content"):
+        value = message.get(key)
+        if not isinstance(value, str):
+            raise InvalidRequestError(
+                f"chat message {index}: {key!r} must be a string, got {shown(value)}"
+            )
+        if not is_utf8(value):
+            raise InvalidRequestError(f"chat message {index}: {key!r} is not valid UTF-8")
+    if not message["role"]:
+        raise InvalidRequestError(f"chat message {index}: 'role' is empty")
+
+
+def _kinds(items: list[Any]) -> str:
+    """The kinds of a prompt list's items, for an error message."""
+    names = sorted({type(item).__name__ for item in items})
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 def tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:

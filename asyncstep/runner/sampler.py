@@ -87,7 +87,7 @@ class SamplingMetadata:
             top_p = floats([p.top_p for p in params])
         top_k = None
         if any(p.top_k_enabled for p in random_params):
-            top_k = _to_device([p.top_k for p in params], torch.int64, device)
+            top_k = _to_device([_top_k_row(p.top_k) for p in params], torch.int64, device)
         min_p = None
         if any(p.min_p > 0.0 for p in random_params):
             min_p = floats([p.min_p for p in params])
@@ -102,6 +102,17 @@ class SamplingMetadata:
             generators={i: g for i, g in generators.items() if not greedy[i]},
             max_num_logprobs=max(asked) if asked else None,
         )
+
+
+#: Largest ``top_k`` a row's tensor holds: more than any vocabulary, far from int64's end.
+TOP_K_CAP = 2**31 - 1
+
+
+def _top_k_row(top_k: int) -> int:
+    """A row's ``top_k`` clamped into ``[-1, TOP_K_CAP]`` (the filter then
+    clamps to the vocabulary): SamplingParams allows any int64, and a value
+    set behind its checks' back must not overflow the tensor either."""
+    return max(-1, min(top_k, TOP_K_CAP))
 
 
 def _to_device(
@@ -213,7 +224,9 @@ def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
 def gather_logprobs(
     logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
 ) -> LogprobsTensors:
-    """The sampled tokens' log-probs and ranks, then the top ``num_logprobs`` of each row."""
+    """The sampled tokens' log-probs and ranks, then the top ``num_logprobs`` of
+    each row (at most the whole vocabulary)."""
+    num_logprobs = max(0, min(num_logprobs, logprobs.shape[-1]))
     token_ids = token_ids.unsqueeze(-1)
     token_logprobs = logprobs.gather(-1, token_ids)
     ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
