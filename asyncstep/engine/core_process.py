@@ -126,7 +126,9 @@ async def _run(channel: MessageChannel[ToCore], setup: CoreSetup) -> None:
     async with anyio.create_task_group() as outer:
         outer.start_soon(_write_front_end, channel, events_rx)
         async with open_executor(setup.config, progress=progress, with_tokenizer=False) as opened:
-            core = EngineCore(setup.config, opened.executor, frozenset(setup.eos_token_ids))
+            core = EngineCore(
+                setup.config, opened.executor, frozenset(setup.eos_token_ids), freeze_heap=True
+            )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_read_front_end, channel, inputs_tx)
                 await core.run(inputs_rx, events_tx)

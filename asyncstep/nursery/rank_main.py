@@ -18,6 +18,7 @@ a watchdog ends the process after ``--exit-grace`` seconds.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import sys
@@ -182,6 +183,11 @@ async def _serve(stream: MessageStream, identity: RankIdentity) -> None:
     )
     if actor.pipe is not None:
         await anyio.to_thread.run_sync(_warm_up, actor.pipe, loaded.device)
+    # What is alive now lives as long as the rank: out of the collector's
+    # reach (as the engine core's freeze_gc_heap; a full collection over
+    # the model and its graphs held a step loop ~0.1 s).
+    gc.collect()
+    gc.freeze()
     with switch_interval(config.scheduler.gil_switch_interval_s):
         await _run_actor(actor, stream, is_driver=actor.is_driver)
 
