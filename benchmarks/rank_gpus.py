@@ -11,13 +11,14 @@ layout.
 
 The ranks are started the way torchrun starts them (``python -m asyncstep.rank
 --engine HOST:PORT`` with ``--local-rank`` = the GPU) against an engine opened
-with ``launch_ranks=False``.
+with ``launch_ranks=False``; both get a fresh secret in ``ASYNCSTEP_SECRET``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -27,7 +28,15 @@ from typing import Any
 import trio
 
 import asyncstep
-from asyncstep.engine.remote import _free_port
+from asyncstep.channels.framing import SECRET_ENV, new_secret
+
+
+def _free_port() -> int:
+    """A port free a moment ago (the ranks must be told it before the engine
+    listens; another process may take it in between: for tools only)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def rank_gpus(tp: int, pp: int, num_gpus: int) -> list[int]:
@@ -63,7 +72,8 @@ def start_ranks(
     log_level: str = "warning",
 ) -> list[subprocess.Popen[bytes]]:
     """Start one rank process per entry of ``gpus`` (rank ``i`` on GPU
-    ``gpus[i]``) for the engine listening on ``127.0.0.1:engine_port``."""
+    ``gpus[i]``) for the engine listening on ``127.0.0.1:engine_port`` (with
+    this process's ``ASYNCSTEP_SECRET``)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
     processes = []
     for rank, gpu in enumerate(gpus):
@@ -110,6 +120,8 @@ async def open_engine_on_gpus(
     gpus = rank_gpus(tp, pp, num_gpus)
     log_json = options.pop("rank_log_json", None)
     port = _free_port()
+    previous = os.environ.get(SECRET_ENV)
+    os.environ[SECRET_ENV] = new_secret()  # the ranks' and the engine core's
     processes = start_ranks(port, gpus, _free_port(), log_json=log_json)
     try:
         async with asyncstep.open_engine(
@@ -117,4 +129,8 @@ async def open_engine_on_gpus(
         ) as engine:
             yield engine
     finally:
+        if previous is None:
+            os.environ.pop(SECRET_ENV, None)
+        else:
+            os.environ[SECRET_ENV] = previous
         await trio.to_thread.run_sync(stop_ranks, processes)

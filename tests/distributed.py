@@ -30,17 +30,20 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import ipaddress
 import multiprocessing
 import multiprocessing.connection
 import os
 import resource
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,6 +134,45 @@ def _serve(
                 conn.send(("ok", value))
     finally:
         destroy_distributed()
+
+
+def free_port() -> int:
+    """A port free a moment ago, for a test that must name one to a process
+    it cannot hand a bound socket (torchrun, a listener started later).
+    Another process may take it in between: never do this outside tests."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket in LISTEN state that one of
+    ``pids`` holds, from /proc (the kernel's own table; Linux only)."""
+    owner: dict[int, int] = {}
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                owner[int(link[8:-1])] = pid
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], int(fields[9])
+            if state == "0A" and inode in owner:  # 0A: TCP_LISTEN
+                host, port = local.split(":")
+                found.append((owner[inode], _proc_address(host), int(port, 16)))
+    return found
+
+
+def _proc_address(hex_address: str) -> str:
+    """/proc/net/tcp{,6} writes an address as 32-bit words in host order."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words))
 
 
 class World:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import asyncstep
-from asyncstep.channels.control import ControlMessage, MessageStream, RankSetup
+from asyncstep.channels.control import ControlMessage, ControlStream, RankSetup
 from asyncstep.config import (
     CacheConfig,
     EngineConfig,
@@ -161,8 +161,11 @@ async def test_a_rank_receiving_a_bad_config_gets_the_config_error() -> None:
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
     port = listener.extra(anyio.abc.SocketAttribute.local_port)  # type: ignore[attr-defined]
     async with listener:
-        rank_side = MessageStream(await anyio.connect_tcp("127.0.0.1", port))
-        engine_side = MessageStream(await listener.listeners[0].accept())  # type: ignore[attr-defined]
+        rank_side = ControlStream(await anyio.connect_tcp("127.0.0.1", port), ControlMessage)
+        engine_side = ControlStream(
+            await listener.listeners[0].accept(),  # type: ignore[attr-defined]
+            ControlMessage,
+        )
         await engine_side.send(RankSetup(config, None))
         with pytest.raises(ConfigError, match=r"^block_size must be a power of two, got 3$"):
             await rank_side.receive()

@@ -17,6 +17,7 @@ import anyio
 import pytest
 import torch
 import trio
+from distributed import listening_sockets
 
 import asyncstep
 from asyncstep import ConfigError, EngineDeadError, SamplingParams
@@ -173,6 +174,11 @@ async def test_killing_the_core_of_a_tp_engine_leaves_no_rank_behind() -> None:
             pid, ranks = core_pid(engine), engine.rank_pids
             assert len(ranks) == 2 and all(alive(r) for r in ranks)
             assert len((await engine.generate(PROMPTS[0], GREEDY)).token_ids) == 12
+            # Nothing listens off loopback; the core not at all once its
+            # ranks are in (issue 14).
+            listening = listening_sockets([os.getpid(), pid, *ranks])
+            assert {a for _, a, _ in listening} <= {"127.0.0.1", "::1"}, listening
+            assert {p for p, _, _ in listening} == set(ranks)  # gloo's, the store
             os.kill(pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError):
                 await engine.generate(PROMPTS[1], SamplingParams(max_tokens=500, ignore_eos=True))

@@ -18,9 +18,11 @@ import anyio
 import pytest
 import torch
 import trio
+from distributed import free_port
 
 import asyncstep
 from asyncstep import ConfigError, EngineDeadError, SamplingParams
+from asyncstep.channels.framing import SECRET_ENV
 from asyncstep.engine.core import EngineCore
 from asyncstep.engine.remote import RemoteRanks
 from asyncstep.nursery.rank_main import FAULT_ENV
@@ -226,8 +228,6 @@ async def test_impossible_layouts_are_refused_before_any_process_starts(
 
 
 def _torchrun(port: int, nproc: int) -> subprocess.Popen[bytes]:
-    from asyncstep.engine.remote import _free_port
-
     return subprocess.Popen(
         [
             sys.executable,
@@ -238,7 +238,7 @@ def _torchrun(port: int, nproc: int) -> subprocess.Popen[bytes]:
             "--nproc-per-node",
             str(nproc),
             "--master-port",
-            str(_free_port()),
+            str(free_port()),
             "-m",
             "asyncstep.rank",
             "--engine",
@@ -264,13 +264,13 @@ def _start_rank(port: int, rank: int, world: int, master_port: int) -> subproces
 
 @pytest.mark.trio
 async def test_ranks_started_by_torchrun_join_the_engine(
-    peaked_llama: Path, single_rank_tokens: list[list[int]]
+    peaked_llama: Path, single_rank_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The README's multi-machine recipe, on one machine: torchrun starts the
-    ranks (``-m asyncstep.rank``), the engine waits for them."""
-    from asyncstep.engine.remote import _free_port
-
-    port = _free_port()
+    ranks (``-m asyncstep.rank``), the engine waits for them; both sides
+    have the secret in their environment."""
+    monkeypatch.setenv(SECRET_ENV, "the secret of this test")
+    port = free_port()
     torchrun = _torchrun(port, nproc=2)
     try:
         async with asyncstep.open_engine(
@@ -288,12 +288,14 @@ async def test_ranks_started_by_torchrun_join_the_engine(
 
 
 @pytest.mark.trio
-async def test_a_rank_of_the_wrong_world_is_refused(peaked_llama: Path) -> None:
-    from asyncstep.engine.remote import _free_port
+async def test_a_rank_of_the_wrong_world_is_refused(
+    peaked_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from asyncstep.errors import RankError
 
-    port = _free_port()
-    stray = _start_rank(port, 0, 3, _free_port())
+    monkeypatch.setenv(SECRET_ENV, "the secret of this test")
+    port = free_port()
+    stray = _start_rank(port, 0, 3, free_port())
     try:
         with pytest.raises(
             RankError, match=r"rank 0 of world 3 connected; this engine runs 2 ranks"

@@ -308,27 +308,24 @@ def test_a_cancelled_stage_drains_its_send_before_freeing_the_buffers() -> None:
     assert receiver["equal"] is True
 
 
-def _unused_port() -> int:
-    from asyncstep.engine.remote import _free_port
-
-    return _free_port()
-
-
 @pytest.mark.trio
 async def test_a_rank_started_before_its_engine_waits_for_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    from asyncstep.channels.control import Hello, MessageStream
+    from distributed import free_port
+
+    from asyncstep.channels.control import ControlMessage, ControlStream, Hello
+    from asyncstep.channels.framing import accept_peer
     from asyncstep.nursery.rank_main import connect_engine
 
-    port = _unused_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     got: list[object] = []
     async with trio.open_nursery() as nursery:
         rank_connected = trio.Event()
 
         async def rank() -> None:
-            stream = await connect_engine(address, timeout_s=30)
+            stream = await connect_engine(address, "s3cret", timeout_s=30)
             await stream.send(Hello(3, 4, 1234, "host"))
             rank_connected.set()
 
@@ -337,7 +334,11 @@ async def test_a_rank_started_before_its_engine_waits_for_it(
         assert not rank_connected.is_set()
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=port)
         async with listener:
-            engine_side = MessageStream(await listener.listeners[0].accept())  # type: ignore[attr-defined]
+            engine_side = ControlStream(
+                await listener.listeners[0].accept(),  # type: ignore[attr-defined]
+                ControlMessage,
+            )
+            await accept_peer(engine_side, "s3cret")
             got.append(await engine_side.receive())
             await rank_connected.wait()
     assert got == [Hello(3, 4, 1234, "host")]
@@ -347,10 +348,12 @@ async def test_a_rank_started_before_its_engine_waits_for_it(
 async def test_a_rank_gives_up_on_an_engine_that_never_comes(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    from distributed import free_port
+
     from asyncstep.nursery.rank_main import connect_engine
 
-    address = f"127.0.0.1:{_unused_port()}"
+    address = f"127.0.0.1:{free_port()}"
     with pytest.raises(ConnectionError, match=rf"no engine answered at {address} within 2 s"):
-        await connect_engine(address, timeout_s=2)
+        await connect_engine(address, "s3cret", timeout_s=2)
     with pytest.raises(ValueError, match="--engine must be HOST:PORT"):
-        await connect_engine("localhost", timeout_s=2)
+        await connect_engine("localhost", "s3cret", timeout_s=2)

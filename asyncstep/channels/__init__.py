@@ -1,6 +1,7 @@
 """Communication between ranks: process groups and the collectives the model's
 tensor-parallel layers use, and (with pipeline parallelism) the tensor-dict
-channel between stages and the typed control-plane messages.
+channel between stages; the typed control-plane messages, and the one
+framing (with its authenticating handshake) of every asyncstep connection.
 
 May import torch, msgspec, ``asyncstep.gpu`` and the shared
 ``asyncstep.datatypes`` / ``config`` / ``errors``. Never pickle: metadata travels as msgspec.

@@ -15,6 +15,9 @@ sets them once (:func:`init_distributed`) before the model is built.
 from __future__ import annotations
 
 import datetime
+import os
+import socket
+import urllib.parse
 from dataclasses import dataclass
 
 import torch
@@ -161,14 +164,29 @@ def init_distributed(
     init_method: str,
     backend: str = "gloo",
     timeout_s: float = 120.0,
+    store_fd: int | None = None,
 ) -> ParallelGroups:
     """Join the world, create every TP and PP group (device and CPU), and set
-    this rank's. Every rank calls it with the same sizes."""
+    this rank's. Every rank calls it with the same sizes.
+
+    ``init_method``: ``tcp://HOST:PORT``, ``env://`` (``MASTER_ADDR``,
+    ``MASTER_PORT``) or ``file://PATH``. For the first two, rank 0 serves the
+    rendezvous store on HOST only (:func:`open_tcp_store`; torch's own would
+    listen on every interface), on ``store_fd`` when given: a socket already
+    bound there, inherited from whoever chose the port (so that nothing else
+    can take the port in between). Under torchrun (its agent serves the
+    store) ``env://`` is left to torch."""
     check_layout(world_size, tp_size, pp_size)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
-    )
+    store = open_tcp_store(init_method, rank, world_size, timeout, store_fd)
+    if store is None:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+        )
+    else:
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
     world = _make_group(list(range(world_size)), rank, backend, timeout, whole_world=True)
     tp_rank, pp_rank = rank % tp_size, rank // tp_size
     tp = pp = None
@@ -186,6 +204,59 @@ def init_distributed(
     assert tp is not None and pp is not None
     set_parallel_groups(tp, pp)
     return ParallelGroups(world, tp, pp)
+
+
+def open_tcp_store(
+    init_method: str,
+    rank: int,
+    world_size: int,
+    timeout: datetime.timedelta,
+    store_fd: int | None = None,
+) -> dist.TCPStore | None:
+    """The rendezvous store of ``init_method`` (``tcp://`` or ``env://``),
+    served by rank 0 on that address alone; None for any other method, and for
+    ``env://`` under torchrun's agent (which serves the store itself).
+
+    torch's ``TCPStore`` server binds every interface (``::``) whatever host
+    it is given, unless it is handed a socket: rank 0 binds one to HOST:PORT
+    (or uses ``store_fd``, one already bound) and passes it on."""
+    address = _store_address(init_method)
+    if address is None:
+        return None
+    host, port = address
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if store_fd is None:
+        store_fd = listening_socket(host, port).detach()
+    return dist.TCPStore(
+        host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=store_fd
+    )
+
+
+def _store_address(init_method: str) -> tuple[str, int] | None:
+    url = urllib.parse.urlsplit(init_method)
+    if url.scheme == "tcp" and url.hostname is not None and url.port is not None:
+        return url.hostname, url.port
+    if url.scheme == "env" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        try:
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        except (KeyError, ValueError):
+            raise ConfigError("env:// needs MASTER_ADDR and MASTER_PORT (a port number)") from None
+    return None
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: any free one) and listening."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _make_group(

@@ -1,7 +1,9 @@
 """The process boundary: :class:`CoreProcess` runs the engine core in a child
 process (``python -m asyncstep.engine.core_process``) and carries the front
-end's messages to it and its messages back, over a socket pair (no address
-to listen on, nothing to authenticate), msgpack-framed.
+end's messages to it and its messages back, msgpack-framed, over a socket
+pair whose other end the child inherits as a file descriptor. Nothing
+listens: a socket pair has no address another process could connect to, so
+unlike the ranks' control connections it needs no secret and no handshake.
 
 In-process, the front end drives an :class:`~asyncstep.engine.core.EngineCore`
 directly (it has the same ``run`` contract), over memory channels.
@@ -28,6 +30,7 @@ import anyio.abc
 from anyio.abc import Process, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncstep.channels.framing import MessageStream
 from asyncstep.config import EngineConfig
 from asyncstep.engine.core_messages import (
     CoreFailed,
@@ -36,7 +39,6 @@ from asyncstep.engine.core_messages import (
     CoreSetup,
     FromCore,
     LoadProgress,
-    MessageChannel,
     Shutdown,
     ToCore,
 )
@@ -83,7 +85,7 @@ class CoreProcess:
             self.process = await self._spawn(theirs.fileno())
         finally:
             theirs.close()
-        channel = MessageChannel[FromCore](await anyio.abc.SocketStream.from_socket(ours), FromCore)
+        channel = MessageStream[FromCore](await anyio.abc.SocketStream.from_socket(ours), FromCore)
         try:
             async with anyio.create_task_group() as tg, from_core:
                 tg.start_soon(self._watch, self.process)
@@ -119,7 +121,7 @@ class CoreProcess:
         log.info("engine core started", pid=process.pid)
         return process
 
-    async def _wait_ready(self, channel: MessageChannel[FromCore]) -> CoreReady:
+    async def _wait_ready(self, channel: MessageStream[FromCore]) -> CoreReady:
         while True:
             message = await self._receive(channel)
             if isinstance(message, CoreReady):
@@ -133,7 +135,7 @@ class CoreProcess:
                 raise EngineCoreDied(f"the engine core sent {type(message).__name__} first")
 
     async def _forward_to_core(
-        self, to_core: MemoryObjectReceiveStream[ToCore], channel: MessageChannel[FromCore]
+        self, to_core: MemoryObjectReceiveStream[ToCore], channel: MessageStream[FromCore]
     ) -> None:
         async with to_core:
             async for first in to_core:
@@ -144,7 +146,7 @@ class CoreProcess:
         self._stopping = True  # the front end is done: the core ends on EOF
 
     async def _forward_from_core(
-        self, channel: MessageChannel[FromCore], from_core: MemoryObjectSendStream[FromCore]
+        self, channel: MessageStream[FromCore], from_core: MemoryObjectSendStream[FromCore]
     ) -> None:
         while True:
             try:
@@ -155,7 +157,7 @@ class CoreProcess:
                 raise
             await from_core.send(message)
 
-    async def _receive(self, channel: MessageChannel[FromCore]) -> FromCore:
+    async def _receive(self, channel: MessageStream[FromCore]) -> FromCore:
         try:
             return await channel.receive()
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
@@ -172,7 +174,7 @@ class CoreProcess:
                 return f"the engine core process {exit_reason(await self.process.wait())}"
         return "the engine core closed its connection"
 
-    async def _stop(self, channel: MessageChannel[FromCore]) -> None:
+    async def _stop(self, channel: MessageStream[FromCore]) -> None:
         """Let the child finish (it sees Shutdown or the end of the
         connection), then terminate, then kill it."""
         self._stopping = True

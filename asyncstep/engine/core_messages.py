@@ -1,8 +1,9 @@
 """The messages between the front end (``Engine``, in the caller's process)
 and the engine core (scheduler and ranks, by default in a child process).
 
-msgspec structs, msgpack on the wire (never pickle), one frame per message,
-framed with a 4-byte length. In-process the same objects travel through
+msgspec structs, msgpack on the wire (never pickle), one frame per message
+(:class:`~asyncstep.channels.framing.MessageStream`, over a socket pair:
+nothing listens, so no handshake). In-process the same objects travel through
 memory channels, unencoded. One message per step each way: the front end
 batches every request added, aborted or stopped since its last message into
 one :class:`CoreInputs`; the core sends one :class:`CoreOutputs` per step
@@ -17,21 +18,11 @@ the end of the connection). Imports nothing heavy.
 
 from __future__ import annotations
 
-import struct
-from typing import Any, Generic, TypeVar
-
 import msgspec
-from anyio.abc import ByteStream
-from anyio.streams.buffered import BufferedByteReceiveStream
 
-from asyncstep.config import EngineConfig, config_error
+from asyncstep.config import EngineConfig
 from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.scheduler import EngineCoreOutput
-from asyncstep.errors import ConfigError
-
-#: Largest frame accepted (256 requests' tokens of a step are a few KiB).
-MAX_FRAME_BYTES = 256 << 20
-_HEADER = struct.Struct("!I")
 
 
 class EngineCoreRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -128,39 +119,3 @@ class CoreFailed(msgspec.Struct, frozen=True, tag=True):
 
 ToCore = CoreSetup | CoreInputs | WaitIdle | Shutdown
 FromCore = LoadProgress | CoreReady | CoreOutputs | Idle | CoreFailed
-Received = TypeVar("Received", ToCore, FromCore)
-
-
-class CoreProtocolError(Exception):
-    """The peer sent something that is not a message of this protocol."""
-
-
-class MessageChannel(Generic[Received]):
-    """Length-framed messages over a byte stream; it receives one
-    direction's messages (``ToCore`` in the core, ``FromCore`` in the front end)."""
-
-    def __init__(self, stream: ByteStream, receives: Any) -> None:
-        self._stream = stream
-        self._receive = BufferedByteReceiveStream(stream)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder: msgspec.msgpack.Decoder[Received] = msgspec.msgpack.Decoder(receives)
-
-    async def send(self, message: ToCore | FromCore) -> None:
-        payload = self._encoder.encode(message)
-        await self._stream.send(_HEADER.pack(len(payload)) + payload)
-
-    async def receive(self) -> Received:
-        """The next message; ``anyio.EndOfStream``/``IncompleteRead`` when the peer left."""
-        (size,) = _HEADER.unpack(await self._receive.receive_exactly(_HEADER.size))
-        if size > MAX_FRAME_BYTES:
-            raise CoreProtocolError(f"frame of {size} bytes is larger than {MAX_FRAME_BYTES}")
-        payload = await self._receive.receive_exactly(size)
-        try:
-            return self._decoder.decode(payload)
-        except msgspec.DecodeError as exc:
-            if isinstance(exc.__cause__, ConfigError):  # a CoreSetup's config is refused
-                raise config_error(exc) from None
-            raise CoreProtocolError(f"bad message: {exc}") from None
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()

@@ -1,7 +1,8 @@
 """The engine-core process: ``python -m asyncstep.engine.core_process --fd N``.
 
 Started by the front end (:class:`~asyncstep.engine.core_client.CoreProcess`)
-with one end of a socket pair as file descriptor ``N``. It receives
+with one end of a socket pair as file descriptor ``N`` (inherited; no
+address, nothing listens, so no handshake). It receives
 :class:`~asyncstep.engine.core_messages.CoreSetup`, loads the model (or starts
 the rank processes), reports :class:`CoreReady`, then runs the
 :class:`~asyncstep.engine.core.EngineCore` in its own ``trio.run`` until the
@@ -30,13 +31,13 @@ import anyio.abc
 import torch
 import trio
 
+from asyncstep.channels.framing import MessageStream
 from asyncstep.engine.core import EngineCore
 from asyncstep.engine.core_messages import (
     CoreFailed,
     CoreSetup,
     FromCore,
     LoadProgress,
-    MessageChannel,
     Shutdown,
     ToCore,
 )
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def serve_core(fd: int) -> int:
     """Serve one front end on socket ``fd``; returns the exit status."""
     stream = await anyio.abc.SocketStream.from_socket(fd)
-    channel = MessageChannel[ToCore](stream, ToCore)
+    channel = MessageStream[ToCore](stream, ToCore)
     try:
         setup = await channel.receive()
         if not isinstance(setup, CoreSetup):
@@ -113,7 +114,7 @@ def _share_the_cpu(device: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
 
 
-async def _run(channel: MessageChannel[ToCore], setup: CoreSetup) -> None:
+async def _run(channel: MessageStream[ToCore], setup: CoreSetup) -> None:
     _share_the_cpu(setup.config.model.device)
     events_tx, events_rx = anyio.create_memory_object_stream[FromCore](math.inf)
     inputs_tx, inputs_rx = anyio.create_memory_object_stream[ToCore](math.inf)
@@ -136,7 +137,7 @@ async def _run(channel: MessageChannel[ToCore], setup: CoreSetup) -> None:
 
 
 async def _read_front_end(
-    channel: MessageChannel[ToCore], inputs: anyio.abc.ObjectSendStream[ToCore]
+    channel: MessageStream[ToCore], inputs: anyio.abc.ObjectSendStream[ToCore]
 ) -> None:
     """Socket -> the core's inputs; the end of the connection ends the inputs."""
     async with inputs:
@@ -151,7 +152,7 @@ async def _read_front_end(
 
 
 async def _write_front_end(
-    channel: MessageChannel[ToCore], events: anyio.abc.ObjectReceiveStream[FromCore]
+    channel: MessageStream[ToCore], events: anyio.abc.ObjectReceiveStream[FromCore]
 ) -> None:
     """The core's events -> socket, until the core closes them."""
     async with events:

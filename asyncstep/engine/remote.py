@@ -7,6 +7,19 @@ rank's model runner outputs out. It listens for the ranks' connections
 (``launch_ranks``) or waits for ranks started elsewhere (torchrun), hands them
 the setup, and then broadcasts every step to all of them.
 
+Nothing is open to strangers. A connection is a rank only once it has passed
+the handshake of :mod:`asyncstep.channels.framing` with the launch's secret:
+a new one for ranks started here (in their environment, ``ASYNCSTEP_SECRET``),
+for ranks started elsewhere ``ASYNCSTEP_SECRET`` of this process or, without
+it, a new one written to a private file whose path is logged. A connection
+that fails it (or is silent for ``handshake_timeout_s``) is logged and
+dropped; connections are admitted concurrently, so none holds up the ranks.
+A listen address off loopback is logged as a warning. Ranks started here
+rendezvous on a store that rank 0 serves on a loopback socket the engine
+bound and hands it (no port is chosen, freed and reused), and their gloo /
+NCCL sockets bind loopback (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``,
+unless set).
+
 Failure: the first rank error (a :class:`RankFailed` message, a closed
 connection, or a process that exits) ends :meth:`RemoteRanks.run` with a
 :class:`RankError` naming the rank; on the way out every process it started
@@ -16,22 +29,26 @@ is terminated, then killed, so none is left behind.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import msgspec
-from anyio.abc import Process, TaskGroup, TaskStatus
+from anyio.abc import Listener, Process, SocketAttribute, SocketStream, TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncstep.channels.control import (
+    ControlMessage,
+    ControlStream,
     Hello,
     InitKVCache,
-    MessageStream,
     RankFailed,
     RankReady,
     RankSetup,
@@ -39,6 +56,14 @@ from asyncstep.channels.control import (
     Step,
     StepOutput,
 )
+from asyncstep.channels.framing import (
+    SECRET_ENV,
+    AuthenticationError,
+    ProtocolError,
+    accept_peer,
+    new_secret,
+)
+from asyncstep.channels.parallel_state import listening_socket
 from asyncstep.config import EngineConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
 from asyncstep.errors import RankError
@@ -46,6 +71,14 @@ from asyncstep.logging import get_logger
 from asyncstep.logging.spans import span
 
 log = get_logger("engine")
+
+#: What a peer that left looks like.
+_PEER_GONE = (
+    anyio.EndOfStream,
+    anyio.IncompleteRead,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+)
 
 
 @dataclass
@@ -60,10 +93,16 @@ class RemoteRanks:
     ready_timeout_s: float = 1800.0
     #: Seconds ranks get to exit after Shutdown before they are terminated.
     exit_timeout_s: float = 10.0
+    #: Seconds a connection gets to pass the handshake, and then to say Hello.
+    handshake_timeout_s: float = 10.0
+    #: The control-plane secret; None: chosen by :meth:`run` (see the module doc).
+    secret: str | None = None
     #: RankReady of every rank, once they are ready.
     ready: list[RankReady] = field(default_factory=list)
     _processes: dict[int, Process] = field(default_factory=dict)
-    _streams: dict[int, MessageStream] = field(default_factory=dict)
+    _streams: dict[int, ControlStream] = field(default_factory=dict)
+    #: The ranks' rendezvous (None: their own, torchrun's MASTER_ADDR/PORT).
+    _init_method: str | None = None
     _stopping: bool = False
 
     @property
@@ -94,22 +133,15 @@ class RemoteRanks:
     ) -> None:
         """Start (or await) the ranks, report the KV block count, serve steps
         until ``inbox`` closes, then shut the ranks down."""
-        listen_host, listen_port = self.config.parallel.listen_address
-        listener = await anyio.create_tcp_listener(local_host=listen_host, local_port=listen_port)
+        listener = await self._listen()
+        secret_file: Path | None = None
         try:
+            secret, secret_file = self._launch_secret()
             async with anyio.create_task_group() as tg:
-                port = listener.listeners[0].extra(anyio.abc.SocketAttribute.local_port)
-                if self.launch:
-                    await self._spawn(port, tg)
-                else:
-                    log.warning(
-                        "waiting for ranks",
-                        world_size=self.world_size,
-                        address=f"{listen_host}:{port}",
-                        command=f"python -m asyncstep.rank --engine HOST:{port}",
-                    )
+                port = listener.extra(SocketAttribute.local_port)
                 with anyio.fail_after(self.connect_timeout_s):
-                    await self._accept_all(listener)
+                    await self._admit_all(listener, port, secret, secret_file, tg)
+                await listener.aclose()  # every rank is in: nothing more to accept
                 num_blocks = await self._set_up()
                 for rank, stream in self._streams.items():
                     tg.start_soon(self._read_rank, rank, stream, outbox)
@@ -120,6 +152,8 @@ class RemoteRanks:
         finally:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
+                if secret_file is not None:
+                    secret_file.unlink(missing_ok=True)
                 if not self._stopping:  # cancelled: tell the ranks still connected
                     self._stopping = True
                     await self._tell_all(Shutdown(), timeout_s=0.5)
@@ -127,61 +161,166 @@ class RemoteRanks:
                     await stream.aclose()
                 await self._kill_all()
 
+    # -- admit ------------------------------------------------------------
+
+    def _launch_secret(self) -> tuple[str, Path | None]:
+        """This launch's secret, and the file it was written to for ranks
+        started elsewhere (None when they know it already)."""
+        if self.secret is not None:
+            return self.secret, None
+        if self.launch:
+            return new_secret(), None
+        if os.environ.get(SECRET_ENV):
+            return os.environ[SECRET_ENV], None
+        secret = new_secret()
+        fd, path = tempfile.mkstemp(prefix="asyncstep-secret-")  # mode 0600
+        with os.fdopen(fd, "w") as file:
+            file.write(secret + "\n")
+        return secret, Path(path)
+
+    async def _listen(self) -> Listener[SocketStream]:
+        host, port = self.config.parallel.listen_address
+        if not await _is_loopback(host):
+            log.warning(
+                "the rank control listener is reachable from other machines",
+                address=self.config.parallel.listen,
+                risk="any host that reaches it can try to pose as a rank; only the "
+                f"launch's secret ({SECRET_ENV}) keeps it out, and the traffic (config, "
+                "steps) is not encrypted: listen on a trusted network only",
+            )
+        return await anyio.create_tcp_listener(local_host=host, local_port=port)
+
+    async def _admit_all(
+        self,
+        listener: Listener[SocketStream],
+        port: int,
+        secret: str,
+        secret_file: Path | None,
+        tg: TaskGroup,
+    ) -> None:
+        """Accept connections (each admitted concurrently) until every rank is
+        in, starting the ranks meanwhile when they are ours to start."""
+        everyone_in = anyio.Event()
+
+        async def admit(socket_stream: SocketStream) -> None:
+            await self._admit(socket_stream, secret, everyone_in)
+
+        async with anyio.create_task_group() as admission:
+            admission.start_soon(listener.serve, admit, admission)
+            if self.launch:
+                await self._spawn(port, secret, tg)
+            else:
+                how = f"--secret-file {secret_file}" if secret_file else f"({SECRET_ENV} set)"
+                log.warning(
+                    "waiting for ranks",
+                    world_size=self.world_size,
+                    address=f"{self.config.parallel.listen_address[0]}:{port}",
+                    command=f"python -m asyncstep.rank --engine HOST:{port} {how}",
+                )
+            await everyone_in.wait()
+            admission.cancel_scope.cancel()
+
+    async def _admit(
+        self, socket_stream: SocketStream, secret: str, everyone_in: anyio.Event
+    ) -> None:
+        """One connection: a rank if it passes the handshake and says a Hello
+        that fits; a stranger's is logged and closed; a rank's that does not
+        fit ends the launch (:class:`RankError`)."""
+        peer = _peer(socket_stream)
+        stream = ControlStream(socket_stream, ControlMessage)
+        admitted = False
+        try:
+            try:
+                with anyio.fail_after(self.handshake_timeout_s):
+                    await accept_peer(stream, secret)
+            except (AuthenticationError, TimeoutError, *_PEER_GONE) as exc:
+                reason = str(exc) or type(exc).__name__
+                log.warning("refused a control connection", peer=peer, reason=reason)
+                return
+            with anyio.fail_after(self.handshake_timeout_s):
+                hello = await self._receive_hello(stream, peer)
+            self._check(hello)
+            self._streams[hello.rank] = stream
+            admitted = True
+            log.debug("rank connected", rank=hello.rank, pid=hello.pid, host=hello.host, peer=peer)
+            if len(self._streams) == self.world_size:
+                everyone_in.set()
+        finally:
+            if not admitted:
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+
+    async def _receive_hello(self, stream: ControlStream, peer: str) -> Hello:
+        try:
+            hello = await stream.receive()
+        except _PEER_GONE:
+            raise RankError(f"a rank at {peer} left before its Hello") from None
+        except ProtocolError as exc:
+            raise RankError(f"a rank at {peer} opened with a bad message: {exc}") from None
+        if not isinstance(hello, Hello):
+            raise RankError(f"a rank opened with {type(hello).__name__}, not Hello")
+        return hello
+
+    def _check(self, hello: Hello) -> None:
+        if hello.world_size != self.world_size or not 0 <= hello.rank < self.world_size:
+            parallel = self.config.parallel
+            raise RankError(
+                f"rank {hello.rank} of world {hello.world_size} connected; this engine "
+                f"runs {self.world_size} ranks (tp {parallel.tensor_parallel_size} x "
+                f"pp {parallel.pipeline_parallel_size})"
+            )
+        if hello.rank in self._streams:
+            raise RankError(f"rank {hello.rank} connected twice")
+
     # -- start ------------------------------------------------------------
 
-    async def _spawn(self, port: int, tg: TaskGroup) -> None:
-        master_port = _free_port()
+    async def _spawn(self, port: int, secret: str, tg: TaskGroup) -> None:
+        """Start every rank here. Rank 0 inherits the socket its rendezvous
+        store will serve on, bound to loopback now: the port is never free
+        for another process to take between its choice and its use."""
         parallel = self.config.parallel
-        for rank in range(self.world_size):
-            command = [
-                sys.executable,
-                "-m",
-                "asyncstep.rank",
-                "--engine",
-                f"127.0.0.1:{port}",
-                "--rank",
-                str(rank),
-                "--world-size",
-                str(self.world_size),
-                "--local-rank",
-                str(rank),
-                "--log-level",
-                parallel.rank_log_level,
-            ]
-            if parallel.rank_log_json is not None:
-                command += ["--log-json", f"{parallel.rank_log_json}.rank{rank}"]
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
-            process = await anyio.open_process(
-                command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None, env=env
-            )
-            self._processes[rank] = process
-            tg.start_soon(self._watch, rank, process)
+        engine_host = _connect_host(parallel.listen_address[0])
+        env = _rank_env(secret)
+        store = listening_socket("127.0.0.1", 0)
+        with store:
+            self._init_method = f"tcp://127.0.0.1:{store.getsockname()[1]}"
+            for rank in range(self.world_size):
+                command = [
+                    sys.executable,
+                    "-m",
+                    "asyncstep.rank",
+                    "--engine",
+                    f"{engine_host}:{port}",
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(self.world_size),
+                    "--local-rank",
+                    str(rank),
+                    "--log-level",
+                    parallel.rank_log_level,
+                ]
+                if parallel.rank_log_json is not None:
+                    command += ["--log-json", f"{parallel.rank_log_json}.rank{rank}"]
+                pass_fds: tuple[int, ...] = ()
+                if rank == 0:
+                    command += ["--store-fd", str(store.fileno())]
+                    pass_fds = (store.fileno(),)
+                process = await anyio.open_process(
+                    command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=None,
+                    env=env,
+                    pass_fds=pass_fds,
+                )
+                self._processes[rank] = process
+                tg.start_soon(self._watch, rank, process)
         log.info("ranks started", world_size=self.world_size, pids=self.pids)
 
-    async def _accept_all(self, listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> None:
-        accept = listener.listeners[0].accept  # type: ignore[attr-defined]
-        while len(self._streams) < self.world_size:
-            stream = MessageStream(await accept())
-            hello = await stream.receive()
-            if not isinstance(hello, Hello):
-                raise RankError(f"a rank opened with {type(hello).__name__}, not Hello")
-            if hello.world_size != self.world_size or not 0 <= hello.rank < self.world_size:
-                parallel = self.config.parallel
-                raise RankError(
-                    f"rank {hello.rank} of world {hello.world_size} connected; this engine "
-                    f"runs {self.world_size} ranks (tp {parallel.tensor_parallel_size} x "
-                    f"pp {parallel.pipeline_parallel_size})"
-                )
-            if hello.rank in self._streams:
-                raise RankError(f"rank {hello.rank} connected twice")
-            self._streams[hello.rank] = stream
-
     async def _set_up(self) -> int:
-        init_method = None
-        if self.launch:  # the ranks' own env carries MASTER_ADDR/PORT
-            init_method = "env://"
         # One encoding of the whole config for every rank.
-        setup = msgspec.msgpack.encode(RankSetup(self.config, init_method))
+        setup = msgspec.msgpack.encode(RankSetup(self.config, self._init_method))
         for stream in self._streams.values():
             await stream.send_encoded(setup)
         with anyio.fail_after(self.ready_timeout_s):
@@ -218,7 +357,7 @@ class RemoteRanks:
                             raise RankError(await self._death_notice(rank)) from None
 
     async def _read_rank(
-        self, rank: int, stream: MessageStream, outbox: MemoryObjectSendStream[ModelRunnerOutput]
+        self, rank: int, stream: ControlStream, outbox: MemoryObjectSendStream[ModelRunnerOutput]
     ) -> None:
         while True:
             message = await self._receive(rank, stream)
@@ -227,7 +366,7 @@ class RemoteRanks:
             else:
                 raise RankError(f"rank {rank} sent an unexpected {type(message).__name__}")
 
-    async def _receive(self, rank: int, stream: MessageStream) -> object:
+    async def _receive(self, rank: int, stream: ControlStream) -> object:
         try:
             message = await stream.receive()
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
@@ -294,7 +433,38 @@ def _exit_reason(code: int) -> str:
     return f"exited with status {code}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _peer(stream: SocketStream) -> str:
+    try:
+        address = stream.extra(SocketAttribute.remote_address)
+    except anyio.TypedAttributeLookupError:
+        return "?"
+    if isinstance(address, tuple):
+        return f"{address[0]}:{address[1]}"
+    return str(address)
+
+
+async def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one."""
+    try:
+        infos = await anyio.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def _connect_host(listen_host: str) -> str:
+    """Where ranks started here reach a listener on ``listen_host``."""
+    return "127.0.0.1" if listen_host in ("", "0.0.0.0", "::") else listen_host
+
+
+def _rank_env(secret: str) -> dict[str, str]:
+    """The environment of a rank started here: the secret, and gloo's and
+    NCCL's sockets on loopback (every rank is on this machine) unless the
+    caller chose an interface."""
+    env = {**os.environ, SECRET_ENV: secret}
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = next((name for name in ("lo", "lo0") if name in names), None)
+    if loopback is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        env.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    return env

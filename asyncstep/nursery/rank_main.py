@@ -10,6 +10,14 @@ variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 runs it across machines. A rank may start before its engine listens: it
 retries the connection for ``--connect-timeout`` seconds.
 
+The rank proves that it knows the launch's secret, and checks that the
+engine does, before anything else (:mod:`asyncstep.channels.framing`): the
+secret comes from ``--secret-file`` or the environment variable
+``ASYNCSTEP_SECRET`` (which the rank then drops from its environment, so its
+own children do not inherit it), never from the command line. A rank
+started by the engine inherits, as ``--store-fd``, the loopback socket on
+which rank 0 serves the rendezvous store.
+
 A rank never outlives a failure: its error goes to the engine as
 :class:`RankFailed`, and if a thread is stuck (a collective whose peer died),
 a watchdog ends the process after ``--exit-grace`` seconds.
@@ -34,9 +42,10 @@ import torch
 import trio
 
 from asyncstep.channels.control import (
+    ControlMessage,
+    ControlStream,
     Hello,
     InitKVCache,
-    MessageStream,
     RankFailed,
     RankReady,
     RankSetup,
@@ -44,9 +53,15 @@ from asyncstep.channels.control import (
     Step,
     StepOutput,
 )
+from asyncstep.channels.framing import (
+    SECRET_ENV,
+    AuthenticationError,
+    connect_peer,
+    read_secret_file,
+)
 from asyncstep.channels.parallel_state import ParallelGroups, destroy_distributed, init_distributed
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
-from asyncstep.errors import leaves, root_cause
+from asyncstep.errors import ConfigError, leaves, root_cause
 from asyncstep.gpu import switch_interval
 from asyncstep.logging import bind_rank, configure_logging, get_logger
 from asyncstep.logging.spans import now_us, record_span
@@ -99,7 +114,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=5.0,
         help="seconds a failing rank waits for stuck work before it exits anyway",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--secret-file",
+        metavar="FILE",
+        help=f"the file holding the engine's control secret (default: ${SECRET_ENV})",
+    )
+    parser.add_argument(
+        "--store-fd",
+        type=int,
+        metavar="FD",
+        help="rank 0: an inherited socket, bound, to serve the rendezvous store on",
+    )
+    args = parser.parse_args(argv)
+    try:
+        args.secret = _secret(args.secret_file)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def _secret(secret_file: str | None) -> str:
+    """The control secret: the file's, else the environment's (then dropped
+    from the environment)."""
+    env_secret = os.environ.pop(SECRET_ENV, None)
+    if secret_file is not None:
+        return read_secret_file(secret_file)
+    if not env_secret:
+        raise ConfigError(f"no control secret: set {SECRET_ENV} or give --secret-file")
+    return env_secret
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,7 +150,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     identity = RankIdentity(args.rank, args.world_size, args.local_rank)
     bind_rank(identity.rank)
     try:
-        return trio.run(serve_rank, args.engine, identity, args.exit_grace, args.connect_timeout)
+        return trio.run(
+            serve_rank,
+            args.engine,
+            identity,
+            args.exit_grace,
+            args.secret,
+            args.connect_timeout,
+            args.store_fd,
+        )
     except BaseException as exc:
         # Ctrl-C in a terminal reaches every rank of its process group too.
         if any(isinstance(e, KeyboardInterrupt) for e in leaves(exc)):
@@ -120,10 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 CONNECT_RETRY_S = 0.2
 
 
-async def connect_engine(engine_address: str, timeout_s: float) -> MessageStream:
-    """Connect to the engine at ``HOST:PORT``, retrying while nothing listens
-    there (the engine may start after its ranks) for at most ``timeout_s``
-    seconds; then raise ``ConnectionError`` naming the address."""
+async def connect_engine(engine_address: str, secret: str, timeout_s: float) -> ControlStream:
+    """Connect to the engine at ``HOST:PORT`` and pass the handshake,
+    retrying while nothing listens there (the engine may start after its
+    ranks) for at most ``timeout_s`` seconds; then raise ``ConnectionError``
+    naming the address. An engine that refuses the secret, or does not know
+    it, is a ``ConnectionError`` at once."""
     host, _, port = engine_address.rpartition(":")
     if not port.isdigit():
         raise ValueError(f"--engine must be HOST:PORT, got {engine_address!r}")
@@ -131,22 +183,49 @@ async def connect_engine(engine_address: str, timeout_s: float) -> MessageStream
     with anyio.move_on_after(timeout_s):
         while True:
             try:
-                return MessageStream(await anyio.connect_tcp(host or "127.0.0.1", int(port)))
+                socket_stream = await anyio.connect_tcp(host or "127.0.0.1", int(port))
             except OSError as exc:
                 last = exc
-            await anyio.sleep(CONNECT_RETRY_S)
+                await anyio.sleep(CONNECT_RETRY_S)
+                continue
+            stream = ControlStream(socket_stream, ControlMessage)
+            try:
+                await _authenticate(stream, secret)
+            except AuthenticationError as exc:
+                raise ConnectionError(f"{engine_address}: {exc}") from None
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+                raise ConnectionError(
+                    f"the engine at {engine_address} refused this rank: is its secret "
+                    f"({SECRET_ENV} or --secret-file) the engine's?"
+                ) from None
+            return stream
     raise ConnectionError(
         f"no engine answered at {engine_address} within {timeout_s:g} s (last error: {last})"
     )
 
 
+async def _authenticate(stream: ControlStream, secret: str) -> None:
+    """The handshake; the connection is closed if it fails."""
+    try:
+        await connect_peer(stream, secret)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
+
+
 async def serve_rank(
-    engine_address: str, identity: RankIdentity, exit_grace: float, connect_timeout_s: float = 60.0
+    engine_address: str,
+    identity: RankIdentity,
+    exit_grace: float,
+    secret: str,
+    connect_timeout_s: float = 60.0,
+    store_fd: int | None = None,
 ) -> int:
-    stream = await connect_engine(engine_address, connect_timeout_s)
+    stream = await connect_engine(engine_address, secret, connect_timeout_s)
     await stream.send(Hello(identity.rank, identity.world_size, os.getpid(), socket.gethostname()))
     try:
-        await _serve(stream, identity)
+        await _serve(stream, identity, store_fd)
     except EngineGone:
         _exit_soon(exit_grace)
         return 1
@@ -164,10 +243,10 @@ async def serve_rank(
     return 0
 
 
-async def _serve(stream: MessageStream, identity: RankIdentity) -> None:
+async def _serve(stream: ControlStream, identity: RankIdentity, store_fd: int | None) -> None:
     setup = await _expect(stream, RankSetup)
     config = setup.config
-    runner, groups, loaded = await anyio.to_thread.run_sync(build_rank, setup, identity)
+    runner, groups, loaded = await anyio.to_thread.run_sync(build_rank, setup, identity, store_fd)
     num_blocks = kv_cache_blocks(config, runner, loaded)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     await stream.send(RankReady(identity.rank, num_blocks, weight_bytes, str(loaded.device)))
@@ -192,7 +271,7 @@ async def _serve(stream: MessageStream, identity: RankIdentity) -> None:
         await _run_actor(actor, stream, is_driver=actor.is_driver)
 
 
-async def _run_actor(actor: RankActor, stream: MessageStream, *, is_driver: bool) -> None:
+async def _run_actor(actor: RankActor, stream: ControlStream, *, is_driver: bool) -> None:
     inbox_tx, inbox_rx = anyio.create_memory_object_stream[SchedulerOutput](1)
     outbox_tx, outbox_rx = anyio.create_memory_object_stream[ModelRunnerOutput](1)
 
@@ -223,7 +302,7 @@ async def _run_actor(actor: RankActor, stream: MessageStream, *, is_driver: bool
         await actor.run(inbox_rx, outbox_tx)
 
 
-async def _expect(stream: MessageStream, kind: type[_M]) -> _M:
+async def _expect(stream: ControlStream, kind: type[_M]) -> _M:
     try:
         message = await stream.receive()
     except (anyio.EndOfStream, anyio.IncompleteRead):
@@ -236,10 +315,11 @@ async def _expect(stream: MessageStream, kind: type[_M]) -> _M:
 
 
 def build_rank(
-    setup: RankSetup, identity: RankIdentity
+    setup: RankSetup, identity: RankIdentity, store_fd: int | None = None
 ) -> tuple[ModelRunner, ParallelGroups, LoadedModel]:
     """Join the world and load this rank's shard (blocking: runs in a thread),
-    all as the engine's config says, on this rank's device."""
+    all as the engine's config says, on this rank's device (rank 0 serves
+    the rendezvous store on ``store_fd`` when given)."""
     config, parallel = setup.config, setup.config.parallel
     device = _rank_device(config.model.device, identity.local_rank)
     if device.type == "cuda":
@@ -251,6 +331,7 @@ def build_rank(
         pp_size=parallel.pipeline_parallel_size,
         init_method=setup.init_method or "env://",
         backend="nccl" if device.type == "cuda" else "gloo",
+        store_fd=store_fd if identity.rank == 0 else None,
     )
     # The same seed on every rank: TP ranks of the last stage sample identically.
     torch.manual_seed(config.model.seed)
