@@ -312,8 +312,9 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
         bool | None,
         _doc(
             "run a rank's runner calls on its event loop's thread instead of a launch "
-            "thread (none: inline on CUDA, where the calls only enqueue device work, a "
-            "thread on the CPU, where a call is the forward itself)"
+            "thread (none: inline on CUDA without pipeline parallelism, where the calls "
+            "only enqueue device work; a thread on the CPU, where a call is the forward "
+            "itself, and on pipeline stages)"
         ),
     ] = None
 

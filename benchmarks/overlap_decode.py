@@ -116,13 +116,14 @@ def measure(args: argparse.Namespace, batch: int, overlap: bool, trace_dir: Path
     finally:
         configure_logging("warning", console=False)
     spans = load_spans([log, *sorted(log.parent.glob(log.name + ".*"))])  # FILE.core too
-    if args.summary:
-        steady = [s for s in spans if s.step is not None and s.step >= traced["first_step"] + 3]
-        for key, row in summarize(steady).items():
-            print(f"  b{batch} {'on' if overlap else 'off'} {key}: mean {row['mean_ms']:.3f} ms")
     # Leave out the warm-up request, the batch's prefill steps and a ramp-up step.
     prefill_steps = -(-batch * args.prompt_len // 2048)
-    figures = device_figures(spans, traced["first_step"] + prefill_steps + 2)
+    first_decode = traced["first_step"] + prefill_steps + 2
+    if args.summary:
+        steady = [s for s in spans if s.step is not None and s.step >= first_decode]
+        for key, row in summarize(steady).items():
+            print(f"  b{batch} {'on' if overlap else 'off'} {key}: mean {row['mean_ms']:.3f} ms")
+    figures = device_figures(spans, first_decode)
     if args.trace_dir is not None:
         steps = sorted(s.step for s in spans if s.step is not None)
         mid = steps[len(steps) * 3 // 4]

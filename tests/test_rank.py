@@ -357,3 +357,36 @@ async def test_a_rank_gives_up_on_an_engine_that_never_comes(
         await connect_engine(address, "s3cret", timeout_s=2)
     with pytest.raises(ValueError, match="--engine must be HOST:PORT"):
         await connect_engine("localhost", "s3cret", timeout_s=2)
+
+
+def test_a_forward_completing_between_two_queries_still_gives_its_buffers_back() -> None:
+    """``PipeStage`` gives a receive's buffers back once the event recorded
+    after its forward completed. An event that completes while the release
+    pass runs must be seen done or pending, never neither."""
+    from asyncstep.channels.parallel_state import GroupCoordinator
+    from asyncstep.nursery.pipe import PipeStage
+
+    class CompletesOnSecondQuery:
+        def __init__(self) -> None:
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.queries > 1
+
+    class Received:
+        released = 0
+
+        def release(self) -> None:
+            self.released += 1
+
+    single = GroupCoordinator.single()
+    stage = PipeStage(single, single, torch.device("cpu"), {})
+    received, event = Received(), CompletesOnSecondQuery()
+    stage._releases.append((received, event))  # type: ignore[arg-type]
+    stage._release_finished()  # the forward still runs: kept
+    assert received.released == 0 and len(stage._releases) == 1
+    stage._release_finished()  # it completed: given back, once
+    stage._release_finished()
+    assert received.released == 1 and stage._releases == []
+    assert event.queries == 2

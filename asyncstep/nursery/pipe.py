@@ -161,10 +161,19 @@ class PipeStage:
             self._releases.append((received, event))
 
     def _release_finished(self) -> None:
+        """Give back the buffers of every forward known complete; each event
+        is queried once (one that completes between two queries must land
+        in one list or the other, or its buffers never come back)."""
+        finished: list[ReceivedTensors] = []
+        pending: list[tuple[ReceivedTensors, torch.cuda.Event]] = []
         with self._lock:
-            finished = [(r, e) for r, e in self._releases if e.query()]
-            self._releases = [(r, e) for r, e in self._releases if not e.query()]
-        for received, _ in finished:
+            for received, event in self._releases:
+                if event.query():
+                    finished.append(received)
+                else:
+                    pending.append((received, event))
+            self._releases = pending
+        for received in finished:
             received.release()
 
     async def drain(self, timeout_s: float) -> tuple[int, int]:
