@@ -1,9 +1,12 @@
 """GGUF checkpoints (llama.cpp files): metadata -> config, tensors -> HF-named fp32 weights.
 
 Holds :class:`GGUFCheckpoint`, which opens a ``.gguf`` file with ``gguf.GGUFReader``
-(memory-mapped), checks it is whole, builds a :class:`ModelArchConfig` from the
-metadata, and yields dequantized tensors under HF transformers parameter names,
-with llama.cpp's Q/K row permutation undone for the ``llama`` architecture.
+(memory-mapped), builds a :class:`ModelArchConfig` from the metadata, and yields
+dequantized tensors under HF transformers parameter names, with llama.cpp's Q/K
+row permutation undone for the ``llama`` architecture. The file is untrusted:
+every count, offset and size it declares is checked in Python integers against
+the file (whole, aligned, no overlap) before the reader acts on it, and every
+tensor's shape and type against the config, all when the file opens.
 Supported GGUF architectures: ``llama`` (Llama, Mistral), ``qwen2``, ``qwen3``.
 May import numpy, torch, gguf, transformers and ``asyncstep.models.config``/``errors``.
 """
@@ -451,11 +454,13 @@ class GGUFCheckpoint:
         seen: set[str] = set()
         for tensor, name in self._tensors:
             shape = expected.get(name)
-            if shape is None or name in seen:
+            if shape is None:
                 raise ModelLoadError(
                     f"{self.path}: tensor {tensor.name!r} has no place in the model its "
                     f"metadata describes"
                 )
+            if name in seen:
+                raise ModelLoadError(f"{self.path}: two tensors are {name}")
             seen.add(name)
             stored = tuple(int(d) for d in reversed(tensor.shape.tolist()))
             if stored != shape:

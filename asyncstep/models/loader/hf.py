@@ -197,14 +197,20 @@ def _check_safe_open(path: Path) -> None:
         raise ModelLoadError(f"{path}: corrupt safetensors file: {exc}") from None
 
 
-def _shard_files(directory: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those its index names, else all of them."""
+def _shard_files(directory: Path, max_files: int) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names, else all of them
+    (at most ``max_files``, one per tensor)."""
     index_path = directory / SAFETENSORS_INDEX_FILE
     if index_path.is_file():
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index_path}: no weight_map")
         names = [str(name) for name in dict.fromkeys(weight_map.values())]
+        if len(names) > max_files:
+            raise ModelLoadError(
+                f"{index_path}: names {len(names):,} files, more than the config's model has "
+                f"tensors ({max_files:,})"
+            )
         for name in names:
             if Path(name).name != name or name in ("", ".", ".."):
                 raise ModelLoadError(f"{index_path}: names {name!r}, not a file of the directory")
@@ -214,6 +220,11 @@ def _shard_files(directory: Path) -> list[Path]:
                 raise ModelLoadError(f"{index_path}: names {file.name}, which is missing")
         return files
     files = sorted(directory.glob("*.safetensors"))
+    if len(files) > max_files:
+        raise ModelLoadError(
+            f"{directory}: {len(files):,} safetensors files, more than the config's model has "
+            f"tensors ({max_files:,})"
+        )
     if not files:
         pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in directory.glob(pattern))
         found = f" (found {', '.join(pickles)})" if pickles else ""
@@ -242,7 +253,8 @@ class HFCheckpoint:
             raise ModelLoadError(f"model not found: {self.path}")
         self._config = read_arch_config(self.path)
         self._expected = self._config.weight_shapes()
-        self._files = _shard_files(self.path)
+        self._max_tensors = len(self._expected) + self._config.num_hidden_layers + 1  # ignorable
+        self._files = _shard_files(self.path, self._max_tensors)
         self._tensors: dict[str, tuple[Path, TensorInfo]] = {}
         for file in self._files:
             self._add_file(file)
@@ -256,8 +268,7 @@ class HFCheckpoint:
     def _add_file(self, file: Path) -> None:
         """Check one file's tensors against the config (before safetensors opens it);
         keep those the model loads."""
-        ignorable = self._config.num_hidden_layers + 1
-        header = read_safetensors_header(file, len(self._expected) + ignorable)
+        header = read_safetensors_header(file, self._max_tensors)
         for name, info in header.items():
             if self._ignored(name):
                 continue
