@@ -306,6 +306,22 @@ def gguf_header_patch(at_field: str, value: bytes) -> Callable[[Path], tuple[Pat
     return make
 
 
+def gguf_string(text: str) -> bytes:
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def gguf_many_strings(d: Path) -> tuple[Path, str]:
+    """A hand-made GGUF file whose token list holds 2**21 - 1 empty strings (16 MiB):
+    the stock reader makes two numpy views of each (~2.6 GB, minutes)."""
+    count = 2**21 - 1
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+    arch = gguf_string("general.architecture") + struct.pack("<I", 8) + gguf_string("llama")
+    tokens = gguf_string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, count)
+    path = d / "m.gguf"
+    path.write_bytes(header + arch + tokens + bytes(8 * count))
+    return path, "auto"
+
+
 def hf_case(config: Any = None, **kwargs: Any) -> Callable[[Path], tuple[Path, str]]:
     return lambda d: (write_hf(d / "hf", config, **kwargs), "auto")
 
@@ -314,6 +330,13 @@ def hf_index_escape(d: Path) -> tuple[Path, str]:
     directory = write_hf(d / "hf")
     index = {"weight_map": {"model.norm.weight": "../elsewhere.safetensors"}}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory, "auto"
+
+
+def hf_generation_eos(d: Path) -> tuple[Path, str]:
+    directory = write_hf(d / "hf")
+    generation = {"eos_token_id": list(range(10**6))}
+    (directory / "generation_config.json").write_text(json.dumps(generation))
     return directory, "auto"
 
 
@@ -384,6 +407,11 @@ CASES: dict[str, Case] = {
         gguf_case(tokens=33),
         "ModelLoadError",
         "tokenizer.ggml.tokens has 33 entries, more than a vocabulary of 32 can use",
+    ),
+    "gguf two million strings": (
+        gguf_many_strings,
+        "ModelLoadError",
+        "lacks llama.embedding_length",
     ),
     # GGUF tensors
     "gguf offset 2**64-1": (
@@ -461,6 +489,16 @@ CASES: dict[str, Case] = {
         hf_case(hf_with(tie_word_embeddings="false")),
         "ModelLoadError",
         "tie_word_embeddings must be true or false",
+    ),
+    "hf a million eos ids": (
+        hf_case(hf_with(eos_token_id=list(range(10**6)))),
+        "ModelLoadError",
+        "eos_token_ids must be a tuple of at most 256 token ids",
+    ),
+    "hf a million generation eos ids": (
+        hf_generation_eos,
+        "ModelLoadError",
+        "generation_config.json: eos_token_id lists 1,000,000 token ids",
     ),
     "hf rope factor x": (
         hf_case(hf_with(rope_scaling={"factor": "x"})),
@@ -740,6 +778,49 @@ def test_huge_tokenizer_file_refused(tmp_path: Path) -> None:
         f.truncate((128 << 20) + 1)  # sparse: no disk, no memory
     with pytest.raises(ModelLoadError, match="more than a tokenizer file may hold"):
         HFCheckpoint(directory).load_tokenizer()
+
+
+def test_checked_reader_agrees_with_the_stock_reader(tmp_path: Path) -> None:
+    """Arrays are kept whole, not element by element; everything else is the stock
+    reader's: the same keys, scalar values, array lengths and tensors."""
+    from asyncstep.models.loader.gguf import GGUFCheckpoint
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, (kind, value) in GGUF_META.items():
+        getattr(writer, f"add_{kind}")(key, value)
+    writer.add_token_list([f"t{i}" for i in range(32)])
+    writer.add_token_types([1] * 32)
+    writer.add_token_scores([float(-i) for i in range(32)])
+    writer.add_token_merges(["t 1", "t1 0", "é ü"])
+    writer.add_chat_template("{{ messages }}")
+    for name, array in base_tensors().items():
+        writer.add_tensor(gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    stock, checkpoint = gguf.GGUFReader(path), GGUFCheckpoint(path)
+    ours = checkpoint._reader
+    assert list(ours.fields) == list(stock.fields)
+    for key, field in stock.fields.items():
+        assert ours.fields[key].types == field.types, key
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert checkpoint._array_length(key) == len(field.data), key
+            items = ours.fields[key].parts[-1]
+            assert items.nbytes == sum(field.parts[i].nbytes for i in range(5, len(field.parts)))
+        elif not key.startswith("GGUF."):
+            assert checkpoint.metadata(key) == field.contents(), key
+    assert ours.data_offset == stock.data_offset
+    for mine, theirs in zip(ours.tensors, stock.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.n_bytes) == (
+            theirs.name,
+            theirs.tensor_type,
+            theirs.n_bytes,
+        )
+        assert mine.data_offset == theirs.data_offset
+        assert np.array_equal(mine.data, theirs.data)
 
 
 def test_available_memory_is_read() -> None:

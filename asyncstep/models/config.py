@@ -141,8 +141,10 @@ class ModelArchConfig:
                 raise ModelLoadError(f"config: {flag} must be true or false")
         if self.bos_token_id is not None:
             bounded_int("config: bos_token_id", self.bos_token_id, MAX_TOKEN_ID, low=0)
-        if not isinstance(self.eos_token_ids, tuple):
-            raise ModelLoadError("config: eos_token_ids must be a tuple of token ids")
+        if not isinstance(self.eos_token_ids, tuple) or len(self.eos_token_ids) > MAX_EOS_TOKENS:
+            raise ModelLoadError(
+                f"config: eos_token_ids must be a tuple of at most {MAX_EOS_TOKENS} token ids"
+            )
         for eos in self.eos_token_ids:
             bounded_int("config: eos_token_id", eos, MAX_TOKEN_ID, low=0)
         validate_rope_scaling(self.rope_scaling)
@@ -199,6 +201,8 @@ SIZE_BOUNDS: dict[str, int] = {
 }
 #: Token ids fit an int32 (the runner's token tables).
 MAX_TOKEN_ID = 2**31 - 1
+#: End-of-sequence ids a config may list (real ones: 1 to 4).
+MAX_EOS_TOKENS = 256
 ROPE_TYPES = ("default", "linear", "llama3")
 #: The rope scaling fields each type needs.
 _ROPE_REQUIRED: dict[str, tuple[str, ...]] = {

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError, describe
-from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.config import MAX_EOS_TOKENS, ModelArchConfig
 from asyncstep.models.limits import (
     MAX_JSON_BYTES,
     MAX_SAFETENSORS_HEADER_BYTES,
@@ -79,6 +79,8 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,)
     if isinstance(value, list):
+        if len(value) > MAX_EOS_TOKENS:
+            raise ModelLoadError(f"lists {len(value):,} token ids (at most {MAX_EOS_TOKENS})")
         return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
     return ()
 
@@ -98,12 +100,19 @@ def read_arch_config(directory: Path) -> ModelArchConfig:
     generation_path = directory / GENERATION_CONFIG_FILE
     if generation_path.is_file():
         generation = _read_json(generation_path)
-        eos = _token_ids(generation.get("eos_token_id"))
+        try:
+            eos = _token_ids(generation.get("eos_token_id"))
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{generation_path}: eos_token_id {exc}") from None
         merged = eos + tuple(i for i in config.eos_token_ids if i not in eos)
         bos = config.bos_token_id
         if bos is None and _token_ids(generation.get("bos_token_id")):
             bos = _token_ids(generation.get("bos_token_id"))[0]
         config = config.replace(eos_token_ids=merged, bos_token_id=bos)
+        try:
+            config.validate()
+        except ModelLoadError as exc:
+            raise type(exc)(f"{generation_path}: {exc}") from None
     return config
 
 
