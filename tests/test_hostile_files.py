@@ -14,6 +14,8 @@ and refusals when memory is short (model, KV cache).
 from __future__ import annotations
 
 import json
+import os
+import re
 import struct
 import subprocess
 import sys
@@ -634,7 +636,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         capture_output=True,
         text=True,
         timeout=300,
-        env={**_inherited_env(), **env},
+        env={**os.environ, **env},
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -642,12 +644,6 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     for name, got in loaded.items():
         print(f"{name:40} {got['seconds']:6.3f} s {got['peak'] / 2**20:6.0f} MiB  {got['message']}")
     return loaded
-
-
-def _inherited_env() -> dict[str, str]:
-    import os
-
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 EXPECTED = {name: (error, match) for name, (_, error, match) in CASES.items()} | {
@@ -659,8 +655,6 @@ EXPECTED = {name: (error, match) for name, (_, error, match) in CASES.items()} |
 def test_hostile_file_is_refused_fast_and_small(
     results: dict[str, dict[str, Any]], name: str
 ) -> None:
-    import re
-
     got = results[name]
     error, match = EXPECTED[name]
     assert got["error"] == error, f"{name}: {got['error']}: {got['message']}"

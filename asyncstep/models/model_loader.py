@@ -114,8 +114,8 @@ def load_model(
         arch = checkpoint.arch_config()
         source = str(checkpoint.path)
     weights = None if config.load_format == "dummy" else checkpoint
-    max_model_len = resolve_max_model_len(config.max_model_len, arch)
     arch.validate()
+    max_model_len = resolve_max_model_len(config.max_model_len, arch)
     tp, pp = get_tp_group(), get_pp_group()
     check_model_fits(
         arch,
