@@ -1,13 +1,33 @@
-"""The architecture of a decoder-only model, read from an HF config or GGUF metadata."""
+"""The architecture of a decoder-only model, read from an HF config or GGUF metadata.
+
+:meth:`ModelArchConfig.validate` is the one gate every config passes before a
+model is built from it: sizes are non-bool ints within the bounds of
+:mod:`asyncstep.models.limits`, floats finite, flags bools, rope scaling of a
+known type with typed fields. :meth:`ModelArchConfig.weight_shapes` gives the
+tensors (HF names, full shapes) a checkpoint of the config must hold.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
+from asyncstep.models.limits import (
+    MAX_CONTEXT_LENGTH,
+    MAX_HEAD_DIM,
+    MAX_HIDDEN_SIZE,
+    MAX_INTERMEDIATE_SIZE,
+    MAX_NUM_HEADS,
+    MAX_NUM_LAYERS,
+    MAX_ROPE_FACTOR,
+    MAX_VOCAB_SIZE,
+    bounded_float,
+    bounded_int,
+)
 
 #: HF ``architectures`` names -> our model family.
 ARCHITECTURES: dict[str, str] = {
@@ -59,27 +79,54 @@ class ModelArchConfig:
     def replace(self, **changes: Any) -> ModelArchConfig:
         return dataclasses.replace(self, **changes)
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF names and full shapes of every tensor a checkpoint of this model holds
+        (``lm_head.weight`` only when the embeddings are not tied)."""
+        h, q, kv, inter = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (self.vocab_size, h),
+            "model.norm.weight": (h,),
+        }
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}"
+            shapes |= {
+                f"{p}.input_layernorm.weight": (h,),
+                f"{p}.post_attention_layernorm.weight": (h,),
+                f"{p}.self_attn.q_proj.weight": (q, h),
+                f"{p}.self_attn.k_proj.weight": (kv, h),
+                f"{p}.self_attn.v_proj.weight": (kv, h),
+                f"{p}.self_attn.o_proj.weight": (h, q),
+                f"{p}.mlp.gate_proj.weight": (inter, h),
+                f"{p}.mlp.up_proj.weight": (inter, h),
+                f"{p}.mlp.down_proj.weight": (h, inter),
+            }
+            if self.attention_bias:
+                shapes |= {
+                    f"{p}.self_attn.q_proj.bias": (q,),
+                    f"{p}.self_attn.k_proj.bias": (kv,),
+                    f"{p}.self_attn.v_proj.bias": (kv,),
+                }
+            if self.qk_norm:
+                shapes |= {
+                    f"{p}.self_attn.q_norm.weight": (self.head_dim,),
+                    f"{p}.self_attn.k_norm.weight": (self.head_dim,),
+                }
+        return shapes
+
     def validate(self) -> None:
-        """Raise a one-line error for a config no model can be built from."""
-        if self.architecture not in ARCHITECTURES:
+        """Raise a one-line error for a config no model can be built from: every
+        size a bounded non-bool int, every float finite, every flag a bool."""
+        if not isinstance(self.architecture, str) or self.architecture not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported architecture {self.architecture!r}; asyncstep runs "
                 f"{', '.join(sorted(ARCHITECTURES))}"
             )
         if self.hidden_act != "silu":
             raise UnsupportedModelError(f"unsupported activation {self.hidden_act!r} (only silu)")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ModelLoadError(f"config: {name} must be a positive integer, got {value!r}")
+        for name, high in SIZE_BOUNDS.items():
+            bounded_int(f"config: {name}", getattr(self, name), high)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(
                 f"config: num_attention_heads ({self.num_attention_heads}) is not a multiple "
@@ -87,63 +134,169 @@ class ModelArchConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"config: head_dim must be even for rotary, got {self.head_dim}")
+        bounded_float("config: rms_norm_eps", self.rms_norm_eps, 1.0)
+        bounded_float("config: rope_theta", self.rope_theta, math.inf)
+        for flag in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ModelLoadError(f"config: {flag} must be true or false")
+        if self.bos_token_id is not None:
+            bounded_int("config: bos_token_id", self.bos_token_id, MAX_TOKEN_ID, low=0)
+        if not isinstance(self.eos_token_ids, tuple) or len(self.eos_token_ids) > MAX_EOS_TOKENS:
+            raise ModelLoadError(
+                f"config: eos_token_ids must be a tuple of at most {MAX_EOS_TOKENS} token ids"
+            )
+        for eos in self.eos_token_ids:
+            bounded_int("config: eos_token_id", eos, MAX_TOKEN_ID, low=0)
+        validate_rope_scaling(self.rope_scaling)
 
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any]) -> ModelArchConfig:
-        """Build from an HF ``config.json`` dict (transformers 4.x or 5.x spelling)."""
-        archs = cfg.get("architectures") or []
-        if not archs:
-            model_type = cfg.get("model_type")
-            guess = {
-                "llama": "LlamaForCausalLM",
-                "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM",
-            }.get(str(model_type))
-            if guess is None:
-                raise UnsupportedModelError(
-                    f"config names no architecture (model_type {model_type!r})"
-                )
-            archs = [guess]
-        arch = str(archs[0])
-        if arch not in ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"unsupported architecture {arch!r}; asyncstep runs "
-                f"{', '.join(sorted(ARCHITECTURES))}"
-            )
-        try:
-            hidden = int(cfg["hidden_size"])
-            n_heads = int(cfg["num_attention_heads"])
-            n_kv = int(cfg.get("num_key_value_heads") or n_heads)
-            head_dim = cfg.get("head_dim") or (hidden // n_heads if n_heads else 0)
-            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-            theta = float(rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            rope_scaling = rope if rope and rope_type != "default" else None
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            family = ARCHITECTURES[arch]
-            config = cls(
-                architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
-                num_attention_heads=n_heads,
-                num_key_value_heads=n_kv,
-                head_dim=int(head_dim),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=theta,
-                rope_scaling=rope_scaling,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-                qk_norm=family == "qwen3",
-                hidden_act=str(cfg.get("hidden_act", "silu")),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ModelLoadError(f"config: missing or invalid field: {exc}") from None
+        """Build from an HF ``config.json`` dict (transformers 4.x or 5.x spelling),
+        every field type-checked and bounded before any arithmetic on it."""
+        if not isinstance(cfg, Mapping):
+            raise ModelLoadError(f"config: expected an object, got {type(cfg).__name__}")
+        arch = _hf_architecture(cfg)
+        family = ARCHITECTURES[arch]
+        sizes = {name: _hf_size(cfg, name) for name in _HF_REQUIRED_SIZES}
+        hidden, n_heads = sizes["hidden_size"], sizes["num_attention_heads"]
+        n_kv = _hf_size(cfg, "num_key_value_heads", n_heads)
+        head_dim = _hf_size(cfg, "head_dim", max(hidden // n_heads, 1))
+        rope = _hf_rope(cfg)
+        theta = rope.pop("rope_theta", None)
+        theta = _hf_value(cfg, "rope_theta", 10000.0) if theta is None else theta
+        validate_rope_scaling(rope)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        config = cls(
+            architecture=arch,
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=bounded_float(
+                "config: rms_norm_eps", _hf_value(cfg, "rms_norm_eps", 1e-6), 1.0
+            ),
+            rope_theta=bounded_float("config: rope_theta", theta, math.inf),
+            rope_scaling=rope if rope and rope_type != "default" else None,
+            max_position_embeddings=_hf_size(cfg, "max_position_embeddings", 4096),
+            tie_word_embeddings=_hf_value(cfg, "tie_word_embeddings", False),
+            attention_bias=_hf_value(cfg, "attention_bias", family == "qwen2"),
+            qk_norm=family == "qwen3",
+            hidden_act=_hf_value(cfg, "hidden_act", "silu"),
+            bos_token_id=_hf_value(cfg, "bos_token_id", None),
+            eos_token_ids=_hf_eos(cfg.get("eos_token_id")),
+            **sizes,
+        )
         config.validate()
         return config
+
+
+#: Each size field of :class:`ModelArchConfig` (and of an HF config) -> its upper bound.
+SIZE_BOUNDS: dict[str, int] = {
+    "vocab_size": MAX_VOCAB_SIZE,
+    "hidden_size": MAX_HIDDEN_SIZE,
+    "intermediate_size": MAX_INTERMEDIATE_SIZE,
+    "num_hidden_layers": MAX_NUM_LAYERS,
+    "num_attention_heads": MAX_NUM_HEADS,
+    "num_key_value_heads": MAX_NUM_HEADS,
+    "head_dim": MAX_HEAD_DIM,
+    "max_position_embeddings": MAX_CONTEXT_LENGTH,
+}
+#: Token ids fit an int32 (the runner's token tables).
+MAX_TOKEN_ID = 2**31 - 1
+#: End-of-sequence ids a config may list (real ones: 1 to 4).
+MAX_EOS_TOKENS = 256
+ROPE_TYPES = ("default", "linear", "llama3")
+#: The rope scaling fields each type needs.
+_ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_HF_REQUIRED_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_HF_GUESSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_MISSING: Any = object()
+
+
+def validate_rope_scaling(scaling: Any) -> None:
+    """``rope_scaling`` (HF spelling, ``rope_theta`` taken out) must be None or an
+    object of a known type whose numeric fields are finite and bounded."""
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        kind = type(scaling).__name__
+        raise ModelLoadError(f"config: rope_scaling must be an object, got {kind}")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if not isinstance(rope_type, str):
+        raise ModelLoadError("config: rope_scaling.rope_type must be a string")
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if key in scaling:
+            bounded_float(f"config: rope_scaling.{key}", scaling[key], MAX_ROPE_FACTOR)
+    key = "original_max_position_embeddings"
+    if key in scaling:
+        bounded_int(f"config: rope_scaling.{key}", scaling[key], MAX_CONTEXT_LENGTH)
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope scaling {rope_type!r} ({', '.join(ROPE_TYPES)})"
+        )
+    for key in _ROPE_REQUIRED[rope_type]:
+        if key not in scaling:
+            raise ModelLoadError(f"config: rope_scaling of type {rope_type} lacks {key}")
+    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ModelLoadError("config: rope_scaling.high_freq_factor must exceed low_freq_factor")
+
+
+def _hf_value(cfg: Mapping[str, Any], key: str, default: Any = _MISSING) -> Any:
+    """``cfg[key]``; ``default`` when it is absent or null (no default: an error)."""
+    value = cfg.get(key)
+    if value is not None:
+        return value
+    if default is _MISSING:
+        raise ModelLoadError(f"config: missing or invalid field: {key!r} is missing")
+    return default
+
+
+def _hf_size(cfg: Mapping[str, Any], key: str, default: Any = _MISSING) -> int:
+    return bounded_int(f"config: {key}", _hf_value(cfg, key, default), SIZE_BOUNDS[key])
+
+
+def _hf_architecture(cfg: Mapping[str, Any]) -> str:
+    archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ModelLoadError("config: architectures must be a list of names")
+    if not archs:
+        model_type = cfg.get("model_type")
+        guess = _HF_GUESSES.get(model_type) if isinstance(model_type, str) else None
+        if guess is None:
+            raise UnsupportedModelError(f"config names no architecture (model_type {model_type!r})")
+        archs = [guess]
+    if archs[0] not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs[0]!r}; asyncstep runs "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
+    return archs[0]
+
+
+def _hf_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4.x)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(f"config: rope_scaling must be an object, got {type(rope).__name__}")
+    return dict(rope)
+
+
+def _hf_eos(eos: Any) -> tuple[int, ...]:
+    if eos is None:
+        return ()
+    if isinstance(eos, list):
+        return tuple(eos)
+    return (eos,)

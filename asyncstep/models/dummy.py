@@ -120,39 +120,9 @@ def get_shape(name: str) -> ModelArchConfig:
 
 
 def dummy_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
-    """HF names and full shapes of every tensor of a checkpoint of ``arch``."""
-    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (arch.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, h)
-    for i in range(arch.num_hidden_layers):
-        p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": (h,),
-            f"{p}.post_attention_layernorm.weight": (h,),
-            f"{p}.self_attn.q_proj.weight": (q, h),
-            f"{p}.self_attn.k_proj.weight": (kv, h),
-            f"{p}.self_attn.v_proj.weight": (kv, h),
-            f"{p}.self_attn.o_proj.weight": (h, q),
-            f"{p}.mlp.gate_proj.weight": (inter, h),
-            f"{p}.mlp.up_proj.weight": (inter, h),
-            f"{p}.mlp.down_proj.weight": (h, inter),
-        }
-        if arch.attention_bias:
-            shapes |= {
-                f"{p}.self_attn.q_proj.bias": (q,),
-                f"{p}.self_attn.k_proj.bias": (kv,),
-                f"{p}.self_attn.v_proj.bias": (kv,),
-            }
-        if arch.qk_norm:
-            shapes |= {
-                f"{p}.self_attn.q_norm.weight": (arch.head_dim,),
-                f"{p}.self_attn.k_norm.weight": (arch.head_dim,),
-            }
-    return shapes
+    """HF names and full shapes of every tensor of a checkpoint of ``arch``
+    (:meth:`ModelArchConfig.weight_shapes`)."""
+    return arch.weight_shapes()
 
 
 def dummy_weights(
@@ -175,7 +145,7 @@ def dummy_weights(
     layer's contribution vanish next to the residual: the next token would be a
     function of the current one alone).
     """
-    for name, shape in dummy_weight_shapes(arch).items():
+    for name, shape in arch.weight_shapes().items():
         if names is not None and name not in names:
             continue
         generator = torch.Generator(device=device).manual_seed(

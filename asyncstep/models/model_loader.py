@@ -1,5 +1,12 @@
 """Build a model on a device and fill its weights: from a checkpoint (GGUF
-file or HF directory) or at random (``load_format="dummy"``)."""
+file or HF directory) or at random (``load_format="dummy"``).
+
+Nothing is allocated from a model's declared sizes before they are checked:
+the checkpoint's config is validated and bounded and its tensors' shapes,
+offsets and dtypes checked against it when it opens, and the memory this rank
+will take is estimated and refused when the device lacks it
+(:func:`~asyncstep.models.memory.check_model_fits`), all before the modules
+are built or the tokenizer converted."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.config import ModelConfig
 from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.logging import get_logger
@@ -18,6 +26,7 @@ from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.loader import Checkpoint, open_checkpoint
+from asyncstep.models.memory import check_model_fits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -95,17 +104,30 @@ def load_model(
     (``sequence_parallel``: see :class:`~asyncstep.config.ParallelConfig`)."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    checkpoint: Checkpoint | None = None
     if config.load_format == "dummy" and (config.model is None or str(config.model) in SHAPES):
-        arch = get_shape(str(config.model or "smollm2-135m"))
-        tokenizer, source, weights = None, str(config.model or "smollm2-135m"), None
+        source = str(config.model or "smollm2-135m")
+        arch = get_shape(source)
     else:
         fmt = "auto" if config.load_format == "dummy" else config.load_format
-        checkpoint = open_checkpoint(config.model, fmt)
+        checkpoint = open_checkpoint(config.model, fmt)  # its sizes checked against its tensors
         arch = checkpoint.arch_config()
-        tokenizer = maybe_tokenizer(checkpoint) if with_tokenizer else None
         source = str(checkpoint.path)
-        weights = None if config.load_format == "dummy" else checkpoint
+    weights = None if config.load_format == "dummy" else checkpoint
+    arch.validate()
     max_model_len = resolve_max_model_len(config.max_model_len, arch)
+    tp, pp = get_tp_group(), get_pp_group()
+    check_model_fits(
+        arch,
+        dtype,
+        device,
+        source=source,
+        random_weights=weights is None,
+        tp_size=tp.world_size,
+        pp_rank=pp.rank_in_group,
+        pp_size=pp.world_size,
+    )
+    tokenizer = maybe_tokenizer(checkpoint) if checkpoint is not None and with_tokenizer else None
     with torch.device(device):
         model = LlamaForCausalLM(arch, dtype, sequence_parallel=sequence_parallel)
     if weights is None:

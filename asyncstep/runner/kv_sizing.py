@@ -7,6 +7,7 @@ import torch
 from asyncstep.config import CacheConfig
 from asyncstep.errors import ConfigError
 from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.memory import available_memory, human_bytes
 
 #: GPU memory kept back for activations, beyond the estimate from the batch shape.
 ACTIVATION_RESERVE_BYTES = 1 << 30
@@ -28,7 +29,7 @@ def num_kv_blocks(
     already loaded and an activation estimate. Never more than ``max_num_running_reqs``
     sequences of ``max_model_len`` tokens need."""
     if cache.num_blocks is not None:
-        return cache.num_blocks
+        return _fitting(cache.num_blocks, block_bytes, device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         activations = (
@@ -46,5 +47,18 @@ def num_kv_blocks(
         raise ConfigError(
             f"no memory left for the KV cache ({num_blocks} blocks); lower max_model_len "
             "or raise the KV cache memory"
+        )
+    return _fitting(num_blocks, block_bytes, device)
+
+
+def _fitting(num_blocks: int, block_bytes: int, device: torch.device) -> int:
+    """``num_blocks``, if the memory left on ``device`` holds them (checked before
+    the cache is allocated)."""
+    needed, free = num_blocks * block_bytes, available_memory(device)
+    if free is not None and needed > free:
+        raise ConfigError(
+            f"the KV cache ({num_blocks} blocks) needs {human_bytes(needed)} on {device} but "
+            f"only {human_bytes(free)} is available; lower num_blocks, kv_cache_memory_gib "
+            "or max_model_len"
         )
     return num_blocks

@@ -65,9 +65,14 @@ class RotaryEmbedding(nn.Module):
             torch.arange(max_position, dtype=torch.float32)[:, None]
             * _inv_freq(head_dim, theta, scaling)[None, :]
         )
-        # [max_position, head_dim]: cos in the first half, sin in the second.
+        # [max_position, head_dim]: cos in the first half, sin in the second, written
+        # in place (the angles and the cache are all that is alive at once).
+        cache = torch.empty(max_position, head_dim, dtype=torch.float32)
+        torch.cos(freqs, out=cache[:, : head_dim // 2])
+        torch.sin(freqs, out=cache[:, head_dim // 2 :])
+        del freqs
         self.cos_sin_cache: torch.Tensor
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), False)
+        self.register_buffer("cos_sin_cache", cache, False)
         #: Rotate with the fused Triton kernel (set by the runner on CUDA).
         self.use_triton = False
 

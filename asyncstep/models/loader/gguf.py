@@ -1,16 +1,23 @@
 """GGUF checkpoints (llama.cpp files): metadata -> config, tensors -> HF-named fp32 weights.
 
 Holds :class:`GGUFCheckpoint`, which opens a ``.gguf`` file with ``gguf.GGUFReader``
-(memory-mapped), checks it is whole, builds a :class:`ModelArchConfig` from the
-metadata, and yields dequantized tensors under HF transformers parameter names,
-with llama.cpp's Q/K row permutation undone for the ``llama`` architecture.
+(memory-mapped), builds a :class:`ModelArchConfig` from the metadata, and yields
+dequantized tensors under HF transformers parameter names, with llama.cpp's Q/K
+row permutation undone for the ``llama`` architecture. The file is untrusted:
+every count, offset and size it declares is checked in Python integers against
+the file (whole, aligned, no overlap) before the reader acts on it, and every
+tensor's shape and type against the config, all when the file opens.
 Supported GGUF architectures: ``llama`` (Llama, Mistral), ``qwen2``, ``qwen3``.
 May import numpy, torch, gguf, transformers and ``asyncstep.models.config``/``errors``.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
+import struct
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +28,16 @@ import torch
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.limits import (
+    MAX_GGUF_ARRAY_ELEMENTS,
+    MAX_GGUF_ARRAY_LENGTH,
+    MAX_GGUF_KEYS,
+    MAX_GGUF_TENSORS,
+    MAX_TENSOR_DIMS,
+    is_int,
+)
 from asyncstep.models.loader.tokenizer import load_gguf_tokenizer
+from asyncstep.models.memory import check_fits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -62,6 +78,19 @@ _BLOCK_NAMES: dict[str, str] = {
 _IGNORED_GLOBAL = frozenset({"rope_freqs"})
 _IGNORED_BLOCK = frozenset({"attn_rot_embd"})
 
+#: The metadata arrays transformers builds a GGUF file's tokenizer from.
+TOKENIZER_ARRAYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.merges",
+)
+#: BPE merges per vocabulary entry (Llama 3: 280,147 merges for 128,256 tokens).
+MERGES_PER_TOKEN = 4
+#: What transformers' conversion takes per tokenizer array entry (measured on
+#: SmolLM2: ~1.2 KiB, the stock GGUFReader's numpy views and the tokenizer built).
+TOKENIZER_BYTES_PER_ENTRY = 2048
+
 _TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<kind>weight|bias)")
 
 
@@ -69,12 +98,36 @@ class _FileTooShortError(Exception):
     """The reader wanted bytes past the end of the file."""
 
 
-class _CheckedReader(gguf.GGUFReader):
-    """A ``GGUFReader`` that reports reads past the end of the file as such.
+class _HostileFileError(Exception):
+    """The file declares a table, array or tensor it cannot hold."""
 
-    The stock reader slices its memory map without a bounds check, so a
-    truncated file fails later with an unrelated numpy error (or not at all).
+
+#: Tensor types whose weights ``gguf.quants.dequantize`` turns into floats.
+DEQUANTIZABLE: frozenset[gguf.GGMLQuantizationType] = frozenset(
+    {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+    | set(getattr(gguf.quants, "_type_traits", {}))
+)
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """A ``GGUFReader`` that checks, in Python integers, every count and offset the
+    file declares before the stock reader acts on it (numpy's uint64 arithmetic
+    wraps: a tensor offset of 2**64 - 32 would point back into the header).
+
+    - a read past the end of the file is reported as such (the stock reader
+      slices its memory map without a bounds check);
+    - the key and tensor counts are bounded before their tables are parsed;
+    - a metadata array is kept whole, as one part holding its elements (numbers)
+      or their raw bytes (strings), after its length is bounded: the stock
+      reader makes numpy views per element (~650 bytes each), which a hostile
+      file turns into gigabytes;
+    - each tensor's type must be known, its shape whole blocks of that type,
+      its data aligned, inside the file and clear of every other tensor's.
     """
+
+    def __init__(self, path: Path) -> None:
+        self._array_elements = 0
+        super().__init__(path, "r")
 
     def _get(
         self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
@@ -86,6 +139,102 @@ class _CheckedReader(gguf.GGUFReader):
                 f"the file has {len(self.data):,})"
             )
         return super()._get(offset, dtype, count, override_order)
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        if int(count) > MAX_GGUF_KEYS:
+            raise _HostileFileError(f"{int(count):,} metadata keys (at most {MAX_GGUF_KEYS:,})")
+        result: int = super()._build_fields(offs, count)
+        return result
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:
+        if int(count) > MAX_GGUF_TENSORS:
+            raise _HostileFileError(f"{int(count):,} tensors (at most {MAX_GGUF_TENSORS:,})")
+        result: tuple[int, list[Any]] = super()._build_tensor_info(offs, count)
+        return result
+
+    def _get_field_parts(
+        self, orig_offs: int, raw_type: int
+    ) -> tuple[int, list[np.ndarray[Any, Any]], list[int], list[gguf.GGUFValueType]]:
+        if raw_type != gguf.GGUFValueType.ARRAY:
+            parts: tuple[int, list[Any], list[int], list[Any]] = super()._get_field_parts(
+                orig_offs, raw_type
+            )
+            return parts
+        raw_itype = self._get(orig_offs, np.uint32)
+        length = self._get(orig_offs + 4, np.uint64)
+        count, start = int(length[0]), orig_offs + 12
+        if count > MAX_GGUF_ARRAY_LENGTH:
+            raise _HostileFileError(
+                f"a metadata array of {count:,} elements (at most {MAX_GGUF_ARRAY_LENGTH:,})"
+            )
+        self._array_elements += count
+        if self._array_elements > MAX_GGUF_ARRAY_ELEMENTS:
+            raise _HostileFileError(
+                f"metadata arrays of over {MAX_GGUF_ARRAY_ELEMENTS:,} elements in all"
+            )
+        itype = gguf.GGUFValueType(int(raw_itype[0]))  # ValueError: an unknown type
+        if itype == gguf.GGUFValueType.STRING:
+            items = self._get(start, np.uint8, self._strings_end(start, count) - start)
+        elif itype in self.gguf_scalar_to_np:
+            items = self._get(start, self.gguf_scalar_to_np[itype], count)
+        else:
+            raise _HostileFileError(f"a metadata array of {itype.name} (nested arrays)")
+        types = [gguf.GGUFValueType.ARRAY, itype]
+        return 12 + int(items.nbytes), [raw_itype, length, items], [2], types
+
+    def _strings_end(self, offs: int, count: int) -> int:
+        """Where ``count`` length-prefixed strings from ``offs`` end (read, not kept)."""
+        size, fmt = len(self.data), "<Q" if self._little_endian() else ">Q"
+        buffer = self.data.data
+        for _ in range(count):
+            if offs + 8 > size:
+                break
+            offs += 8 + struct.unpack_from(fmt, buffer, offs)[0]
+        else:
+            if offs <= size:
+                return offs
+        raise _FileTooShortError(
+            f"a metadata array of {count:,} strings runs past the end of the file"
+        )
+
+    def _little_endian(self) -> bool:
+        return (self.byte_order == "I") == (sys.byteorder == "little")
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        extents = sorted(self._tensor_extent(start_offs, field) for field in fields)
+        for (_, end, name), (begin, _, other) in itertools.pairwise(extents):
+            if begin < end:
+                raise _HostileFileError(f"tensors {name!r} and {other!r} overlap")
+        super()._build_tensors(start_offs, fields)
+
+    def _tensor_extent(self, start_offs: int, field: Any) -> tuple[int, int, str]:
+        """(begin, end, name) of a tensor's data, checked in Python integers."""
+        _, name_data, n_dims, dims, raw_type, offset = field.parts
+        name = bytes(name_data).decode("utf-8", errors="replace")
+        shape = [int(d) for d in dims.tolist()]
+        if not 1 <= int(n_dims[0]) <= MAX_TENSOR_DIMS or not all(shape):
+            raise _HostileFileError(f"tensor {name!r} has shape {shape}")
+        try:
+            qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+        except ValueError:
+            raise _HostileFileError(
+                f"tensor {name!r} has unknown type {int(raw_type[0])}"
+            ) from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if shape[0] % block:
+            raise _HostileFileError(
+                f"tensor {name!r}: rows of {shape[0]} are not whole {qtype.name} blocks"
+            )
+        relative = int(offset[0])
+        if relative % int(self.alignment):
+            raise _HostileFileError(f"tensor {name!r} is not aligned to {int(self.alignment)}")
+        begin = start_offs + relative
+        end = begin + math.prod(shape) // block * type_size
+        if end > len(self.data):
+            raise _FileTooShortError(
+                f"tensor {name!r} needs bytes up to {end:,} but the file has {len(self.data):,}"
+            )
+        return begin, end, name
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -137,24 +286,14 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
             f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})"
         )
     try:
-        return _CheckedReader(path, "r")
+        return _CheckedReader(path)
     except _FileTooShortError as exc:
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file: {exc}") from None
+    except _HostileFileError as exc:
+        raise ModelLoadError(f"{path}: corrupt GGUF file: {exc}") from None
     except Exception as exc:  # the reader raises ValueError, KeyError, IndexError, ...
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(f"{path}: corrupt GGUF file: {detail}") from None
-
-
-def _check_extents(path: Path, reader: gguf.GGUFReader) -> None:
-    """Every tensor's data must lie inside the file (a truncated file fails here, not later)."""
-    size = len(reader.data)
-    for tensor in reader.tensors:
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > size or int(tensor.data.nbytes) != int(tensor.n_bytes):
-            raise ModelLoadError(
-                f"{path}: truncated GGUF file: tensor {tensor.name!r} needs bytes up to "
-                f"{end:,} but the file has {size:,}"
-            )
 
 
 class GGUFCheckpoint:
@@ -165,7 +304,6 @@ class GGUFCheckpoint:
         if not self.path.is_file():
             raise ModelLoadError(f"model not found: {self.path}")
         self._reader = _open_reader(self.path)
-        _check_extents(self.path, self._reader)
         self._gguf_arch = self._metadata_str("general.architecture")
         if self._gguf_arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -174,6 +312,8 @@ class GGUFCheckpoint:
             )
         self._tensors = self._map_tensor_names()
         self._config = self._build_config()
+        self._check_tensors()
+        self._check_tokenizer_arrays()
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -197,21 +337,40 @@ class GGUFCheckpoint:
         return value
 
     def _metadata_int(self, key: str, default: int | None = None) -> int:
-        value = self.metadata(f"{self._gguf_arch}.{key}", default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ModelLoadError(f"{self.path}: GGUF metadata lacks {self._gguf_arch}.{key}")
-        return value
+        """``<arch>.<key>``, which must be an integer (bounded later, by ``validate``)."""
+        full_key = f"{self._gguf_arch}.{key}"
+        value = self.metadata(full_key, default)
+        if value is None:
+            raise ModelLoadError(f"{self.path}: GGUF metadata lacks {full_key}")
+        if not is_int(value):
+            raise ModelLoadError(
+                f"{self.path}: GGUF metadata {full_key} must be an integer, got {value!r}"
+            )
+        return int(value)
+
+    def _metadata_float(self, key: str, default: float) -> float:
+        """``<arch>.<key>``, which must be a number (checked finite by ``validate``)."""
+        full_key = f"{self._gguf_arch}.{key}"
+        value = self.metadata(full_key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ModelLoadError(
+                f"{self.path}: GGUF metadata {full_key} must be a number, got {value!r}"
+            )
+        return float(value)
 
     def _array_length(self, key: str) -> int | None:
         field = self._reader.fields.get(key)
-        return None if field is None else len(field.data)
+        if field is None or field.types[:1] != [gguf.GGUFValueType.ARRAY]:
+            return None
+        # _CheckedReader keeps an array as [..., item type, length, items]; data -> items.
+        return int(field.parts[field.data[0] - 1][0])
 
     # -- config -----------------------------------------------------------------------------
 
     def _vocab_size(self) -> int:
         vocab = self.metadata(f"{self._gguf_arch}.vocab_size")
-        if isinstance(vocab, int):
-            return vocab
+        if vocab is not None:
+            return self._metadata_int("vocab_size")
         n_tokens = self._array_length("tokenizer.ggml.tokens")
         if n_tokens:
             return n_tokens
@@ -228,17 +387,19 @@ class GGUFCheckpoint:
             kind, factor = "linear", self.metadata(f"{arch}.rope.scale_linear")
         if kind in (None, "none") or not factor:
             return None
-        scaling: dict[str, Any] = {"rope_type": str(kind), "factor": float(factor)}
+        if not isinstance(kind, str):
+            raise ModelLoadError(f"{self.path}: GGUF metadata {arch}.rope.scaling.type is no name")
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
         original = self.metadata(f"{arch}.rope.scaling.original_context_length")
         if original:
-            scaling["original_max_position_embeddings"] = int(original)
-        return scaling
+            scaling["original_max_position_embeddings"] = original
+        return scaling  # its fields are type-checked by ModelArchConfig.validate
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
         for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
             value = self.metadata(f"tokenizer.ggml.{key}")
-            if isinstance(value, int) and value not in ids:
+            if is_int(value) and value not in ids:
                 ids.append(value)
         return tuple(ids)
 
@@ -257,10 +418,8 @@ class GGUFCheckpoint:
             num_attention_heads=n_heads,
             num_key_value_heads=n_kv,
             head_dim=head_dim,
-            rms_norm_eps=float(
-                self.metadata(f"{self._gguf_arch}.attention.layer_norm_rms_epsilon", 1e-6)
-            ),
-            rope_theta=float(self.metadata(f"{self._gguf_arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=self._metadata_float("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=self._metadata_float("rope.freq_base", 10000.0),
             rope_scaling=self._rope_scaling(),
             max_position_embeddings=self._metadata_int("context_length", 4096),
             tie_word_embeddings="output.weight" not in gguf_names,
@@ -287,6 +446,51 @@ class GGUFCheckpoint:
             if name is not None:
                 mapped.append((tensor, name))
         return mapped
+
+    def _check_tensors(self) -> None:
+        """Every tensor must be one the config implies, of that shape and of a type
+        gguf can dequantize, and every tensor the config implies must be there."""
+        expected = self._config.weight_shapes()
+        seen: set[str] = set()
+        for tensor, name in self._tensors:
+            shape = expected.get(name)
+            if shape is None:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {tensor.name!r} has no place in the model its "
+                    f"metadata describes"
+                )
+            if name in seen:
+                raise ModelLoadError(f"{self.path}: two tensors are {name}")
+            seen.add(name)
+            stored = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            if stored != shape:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {tensor.name!r} has shape {stored}, but the "
+                    f"metadata implies {shape}"
+                )
+            if tensor.tensor_type not in DEQUANTIZABLE:
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                    f"which gguf {getattr(gguf, '__version__', '')} cannot dequantize"
+                )
+        missing = sorted(expected.keys() - seen)
+        if missing:
+            raise ModelLoadError(
+                f"{self.path}: lacks {len(missing)} of the tensors its metadata implies, "
+                f"e.g. {', '.join(missing[:3])}"
+            )
+
+    def _check_tokenizer_arrays(self) -> None:
+        """At most one token (type, score) per vocabulary row, and merges in proportion."""
+        vocab = self._config.vocab_size
+        for key in TOKENIZER_ARRAYS:
+            length = self._array_length(key)
+            limit = MERGES_PER_TOKEN * vocab if key.endswith("merges") else vocab
+            if length is not None and length > limit:
+                raise ModelLoadError(
+                    f"{self.path}: GGUF metadata {key} has {length:,} entries, more than a "
+                    f"vocabulary of {vocab:,} can use ({limit:,})"
+                )
 
     def _unpermute_heads(self, hf_name: str) -> int | None:
         """Heads to un-permute a tensor by (llama q/k only), or None to leave it as stored."""
@@ -333,7 +537,19 @@ class GGUFCheckpoint:
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         return load_gguf_tokenizer(
-            self.path, chat_template=self.metadata("tokenizer.chat_template")
+            self.path,
+            chat_template=self.metadata("tokenizer.chat_template"),
+            before_convert=self._check_conversion_fits,
+        )
+
+    def _check_conversion_fits(self) -> None:
+        """transformers re-reads the tokenizer arrays element by element: refuse a
+        conversion the host cannot hold."""
+        entries = sum(self._array_length(key) or 0 for key in TOKENIZER_ARRAYS)
+        check_fits(
+            entries * TOKENIZER_BYTES_PER_ENTRY,
+            torch.device("cpu"),
+            f"{self.path}: converting its tokenizer ({entries:,} entries)",
         )
 
     def __repr__(self) -> str:

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,11 +92,17 @@ def _store(tokenizer: PreTrainedTokenizerBase, cache_dir: Path, *, replace: bool
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+def load_gguf_tokenizer(
+    path: Path,
+    chat_template: str | None = None,
+    *,
+    before_convert: Callable[[], None] | None = None,
+) -> PreTrainedTokenizerBase:
     """The tokenizer of a GGUF file, from the on-disk cache when it holds one.
 
     ``chat_template`` (the file's ``tokenizer.chat_template``) is set on the
-    tokenizer when transformers' conversion left it out.
+    tokenizer when transformers' conversion left it out. ``before_convert``
+    runs before a conversion (to refuse one the machine cannot afford).
     """
     path = path.resolve()
     cache_dir = tokenizer_cache_path(path)
@@ -106,6 +113,8 @@ def load_gguf_tokenizer(path: Path, chat_template: str | None = None) -> PreTrai
         except Exception as exc:
             logger.warning("ignoring the unreadable tokenizer cache %s: %s", cache_dir, exc)
             broken = True
+    if before_convert is not None:
+        before_convert()
     tokenizer = _convert(path, chat_template)
     _store(tokenizer, cache_dir, replace=broken)
     return tokenizer
