@@ -26,6 +26,7 @@ a watchdog ends the process after ``--exit-grace`` seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import socket
@@ -226,15 +227,16 @@ async def serve_rank(
     await stream.send(Hello(identity.rank, identity.world_size, os.getpid(), socket.gethostname()))
     try:
         await _serve(stream, identity, store_fd)
-    except EngineGone:
-        _exit_soon(exit_grace)
-        return 1
     except Exception as exc:
+        _exit_soon(exit_grace)  # whatever happens below, the process ends
+        if any(isinstance(e, EngineGone) for e in leaves(exc)):  # (raised inside task groups)
+            return 1
         error = root_cause(exc)
         log.debug("rank failed", error=repr(error), traceback=traceback.format_exc())
-        with anyio.move_on_after(2, shield=True):
+        # (An engine gone too has nobody to tell.)
+        gone = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+        with anyio.move_on_after(2, shield=True), contextlib.suppress(*gone):
             await stream.send(RankFailed(identity.rank, f"{type(error).__name__}: {error}"))
-        _exit_soon(exit_grace)
         return 1
     finally:
         with anyio.CancelScope(shield=True):
