@@ -19,9 +19,10 @@ from asyncstep.channels.parallel_state import GroupCoordinator, get_pp_group
 
 METADATA_BYTES = 4096
 _LENGTH_BYTES = 4
-#: Every part of the packed buffer starts at a multiple of this many bytes, so
-#: a view of it as any dtype (itemsize at most 16) is aligned, as a fresh
-#: allocation is (CUDA's caching allocator hands out 512-byte aligned blocks).
+#: Every part of the packed buffer starts at a multiple of this many bytes from
+#: the buffer's start (itself 64-byte aligned on CPU, 512 on CUDA: a pooled
+#: buffer is a fresh allocation), so a view of a part as any dtype (itemsize at
+#: most 16) is aligned, and so is what a kernel reads through it.
 PACK_ALIGNMENT = 256
 
 
