@@ -19,10 +19,12 @@ it should, with the host-side completion wait taken out.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -31,18 +33,23 @@ import torch.distributed as dist
 import trio
 import trio.testing
 from distributed import ParallelGroups, RankFailed, World, run_world
+from hypothesis import given
+from hypothesis import strategies as st
 
 from asyncstep.channels.buffer_pool import BufferPool, BufferPoolStatistics, poison_value
 from asyncstep.channels.parallel_state import GroupCoordinator
 from asyncstep.channels.tensor_dict import (
     METADATA_BYTES,
+    PACK_ALIGNMENT,
     AsyncIntermediateTensors,
+    PackedPart,
     PendingSend,
     TensorDictMetadata,
     TensorMetadata,
     decode_metadata,
     drain,
     encode_metadata,
+    pack_layout,
     recv_tensor_dict,
     send_tensor_dict,
     warm_up,
@@ -98,6 +105,11 @@ def check_received(it: AsyncIntermediateTensors, step: int, num_tokens: int, tp:
         got = it[key]
         assert got.dtype == want.dtype and got.shape == want.shape, key
         assert torch.equal(got.cpu(), want), f"step {step} {key}"
+
+
+def is_poisoned(t: torch.Tensor) -> bool:
+    """Every byte is the poison of the uint8 packed buffer ``t`` is a view of."""
+    return bool((t.contiguous().view(torch.uint8) == poison_value(torch.uint8)).all())
 
 
 def stage_kwargs(groups: ParallelGroups) -> dict[str, Any]:
@@ -196,6 +208,7 @@ async def scenario_buffer_safety(groups: ParallelGroups) -> dict[str, Any]:
         kept_positions = received[0]["positions"]
         received[0].release()
         assert torch.isnan(kept).all()
+        # A lane key: its gathered buffer is an int64 one of the pool.
         assert (kept_positions == poison_value(torch.int64)).all()
         with pytest.raises(RuntimeError, match="used after release"):
             received[0]["hidden_states"]
@@ -206,7 +219,8 @@ async def scenario_buffer_safety(groups: ParallelGroups) -> dict[str, Any]:
         await poisoned.wait()
         assert torch.isnan(poisoned["hidden_states"]).all()
         assert torch.isnan(poisoned["residual"]).all()
-        assert (poisoned["positions"] == poison_value(torch.int64)).all()
+        # Gathered from the sender's packed (uint8) buffer, poisoned byte by byte.
+        assert is_poisoned(poisoned["positions"])
         poisoned.release()
         out["stats"] = pool.statistics()
     return out
@@ -352,6 +366,83 @@ async def scenario_step_mismatch(groups: ParallelGroups) -> str | None:
     return str(info.value)
 
 
+def mixed_step(step: int, tp_rank: int) -> dict[str, torch.Tensor]:
+    """Mixed dtypes, an empty tensor and, at TP = 2, lane keys of odd byte sizes."""
+    g = torch.Generator().manual_seed(7000 + step)
+    shard = torch.Generator().manual_seed(8000 + 10 * step + tp_rank)
+    return {
+        "hidden_states": torch.randn(5, 6, generator=g).to(torch.bfloat16),  # lane: 30 bytes
+        "scale": torch.randn(3, generator=g, dtype=torch.float64),  # numel 3: whole
+        "empty": torch.empty(0, 4, dtype=torch.int64),
+        "mask": torch.rand(5, generator=g) > 0.5,  # bool, whole
+        "residual": torch.randn(2, 3, generator=shard).half(),  # a shard: whole, not gathered
+        "ids": torch.arange(6, dtype=torch.int32) + 10 * step,  # lane
+    }
+
+
+@contextlib.contextmanager
+def counting_p2p(calls: list[str]) -> Iterator[None]:
+    """Record each ``dist.isend``/``dist.irecv`` as ``"isend meta"``,
+    ``"irecv packed"``... (the metadata message is the METADATA_BYTES one)."""
+    originals = dist.isend, dist.irecv
+
+    def wrap(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            what = "meta" if tensor.numel() == METADATA_BYTES else "packed"
+            assert what == "meta" or tensor.dtype == torch.uint8
+            calls.append(f"{name} {what}")
+            return op(tensor, *args, **kwargs)
+
+        return counted
+
+    dist.isend, dist.irecv = wrap("isend", dist.isend), wrap("irecv", dist.irecv)
+    try:
+        yield
+    finally:
+        dist.isend, dist.irecv = originals
+
+
+async def scenario_packed(groups: ParallelGroups) -> dict[str, Any]:
+    """Step 70 (mixed dtypes, lanes, an empty tensor) and step 71 (empty
+    tensors only) each take one device op per direction (none for 71)."""
+    pool = BufferPool(poison=True)
+    kwargs = stage_kwargs(groups)
+    empties = {"a": torch.empty(0), "b": torch.empty(2, 0, dtype=torch.int8)}
+    calls: list[str] = []
+    out: dict[str, Any] = {"calls": calls}
+    with counting_p2p(calls):
+        if groups.pp.is_first_rank:
+            data = mixed_step(70, groups.tp_rank)
+            send = send_tensor_dict(data, step_id=70, pool=pool, all_gather=ALL_GATHER, **kwargs)
+            out["works"] = [len(send.work.works)]
+            layout, total = pack_layout(decode_metadata(send.buffers[0]), groups.tp.world_size)
+            out["part_bytes"] = [part.nbytes for part in layout]
+            out["packed_bytes"] = (send.buffers[1].numel(), total)
+            only_empty = send_tensor_dict(empties, step_id=71, pool=pool, **kwargs)
+            out["works"].append(len(only_empty.work.works))
+            await send.wait()
+            await only_empty.wait()
+        else:
+            it = await recv_step(groups, pool, 70)
+            want = mixed_step(70, groups.tp_rank)
+            assert [m.lane for m in it.metadata.tensors] == [True, False, False, False, False, True]
+            for key, expected in want.items():
+                got = it[key]
+                assert got.dtype == expected.dtype and got.shape == expected.shape, key
+                assert torch.equal(got, expected), key
+            # The keys sent whole are views of the one packed buffer.
+            storages = {it[k].untyped_storage().data_ptr() for k in ("scale", "mask", "residual")}
+            assert len(storages) == 1
+            it.release()
+            it = await recv_step(groups, pool, 71)
+            assert {k: (v.shape, v.dtype) for k, v in it.tensors.items()} == {
+                k: (v.shape, v.dtype) for k, v in empties.items()
+            }
+            it.release()
+    out["stats"] = pool.statistics()
+    return out
+
+
 # ---------------------------------------------------------------------------
 # The tests
 
@@ -370,11 +461,11 @@ def test_round_trip_pp2_tp2(world: World) -> None:
     for rank, stats in enumerate(world.run(scenario_round_trip, timeout_s=60)):
         assert stats.in_use == 0 and stats.released == stats.acquired, (rank, stats)
         if _is_sender(rank):
-            # A metadata message and 4 non-empty tensors per step.
-            assert stats.acquired == 5 * len(ROUND_TRIP_STEPS)
+            # A metadata message and one packed buffer per step.
+            assert stats.acquired == 2 * len(ROUND_TRIP_STEPS)
         else:
-            # Lane keys take a slice buffer and a gathered buffer each.
-            assert stats.acquired > 4 * len(ROUND_TRIP_STEPS)
+            # The same, and a gathered buffer per lane key.
+            assert stats.acquired > 2 * len(ROUND_TRIP_STEPS)
 
 
 def test_buffer_safety_and_poison(world: World) -> None:
@@ -398,7 +489,7 @@ def test_drain_timeout_keeps_buffers(world: World) -> None:
     for rank, out in enumerate(world.run(scenario_drain_timeout, timeout_s=60)):
         if _is_sender(rank):
             assert out["drained"] == 0 and not out["done_after_drain"]
-            assert out["in_use_after_drain"] == 3  # metadata + 2 tensors
+            assert out["in_use_after_drain"] == 2  # metadata + the packed tensors
             assert out["warned"]
             assert out["done"] and out["stats"].in_use == 0
 
@@ -411,6 +502,21 @@ def test_wait_work_delivers_cancel_after_completion(world: World) -> None:
 def test_step_id_mismatch(world: World) -> None:
     results = world.run(scenario_step_mismatch, timeout_s=60)
     assert "received step 41" in results[2] and "received step 41" in results[3]
+
+
+def test_packed_mixed_dtypes_one_device_op_per_direction(world: World) -> None:
+    for rank, out in enumerate(world.run(scenario_packed, timeout_s=60)):
+        stats = out["stats"]
+        assert stats.in_use == 0 and stats.released == stats.acquired, (rank, stats)
+        if _is_sender(rank):
+            # step 70: metadata (gloo) + one packed send; step 71: metadata only.
+            assert out["calls"] == ["isend meta", "isend packed", "isend meta"], rank
+            assert out["works"] == [2, 1]
+            # bf16 lane half, 3 float64, empty, 5 bool, float16 shard, int32 lane half.
+            assert out["part_bytes"] == [30, 24, 0, 5, 12, 12]
+            assert out["packed_bytes"] == (4 * PACK_ALIGNMENT + 12,) * 2
+        else:
+            assert out["calls"] == ["irecv meta", "irecv packed", "irecv meta"], rank
 
 
 # -- the harness itself
@@ -462,6 +568,77 @@ def test_metadata_too_large() -> None:
     with pytest.raises(ValueError, match="metadata"):
         send_tensor_dict(tensors, step_id=0, pool=pool, pp=fake, tp=GroupCoordinator.single())
     assert pool.statistics().acquired == 0
+
+
+def _entry(key: str, dtype: str, shape: list[int], lane: bool = False) -> TensorMetadata:
+    return TensorMetadata(key, dtype, shape, lane)
+
+
+def test_pack_layout_mixed_dtypes() -> None:
+    meta = TensorDictMetadata(
+        step_id=0,
+        tensors=[
+            _entry("hidden_states", "bfloat16", [3, 5]),  # 30 bytes
+            _entry("empty", "float32", [0, 4]),
+            _entry("scale", "float64", [4, 4], lane=True),  # 8 of 16 at TP 2
+            _entry("mask", "bool", [3]),
+            _entry("big", "float32", [100]),  # 400 bytes: spans two alignment units
+            _entry("last", "int16", [1]),
+        ],
+    )
+    layout, total = pack_layout(meta, tp_size=2)
+    assert layout == [
+        PackedPart(0, 30),
+        PackedPart(30, 0),
+        PackedPart(256, 64),
+        PackedPart(512, 3),
+        PackedPart(768, 400),
+        PackedPart(1280, 2),
+    ]
+    assert total == 1282
+    with pytest.raises(RuntimeError, match="cannot gather"):
+        pack_layout(meta, tp_size=3)  # 16 elements do not split in 3 lanes
+    with pytest.raises(RuntimeError, match="cannot gather"):
+        pack_layout(meta, tp_size=1)
+    assert pack_layout(TensorDictMetadata(0, [_entry("e", "int8", [0])]), 1) == (
+        [PackedPart(0, 0)],
+        0,
+    )
+
+
+_DTYPES = ["bfloat16", "float16", "float32", "float64", "int8", "int32", "int64", "bool", "uint8"]
+
+
+@given(
+    entries=st.lists(
+        st.tuples(
+            st.sampled_from(_DTYPES),
+            st.lists(st.integers(0, 9), min_size=1, max_size=3),
+            st.booleans(),
+        ),
+        max_size=8,
+    ),
+    tp_size=st.sampled_from([1, 2, 4]),
+)
+def test_pack_layout_parts_are_aligned_disjoint_and_fit(
+    entries: list[tuple[str, list[int], bool]], tp_size: int
+) -> None:
+    metas = [
+        _entry(f"k{i}", dtype, shape, lane=lane and tp_size > 1 and math.prod(shape) % tp_size == 0)
+        for i, (dtype, shape, lane) in enumerate(entries)
+    ]
+    layout, total = pack_layout(TensorDictMetadata(0, metas), tp_size)
+    assert len(layout) == len(metas)
+    end = 0
+    for entry, part in zip(metas, layout, strict=True):
+        numel = math.prod(entry.shape) // (tp_size if entry.lane else 1)
+        assert part.nbytes == numel * getattr(torch, entry.dtype).itemsize
+        if part.nbytes:
+            assert part.offset % PACK_ALIGNMENT == 0 and part.offset >= end  # aligned, in order
+            end = part.offset + part.nbytes
+    assert total == end
+    used = [p for p in layout if p.nbytes]
+    assert total <= sum(p.nbytes for p in used) + PACK_ALIGNMENT * max(len(used) - 1, 0)
 
 
 def test_corrupt_metadata() -> None:
@@ -536,6 +713,7 @@ def test_async_intermediate_tensors_release_twice() -> None:
         device=torch.device("cpu"),
         work=PendingWork([]),
         received=[(entry, buf)],
+        buffers=[buf],
         pool=pool,
     )
     assert torch.equal(it["hidden_states"], torch.arange(6.0).view(2, 3))
@@ -651,12 +829,15 @@ async def scenario_cuda(groups: ParallelGroups) -> dict[str, Any]:
         meta_buf = torch.empty(METADATA_BYTES, dtype=torch.uint8)
         src = groups.pp.prev_rank
         dist.irecv(meta_buf, src=src, group=groups.pp.cpu_group).wait()
-        (entry,) = decode_metadata(meta_buf).tensors
+        meta = decode_metadata(meta_buf)
+        (entry,) = meta.tensors
         assert entry.lane == (groups.tp.world_size > 1)
-        part = torch.empty(8192 * 8192, device=_device())
+        (part,), total = pack_layout(meta, groups.tp.world_size)
+        assert part == PackedPart(0, 8192 * 8192 * 4) and total == part.nbytes
+        packed = torch.empty(total, dtype=torch.uint8, device=_device())
         await trio.to_thread.run_sync(cpu_barrier)
-        dist.irecv(part, src=src, group=groups.pp.device_group).wait()
-        assert bool((part == 7.0).all())
+        dist.irecv(packed, src=src, group=groups.pp.device_group).wait()
+        assert bool((packed.view(torch.float32) == 7.0).all())
     torch.cuda.synchronize()
     results["stats"] = pool.statistics()
     return results

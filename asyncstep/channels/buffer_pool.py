@@ -6,6 +6,9 @@ A buffer is handed out by :meth:`BufferPool.acquire` and given back by
 ``poison=True`` every buffer handed out fresh and every buffer given back is
 filled with NaN (floating point), ``True`` (bool) or a sentinel (integers: the
 type's minimum, its maximum for unsigned types), so a use after release shows.
+The channel's packed buffers are uint8: poisoned, every byte is ``0xFF``, which
+reads as NaN through a view of any floating-point dtype (and as ``-1`` through
+a signed integer one).
 
 CUDA buffers are stream-ordered: ``release`` records an event on the current
 stream, and the ``acquire`` that hands the buffer out again makes its current

@@ -1,5 +1,6 @@
-"""The receive side of the tensor-dict channel: post a step's receives into
-pooled buffers and wait for them lazily, at first use (see
+"""The receive side of the tensor-dict channel: post a step's one receive
+into a pooled packed buffer, whose layout the metadata gives, and wait for it
+lazily, at first use; the tensors are views of that buffer (see
 :mod:`asyncstep.channels.tensor_dict` for the protocol)."""
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from asyncstep.channels.tensor_wire import (
     check_pp,
     decode_metadata,
     dtype_from_name,
+    pack_layout,
+    packed_view,
     posted,
 )
 from asyncstep.datatypes import IntermediateTensors
@@ -45,6 +48,11 @@ class AsyncIntermediateTensors(IntermediateTensors):
     steps). ``await wait()`` does that off the event loop. ``keys()`` and
     ``len()`` need no waiting. :meth:`release` gives the buffers back to the
     pool once the consumer is done with the tensors.
+
+    ``received`` pairs each metadata entry with its flat view of the packed
+    buffer (its lane slice for a lane entry; ``None`` for an empty tensor);
+    ``buffers`` are the pool's buffers those views lie in, which
+    :meth:`release` gives back (with the gathered lane tensors).
     """
 
     def __init__(
@@ -56,6 +64,7 @@ class AsyncIntermediateTensors(IntermediateTensors):
         device: torch.device,
         work: PendingWork,
         received: list[tuple[TensorMetadata, torch.Tensor | None]],
+        buffers: list[torch.Tensor],
         pool: BufferPool,
     ) -> None:
         # IntermediateTensors.__init__ is not called: ``tensors`` is a property here.
@@ -66,7 +75,7 @@ class AsyncIntermediateTensors(IntermediateTensors):
         self._tp = tp
         self._device = device
         self._received = received
-        self._buffers = [buf for _, buf in received if buf is not None]
+        self._buffers = list(buffers)
         self._pool = pool
         self._tensors: dict[str, torch.Tensor] | None = None
         self._released = False
@@ -120,17 +129,17 @@ class AsyncIntermediateTensors(IntermediateTensors):
                 return self._tensors
             self._wait_received()
             tensors: dict[str, torch.Tensor] = {}
-            for meta, buf in self._received:
+            for meta, part in self._received:
                 dtype = dtype_from_name(meta.dtype)
-                if buf is None:
+                if part is None:
                     tensors[meta.key] = torch.empty(meta.shape, dtype=dtype, device=self._device)
                     continue
                 if meta.lane:
                     full = self._pool.acquire((math.prod(meta.shape),), dtype, self._device)
                     self._buffers.append(full)
-                    all_gather_into_tensor(full, buf, group=self._tp.device_group)
-                    buf = full
-                tensors[meta.key] = buf.view(meta.shape)
+                    all_gather_into_tensor(full, part, group=self._tp.device_group)
+                    part = full
+                tensors[meta.key] = part.view(meta.shape)
             self._tensors = tensors
             return tensors
 
@@ -182,9 +191,9 @@ def recv_tensor_dict(
     """Receive one step's tensor dict from the previous stage (blocking: run it
     in a worker thread).
 
-    Blocks until the metadata arrived, then posts the tensors' receives into
-    buffers from ``pool`` on ``device`` (a CUDA device must name its index:
-    ``cuda:1``) and returns without waiting for them.
+    Blocks until the metadata arrived, then posts the tensors' one receive
+    into a packed buffer from ``pool`` on ``device`` (a CUDA device must name
+    its index: ``cuda:1``) and returns without waiting for it.
     ``src`` (a global rank) defaults to ``pp.prev_rank``. With ``step_id``
     given, metadata of another step raises ``RuntimeError`` (the stages are
     out of step; nothing of that step is received).
@@ -210,24 +219,25 @@ def recv_tensor_dict(
             f"from rank {src}, received step {meta.step_id}"
         )
 
-    tp_size = tp.world_size
-    received: list[tuple[TensorMetadata, torch.Tensor | None]] = []
+    layout, total = pack_layout(meta, tp.world_size)
+    packed = pool.acquire((total,), torch.uint8, dev) if total else None
+    received: list[tuple[TensorMetadata, torch.Tensor | None]] = [
+        (
+            entry,
+            packed_view(packed, where, dtype_from_name(entry.dtype))
+            if where.nbytes and packed is not None
+            else None,
+        )
+        for entry, where in zip(meta.tensors, layout, strict=True)
+    ]
     works: list[dist.Work] = []
-    for entry in meta.tensors:
-        dtype = dtype_from_name(entry.dtype)
-        numel = math.prod(entry.shape)
-        if numel == 0:
-            received.append((entry, None))
-            continue
-        if entry.lane and (tp_size == 1 or numel % tp_size):
-            raise RuntimeError(
-                f"tensor-dict key {entry.key!r} of step {meta.step_id} was sent as a lane "
-                f"slice of {entry.shape}, which this stage's TP size {tp_size} cannot gather"
-            )
-        buf = pool.acquire((numel // tp_size if entry.lane else numel,), dtype, dev)
-        received.append((entry, buf))
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            works.append(posted(dist.irecv(buf, src=src, group=pp.device_group), "irecv"))
+    if packed is not None:
+        try:
+            with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+                works.append(posted(dist.irecv(packed, src=src, group=pp.device_group), "irecv"))
+        except BaseException:
+            pool.release(packed)  # nothing was posted into it
+            raise
     return AsyncIntermediateTensors(
         metadata=meta,
         src=src,
@@ -235,5 +245,6 @@ def recv_tensor_dict(
         device=dev,
         work=PendingWork(works, device=dev),
         received=received,
+        buffers=[packed] if packed is not None else [],
         pool=pool,
     )

@@ -1,9 +1,14 @@
 """The tensor-dict channel's wire format and link helpers: the metadata
 message (msgspec/msgpack in a fixed-size uint8 tensor, never pickle) that
-precedes each step's tensors, and the warm-up of a stage's PP links.
+precedes each step's tensors, the layout of the one packed buffer that carries
+them (:func:`pack_layout`, a pure function of the metadata both stages share),
+and the warm-up of a stage's PP links.
 See :mod:`asyncstep.channels.tensor_dict` for the protocol."""
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -14,6 +19,11 @@ from asyncstep.channels.parallel_state import GroupCoordinator, get_pp_group
 
 METADATA_BYTES = 4096
 _LENGTH_BYTES = 4
+#: Every part of the packed buffer starts at a multiple of this many bytes from
+#: the buffer's start (itself 64-byte aligned on CPU, 512 on CUDA: a pooled
+#: buffer is a fresh allocation), so a view of a part as any dtype (itemsize at
+#: most 16) is aligned, and so is what a kernel reads through it.
+PACK_ALIGNMENT = 256
 
 
 class TensorMetadata(msgspec.Struct, frozen=True, array_like=True):
@@ -45,6 +55,65 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise RuntimeError(f"tensor-dict metadata names an unknown dtype {name!r}")
     return dtype
+
+
+class PackedPart(NamedTuple):
+    """Where one tensor-dict entry lies in the packed buffer, in bytes."""
+
+    offset: int
+    #: 0 for an empty tensor (it travels in the metadata only).
+    nbytes: int
+
+
+def sent_numel(entry: TensorMetadata, tp_size: int) -> int:
+    """How many elements of ``entry`` travel: its lane slice, or all of it.
+
+    Raises ``RuntimeError`` for a lane entry that ``tp_size`` cannot gather.
+    """
+    if any(d < 0 for d in entry.shape):
+        raise RuntimeError(
+            f"corrupt tensor-dict metadata: key {entry.key!r} has the shape {entry.shape}"
+        )
+    numel = math.prod(entry.shape)
+    if not entry.lane:
+        return numel
+    if tp_size == 1 or numel % tp_size:
+        raise RuntimeError(
+            f"tensor-dict key {entry.key!r} was sent as a lane slice of {entry.shape}, "
+            f"which a TP size of {tp_size} cannot gather"
+        )
+    return numel // tp_size
+
+
+def pack_layout(meta: TensorDictMetadata, tp_size: int) -> tuple[list[PackedPart], int]:
+    """The packed buffer of one step: one :class:`PackedPart` per entry of
+    ``meta.tensors`` (in order) and the buffer's size in bytes.
+
+    Each non-empty entry (its :func:`sent_numel` elements) starts at the first
+    multiple of :data:`PACK_ALIGNMENT` after the previous one; empty entries
+    take no bytes. The sender and the receiver both compute it from the
+    metadata alone (``tp_size``: the TP size of the calling stage), so it never
+    travels. ``RuntimeError`` on metadata naming an unknown dtype, a negative
+    dimension, or a lane entry this TP size cannot gather.
+    """
+    parts: list[PackedPart] = []
+    end = 0
+    for entry in meta.tensors:
+        itemsize = dtype_from_name(entry.dtype).itemsize
+        assert PACK_ALIGNMENT % itemsize == 0, (entry.dtype, PACK_ALIGNMENT)
+        nbytes = sent_numel(entry, tp_size) * itemsize
+        if nbytes == 0:
+            parts.append(PackedPart(end, 0))
+            continue
+        offset = -(-end // PACK_ALIGNMENT) * PACK_ALIGNMENT
+        parts.append(PackedPart(offset, nbytes))
+        end = offset + nbytes
+    return parts, end
+
+
+def packed_view(buf: torch.Tensor, part: PackedPart, dtype: torch.dtype) -> torch.Tensor:
+    """``part`` of the uint8 buffer ``buf`` as a flat tensor of ``dtype`` (a view)."""
+    return buf.narrow(0, part.offset, part.nbytes).view(dtype)
 
 
 def encode_metadata(
