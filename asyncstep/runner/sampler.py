@@ -367,20 +367,16 @@ def apply_logits_processing(
     history = _need_history(history)
     assert history.token_ids is not None and history.seq_lens is not None
     assert history.num_prompt_tokens is not None
-    index = processing.history_index
-    rows = logits if index is None else logits.index_select(0, index)
-    rows = apply_penalties(
-        rows,
+    return apply_penalties(
+        logits,
         history.token_ids,
         history.seq_lens,
         history.num_prompt_tokens,
+        rows=processing.history_index,
         presence=presence,
         frequency=frequency,
         repetition=repetition,
     )
-    if index is None:
-        return rows
-    return logits.index_copy_(0, index, rows)
 
 
 def _need_history(history: TokenHistory | None) -> TokenHistory:
@@ -430,38 +426,58 @@ def apply_penalties(
     seq_lens: torch.Tensor,
     num_prompt_tokens: torch.Tensor,
     *,
+    rows: torch.Tensor | None = None,
     presence: torch.Tensor | None,
     frequency: torch.Tensor | None,
     repetition: torch.Tensor | None,
 ) -> torch.Tensor:
-    """vLLM's penalties, per row, as a new tensor: ``repetition`` divides
-    the positive logits of the tokens in the prompt or the output and
-    multiplies the others; then ``logits -= frequency * count + presence *
-    (count > 0)``, ``count`` a token's occurrences in the output.
+    """vLLM's penalties, in place (returns ``logits``), on the logits rows
+    ``rows`` (None: every row), each with its own penalties (tensors of one
+    value per row of ``rows``):
+    ``repetition`` divides the positive logits of the tokens in the prompt
+    or the output and multiplies the others; then ``logits -= frequency *
+    count`` and ``logits -= presence * (count > 0)``, ``count`` a token's
+    occurrences in the output. vLLM's arithmetic, element for element.
 
-    ``token_ids[i, :seq_lens[i]]`` is row ``i``'s prompt (its first
-    ``num_prompt_tokens[i]``) and output so far."""
-    num_rows, vocab_size = logits.shape
+    ``token_ids[i, :seq_lens[i]]`` is the prompt (its first
+    ``num_prompt_tokens[i]``) and output so far of the ``i``-th row. Only the logits of those
+    tokens are read and written (a gather and a scatter over the rows'
+    tokens, not over the vocabulary): each row's tokens are sorted, and
+    the occurrences of a token are counted over its run."""
     positions = torch.arange(token_ids.shape[1], device=logits.device)
     in_sequence = positions < seq_lens.unsqueeze(1)
-    # Tokens outside what counts go to an extra bin, dropped afterwards.
-    if repetition is not None:
-        seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
-        seen.scatter_(1, torch.where(in_sequence, token_ids, vocab_size), True)
-        factor = torch.where(seen[:, :vocab_size], repetition.unsqueeze(1), 1.0)
-        logits = torch.where(logits > 0, logits / factor, logits * factor)
-    if presence is None and frequency is None:
-        return logits
     in_output = in_sequence & (positions >= num_prompt_tokens.unsqueeze(1))
-    counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)
-    ones = torch.ones((), dtype=logits.dtype, device=logits.device).expand(token_ids.shape)
-    counts.scatter_add_(1, torch.where(in_output, token_ids, vocab_size), ones)
-    counts = counts[:, :vocab_size]
-    if frequency is not None:
-        logits = logits - frequency.unsqueeze(1) * counts
-    if presence is not None:
-        logits = logits - presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
-    return logits
+    # Past a row's end: its first token again (a real token, counted 0 times there).
+    ids = torch.where(in_sequence, token_ids, token_ids[:, :1])
+    ids, order = ids.sort(dim=1)
+    if rows is None:
+        values = logits.gather(1, ids)
+    else:
+        row_of = rows.unsqueeze(1).expand_as(ids)
+        values = logits[row_of, ids]
+    if repetition is not None:
+        factor = repetition.unsqueeze(1)
+        values = torch.where(values > 0, values / factor, values * factor)
+    if presence is not None or frequency is not None:
+        counts = _run_counts(ids, in_output.gather(1, order).to(logits.dtype))
+        if frequency is not None:
+            values = values - frequency.unsqueeze(1) * counts
+        if presence is not None:
+            values = values - presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    # A token's every copy holds the same value: the scatter writes it once, whichever wins.
+    if rows is None:
+        return logits.scatter_(1, ids, values)
+    return logits.index_put_((row_of, ids), values)
+
+
+def _run_counts(sorted_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per position of each row of ``sorted_ids``, the sum of ``weights``
+    over the run of equal ids it belongs to."""
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    run = starts.cumsum(dim=1) - 1
+    sums = torch.zeros_like(weights).scatter_add_(1, run, weights)
+    return sums.gather(1, run)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
