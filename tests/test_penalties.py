@@ -544,3 +544,24 @@ def test_bad_words_tokenize_like_vllm(smollm2: LoadedModel) -> None:
     got = trio.run(tokenized)
     assert [list(t) for t in got] == vllm_bad_words_ids(tokenizer, words)
     assert len(got) > len(words)  # with the spaced forms
+
+
+def test_cli_penalty_flags() -> None:
+    from asyncstep.cli import build_parser, sampling_params
+
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "--presence-penalty",
+            "0.5",
+            "--frequency-penalty=-1",
+            "--repetition-penalty",
+            "1.3",
+            "hi",
+        ]
+    )
+    params = sampling_params(args)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert params.repetition_penalty == 1.3
+    plain = sampling_params(build_parser().parse_args(["generate", "hi"]))
+    assert not plain.processes_logits
