@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import trio
@@ -106,8 +107,6 @@ def filled_batch(
 def history_of(
     batch: InputBatch, seq_lens: list[int], last: list[int], rows: list[int]
 ) -> tuple[Any, TokenHistory | None]:
-    import numpy as np
-
     metadata = batch.sampling_metadata(rows)
     if metadata.processing is None:
         return metadata, None

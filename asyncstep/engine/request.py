@@ -62,9 +62,9 @@ class Request:
     attributes, derived from :attr:`sampling_params` and :attr:`eos_token_ids`
     (and refreshed when either is assigned): :attr:`stop_ids`,
     :attr:`max_num_tokens` and :attr:`min_tokens` (a stop id ends the
-    request only once that many tokens are out). :attr:`num_tokens` is kept up to date by
-    :meth:`append_output_token_id` / :meth:`append_output_token_ids` (the only
-    ways to add tokens).
+    request only once that many tokens are out). :attr:`num_tokens` is kept
+    up to date by :meth:`append_output_token_id` /
+    :meth:`append_output_token_ids` (the only ways to add tokens).
     """
 
     __slots__ = (

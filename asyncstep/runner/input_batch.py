@@ -266,10 +266,10 @@ class InputBatch:
     ) -> TokenHistory:
         """The step's tokens of the sampling ``rows`` for ``processing``:
         ``seq_lens`` the rows' lengths once the step is computed (int64),
-        ``last_token_ids`` the step's last input token of each (on the
-        device: with async scheduling the host may not know it yet; the
-        host knows every token before it). None only when no row needs
-        token ids."""
+        ``last_token_ids`` the step's last input token of each, on the
+        device (with async scheduling the host may not know it yet; it
+        knows every token before it); it may be None when
+        ``processing.needs_token_ids`` is False."""
         sample_rows = np.asarray(rows, dtype=np.int64)
         num_output = None
         if processing.min_tokens is not None:
