@@ -111,6 +111,24 @@ def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
     sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2]: minus this for tokens in the output",
+    )
+    sampling.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2]: minus this times the count in the output",
+    )
+    sampling.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="> 0, 1 is off: penalizes the tokens of the prompt and the output",
+    )
     sampling.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens)")
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true")
@@ -266,6 +284,9 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,

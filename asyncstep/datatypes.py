@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,11 @@ MAX_LOGPROBS = 20
 MAX_COUNT = 2**63 - 1
 #: Largest ``seed``: a uint64 (what ``torch.Generator.manual_seed`` takes).
 MAX_SEED = 2**64 - 1
+#: ``presence_penalty`` and ``frequency_penalty`` lie in ``[-MAX_PENALTY, MAX_PENALTY]``.
+MAX_PENALTY = 2.0
+#: A ``logit_bias`` value is clamped into ``[-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]`` (as vLLM's
+#: OpenAI server does).
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -46,7 +51,27 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     strings that end the output (not included unless
     ``include_stop_str_in_output``); ``stop_token_ids`` end it too (EOS always
     does unless ``ignore_eos``). ``logprobs=n`` returns the top-n log-probs of
-    each sampled position, plus the sampled token's (n <= ``MAX_LOGPROBS``).
+    each sampled position, plus the sampled token's (n <= ``MAX_LOGPROBS``),
+    of the logits before any of the processing below (vLLM's raw log-probs).
+
+    Logits processing, before temperature and the filters, greedy rows too
+    (vLLM's order): ``bad_words`` (a word's tokens, tokenized by the front end
+    with and without a leading space; a one-token word is banned always, a
+    longer one's last token when the output ends with the others), then
+    ``logit_bias`` (token id -> a value added to its logit, clamped into
+    [-100, 100]), then ``min_tokens`` (EOS and ``stop_token_ids`` banned until
+    that many tokens are out; stop strings are ignored until then too), then
+    the penalties: ``repetition_penalty`` (> 0; divides a positive logit of a
+    token in the prompt or the output, multiplies a negative one),
+    ``frequency_penalty`` and ``presence_penalty`` (in [-2, 2]; subtract
+    ``frequency * count + presence * (count > 0)``, ``count`` the token's
+    occurrences in the output).
+
+    ``_bad_words_token_ids`` and ``_eos_token_ids`` are filled in by the
+    engine at its door (what ``bad_words`` tokenizes to; the model's EOS ids,
+    which ``min_tokens`` bans): a caller leaves them empty (with no
+    ``bad_words``, token-id sequences given in ``_bad_words_token_ids`` are
+    banned as they are, like HF's ``bad_words_ids``).
 
     Every field is checked and normalized at construction (and when decoded):
     numbers become plain ``int`` / ``float`` (numpy scalars too; never a bool
@@ -69,6 +94,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    _eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,6 +114,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             checked = check(name, value)
             if checked is not value:
                 force_setattr(self, name, checked)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +126,35 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
+
+    @property
+    def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:
+        """The token-id sequences banned (``bad_words`` as the front end tokenized them)."""
+        return self._bad_words_token_ids
+
+    @property
+    def min_tokens_stop_ids(self) -> frozenset[int]:
+        """The tokens banned while fewer than ``min_tokens`` are out: EOS and ``stop_token_ids``."""
+        return frozenset(self.stop_token_ids) | frozenset(self._eos_token_ids)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before sampling
+        (penalties, logit bias, min_tokens, bad words)."""
+        return (
+            self.has_penalties
+            or self.logit_bias is not None
+            or self.min_tokens > 0
+            or bool(self._bad_words_token_ids)
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -209,17 +275,84 @@ def _sequence(name: str, value: object, expected: str) -> tuple[object, ...]:
     return value if isinstance(value, tuple) else tuple(value)
 
 
-def _check_stop(name: str, value: object) -> tuple[str, ...]:
+def _check_penalty(name: str, value: object) -> float:
+    expected = f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+    penalty = _as_float(name, value, expected)
+    if not -MAX_PENALTY <= penalty <= MAX_PENALTY:  # nan too
+        raise InvalidRequestError(f"{name} must be in [-2, 2], got {shown(penalty)}")
+    return penalty
+
+
+def _check_repetition_penalty(name: str, value: object) -> float:
+    expected = "a finite number > 0"
+    penalty = _as_float(name, value, expected)
+    if not 0.0 < penalty < math.inf:
+        raise _invalid(name, expected, penalty)
+    return penalty
+
+
+def _check_min_tokens(name: str, value: object) -> int:
+    n = _as_int(name, value, "an integer >= 0")
+    if not 0 <= n <= MAX_COUNT:
+        raise _invalid(name, f"an integer in [0, {MAX_COUNT}]", n)
+    return n
+
+
+def _check_logit_bias(name: str, value: object) -> dict[int, float] | None:
+    """Token id -> bias, each bias clamped into [-100, 100]; None (or empty): none."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _invalid(name, "None or a dict of token id -> bias", value)
+    if not value:
+        return None
+    checked: dict[int, float] = {}
+    for token_id, bias in value.items():
+        token = _as_int(name, token_id, "a dict whose keys are token ids (ints)")
+        if not 0 <= token <= MAX_COUNT:
+            raise InvalidRequestError(f"{name} token ids must be >= 0, got {shown(token)}")
+        b = _as_float(name, bias, "a dict whose values are finite numbers")
+        if not math.isfinite(b):
+            raise InvalidRequestError(f"{name}[{token}] must be a finite number, got {b}")
+        checked[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, b))
+    return checked
+
+
+def _check_token_sequences(name: str, value: object) -> tuple[tuple[int, ...], ...]:
+    """A list of non-empty lists of token ids, as tuples."""
+    items = _sequence(name, value, "a list of token-id lists")
+    if all(
+        type(s) is tuple and s and all(type(t) is int and 0 <= t <= MAX_COUNT for t in s)
+        for s in items
+    ):
+        return items  # type: ignore[return-value]  # checked above
+    sequences = tuple(_check_token_ids(name, s) for s in items)
+    if not all(sequences):
+        raise InvalidRequestError(f"{name} must not hold an empty sequence")
+    return sequences
+
+
+def _strings(name: str, value: object, blank: Callable[[str], bool], what: str) -> tuple[str, ...]:
+    """A string or a list of strings in UTF-8, as a tuple; none ``blank``."""
     expected = "a string or a list of strings"
     items = (value,) if isinstance(value, str) else _sequence(name, value, expected)
     for item in items:
         if not isinstance(item, str):
             raise InvalidRequestError(f"{name} must hold strings only, got {shown(item)}")
-        if not item:
-            raise InvalidRequestError("stop strings must not be empty")
+        if blank(item):
+            raise InvalidRequestError(f"{what} must not be empty")
         if not is_utf8(item):
             raise InvalidRequestError(f"{name} string {shown(item)} is not valid UTF-8")
     return items  # type: ignore[return-value]  # checked above
+
+
+def _check_stop(name: str, value: object) -> tuple[str, ...]:
+    return _strings(name, value, lambda s: not s, "stop strings")
+
+
+def _check_bad_words(name: str, value: object) -> tuple[str, ...]:
+    """Words (a lone string is one word); one of spaces only would tokenize to nothing."""
+    return _strings(name, value, lambda s: not s.strip(), "bad_words")
 
 
 def _check_token_ids(name: str, value: object) -> tuple[int, ...]:
@@ -255,6 +388,14 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "ignore_eos": _check_flag,
     "logprobs": _check_logprobs,
     "include_stop_str_in_output": _check_flag,
+    "presence_penalty": _check_penalty,
+    "frequency_penalty": _check_penalty,
+    "repetition_penalty": _check_repetition_penalty,
+    "logit_bias": _check_logit_bias,
+    "min_tokens": _check_min_tokens,
+    "bad_words": _check_bad_words,
+    "_bad_words_token_ids": _check_token_sequences,
+    "_eos_token_ids": _check_token_ids,
 }
 
 

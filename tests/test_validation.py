@@ -118,6 +118,46 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str]] = [
     ({"logprobs": 2**70}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
     ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
+    ({"presence_penalty": 2.01}, "presence_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"),
+    ({"presence_penalty": "1"}, "presence_penalty"),
+    ({"presence_penalty": None}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"frequency_penalty": float("inf")}, "frequency_penalty"),
+    ({"frequency_penalty": True}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"repetition_penalty": [1.2]}, "repetition_penalty"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {2**63: 1.0}}, "logit_bias"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+    ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+    ({"logit_bias": {5: "1"}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {True: 1.0}}, "logit_bias"),
+    ({"logit_bias": {1.5: 1.0}}, "logit_bias"),
+    ({"logit_bias": [5, 1.0]}, "logit_bias"),
+    ({"logit_bias": 5}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"min_tokens": "2"}, "min_tokens"),
+    ({"min_tokens": None}, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be <= max_tokens"),
+    ({"bad_words": [1]}, "bad_words"),
+    ({"bad_words": [b"bad"]}, "bad_words"),
+    ({"bad_words": b"bad"}, "bad_words"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"bad_words": ["ok", "  "]}, "bad_words"),
+    ({"bad_words": ["a\udc80"]}, "bad_words"),
+    ({"bad_words": {"bad": 1}}, "bad_words"),
+    ({"_bad_words_token_ids": [[]]}, "_bad_words_token_ids"),
+    ({"_bad_words_token_ids": [[-1]]}, "_bad_words_token_ids"),
+    ({"_bad_words_token_ids": [["a"]]}, "_bad_words_token_ids"),
+    ({"_bad_words_token_ids": [5]}, "_bad_words_token_ids"),
+    ({"_eos_token_ids": [-1]}, "_eos_token_ids"),
 ]
 
 
@@ -185,6 +225,28 @@ def test_good_sampling_params_are_normalized_and_cross_the_wire() -> None:
     assert none.stop == () and none.stop_token_ids == () and type(none.temperature) is float
     assert SamplingParams(top_k=MAX_COUNT, max_tokens=MAX_COUNT, seed=0).top_k == MAX_COUNT
     assert SamplingParams(stop=Text("x")).stop == ("x",)
+
+
+def test_penalty_fields_are_normalized_and_cross_the_wire() -> None:
+    params = SamplingParams(
+        presence_penalty=np.float32(-2.0),
+        frequency_penalty=2,
+        repetition_penalty=np.float64(1e6),
+        logit_bias={np.int64(7): 250, 3: -1e9, 9: np.float32(0.5)},
+        min_tokens=np.int16(3),
+        max_tokens=3,
+        bad_words="bad",
+        _bad_words_token_ids=[[1, 2], (3,)],
+    )
+    assert params.logit_bias == {7: 100.0, 3: -100.0, 9: 0.5}  # clamped, as vLLM's server does
+    assert all(type(k) is int and type(v) is float for k, v in params.logit_bias.items())
+    assert type(params.presence_penalty) is float and params.frequency_penalty == 2.0
+    assert type(params.min_tokens) is int and params.bad_words == ("bad",)
+    assert params.bad_words_token_ids == ((1, 2), (3,))
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded == params and params.processes_logits
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert not SamplingParams(repetition_penalty=1, presence_penalty=0).processes_logits
 
 
 # ---------------------------------------------------------------------------
@@ -341,6 +403,18 @@ BAD_REQUESTS: dict[str, tuple[Any, Any, Any, str]] = {
     "id-bytes": ([1, 2], None, b"x", "request_id must be a string"),
     "id-tuple": ([1, 2], None, ("a",), "request_id must be a string"),
     "id-surrogate": ([1, 2], None, "r\udc80", "not valid UTF-8"),
+    "logit-bias-vocab": (
+        [1, 2],
+        SamplingParams(logit_bias={3: 1.0, VOCAB: 1.0}),
+        None,
+        "logit_bias token ids must be < the vocabulary size (49152), got 49152",
+    ),
+    "bad-words-ids-vocab": (
+        [1, 2],
+        SamplingParams(_bad_words_token_ids=[[5, VOCAB + 3]]),
+        None,
+        "bad_words token ids must be < the vocabulary size (49152)",
+    ),
 }
 
 
@@ -381,6 +455,26 @@ EDGE_PARAMS: list[SamplingParams] = [
     SamplingParams(temperature=0, max_tokens=MAX_COUNT, stop=["the", "\x00"]),
     SamplingParams(temperature=0, max_tokens=4, stop=None, stop_token_ids=[MAX_COUNT]),
     SamplingParams(temperature=np.float64(0.9), seed=np.uint64(7), max_tokens=np.int64(4)),
+    SamplingParams(
+        temperature=0,
+        max_tokens=4,
+        repetition_penalty=1e-9,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        logit_bias={0: 1e9, VOCAB - 1: -100},
+        bad_words=["the", " hello world", "\x00"],
+        min_tokens=4,
+        stop_token_ids=[MAX_COUNT],
+    ),
+    SamplingParams(
+        temperature=0.8,
+        seed=3,
+        top_k=5,
+        max_tokens=4,
+        repetition_penalty=1e9,
+        min_tokens=4,
+        _bad_words_token_ids=[[VOCAB - 1] * 3, [0]],
+    ),
 ]
 
 
@@ -462,6 +556,15 @@ _VALID = {
     "ignore_eos": st.booleans(),
     "logprobs": st.one_of(st.none(), st.integers(0, MAX_LOGPROBS)),
     "include_stop_str_in_output": st.booleans(),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "repetition_penalty": st.one_of(st.floats(1e-3, 3.0), st.sampled_from([1.0, 1e-30, 1e30])),
+    "logit_bias": st.one_of(
+        st.none(),
+        st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-1e3, 1e3), max_size=3),
+    ),
+    "min_tokens": st.integers(0, 6),
+    "bad_words": st.lists(st.text(min_size=1, max_size=6), max_size=2),
 }
 
 
@@ -553,6 +656,11 @@ BAD_FLAGS: list[tuple[list[str], str]] = [
     (["--min-p", "nan"], "min_p must be in [0, 1]"),
     (["--stop", ""], "stop strings must not be empty"),
     (["--stop", "ok", "--stop", "\udc80"], "not valid UTF-8"),
+    (["--presence-penalty", "2.5"], "presence_penalty must be in [-2, 2]"),
+    (["--frequency-penalty=-3"], "frequency_penalty must be in [-2, 2]"),
+    (["--frequency-penalty", "nan"], "frequency_penalty must be in [-2, 2]"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
+    (["--repetition-penalty", "inf"], "repetition_penalty must be a finite number > 0"),
 ]
 
 

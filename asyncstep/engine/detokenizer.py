@@ -3,7 +3,8 @@
 Tokens are decoded as they arrive with the tokenizers library's
 ``DecodeStream`` (the prompt's last tokens as context, so a first output
 token keeps its leading space). Stop strings are searched in the new text
-only; a match truncates the output. While a request runs, a stream withholds
+only, and not in the text of the first ``min_tokens`` tokens (vLLM's rule);
+a match truncates the output. While a request runs, a stream withholds
 the last ``len(longest stop string) - 1`` characters, which may yet become the
 start of a stop string.
 """
@@ -38,6 +39,8 @@ class IncrementalDetokenizer:
         )
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self._num_tokens = 0
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.output_text = ""
         self._sent = 0
@@ -49,10 +52,15 @@ class IncrementalDetokenizer:
             return None
         start = len(self.output_text)
         for token in new_token_ids:
+            self._num_tokens += 1
+            if self._num_tokens == self.min_tokens + 1:
+                start = len(self.output_text)  # stop strings count from this token on
             piece = self._stream.step(self._backend, token)
             if piece:
                 self.output_text += piece
-        return self._check_stop(start) if self.stop else None
+        if not self.stop or self._num_tokens <= self.min_tokens:
+            return None
+        return self._check_stop(start)
 
     def _check_stop(self, new_from: int) -> str | None:
         """The earliest stop string in the new text (a match may start in the

@@ -5,7 +5,8 @@ output processor).
 AnyIO). It checks each request whole before anything of it is kept or sent
 (its sampling parameters, its id, its prompt against the model: a refused
 request raises :class:`InvalidRequestError` and leaves nothing behind),
-tokenizes it, applies chat templates, hands it to the engine core
+tokenizes it (the prompt, and ``bad_words`` as vLLM does: each word with and
+without a leading space), applies chat templates, hands it to the engine core
 (:mod:`asyncstep.engine.core`: the scheduler and the ranks, by default in a
 process of its own), and turns the
 core's per-step token news into text for the callers: detokenization, stop
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
+import msgspec
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -116,6 +118,10 @@ class Engine:
         #: The engine core's transport (an ``EngineCore`` itself in-process).
         self.core = core
         self.max_model_len = config.model.max_model_len or 0
+        #: What ends a request unless it ignores EOS (``min_tokens`` bans them early).
+        self.eos_token_ids = tuple(
+            sorted(frozenset(arch_config.eos_token_ids) | tokenizer_eos(tokenizer))
+        )
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._to_core: MemoryObjectSendStream[ToCore] | None = None
@@ -263,12 +269,46 @@ class Engine:
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
         params.validate()  # again: its fields may have been set behind its back
-        if params.logprobs is not None and params.logprobs > self.arch_config.vocab_size:
+        vocab = self.arch_config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidRequestError(
-                f"logprobs must be <= the vocabulary size ({self.arch_config.vocab_size}), "
-                f"got {params.logprobs}"
+                f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}"
             )
-        return params
+        outside = [t for t in params.logit_bias or () if t >= vocab]
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias token ids must be < the vocabulary size ({vocab}), got {outside[0]}"
+            )
+        derived: dict[str, Any] = {}
+        if params.bad_words:
+            derived["_bad_words_token_ids"] = self._tokenize_bad_words(params.bad_words)
+        bad = derived.get("_bad_words_token_ids", params.bad_words_token_ids)
+        outside = [t for seq in bad for t in seq if t >= vocab]
+        if outside:
+            raise InvalidRequestError(
+                f"bad_words token ids must be < the vocabulary size ({vocab}), got {outside[0]}"
+            )
+        if params.min_tokens > 0 and params._eos_token_ids != self.eos_token_ids:
+            derived["_eos_token_ids"] = self.eos_token_ids
+        return msgspec.structs.replace(params, **derived) if derived else params
+
+    def _tokenize_bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of bad words: each word (its leading spaces
+        stripped) alone, and after a space when that gives other tokens of
+        the same count (the word in the middle of a text)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("bad_words need a tokenizer, and this model has none")
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not bare:
+                raise InvalidRequestError(f"bad word {shown(word)} tokenizes to nothing")
+            sequences.append(bare)
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        return tuple(sequences)
 
     def _check_request_id(self, request_id: object) -> str:
         if request_id is None:

@@ -60,10 +60,11 @@ class Request:
 
     The stop rules the scheduler checks every step are kept as plain
     attributes, derived from :attr:`sampling_params` and :attr:`eos_token_ids`
-    (and refreshed when either is assigned): :attr:`stop_ids` and
-    :attr:`max_num_tokens`. :attr:`num_tokens` is kept up to date by
-    :meth:`append_output_token_id` / :meth:`append_output_token_ids` (the only
-    ways to add tokens).
+    (and refreshed when either is assigned): :attr:`stop_ids`,
+    :attr:`max_num_tokens` and :attr:`min_tokens` (a stop id ends the
+    request only once that many tokens are out). :attr:`num_tokens` is kept
+    up to date by :meth:`append_output_token_id` /
+    :meth:`append_output_token_ids` (the only ways to add tokens).
     """
 
     __slots__ = (
@@ -74,6 +75,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "max_num_tokens",
+        "min_tokens",
         "num_computed_tokens",
         "num_in_flight_steps",
         "num_output_placeholders",
@@ -94,6 +96,8 @@ class Request:
     #: Tokens that end the request: ``stop_token_ids``, plus the EOS ids unless
     #: ``ignore_eos``.
     stop_ids: frozenset[int]
+    #: Outputs before which a stop id does not end the request (``min_tokens``).
+    min_tokens: int
 
     def __init__(
         self,
@@ -135,6 +139,7 @@ class Request:
     def _derive_stop_rules(self) -> None:
         params = self._sampling_params
         self.max_num_tokens = len(self.prompt_token_ids) + params.max_tokens
+        self.min_tokens = params.min_tokens
         stop_ids = frozenset(params.stop_token_ids)
         self.stop_ids = stop_ids if params.ignore_eos else stop_ids | self._eos_token_ids
 

@@ -577,7 +577,10 @@ class Scheduler:
         return list(sampled)
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
-        if token_id in request.stop_ids:
+        """Apply the stop rules to the request's newest token. A stop id
+        counts only once ``min_tokens`` tokens are out (vLLM's ``check_stop``;
+        the sampler bans them before that, so this guards the rule only)."""
+        if token_id in request.stop_ids and request.num_output_tokens >= request.min_tokens:
             request.status = RequestStatus.FINISHED_STOPPED
             if request.sampling_params.ignore_eos or token_id not in request.eos_token_ids:
                 request.stop_reason = token_id  # a stop token id, not EOS

@@ -21,7 +21,7 @@ import torch
 
 from asyncstep.datatypes import SamplingParams
 from asyncstep.runner.block_table import BlockTable
-from asyncstep.runner.sampler import SamplingMetadata
+from asyncstep.runner.sampler import LogitsProcessing, SamplingMetadata, TokenHistory, to_device
 
 
 @dataclass
@@ -70,6 +70,7 @@ class InputBatch:
         assert np.shares_memory(self.token_ids_flat, self.token_ids_cpu)
         self._rows = np.arange(max_num_reqs)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = BlockTable(max_num_reqs, -(-max_model_len // block_size), block_size)
         self.sampling_params: list[SamplingParams | None] = []
@@ -122,6 +123,7 @@ class InputBatch:
         self.token_ids_cpu[row, :n_prompt] = req.prompt_token_ids
         self.token_ids_cpu[row, n_prompt : n_prompt + n_out] = req.output_token_ids
         self.num_tokens[row] = n_prompt + n_out
+        self.num_prompt_tokens[row] = n_prompt
         self.num_computed_tokens_cpu[row] = req.num_computed_tokens
         self.block_table.add_row(req.block_ids, row)
         self.sampling_params[row] = req.sampling_params
@@ -179,6 +181,7 @@ class InputBatch:
         n = int(self.num_tokens[src])
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
         self.num_tokens[dst] = n
+        self.num_prompt_tokens[dst] = self.num_prompt_tokens[src]
         self.num_computed_tokens_cpu[dst] = self.num_computed_tokens_cpu[src]
         self.block_table.move_row(src, dst)
         self._req_ids[dst], self._req_ids[src] = req_id, None
@@ -207,7 +210,7 @@ class InputBatch:
         self.layout_version += 1
         n = int(max(self.num_tokens[a], self.num_tokens[b]))
         self.token_ids_cpu[[a, b], :n] = self.token_ids_cpu[[b, a], :n]
-        for arr in (self.num_tokens, self.num_computed_tokens_cpu):
+        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu):
             arr[[a, b]] = arr[[b, a]]
         self.block_table.swap_row(a, b)
         self._req_ids[a], self._req_ids[b] = ib, ia
@@ -242,7 +245,8 @@ class InputBatch:
         """Sampling parameters of the given rows, in that order; the last
         call's metadata again while the same requests sample in the same
         rows, or the one all-greedy metadata while every request is plain
-        greedy (the sampler only reads it)."""
+        greedy (no log-probs, no logits processing; the sampler only reads
+        it)."""
         if self._num_not_greedy == 0 and self.cache_sampling_metadata and rows:
             return _ALL_GREEDY
         cached = self._sampling_cache
@@ -252,6 +256,41 @@ class InputBatch:
         if self.cache_sampling_metadata:
             self._sampling_cache = (self.layout_version, list(rows), metadata)
         return metadata
+
+    def token_history(
+        self,
+        rows: list[int],
+        seq_lens: np.ndarray,
+        last_token_ids: torch.Tensor | None,
+        processing: LogitsProcessing,
+    ) -> TokenHistory:
+        """The step's tokens of the sampling ``rows`` for ``processing``:
+        ``seq_lens`` the rows' lengths once the step is computed (int64),
+        ``last_token_ids`` the step's last input token of each, on the
+        device (with async scheduling the host may not know it yet; it
+        knows every token before it); it may be None when
+        ``processing.needs_token_ids`` is False."""
+        sample_rows = np.asarray(rows, dtype=np.int64)
+        num_output = None
+        if processing.min_tokens is not None:
+            num_output = seq_lens - self.num_prompt_tokens[sample_rows]
+        if not processing.needs_token_ids:
+            return TokenHistory(num_output, None, None, None)
+        assert last_token_ids is not None, "token ids needed: pass the last input tokens"
+        batch_rows = sample_rows[processing.history_rows]
+        lens = seq_lens[processing.history_rows]
+        if (self.num_tokens[batch_rows] < lens - 1).any():
+            raise RuntimeError("a sampling row lacks more than its last token on the host")
+        width = int(lens.max())
+        known = self.token_ids_cpu[batch_rows, :width].astype(np.int64)
+        token_ids = to_device(known, self.device)
+        lens_t = to_device(lens, self.device)
+        last = last_token_ids
+        if processing.history_index is not None:
+            last = last.index_select(0, processing.history_index)
+        token_ids.scatter_(1, (lens_t - 1).unsqueeze(1), last.unsqueeze(1).to(torch.int64))
+        num_prompt = to_device(self.num_prompt_tokens[batch_rows].astype(np.int64), self.device)
+        return TokenHistory(num_output, token_ids, lens_t, num_prompt)
 
     def _build_sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
         params = [self.sampling_params[row] for row in rows]
@@ -263,7 +302,7 @@ class InputBatch:
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
-    return params.greedy and params.logprobs is None
+    return params.greedy and params.logprobs is None and not params.processes_logits
 
 
 #: What ``SamplingMetadata.from_params`` makes of any rows that are all plain greedy.

@@ -75,7 +75,7 @@ from asyncstep.runner.cudagraph_dispatcher import (
 )
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
-from asyncstep.runner.sampler import Sampler
+from asyncstep.runner.sampler import LogitsProcessing, Sampler, TokenHistory
 from asyncstep.runner.staging import StagingBuffers
 from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs, is_arange
 from asyncstep.runner.ubatch_forward import forward_ubatches
@@ -104,6 +104,10 @@ class ExecuteModelState:
     logits: torch.Tensor  # [len(sample_rows), vocab]
     sample_rows: list[int]
     events: StepEvents | None = None
+    #: The step's input ids and each sample row's last token index among
+    #: them (the logits processing reads the newest tokens there).
+    input_ids: torch.Tensor | None = None
+    logits_indices: torch.Tensor | slice | None = None
 
 
 @dataclass
@@ -344,7 +348,13 @@ class ModelRunner:
         if isinstance(out, IntermediateTensors):
             return out
         self.execute_model_state = ExecuteModelState(
-            scheduler_output, self.input_batch.req_ids, out, inputs.sample_rows, events
+            scheduler_output,
+            self.input_batch.req_ids,
+            out,
+            inputs.sample_rows,
+            events,
+            inputs.input_ids,
+            inputs.logits_indices,
         )
         return None
 
@@ -399,7 +409,10 @@ class ModelRunner:
             return AsyncModelRunnerOutput(state.req_ids, [], empty, record_event(None))
         batch = self.input_batch
         metadata = batch.sampling_metadata(rows)
-        result = self.sampler(state.logits, metadata)
+        history = None
+        if metadata.processing is not None:
+            history = self._token_history(state, metadata.processing)
+        result = self.sampler(state.logits, metadata, history)
         sampled = result.sampled_token_ids
         self._prev_sampled = sampled
         self._prev_sampled_from = _SampledFrom(batch, batch.layout_version, rows, state.req_ids)
@@ -413,6 +426,23 @@ class ModelRunner:
             asked = [self.input_batch.sampling_params[row].logprobs for row in rows]  # type: ignore[union-attr]
             logprobs = host_logprobs(hosts[1:], asked)
         return AsyncModelRunnerOutput(state.req_ids, rows, hosts[0], copy_event, logprobs)
+
+    def _token_history(
+        self, state: ExecuteModelState, processing: LogitsProcessing
+    ) -> TokenHistory:
+        """The tokens of the step's sampling rows that the logits processing
+        reads: the host's, and the newest from the step's input ids (with
+        async scheduling only the device knows it yet)."""
+        rows = state.sample_rows
+        scheduled, req_ids = state.scheduler_output.num_scheduled_tokens, state.req_ids
+        num_sched = np.fromiter((scheduled[req_ids[row]] for row in rows), np.int64, len(rows))
+        batch = self.input_batch
+        seq_lens = batch.num_computed_tokens_cpu[rows].astype(np.int64) + num_sched
+        last = None
+        if processing.needs_token_ids:
+            assert state.input_ids is not None and state.logits_indices is not None
+            last = state.input_ids[state.logits_indices]
+        return batch.token_history(rows, seq_lens, last, processing)
 
     def _resolve_outputs(self, *, keep_last: bool) -> None:
         """Append the tokens of sampled steps to the persistent batch; all of
