@@ -30,12 +30,8 @@ from asyncstep.datatypes import FinishReason
 from asyncstep.engine.detokenizer import IncrementalDetokenizer
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner.input_batch import _ALL_GREEDY, CachedRequestState, InputBatch
-from asyncstep.runner.sampler import (
-    Sampler,
-    SamplingMetadata,
-    TokenHistory,
-    apply_logits_processing,
-)
+from asyncstep.runner.logits_processing import TokenHistory, apply_logits_processing
+from asyncstep.runner.sampler import Sampler, SamplingMetadata
 from tests.test_scheduler import FakeRunner, drive, make_request, make_scheduler, scripted
 
 CPU = torch.device("cpu")

@@ -21,7 +21,8 @@ import torch
 
 from asyncstep.datatypes import SamplingParams
 from asyncstep.runner.block_table import BlockTable
-from asyncstep.runner.sampler import LogitsProcessing, SamplingMetadata, TokenHistory, to_device
+from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory, to_device
+from asyncstep.runner.sampler import SamplingMetadata
 
 
 @dataclass

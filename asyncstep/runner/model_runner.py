@@ -75,7 +75,8 @@ from asyncstep.runner.cudagraph_dispatcher import (
 )
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
-from asyncstep.runner.sampler import LogitsProcessing, Sampler, TokenHistory
+from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
+from asyncstep.runner.sampler import Sampler
 from asyncstep.runner.staging import StagingBuffers
 from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs, is_arange
 from asyncstep.runner.ubatch_forward import forward_ubatches
