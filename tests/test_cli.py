@@ -189,6 +189,9 @@ def test_exit_status_and_no_traceback_in_a_real_process() -> None:
 
 
 def test_ctrl_c_stops_cleanly(tiny_hf_dir: Path) -> None:
+    """Ctrl-C while prompts are still being served: 64 prompts of 400 tokens,
+    one at a time; the signal comes once the first has printed, with ~25,000
+    tokens to go (a single prompt's length could end before the signal)."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -199,18 +202,18 @@ def test_ctrl_c_stops_cleanly(tiny_hf_dir: Path) -> None:
             str(tiny_hf_dir),
             "--no-chat",
             "--max-tokens",
-            "100000",
+            "400",
             "--ignore-eos",
-            "--max-model-len",
-            "512",
-            "Once upon a time",
+            "--max-num-seqs",
+            "1",
+            *(f"Once upon a time {i}" for i in range(64)),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
     try:
         assert proc.stdout is not None
-        proc.stdout.read(1)  # generation has started
+        proc.stdout.readline()  # the first prompt is done, the others not
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:
