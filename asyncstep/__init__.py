@@ -26,7 +26,7 @@ from asyncstep.config import (
 from asyncstep.datatypes import FinishReason, Logprobs, SamplingParams
 from asyncstep.engine.api import make_config, open_engine
 from asyncstep.engine.engine import Engine, EngineStatistics
-from asyncstep.engine.outputs import Completion, CompletionChunk
+from asyncstep.engine.outputs import Completion, CompletionChunk, CompletionOutput
 from asyncstep.errors import (
     AsyncstepError,
     ConfigError,
@@ -44,6 +44,7 @@ __all__ = [
     "CompilationConfig",
     "Completion",
     "CompletionChunk",
+    "CompletionOutput",
     "ConfigError",
     "Engine",
     "EngineConfig",

@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
     sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--n", type=int, default=1, help="choices per prompt")
     sampling.add_argument("--max-tokens", type=int, default=256)
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     sampling.add_argument("--top-p", type=float, default=1.0)
@@ -279,6 +280,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The sampling flags as SamplingParams: built before the model loads, so
     that a bad flag is refused at once (InvalidRequestError, one line)."""
     return SamplingParams(
+        n=args.n,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -307,7 +309,7 @@ async def generate_all(args: argparse.Namespace, prompts: list[str], params: Sam
             if chat is None:
                 chat = bool(getattr(engine.tokenizer, "chat_template", None))
             requests = [to_request(p, chat) for p in prompts]
-            if len(prompts) == 1 and not args.json:
+            if len(prompts) == 1 and not args.json and params.n == 1:
                 return await _stream_one(engine, requests[0], params, prompts[0])
             return await _generate_many(engine, requests, params, prompts, args.json)
 
@@ -373,7 +375,8 @@ def _print_result(prompt: str, result: Completion | AsyncstepError, as_json: boo
         record["prompt"] = prompt
         _emit(record)
     else:
-        print(result.text, flush=True)
+        for output in result.outputs:  # the n choices, in order
+            print(output.text, flush=True)
 
 
 def _print_error(prompt: str, error: AsyncstepError) -> None:

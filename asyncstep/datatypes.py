@@ -39,6 +39,8 @@ MAX_COUNT = 2**63 - 1
 MAX_SEED = 2**64 - 1
 #: ``presence_penalty`` and ``frequency_penalty`` lie in ``[-MAX_PENALTY, MAX_PENALTY]``.
 MAX_PENALTY = 2.0
+#: Most choices one request may ask for (``n``).
+MAX_N = 128
 #: A ``logit_bias`` value is clamped into ``[-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]`` (as vLLM's
 #: OpenAI server does).
 MAX_LOGIT_BIAS = 100.0
@@ -47,7 +49,10 @@ MAX_LOGIT_BIAS = 100.0
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to sample one request, vLLM's names and meanings.
 
-    ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 is off. ``stop`` holds
+    ``n`` independent choices of the prompt (at most ``MAX_N``; its KV
+    blocks computed once and shared through the prefix cache; with a
+    ``seed``, choice ``i`` samples with ``seed + i``). ``temperature == 0``
+    is greedy. ``top_k`` of 0 or -1 is off. ``stop`` holds
     strings that end the output (not included unless
     ``include_stop_str_in_output``); ``stop_token_ids`` end it too (EOS always
     does unless ``ignore_eos``). ``logprobs=n`` returns the top-n log-probs of
@@ -83,6 +88,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     :meth:`validate`, which the engine calls for every request.
     """
 
+    n: int = 1
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -291,6 +297,13 @@ def _check_repetition_penalty(name: str, value: object) -> float:
     return penalty
 
 
+def _check_n(name: str, value: object) -> int:
+    n = _as_int(name, value, "an integer >= 1")
+    if not 1 <= n <= MAX_N:
+        raise _invalid(name, f"an integer in [1, {MAX_N}]", n)
+    return n
+
+
 def _check_min_tokens(name: str, value: object) -> int:
     n = _as_int(name, value, "an integer >= 0")
     if not 0 <= n <= MAX_COUNT:
@@ -377,6 +390,7 @@ def is_utf8(text: str) -> bool:
 #: The check of each SamplingParams field, in field order (a new field needs one:
 #: tests/test_validation.py checks that every field has its check).
 _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "n": _check_n,
     "max_tokens": _check_max_tokens,
     "temperature": _check_temperature,
     "top_p": _check_top_p,

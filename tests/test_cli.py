@@ -88,6 +88,22 @@ def test_chat_is_the_default_when_the_tokenizer_has_a_template(
     assert record["prompt_token_ids"] == tokenizer(templated, add_special_tokens=False).input_ids
 
 
+def test_n_choices_print_and_travel_in_json(
+    capsys: pytest.CaptureFixture[str], tiny_hf_dir: Path
+) -> None:
+    args = ["--model", str(tiny_hf_dir), "--no-chat", "--max-tokens", "3", "--ignore-eos"]
+    sampled = ["--n", "3", "--temperature", "0.9", "--seed", "5"]
+    code, out, _ = run(capsys, "generate", *args, *sampled, "--json", "Hi")
+    assert code == 0
+    record = json.loads(out)
+    assert [o["index"] for o in record["outputs"]] == [0, 1, 2]
+    assert record["token_ids"] == record["outputs"][0]["token_ids"]
+    code, out, _ = run(capsys, "generate", *args, *sampled, "Hi")
+    assert code == 0 and out.count("\n") >= 3  # every choice's text on its own line(s)
+    code, _, err = run(capsys, "generate", *args, "--n", "0", "Hi")
+    assert code != 0 and "n must be an integer in [1, 128], got 0" in err
+
+
 def write_config(directory: Path, **config: object) -> Path:
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))

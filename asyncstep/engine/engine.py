@@ -35,7 +35,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import SamplingParams, is_utf8, shown
+from asyncstep.datatypes import MAX_SEED, SamplingParams, is_utf8, shown
 from asyncstep.engine.core_messages import (
     CoreFailed,
     CoreInputs,
@@ -50,7 +50,7 @@ from asyncstep.engine.core_messages import (
     WaitIdle,
 )
 from asyncstep.engine.outputs import Completion, CompletionChunk
-from asyncstep.engine.request_state import RequestState
+from asyncstep.engine.request_state import RequestGroup, RequestState
 from asyncstep.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -122,7 +122,10 @@ class Engine:
         self.eos_token_ids = tuple(
             sorted(frozenset(arch_config.eos_token_ids) | tokenizer_eos(tokenizer))
         )
+        #: Core request id -> its state (one per choice).
         self._requests: dict[str, RequestState] = {}
+        #: The caller's request id -> its choices.
+        self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self._to_core: MemoryObjectSendStream[ToCore] | None = None
         self._core_stats = CoreStats()
@@ -147,17 +150,18 @@ class Engine:
         *,
         request_id: str | None = None,
     ) -> Completion:
-        """Generate one completion and return it whole.
+        """Generate one completion (its ``n`` choices) and return it whole.
 
         Cancelling the caller aborts the request (its blocks are freed).
         """
-        state = self._add_request(prompt, sampling_params, request_id)
+        group = self._add_request(prompt, sampling_params, request_id)
         try:
-            await state.wait_finished()
+            await group.wait_finished()
         finally:
-            self._abort_unfinished(state)
-        self._raise_if_failed(state)
-        return state.completion()
+            self._abort_group(group)
+        for state in group.states:
+            self._raise_if_failed(state)
+        return group.completion()
 
     async def stream(
         self,
@@ -168,23 +172,27 @@ class Engine:
     ) -> AsyncIterator[CompletionChunk]:
         """Generate one completion chunk by chunk: each chunk holds the text
         and tokens new since the previous one (one step's, or several when
-        the reader fell behind). Leaving the iteration early aborts the request.
+        the reader fell behind) of one choice (its ``index``; with ``n`` > 1
+        the choices' chunks interleave). Leaving the iteration early aborts
+        the request.
         """
-        state = self._add_request(prompt, sampling_params, request_id)
+        group = self._add_request(prompt, sampling_params, request_id)
         try:
-            while (chunk := await state.next_chunk()) is not None:
+            while (chunk := await group.next_chunk()) is not None:
                 yield chunk
         finally:
-            self._abort_unfinished(state)
-        self._raise_if_failed(state)
+            self._abort_group(group)
+        for state in group.states:
+            self._raise_if_failed(state)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request in flight (no-op when it already ended)."""
+        """Abort a request in flight, every choice of it (no-op when it
+        already ended)."""
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {shown(request_id)}")
-        state = self._requests.get(request_id)
-        if state is not None:
-            self._abort_unfinished(state)
+        group = self._groups.get(request_id)
+        if group is not None:
+            self._abort_group(group)
 
     async def wait_idle(self) -> None:
         """Wait until no step is in flight and nothing is left to schedule:
@@ -247,19 +255,48 @@ class Engine:
 
     def _add_request(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
-    ) -> RequestState:
+    ) -> RequestGroup:
         """Check the whole request, then register it and send it to the core:
-        a request refused here leaves nothing behind."""
+        a request refused here leaves nothing behind.
+
+        ``n`` > 1: one core request per choice, ids ``{request_id}-{i}``,
+        choice ``i`` seeded with ``seed + i``. With prefix caching the first
+        choice goes alone, and the others once it has its first token (its
+        prompt's blocks are then cached: the others reuse them, vLLM's
+        parallel sampling)."""
         self._check_alive()
         params = self._check_params(params)
         request_id = self._check_request_id(request_id)
         ids = self.encode_prompt(prompt)
-        state = RequestState(
-            request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer
-        )
-        self._requests[request_id] = state
-        self._send(CoreInputs(new_requests=[EngineCoreRequest(request_id, ids, params)]))
-        return state
+        n = params.n
+        child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        taken = [c for c in child_ids[1:] if c in self._requests]
+        if taken:
+            raise InvalidRequestError(f"request id {taken[0]!r} is already in flight")
+        group = RequestGroup(request_id)
+        text = prompt if isinstance(prompt, str) else None
+        for i, child_id in enumerate(child_ids):
+            child = params if n == 1 else _choice_params(params, i)
+            state = RequestState(child_id, text, ids, child, self.tokenizer, index=i, group=group)
+            group.states.append(state)
+            self._requests[child_id] = state
+        self._groups[request_id] = group
+        first, *others = group.states
+        if others and self.config.cache.enable_prefix_caching:
+            for state in others:
+                state.sent = False
+            self._send(CoreInputs(new_requests=[_core_request(first)]))
+        else:
+            self._send(CoreInputs(new_requests=[_core_request(s) for s in group.states]))
+        return group
+
+    def _send_held(self, group: RequestGroup) -> None:
+        """Send the choices that waited for the first one's prompt."""
+        held = [s for s in group.states if not s.sent and not s.ended]
+        for state in group.states:
+            state.sent = True
+        if held:
+            self._send(CoreInputs(new_requests=[_core_request(s) for s in held]))
 
     def _check_params(self, params: object) -> SamplingParams:
         if params is None:
@@ -319,16 +356,23 @@ class Engine:
             )
         if not is_utf8(request_id):
             raise InvalidRequestError(f"request_id {shown(request_id)} is not valid UTF-8")
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         return request_id
 
-    def _abort_unfinished(self, state: RequestState) -> None:
-        if state.finished or state.error is not None:
-            return
-        self._requests.pop(state.request_id, None)
-        state.abort()
-        self._send(CoreInputs(aborted=[state.request_id]))
+    def _abort_group(self, group: RequestGroup) -> None:
+        """Abort every choice still running; forget the group."""
+        self._groups.pop(group.request_id, None)
+        aborted = []
+        for state in group.states:
+            if state.finished or state.error is not None:
+                continue
+            self._requests.pop(state.request_id, None)
+            state.abort()
+            if state.sent:
+                aborted.append(state.request_id)
+        if aborted:
+            self._send(CoreInputs(aborted=aborted))
 
     def _raise_if_failed(self, state: RequestState) -> None:
         if state.error is None:
@@ -479,6 +523,11 @@ class Engine:
             state = requests.pop(rejected.request_id, None)
             if state is not None:
                 state.fail(InvalidRequestError(rejected.error))
+                for sibling in state.group.states if state.group is not None else ():
+                    if not sibling.sent:  # the held choices would be refused alike
+                        requests.pop(sibling.request_id, None)
+                        sibling.sent = True
+                        sibling.fail(InvalidRequestError(rejected.error))
         stopped: list[str] = []
         for news in message.outputs:
             state = requests.get(news.request_id)
@@ -488,6 +537,9 @@ class Engine:
             stop_string = state.add_output(
                 news.new_token_ids, news.new_logprobs, news.finish_reason, news.stop_reason
             )
+            group = state.group
+            if group is not None and state.index == 0 and not group.states[-1].sent:
+                self._send_held(group)
             if stop_string is not None and not news.finished:
                 stopped.append(news.request_id)
             if state.finished:
@@ -500,6 +552,16 @@ class Engine:
         if self._error is None:
             self._error = error
             log.error("engine stopped", error=describe(error))
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of an ``n``-choice request: one choice, its own seed."""
+    seed = None if params.seed is None else (params.seed + index) % (MAX_SEED + 1)
+    return msgspec.structs.replace(params, n=1, seed=seed)
+
+
+def _core_request(state: RequestState) -> EngineCoreRequest:
+    return EngineCoreRequest(state.request_id, state.prompt_token_ids, state.params)
 
 
 def _check_chat_message(index: int, message: Mapping[str, Any]) -> None:

@@ -7,6 +7,10 @@ behind). Text is decoded when the caller takes it (a stream's chunk, or the
 whole completion at the end), so a ``generate`` call costs one decode; a
 request with stop strings decodes each step's tokens as they arrive, since
 its end depends on its text.
+
+A request of ``n`` choices is a :class:`RequestGroup` of ``n`` states, one
+per choice, each a request of its own in the core: the caller waits on the
+group (one wake-up for any of its choices' news).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import anyio
 
 from asyncstep.datatypes import FinishReason, Logprobs, SamplingParams
 from asyncstep.engine.detokenizer import IncrementalDetokenizer
-from asyncstep.engine.outputs import Completion, CompletionChunk
+from asyncstep.engine.outputs import Completion, CompletionChunk, CompletionOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -31,8 +35,18 @@ class RequestState:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tokenizer: PreTrainedTokenizerBase | None,
+        *,
+        index: int = 0,
+        group: RequestGroup | None = None,
     ) -> None:
+        #: The core's id of this choice (the caller's id when ``n`` is 1).
         self.request_id = request_id
+        #: The choice (``0 .. n - 1``).
+        self.index = index
+        self.group = group
+        #: Sent to the core (a choice after the first waits for the first's
+        #: prompt to be cached: see ``Engine``).
+        self.sent = True
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -94,6 +108,8 @@ class RequestState:
         if self._wakeup is not None:
             self._wakeup.set()
             self._wakeup = None
+        if self.group is not None:
+            self.group.wake()
 
     def _decode(self) -> str | None:
         new = self.token_ids[self._num_decoded :]
@@ -130,7 +146,8 @@ class RequestState:
         self._ended_taken = self.finished
         logprobs = self.logprobs[start:end] if self.logprobs is not None else None
         return CompletionChunk(
-            request_id=self.request_id,
+            request_id=self.group.request_id if self.group is not None else self.request_id,
+            index=self.index,
             text=self.detokenizer.next_delta(self.finished),
             token_ids=self.token_ids[start:end],
             finish_reason=self.finish_reason,
@@ -138,17 +155,74 @@ class RequestState:
             logprobs=logprobs or None,
         )
 
-    def completion(self) -> Completion:
+    def output(self) -> CompletionOutput:
+        """This choice, finished."""
         assert self.finish_reason is not None
         if not self._eager:
             self._decode()
-        return Completion(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
+        return CompletionOutput(
+            index=self.index,
             text=self.detokenizer.output_text,
             token_ids=self.token_ids,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
+        )
+
+
+class RequestGroup:
+    """The ``n`` choices of one request (``n`` = 1: one state)."""
+
+    def __init__(self, request_id: str) -> None:
+        #: The caller's id.
+        self.request_id = request_id
+        self.states: list[RequestState] = []
+        self._wakeup: anyio.Event | None = None
+        #: The next choice a chunk is looked for in (round robin).
+        self._next = 0
+
+    def wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+            self._wakeup = None
+
+    async def _wait(self) -> None:
+        self._wakeup = event = anyio.Event()
+        await event.wait()
+
+    async def wait_finished(self) -> None:
+        """Wait until every choice has ended (or one failed)."""
+        while not all(s.ended for s in self.states) and not self.failed:
+            await self._wait()
+
+    @property
+    def failed(self) -> bool:
+        return any(s.error is not None for s in self.states)
+
+    async def next_chunk(self) -> CompletionChunk | None:
+        """Everything new of one choice since its last chunk (waiting for
+        it); None once every choice's last chunk was handed out, or one failed."""
+        states = self.states
+        while not self.failed:
+            live = False
+            for k in range(len(states)):
+                state = states[(self._next + k) % len(states)]
+                if state._ended_taken:
+                    continue
+                live = True
+                if len(state.token_ids) > state._num_taken or state.finished:
+                    self._next = (state.index + 1) % len(states)
+                    return state._take_chunk()
+            if not live:
+                return None
+            await self._wait()
+        return None
+
+    def completion(self) -> Completion:
+        first = self.states[0]
+        return Completion.of(
+            self.request_id,
+            first.prompt,
+            first.prompt_token_ids,
+            [state.output() for state in self.states],
         )
