@@ -341,8 +341,9 @@ async def _generate_many(
     prompts: list[str],
     as_json: bool,
 ) -> int:
-    """Many prompts, batched by the engine; results print in prompt order.
-    A bad prompt fails alone (its error on stderr), the others are served."""
+    """Many prompts, batched by the engine; sent to it in prompt order (the
+    scheduler serves them first come, first served) and printed in that
+    order. A bad prompt fails alone (its error on stderr), the others are served."""
     results: list[Completion | AsyncstepError | None] = [None] * len(prompts)
     printed = 0
 
@@ -352,7 +353,8 @@ async def _generate_many(
             _print_result(prompts[printed], result, as_json)
             printed += 1
 
-    async def one(i: int) -> None:
+    async def one(i: int, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()  # (generate() sends the request before its first wait)
         try:
             results[i] = await engine.generate(requests[i], params)
         except AsyncstepError as exc:
@@ -361,7 +363,7 @@ async def _generate_many(
 
     async with trio.open_nursery() as nursery:
         for i in range(len(prompts)):
-            nursery.start_soon(one, i)
+            await nursery.start(one, i)
     return 1 if any(isinstance(r, AsyncstepError) for r in results) else 0
 
 
