@@ -207,12 +207,19 @@ def test_exit_status_and_no_traceback_in_a_real_process() -> None:
 def test_ctrl_c_stops_cleanly(tiny_hf_dir: Path) -> None:
     """Ctrl-C while prompts are still being served: 64 prompts of 400 tokens,
     one at a time; the signal comes once the first has printed, with ~25,000
-    tokens to go (a single prompt's length could end before the signal)."""
+    tokens to go (a single prompt's length could end before the signal).
+    The child takes Ctrl-C as a terminal's foreground job does, even when
+    this test runs where SIGINT is ignored (a background job of a
+    non-interactive shell: a disposition children inherit)."""
+    as_foreground = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv[0] = 'asyncstep'; runpy.run_module('asyncstep', run_name='__main__')"
+    )
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "asyncstep",
+            "-c",
+            as_foreground,
             "generate",
             "--model",
             str(tiny_hf_dir),
