@@ -63,7 +63,6 @@ class RequestState:
         #: Tokens (and log-probs) already handed out in chunks.
         self._num_taken = 0
         self._ended_taken = False
-        self._wakeup: anyio.Event | None = None
 
     @property
     def finished(self) -> bool:
@@ -105,9 +104,6 @@ class RequestState:
         self._wake()
 
     def _wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
-            self._wakeup = None
         if self.group is not None:
             self.group.wake()
 
@@ -117,26 +113,6 @@ class RequestState:
         return self.detokenizer.update(new) if new else None
 
     # -- the caller's side ------------------------------------------------
-
-    async def _wait(self) -> None:
-        self._wakeup = event = anyio.Event()
-        await event.wait()
-
-    async def wait_finished(self) -> None:
-        """Wait until the request has ended (finished, aborted or failed)."""
-        while not self.ended:
-            await self._wait()
-
-    async def next_chunk(self) -> CompletionChunk | None:
-        """Everything new since the last chunk (waiting for it); None once
-        the last chunk was handed out or the request failed."""
-        while not self._ended_taken:
-            if self.error is not None:
-                return None
-            if len(self.token_ids) > self._num_taken or self.finished:
-                return self._take_chunk()
-            await self._wait()
-        return None
 
     def _take_chunk(self) -> CompletionChunk:
         if not self._eager:
