@@ -35,6 +35,7 @@ from asyncstep.errors import (
     ModelLoadError,
     UnsupportedModelError,
 )
+from asyncstep.structured_params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,7 @@ __all__ = [
     "ParallelConfig",
     "SamplingParams",
     "SchedulerConfig",
+    "StructuredOutputsParams",
     "UnsupportedModelError",
     "make_config",
     "open_engine",

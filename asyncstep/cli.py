@@ -18,8 +18,9 @@ from typing import Any, TextIO, get_args, get_origin
 import msgspec
 import trio
 
+from asyncstep.checks import is_utf8
 from asyncstep.config import EngineConfig, EngineOption, engine_options
-from asyncstep.datatypes import SamplingParams, is_utf8
+from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.api import make_config, open_engine
 from asyncstep.engine.engine import Engine, Prompt
 from asyncstep.engine.outputs import Completion

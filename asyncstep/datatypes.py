@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import enum
 import math
-import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from msgspec.structs import force_setattr
 
+from asyncstep.checks import as_float, as_int, check_flag, invalid, sequence, shown, strings
 from asyncstep.errors import InvalidRequestError
+from asyncstep.structured_params import StructuredOutputsParams, check_structured_outputs
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +73,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``frequency * count + presence * (count > 0)``, ``count`` the token's
     occurrences in the output).
 
+    ``structured_outputs`` (a :class:`StructuredOutputsParams`, or a dict
+    of its fields): the output follows a JSON schema, any JSON object, a
+    regex, one of a list of strings, or an EBNF grammar; each step's tokens
+    outside it are masked before the logits processing above.
+
     ``_bad_words_token_ids`` and ``_eos_token_ids`` are filled in by the
     engine at its door (what ``bad_words`` tokenizes to; the model's EOS ids,
     which ``min_tokens`` bans): a caller leaves them empty (with no
@@ -106,6 +112,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     bad_words: tuple[str, ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     _eos_token_ids: tuple[int, ...] = ()
 
@@ -167,77 +174,43 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 # SamplingParams' field checks: (field name, value) -> the normalized value.
 
 
-def shown(value: object, limit: int = 60) -> str:
-    """A value in an error message: its repr, on one line and cut short."""
-    try:
-        text = repr(value).replace("\n", " ")
-    except Exception:  # a caller's object whose repr fails
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _invalid(name: str, expected: str, value: object) -> InvalidRequestError:
-    return InvalidRequestError(f"{name} must be {expected}, got {shown(value)}")
-
-
-def _as_int(name: str, value: object, expected: str) -> int:
-    """``value`` as a plain int: ints and numpy integers, not bools."""
-    if type(value) is int:
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise _invalid(name, expected, value)
-    return int(value)
-
-
-def _as_float(name: str, value: object, expected: str) -> float:
-    """``value`` as a plain float: ints, floats and numpy reals, not bools."""
-    if type(value) is float:
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise _invalid(name, expected, value)
-    try:
-        return float(value)
-    except OverflowError:  # an int too large for a float
-        raise _invalid(name, expected, value) from None
-
-
 def _check_max_tokens(name: str, value: object) -> int:
-    n = _as_int(name, value, "an integer")
+    n = as_int(name, value, "an integer")
     if n <= 0:
         raise InvalidRequestError(f"{name} must be at least 1, got {n}")
     if n > MAX_COUNT:
-        raise _invalid(name, f"at most {MAX_COUNT} (2**63 - 1)", n)
+        raise invalid(name, f"at most {MAX_COUNT} (2**63 - 1)", n)
     return n
 
 
 def _check_temperature(name: str, value: object) -> float:
     expected = "a finite number >= 0"
-    t = _as_float(name, value, expected)
+    t = as_float(name, value, expected)
     if not 0.0 <= t < math.inf:  # nan too
-        raise _invalid(name, expected, t)
+        raise invalid(name, expected, t)
     return t
 
 
 def _check_top_p(name: str, value: object) -> float:
-    p = _as_float(name, value, "a number in (0, 1]")
+    p = as_float(name, value, "a number in (0, 1]")
     if not 0.0 < p <= 1.0:
         raise InvalidRequestError(f"{name} must be in (0, 1], got {p}")
     return p
 
 
 def _check_min_p(name: str, value: object) -> float:
-    p = _as_float(name, value, "a number in [0, 1]")
+    p = as_float(name, value, "a number in [0, 1]")
     if not 0.0 <= p <= 1.0:
         raise InvalidRequestError(f"{name} must be in [0, 1], got {p}")
     return p
 
 
 def _check_top_k(name: str, value: object) -> int:
-    k = _as_int(name, value, "an integer >= 1, or 0 / -1 for no top-k")
+    k = as_int(name, value, "an integer >= 1, or 0 / -1 for no top-k")
     if k < 0 and k not in TOP_K_OFF:
         raise InvalidRequestError(f"{name} must be >= 1, or 0 / -1 for no top-k, got {shown(k)}")
     if k > MAX_COUNT:
-        raise _invalid(name, f"at most {MAX_COUNT} (2**63 - 1)", k)
+        raise invalid(name, f"at most {MAX_COUNT} (2**63 - 1)", k)
     return k
 
 
@@ -245,16 +218,16 @@ def _check_seed(name: str, value: object) -> int | None:
     if value is None:
         return None
     expected = f"None or an integer in [0, {MAX_SEED}] (2**64 - 1)"
-    seed = _as_int(name, value, expected)
+    seed = as_int(name, value, expected)
     if not 0 <= seed <= MAX_SEED:
-        raise _invalid(name, expected, seed)
+        raise invalid(name, expected, seed)
     return seed
 
 
 def _check_logprobs(name: str, value: object) -> int | None:
     if value is None:
         return None
-    n = _as_int(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
+    n = as_int(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
     if n < 0:
         raise InvalidRequestError(f"{name} must be >= 0, got {n}")
     if n > MAX_LOGPROBS:
@@ -262,28 +235,9 @@ def _check_logprobs(name: str, value: object) -> int | None:
     return n
 
 
-def _check_flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise _invalid(name, "True or False", value)
-    return value
-
-
-def _sequence(name: str, value: object, expected: str) -> tuple[object, ...]:
-    """A list or tuple (or another sequence) as a tuple; None is empty."""
-    if type(value) is tuple:  # the fast paths first: this runs per request
-        return value
-    if type(value) is list:
-        return tuple(value)
-    if value is None:
-        return ()
-    if isinstance(value, str | bytes | bytearray) or not isinstance(value, Sequence):
-        raise _invalid(name, expected, value)
-    return value if isinstance(value, tuple) else tuple(value)
-
-
 def _check_penalty(name: str, value: object) -> float:
     expected = f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
-    penalty = _as_float(name, value, expected)
+    penalty = as_float(name, value, expected)
     if not -MAX_PENALTY <= penalty <= MAX_PENALTY:  # nan too
         raise InvalidRequestError(f"{name} must be in [-2, 2], got {shown(penalty)}")
     return penalty
@@ -291,23 +245,23 @@ def _check_penalty(name: str, value: object) -> float:
 
 def _check_repetition_penalty(name: str, value: object) -> float:
     expected = "a finite number > 0"
-    penalty = _as_float(name, value, expected)
+    penalty = as_float(name, value, expected)
     if not 0.0 < penalty < math.inf:
-        raise _invalid(name, expected, penalty)
+        raise invalid(name, expected, penalty)
     return penalty
 
 
 def _check_n(name: str, value: object) -> int:
-    n = _as_int(name, value, "an integer >= 1")
+    n = as_int(name, value, "an integer >= 1")
     if not 1 <= n <= MAX_N:
-        raise _invalid(name, f"an integer in [1, {MAX_N}]", n)
+        raise invalid(name, f"an integer in [1, {MAX_N}]", n)
     return n
 
 
 def _check_min_tokens(name: str, value: object) -> int:
-    n = _as_int(name, value, "an integer >= 0")
+    n = as_int(name, value, "an integer >= 0")
     if not 0 <= n <= MAX_COUNT:
-        raise _invalid(name, f"an integer in [0, {MAX_COUNT}]", n)
+        raise invalid(name, f"an integer in [0, {MAX_COUNT}]", n)
     return n
 
 
@@ -316,15 +270,15 @@ def _check_logit_bias(name: str, value: object) -> dict[int, float] | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise _invalid(name, "None or a dict of token id -> bias", value)
+        raise invalid(name, "None or a dict of token id -> bias", value)
     if not value:
         return None
     checked: dict[int, float] = {}
     for token_id, bias in value.items():
-        token = _as_int(name, token_id, "a dict whose keys are token ids (ints)")
+        token = as_int(name, token_id, "a dict whose keys are token ids (ints)")
         if not 0 <= token <= MAX_COUNT:
             raise InvalidRequestError(f"{name} token ids must be >= 0, got {shown(token)}")
-        b = _as_float(name, bias, "a dict whose values are finite numbers")
+        b = as_float(name, bias, "a dict whose values are finite numbers")
         if not math.isfinite(b):
             raise InvalidRequestError(f"{name}[{token}] must be a finite number, got {b}")
         checked[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, b))
@@ -333,7 +287,7 @@ def _check_logit_bias(name: str, value: object) -> dict[int, float] | None:
 
 def _check_token_sequences(name: str, value: object) -> tuple[tuple[int, ...], ...]:
     """A list of non-empty lists of token ids, as tuples."""
-    items = _sequence(name, value, "a list of token-id lists")
+    items = sequence(name, value, "a list of token-id lists")
     if all(
         type(s) is tuple and s and all(type(t) is int and 0 <= t <= MAX_COUNT for t in s)
         for s in items
@@ -345,46 +299,23 @@ def _check_token_sequences(name: str, value: object) -> tuple[tuple[int, ...], .
     return sequences
 
 
-def _strings(name: str, value: object, blank: Callable[[str], bool], what: str) -> tuple[str, ...]:
-    """A string or a list of strings in UTF-8, as a tuple; none ``blank``."""
-    expected = "a string or a list of strings"
-    items = (value,) if isinstance(value, str) else _sequence(name, value, expected)
-    for item in items:
-        if not isinstance(item, str):
-            raise InvalidRequestError(f"{name} must hold strings only, got {shown(item)}")
-        if blank(item):
-            raise InvalidRequestError(f"{what} must not be empty")
-        if not is_utf8(item):
-            raise InvalidRequestError(f"{name} string {shown(item)} is not valid UTF-8")
-    return items  # type: ignore[return-value]  # checked above
-
-
 def _check_stop(name: str, value: object) -> tuple[str, ...]:
-    return _strings(name, value, lambda s: not s, "stop strings")
+    return strings(name, value, lambda s: not s, "stop strings")
 
 
 def _check_bad_words(name: str, value: object) -> tuple[str, ...]:
     """Words (a lone string is one word); one of spaces only would tokenize to nothing."""
-    return _strings(name, value, lambda s: not s.strip(), "bad_words")
+    return strings(name, value, lambda s: not s.strip(), "bad_words")
 
 
 def _check_token_ids(name: str, value: object) -> tuple[int, ...]:
-    items = _sequence(name, value, "a list of token ids")
+    items = sequence(name, value, "a list of token ids")
     if all(type(t) is int and 0 <= t <= MAX_COUNT for t in items):
         return items  # type: ignore[return-value]  # checked above
-    ids = tuple(_as_int(name, t, "a list of integers only") for t in items)
+    ids = tuple(as_int(name, t, "a list of integers only") for t in items)
     if any(not 0 <= t <= MAX_COUNT for t in ids):
         raise InvalidRequestError(f"{name} must be in [0, {MAX_COUNT}], got {shown(list(ids))}")
     return ids
-
-
-def is_utf8(text: str) -> bool:
-    """Whether ``text`` encodes to UTF-8 (no lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 #: The check of each SamplingParams field, in field order (a new field needs one:
@@ -399,15 +330,16 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "seed": _check_seed,
     "stop": _check_stop,
     "stop_token_ids": _check_token_ids,
-    "ignore_eos": _check_flag,
+    "ignore_eos": check_flag,
     "logprobs": _check_logprobs,
-    "include_stop_str_in_output": _check_flag,
+    "include_stop_str_in_output": check_flag,
     "presence_penalty": _check_penalty,
     "frequency_penalty": _check_penalty,
     "repetition_penalty": _check_repetition_penalty,
     "logit_bias": _check_logit_bias,
     "min_tokens": _check_min_tokens,
     "bad_words": _check_bad_words,
+    "structured_outputs": check_structured_outputs,
     "_bad_words_token_ids": _check_token_sequences,
     "_eos_token_ids": _check_token_ids,
 }

@@ -32,7 +32,8 @@ from msgspec.structs import force_setattr
 import asyncstep
 from asyncstep import AsyncstepError, InvalidRequestError, SamplingParams
 from asyncstep import cli as cli_module
-from asyncstep.datatypes import _FIELD_CHECKS, MAX_COUNT, MAX_LOGPROBS, MAX_SEED, shown
+from asyncstep.checks import shown
+from asyncstep.datatypes import _FIELD_CHECKS, MAX_COUNT, MAX_LOGPROBS, MAX_SEED
 from asyncstep.engine.outputs import Completion
 from asyncstep.runner.sampler import Sampler, SamplingMetadata, gather_logprobs
 

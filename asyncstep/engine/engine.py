@@ -34,8 +34,9 @@ import msgspec
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncstep.checks import is_utf8, shown
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import MAX_SEED, SamplingParams, is_utf8, shown
+from asyncstep.datatypes import MAX_SEED, SamplingParams
 from asyncstep.engine.core_messages import (
     CoreFailed,
     CoreInputs,
