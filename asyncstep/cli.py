@@ -1,15 +1,17 @@
-"""The command line: ``asyncstep generate [PROMPT ...]``.
+"""The command line: ``asyncstep generate [PROMPT ...]`` and ``asyncstep serve``.
 
 Prompts come from the arguments, or one per line from stdin when none are
 given. The engine flags are derived from the config's fields
 (:func:`asyncstep.config.engine_options`): one per option, its description
-and default as help. Errors a user can cause print one line on stderr and
-exit 1, without a traceback.
+and default as help; ``serve``'s own flags likewise from
+:class:`asyncstep.server.config.ServerConfig`. Errors a user can cause print
+one line on stderr and exit 1, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -28,6 +30,7 @@ from asyncstep.errors import AsyncstepError, leaves
 from asyncstep.logging import configure_logging
 from asyncstep.logging.trace import add_trace_parser
 from asyncstep.progress import ProgressBar
+from asyncstep.server.config import ServerConfig, server_options
 
 PROG = "asyncstep"
 
@@ -54,6 +57,12 @@ _METAVARS = {
     "tensor_parallel_size": "N",
     "pipeline_parallel_size": "M",
     "cudagraph_mode": "MODE",
+    "api_key": "KEY",
+    "served_model_name": "NAME",
+    "host": "HOST",
+    "port": "PORT",
+    "shutdown_timeout": "SECONDS",
+    "keep_alive_timeout": "SECONDS",
 }
 #: The help group of each config section.
 _GROUPS = {
@@ -67,7 +76,8 @@ _GROUPS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """``asyncstep generate`` (an engine flag per config option, and the
-    sampling and output flags) and ``asyncstep trace``."""
+    sampling and output flags), ``asyncstep serve`` (the engine flags and
+    the server's) and ``asyncstep trace``."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser(
@@ -78,9 +88,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_trace_parser(commands)
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts (default: stdin lines)")
-    groups = {"model": gen.add_argument_group(_GROUPS["model"])}
-    _add_sampling_flags(gen)
-    groups.update({s: gen.add_argument_group(t) for s, t in _GROUPS.items() if s != "model"})
+    _add_engine_flags(gen, before_sections=_add_sampling_flags)
+    _add_output_flags(gen, json_flag=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        description="Serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics, /tokenize, /detokenize) until SIGTERM or Ctrl-C. "
+        "Every engine option is a flag, as for generate.",
+    )
+    server = serve.add_argument_group("server")
+    for option in server_options().values():
+        _add_engine_flag(server, option)
+    _add_engine_flags(serve)
+    _add_output_flags(serve, json_flag=False)
+    serve.set_defaults(handler=run_serve)
+    return parser
+
+
+def _add_engine_flags(
+    parser: argparse.ArgumentParser,
+    before_sections: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> None:
+    """A flag per engine option, grouped by config section (``before_sections``
+    adds its groups after the model's)."""
+    groups = {"model": parser.add_argument_group(_GROUPS["model"])}
+    if before_sections is not None:
+        before_sections(parser)
+    groups.update({s: parser.add_argument_group(t) for s, t in _GROUPS.items() if s != "model"})
     for option in engine_options().values():
         if option.name not in DERIVED_OPTIONS:
             _add_engine_flag(groups[option.section], option)
@@ -91,8 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not start the ranks: wait for them to connect (python -m asyncstep.rank); "
         "same as --no-launch-ranks",
     )
-    out = gen.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+
+
+def _add_output_flags(parser: argparse.ArgumentParser, *, json_flag: bool) -> None:
+    out = parser.add_argument_group("output")
+    if json_flag:
+        out.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     out.add_argument(
         "--log-json",
         metavar="FILE",
@@ -102,7 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "-v", "--verbose", action="count", default=0, help="log to stderr: -v info, -vv every step"
     )
-    return parser
 
 
 def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
@@ -168,7 +206,7 @@ def _add_engine_flag(group: argparse._ArgumentGroup, option: EngineOption) -> No
             nargs="+",
             type=_value_parser(item, option.optional),
             action=_ListOrNone,
-            metavar="N",
+            metavar=_METAVARS.get(option.name, "N"),
             **common,
         )
     else:
@@ -260,6 +298,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         return trio.run(generate_all, args, prompts, params)
     except BaseException as exc:
         return exit_status(exc)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``asyncstep serve``: serve until SIGTERM or Ctrl-C (exit 0), printing
+    ``asyncstep: serving MODEL on URL`` on stdout once it listens."""
+    try:
+        configure_logging(log_level(args), args.log_json)
+        engine_config = config_from_args(args)
+        server_config = server_config_from_args(args)
+        from asyncstep.server.serve import serve
+
+        with ProgressBar("loading weights") as progress:
+
+            def ready(url: str) -> None:
+                progress.close()
+                names = server_config.served_model_name
+                model = names[0] if names else engine_config.model.model or "SmolLM2-135M-Instruct"
+                print(f"{PROG}: serving {model} on {url}", flush=True)
+
+            trio.run(
+                functools.partial(
+                    serve,
+                    engine_config,
+                    server_config,
+                    ready=ready,
+                    progress=progress.update,
+                    log_level=log_level(args),
+                )
+            )
+        return 0
+    except BaseException as exc:
+        return exit_status(exc)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The server config of parsed ``serve`` arguments (ConfigError if bad)."""
+    return ServerConfig.from_options(**{name: getattr(args, name) for name in server_options()})
 
 
 def exit_status(error: BaseException) -> int:

@@ -473,11 +473,18 @@ def engine_options() -> Mapping[str, EngineOption]:
     sections), in the order of the sections and their fields."""
     options: dict[str, EngineOption] = {}
     for section in msgspec.structs.fields(EngineConfig):
-        for field in msgspec.structs.fields(section.type):
-            if field.name in options:
-                raise TypeError(f"engine option {field.name!r} is in two config sections")
-            options[field.name] = _option(section.name, field)
+        for name, option in struct_options(section.type, section.name).items():
+            if name in options:
+                raise TypeError(f"engine option {name!r} is in two config sections")
+            options[name] = option
     return MappingProxyType(options)
+
+
+def struct_options(struct: type[msgspec.Struct], section: str) -> dict[str, EngineOption]:
+    """The options of one config struct's fields (described as the engine's
+    are, with ``msgspec.Meta(description=...)``), by name; ``section`` names
+    the struct (the server's options use it too: ``asyncstep.server.config``)."""
+    return {field.name: _option(section, field) for field in msgspec.structs.fields(struct)}
 
 
 def _option(section: str, field: msgspec.structs.FieldInfo) -> EngineOption:

@@ -1,0 +1,117 @@
+"""``ServerConfig``: the HTTP server's own options (the engine's are an
+:class:`~asyncstep.config.EngineConfig`). Each field carries its one-line
+description, so ``asyncstep serve`` derives a flag from each, as it does for
+the engine options. Checked when built (one-line
+:class:`~asyncstep.errors.ConfigError`). Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Annotated
+
+import msgspec
+
+from asyncstep.config import EngineOption, config_error, struct_options
+from asyncstep.errors import ConfigError
+
+#: Where the API key may come from instead of a command line (which every
+#: user of the machine can read).
+API_KEY_ENV = "ASYNCSTEP_API_KEY"
+#: Bodies larger than this are refused with 413 unless configured otherwise.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+def _doc(description: str) -> msgspec.Meta:
+    return msgspec.Meta(description=description)
+
+
+class ServerConfig(msgspec.Struct, kw_only=True):
+    """How ``asyncstep serve`` listens and what it accepts."""
+
+    host: Annotated[
+        str, _doc("address to listen on (loopback by default; 0.0.0.0: every interface)")
+    ] = "127.0.0.1"
+    port: Annotated[int, _doc("port to listen on (0: any free port, printed when ready)")] = 8000
+    api_key: Annotated[
+        str | None,
+        _doc(
+            f"require 'Authorization: Bearer KEY' on /v1 routes (better: set {API_KEY_ENV}, "
+            "a command line is visible to every user)"
+        ),
+    ] = None
+    served_model_name: Annotated[
+        list[str] | None,
+        _doc("model names the API answers to (the first is reported); none: from --model"),
+    ] = None
+    max_waiting_requests: Annotated[
+        int | None,
+        _doc("refuse requests with 429 once this many would wait for a batch slot; none: no limit"),
+    ] = None
+    shutdown_timeout: Annotated[
+        float,
+        _doc("seconds requests in flight may take to finish after SIGTERM before they are aborted"),
+    ] = 30.0
+    max_request_body_bytes: Annotated[int, _doc("largest request body accepted (larger: 413)")] = (
+        DEFAULT_MAX_BODY_BYTES
+    )
+    keep_alive_timeout: Annotated[
+        float, _doc("seconds an idle keep-alive connection stays open")
+    ] = 5.0
+    access_log: Annotated[bool, _doc("log every request to stderr (Hypercorn's access log)")] = (
+        False
+    )
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must not be empty (none: no key)")
+        if self.served_model_name is not None and (
+            not self.served_model_name or not all(self.served_model_name)
+        ):
+            raise ConfigError("served_model_name needs at least one non-empty name")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ConfigError(
+                f"max_waiting_requests must be >= 0 (or none), got {self.max_waiting_requests}"
+            )
+        if not self.shutdown_timeout >= 0:
+            raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.max_request_body_bytes <= 0:
+            raise ConfigError(
+                f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}"
+            )
+        if not self.keep_alive_timeout > 0:
+            raise ConfigError(f"keep_alive_timeout must be positive, got {self.keep_alive_timeout}")
+
+    @classmethod
+    def from_options(cls, **options: object) -> ServerConfig:
+        """The config of flat options (:func:`server_options`' names); the
+        API key from ``ASYNCSTEP_API_KEY`` when none is given. A bad value
+        raises one :class:`ConfigError`."""
+        unknown = sorted(set(options) - set(server_options()))
+        if unknown:
+            raise ConfigError(f"unknown server option {unknown[0]!r}")
+        if options.get("api_key") is None and os.environ.get(API_KEY_ENV):
+            options = {**options, "api_key": os.environ[API_KEY_ENV]}
+        try:
+            return msgspec.convert(options, cls)
+        except msgspec.ValidationError as exc:
+            raise config_error(exc) from None
+
+    @property
+    def bind(self) -> str:
+        """``host:port`` as Hypercorn takes it (an IPv6 host in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
+
+
+@functools.cache
+def server_options() -> Mapping[str, EngineOption]:
+    """Every field of :class:`ServerConfig`, by name (section ``server``)."""
+    return MappingProxyType(struct_options(ServerConfig, "server"))

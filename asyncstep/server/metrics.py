@@ -1,0 +1,232 @@
+"""Prometheus metrics of one server, named as vLLM names them (prefix
+``asyncstep:``, label ``model_name``), in a registry of its own (so that
+several apps in one process do not clash):
+
+* gauges read from :meth:`Engine.statistics` when scraped:
+  ``num_requests_running``, ``num_requests_waiting``,
+  ``kv_cache_usage_perc`` (a fraction, 1 = full, as vLLM's),
+  ``prefix_cache_hit_rate``; counter ``num_preemptions_total``;
+* counters: ``prompt_tokens_total`` (each prompt once, when admitted),
+  ``generation_tokens_total`` (as tokens arrive, aborted requests' too),
+  ``request_success_total`` by ``finished_reason`` (``stop``, ``length``,
+  ``abort``: one per choice);
+* histograms: ``time_to_first_token_seconds`` (arrival to the first token
+  of any choice, one per request), ``inter_token_latency_seconds`` (one
+  per token after each choice's first: a chunk of ``k`` tokens ``t``
+  seconds after the previous one counts ``k`` times ``t / k``),
+  ``e2e_request_latency_seconds`` (arrival to the last choice's end).
+
+Times are the server's (``time.perf_counter``): they include the queue,
+detokenization and the HTTP layer's own delay, not the network's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from asyncstep.engine.engine import Engine
+
+PREFIX = "asyncstep:"
+#: What ``GET /metrics`` answers with.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS: tuple[float, ...] = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+class _EngineCollector(Collector):
+    """The engine's counters, read when scraped."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self._engine = engine
+        self._labels = [model_name]
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.statistics()
+        gauges = (
+            ("num_requests_running", "Requests in the running batch.", stats.num_running_reqs),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting_reqs),
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use.", stats.kv_cache_usage),
+            (
+                "prefix_cache_hit_rate",
+                "Fraction of prompt tokens found in the prefix cache.",
+                stats.prefix_cache_hit_rate,
+            ),
+        )
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric(self._labels, value)
+            yield gauge
+        counter = CounterMetricFamily(
+            PREFIX + "num_preemptions", "Requests preempted.", labels=["model_name"]
+        )
+        counter.add_metric(self._labels, stats.num_preemptions)
+        yield counter
+
+
+class ServerMetrics:
+    """The metrics of one server over one engine."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens admitted.", labels, registry=reg
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", labels, registry=reg
+        ).labels(model_name)
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Choices ended, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to the first token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between two tokens of a choice.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from a request's arrival to its end.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        reg.register(_EngineCollector(engine, model_name))
+
+    def success(self, finish_reason: str) -> None:
+        self._success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self, num_choices: int) -> RequestTimer:
+        return RequestTimer(self, num_choices)
+
+
+class RequestTimer:
+    """One request's timings: feed it each chunk (by response choice), then
+    :meth:`end` it."""
+
+    def __init__(self, metrics: ServerMetrics, num_choices: int) -> None:
+        self.metrics = metrics
+        self.arrival = time.perf_counter()
+        self._first_token = False
+        #: Each choice's last token time (None: no token yet).
+        self._last: list[float | None] = [None] * num_choices
+        self._ended = [False] * num_choices
+
+    def chunk(self, index: int, num_tokens: int, finish_reason: str | None) -> None:
+        metrics = self.metrics
+        if num_tokens:
+            now = time.perf_counter()
+            metrics.generation_tokens.inc(num_tokens)
+            last = self._last[index]
+            if not self._first_token:
+                self._first_token = True
+                metrics.ttft.observe(now - self.arrival)
+            if last is None:  # this choice's first token: the others came with it
+                gaps = [0.0] * (num_tokens - 1)
+            else:
+                gaps = [(now - last) / num_tokens] * num_tokens
+            for gap in gaps:
+                metrics.itl.observe(gap)
+            self._last[index] = now
+        if finish_reason is not None and not self._ended[index]:
+            self._ended[index] = True
+            metrics.success(finish_reason)
+
+    def end(self) -> None:
+        """The request is over: choices that did not finish were aborted."""
+        for index, ended in enumerate(self._ended):
+            if not ended:
+                self._ended[index] = True
+                self.metrics.success("abort")
+        self.metrics.e2e.observe(time.perf_counter() - self.arrival)

@@ -1,0 +1,275 @@
+"""From an OpenAI request to what the engine takes: each prompt's token ids
+and :class:`~asyncstep.datatypes.SamplingParams` (a
+:class:`GenerationJob`).
+
+The rules are OpenAI's, with vLLM's extensions: ``temperature`` and
+``top_p`` default to 1; a completion's ``max_tokens`` to 16 (at most what
+the context leaves), a chat's ``max_completion_tokens`` (or ``max_tokens``)
+to what the context leaves after the prompt; a ``max_tokens`` larger than
+that is refused, as vLLM does; chat ``logprobs=true`` with
+``top_logprobs=k`` asks for the top-k; ``response_format`` (``json_object``,
+``json_schema``) and ``structured_outputs`` become
+:class:`~asyncstep.structured_params.StructuredOutputsParams`. Every
+value is then checked by ``SamplingParams`` itself, and each prompt by the
+engine (:meth:`~asyncstep.engine.engine.Engine.encode_prompt`): what they
+refuse raises :class:`~asyncstep.errors.InvalidRequestError` (a 400).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncstep.checks import shown
+from asyncstep.datatypes import SamplingParams
+from asyncstep.engine.engine import Engine
+from asyncstep.errors import InvalidRequestError
+from asyncstep.server.errors import bad_request
+from asyncstep.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerationRequest,
+    ResponseFormat,
+)
+from asyncstep.structured_params import StructuredOutputsParams, check_structured_outputs
+
+#: A completion's ``max_tokens`` when none is given (OpenAI's).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One request's prompts (token ids, and their text where known) and
+    each prompt's sampling parameters; with ``n`` choices each."""
+
+    prompts: list[list[int]]
+    texts: list[str | None]
+    params: list[SamplingParams]
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    #: Top log-probs asked per position (None: no log-probs).
+    logprobs: int | None
+    echo: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.params[0].n
+
+    @property
+    def num_choices(self) -> int:
+        """Choices over every prompt (each a request of the engine's core)."""
+        return self.n * len(self.prompts)
+
+
+def completion_job(engine: Engine, request: CompletionRequest) -> GenerationJob:
+    if request.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request("best_of must equal n (or be left out)", "best_of")
+    if request.echo and request.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt log-probs, not supported", "echo")
+    prompts = completion_prompts(request.prompt)
+    ids = [_encoded(engine, p) for p in prompts]
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    params = [
+        _sampling_params(
+            request,
+            _max_tokens(engine, len(p), request.max_tokens, "max_tokens", completion=True),
+            request.logprobs,
+        )
+        for p in ids
+    ]
+    return _job(request, ids, texts, params, request.logprobs, echo=request.echo)
+
+
+def chat_job(engine: Engine, request: ChatCompletionRequest) -> GenerationJob:
+    if request.tools and request.tool_choice != "none":
+        raise bad_request("tools are not supported", "tools")
+    if not request.messages:
+        raise bad_request("messages must not be empty", "messages")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    ids = _encoded(engine, chat_messages(request.messages), "messages")
+    given = request.max_completion_tokens
+    name = "max_completion_tokens"
+    if given is None and request.max_tokens is not None:
+        given, name = request.max_tokens, "max_tokens"
+    max_tokens = _max_tokens(engine, len(ids), given, name, completion=False)
+    params = [_sampling_params(request, max_tokens, logprobs)]
+    return _job(request, [ids], [None], params, logprobs)
+
+
+def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """A completion's ``prompt``: a string, a list of strings, a list of
+    token ids, or a list of lists of token ids; as a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(_is_token_ids(p) for p in prompt):
+        return [list(p) for p in prompt]
+    if all(type(t) is int for t in prompt):
+        return [list(prompt)]
+    raise bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+        "of token ids",
+        "prompt",
+    )
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as the engine's chat template takes them: string
+    contents (text parts joined by newlines; none: empty)."""
+    return [{"role": m.role, "content": _content(i, m.content)} for i, m in enumerate(messages)]
+
+
+def _content(index: int, content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        kind = part.get("type")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"type {shown(kind)}" if kind != "text" else "a text part without a string text"
+            raise bad_request(
+                f"messages[{index}].content: {what} is not supported (only text parts)",
+                "messages",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _encoded(engine: Engine, prompt: Any, param: str = "prompt") -> list[int]:
+    try:
+        return engine.encode_prompt(prompt)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param) from None
+
+
+def _max_tokens(
+    engine: Engine, prompt_len: int, given: int | None, name: str, *, completion: bool
+) -> int:
+    """The output budget: ``given`` if it fits the context after the prompt
+    (else a 400, as vLLM answers), else the default."""
+    room = engine.max_model_len - prompt_len
+    if given is None:
+        return min(room, DEFAULT_COMPLETION_MAX_TOKENS) if completion else room
+    if isinstance(given, int) and given > room:
+        raise bad_request(
+            f"this model's maximum context length is {engine.max_model_len} tokens; the "
+            f"request asks for {prompt_len + given} ({prompt_len} in the prompt, {given} in "
+            "the completion): reduce the prompt or the completion",
+            name,
+        )
+    return given
+
+
+def _sampling_params(
+    request: GenerationRequest, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    return SamplingParams(
+        n=request.n,
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if request.top_k is None else request.top_k,
+        min_p=0.0 if request.min_p is None else request.min_p,
+        seed=request.seed,
+        stop=request.stop,  # type: ignore[arg-type]  # a string or a list: checked there
+        stop_token_ids=request.stop_token_ids or (),  # type: ignore[arg-type]
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=1.0
+        if request.repetition_penalty is None
+        else request.repetition_penalty,
+        logit_bias=_logit_bias(request.logit_bias),
+        min_tokens=request.min_tokens,
+        bad_words=request.bad_words or (),  # type: ignore[arg-type]
+        structured_outputs=structured_outputs(request),
+    )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit bias: token ids as strings."""
+    if bias is None:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids (integers, as strings), got {shown(key)}",
+                "logit_bias",
+            ) from None
+    return out
+
+
+def structured_outputs(request: GenerationRequest) -> StructuredOutputsParams | None:
+    """``response_format`` (OpenAI's) or ``structured_outputs`` (vLLM's), not both."""
+    given = request.structured_outputs
+    from_format = _response_format(request.response_format)
+    if from_format is not None and given is not None:
+        raise bad_request(
+            "give response_format or structured_outputs, not both", "structured_outputs"
+        )
+    if given is not None:
+        return check_structured_outputs("structured_outputs", given)
+    return from_format
+
+
+def _response_format(fmt: ResponseFormat | None) -> StructuredOutputsParams | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise bad_request(
+                "response_format json_schema needs json_schema.schema", "response_format"
+            )
+        try:
+            return StructuredOutputsParams(json=fmt.json_schema.schema)
+        except InvalidRequestError as exc:
+            raise bad_request(f"response_format: {exc}", "response_format") from None
+    raise bad_request(
+        f"response_format type must be text, json_object or json_schema, got {shown(fmt.type)}",
+        "response_format",
+    )
+
+
+def _job(
+    request: GenerationRequest,
+    ids: list[list[int]],
+    texts: list[str | None],
+    params: list[SamplingParams],
+    logprobs: int | None,
+    *,
+    echo: bool = False,
+) -> GenerationJob:
+    options = request.stream_options
+    if options is not None and not request.stream:
+        raise bad_request("stream_options needs stream set to true", "stream_options")
+    return GenerationJob(
+        prompts=ids,
+        texts=texts,
+        params=params,
+        stream=request.stream,
+        include_usage=options is not None and options.include_usage,
+        continuous_usage=options is not None and options.continuous_usage_stats,
+        logprobs=logprobs,
+        echo=echo,
+    )

@@ -1,0 +1,605 @@
+"""``asyncstep serve`` as a service sees it: one real server (a subprocess,
+the embedded SmolLM2 on the CPU, listening on 127.0.0.1) for the module,
+driven with the real ``openai`` package (sync and async), raw sockets and
+httpx: completions and chat completions, whole and streamed, n > 1,
+log-probs, JSON-schema output, stop strings, usage; the models, health and
+metrics routes (counters move by what was served); greedy text equal to
+``asyncstep generate``'s; 32 streams at once; clients that drop their
+connection (their requests stop running at once); bad requests (the right
+status and error JSON, the server serving on); and, last, SIGTERM under
+load (a clean exit 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from asyncstep import cli
+
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 1024
+BODY_LIMIT = 64 << 10
+SHUTDOWN_TIMEOUT = 5
+T = TypeVar("T")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    url: str
+    output: list[str]
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
+
+    def post(self, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+        headers = {"authorization": f"Bearer {KEY}", **kwargs.pop("headers", {})}
+        if isinstance(body, bytes):
+            return httpx.post(self.url + path, content=body, headers=headers, **kwargs)
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=60, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample, as ``name`` or ``name{label=value}`` (model_name left out)."""
+        text = httpx.get(self.url + "/metrics").text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+                assert s.labels.get("model_name") == MODEL
+                inner = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+                samples[f"{s.name}{{{inner}}}" if inner else s.name] = s.value
+        return samples
+
+
+def wait_for(check: Callable[[], T], what: str, timeout_s: float = 30) -> T:
+    """Poll ``check`` until it returns something true (a test polling a server)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    argv = [sys.executable, "-m", "asyncstep", "serve", "--port", "0"]
+    argv += ["--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(BODY_LIMIT)]
+    argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+    env = os.environ | {"ASYNCSTEP_API_KEY": KEY}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    output: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 120
+    url = None
+    while url is None:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            raise AssertionError("the server did not start:\n" + "".join(output)) from None
+        if line.startswith("asyncstep: serving"):
+            url = line.split(" on ")[-1].strip()
+    yield Server(proc, url, output)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+
+
+# -- the API ------------------------------------------------------------------
+
+
+def test_models_health_and_version(server: Server) -> None:
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra is not None
+    assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert "127.0.0.1" in server.url
+
+
+def test_a_completion_counts_its_tokens(server: Server) -> None:
+    prompt = "The quick brown fox"
+    out = server.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    (choice,) = out.choices
+    assert choice.finish_reason == "length" and choice.text
+    tokens = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    assert out.usage is not None
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(tokens), 7)
+    assert out.usage.total_tokens == len(tokens) + 7
+    assert out.id.startswith("cmpl-") and out.model == MODEL
+    # The tokens give back the text.
+    echo = server.post("/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert echo.endswith(prompt)
+
+
+def test_a_chat_stream_is_the_whole_reply_in_pieces(server: Server) -> None:
+    messages = [{"role": "user", "content": "Name three colors."}]
+    whole = server.client().chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=24,
+        temperature=0,  # type: ignore[arg-type]
+    )
+
+    async def stream() -> tuple[list[Any], str]:
+        async with server.async_client() as client:
+            chunks = [
+                chunk
+                async for chunk in await client.chat.completions.create(
+                    model=MODEL,
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=24,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            ]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return chunks, text
+
+    chunks, text = asyncio.run(stream())
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None and whole.usage is not None
+    assert last.usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_choices_whole_and_streamed(server: Server) -> None:
+    client = server.client()
+    out = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, n=3, seed=7, temperature=1.0
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage is not None and out.usage.completion_tokens <= 18
+    assert len({c.text for c in out.choices}) > 1  # seeds 7, 8, 9
+    again = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, n=3, seed=7, temperature=1.0
+    )
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    texts = ["", "", ""]
+    finished = set()
+    for chunk in client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, n=3, seed=7, stream=True
+    ):
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        if choice.finish_reason:
+            finished.add(choice.index)
+    assert texts == [c.text for c in out.choices] and finished == {0, 1, 2}
+
+
+def test_logprobs_of_completions_and_chats(server: Server) -> None:
+    client = server.client()
+    out = client.completions.create(
+        model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert lp.token_logprobs is not None and lp.text_offset is not None
+    assert len(lp.tokens) == 4 and "".join(lp.tokens) == out.choices[0].text
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value is not None and value <= 0 and top is not None
+        assert token in top and 3 <= len(top) <= 4
+        assert value == pytest.approx(max(top.values()))  # greedy: the sampled one is the top
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs
+    assert content is not None and content.content is not None and chat.usage is not None
+    assert len(content.content) == chat.usage.completion_tokens
+    for entry in content.content:
+        assert len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+    assert "".join(e.token for e in content.content).startswith(
+        (chat.choices[0].message.content or "")[:3]
+    )
+
+
+def test_a_json_schema_reply_parses_and_validates(server: Server) -> None:
+    """response_format json_schema constrains the output (needs the engine's
+    structured-output support)."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    out = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Invent a person: their name and age."}],
+        max_tokens=64,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": schema},
+        },
+    )
+    reply = json.loads(out.choices[0].message.content or "")
+    jsonschema.validate(reply, schema)
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_stop_strings_end_the_text_before_them(server: Server) -> None:
+    client = server.client()
+    free = client.completions.create(
+        model=MODEL, prompt="My favourite fruits are", max_tokens=24, temperature=0
+    ).choices[0]
+    words = free.text.split()
+    stop = " " + words[min(3, len(words) - 1)]
+    cut = client.completions.create(
+        model=MODEL, prompt="My favourite fruits are", max_tokens=24, temperature=0, stop=[stop]
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_extra is not None
+    assert cut.model_extra["stop_reason"] == stop
+    assert cut.text == free.text[: free.text.index(stop)]
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL,
+            prompt="My favourite fruits are",
+            max_tokens=24,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+        )
+    )
+    assert streamed == cut.text
+
+
+def test_metrics_move_by_what_was_served(server: Server) -> None:
+    before = server.metrics()
+    out = server.client().completions.create(
+        model=MODEL,
+        prompt="Count: one, two,",
+        max_tokens=5,
+        n=2,
+        temperature=0.8,
+        seed=1,
+        extra_body={"ignore_eos": True},
+    )
+    after = wait_for(
+        lambda: (m := server.metrics())["asyncstep:num_requests_running"] == 0 and m,
+        "the request to be done",
+    )
+    assert out.usage is not None
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("asyncstep:prompt_tokens_total") == out.usage.prompt_tokens
+    assert delta("asyncstep:generation_tokens_total") == out.usage.completion_tokens == 10
+    assert delta("asyncstep:request_success_total{finished_reason=length}") == 2
+    assert delta("asyncstep:e2e_request_latency_seconds_count") == 1
+    assert delta("asyncstep:time_to_first_token_seconds_count") == 1
+    assert delta("asyncstep:inter_token_latency_seconds_count") == 10 - 2  # after each first
+    assert after["asyncstep:num_requests_waiting"] == 0
+    assert after["asyncstep:kv_cache_usage_perc"] == 0
+    assert 0 <= after["asyncstep:prefix_cache_hit_rate"] <= 1
+
+
+def test_greedy_text_is_asyncstep_generate_s(
+    server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = ["What is the capital of France?", "Write a haiku about rain.", "2 + 2 ="]
+    argv = ["generate", "--json", "--max-tokens", "20", "--max-model-len", str(MAX_MODEL_LEN)]
+    assert cli.main([*argv, *prompts]) == 0
+    expected = [json.loads(line)["text"] for line in capsys.readouterr().out.splitlines()]
+    client = server.client()
+    got = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": p}],
+            max_tokens=20,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content
+        for p in prompts
+    ]
+    assert got == expected
+
+
+def test_32_streams_at_once(server: Server) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int, str | None]:
+        text, tokens, finish = "", 0, None
+        async for chunk in await client.completions.create(
+            model=MODEL,
+            prompt=f"Story number {i}:",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        ):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return text, tokens, finish
+
+    async def all_of_them() -> list[tuple[str, int, str | None]]:
+        async with server.async_client() as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(all_of_them())
+    assert all(tokens == 8 and finish == "length" and text for text, tokens, finish in results)
+    alone = server.client().completions.create(
+        model=MODEL,
+        prompt="Story number 5:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert results[5][0] == alone.choices[0].text
+
+
+# -- clients that go away -----------------------------------------------------
+
+
+def raw_request(server: Server, path: str, body: dict[str, Any]) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {KEY}\r\ncontent-length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes, timeout_s: float = 30) -> bytes:
+    sock.settimeout(timeout_s)
+    got = b""
+    while marker not in got:
+        part = sock.recv(65536)
+        assert part, f"connection closed before {marker!r}: {got!r}"
+        got += part
+    return got
+
+
+LONG = {"prompt": "Tell me a long story.", "max_tokens": 900, "ignore_eos": True}
+
+
+def running(server: Server) -> float:
+    return server.metrics()["asyncstep:num_requests_running"]
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["close", "reset"])
+def test_a_client_dropping_its_stream_frees_its_request(server: Server, reset: bool) -> None:
+    aborted = server.metrics().get("asyncstep:request_success_total{finished_reason=abort}", 0)
+    sock = raw_request(server, "/v1/completions", LONG | {"stream": True})
+    assert b" 200 " in read_until(sock, b"data: {")
+    assert running(server) == 1
+    if reset:  # RST instead of FIN
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    # 900 tokens would take far longer than this on a CPU.
+    after = wait_for(
+        lambda: (m := server.metrics())["asyncstep:num_requests_running"] == 0 and m,
+        "the dropped stream to stop running",
+        timeout_s=10,
+    )
+    assert after["asyncstep:kv_cache_usage_perc"] == 0
+    assert after["asyncstep:request_success_total{finished_reason=abort}"] == aborted + 1
+
+
+def test_a_client_dropping_a_whole_request_frees_it(server: Server) -> None:
+    sock = raw_request(server, "/v1/completions", LONG)
+    wait_for(lambda: running(server) == 1, "the request to run")
+    sock.close()
+    wait_for(lambda: running(server) == 0, "the dropped request to stop", timeout_s=10)
+    assert server.metrics()["asyncstep:kv_cache_usage_perc"] == 0
+
+
+# -- bad requests -------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
+    ("malformed JSON", COMPLETIONS, b'{"prompt": "hi",', 400, None),
+    ("not an object", COMPLETIONS, b"[1, 2]", 400, None),
+    ("not UTF-8", COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, None),
+    ("wrong type", COMPLETIONS, {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("missing field", CHAT, {"model": MODEL}, 400, None),
+    ("unknown model", COMPLETIONS, {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("negative temperature", CHAT, {"messages": USER, "temperature": -1}, 400, "temperature"),
+    ("top_p of 0", COMPLETIONS, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("n of 0", COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n"),
+    ("too many logprobs", COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("top_logprobs alone", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("no messages", CHAT, {"messages": []}, 400, "messages"),
+    (
+        "image content",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages",
+    ),
+    ("bad role type", CHAT, {"messages": [{"role": 3, "content": "x"}]}, 400, "messages"),
+    ("empty prompt", COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+    ("mixed prompt list", COMPLETIONS, {"prompt": ["a", 1]}, 400, "prompt"),
+    ("prompt too long", COMPLETIONS, {"prompt": [5] * (MAX_MODEL_LEN + 1)}, 400, "prompt"),
+    (
+        "max_tokens past the context",
+        CHAT,
+        {"messages": USER, "max_tokens": 5000},
+        400,
+        "max_tokens",
+    ),
+    ("negative seed", COMPLETIONS, {"prompt": "hi", "seed": -1}, 400, "seed"),
+    ("empty stop string", COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    (
+        "presence_penalty of 3",
+        CHAT,
+        {"messages": USER, "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
+    ("logit_bias key", COMPLETIONS, {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    (
+        "logit_bias token outside",
+        COMPLETIONS,
+        {"prompt": "hi", "logit_bias": {"99999": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "...in a stream",
+        COMPLETIONS,
+        {"prompt": "hi", "stream": True, "logit_bias": {"99999": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "response_format type",
+        CHAT,
+        {"messages": USER, "response_format": {"type": "xml"}},
+        400,
+        "response_format",
+    ),
+    (
+        "schema not an object",
+        CHAT,
+        {
+            "messages": USER,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": "x"}},
+        },
+        400,
+        "response_format",
+    ),
+    (
+        "two structured kinds",
+        CHAT,
+        {"messages": USER, "structured_outputs": {"regex": "a+", "choice": ["a"]}},
+        400,
+        "structured_outputs",
+    ),
+    (
+        "stream_options alone",
+        CHAT,
+        {"messages": USER, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    ("suffix", COMPLETIONS, {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("detokenize outside the vocabulary", "/detokenize", {"tokens": [1, -5]}, 400, "tokens"),
+    ("tokenize nothing", "/tokenize", {}, 400, "prompt"),
+    ("oversized body", COMPLETIONS, {"prompt": "x" * BODY_LIMIT}, 413, None),
+    ("no such route", "/v1/embeddings", {"input": "hi"}, 404, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
+def test_a_bad_request_gets_its_status_and_error_json(
+    server: Server, path: str, body: Any, status: int, param: str | None
+) -> None:
+    response = server.post(path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert "\n" not in error["message"]
+    assert error["code"] == status and isinstance(error["type"], str)
+    if param is not None:
+        assert error["param"] == param, error
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_methods_and_keys_are_checked(server: Server) -> None:
+    wrong_method = httpx.get(server.url + COMPLETIONS)
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == 405
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
+        response = httpx.post(server.url + COMPLETIONS, json={"prompt": "hi"}, headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["code"] == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope").models.list()
+    # And after every refusal it still serves.
+    out = server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert out.usage is not None and out.usage.completion_tokens >= 1
+
+
+# -- stopping (last: it ends the server) --------------------------------------
+
+
+def test_sigterm_under_load_finishes_short_requests_aborts_long_ones(server: Server) -> None:
+    longs = [raw_request(server, COMPLETIONS, LONG | {"stream": True}) for _ in range(3)]
+    short = raw_request(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 30, "ignore_eos": True})
+    for sock in longs:
+        read_until(sock, b"data: {")
+    wait_for(lambda: running(server) == 4, "every request to run")
+    server.proc.send_signal(signal.SIGTERM)
+    refused = wait_for(lambda: not can_connect(server), "the listener to close", timeout_s=10)
+    assert refused
+    # The short request finishes in the grace period, whole.
+    reply = read_until(short, b'"usage"')
+    assert b'"finish_reason":"length"' in reply and b'"completion_tokens":30' in reply
+    # The long ones are aborted after it, and end cleanly.
+    for sock in longs:
+        tail = read_until(sock, b"data: [DONE]", timeout_s=SHUTDOWN_TIMEOUT + 20)
+        assert b'"finish_reason":"abort"' in tail
+    assert server.proc.wait(30) == 0, "".join(server.output)
+
+
+def can_connect(server: Server) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,164 @@
+"""``asyncstep.server.build_app`` inside a service's own process: mounted
+under a prefix of its own Starlette app and served by Hypercorn under
+asyncio; under Trio, requests past ``max_waiting_requests`` get 429 (and the
+server serves again once the queue has room); a model without a tokenizer
+serves token ids; once the engine is dead, ``/health`` and the routes answer
+503."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from functools import partial
+from typing import Any
+
+import anyio
+import httpx
+import hypercorn.asyncio
+import hypercorn.trio
+import openai
+import pytest
+import trio
+from hypercorn.config import Config
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Mount, Route
+
+import asyncstep
+from asyncstep.engine.core_client import CoreProcess
+from asyncstep.models.model_loader import LoadedModel
+from asyncstep.server import OpenAIServer, ServerConfig, build_app
+
+USER = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def listening_socket() -> tuple[int, int]:
+    """A loopback socket listening on a free port: (its fd, the port)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    return sock.detach(), port
+
+
+async def poll(check: Any, what: str, timeout_s: float = 10) -> None:
+    with anyio.fail_after(timeout_s):
+        while not await check():  # noqa: ASYNC110  # polling a server (HTTP), with a deadline
+            await anyio.sleep(0.02)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_routes_mount_in_a_service_app_under_asyncio(smollm2: LoadedModel) -> None:
+    async def ping(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("pong")
+
+    async with asyncstep.open_engine(smollm2) as engine:
+        llm = build_app(engine, ServerConfig(served_model_name=["smol", "smollm2"]))
+        service = Starlette(routes=[Route("/ping", ping), Mount("/llm", app=llm)])
+        fd, port = listening_socket()
+        config = Config()
+        config.bind = [f"fd://{fd}"]
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                partial(hypercorn.asyncio.serve, service, config, shutdown_trigger=stop.wait)
+            )
+            base = f"http://127.0.0.1:{port}"
+            client = openai.AsyncOpenAI(base_url=base + "/llm/v1", api_key="none", max_retries=0)
+            whole = await client.chat.completions.create(
+                model="smollm2",
+                messages=USER,
+                max_tokens=12,
+                temperature=0,  # type: ignore[arg-type]
+            )
+            assert whole.model == "smol"  # the first name is the one reported
+            pieces = [
+                chunk.choices[0].delta.content or ""
+                async for chunk in await client.chat.completions.create(
+                    model="smol",
+                    messages=USER,  # type: ignore[arg-type]
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                )
+            ]
+            assert "".join(pieces) == whole.choices[0].message.content
+            assert "Paris" in "".join(pieces)
+            async with httpx.AsyncClient(base_url=base) as http:
+                assert (await http.get("/ping")).text == "pong"
+                assert (await http.get("/llm/health")).status_code == 200
+                models = (await http.get("/llm/v1/models")).json()
+                assert [m["id"] for m in models["data"]] == ["smol", "smollm2"]
+            await client.close()
+            stop.set()
+
+
+@pytest.mark.trio
+async def test_requests_past_max_waiting_get_429_until_there_is_room(
+    smollm2: LoadedModel,
+) -> None:
+    long = {"prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    async with asyncstep.open_engine(smollm2, max_num_seqs=1) as engine:
+        server = OpenAIServer(engine, ServerConfig(max_waiting_requests=0))
+        config = Config()
+        config.bind = ["127.0.0.1:0"]
+        async with trio.open_nursery() as nursery:
+            (url,) = await nursery.start(hypercorn.trio.serve, server.app, config)
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                async with client.stream("POST", "/v1/completions", json=long) as first:
+                    assert first.status_code == 200
+                    async for line in first.aiter_lines():
+                        if line.startswith("data: {"):
+                            break  # it runs: the one batch slot is taken
+                    refused = await client.post("/v1/completions", json={"prompt": "Hi"})
+                    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+                    error = refused.json()["error"]
+                    assert error["code"] == 429 and error["type"] == "rate_limit_error"
+                    assert "waiting" in error["message"]
+                # Leaving the stream drops its connection: the slot is free again.
+
+                async def empty() -> bool:
+                    return not server.in_flight
+
+                await poll(empty, "the dropped stream to end")
+                served = await client.post(
+                    "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}
+                )
+                assert served.status_code == 200
+                assert served.json()["usage"]["completion_tokens"] == 2
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_token_ids_without_a_tokenizer_then_503_once_the_engine_is_dead() -> None:
+    options: dict[str, Any] = {"load_format": "dummy", "device": "cpu", "dtype": "float32"}
+    with pytest.raises(asyncstep.EngineDeadError):
+        async with asyncstep.open_engine("tiny-llama", **options) as engine:
+            transport = httpx.ASGITransport(app=build_app(engine))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                body = {"prompt": [1, 2, 3], "max_tokens": 3, "logprobs": 1, "ignore_eos": True}
+                out = (await client.post("/v1/completions", json=body)).json()
+                (choice,) = out["choices"]
+                assert out["usage"]["completion_tokens"] == 3 and choice["text"] == ""
+                assert all(t.startswith("token_id:") for t in choice["logprobs"]["tokens"])
+                chat = await client.post("/v1/chat/completions", json={"messages": USER})
+                assert chat.status_code == 400 and "tokenizer" in chat.json()["error"]["message"]
+                assert (await client.get("/health")).status_code == 200
+
+                assert isinstance(engine.core, CoreProcess) and engine.core.pid is not None
+                os.kill(engine.core.pid, signal.SIGKILL)
+
+                async def dead() -> bool:
+                    return (await client.get("/health")).status_code == 503
+
+                await poll(dead, "/health to say the engine is dead")
+                refused = await client.post("/v1/completions", json=body)
+                assert refused.status_code == 503
+                assert "engine" in refused.json()["error"]["message"]
