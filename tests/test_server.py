@@ -32,13 +32,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from asyncstep import cli
-
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
 BODY_LIMIT = 64 << 10
-SHUTDOWN_TIMEOUT = 5
+SHUTDOWN_TIMEOUT = 4
 T = TypeVar("T")
 
 
@@ -47,6 +45,8 @@ class Server:
     proc: subprocess.Popen[str]
     url: str
     output: list[str]
+    #: ``asyncstep generate --json`` of REFERENCE_PROMPTS, started with the server.
+    reference: subprocess.Popen[str]
 
     @property
     def port(self) -> int:
@@ -89,14 +89,24 @@ def wait_for(check: Callable[[], T], what: str, timeout_s: float = 30) -> T:
         time.sleep(0.05)
 
 
+REFERENCE_PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "2 + 2 ="]
+REFERENCE_TOKENS = 20
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
+    """The server, and ``asyncstep generate`` loading the same model meanwhile."""
     argv = [sys.executable, "-m", "asyncstep", "serve", "--port", "0"]
     argv += ["--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(BODY_LIMIT)]
-    argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+    argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--kv-cache-memory-gib", "0.25"]
     env = os.environ | {"ASYNCSTEP_API_KEY": KEY}
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    generate = [sys.executable, "-m", "asyncstep", "generate", "--json", "--no-engine-process"]
+    generate += ["--max-tokens", str(REFERENCE_TOKENS), "--kv-cache-memory-gib", "0.05"]
+    reference = subprocess.Popen(
+        [*generate, *REFERENCE_PROMPTS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     lines: queue.Queue[str] = queue.Queue()
     output: list[str] = []
@@ -118,10 +128,11 @@ def server() -> Iterator[Server]:
             raise AssertionError("the server did not start:\n" + "".join(output)) from None
         if line.startswith("asyncstep: serving"):
             url = line.split(" on ")[-1].strip()
-    yield Server(proc, url, output)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(10)
+    yield Server(proc, url, output, reference)
+    for child in (proc, reference):
+        if child.poll() is None:
+            child.kill()
+        child.wait(10)
 
 
 # -- the API ------------------------------------------------------------------
@@ -329,26 +340,23 @@ def test_metrics_move_by_what_was_served(server: Server) -> None:
     assert 0 <= after["asyncstep:prefix_cache_hit_rate"] <= 1
 
 
-def test_greedy_text_is_asyncstep_generate_s(
-    server: Server, capsys: pytest.CaptureFixture[str]
-) -> None:
-    prompts = ["What is the capital of France?", "Write a haiku about rain.", "2 + 2 ="]
-    argv = ["generate", "--json", "--max-tokens", "20", "--max-model-len", str(MAX_MODEL_LEN)]
-    assert cli.main([*argv, *prompts]) == 0
-    expected = [json.loads(line)["text"] for line in capsys.readouterr().out.splitlines()]
+def test_greedy_text_is_asyncstep_generate_s(server: Server) -> None:
+    out, err = server.reference.communicate(timeout=120)
+    assert server.reference.returncode == 0, err
+    expected = [json.loads(line)["text"] for line in out.splitlines()]
     client = server.client()
     got = [
         client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": p}],
-            max_tokens=20,
+            max_tokens=REFERENCE_TOKENS,
             temperature=0,
         )
         .choices[0]
         .message.content
-        for p in prompts
+        for p in REFERENCE_PROMPTS
     ]
-    assert got == expected
+    assert got == expected and all(expected)
 
 
 def test_32_streams_at_once(server: Server) -> None:
@@ -472,6 +480,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("bad role type", CHAT, {"messages": [{"role": 3, "content": "x"}]}, 400, "messages"),
     ("empty prompt", COMPLETIONS, {"prompt": ""}, 400, "prompt"),
     ("mixed prompt list", COMPLETIONS, {"prompt": ["a", 1]}, 400, "prompt"),
+    ("too many prompts", COMPLETIONS, {"prompt": ["a"] * 1025}, 400, "prompt"),
     ("prompt too long", COMPLETIONS, {"prompt": [5] * (MAX_MODEL_LEN + 1)}, 400, "prompt"),
     (
         "max_tokens past the context",
@@ -580,7 +589,7 @@ def test_methods_and_keys_are_checked(server: Server) -> None:
 
 def test_sigterm_under_load_finishes_short_requests_aborts_long_ones(server: Server) -> None:
     longs = [raw_request(server, COMPLETIONS, LONG | {"stream": True}) for _ in range(3)]
-    short = raw_request(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 30, "ignore_eos": True})
+    short = raw_request(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 20, "ignore_eos": True})
     for sock in longs:
         read_until(sock, b"data: {")
     wait_for(lambda: running(server) == 4, "every request to run")
@@ -589,7 +598,7 @@ def test_sigterm_under_load_finishes_short_requests_aborts_long_ones(server: Ser
     assert refused
     # The short request finishes in the grace period, whole.
     reply = read_until(short, b'"usage"')
-    assert b'"finish_reason":"length"' in reply and b'"completion_tokens":30' in reply
+    assert b'"finish_reason":"length"' in reply and b'"completion_tokens":20' in reply
     # The long ones are aborted after it, and end cleanly.
     for sock in longs:
         tail = read_until(sock, b"data: [DONE]", timeout_s=SHUTDOWN_TIMEOUT + 20)

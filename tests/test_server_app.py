@@ -27,6 +27,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Mount, Route
 
 import asyncstep
+from asyncstep import cli
 from asyncstep.engine.core_client import CoreProcess
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.server import OpenAIServer, ServerConfig, build_app
@@ -162,3 +163,21 @@ async def test_token_ids_without_a_tokenizer_then_503_once_the_engine_is_dead() 
                 refused = await client.post("/v1/completions", json=body)
                 assert refused.status_code == 503
                 assert "engine" in refused.json()["error"]["message"]
+
+
+def test_serve_flags_make_the_server_config(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["serve", "--host", "::1", "--port", "0", "--served-model-name", "a", "b"]
+    args = cli.build_parser().parse_args([*argv, "--max-waiting-requests", "3"])
+    monkeypatch.setenv("ASYNCSTEP_API_KEY", "from-env")
+    config = cli.server_config_from_args(args)
+    assert (config.host, config.port, config.bind) == ("::1", 0, "[::1]:0")
+    assert config.served_model_name == ["a", "b"] and config.max_waiting_requests == 3
+    assert config.api_key == "from-env"  # the environment, unless --api-key is given
+    args = cli.build_parser().parse_args(["serve", "--api-key", "flag"])
+    assert cli.server_config_from_args(args).api_key == "flag"
+    # A bad value is one line on stderr, before any model loads.
+    assert cli.main(["serve", "--port", "70000"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "port must be in [0, 65535]" in err

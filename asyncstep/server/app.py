@@ -134,8 +134,8 @@ class OpenAIServer:
             Route("/v1/models", self._guarded(self.models), methods=["GET"]),
             Route("/health", self._open(self.health), methods=["GET"]),
             Route("/metrics", self._open(self.metrics_text), methods=["GET"]),
-            Route("/tokenize", self._open(self.tokenize), methods=["POST"]),
-            Route("/detokenize", self._open(self.detokenize), methods=["POST"]),
+            Route("/tokenize", self._guarded(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._guarded(self.detokenize), methods=["POST"]),
             Route("/version", self._open(self.version), methods=["GET"]),
         ]
         self.app = Starlette(
@@ -247,7 +247,9 @@ class OpenAIServer:
     # -- request checks -------------------------------------------------------
 
     def _guarded(self, route: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:
-        """A ``/v1`` route: the API key is checked first (when there is one)."""
+        """A route behind the API key (when there is one): every route but
+        ``/health``, ``/metrics`` and ``/version``."""
+        opened = self._open(route)
 
         async def endpoint(request: Request) -> Response:
             key = self.config.api_key
@@ -265,7 +267,7 @@ class OpenAIServer:
                             headers={"www-authenticate": "Bearer"},
                         )
                     )
-            return await self._open(route)(request)
+            return await opened(request)
 
         return endpoint
 

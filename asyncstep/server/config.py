@@ -39,8 +39,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     api_key: Annotated[
         str | None,
         _doc(
-            f"require 'Authorization: Bearer KEY' on /v1 routes (better: set {API_KEY_ENV}, "
-            "a command line is visible to every user)"
+            "require 'Authorization: Bearer KEY' (not on /health, /metrics, /version); "
+            f"better: set {API_KEY_ENV}, a command line is visible to every user"
         ),
     ] = None
     served_model_name: Annotated[

@@ -37,6 +37,8 @@ from asyncstep.structured_params import StructuredOutputsParams, check_structure
 
 #: A completion's ``max_tokens`` when none is given (OpenAI's).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: Most prompts one completion request may hold.
+MAX_PROMPTS = 1024
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
         return [prompt]
     if not prompt:
         raise bad_request("prompt must not be an empty list", "prompt")
+    if len(prompt) > MAX_PROMPTS and not all(type(t) is int for t in prompt):
+        raise bad_request(f"prompt may list at most {MAX_PROMPTS} prompts", "prompt")
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     if all(_is_token_ids(p) for p in prompt):

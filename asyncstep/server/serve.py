@@ -15,7 +15,6 @@ closed and :func:`serve` returns. A second signal aborts at once.
 
 from __future__ import annotations
 
-import logging
 import signal
 from collections.abc import Callable
 from functools import partial
@@ -43,7 +42,7 @@ def hypercorn_config(config: ServerConfig, log_level: str = "warning") -> Hyperc
     hc.bind = [config.bind]
     hc.graceful_timeout = config.shutdown_timeout + FLUSH_GRACE_S
     hc.keep_alive_timeout = config.keep_alive_timeout
-    hc.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
+    hc.accesslog = "-" if config.access_log else None  # "-": stderr
     hc.loglevel = log_level.upper()
     hc.include_server_header = False
     return hc
