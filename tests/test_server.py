@@ -163,6 +163,11 @@ def test_a_completion_counts_its_tokens(server: Server) -> None:
     # The tokens give back the text.
     echo = server.post("/detokenize", {"tokens": tokens}).json()["prompt"]
     assert echo.endswith(prompt)
+    again = server.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=7, temperature=0, echo=True
+    )
+    assert again.choices[0].text.startswith(prompt)
+    assert again.choices[0].text[len(prompt) :].startswith(choice.text[:5])
 
 
 def test_a_chat_stream_is_the_whole_reply_in_pieces(server: Server) -> None:
@@ -223,6 +228,18 @@ def test_n_choices_whole_and_streamed(server: Server) -> None:
         if choice.finish_reason:
             finished.add(choice.index)
     assert texts == [c.text for c in out.choices] and finished == {0, 1, 2}
+    # Several prompts: choice k of prompt i is choice i * n + k, whole or streamed.
+    prompts = ["Red, green,", "One, two,"]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, n=2, seed=3)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    alone = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, n=2, seed=3)
+    assert [c.text for c in batch.choices[2:]] == [c.text for c in alone.choices]
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=4, n=2, seed=3, stream=True
+    ):
+        streamed[chunk.choices[0].index] += chunk.choices[0].text
+    assert streamed == [c.text for c in batch.choices]
 
 
 def test_logprobs_of_completions_and_chats(server: Server) -> None:
@@ -444,9 +461,12 @@ def test_a_client_dropping_its_stream_frees_its_request(server: Server, reset: b
     assert after["asyncstep:request_success_total{finished_reason=abort}"] == aborted + 1
 
 
-def test_a_client_dropping_a_whole_request_frees_it(server: Server) -> None:
+@pytest.mark.parametrize("reset", [False, True], ids=["close", "reset"])
+def test_a_client_dropping_a_whole_request_frees_it(server: Server, reset: bool) -> None:
     sock = raw_request(server, "/v1/completions", LONG)
     wait_for(lambda: running(server) == 1, "the request to run")
+    if reset:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()
     wait_for(lambda: running(server) == 0, "the dropped request to stop", timeout_s=10)
     assert server.metrics()["asyncstep:kv_cache_usage_perc"] == 0

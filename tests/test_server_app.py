@@ -7,10 +7,12 @@ serves token ids; once the engine is dead, ``/health`` and the routes answer
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import socket
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -181,3 +183,32 @@ def test_serve_flags_make_the_server_config(
     assert cli.main(["serve", "--port", "70000"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "port must be in [0, 65535]" in err
+
+
+#: What the server package may import of asyncstep: the front end only.
+FRONT_END = {
+    "asyncstep",
+    "asyncstep.checks",
+    "asyncstep.config",
+    "asyncstep.datatypes",
+    "asyncstep.errors",
+    "asyncstep.logging",
+    "asyncstep.structured_params",
+    "asyncstep.engine.api",
+    "asyncstep.engine.engine",
+    "asyncstep.engine.outputs",
+}
+
+
+def test_the_server_imports_only_the_front_end() -> None:
+    package = Path(asyncstep.__file__).parent / "server"
+    for module in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                if name.startswith("asyncstep") and not name.startswith("asyncstep.server"):
+                    assert name in FRONT_END, f"{module.name} imports {name}"

@@ -15,6 +15,7 @@ closed and :func:`serve` returns. A second signal aborts at once.
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 from collections.abc import Callable
 from functools import partial
@@ -57,6 +58,12 @@ async def serve(
     log_level: str = "warning",
 ) -> None:
     """Serve until SIGTERM or SIGINT (see the module's docstring)."""
+    if not _is_loopback(server_config.host):
+        log.warning(
+            "listening off loopback: other machines can reach the API",
+            host=server_config.host,
+            api_key="set" if server_config.api_key else "none",
+        )
     async with open_engine(config=engine_config, progress=progress) as engine:
         server = OpenAIServer(engine, server_config)
         stop = trio.Event()
@@ -92,3 +99,12 @@ async def _watch_signals(server: OpenAIServer, stop: trio.Event) -> None:
                 log.warning("second signal: aborting every request", signal=signum)
                 server.abort_all()
             stop.set()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
