@@ -276,18 +276,20 @@ def test_logprobs_of_completions_and_chats(server: Server) -> None:
 
 
 def test_a_json_schema_reply_parses_and_validates(server: Server) -> None:
-    """response_format json_schema constrains the output (needs the engine's
-    structured-output support)."""
+    """response_format (json_schema, json_object) and vLLM's structured_outputs
+    constrain the output (they need the engine's structured-output support)."""
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
         "required": ["name", "age"],
         "additionalProperties": False,
     }
-    out = server.client().chat.completions.create(
+    client = server.client()
+    person = [{"role": "user", "content": "Invent a person: their name and age."}]
+    out = client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "Invent a person: their name and age."}],
-        max_tokens=64,
+        messages=person,  # type: ignore[arg-type]
+        max_tokens=128,
         temperature=0,
         response_format={
             "type": "json_schema",
@@ -297,6 +299,22 @@ def test_a_json_schema_reply_parses_and_validates(server: Server) -> None:
     reply = json.loads(out.choices[0].message.content or "")
     jsonschema.validate(reply, schema)
     assert out.choices[0].finish_reason == "stop"
+    anything = client.chat.completions.create(
+        model=MODEL,
+        messages=person,  # type: ignore[arg-type]
+        max_tokens=128,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)
+    choice = client.completions.create(
+        model=MODEL,
+        prompt="Is the sky blue? Answer:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert choice.choices[0].text in ("yes", "no")
 
 
 def test_stop_strings_end_the_text_before_them(server: Server) -> None:

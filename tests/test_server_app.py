@@ -8,6 +8,7 @@ serves token ids; once the engine is dead, ``/health`` and the routes answer
 from __future__ import annotations
 
 import ast
+import json
 import os
 import signal
 import socket
@@ -156,7 +157,25 @@ async def test_token_ids_without_a_tokenizer_then_503_once_the_engine_is_dead() 
                 assert (await client.get("/health")).status_code == 200
 
                 assert isinstance(engine.core, CoreProcess) and engine.core.pid is not None
-                os.kill(engine.core.pid, signal.SIGKILL)
+                generated = engine.statistics().num_generated_tokens
+                long = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+                streams: list[httpx.Response] = []
+
+                async def stream() -> None:
+                    streams.append(await client.post("/v1/completions", json=long))
+
+                async def streaming() -> bool:
+                    return engine.statistics().num_generated_tokens > generated
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(stream)
+                    await poll(streaming, "the stream to start")
+                    os.kill(engine.core.pid, signal.SIGKILL)
+                # The stream had begun: it ends with an error event, then [DONE].
+                (cut,) = streams
+                assert cut.status_code == 200 and cut.text.endswith("data: [DONE]\n\n")
+                error = json.loads(cut.text.split("data: ")[-2])["error"]
+                assert error["code"] == 503 and "engine" in error["message"]
 
                 async def dead() -> bool:
                     return (await client.get("/health")).status_code == 503
