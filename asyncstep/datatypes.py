@@ -394,10 +394,29 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     total_num_scheduled_tokens: int
     #: Requests that ended since the last step: the runner drops their state.
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    #: A request of the step follows a grammar: the last stage samples only
+    #: once the step's :class:`GrammarOutput` has come.
+    has_structured_output_requests: bool = False
 
     @property
     def num_reqs(self) -> int:
         return len(self.num_scheduled_tokens)
+
+
+class GrammarOutput(msgspec.Struct, frozen=True):
+    """The token bitmask of one step's constrained requests (vLLM's
+    ``GrammarOutput``), sent after the step's :class:`SchedulerOutput` once
+    the engine has the tokens before it: row ``i`` (``ceil(vocab / 32)``
+    little-endian int32 words; bit ``t`` set allows token ``t``) is that of
+    ``structured_output_request_ids[i]``."""
+
+    step_id: int
+    structured_output_request_ids: list[str]
+    grammar_bitmask: bytes
+
+
+#: What the engine sends a rank: each step, and each constrained step's bitmask after it.
+RankInput = SchedulerOutput | GrammarOutput
 
 
 # ---------------------------------------------------------------------------

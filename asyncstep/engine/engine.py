@@ -50,6 +50,7 @@ from asyncstep.engine.core_messages import (
     ToCore,
     WaitIdle,
 )
+from asyncstep.engine.grammar import check_grammar
 from asyncstep.engine.outputs import Completion, CompletionChunk
 from asyncstep.engine.request_state import RequestGroup, RequestState
 from asyncstep.errors import (
@@ -155,6 +156,7 @@ class Engine:
 
         Cancelling the caller aborts the request (its blocks are freed).
         """
+        await self._check_grammar(sampling_params)
         group = self._add_request(prompt, sampling_params, request_id)
         try:
             await group.wait_finished()
@@ -177,6 +179,7 @@ class Engine:
         the choices' chunks interleave). Leaving the iteration early aborts
         the request.
         """
+        await self._check_grammar(sampling_params)
         group = self._add_request(prompt, sampling_params, request_id)
         try:
             while (chunk := await group.next_chunk()) is not None:
@@ -329,6 +332,19 @@ class Engine:
         if params.min_tokens > 0 and params._eos_token_ids != self.eos_token_ids:
             derived["_eos_token_ids"] = self.eos_token_ids
         return msgspec.structs.replace(params, **derived) if derived else params
+
+    async def _check_grammar(self, params: object) -> None:
+        """The door's check of ``structured_outputs``: the grammar builds
+        (in a worker thread: xgrammar's first import takes seconds)."""
+        if not isinstance(params, SamplingParams) or params.structured_outputs is None:
+            return
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "structured_outputs need a tokenizer, and this model has none"
+            )
+        structured = params.structured_outputs
+        structured.validate()  # again: its fields may have been set behind its back
+        await anyio.to_thread.run_sync(check_grammar, structured)
 
     def _tokenize_bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """vLLM's tokenization of bad words: each word (its leading spaces

@@ -49,6 +49,7 @@ from asyncstep.config import CompilationConfig
 from asyncstep.datatypes import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     CachedRequestData,
+    GrammarOutput,
     IntermediateTensors,
     ModelRunnerOutput,
     NewRequestData,
@@ -74,6 +75,7 @@ from asyncstep.runner.cudagraph_dispatcher import (
     CUDAGraphMode,
 )
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner
+from asyncstep.runner.grammar_bitmask import apply_grammar_bitmask
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
 from asyncstep.runner.sampler import Sampler
@@ -382,15 +384,22 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        """Sample the kept logits. Synchronous runner: the output, the tokens
-        appended to the batch. Async scheduling: an
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Sample the kept logits, those of ``grammar_output``'s requests
+        masked by their bitmask first. Synchronous runner: the output, the
+        tokens appended to the batch. Async scheduling: an
         :class:`AsyncModelRunnerOutput` at once (the device still samples)."""
         state = self.execute_model_state
         if state is None:
             raise RuntimeError("sample_tokens() called without a pending execute_model()")
         self.execute_model_state = None
         t0 = time.perf_counter()
+        if grammar_output is not None:
+            rows = state.sample_rows
+            row_of = dict(zip(map(state.req_ids.__getitem__, rows), range(len(rows)), strict=True))
+            apply_grammar_bitmask(state.logits, grammar_output, row_of)
         output = self._sample(state)
         if state.events is not None:
             state.events.copy_end = output.copy_event
