@@ -134,6 +134,12 @@ def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        metavar="K",
+        help="log-probs of each prompt token and the top K of its position (with --json)",
+    )
+    sampling.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -292,6 +298,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        prompt_logprobs=args.prompt_logprobs,
     )
 
 

@@ -18,12 +18,16 @@ May import torch, :mod:`asyncstep.gpu` and :mod:`asyncstep.datatypes`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from asyncstep.datatypes import Logprobs, ModelRunnerOutput
 from asyncstep.gpu.stream import StreamEvent, record_event
+
+if TYPE_CHECKING:
+    from asyncstep.runner.prompt_logprobs import HostPromptLogprobs
 
 __all__ = ["AsyncModelRunnerOutput", "copy_to_host"]
 
@@ -53,10 +57,14 @@ class AsyncModelRunnerOutput:
         self._sampled_host = sampled_host
         self._logprobs = logprobs
         self.copy_event = copy_event
+        #: The step's prompt log-probs (their own copy), when a request asked.
+        self.prompt_logprobs: HostPromptLogprobs | None = None
 
     async def wait(self) -> None:
         """Until the copy landed (shielded: the copy cannot be cancelled)."""
         await self.copy_event.wait()
+        if self.prompt_logprobs is not None:
+            await self.prompt_logprobs.copy_event.wait()
 
     def synchronize(self) -> None:
         self.copy_event.synchronize()
@@ -87,6 +95,9 @@ class AsyncModelRunnerOutput:
             req_id_to_index=dict(zip(req_ids, range(len(req_ids)), strict=True)),
             sampled_token_ids=sampled,
             logprobs=self._logprobs_lists(),
+            prompt_logprobs=(
+                self.prompt_logprobs.to_lists() if self.prompt_logprobs is not None else None
+            ),
         )
 
     def _logprobs_lists(self) -> list[list[Logprobs]] | None:

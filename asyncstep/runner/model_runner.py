@@ -76,6 +76,7 @@ from asyncstep.runner.cudagraph_dispatcher import (
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
+from asyncstep.runner.prompt_logprobs import HostPromptLogprobs, PromptLogprobsTracker
 from asyncstep.runner.sampler import Sampler
 from asyncstep.runner.staging import StagingBuffers
 from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs, is_arange
@@ -109,6 +110,7 @@ class ExecuteModelState:
     #: them (the logits processing reads the newest tokens there).
     input_ids: torch.Tensor | None = None
     logits_indices: torch.Tensor | slice | None = None
+    prompt_logprobs: HostPromptLogprobs | None = None
 
 
 @dataclass
@@ -184,6 +186,7 @@ class ModelRunner:
         #: The persistent batch of the current step.
         self.input_batch = self.input_batches[0]
         self.sampler = Sampler()
+        self.prompt_logprobs = PromptLogprobsTracker(enabled=model.lm_head is not None)
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
         self.timings = StepTimings()
@@ -321,6 +324,7 @@ class ModelRunner:
         self._resolve_outputs(keep_last=self.async_scheduling)
         self._select_input_batch(scheduler_output)
         self._update_states(scheduler_output)
+        self.prompt_logprobs.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.timings = StepTimings()
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -337,6 +341,12 @@ class ModelRunner:
         else:
             out = self._forward(inputs, intermediate_tensors)
         replay = time.perf_counter() - t2
+        prompt_lp = None
+        if self.prompt_logprobs.owed and not isinstance(out, IntermediateTensors):
+            logits_fn = None if self._graph_computed_logits(inputs) else self.model.compute_logits
+            prompt_lp = self.prompt_logprobs.compute(
+                scheduler_output, self.input_batch, out, logits_fn, self._copy_stream
+            )
         if not isinstance(out, IntermediateTensors):
             if self._graph_computed_logits(inputs):
                 out = out[inputs.logits_indices]
@@ -356,6 +366,7 @@ class ModelRunner:
             events,
             inputs.input_ids,
             inputs.logits_indices,
+            prompt_logprobs=prompt_lp,
         )
         return None
 
@@ -392,6 +403,7 @@ class ModelRunner:
         self.execute_model_state = None
         t0 = time.perf_counter()
         output = self._sample(state)
+        output.prompt_logprobs = state.prompt_logprobs
         if state.events is not None:
             state.events.copy_end = output.copy_event
         self.timings.sample = time.perf_counter() - t0
