@@ -4,7 +4,8 @@
 ``sample_tokens`` enqueues the sampler, leaves the sampled ids on the device
 (the next step's input ids are scattered from them) and starts a
 non-blocking copy of them (and of the log-probs) into pinned host memory on
-a copy stream, with its own event. :class:`AsyncModelRunnerOutput` holds that
+a copy stream, with its own event (a step's prompt log-probs have a copy of
+their own: :mod:`asyncstep.runner.prompt_logprobs`). :class:`AsyncModelRunnerOutput` holds that
 copy: ``await wait()`` (or ``synchronize()``) until it landed, then
 ``get_output()`` builds the :class:`ModelRunnerOutput` from host memory only,
 off the runner's thread: it touches no runner state.
