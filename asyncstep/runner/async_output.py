@@ -5,15 +5,17 @@
 (the next step's input ids are scattered from them) and starts a
 non-blocking copy of them (and of the log-probs) into pinned host memory on
 a copy stream, with its own event (a step's prompt log-probs have a copy of
-their own: :mod:`asyncstep.runner.prompt_logprobs`). :class:`AsyncModelRunnerOutput` holds that
-copy: ``await wait()`` (or ``synchronize()``) until it landed, then
+their own: :mod:`asyncstep.runner.prompt_logprobs`).
+:class:`AsyncModelRunnerOutput` holds that copy: ``await wait()`` (or
+``synchronize()``) until it landed, then
 ``get_output()`` builds the :class:`ModelRunnerOutput` from host memory only,
 off the runner's thread: it touches no runner state.
 
 On the CPU the "copy" is the sampled tensor itself and its event is complete
 at once.
 
-May import torch, :mod:`asyncstep.gpu` and :mod:`asyncstep.datatypes`.
+May import torch, :mod:`asyncstep.gpu` and :mod:`asyncstep.datatypes` (and, for
+types only, :mod:`asyncstep.runner.prompt_logprobs`).
 """
 
 from __future__ import annotations

@@ -110,6 +110,7 @@ class ExecuteModelState:
     #: them (the logits processing reads the newest tokens there).
     input_ids: torch.Tensor | None = None
     logits_indices: torch.Tensor | slice | None = None
+    #: The step's prompt log-probs on their way to the host (a request asked).
     prompt_logprobs: HostPromptLogprobs | None = None
 
 
