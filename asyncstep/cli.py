@@ -136,6 +136,18 @@ def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
     sampling.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens)")
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true")
+    sampling.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        metavar="K",
+        help="log-probs of each prompt token and the top K of its position (with --json)",
+    )
+    sampling.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: when the tokenizer has one)",
+    )
     structured = gen.add_argument_group("structured outputs (at most one)")
     structured.add_argument(
         "--json-schema", metavar="FILE", help="the output follows this JSON schema file"
@@ -146,12 +158,6 @@ def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
         "--choice", action="append", help="the output is one of these (repeatable)"
     )
     structured.add_argument("--grammar", metavar="FILE", help="the output follows this EBNF file")
-    sampling.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="apply the chat template (default: when the tokenizer has one)",
-    )
 
 
 def engine_flag(name: str) -> str:
@@ -305,6 +311,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        prompt_logprobs=args.prompt_logprobs,
         structured_outputs=structured_outputs(args),
     )
 

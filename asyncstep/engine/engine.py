@@ -311,10 +311,12 @@ class Engine:
             )
         params.validate()  # again: its fields may have been set behind its back
         vocab = self.arch_config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise InvalidRequestError(
-                f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(params, name)
+            if count is not None and count > vocab:
+                raise InvalidRequestError(
+                    f"{name} must be <= the vocabulary size ({vocab}), got {count}"
+                )
         outside = [t for t in params.logit_bias or () if t >= vocab]
         if outside:
             raise InvalidRequestError(
@@ -552,10 +554,19 @@ class Engine:
                 continue  # aborted, or stopped by a stop string a step ago
             self._num_generated_tokens += len(news.new_token_ids)
             stop_string = state.add_output(
-                news.new_token_ids, news.new_logprobs, news.finish_reason, news.stop_reason
+                news.new_token_ids,
+                news.new_logprobs,
+                news.finish_reason,
+                news.stop_reason,
+                news.new_prompt_logprobs,
             )
             group = state.group
-            if group is not None and state.index == 0 and not group.states[-1].sent:
+            if (
+                group is not None
+                and state.index == 0
+                and not group.states[-1].sent
+                and (state.token_ids or state.finished)  # not a prompt chunk's log-probs
+            ):
                 self._send_held(group)
             if stop_string is not None and not news.finished:
                 stopped.append(news.request_id)
@@ -572,9 +583,12 @@ class Engine:
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index`` of an ``n``-choice request: one choice, its own seed."""
+    """Choice ``index`` of an ``n``-choice request: one choice, its own seed;
+    the first alone computes the prompt log-probs (the others may then hit
+    the prefix cache)."""
     seed = None if params.seed is None else (params.seed + index) % (MAX_SEED + 1)
-    return msgspec.structs.replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def _core_request(state: RequestState) -> EngineCoreRequest:

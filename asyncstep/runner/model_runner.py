@@ -78,6 +78,7 @@ from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.grammar_bitmask import apply_grammar_bitmask
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
+from asyncstep.runner.prompt_logprobs import HostPromptLogprobs, PromptLogprobsTracker
 from asyncstep.runner.sampler import Sampler
 from asyncstep.runner.staging import StagingBuffers
 from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs, is_arange
@@ -111,6 +112,8 @@ class ExecuteModelState:
     #: them (the logits processing reads the newest tokens there).
     input_ids: torch.Tensor | None = None
     logits_indices: torch.Tensor | slice | None = None
+    #: The step's prompt log-probs on their way to the host (a request asked).
+    prompt_logprobs: HostPromptLogprobs | None = None
 
 
 @dataclass
@@ -186,6 +189,7 @@ class ModelRunner:
         #: The persistent batch of the current step.
         self.input_batch = self.input_batches[0]
         self.sampler = Sampler()
+        self.prompt_logprobs = PromptLogprobsTracker(enabled=model.lm_head is not None)
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
         self.timings = StepTimings()
@@ -323,6 +327,7 @@ class ModelRunner:
         self._resolve_outputs(keep_last=self.async_scheduling)
         self._select_input_batch(scheduler_output)
         self._update_states(scheduler_output)
+        self.prompt_logprobs.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.timings = StepTimings()
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -339,6 +344,12 @@ class ModelRunner:
         else:
             out = self._forward(inputs, intermediate_tensors)
         replay = time.perf_counter() - t2
+        prompt_lp = None
+        if self.prompt_logprobs.owed and not isinstance(out, IntermediateTensors):
+            logits_fn = None if self._graph_computed_logits(inputs) else self.model.compute_logits
+            prompt_lp = self.prompt_logprobs.compute(
+                scheduler_output, self.input_batch, out, logits_fn, self._copy_stream
+            )
         if not isinstance(out, IntermediateTensors):
             if self._graph_computed_logits(inputs):
                 out = out[inputs.logits_indices]
@@ -358,6 +369,7 @@ class ModelRunner:
             events,
             inputs.input_ids,
             inputs.logits_indices,
+            prompt_logprobs=prompt_lp,
         )
         return None
 
@@ -401,6 +413,7 @@ class ModelRunner:
             row_of = dict(zip(map(state.req_ids.__getitem__, rows), range(len(rows)), strict=True))
             apply_grammar_bitmask(state.logits, grammar_output, row_of)
         output = self._sample(state)
+        output.prompt_logprobs = state.prompt_logprobs
         if state.events is not None:
             state.events.copy_end = output.copy_event
         self.timings.sample = time.perf_counter() - t0
