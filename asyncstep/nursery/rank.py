@@ -383,7 +383,15 @@ class RankActor:
         """Step N's output once its tokens are on the host; with the next step
         already queued, only after that step's forward was launched."""
         if isinstance(sampled, AsyncModelRunnerOutput):
-            if self._deliver_after_next_launch and self._num_received > step.seq + 1:
+            # Not for a constrained step: the engine needs its tokens for the
+            # next step's bitmask, which that step waits for after its forward
+            # (on the CPU "launched" means computed: waiting would serialize).
+            constrained = step.scheduler_output.has_structured_output_requests
+            if (
+                self._deliver_after_next_launch
+                and not constrained
+                and self._num_received > step.seq + 1
+            ):
                 with span("wait_next_launch", "sampler"):
                     await await_future(step.next_launched, shield=False)
             with span("copy_wait", "sampler"):
