@@ -127,10 +127,13 @@ class EngineCore:
             rank_pids = list(getattr(self.executor, "pids", []))
             await events.send(CoreReady(self.stats(), rank_pids))
             task_status.started()
-            async with anyio.create_task_group() as compiles:
-                self._task_group = compiles
-                await self._step_loop(inputs, events, to_rank_tx, from_rank_rx)
-                compiles.cancel_scope.cancel()  # grammars still compiling
+            try:
+                async with anyio.create_task_group() as compiles:
+                    self._task_group = compiles
+                    await self._step_loop(inputs, events, to_rank_tx, from_rank_rx)
+                    compiles.cancel_scope.cancel()  # grammars still compiling
+            finally:
+                self.structured_output.close()
 
     def _build_scheduler(self, num_blocks: int) -> Scheduler:
         config = self.config
@@ -301,10 +304,7 @@ class EngineCore:
                     scheduler_output = in_flight.popleft()
                     with span("update", "engine", step=scheduler_output.step_id):
                         news = scheduler.update_from_output(scheduler_output, output)
-                        self.structured_output.accept(news.values())
-                    if in_flight:
-                        # The device waits for this one (its forward runs): first.
-                        await self._send_grammar(to_rank, in_flight[0])
+                    await self._advance_grammars(to_rank, news, in_flight)
                     await self._send_outputs(events, scheduler_output.step_id, list(news.values()))
                 else:
                     if self._idle_tickets:
@@ -313,6 +313,26 @@ class EngineCore:
                             await events.send(Idle(ticket, stats))
                         self._idle_tickets.clear()
                     await self._wait_input(inputs)
+
+    async def _advance_grammars(
+        self,
+        to_rank: MemoryObjectSendStream[RankInput],
+        news: dict[str, EngineCoreOutput],
+        in_flight: deque[SchedulerOutput],
+    ) -> None:
+        """The matchers take a step's tokens; then the next step in flight,
+        if constrained, gets its bitmask (first: the device waits for it,
+        its forward running meanwhile)."""
+        next_step = in_flight[0] if in_flight else None
+        if next_step is not None and not next_step.has_structured_output_requests:
+            next_step = None
+        if next_step is None and not self.structured_output.matchers:
+            return
+        step = next_step.step_id if next_step is not None else None
+        with span("grammar", "engine", step=step):
+            grammar_output = self.structured_output.advance(news.values(), next_step)
+        if grammar_output is not None:
+            await to_rank.send(grammar_output)
 
     async def _send_grammar(
         self, to_rank: MemoryObjectSendStream[RankInput], scheduler_output: SchedulerOutput

@@ -75,7 +75,7 @@ from asyncstep.runner.cudagraph_dispatcher import (
     CUDAGraphMode,
 )
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner
-from asyncstep.runner.grammar_bitmask import apply_grammar_bitmask
+from asyncstep.runner.grammar_bitmask import GrammarBitmask
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
 from asyncstep.runner.prompt_logprobs import HostPromptLogprobs, PromptLogprobsTracker
@@ -199,6 +199,7 @@ class ModelRunner:
         self.num_tokens_multiple = model.num_tokens_multiple
         self.async_scheduling = async_scheduling
         self.staging = StagingBuffers(device)
+        self._grammar_bitmask: GrammarBitmask | None = None  # built by the first grammar
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         #: The last sampled ids, still on the device, and whose they are.
         self._prev_sampled: torch.Tensor | None = None
@@ -411,7 +412,9 @@ class ModelRunner:
         if grammar_output is not None:
             rows = state.sample_rows
             row_of = dict(zip(map(state.req_ids.__getitem__, rows), range(len(rows)), strict=True))
-            apply_grammar_bitmask(state.logits, grammar_output, row_of)
+            if self._grammar_bitmask is None:
+                self._grammar_bitmask = GrammarBitmask(self.device)
+            self._grammar_bitmask.apply(state.logits, grammar_output, row_of)
         output = self._sample(state)
         output.prompt_logprobs = state.prompt_logprobs
         if state.events is not None:
