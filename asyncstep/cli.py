@@ -25,12 +25,14 @@ from asyncstep.config import EngineConfig, EngineOption, engine_options
 from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.api import make_config, open_engine
 from asyncstep.engine.engine import Engine, Prompt
+from asyncstep.engine.grammar import check_grammar
 from asyncstep.engine.outputs import Completion
 from asyncstep.errors import AsyncstepError, leaves
 from asyncstep.logging import configure_logging
 from asyncstep.logging.trace import add_trace_parser
 from asyncstep.progress import ProgressBar
 from asyncstep.server.config import ServerConfig, server_options
+from asyncstep.structured_params import StructuredOutputsParams
 
 PROG = "asyncstep"
 
@@ -173,11 +175,27 @@ def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true")
     sampling.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        metavar="K",
+        help="log-probs of each prompt token and the top K of its position (with --json)",
+    )
+    sampling.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="apply the chat template (default: when the tokenizer has one)",
     )
+    structured = gen.add_argument_group("structured outputs (at most one)")
+    structured.add_argument(
+        "--json-schema", metavar="FILE", help="the output follows this JSON schema file"
+    )
+    structured.add_argument("--json-object", action="store_true", help="the output is JSON")
+    structured.add_argument("--regex", help="the output matches this regular expression")
+    structured.add_argument(
+        "--choice", action="append", help="the output is one of these (repeatable)"
+    )
+    structured.add_argument("--grammar", metavar="FILE", help="the output follows this EBNF file")
 
 
 def engine_flag(name: str) -> str:
@@ -368,7 +386,36 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        prompt_logprobs=args.prompt_logprobs,
+        structured_outputs=structured_outputs(args),
     )
+
+
+def structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The structured-output flags (files read here: a missing one is a one-line error)."""
+    given = {
+        "json": _read_flag_file("--json-schema", args.json_schema),
+        "json_object": args.json_object or None,
+        "regex": args.regex,
+        "choice": args.choice,
+        "grammar": _read_flag_file("--grammar", args.grammar),
+    }
+    given = {kind: value for kind, value in given.items() if value is not None}
+    if not given:
+        return None
+    params = StructuredOutputsParams(**given)
+    check_grammar(params)  # before the model loads: a bad one fails at once
+    return params
+
+
+def _read_flag_file(flag: str, path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AsyncstepError(f"{flag} {path}: cannot read it: {exc}") from None
 
 
 def read_prompts(stream: TextIO) -> list[str]:

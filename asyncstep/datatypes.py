@@ -59,6 +59,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     does unless ``ignore_eos``). ``logprobs=n`` returns the top-n log-probs of
     each sampled position, plus the sampled token's (n <= ``MAX_LOGPROBS``),
     of the logits before any of the processing below (vLLM's raw log-probs).
+    ``prompt_logprobs=k`` returns, for every prompt position but the first
+    (None there), the log-prob of the prompt's token plus the top-k of that
+    position (k <= ``MAX_LOGPROBS``; 0: the prompt token's alone), raw too;
+    such a request computes its whole prompt (no prefix-cache hit).
 
     Logits processing, before temperature and the filters, greedy rows too
     (vLLM's order): ``bad_words`` (a word's tokens, tokenized by the front end
@@ -105,6 +109,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -332,6 +337,7 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "stop_token_ids": _check_token_ids,
     "ignore_eos": check_flag,
     "logprobs": _check_logprobs,
+    "prompt_logprobs": _check_logprobs,
     "include_stop_str_in_output": check_flag,
     "presence_penalty": _check_penalty,
     "frequency_penalty": _check_penalty,
@@ -394,10 +400,29 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     total_num_scheduled_tokens: int
     #: Requests that ended since the last step: the runner drops their state.
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    #: A request of the step follows a grammar: the last stage samples only
+    #: once the step's :class:`GrammarOutput` has come.
+    has_structured_output_requests: bool = False
 
     @property
     def num_reqs(self) -> int:
         return len(self.num_scheduled_tokens)
+
+
+class GrammarOutput(msgspec.Struct, frozen=True):
+    """The token bitmask of one step's constrained requests (vLLM's
+    ``GrammarOutput``), sent after the step's :class:`SchedulerOutput` once
+    the engine has the tokens before it: row ``i`` (``ceil(vocab / 32)``
+    little-endian int32 words; bit ``t`` set allows token ``t``) is that of
+    ``structured_output_request_ids[i]``."""
+
+    step_id: int
+    structured_output_request_ids: list[str]
+    grammar_bitmask: bytes
+
+
+#: What the engine sends a rank: each step, and each constrained step's bitmask after it.
+RankInput = SchedulerOutput | GrammarOutput
 
 
 # ---------------------------------------------------------------------------
@@ -405,11 +430,12 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
 
 
 class Logprobs(msgspec.Struct, frozen=True):
-    """Log-probs of one sampled position: the sampled token first, then the top-n."""
+    """Log-probs of one position: the sampled token (or, for prompt log-probs,
+    the prompt's token) first, then the top-n."""
 
     token_ids: list[int]
     logprobs: list[float]
-    #: Rank of the sampled token among all tokens (1 = most likely).
+    #: Rank of the first token among all tokens (1 = most likely).
     sampled_token_rank: int
 
 
@@ -422,6 +448,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True):
     sampled_token_ids: list[list[int]]
     #: Per request, when asked for: one entry per sampled token.
     logprobs: list[list[Logprobs]] | None = None
+    #: Request id -> the prompt log-probs of the prompt positions this step
+    #: computed, in order (positions >= 1 not returned before); None: none asked.
+    prompt_logprobs: dict[str, list[Logprobs]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

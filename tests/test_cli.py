@@ -104,6 +104,25 @@ def test_n_choices_print_and_travel_in_json(
     assert code != 0 and "n must be an integer in [1, 128], got 0" in err
 
 
+def test_structured_output_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    question = "What is the capital of France? Answer in JSON."
+    flags = ["--json-schema", str(tmp_path / "schema.json"), "--json", "--max-tokens", "32"]
+    code, out, err = run(capsys, "generate", *flags, question)
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["finish_reason"] == "stop" and "city" in json.loads(record["text"])
+    choices = ["--choice", "Paris", "--choice", "London", "--n", "2", "--temperature", "0.8"]
+    code, out, err = run(capsys, "generate", *choices, "--seed", "1", "--json", question)
+    assert code == 0, err
+    assert {o["text"] for o in json.loads(out)["outputs"]} <= {"Paris", "London"}
+
+
 def write_config(directory: Path, **config: object) -> Path:
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
@@ -139,6 +158,10 @@ LLAMA_CONFIG = dict(
         (["--num-blocks", "0", "x"], "num_blocks must be positive, got 0"),
         (["--listen", "nowhere", "x"], "listen must be HOST:PORT, got 'nowhere'"),
         (["--cudagraph-capture-sizes", "0", "8", "--ignore-eos", "x"], "capture_sizes must be"),
+        (["--regex", "[a-", "x"], "structured_outputs.regex does not compile: Regex parsing"),
+        (["--regex", "a", "--choice", "b", "x"], "exactly one of json, json_object, regex"),
+        (["--json-schema", "/no/such/schema.json", "x"], "--json-schema /no/such/schema.json"),
+        (["--choice", "", "x"], "choice must not hold an empty string"),
     ],
 )
 def test_bad_arguments(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

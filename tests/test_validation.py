@@ -118,6 +118,9 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str]] = [
     ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
     ({"logprobs": 2**70}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 0.5}, "prompt_logprobs"),
     ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
     ({"presence_penalty": 2.01}, "presence_penalty"),
     ({"presence_penalty": -3}, "presence_penalty"),
@@ -556,6 +559,7 @@ _VALID = {
     "stop_token_ids": st.one_of(st.none(), st.lists(st.integers(0, MAX_COUNT), max_size=2)),
     "ignore_eos": st.booleans(),
     "logprobs": st.one_of(st.none(), st.integers(0, MAX_LOGPROBS)),
+    "prompt_logprobs": st.one_of(st.none(), st.integers(0, MAX_LOGPROBS)),
     "include_stop_str_in_output": st.booleans(),
     "presence_penalty": st.floats(-2.0, 2.0),
     "frequency_penalty": st.floats(-2.0, 2.0),
@@ -635,6 +639,9 @@ def test_fuzz_a_clear_error_or_an_answer(
         if params.logprobs is not None:
             assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
             assert all(len(lp.token_ids) == params.logprobs + 1 for lp in out.logprobs)
+        if params.prompt_logprobs is not None:
+            assert out.prompt_logprobs is not None
+            assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
     assert core_process_engine.engine.error is None
     assert not core_process_engine.engine._requests
 

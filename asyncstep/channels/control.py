@@ -19,7 +19,7 @@ import msgspec
 
 from asyncstep.channels.framing import MessageStream
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class Hello(msgspec.Struct, frozen=True, tag=True):
@@ -53,6 +53,12 @@ class Step(msgspec.Struct, frozen=True, tag=True):
     scheduler_output: SchedulerOutput
 
 
+class Grammar(msgspec.Struct, frozen=True, tag=True):
+    """A constrained step's bitmask, after its :class:`Step`."""
+
+    grammar_output: GrammarOutput
+
+
 class StepOutput(msgspec.Struct, frozen=True, tag=True):
     output: ModelRunnerOutput
 
@@ -67,7 +73,15 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
 
 
 ControlMessage = (
-    Hello | RankSetup | RankReady | InitKVCache | Step | StepOutput | RankFailed | Shutdown
+    Hello
+    | RankSetup
+    | RankReady
+    | InitKVCache
+    | Step
+    | Grammar
+    | StepOutput
+    | RankFailed
+    | Shutdown
 )
 
 #: A control connection, from either side.

@@ -84,7 +84,13 @@ async def open_engine(
             opened = await stack.enter_async_context(open_executor(config, preloaded, progress))
             arch, tokenizer = opened.arch_config, opened.tokenizer
             eos = frozenset(arch.eos_token_ids) | tokenizer_eos(tokenizer)
-            core = EngineCore(config, opened.executor, eos)
+            core = EngineCore(
+                config,
+                opened.executor,
+                eos,
+                vocab_size=arch.vocab_size,
+                load_tokenizer=lambda: opened.tokenizer,
+            )
         engine = Engine(config, arch, tokenizer, core)
         try:
             async with anyio.create_task_group() as tg:

@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import gc
 from collections import deque
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
+import msgspec
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.datatypes import ModelRunnerOutput, RankInput, SchedulerOutput
 from asyncstep.engine.core_messages import (
     CoreInputs,
     CoreOutputs,
@@ -47,9 +49,13 @@ from asyncstep.engine.core_messages import (
 )
 from asyncstep.engine.request import Request, RequestStatus
 from asyncstep.engine.scheduler import EngineCoreOutput, Scheduler
+from asyncstep.engine.structured_output import StructuredOutputManager
 from asyncstep.errors import InvalidRequestError
 from asyncstep.logging import get_logger
 from asyncstep.logging.spans import now_us, record_span, span
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = get_logger("engine")
 
@@ -60,7 +66,7 @@ class Executor(Protocol):
 
     async def run(
         self,
-        inbox: MemoryObjectReceiveStream[SchedulerOutput],
+        inbox: MemoryObjectReceiveStream[RankInput],
         outbox: MemoryObjectSendStream[ModelRunnerOutput],
         *,
         task_status: TaskStatus[int] = ...,
@@ -76,10 +82,14 @@ class EngineCore:
         executor: Executor,
         eos_token_ids: frozenset[int],
         *,
+        vocab_size: int,
+        load_tokenizer: Callable[[], PreTrainedTokenizerBase | None] = lambda: None,
         freeze_heap: bool = False,
     ) -> None:
-        """``freeze_heap``: once the ranks are up, move every object alive
-        into the garbage collector's permanent generation (see
+        """``vocab_size`` and ``load_tokenizer`` (called in a worker thread
+        for the first request with ``structured_outputs``): the grammars'
+        vocabulary. ``freeze_heap``: once the ranks are up, move every
+        object alive into the garbage collector's permanent generation (see
         :func:`freeze_gc_heap`); for a process the core owns."""
         self.config = config
         self.freeze_heap = freeze_heap
@@ -88,6 +98,11 @@ class EngineCore:
         # Built by run() once the ranks report how many KV blocks they hold.
         self.scheduler: Scheduler = None  # type: ignore[assignment]
         self._rejected: list[RejectedRequest] = []
+        self.structured_output = StructuredOutputManager(load_tokenizer, vocab_size, eos_token_ids)
+        #: Requests whose grammar is compiling (not yet with the scheduler).
+        self._compiling: dict[str, Request] = {}
+        self._compiled = anyio.Event()
+        self._task_group: anyio.abc.TaskGroup | None = None
         self._idle_tickets: list[int] = []
         self._inputs_closed = False
         self._shutting_down = False
@@ -102,7 +117,7 @@ class EngineCore:
         """Start the ranks, send :class:`CoreReady`, then run the step loop
         until ``inputs`` closes (or says Shutdown) and the steps in flight
         are back. A failure while starting or later is raised."""
-        to_rank_tx, to_rank_rx = anyio.create_memory_object_stream[SchedulerOutput](1)
+        to_rank_tx, to_rank_rx = anyio.create_memory_object_stream[RankInput](1)
         from_rank_tx, from_rank_rx = anyio.create_memory_object_stream[ModelRunnerOutput](1)
         async with anyio.create_task_group() as tg, events:
             num_blocks = await tg.start(self.executor.run, to_rank_rx, from_rank_tx)
@@ -112,7 +127,13 @@ class EngineCore:
             rank_pids = list(getattr(self.executor, "pids", []))
             await events.send(CoreReady(self.stats(), rank_pids))
             task_status.started()
-            await self._step_loop(inputs, events, to_rank_tx, from_rank_rx)
+            try:
+                async with anyio.create_task_group() as compiles:
+                    self._task_group = compiles
+                    await self._step_loop(inputs, events, to_rank_tx, from_rank_rx)
+                    compiles.cancel_scope.cancel()  # grammars still compiling
+            finally:
+                self.structured_output.close()
 
     def _build_scheduler(self, num_blocks: int) -> Scheduler:
         config = self.config
@@ -154,6 +175,22 @@ class EngineCore:
             self._apply(message)
 
     async def _wait_input(self, inputs: MemoryObjectReceiveStream[ToCore]) -> None:
+        """Wait for an input, or for a grammar to finish compiling."""
+        if not self._compiling:
+            await self._receive_input(inputs)
+            return
+        self._compiled = compiled = anyio.Event()
+        async with anyio.create_task_group() as tg:
+
+            async def receive() -> None:
+                await self._receive_input(inputs)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(receive)
+            await compiled.wait()
+            tg.cancel_scope.cancel()
+
+    async def _receive_input(self, inputs: MemoryObjectReceiveStream[ToCore]) -> None:
         try:
             message = await inputs.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
@@ -164,10 +201,15 @@ class EngineCore:
     def _apply(self, message: ToCore) -> None:
         if isinstance(message, CoreInputs):
             self._add_requests(message)
-            if message.aborted:
-                self.scheduler.finish_requests(message.aborted, RequestStatus.FINISHED_ABORTED)
-            if message.stopped:
-                self.scheduler.finish_requests(message.stopped, RequestStatus.FINISHED_STOPPED)
+            for ended, status in (
+                (message.aborted, RequestStatus.FINISHED_ABORTED),
+                (message.stopped, RequestStatus.FINISHED_STOPPED),
+            ):
+                if ended:
+                    self.scheduler.finish_requests(ended, status)
+                    self.structured_output.remove(ended)
+                    for req_id in ended:
+                        self._compiling.pop(req_id, None)
         elif isinstance(message, WaitIdle):
             self._idle_tickets.append(message.ticket)
         else:  # Shutdown (a CoreSetup here would be a protocol error of the transport)
@@ -178,10 +220,43 @@ class EngineCore:
             request = Request(
                 new.request_id, new.prompt_token_ids, new.sampling_params, self.eos_token_ids
             )
-            try:
-                self.scheduler.add_request(request)
-            except InvalidRequestError as exc:
-                self._rejected.append(RejectedRequest(new.request_id, str(exc)))
+            if new.sampling_params.structured_outputs is not None:
+                self._start_compiling(request)
+            else:
+                self._schedule_request(request)
+
+    def _schedule_request(self, request: Request) -> None:
+        try:
+            self.scheduler.add_request(request)
+        except InvalidRequestError as exc:
+            self.structured_output.remove([request.request_id])
+            self._rejected.append(RejectedRequest(request.request_id, str(exc)))
+
+    def _start_compiling(self, request: Request) -> None:
+        """Compile the request's grammar off the loop; it goes to the
+        scheduler once compiled (unless it was aborted meanwhile)."""
+        req_id = request.request_id
+        if req_id in self._compiling or req_id in self.scheduler.requests:
+            self._rejected.append(RejectedRequest(req_id, f"request id {req_id!r} is in flight"))
+            return
+        self._compiling[req_id] = request
+        assert self._task_group is not None
+        self._task_group.start_soon(self._compile, request)
+
+    async def _compile(self, request: Request) -> None:
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        req_id = request.request_id
+        try:
+            compiled = await self.structured_output.compile(params)
+        except InvalidRequestError as exc:
+            if self._compiling.pop(req_id, None) is not None:
+                self._rejected.append(RejectedRequest(req_id, str(exc)))
+        else:
+            if self._compiling.pop(req_id, None) is not None:
+                self.structured_output.add(req_id, compiled)
+                self._schedule_request(request)
+        self._compiled.set()  # wakes the loop if it waits for inputs
 
     @property
     def _closing(self) -> bool:
@@ -193,7 +268,7 @@ class EngineCore:
         self,
         inputs: MemoryObjectReceiveStream[ToCore],
         events: MemoryObjectSendStream[FromCore],
-        to_rank: MemoryObjectSendStream[SchedulerOutput],
+        to_rank: MemoryObjectSendStream[RankInput],
         from_rank: MemoryObjectReceiveStream[ModelRunnerOutput],
     ) -> None:
         in_flight: deque[SchedulerOutput] = deque()
@@ -214,15 +289,22 @@ class EngineCore:
                 ):
                     start_us = now_us()
                     scheduler_output = scheduler.schedule()
+                    if self.structured_output.constrains(scheduler_output):
+                        scheduler_output = msgspec.structs.replace(
+                            scheduler_output, has_structured_output_requests=True
+                        )
                     step = scheduler_output.step_id
                     record_span("schedule", "engine", start_us, now_us() - start_us, step=step)
                     await to_rank.send(scheduler_output)
                     in_flight.append(scheduler_output)
+                    if len(in_flight) == 1:
+                        await self._send_grammar(to_rank, scheduler_output)
                 elif in_flight:
                     output = await from_rank.receive()
                     scheduler_output = in_flight.popleft()
                     with span("update", "engine", step=scheduler_output.step_id):
                         news = scheduler.update_from_output(scheduler_output, output)
+                    await self._advance_grammars(to_rank, news, in_flight)
                     await self._send_outputs(events, scheduler_output.step_id, list(news.values()))
                 else:
                     if self._idle_tickets:
@@ -231,6 +313,35 @@ class EngineCore:
                             await events.send(Idle(ticket, stats))
                         self._idle_tickets.clear()
                     await self._wait_input(inputs)
+
+    async def _advance_grammars(
+        self,
+        to_rank: MemoryObjectSendStream[RankInput],
+        news: dict[str, EngineCoreOutput],
+        in_flight: deque[SchedulerOutput],
+    ) -> None:
+        """The matchers take a step's tokens; then the next step in flight,
+        if constrained, gets its bitmask (first: the device waits for it,
+        its forward running meanwhile)."""
+        next_step = in_flight[0] if in_flight else None
+        if next_step is not None and not next_step.has_structured_output_requests:
+            next_step = None
+        if next_step is None and not self.structured_output.matchers:
+            return
+        step = next_step.step_id if next_step is not None else None
+        with span("grammar", "engine", step=step):
+            grammar_output = self.structured_output.advance(news.values(), next_step)
+        if grammar_output is not None:
+            await to_rank.send(grammar_output)
+
+    async def _send_grammar(
+        self, to_rank: MemoryObjectSendStream[RankInput], scheduler_output: SchedulerOutput
+    ) -> None:
+        """The bitmask of a constrained step, once every step before it is back."""
+        if scheduler_output.has_structured_output_requests:
+            with span("grammar", "engine", step=scheduler_output.step_id):
+                grammar_output = self.structured_output.grammar_output(scheduler_output)
+            await to_rank.send(grammar_output)
 
     async def _send_outputs(
         self,

@@ -44,6 +44,7 @@ from asyncstep.engine.core_messages import (
 from asyncstep.engine.executor import open_executor
 from asyncstep.errors import describe, error_kind, root_cause
 from asyncstep.logging import configure_logging, get_logger
+from asyncstep.models.model_info import describe_model
 from asyncstep.procs import exit_when_parent_dies
 
 log = get_logger("engine")
@@ -128,7 +129,12 @@ async def _run(channel: MessageStream[ToCore], setup: CoreSetup) -> None:
         outer.start_soon(_write_front_end, channel, events_rx)
         async with open_executor(setup.config, progress=progress, with_tokenizer=False) as opened:
             core = EngineCore(
-                setup.config, opened.executor, frozenset(setup.eos_token_ids), freeze_heap=True
+                setup.config,
+                opened.executor,
+                frozenset(setup.eos_token_ids),
+                vocab_size=opened.arch_config.vocab_size,
+                load_tokenizer=lambda: describe_model(setup.config.model).tokenizer,
+                freeze_heap=True,
             )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_read_front_end, channel, inputs_tx)

@@ -50,6 +50,7 @@ from asyncstep.engine.core_messages import (
     ToCore,
     WaitIdle,
 )
+from asyncstep.engine.grammar import check_grammar
 from asyncstep.engine.outputs import Completion, CompletionChunk
 from asyncstep.engine.request_state import RequestGroup, RequestState
 from asyncstep.errors import (
@@ -155,6 +156,7 @@ class Engine:
 
         Cancelling the caller aborts the request (its blocks are freed).
         """
+        await self._check_grammar(sampling_params)
         group = self._add_request(prompt, sampling_params, request_id)
         try:
             await group.wait_finished()
@@ -177,6 +179,7 @@ class Engine:
         the choices' chunks interleave). Leaving the iteration early aborts
         the request.
         """
+        await self._check_grammar(sampling_params)
         group = self._add_request(prompt, sampling_params, request_id)
         try:
             while (chunk := await group.next_chunk()) is not None:
@@ -308,10 +311,12 @@ class Engine:
             )
         params.validate()  # again: its fields may have been set behind its back
         vocab = self.arch_config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise InvalidRequestError(
-                f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(params, name)
+            if count is not None and count > vocab:
+                raise InvalidRequestError(
+                    f"{name} must be <= the vocabulary size ({vocab}), got {count}"
+                )
         outside = [t for t in params.logit_bias or () if t >= vocab]
         if outside:
             raise InvalidRequestError(
@@ -329,6 +334,19 @@ class Engine:
         if params.min_tokens > 0 and params._eos_token_ids != self.eos_token_ids:
             derived["_eos_token_ids"] = self.eos_token_ids
         return msgspec.structs.replace(params, **derived) if derived else params
+
+    async def _check_grammar(self, params: object) -> None:
+        """The door's check of ``structured_outputs``: the grammar builds
+        (in a worker thread: xgrammar's first import takes seconds)."""
+        if not isinstance(params, SamplingParams) or params.structured_outputs is None:
+            return
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "structured_outputs need a tokenizer, and this model has none"
+            )
+        structured = params.structured_outputs
+        structured.validate()  # again: its fields may have been set behind its back
+        await anyio.to_thread.run_sync(check_grammar, structured)
 
     def _tokenize_bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """vLLM's tokenization of bad words: each word (its leading spaces
@@ -536,10 +554,19 @@ class Engine:
                 continue  # aborted, or stopped by a stop string a step ago
             self._num_generated_tokens += len(news.new_token_ids)
             stop_string = state.add_output(
-                news.new_token_ids, news.new_logprobs, news.finish_reason, news.stop_reason
+                news.new_token_ids,
+                news.new_logprobs,
+                news.finish_reason,
+                news.stop_reason,
+                news.new_prompt_logprobs,
             )
             group = state.group
-            if group is not None and state.index == 0 and not group.states[-1].sent:
+            if (
+                group is not None
+                and state.index == 0
+                and not group.states[-1].sent
+                and (state.token_ids or state.finished)  # not a prompt chunk's log-probs
+            ):
                 self._send_held(group)
             if stop_string is not None and not news.finished:
                 stopped.append(news.request_id)
@@ -556,9 +583,12 @@ class Engine:
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index`` of an ``n``-choice request: one choice, its own seed."""
+    """Choice ``index`` of an ``n``-choice request: one choice, its own seed;
+    the first alone computes the prompt log-probs (the others may then hit
+    the prefix cache)."""
     seed = None if params.seed is None else (params.seed + index) % (MAX_SEED + 1)
-    return msgspec.structs.replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def _core_request(state: RequestState) -> EngineCoreRequest:

@@ -240,11 +240,13 @@ class KVCacheManager:
         more reference each); at least its last token is left to compute, so
         the model yields logits. Returns the block ids and the number of tokens
         they hold (a multiple of ``block_size``); call :meth:`free` to undo.
+        No hits for a request that asks for prompt log-probs: it computes its
+        whole prompt (vLLM skips the prefix cache for it too).
         """
         if request.request_id in self._req_blocks:
             raise RuntimeError(f"request {request.request_id!r} already holds blocks")
         hits: list[KVBlock] = []
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
             hashes = self._update_block_hashes(request)
             max_hit_blocks = (request.num_tokens - 1) // self.block_size
             for block_hash in hashes[:max_hit_blocks]:

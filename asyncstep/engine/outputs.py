@@ -23,6 +23,8 @@ class CompletionChunk(msgspec.Struct, frozen=True):
     logprobs: list[Logprobs] | None = None
     #: The choice the chunk belongs to (``0 .. n - 1``).
     index: int = 0
+    #: In the first chunk of choice 0, when asked for: as ``Completion``'s.
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -44,7 +46,9 @@ class CompletionOutput(msgspec.Struct, frozen=True):
 class Completion(msgspec.Struct, frozen=True):
     """A finished request: its whole output. ``outputs`` holds its ``n``
     choices; ``text``, ``token_ids``, ``finish_reason``, ``stop_reason`` and
-    ``logprobs`` are those of ``outputs[0]``."""
+    ``logprobs`` are those of ``outputs[0]``. ``prompt_logprobs``, when
+    asked for, has one entry per prompt token: None for the first, then the
+    prompt token's log-prob and the top-k of its position (vLLM's)."""
 
     request_id: str
     prompt: str | None
@@ -56,6 +60,7 @@ class Completion(msgspec.Struct, frozen=True):
     stop_reason: int | str | None = None
     logprobs: list[Logprobs] | None = None
     outputs: list[CompletionOutput] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @classmethod
     def of(
@@ -64,6 +69,7 @@ class Completion(msgspec.Struct, frozen=True):
         prompt: str | None,
         prompt_token_ids: list[int],
         outputs: list[CompletionOutput],
+        prompt_logprobs: list[Logprobs | None] | None = None,
     ) -> Completion:
         """The completion of ``outputs`` (choice 0 first)."""
         first = outputs[0]
@@ -77,4 +83,5 @@ class Completion(msgspec.Struct, frozen=True):
             stop_reason=first.stop_reason,
             logprobs=first.logprobs,
             outputs=outputs,
+            prompt_logprobs=prompt_logprobs,
         )

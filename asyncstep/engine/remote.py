@@ -47,6 +47,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from asyncstep.channels.control import (
     ControlMessage,
     ControlStream,
+    Grammar,
     Hello,
     InitKVCache,
     RankFailed,
@@ -65,7 +66,7 @@ from asyncstep.channels.framing import (
 )
 from asyncstep.channels.parallel_state import listening_socket
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.datatypes import GrammarOutput, ModelRunnerOutput, RankInput
 from asyncstep.errors import RankError
 from asyncstep.logging import get_logger
 from asyncstep.logging.spans import span
@@ -126,7 +127,7 @@ class RemoteRanks:
 
     async def run(
         self,
-        inbox: MemoryObjectReceiveStream[SchedulerOutput],
+        inbox: MemoryObjectReceiveStream[RankInput],
         outbox: MemoryObjectSendStream[ModelRunnerOutput],
         *,
         task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
@@ -342,14 +343,17 @@ class RemoteRanks:
 
     # -- steps ------------------------------------------------------------
 
-    async def _broadcast(self, inbox: MemoryObjectReceiveStream[SchedulerOutput]) -> None:
+    async def _broadcast(self, inbox: MemoryObjectReceiveStream[RankInput]) -> None:
         encoder = msgspec.msgpack.Encoder()
         async with inbox:
-            async for scheduler_output in inbox:
+            async for message in inbox:
                 # The span (encode + a send to each rank) pairs with each
                 # rank's ``step_in`` marker: the engine-to-rank hop.
-                with span("broadcast", "engine", step=scheduler_output.step_id):
-                    frame = encoder.encode(Step(scheduler_output))
+                with span("broadcast", "engine", step=message.step_id):
+                    if isinstance(message, GrammarOutput):
+                        frame = encoder.encode(Grammar(message))
+                    else:
+                        frame = encoder.encode(Step(message))
                     for rank, stream in self._streams.items():
                         try:
                             await stream.send_encoded(frame)

@@ -53,6 +53,10 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
         self.token_ids: list[int] = []
         self.logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
+        #: Position 0 has none (vLLM's); the core sends the others chunk by chunk.
+        self.prompt_logprobs: list[Logprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         #: Why the request cannot finish (refused, or the engine died or closed).
@@ -81,9 +85,12 @@ class RequestState:
         new_logprobs: list[Logprobs] | None,
         finish_reason: FinishReason | None,
         stop_reason: int | str | None,
+        new_prompt_logprobs: list[Logprobs] | None = None,
     ) -> str | None:
         """Record a step's news; returns a stop string the text reached, if any
         (the request then finishes with reason ``stop``)."""
+        if self.prompt_logprobs is not None and new_prompt_logprobs:
+            self.prompt_logprobs.extend(new_prompt_logprobs)
         self.token_ids.extend(new_token_ids)
         if self.logprobs is not None and new_logprobs:
             self.logprobs.extend(new_logprobs)
@@ -119,6 +126,7 @@ class RequestState:
             self._decode()
         start, end = self._num_taken, len(self.token_ids)
         self._num_taken = end
+        first = not self._ended_taken and start == 0
         self._ended_taken = self.finished
         logprobs = self.logprobs[start:end] if self.logprobs is not None else None
         return CompletionChunk(
@@ -129,6 +137,7 @@ class RequestState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=logprobs or None,
+            prompt_logprobs=self.prompt_logprobs if first else None,
         )
 
     def output(self) -> CompletionOutput:
@@ -201,4 +210,5 @@ class RequestGroup:
             first.prompt,
             first.prompt_token_ids,
             [state.output() for state in self.states],
+            first.prompt_logprobs,
         )

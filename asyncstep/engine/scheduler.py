@@ -91,6 +91,9 @@ class EngineCoreOutput(msgspec.Struct, frozen=True):
     stop_reason: int | str | None = None
     #: One entry per new token, when the request asked for logprobs.
     new_logprobs: list[Logprobs] | None = None
+    #: The prompt log-probs of the prompt positions the step computed (an
+    #: output of a prompt chunk may hold these alone), when asked for.
+    new_prompt_logprobs: list[Logprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -501,8 +504,8 @@ class Scheduler:
     ) -> dict[str, EngineCoreOutput]:
         """Append the sampled tokens, apply the stop rules, free what finished.
 
-        Returns an output for each request that got tokens or finished;
-        requests aborted since ``schedule()`` are skipped.
+        Returns an output for each request that got tokens, prompt
+        log-probs or finished; requests aborted since ``schedule()`` are skipped.
         """
         outputs: dict[str, EngineCoreOutput] = {}
         stopped: list[Request] = []
@@ -566,7 +569,21 @@ class Scheduler:
             self._remove_from_queues({r.request_id for r in stopped})
             for request in stopped:
                 self._release(request)
+        if model_runner_output.prompt_logprobs:
+            self._add_prompt_logprobs(outputs, model_runner_output.prompt_logprobs)
         return outputs
+
+    def _add_prompt_logprobs(
+        self, outputs: dict[str, EngineCoreOutput], prompt_logprobs: dict[str, list[Logprobs]]
+    ) -> None:
+        """The step's prompt log-probs into the outputs: with its tokens, or
+        alone (a prompt chunk) for a request still running."""
+        for req_id, logprobs in prompt_logprobs.items():
+            output = outputs.get(req_id)
+            if output is not None:
+                outputs[req_id] = msgspec.structs.replace(output, new_prompt_logprobs=logprobs)
+            elif req_id in self.requests:
+                outputs[req_id] = EngineCoreOutput(req_id, [], new_prompt_logprobs=logprobs)
 
     def _append_until_stop(self, request: Request, sampled: list[int]) -> list[int]:
         """Append tokens one by one until a stop rule fires; returns those appended."""

@@ -33,8 +33,7 @@ def describe_model(config: ModelConfig) -> ModelInfo:
         name = str(config.model or "smollm2-135m")
         arch = get_shape(name)
         return ModelInfo(arch, None, resolve_max_model_len(config.max_model_len, arch), name)
-    fmt = "auto" if config.load_format == "dummy" else config.load_format
-    checkpoint = open_checkpoint(config.model, fmt)
+    checkpoint = open_checkpoint(config.model, config.load_format)
     arch = checkpoint.arch_config()
     return ModelInfo(
         arch,

@@ -109,8 +109,8 @@ def load_model(
         source = str(config.model or "smollm2-135m")
         arch = get_shape(source)
     else:
-        fmt = "auto" if config.load_format == "dummy" else config.load_format
-        checkpoint = open_checkpoint(config.model, fmt)  # its sizes checked against its tensors
+        # Its sizes checked against its tensors (dummy: its config only).
+        checkpoint = open_checkpoint(config.model, config.load_format)
         arch = checkpoint.arch_config()
         source = str(checkpoint.path)
     weights = None if config.load_format == "dummy" else checkpoint

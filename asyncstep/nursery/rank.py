@@ -59,6 +59,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import dataclasses
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -69,7 +70,13 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from asyncstep.channels.parallel_state import GroupCoordinator, ParallelGroups
 from asyncstep.channels.tensor_dict import PendingSend
-from asyncstep.datatypes import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
+from asyncstep.datatypes import (
+    GrammarOutput,
+    IntermediateTensors,
+    ModelRunnerOutput,
+    RankInput,
+    SchedulerOutput,
+)
 from asyncstep.gpu.host_stream import HostStream
 from asyncstep.gpu.stream import StreamEvent, await_future
 from asyncstep.logging import bind_rank, bound_step, get_logger
@@ -163,7 +170,7 @@ class RankActor:
 
     async def run(
         self,
-        inbox: MemoryObjectReceiveStream[SchedulerOutput],
+        inbox: MemoryObjectReceiveStream[RankInput],
         outbox: MemoryObjectSendStream[ModelRunnerOutput],
         *,
         task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
@@ -174,12 +181,14 @@ class RankActor:
         steps_tx, steps_rx = anyio.create_memory_object_stream[Received](1)
         to_sampler_tx, to_sampler_rx = anyio.create_memory_object_stream[_StepResult](1)
         send_tx, send_rx = anyio.create_memory_object_stream[SendInFlight](1)
+        # At most one per step in flight: never full.
+        grammar_tx, grammar_rx = anyio.create_memory_object_stream[GrammarOutput](math.inf)
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._recv_task, inbox, steps_tx)
+                tg.start_soon(self._recv_task, inbox, steps_tx, grammar_tx)
                 tg.start_soon(self._send_task, send_rx)
                 tg.start_soon(self._sampler_task, to_sampler_rx, outbox)
-                tg.start_soon(self._step_task, steps_rx, to_sampler_tx, send_tx)
+                tg.start_soon(self._step_task, steps_rx, to_sampler_tx, send_tx, grammar_rx)
                 task_status.started(self.runner.num_kv_blocks)
         finally:
             with anyio.CancelScope(shield=True):
@@ -193,11 +202,16 @@ class RankActor:
 
     async def _recv_task(
         self,
-        inbox: MemoryObjectReceiveStream[SchedulerOutput],
+        inbox: MemoryObjectReceiveStream[RankInput],
         steps: MemoryObjectSendStream[tuple[SchedulerOutput, PendingReceive | None]],
+        grammars: MemoryObjectSendStream[GrammarOutput],
     ) -> None:
-        async with inbox, steps:
+        async with inbox, steps, grammars:
             async for scheduler_output in inbox:
+                if isinstance(scheduler_output, GrammarOutput):
+                    if self.is_last_stage:  # the stage that samples
+                        grammars.send_nowait(scheduler_output)
+                    continue
                 received = None
                 if self.pipe is not None and self._needs_receive(scheduler_output):
                     with bound_step(scheduler_output.step_id):
@@ -226,10 +240,11 @@ class RankActor:
         steps: MemoryObjectReceiveStream[tuple[SchedulerOutput, PendingReceive | None]],
         to_sampler: MemoryObjectSendStream[_StepResult],
         sends: MemoryObjectSendStream[SendInFlight],
+        grammars: MemoryObjectReceiveStream[GrammarOutput],
     ) -> None:
         previous: _StepResult | None = None
         last_send: SendInFlight | None = None
-        async with steps, to_sampler, sends:
+        async with steps, to_sampler, sends, grammars:
             async for seq, (scheduler_output, received) in _enumerate(steps):
                 with bound_step(scheduler_output.step_id):
                     # GPUWorker: the last step's sends first. On CUDA the
@@ -247,7 +262,7 @@ class RankActor:
                     launched = previous.next_launched if previous is not None else None
                     try:
                         previous, in_flight = await self._run_step(
-                            seq, scheduler_output, received, launched, last_send
+                            seq, scheduler_output, received, launched, last_send, grammars
                         )
                     finally:
                         if launched is not None and not launched.done():
@@ -265,11 +280,18 @@ class RankActor:
         received: PendingReceive | None,
         launched: concurrent.futures.Future[None] | None,
         order_after: SendInFlight | None,
+        grammars: MemoryObjectReceiveStream[GrammarOutput],
     ) -> tuple[_StepResult, SendInFlight | None]:
         start_us = now_us()
+        # A constrained step samples once its bitmask is here: the engine
+        # fills it from the previous step's tokens while this forward runs.
+        defer_sample = scheduler_output.has_structured_output_requests and self.is_last_stage
         result, sampled, pending = await self.stream.run(
-            self._execute, scheduler_output, received, launched, order_after
+            self._execute, scheduler_output, received, launched, order_after, defer_sample
         )
+        if defer_sample and result is None:
+            grammar_output = await _receive_grammar(grammars, scheduler_output.step_id)
+            sampled = await self.stream.run(self.runner.sample_tokens, grammar_output)
         timings = dataclasses.replace(self.runner.timings)
         events = self.runner.last_step_events if timings.forward else None
         in_flight = None
@@ -287,6 +309,7 @@ class RankActor:
         received: PendingReceive | None,
         launched: concurrent.futures.Future[None] | None,
         order_after: SendInFlight | None = None,
+        defer_sample: bool = False,
     ) -> tuple[
         ModelRunnerOutput | IntermediateTensors | None,
         ModelRunnerOutput | AsyncModelRunnerOutput | None,
@@ -296,7 +319,8 @@ class RankActor:
         the device sends of ``order_after``, on the stream), then
         ``sample_tokens`` (the last stage: with async scheduling it only
         enqueues sampling, so the runner is free for the next step at once)
-        or the non-blocking send of the intermediate tensors (other stages)."""
+        or the non-blocking send of the intermediate tensors (other stages).
+        ``defer_sample``: the forward only (the step task samples later)."""
         if order_after is not None and order_after.on_device:
             order_after.pending.order_current_stream()
         try:
@@ -304,7 +328,7 @@ class RankActor:
         finally:
             if received is not None and self.pipe is not None:
                 self.pipe.done_with(received)
-        sampled = self.runner.sample_tokens() if result is None else None
+        sampled = self.runner.sample_tokens() if result is None and not defer_sample else None
         # Only now, with the whole step enqueued: waking the event loop
         # earlier hands it the GIL while this thread still has kernels to
         # launch (measured: the device then idles ~0.5 ms a step).
@@ -359,7 +383,15 @@ class RankActor:
         """Step N's output once its tokens are on the host; with the next step
         already queued, only after that step's forward was launched."""
         if isinstance(sampled, AsyncModelRunnerOutput):
-            if self._deliver_after_next_launch and self._num_received > step.seq + 1:
+            # Not for a constrained step: the engine needs its tokens for the
+            # next step's bitmask, which that step waits for after its forward
+            # (on the CPU "launched" means computed: waiting would serialize).
+            constrained = step.scheduler_output.has_structured_output_requests
+            if (
+                self._deliver_after_next_launch
+                and not constrained
+                and self._num_received > step.seq + 1
+            ):
                 with span("wait_next_launch", "sampler"):
                     await await_future(step.next_launched, shield=False)
             with span("copy_wait", "sampler"):
@@ -396,6 +428,22 @@ class RankActor:
             forward_ms=round(step.timings.forward * 1e3, 3),
             sample_ms=round(step.timings.sample * 1e3, 3),
         )
+
+
+async def _receive_grammar(
+    grammars: MemoryObjectReceiveStream[GrammarOutput], step_id: int
+) -> GrammarOutput:
+    """Step ``step_id``'s bitmask (the next to come: the engine sends them in step order)."""
+    with span("wait_grammar", "step"):
+        try:
+            grammar_output = await grammars.receive()
+        except anyio.EndOfStream:
+            raise RuntimeError(f"the inbox ended before step {step_id}'s grammar") from None
+    if grammar_output.step_id != step_id:
+        raise RuntimeError(
+            f"step {step_id} got the grammar bitmask of step {grammar_output.step_id}"
+        )
+    return grammar_output
 
 
 def _record_device_spans(events: StepEvents) -> None:

@@ -45,6 +45,7 @@ import trio
 from asyncstep.channels.control import (
     ControlMessage,
     ControlStream,
+    Grammar,
     Hello,
     InitKVCache,
     RankFailed,
@@ -61,7 +62,7 @@ from asyncstep.channels.framing import (
     read_secret_file,
 )
 from asyncstep.channels.parallel_state import ParallelGroups, destroy_distributed, init_distributed
-from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.datatypes import ModelRunnerOutput, RankInput, SchedulerOutput
 from asyncstep.errors import ConfigError, leaves, root_cause
 from asyncstep.gpu import switch_interval
 from asyncstep.logging import bind_rank, configure_logging, get_logger
@@ -274,7 +275,7 @@ async def _serve(stream: ControlStream, identity: RankIdentity, store_fd: int | 
 
 
 async def _run_actor(actor: RankActor, stream: ControlStream, *, is_driver: bool) -> None:
-    inbox_tx, inbox_rx = anyio.create_memory_object_stream[SchedulerOutput](1)
+    inbox_tx, inbox_rx = anyio.create_memory_object_stream[RankInput](1)
     outbox_tx, outbox_rx = anyio.create_memory_object_stream[ModelRunnerOutput](1)
 
     async def read_engine() -> None:
@@ -286,6 +287,9 @@ async def _run_actor(actor: RankActor, stream: ControlStream, *, is_driver: bool
                     raise EngineGone("the engine closed the connection") from None
                 if isinstance(message, Shutdown):
                     return
+                if isinstance(message, Grammar):
+                    await inbox_tx.send(message.grammar_output)
+                    continue
                 if not isinstance(message, Step):
                     raise RuntimeError(f"unexpected control message {type(message).__name__}")
                 step_id = message.scheduler_output.step_id

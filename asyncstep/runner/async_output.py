@@ -4,26 +4,33 @@
 ``sample_tokens`` enqueues the sampler, leaves the sampled ids on the device
 (the next step's input ids are scattered from them) and starts a
 non-blocking copy of them (and of the log-probs) into pinned host memory on
-a copy stream, with its own event. :class:`AsyncModelRunnerOutput` holds that
-copy: ``await wait()`` (or ``synchronize()``) until it landed, then
+a copy stream, with its own event (a step's prompt log-probs have a copy of
+their own: :mod:`asyncstep.runner.prompt_logprobs`).
+:class:`AsyncModelRunnerOutput` holds that copy: ``await wait()`` (or
+``synchronize()``) until it landed, then
 ``get_output()`` builds the :class:`ModelRunnerOutput` from host memory only,
 off the runner's thread: it touches no runner state.
 
 On the CPU the "copy" is the sampled tensor itself and its event is complete
 at once.
 
-May import torch, :mod:`asyncstep.gpu` and :mod:`asyncstep.datatypes`.
+May import torch, :mod:`asyncstep.gpu` and :mod:`asyncstep.datatypes` (and, for
+types only, :mod:`asyncstep.runner.prompt_logprobs`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from asyncstep.datatypes import Logprobs, ModelRunnerOutput
 from asyncstep.gpu.stream import StreamEvent, record_event
+
+if TYPE_CHECKING:
+    from asyncstep.runner.prompt_logprobs import HostPromptLogprobs
 
 __all__ = ["AsyncModelRunnerOutput", "copy_to_host"]
 
@@ -53,10 +60,14 @@ class AsyncModelRunnerOutput:
         self._sampled_host = sampled_host
         self._logprobs = logprobs
         self.copy_event = copy_event
+        #: The step's prompt log-probs (their own copy), when a request asked.
+        self.prompt_logprobs: HostPromptLogprobs | None = None
 
     async def wait(self) -> None:
         """Until the copy landed (shielded: the copy cannot be cancelled)."""
         await self.copy_event.wait()
+        if self.prompt_logprobs is not None:
+            await self.prompt_logprobs.copy_event.wait()
 
     def synchronize(self) -> None:
         self.copy_event.synchronize()
@@ -87,6 +98,9 @@ class AsyncModelRunnerOutput:
             req_id_to_index=dict(zip(req_ids, range(len(req_ids)), strict=True)),
             sampled_token_ids=sampled,
             logprobs=self._logprobs_lists(),
+            prompt_logprobs=(
+                self.prompt_logprobs.to_lists() if self.prompt_logprobs is not None else None
+            ),
         )
 
     def _logprobs_lists(self) -> list[list[Logprobs]] | None:

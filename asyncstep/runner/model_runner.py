@@ -49,6 +49,7 @@ from asyncstep.config import CompilationConfig
 from asyncstep.datatypes import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     CachedRequestData,
+    GrammarOutput,
     IntermediateTensors,
     ModelRunnerOutput,
     NewRequestData,
@@ -74,8 +75,10 @@ from asyncstep.runner.cudagraph_dispatcher import (
     CUDAGraphMode,
 )
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner
+from asyncstep.runner.grammar_bitmask import GrammarBitmask
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
+from asyncstep.runner.prompt_logprobs import HostPromptLogprobs, PromptLogprobsTracker
 from asyncstep.runner.sampler import Sampler
 from asyncstep.runner.staging import StagingBuffers
 from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs, is_arange
@@ -109,6 +112,8 @@ class ExecuteModelState:
     #: them (the logits processing reads the newest tokens there).
     input_ids: torch.Tensor | None = None
     logits_indices: torch.Tensor | slice | None = None
+    #: The step's prompt log-probs on their way to the host (a request asked).
+    prompt_logprobs: HostPromptLogprobs | None = None
 
 
 @dataclass
@@ -184,6 +189,7 @@ class ModelRunner:
         #: The persistent batch of the current step.
         self.input_batch = self.input_batches[0]
         self.sampler = Sampler()
+        self.prompt_logprobs = PromptLogprobsTracker(enabled=model.lm_head is not None)
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
         self.timings = StepTimings()
@@ -193,6 +199,7 @@ class ModelRunner:
         self.num_tokens_multiple = model.num_tokens_multiple
         self.async_scheduling = async_scheduling
         self.staging = StagingBuffers(device)
+        self._grammar_bitmask: GrammarBitmask | None = None  # built by the first grammar
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         #: The last sampled ids, still on the device, and whose they are.
         self._prev_sampled: torch.Tensor | None = None
@@ -321,6 +328,7 @@ class ModelRunner:
         self._resolve_outputs(keep_last=self.async_scheduling)
         self._select_input_batch(scheduler_output)
         self._update_states(scheduler_output)
+        self.prompt_logprobs.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.timings = StepTimings()
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -337,6 +345,12 @@ class ModelRunner:
         else:
             out = self._forward(inputs, intermediate_tensors)
         replay = time.perf_counter() - t2
+        prompt_lp = None
+        if self.prompt_logprobs.owed and not isinstance(out, IntermediateTensors):
+            logits_fn = None if self._graph_computed_logits(inputs) else self.model.compute_logits
+            prompt_lp = self.prompt_logprobs.compute(
+                scheduler_output, self.input_batch, out, logits_fn, self._copy_stream
+            )
         if not isinstance(out, IntermediateTensors):
             if self._graph_computed_logits(inputs):
                 out = out[inputs.logits_indices]
@@ -356,6 +370,7 @@ class ModelRunner:
             events,
             inputs.input_ids,
             inputs.logits_indices,
+            prompt_logprobs=prompt_lp,
         )
         return None
 
@@ -382,16 +397,26 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        """Sample the kept logits. Synchronous runner: the output, the tokens
-        appended to the batch. Async scheduling: an
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Sample the kept logits, those of ``grammar_output``'s requests
+        masked by their bitmask first. Synchronous runner: the output, the
+        tokens appended to the batch. Async scheduling: an
         :class:`AsyncModelRunnerOutput` at once (the device still samples)."""
         state = self.execute_model_state
         if state is None:
             raise RuntimeError("sample_tokens() called without a pending execute_model()")
         self.execute_model_state = None
         t0 = time.perf_counter()
+        if grammar_output is not None:
+            rows = state.sample_rows
+            row_of = dict(zip(map(state.req_ids.__getitem__, rows), range(len(rows)), strict=True))
+            if self._grammar_bitmask is None:
+                self._grammar_bitmask = GrammarBitmask(self.device)
+            self._grammar_bitmask.apply(state.logits, grammar_output, row_of)
         output = self._sample(state)
+        output.prompt_logprobs = state.prompt_logprobs
         if state.events is not None:
             state.events.copy_end = output.copy_event
         self.timings.sample = time.perf_counter() - t0

@@ -132,6 +132,8 @@ def open_checkpoint(model: str | Path | None = None, load_format: str = "auto") 
         raise ModelLoadError(f"model not found: {path}")
     if load_format == "gguf":
         return GGUFCheckpoint(_single_gguf_in(path) if path.is_dir() else path)
+    if load_format == "dummy" and path.is_dir() and (path / CONFIG_FILE).is_file():
+        return HFCheckpoint(path, with_weights=False)  # the config and tokenizer only
     if load_format == "safetensors":
         if not path.is_dir():
             raise ModelLoadError(

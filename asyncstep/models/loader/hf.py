@@ -254,17 +254,21 @@ def _read_tensor(handle: Any, name: str, index: tuple[slice, ...] | None = None)
 
 
 class HFCheckpoint:
-    """An HF checkpoint directory with safetensors weights."""
+    """An HF checkpoint directory with safetensors weights (``with_weights=False``:
+    its config and tokenizer only, for dummy weights; its weights are not looked at)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, with_weights: bool = True) -> None:
         self.path = Path(path)
         if not self.path.is_dir():
             raise ModelLoadError(f"model not found: {self.path}")
         self._config = read_arch_config(self.path)
         self._expected = self._config.weight_shapes()
         self._max_tensors = len(self._expected) + self._config.num_hidden_layers + 1  # ignorable
-        self._files = _shard_files(self.path, self._max_tensors)
         self._tensors: dict[str, tuple[Path, TensorInfo]] = {}
+        self._files: list[Path] = []
+        if not with_weights:
+            return
+        self._files = _shard_files(self.path, self._max_tensors)
         for file in self._files:
             self._add_file(file)
         missing = sorted(self._expected.keys() - self._tensors.keys())
