@@ -7,8 +7,9 @@ The rules are OpenAI's, with vLLM's extensions: ``temperature`` and
 the context leaves), a chat's ``max_completion_tokens`` (or ``max_tokens``)
 to what the context leaves after the prompt; a ``max_tokens`` larger than
 that is refused, as vLLM does; chat ``logprobs=true`` with
-``top_logprobs=k`` asks for the top-k; ``response_format`` (``json_object``,
-``json_schema``) and ``structured_outputs`` become
+``top_logprobs=k`` asks for the top-k; ``response_format`` (``json_object``:
+the schema of any object, as OpenAI means it; ``json_schema``) and
+``structured_outputs`` (as they are) become
 :class:`~asyncstep.structured_params.StructuredOutputsParams`. Every
 value is then checked by ``SamplingParams`` itself, and each prompt by the
 engine (:meth:`~asyncstep.engine.engine.Engine.encode_prompt`): what they
@@ -39,6 +40,8 @@ from asyncstep.structured_params import StructuredOutputsParams, check_structure
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: Most prompts one completion request may hold.
 MAX_PROMPTS = 1024
+#: ``response_format`` ``json_object``: any JSON object (OpenAI's meaning).
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,8 @@ def _response_format(fmt: ResponseFormat | None) -> StructuredOutputsParams | No
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        # OpenAI's json_object is an object; the engine's json_object any JSON value.
+        return StructuredOutputsParams(json=JSON_OBJECT_SCHEMA)
     if fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema is None:
             raise bad_request(
