@@ -198,10 +198,14 @@ def test_serve_flags_make_the_server_config(
     assert config.api_key == "from-env"  # the environment, unless --api-key is given
     args = cli.build_parser().parse_args(["serve", "--api-key", "flag"])
     assert cli.server_config_from_args(args).api_key == "flag"
-    # A bad value is one line on stderr, before any model loads.
+    # A bad value is one line on stderr, before any model loads; so is a port in use.
     assert cli.main(["serve", "--port", "70000"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "port must be in [0, 65535]" in err
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        assert cli.main(["serve", "--port", str(taken.getsockname()[1])]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot listen on 127.0.0.1:" in err
 
 
 #: What the server package may import of asyncstep: the front end only.

@@ -1,10 +1,10 @@
 """``asyncstep serve``: the engine and the OpenAI-compatible app under
 Hypercorn's Trio worker, in one ``trio.run``.
 
-Start: the engine is opened (the model loaded), then Hypercorn binds
-``host:port`` (loopback unless told otherwise) and ``ready(url)`` is
-called (the CLI prints the URL: with port 0 it is the port the system
-chose).
+Start: ``host:port`` is bound (loopback unless told otherwise; an address
+in use fails at once, before the model loads), the engine is opened, then
+Hypercorn serves on that socket and ``ready(url)`` is called (the CLI
+prints the URL: with port 0 it is the port the system chose).
 
 Stop, on SIGTERM or SIGINT: Hypercorn stops accepting connections and
 ``/health`` answers 503; requests in flight may finish for
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import signal
+import socket
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -27,6 +28,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from asyncstep.config import EngineConfig
 from asyncstep.engine.api import open_engine
+from asyncstep.errors import ConfigError
 from asyncstep.logging import get_logger
 from asyncstep.server.app import OpenAIServer
 from asyncstep.server.config import ServerConfig
@@ -38,9 +40,12 @@ log = get_logger("server")
 FLUSH_GRACE_S = 5.0
 
 
-def hypercorn_config(config: ServerConfig, log_level: str = "warning") -> HypercornConfig:
+def hypercorn_config(
+    config: ServerConfig, listener: socket.socket, log_level: str = "warning"
+) -> HypercornConfig:
+    """Hypercorn's config, serving on ``listener`` (which it then owns)."""
     hc = HypercornConfig()
-    hc.bind = [config.bind]
+    hc.bind = [f"fd://{listener.detach()}"]
     hc.graceful_timeout = config.shutdown_timeout + FLUSH_GRACE_S
     hc.keep_alive_timeout = config.keep_alive_timeout
     hc.accesslog = "-" if config.access_log else None  # "-": stderr
@@ -64,6 +69,20 @@ async def serve(
             host=server_config.host,
             api_key="set" if server_config.api_key else "none",
         )
+    # Bound first: an address in use fails before the model loads.
+    listener = listen(server_config.host, server_config.port)
+    with listener:
+        await _serve(engine_config, server_config, listener, ready, progress, log_level)
+
+
+async def _serve(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    listener: socket.socket,
+    ready: Callable[[str], None] | None,
+    progress: Callable[[int, int], None] | None,
+    log_level: str,
+) -> None:
     async with open_engine(config=engine_config, progress=progress) as engine:
         server = OpenAIServer(engine, server_config)
         stop = trio.Event()
@@ -76,7 +95,7 @@ async def serve(
                     log.info("stopping", in_flight=len(server.in_flight))
                     http.start_soon(server.drain, server_config.shutdown_timeout)
 
-                hc = hypercorn_config(server_config, log_level)
+                hc = hypercorn_config(server_config, listener, log_level)
                 binds = await http.start(
                     partial(
                         hypercorn.trio.serve,
@@ -99,6 +118,25 @@ async def _watch_signals(server: OpenAIServer, stop: trio.Event) -> None:
                 log.warning("second signal: aborting every request", signal=signum)
                 server.abort_all()
             stop.set()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (an IPv6 address or name too)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def _is_loopback(host: str) -> bool:
