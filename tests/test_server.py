@@ -275,6 +275,62 @@ def test_logprobs_of_completions_and_chats(server: Server) -> None:
     )
 
 
+def test_prompt_logprobs_and_echo_with_logprobs(server: Server) -> None:
+    client = server.client()
+    prompt = "The cat sat on the"
+    tokens = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    assert out.choices[0].model_extra is not None
+    positions = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(positions) == len(tokens) and positions[0] is None
+    for token, position in zip(tokens[1:], positions[1:], strict=True):
+        assert 2 <= len(position) <= 3 and position[str(token)]["logprob"] <= 0
+        assert position[str(token)]["rank"] >= 1
+    # echo, logprobs, max_tokens 0 (a log-likelihood): the prompt alone, with its log-probs.
+    alone = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    lp = alone.choices[0].logprobs
+    assert alone.choices[0].text == prompt and alone.usage is not None
+    assert alone.usage.completion_tokens == 0 and alone.usage.prompt_tokens == len(tokens)
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert len(lp.tokens) == len(tokens) and lp.token_logprobs[0] is None
+    expected = [p[str(t)]["logprob"] for t, p in zip(tokens[1:], positions[1:], strict=True)]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    # With an output: the prompt's tokens, then the output's; whole or streamed.
+    both = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0
+    )
+    assert both.choices[0].text == prompt + out.choices[0].text
+    assert both.choices[0].logprobs is not None and both.choices[0].logprobs.tokens is not None
+    assert len(both.choices[0].logprobs.tokens) == len(tokens) + 3
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=3,
+            echo=True,
+            logprobs=1,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == both.choices[0].text
+    streamed = [t for c in chunks for t in (c.choices[0].logprobs.tokens or [])]  # type: ignore[union-attr]
+    assert streamed == both.choices[0].logprobs.tokens
+    # A chat's prompt log-probs are the response's (vLLM's place for them).
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )
+    assert chat.model_extra is not None and chat.usage is not None
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+
+
 def test_a_json_schema_reply_parses_and_validates(server: Server) -> None:
     """response_format (json_schema, json_object) and vLLM's structured_outputs
     constrain the output (they need the engine's structured-output support)."""
@@ -506,6 +562,13 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("top_p of 0", COMPLETIONS, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("n of 0", COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n"),
     ("too many logprobs", COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    (
+        "negative prompt_logprobs",
+        CHAT,
+        {"messages": USER, "prompt_logprobs": -1},
+        400,
+        "prompt_logprobs",
+    ),
     ("top_logprobs alone", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     ("no messages", CHAT, {"messages": []}, 400, "messages"),
     (

@@ -49,6 +49,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from asyncstep.datatypes import Logprobs
 from asyncstep.engine.engine import Engine
 from asyncstep.engine.outputs import CompletionChunk
 from asyncstep.errors import InvalidRequestError, describe, leaves
@@ -168,13 +169,18 @@ class OpenAIServer:
         self._check_model(body.model)
         job = completion_job(self.engine, body)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        echo = None
-        if job.echo:
-            echo = [
-                self._prompt_text(job, i) for i in range(len(job.prompts)) for _ in range(job.n)
-            ]
+        echo = [self._prompt_text(job, i) for i in range(len(job.prompts))] if job.echo else None
         fmt = CompletionFormatter(
-            rid, int(time.time()), self.model_name, self.texts, job.logprobs is not None, echo
+            request_id=rid,
+            created=int(time.time()),
+            model=self.model_name,
+            texts=self.texts,
+            logprobs=job.logprobs,
+            n=job.n,
+            prompt_ids=job.prompts,
+            prompt_logprobs=job.prompt_logprobs,
+            echo_texts=echo,
+            hide_output=job.hide_output,
         )
         return GenerationResponse(self, job, fmt, rid)
 
@@ -184,7 +190,12 @@ class OpenAIServer:
         job = chat_job(self.engine, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(
-            rid, int(time.time()), self.model_name, self.texts, job.logprobs is not None
+            rid,
+            int(time.time()),
+            self.model_name,
+            self.texts,
+            job.logprobs is not None,
+            job.prompt_logprobs,
         )
         return GenerationResponse(self, job, fmt, rid)
 
@@ -402,20 +413,23 @@ class OpenAIServer:
         """A whole response; True if the request failed."""
         outputs = [ChoiceOutput() for _ in range(job.num_choices)]
         prompts = _PromptTokens(self.metrics, job)
+        prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(job.prompts)
 
         async def on_chunk(i: int, chunk: CompletionChunk) -> None:
             index = i * job.n + chunk.index
             prompts.seen(i)
             timer.chunk(index, len(chunk.token_ids), _reason(chunk))
             outputs[index].add(chunk)
+            if chunk.prompt_logprobs is not None:
+                prompt_logprobs[i] = chunk.prompt_logprobs
 
         try:
             await self._generate(job, rid, on_chunk)
         except Exception as exc:
             await _send_error(send, self._failure(exc))
             return True
-        completion_tokens = sum(o.num_tokens for o in outputs)
-        body = fmt.whole(outputs, usage(prompts.total, completion_tokens))
+        completion_tokens = 0 if job.hide_output else sum(o.num_tokens for o in outputs)
+        body = fmt.whole(outputs, usage(prompts.total, completion_tokens), prompt_logprobs)
         await sse.send_whole(send, 200, sse.encode(body))
         return False
 
@@ -435,7 +449,8 @@ class OpenAIServer:
             index = i * job.n + chunk.index
             prompts.seen(i)
             timer.chunk(index, len(chunk.token_ids), _reason(chunk))
-            completion_tokens += len(chunk.token_ids)
+            if not job.hide_output:
+                completion_tokens += len(chunk.token_ids)
             now = usage(prompts.total, completion_tokens) if job.continuous_usage else None
             data = sse.event(fmt.chunk(index, chunk, first[index], now))
             first[index] = False

@@ -90,12 +90,16 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     #: StructuredOutputsParams' fields (json, json_object, regex, choice, grammar).
     structured_outputs: dict[str, Any] | None = None
+    #: Each prompt position's log-prob and top-k (vLLM's; the first position: null).
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings,
     a list of token ids, or a list of lists of token ids (checked in
-    :func:`asyncstep.server.requests.completion_prompts`)."""
+    :func:`asyncstep.server.requests.completion_prompts`). ``echo`` puts the
+    prompt before the output (with ``logprobs``, its tokens' log-probs too;
+    with ``max_tokens`` 0, the prompt alone)."""
 
     prompt: str | list[Any]
     max_tokens: int | None = 16
@@ -155,6 +159,18 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
 
 
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's log-prob of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: One prompt position's log-probs by token id (as a string); null for the first.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
@@ -162,6 +178,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     #: vLLM: the stop string or token id that ended the choice.
     stop_reason: int | str | None = None
+    #: vLLM: the prompt's log-probs (in a stream, in the chunk that has them).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -212,6 +230,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -234,6 +253,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelCard(msgspec.Struct, kw_only=True):

@@ -57,7 +57,11 @@ class GenerationJob:
     continuous_usage: bool
     #: Top log-probs asked per position (None: no log-probs).
     logprobs: int | None
+    #: Top log-probs asked per prompt position (None: none).
+    prompt_logprobs: int | None = None
     echo: bool = False
+    #: ``echo`` with ``max_tokens`` 0: the prompt alone (one token is made, not shown).
+    hide_output: bool = False
 
     @property
     def n(self) -> int:
@@ -74,20 +78,26 @@ def completion_job(engine: Engine, request: CompletionRequest) -> GenerationJob:
         raise bad_request("suffix is not supported", "suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of must equal n (or be left out)", "best_of")
-    if request.echo and request.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt log-probs, not supported", "echo")
+    hide_output = request.echo and request.max_tokens == 0
+    prompt_logprobs = request.prompt_logprobs
+    if request.echo and request.logprobs is not None and (prompt_logprobs or 0) >= 0:
+        # The echoed prompt's tokens come with their log-probs (a bad value is
+        # left for SamplingParams to refuse).
+        prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
     prompts = completion_prompts(request.prompt)
     ids = [_encoded(engine, p) for p in prompts]
     texts = [p if isinstance(p, str) else None for p in prompts]
+    max_tokens = 1 if hide_output else request.max_tokens
     params = [
         _sampling_params(
             request,
-            _max_tokens(engine, len(p), request.max_tokens, "max_tokens", completion=True),
+            _max_tokens(engine, len(p), max_tokens, "max_tokens", completion=True),
             request.logprobs,
+            prompt_logprobs,
         )
         for p in ids
     ]
-    return _job(request, ids, texts, params, request.logprobs, echo=request.echo)
+    return _job(request, ids, texts, params, request.logprobs, echo=request.echo, hide=hide_output)
 
 
 def chat_job(engine: Engine, request: ChatCompletionRequest) -> GenerationJob:
@@ -104,7 +114,7 @@ def chat_job(engine: Engine, request: ChatCompletionRequest) -> GenerationJob:
     if given is None and request.max_tokens is not None:
         given, name = request.max_tokens, "max_tokens"
     max_tokens = _max_tokens(engine, len(ids), given, name, completion=False)
-    params = [_sampling_params(request, max_tokens, logprobs)]
+    params = [_sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)]
     return _job(request, [ids], [None], params, logprobs)
 
 
@@ -182,7 +192,7 @@ def _max_tokens(
 
 
 def _sampling_params(
-    request: GenerationRequest, max_tokens: int, logprobs: int | None
+    request: GenerationRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
 ) -> SamplingParams:
     return SamplingParams(
         n=request.n,
@@ -196,6 +206,7 @@ def _sampling_params(
         stop_token_ids=request.stop_token_ids or (),  # type: ignore[arg-type]
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=request.include_stop_str_in_output,
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
@@ -267,6 +278,7 @@ def _job(
     logprobs: int | None,
     *,
     echo: bool = False,
+    hide: bool = False,
 ) -> GenerationJob:
     options = request.stream_options
     if options is not None and not request.stream:
@@ -279,5 +291,7 @@ def _job(
         include_usage=options is not None and options.include_usage,
         continuous_usage=options is not None and options.continuous_usage_stats,
         logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs,
         echo=echo,
+        hide_output=hide,
     )

@@ -30,6 +30,8 @@ from asyncstep.server.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
     UsageInfo,
 )
@@ -95,10 +97,43 @@ def _logprob(value: float) -> float:
     return value if value > MIN_LOGPROB else MIN_LOGPROB  # -inf and nan too
 
 
-class Formatter(Protocol):
-    """One endpoint's response bodies."""
+def prompt_logprob_entries(
+    texts: TokenTexts, entries: list[Logprobs | None], k: int
+) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: each position's prompt token (its rank
+    among all tokens) and the top ``k`` (ranks 1 .. k), by token id."""
+    out: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        token = entry.token_ids[0]
+        position = {
+            str(token): PromptLogprob(
+                logprob=_logprob(entry.logprobs[0]),
+                rank=entry.sampled_token_rank,
+                decoded_token=texts(token),
+            )
+        }
+        tops = zip(entry.token_ids[1 : k + 1], entry.logprobs[1 : k + 1], strict=True)
+        for rank, (t, value) in enumerate(tops, 1):
+            position.setdefault(
+                str(t), PromptLogprob(logprob=_logprob(value), rank=rank, decoded_token=texts(t))
+            )
+        out.append(position)
+    return out
 
-    def whole(self, choices: list[ChoiceOutput], usage: UsageInfo) -> msgspec.Struct: ...
+
+class Formatter(Protocol):
+    """One endpoint's response bodies. ``prompt_logprobs`` (by prompt) are
+    those the engine gave, when asked for."""
+
+    def whole(
+        self,
+        choices: list[ChoiceOutput],
+        usage: UsageInfo,
+        prompt_logprobs: list[list[Logprobs | None] | None],
+    ) -> msgspec.Struct: ...
 
     def chunk(
         self, index: int, chunk: CompletionChunk, first: bool, usage: UsageInfo | None
@@ -109,27 +144,51 @@ class Formatter(Protocol):
 
 @dataclass
 class CompletionFormatter:
-    """``/v1/completions`` bodies; ``echo`` puts each prompt's text (by
-    choice) before its output."""
+    """``/v1/completions`` bodies. ``echo_texts`` (by prompt) go before each
+    choice's output: with log-probs, the prompt's tokens come first in them
+    (the first with none); ``hide_output``: the prompt alone (``echo`` with
+    ``max_tokens`` 0). A stream's log-prob offsets count from the start of
+    its choice's text."""
 
     request_id: str
     created: int
     model: str
     texts: TokenTexts
-    logprobs: bool
+    #: Log-probs per position asked (None: none).
+    logprobs: int | None
+    n: int
+    prompt_ids: list[list[int]]
+    prompt_logprobs: int | None = None
     echo_texts: list[str] | None = None
+    hide_output: bool = False
+    #: Streams: each prompt's log-probs once seen, each choice's text offset.
+    _seen_prompt_logprobs: dict[int, list[Logprobs | None]] = field(default_factory=dict)
+    _offsets: dict[int, int] = field(default_factory=dict)
 
-    def whole(self, choices: list[ChoiceOutput], usage: UsageInfo) -> CompletionResponse:
+    def whole(
+        self,
+        choices: list[ChoiceOutput],
+        usage: UsageInfo,
+        prompt_logprobs: list[list[Logprobs | None] | None],
+    ) -> CompletionResponse:
         out = []
-        for i, choice in enumerate(choices):
-            prefix = self._echo(i)
+        for index, choice in enumerate(choices):
+            prompt = index // self.n
+            lps = prompt_logprobs[prompt]
+            logprobs = None
+            if self.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                offset = self._add_prompt(logprobs, prompt, lps, 0)
+                if not self.hide_output:
+                    self._add_output(logprobs, choice.logprobs, offset)
             out.append(
                 CompletionChoice(
-                    index=i,
-                    text=prefix + choice.text,
-                    logprobs=self._logprobs(choice.logprobs, len(prefix)),
+                    index=index,
+                    text=self._echo(prompt) + ("" if self.hide_output else choice.text),
+                    logprobs=logprobs,
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
+                    prompt_logprobs=self._prompt_entries(lps),
                 )
             )
         return self._body(out, usage)
@@ -137,13 +196,27 @@ class CompletionFormatter:
     def chunk(
         self, index: int, chunk: CompletionChunk, first: bool, usage: UsageInfo | None
     ) -> CompletionResponse:
-        prefix = self._echo(index) if first else ""
+        prompt = index // self.n
+        if chunk.prompt_logprobs is not None:
+            self._seen_prompt_logprobs[prompt] = chunk.prompt_logprobs
+        lps = self._seen_prompt_logprobs.get(prompt)
+        prefix = self._echo(prompt) if first else ""
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            offset = self._offsets.get(index, 0)
+            if first:
+                offset = self._add_prompt(logprobs, prompt, lps, offset)
+            if not self.hide_output:
+                offset = self._add_output(logprobs, chunk.logprobs or [], offset)
+            self._offsets[index] = offset
         choice = CompletionChoice(
             index=index,
-            text=prefix + chunk.text,
-            logprobs=self._logprobs(chunk.logprobs or [], 0),
+            text=prefix + ("" if self.hide_output else chunk.text),
+            logprobs=logprobs,
             finish_reason=None if chunk.finish_reason is None else str(chunk.finish_reason),
             stop_reason=chunk.stop_reason,
+            prompt_logprobs=self._prompt_entries(chunk.prompt_logprobs),
         )
         return self._body([choice], usage)
 
@@ -155,13 +228,46 @@ class CompletionFormatter:
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def _echo(self, index: int) -> str:
-        return "" if self.echo_texts is None else self.echo_texts[index]
+    def _echo(self, prompt: int) -> str:
+        return "" if self.echo_texts is None else self.echo_texts[prompt]
 
-    def _logprobs(self, entries: list[Logprobs], offset: int) -> CompletionLogprobs | None:
-        if not self.logprobs:
+    def _prompt_entries(self, entries: list[Logprobs | None] | None) -> PromptLogprobs | None:
+        if self.prompt_logprobs is None or entries is None:
             return None
-        out = CompletionLogprobs()
+        return prompt_logprob_entries(self.texts, entries, self.prompt_logprobs)
+
+    def _add_prompt(
+        self,
+        out: CompletionLogprobs,
+        prompt: int,
+        entries: list[Logprobs | None] | None,
+        offset: int,
+    ) -> int:
+        """The echoed prompt's tokens (with their log-probs where known)."""
+        if self.echo_texts is None:
+            return offset
+        k = self.logprobs or 0
+        for position, token_id in enumerate(self.prompt_ids[prompt]):
+            entry = entries[position] if entries is not None and position < len(entries) else None
+            token = self.texts(token_id)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            value = _logprob(entry.logprobs[0])
+            top = {
+                self.texts(t): _logprob(v)
+                for t, v in zip(entry.token_ids[1 : k + 1], entry.logprobs[1 : k + 1], strict=True)
+            }
+            top.setdefault(token, value)
+            out.token_logprobs.append(value)
+            out.top_logprobs.append(top)
+        return offset
+
+    def _add_output(self, out: CompletionLogprobs, entries: list[Logprobs], offset: int) -> int:
         for entry in entries:
             token = self.texts(entry.token_ids[0])
             value = _logprob(entry.logprobs[0])
@@ -175,20 +281,26 @@ class CompletionFormatter:
             out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(token)
-        return out
+        return offset
 
 
 @dataclass
 class ChatFormatter:
-    """``/v1/chat/completions`` bodies."""
+    """``/v1/chat/completions`` bodies (``prompt_logprobs`` at the top, as vLLM's)."""
 
     request_id: str
     created: int
     model: str
     texts: TokenTexts
     logprobs: bool
+    prompt_logprobs: int | None = None
 
-    def whole(self, choices: list[ChoiceOutput], usage: UsageInfo) -> ChatCompletionResponse:
+    def whole(
+        self,
+        choices: list[ChoiceOutput],
+        usage: UsageInfo,
+        prompt_logprobs: list[list[Logprobs | None] | None],
+    ) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -204,6 +316,7 @@ class ChatFormatter:
                 for i, choice in enumerate(choices)
             ],
             usage=usage,
+            prompt_logprobs=self._prompt_entries(prompt_logprobs[0]),
         )
 
     def chunk(
@@ -216,7 +329,9 @@ class ChatFormatter:
             finish_reason=None if chunk.finish_reason is None else str(chunk.finish_reason),
             stop_reason=chunk.stop_reason,
         )
-        return self._chunk([choice], usage)
+        body = self._chunk([choice], usage)
+        body.prompt_logprobs = self._prompt_entries(chunk.prompt_logprobs)
+        return body
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk([], usage)
@@ -227,6 +342,11 @@ class ChatFormatter:
         return ChatCompletionChunk(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
+
+    def _prompt_entries(self, entries: list[Logprobs | None] | None) -> PromptLogprobs | None:
+        if self.prompt_logprobs is None or entries is None:
+            return None
+        return prompt_logprob_entries(self.texts, entries, self.prompt_logprobs)
 
     def _logprobs(self, entries: list[Logprobs]) -> ChatChoiceLogprobs | None:
         if not self.logprobs:
