@@ -329,10 +329,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         with ProgressBar("loading weights") as progress:
 
-            def ready(url: str) -> None:
+            def ready(url: str, model: str) -> None:
                 progress.close()
-                names = server_config.served_model_name
-                model = names[0] if names else engine_config.model.model or "SmolLM2-135M-Instruct"
                 print(f"{PROG}: serving {model} on {url}", flush=True)
 
             trio.run(

@@ -1,7 +1,7 @@
 """Engine output as OpenAI response bodies: a whole completion or chat
 completion (:meth:`Formatter.whole`), or the stream chunks of one
-(:meth:`Formatter.chunk`), with log-probs in each endpoint's shape and the
-token counts (``usage``).
+(:meth:`Formatter.chunk`), with log-probs in each endpoint's shape,
+vLLM's ``prompt_logprobs`` and the token counts (``usage``).
 
 Choice ``k`` of prompt ``i`` (of ``n``) is choice ``i * n + k`` of the
 response. Log-probs of minus infinity are reported as -9999 (JSON has no

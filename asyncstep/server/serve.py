@@ -3,8 +3,8 @@ Hypercorn's Trio worker, in one ``trio.run``.
 
 Start: ``host:port`` is bound (loopback unless told otherwise; an address
 in use fails at once, before the model loads), the engine is opened, then
-Hypercorn serves on that socket and ``ready(url)`` is called (the CLI
-prints the URL: with port 0 it is the port the system chose).
+Hypercorn serves on that socket and ``ready(url, model_name)`` is called
+(the CLI prints them: with port 0 the URL has the port the system chose).
 
 Stop, on SIGTERM or SIGINT: Hypercorn stops accepting connections and
 ``/health`` answers 503; requests in flight may finish for
@@ -58,7 +58,7 @@ async def serve(
     engine_config: EngineConfig,
     server_config: ServerConfig,
     *,
-    ready: Callable[[str], None] | None = None,
+    ready: Callable[[str, str], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
     log_level: str = "warning",
 ) -> None:
@@ -79,7 +79,7 @@ async def _serve(
     engine_config: EngineConfig,
     server_config: ServerConfig,
     listener: socket.socket,
-    ready: Callable[[str], None] | None,
+    ready: Callable[[str, str], None] | None,
     progress: Callable[[int, int], None] | None,
     log_level: str,
 ) -> None:
@@ -105,7 +105,7 @@ async def _serve(
                     )
                 )
                 if ready is not None:
-                    ready(binds[0] if binds else f"http://{server_config.bind}")
+                    ready(binds[0] if binds else f"http://{server_config.bind}", server.model_name)
             # Hypercorn has answered every connection (or given up on them).
             outer.cancel_scope.cancel()
         log.info("stopped")
