@@ -2,6 +2,8 @@
 
 * :mod:`~asyncstep.server.app`: the routes over one engine
   (:func:`build_app`, to mount in any ASGI app under Trio or asyncio);
+  :mod:`~asyncstep.server.generation`: the generation requests in flight
+  (admission, whole and streamed responses, disconnects, the graceful stop);
 * :mod:`~asyncstep.server.protocol`: the request and response bodies;
   :mod:`~asyncstep.server.requests`: requests as engine prompts and
   sampling parameters; :mod:`~asyncstep.server.responses`: engine output as

@@ -13,16 +13,10 @@ asyncio, alone or mounted in a service's own ASGI app):
 A request is read (at most ``max_request_body_bytes``: else 413), decoded
 (a bad body or field: 400), matched to a served model name (else 404),
 turned into engine requests (:mod:`asyncstep.server.requests`: what the
-engine refuses is a 400), and admitted unless the batch's waiting queue
-would pass ``max_waiting_requests`` (429, with ``Retry-After``). Errors
-have OpenAI's JSON shape (:mod:`asyncstep.server.errors`).
-
-Every response of a generation watches for its client's disconnect while
-it runs: a client that goes away cancels it, which aborts its engine
-requests (their KV blocks are freed at once). A stream's headers are sent
-with its first chunk, so that a request the engine refuses is still a 400;
-an error after that is a last ``data: {"error": ...}`` event, then
-``[DONE]``.
+engine refuses is a 400), then admitted and served
+(:mod:`asyncstep.server.generation`: 429 past ``max_waiting_requests``; a
+client that disconnects aborts its request). Errors have OpenAI's JSON
+shape (:mod:`asyncstep.server.errors`).
 
 :meth:`OpenAIServer.drain` is the graceful stop: new requests get 503,
 those in flight may finish for a while, then are aborted (they end with
@@ -35,10 +29,9 @@ import contextlib
 import hmac
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any, cast
+from typing import Any
 
 import anyio
 import msgspec
@@ -47,17 +40,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from asyncstep.datatypes import Logprobs
 from asyncstep.engine.engine import Engine
-from asyncstep.engine.outputs import CompletionChunk
-from asyncstep.errors import InvalidRequestError, describe, leaves
+from asyncstep.errors import InvalidRequestError, describe
 from asyncstep.logging import get_logger
 from asyncstep.server import sse
 from asyncstep.server.config import ServerConfig
 from asyncstep.server.errors import APIError, api_error, bad_request, error_body
-from asyncstep.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from asyncstep.server.generation import GenerationResponse, Generations, InFlight
+from asyncstep.server.metrics import CONTENT_TYPE, ServerMetrics
 from asyncstep.server.protocol import (
     BodyError,
     ChatCompletionRequest,
@@ -78,11 +69,8 @@ from asyncstep.server.requests import (
 )
 from asyncstep.server.responses import (
     ChatFormatter,
-    ChoiceOutput,
     CompletionFormatter,
-    Formatter,
     TokenTexts,
-    usage,
 )
 
 log = get_logger("server")
@@ -91,8 +79,6 @@ log = get_logger("server")
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 #: How long ``/metrics`` waits for the engine's counters when idle.
 METRICS_REFRESH_S = 0.5
-
-OnChunk = Callable[[int, CompletionChunk], Awaitable[None]]
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None) -> Starlette:
@@ -105,14 +91,6 @@ def default_model_name(engine: Engine) -> str:
     return engine.config.model.model or EMBEDDED_MODEL_NAME
 
 
-@dataclass(frozen=True)
-class InFlight:
-    """A request being served: its engine request ids (one per prompt)."""
-
-    engine_ids: list[str]
-    num_choices: int
-
-
 class OpenAIServer:
     """The routes and the state of one server over one engine."""
 
@@ -123,11 +101,7 @@ class OpenAIServer:
         self.model_name = self.model_names[0]
         self.metrics = ServerMetrics(engine, self.model_name)
         self.texts = TokenTexts(engine.tokenizer)
-        #: Requests being served, by response id.
-        self.in_flight: dict[str, InFlight] = {}
-        #: Refusing new requests (a graceful stop is under way).
-        self.draining = False
-        self._emptied: anyio.Event | None = None
+        self.generations = Generations(engine, self.metrics, self.config)
         self._created = int(time.time())
         routes = [
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
@@ -145,22 +119,18 @@ class OpenAIServer:
         )
         self.app.state.openai_server = self
 
-    # -- graceful stop ------------------------------------------------------
+    @property
+    def in_flight(self) -> dict[str, InFlight]:
+        """Generation requests being served, by response id."""
+        return self.generations.in_flight
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; wait up to ``timeout_s`` for those in
         flight, then abort what is left (responses end with ``abort``)."""
-        self.draining = True
-        with anyio.move_on_after(timeout_s):
-            while self.in_flight:
-                self._emptied = anyio.Event()
-                await self._emptied.wait()
-        self.abort_all()
+        await self.generations.drain(timeout_s)
 
     def abort_all(self) -> None:
-        for request in list(self.in_flight.values()):
-            for engine_id in request.engine_ids:
-                self.engine.abort(engine_id)
+        self.generations.abort_all()
 
     # -- routes ---------------------------------------------------------------
 
@@ -182,7 +152,7 @@ class OpenAIServer:
             echo_texts=echo,
             hide_output=job.hide_output,
         )
-        return GenerationResponse(self, job, fmt, rid)
+        return GenerationResponse(self.generations, job, fmt, rid)
 
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self._body(request), ChatCompletionRequest)
@@ -197,7 +167,7 @@ class OpenAIServer:
             job.logprobs is not None,
             job.prompt_logprobs,
         )
-        return GenerationResponse(self, job, fmt, rid)
+        return GenerationResponse(self.generations, job, fmt, rid)
 
     async def models(self, request: Request) -> Response:
         root = self.engine.config.model.model
@@ -210,7 +180,7 @@ class OpenAIServer:
         return _json(ModelList(data=cards))
 
     async def health(self, request: Request) -> Response:
-        self._check_serving()
+        self.generations.check_serving()
         return Response(status_code=200)
 
     async def metrics_text(self, request: Request) -> Response:
@@ -326,46 +296,6 @@ class OpenAIServer:
                 param="model",
             )
 
-    def _check_serving(self) -> None:
-        if self.engine.error is not None:
-            raise APIError(
-                HTTPStatus.SERVICE_UNAVAILABLE, f"the engine stopped: {describe(self.engine.error)}"
-            )
-        if self.draining:
-            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down")
-
-    def _admit(self, rid: str, job: GenerationJob) -> None:
-        """Register a request, unless the server stops or its batch's
-        waiting queue would pass the limit."""
-        self._check_serving()
-        limit = self.config.max_waiting_requests
-        if limit is not None:
-            waiting = self.projected_waiting(job.num_choices)
-            if waiting > limit:
-                raise APIError(
-                    HTTPStatus.TOO_MANY_REQUESTS,
-                    f"too many requests waiting ({waiting} with this one; the limit is "
-                    f"{limit}): retry later",
-                    headers={"retry-after": "1"},
-                )
-        ids = [rid] if len(job.prompts) == 1 else [f"{rid}-p{i}" for i in range(len(job.prompts))]
-        self.in_flight[rid] = InFlight(ids, job.num_choices)
-
-    def projected_waiting(self, new_choices: int) -> int:
-        """Requests that would wait for a batch slot with ``new_choices``
-        more: those this server has in flight past the batch's capacity, or
-        (when the engine reports a queue, e.g. the KV cache is full) its
-        queue and these."""
-        in_flight = sum(r.num_choices for r in self.in_flight.values())
-        over = in_flight + new_choices - self.engine.config.max_num_running_reqs
-        queued = self.engine.statistics().num_waiting_reqs
-        return max(over, queued + new_choices if queued else 0)
-
-    def _release(self, rid: str) -> None:
-        self.in_flight.pop(rid, None)
-        if not self.in_flight and self._emptied is not None:
-            self._emptied.set()
-
     def _tokenizer(self) -> Any:
         if self.engine.tokenizer is None:
             raise bad_request("this model has no tokenizer")
@@ -377,173 +307,6 @@ class OpenAIServer:
             return text
         tokenizer = self.engine.tokenizer
         return "" if tokenizer is None else str(tokenizer.decode(job.prompts[i]))
-
-    # -- generation -----------------------------------------------------------
-
-    async def respond(
-        self, job: GenerationJob, fmt: Formatter, rid: str, receive: Receive, send: Send
-    ) -> None:
-        """Serve one generation request (its response), until it ends or
-        its client goes away."""
-        try:
-            self._admit(rid, job)
-        except APIError as exc:
-            await _send_error(send, exc)
-            return
-        timer = self.metrics.timer(job.num_choices)
-        failed = False
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sse.watch_disconnect, receive, tg.cancel_scope)
-                try:
-                    if job.stream:
-                        failed = await self._stream(job, fmt, rid, timer, send)
-                    else:
-                        failed = await self._whole(job, fmt, rid, timer, send)
-                finally:
-                    tg.cancel_scope.cancel()
-        finally:
-            self._release(rid)
-            if not failed:
-                timer.end()
-
-    async def _whole(
-        self, job: GenerationJob, fmt: Formatter, rid: str, timer: RequestTimer, send: Send
-    ) -> bool:
-        """A whole response; True if the request failed."""
-        outputs = [ChoiceOutput() for _ in range(job.num_choices)]
-        prompts = _PromptTokens(self.metrics, job)
-        prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(job.prompts)
-
-        async def on_chunk(i: int, chunk: CompletionChunk) -> None:
-            index = i * job.n + chunk.index
-            prompts.seen(i)
-            timer.chunk(index, len(chunk.token_ids), _reason(chunk))
-            outputs[index].add(chunk)
-            if chunk.prompt_logprobs is not None:
-                prompt_logprobs[i] = chunk.prompt_logprobs
-
-        try:
-            await self._generate(job, rid, on_chunk)
-        except Exception as exc:
-            await _send_error(send, self._failure(exc))
-            return True
-        completion_tokens = 0 if job.hide_output else sum(o.num_tokens for o in outputs)
-        body = fmt.whole(outputs, usage(prompts.total, completion_tokens), prompt_logprobs)
-        await sse.send_whole(send, 200, sse.encode(body))
-        return False
-
-    async def _stream(
-        self, job: GenerationJob, fmt: Formatter, rid: str, timer: RequestTimer, send: Send
-    ) -> bool:
-        """An event stream, its headers sent with the first chunk; True if
-        the request failed before it."""
-        started = False
-        first = [True] * job.num_choices
-        prompts = _PromptTokens(self.metrics, job)
-        completion_tokens = 0
-        lock = anyio.Lock() if len(job.prompts) > 1 else None
-
-        async def on_chunk(i: int, chunk: CompletionChunk) -> None:
-            nonlocal started, completion_tokens
-            index = i * job.n + chunk.index
-            prompts.seen(i)
-            timer.chunk(index, len(chunk.token_ids), _reason(chunk))
-            if not job.hide_output:
-                completion_tokens += len(chunk.token_ids)
-            now = usage(prompts.total, completion_tokens) if job.continuous_usage else None
-            data = sse.event(fmt.chunk(index, chunk, first[index], now))
-            first[index] = False
-            async with lock if lock is not None else contextlib.nullcontext():
-                if not started:
-                    started = True
-                    await sse.start_events(send)
-                await sse.send_events(send, data)
-
-        try:
-            await self._generate(job, rid, on_chunk)
-        except Exception as exc:
-            error = self._failure(exc)
-            if not started:
-                await _send_error(send, error)
-                return True
-            await sse.send_events(send, sse.event(error.body()) + sse.DONE, last=True)
-            return False
-        tail = sse.DONE
-        if job.include_usage:
-            tail = sse.event(fmt.usage_chunk(usage(prompts.total, completion_tokens))) + tail
-        if not started:
-            await sse.start_events(send)
-        await sse.send_events(send, tail, last=True)
-        return False
-
-    async def _generate(self, job: GenerationJob, rid: str, on_chunk: OnChunk) -> None:
-        """Run every prompt of the request, each chunk to ``on_chunk``."""
-        ids = self.in_flight[rid].engine_ids
-        if len(ids) == 1:
-            await self._run_prompt(job, 0, ids[0], on_chunk)
-            return
-        try:
-            async with anyio.create_task_group() as tg:
-                for i, engine_id in enumerate(ids):
-                    tg.start_soon(self._run_prompt, job, i, engine_id, on_chunk)
-        except BaseExceptionGroup as group:
-            cancelled = anyio.get_cancelled_exc_class()
-            found = leaves(group)
-            if all(isinstance(e, (Exception, cancelled)) for e in found):
-                errors = [e for e in found if isinstance(e, Exception)]
-                if errors:
-                    raise errors[0] from None
-            raise
-
-    async def _run_prompt(
-        self, job: GenerationJob, i: int, engine_id: str, on_chunk: OnChunk
-    ) -> None:
-        stream = cast(
-            AsyncGenerator[CompletionChunk, None],
-            self.engine.stream(job.prompts[i], job.params[i], request_id=engine_id),
-        )
-        async with contextlib.aclosing(stream):
-            async for chunk in stream:
-                await on_chunk(i, chunk)
-
-    def _failure(self, error: Exception) -> APIError:
-        failure = api_error(error)
-        if failure.status >= 500:
-            log.error("request failed", status=failure.status, error=describe(error))
-        return failure
-
-
-class GenerationResponse(Response):
-    """The response of a generation request: the request is served when
-    the response is sent (:meth:`OpenAIServer.respond`)."""
-
-    def __init__(self, server: OpenAIServer, job: GenerationJob, fmt: Formatter, rid: str) -> None:
-        super().__init__(status_code=200)
-        self.server, self.job, self.fmt, self.rid = server, job, fmt, rid
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.server.respond(self.job, self.fmt, self.rid, receive, send)
-
-
-class _PromptTokens:
-    """Counts each prompt's tokens in the metrics once it is admitted (its
-    first chunk: its prefill is done)."""
-
-    def __init__(self, metrics: ServerMetrics, job: GenerationJob) -> None:
-        self.metrics = metrics
-        self.lengths = [len(p) for p in job.prompts]
-        self.total = sum(self.lengths)
-        self._seen = [False] * len(self.lengths)
-
-    def seen(self, i: int) -> None:
-        if not self._seen[i]:
-            self._seen[i] = True
-            self.metrics.prompt_tokens.inc(self.lengths[i])
-
-
-def _reason(chunk: CompletionChunk) -> str | None:
-    return None if chunk.finish_reason is None else str(chunk.finish_reason)
 
 
 def _too_large(size: int, limit: int) -> APIError:
@@ -561,11 +324,6 @@ def _error(error: APIError) -> Response:
     return Response(
         error.body(), status_code=error.status, headers=error.headers, media_type="application/json"
     )
-
-
-async def _send_error(send: Send, error: APIError) -> None:
-    headers = [*sse.JSON_HEADERS, *((k.encode(), v.encode()) for k, v in error.headers.items())]
-    await sse.send_whole(send, error.status, error.body(), headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
