@@ -854,3 +854,25 @@ def test_load_format_errors(tiny_llama: Any, tmp_path: Path) -> None:
     with raises_exactly(ModelLoadError, r"expected one \.gguf file, found none"):
         open_checkpoint(tiny_llama[2], load_format="gguf")
     assert isinstance(open_checkpoint(tiny_llama[2], load_format="dummy"), HFCheckpoint)
+
+
+def test_dummy_weights_from_a_config_directory(tmp_path: Path) -> None:
+    """``load_format="dummy"`` with an HF directory reads its config (and
+    tokenizer) only: no weights are needed; "auto" still wants them."""
+    from asyncstep.config import ModelConfig
+    from asyncstep.models.model_loader import load_model
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_model(ModelConfig(model=str(tmp_path), load_format="dummy", device="cpu"))
+    assert loaded.arch_config.hidden_size == 32 and loaded.arch_config.num_hidden_layers == 2
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weights"):
+        open_checkpoint(tmp_path)

@@ -282,6 +282,23 @@ async def test_pipeline_stages_follow_the_grammar_as_one_rank(smollm2: LoadedMod
         assert results[i].token_ids == expected[i].token_ids
 
 
+@pytest.mark.parametrize("vocab", [64, 70, 100, 5000])
+def test_the_triton_kernel_masks_as_the_torch_ops(vocab: int) -> None:
+    from asyncstep.gpu.grammar_kernel import apply_bitmask_rows
+
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=generator)
+    words = (min(vocab, 4096) + 31) // 32  # 5000: a vocabulary wider than the bitmask
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=generator, dtype=torch.int32)
+    rows = torch.tensor([5, 0, 3])
+    expected = logits.clone()
+    grammar_output = GrammarOutput(1, ["a", "b", "c"], bitmask.numpy().tobytes())
+    GrammarBitmask(torch.device("cpu")).apply(expected, grammar_output, {"a": 5, "b": 0, "c": 3})
+    ours = logits.clone()
+    apply_bitmask_rows(ours, bitmask, rows)
+    assert torch.equal(ours, expected)
+
+
 @pytest.mark.parametrize("vocab", [64, 70, 100])
 def test_the_bitmask_is_applied_as_xgrammar_applies_it(vocab: int) -> None:
     import xgrammar as xgr

@@ -289,8 +289,10 @@ class RankActor:
         result, sampled, pending = await self.stream.run(
             self._execute, scheduler_output, received, launched, order_after, defer_sample
         )
+        sample_us = 0
         if defer_sample and result is None:
             grammar_output = await _receive_grammar(grammars, scheduler_output.step_id)
+            sample_us = now_us()
             sampled = await self.stream.run(self.runner.sample_tokens, grammar_output)
         timings = dataclasses.replace(self.runner.timings)
         events = self.runner.last_step_events if timings.forward else None
@@ -300,7 +302,7 @@ class RankActor:
         ready = result if isinstance(result, ModelRunnerOutput) else None
         step = _StepResult(seq, scheduler_output, ready, timings, sampled, events)
         if timings.forward:
-            self._record_host_spans(start_us, timings)
+            self._record_host_spans(start_us, timings, sample_us)
         return step, in_flight
 
     def _execute(
@@ -403,14 +405,18 @@ class RankActor:
             _record_device_spans(step.events)
         return output
 
-    def _record_host_spans(self, start_us: int, timings: StepTimings) -> None:
+    def _record_host_spans(self, start_us: int, timings: StepTimings, sample_us: int = 0) -> None:
+        """The step's host phases; ``sample_us``: when a deferred sample began
+        (0: right after the launch)."""
         if tracing():
             prepare_us, launch_us = int(timings.prepare * 1e6), int(timings.forward * 1e6)
             record_span("prepare", "step", start_us, prepare_us)
             record_span("launch", "step", start_us + prepare_us, launch_us)
             if timings.sample:
-                sample_us = int(timings.sample * 1e6)
-                record_span("sample", "step", start_us + prepare_us + launch_us, sample_us)
+                sample_start = sample_us or start_us + prepare_us + launch_us
+                record_span("sample", "step", sample_start, int(timings.sample * 1e6))
+            if timings.grammar:
+                record_span("grammar_apply", "step", sample_start, int(timings.grammar * 1e6))
 
     def _log_step(self, step: _StepResult) -> None:
         """One ``step`` event per step (DEBUG), with the host phases' times."""

@@ -2,7 +2,8 @@
 ``apply_grammar_bitmask``): tokens a request's grammar forbids get ``-inf``
 before any other logits processing, on the logits' device.
 
-May import torch, numpy, ``asyncstep.datatypes`` and ``asyncstep.runner.staging``.
+May import torch, numpy, ``asyncstep.datatypes``, ``asyncstep.runner.staging`` and
+``asyncstep.gpu``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ class GrammarBitmask:
     """Applies grammar bitmasks to a device's logits (vLLM's
     ``apply_grammar_bitmask``). On CUDA the rows travel through pinned
     staging buffers, so the copy neither waits for the stream (a copy from
-    pageable memory waits for the forward still running) nor blocks the host."""
+    pageable memory waits for the forward still running) nor blocks the
+    host, and one Triton kernel masks them (:mod:`asyncstep.gpu.grammar_kernel`);
+    elsewhere torch ops do."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -44,6 +47,11 @@ class GrammarBitmask:
         bitmask = staging.to_device("grammar_bitmask", words[list(mask_rows)])
         index = staging.to_device("grammar_rows", np.array(rows, dtype=np.int64))
         staging.end_step()
+        if self.device.type == "cuda":
+            from asyncstep.gpu.grammar_kernel import apply_bitmask_rows
+
+            apply_bitmask_rows(logits, bitmask, index)
+            return
         allowed = self._unpack(bitmask, logits.shape[-1])
         logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
 

@@ -150,6 +150,8 @@ class StepTimings:
     sample: float = 0.0
     #: Of ``forward``, the forward call alone (a graph replay, or the eager forward).
     replay: float = 0.0
+    #: Of ``sample``, applying the grammar bitmask.
+    grammar: float = 0.0
 
 
 class ModelRunner:
@@ -415,6 +417,7 @@ class ModelRunner:
             if self._grammar_bitmask is None:
                 self._grammar_bitmask = GrammarBitmask(self.device)
             self._grammar_bitmask.apply(state.logits, grammar_output, row_of)
+            self.timings.grammar = time.perf_counter() - t0
         output = self._sample(state)
         output.prompt_logprobs = state.prompt_logprobs
         if state.events is not None:
