@@ -21,7 +21,8 @@ from asyncstep.datatypes import (
     SchedulerOutput,
 )
 from asyncstep.nursery import RankActor
-from asyncstep.runner.model_runner import REENTRY_ERROR, StepTimings
+from asyncstep.runner.model_runner import REENTRY_ERROR
+from asyncstep.runner.step_state import StepTimings
 
 
 class ScriptedRunner:

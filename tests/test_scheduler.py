@@ -32,7 +32,8 @@ from asyncstep.datatypes import (
     SchedulerOutput,
 )
 from asyncstep.engine.request import Request, RequestStatus
-from asyncstep.engine.scheduler import EngineCoreOutput, Scheduler
+from asyncstep.engine.scheduler import Scheduler
+from asyncstep.engine.step_results import EngineCoreOutput
 from asyncstep.errors import ConfigError, InvalidRequestError
 
 TokenFn = Callable[[Sequence[int]], int]

@@ -35,6 +35,7 @@ from asyncstep.models.layers.attention import _cuts
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner import cudagraph_runner as cudagraph_runner_module
 from asyncstep.runner import model_runner as model_runner_module
+from asyncstep.runner import sampled_tokens as sampled_tokens_module
 from asyncstep.runner.async_output import AsyncModelRunnerOutput
 from asyncstep.runner.block_table import BlockTable
 from asyncstep.runner.cudagraph_dispatcher import CUDAGraphMode
@@ -231,7 +232,7 @@ def run_lockstep(loaded: LoadedModel, scenario: Scenario) -> int:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model_runner_module, "resolve_cudagraph_mode", _any_mode)
         mp.setattr(CudaGraphRunner, "run", _full_stub)
-        mp.setattr(model_runner_module, "_FEW_ROWS", scenario.few_rows)
+        mp.setattr(sampled_tokens_module, "_FEW_ROWS", scenario.few_rows)
         mp.setattr(cudagraph_runner_module, "_SMALL_BLOCK_TABLE", scenario.small_table)
         return _run_lockstep(loaded, scenario)
 
@@ -242,7 +243,7 @@ def _run_lockstep(loaded: LoadedModel, scenario: Scenario) -> int:
     slow = make_runner(loaded, scenario, fast=False, model=copy.deepcopy(loaded.model))
     recorders = Recorder(fast), Recorder(slow)
     steady_steps = 0  # steps whose update moved no row
-    update_states = fast._update_states
+    update_states = fast.batches.update
 
     def counting(so: SchedulerOutput) -> None:
         nonlocal steady_steps
@@ -251,7 +252,7 @@ def _run_lockstep(loaded: LoadedModel, scenario: Scenario) -> int:
         update_states(so)
         steady_steps += batch.layout_version == version and so.num_reqs > 0
 
-    fast._update_states = counting  # type: ignore[method-assign]
+    fast.batches.update = counting  # type: ignore[method-assign]
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=scenario.budget, max_num_seqs=scenario.max_num_seqs),
         CacheConfig(block_size=BLOCK, enable_prefix_caching=scenario.prefix_caching),

@@ -48,7 +48,8 @@ from asyncstep.engine.core_messages import (
     WaitIdle,
 )
 from asyncstep.engine.request import Request, RequestStatus
-from asyncstep.engine.scheduler import EngineCoreOutput, Scheduler
+from asyncstep.engine.scheduler import Scheduler
+from asyncstep.engine.step_results import EngineCoreOutput
 from asyncstep.engine.structured_output import StructuredOutputManager
 from asyncstep.errors import InvalidRequestError
 from asyncstep.logging import get_logger

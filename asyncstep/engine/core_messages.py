@@ -22,7 +22,7 @@ import msgspec
 
 from asyncstep.config import EngineConfig
 from asyncstep.datatypes import SamplingParams
-from asyncstep.engine.scheduler import EngineCoreOutput
+from asyncstep.engine.step_results import EngineCoreOutput
 
 
 class EngineCoreRequest(msgspec.Struct, frozen=True, array_like=True):

@@ -1,10 +1,14 @@
 """The continuous-batching scheduler (vLLM v1's unified scheduler).
 
-Holds :class:`Scheduler`, :class:`EngineCoreOutput` (one request's news from a
-step) and :class:`SchedulerStats`. Pure Python; may import only the standard
-library, msgspec and ``asyncstep.datatypes`` / ``asyncstep.config`` /
-``asyncstep.errors`` (plus its siblings ``asyncstep.engine.request`` and
-``asyncstep.engine.kv_cache_manager``).
+Holds :class:`Scheduler` (its queues, the scheduling policy, the requests'
+lifecycle) and :class:`SchedulerStats`. A step's plan and the
+``SchedulerOutput`` built from it are in :mod:`asyncstep.engine.step_plan`;
+the per-request results of a step's output, with the stop rules, in
+:mod:`asyncstep.engine.step_results` (:class:`EngineCoreOutput`). Pure
+Python; may import only the standard library and ``asyncstep.datatypes`` /
+``asyncstep.config`` / ``asyncstep.errors`` (plus its siblings
+``asyncstep.engine.request``, ``kv_cache_manager``, ``step_plan`` and
+``step_results``).
 
 One loop, no prefill/decode phases: every step hands each request the tokens
 it lacks (``num_tokens - num_computed_tokens``: a prompt chunk, a whole prompt,
@@ -35,25 +39,10 @@ engine's batch queue):
   written them before a later step can reuse them) but is not resumed while
   a step that includes it is in flight.
 
-Conventions the runner relies on:
-
-* ``scheduled_new_reqs``: requests the runner has never seen, with ALL their
-  block ids.
-* ``scheduled_cached_reqs``: every other scheduled request. A request resumed
-  after a preemption comes here with ``resumed_from_preemption=True`` and
-  ``new_block_ids`` = ALL its block ids, which REPLACE the runner's (its
-  ``num_computed_tokens`` restarts from its prefix-cache hits, often 0); for
-  the others ``new_block_ids`` are the blocks appended this step.
-  ``new_token_ids`` holds, with ``send_new_token_ids`` (pipeline parallelism),
-  the output tokens each request produced since the ranks last heard of it
-  (stages that do not sample need them as inputs); else empty lists.
-* ``num_computed_tokens`` in both is the value before this step's tokens.
-* ``finished_req_ids``: requests that ended (or were aborted) since the previous
-  ``schedule()``, reported exactly once, even in a step that schedules no
-  tokens: the runner drops their state, then runs no forward when
-  ``total_num_scheduled_tokens == 0``.
-* Preemption is by recompute: the victim's blocks are freed (its computed full
-  blocks stay in the prefix cache) and it goes back to the front of the queue.
+The conventions of the output, which the runner relies on, are listed in
+:mod:`asyncstep.engine.step_plan`. Preemption is by recompute: the victim's
+blocks are freed (its computed full blocks stay in the prefix cache) and it
+goes back to the front of the queue.
 """
 
 from __future__ import annotations
@@ -62,42 +51,17 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import msgspec
-
 from asyncstep.config import CacheConfig, SchedulerConfig
-from asyncstep.datatypes import (
-    CachedRequestData,
-    FinishReason,
-    Logprobs,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
 from asyncstep.engine.kv_cache_manager import KVCacheManager, KVCacheStats
-from asyncstep.engine.request import FIRST_FINISHED_STATUS, Request, RequestStatus
+from asyncstep.engine.request import Request, RequestStatus
+from asyncstep.engine.step_plan import StepPlan
+from asyncstep.engine.step_results import (
+    EngineCoreOutput,
+    add_prompt_logprobs,
+    collect_step_results,
+)
 from asyncstep.errors import ConfigError, InvalidRequestError
-
-#: The sampled tokens of a request the runner's output does not list.
-_NO_TOKENS: list[int] = []
-
-
-class EngineCoreOutput(msgspec.Struct, frozen=True):
-    """What one step produced for one request: new tokens and/or its end."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    #: The stop token id that ended it (None for EOS or a length cap).
-    stop_reason: int | str | None = None
-    #: One entry per new token, when the request asked for logprobs.
-    new_logprobs: list[Logprobs] | None = None
-    #: The prompt log-probs of the prompt positions the step computed (an
-    #: output of a prompt chunk may hold these alone), when asked for.
-    new_prompt_logprobs: list[Logprobs] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,45 +78,6 @@ class SchedulerStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_cache.usage
-
-
-class _StepPlan:
-    """What one ``schedule()`` call has decided so far.
-
-    The running requests scheduled are advanced at once (``num_computed_tokens``
-    and the in-flight counts); their ``CachedRequestData`` columns are filled
-    as they go (``num_computed_tokens`` before the step). Admitted waiting
-    requests are advanced once the output is built.
-    """
-
-    __slots__ = (
-        "admitted_reqs",
-        "new_reqs",
-        "num_preempted",
-        "num_scheduled_tokens",
-        "resumed_reqs",
-        "running_new_block_ids",
-        "running_num_computed",
-        "running_req_ids",
-        "token_budget",
-    )
-
-    def __init__(self, token_budget: int) -> None:
-        # A plain class, not a dataclass: schedule() builds one every step.
-        self.token_budget = token_budget
-        self.num_scheduled_tokens: dict[str, int] = {}
-        self.new_reqs: list[Request] = []
-        self.resumed_reqs: list[Request] = []
-        #: Waiting requests admitted, new and resumed, in order.
-        self.admitted_reqs: list[Request] = []
-        self.running_req_ids: list[str] = []
-        self.running_num_computed: list[int] = []
-        self.running_new_block_ids: list[list[int]] = []
-        self.num_preempted = 0
-
-    def has_room(self, max_num_seqs: int) -> bool:
-        """Token budget left, and fewer than ``max_num_seqs`` requests."""
-        return self.token_budget > 0 and len(self.num_scheduled_tokens) < max_num_seqs
 
 
 class Scheduler:
@@ -293,11 +218,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts (possibly none)."""
-        plan = _StepPlan(self.max_num_batched_tokens)
+        plan = StepPlan(self.max_num_batched_tokens)
         self._schedule_running(plan)
         if plan.num_preempted == 0:
             self._schedule_waiting(plan)
-        output = self._build_output(plan)
+        unsent = self._unsent_output_tokens if self.send_new_token_ids else None
+        kv, finished = self.kv_cache_manager, self.finished_req_ids
+        output = plan.build_output(self.step_id, kv, finished, unsent)
         async_scheduling = self.async_scheduling
         num_scheduled = plan.num_scheduled_tokens
         for request in plan.admitted_reqs:
@@ -310,7 +237,7 @@ class Scheduler:
         self.step_id += 1
         return output
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         """Schedule the running requests in order, preempting from the back.
 
         A decode (one token to compute) whose slot is in a block the request
@@ -371,7 +298,7 @@ class Scheduler:
         plan.token_budget = budget
 
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, plan: _StepPlan
+        self, request: Request, num_new: int, plan: StepPlan
     ) -> list[int] | None:
         """Allocate, preempting the lowest-priority running requests as needed."""
         while True:
@@ -392,7 +319,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         while (
             self.waiting
@@ -446,55 +373,10 @@ class Scheduler:
             return 0
         return num_tokens - num_computed
 
-    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
-        """The step's output; admitted waiting requests are not advanced yet."""
-        kv = self.kv_cache_manager
-        new_reqs = [
-            NewRequestData(
-                req_id=r.request_id,
-                prompt_token_ids=list(r.prompt_token_ids),
-                sampling_params=r.sampling_params,
-                block_ids=kv.get_block_ids(r.request_id),
-                num_computed_tokens=r.num_computed_tokens,
-            )
-            for r in plan.new_reqs
-        ]
-        req_ids = plan.running_req_ids
-        num_running = len(req_ids)
-        new_block_ids = plan.running_new_block_ids
-        num_computed = plan.running_num_computed
-        resumed = [False] * num_running
-        for r in plan.resumed_reqs:
-            req_ids.append(r.request_id)
-            resumed.append(True)
-            new_block_ids.append(kv.get_block_ids(r.request_id))
-            num_computed.append(r.num_computed_tokens)
-        if self.send_new_token_ids:
-            requests = self.requests
-            new_token_ids = [self._unsent_output_tokens(requests[i]) for i in req_ids]
-        else:
-            new_token_ids = [[] for _ in req_ids]
-        cached_data = CachedRequestData(
-            req_ids=req_ids,
-            resumed_from_preemption=resumed,
-            new_token_ids=new_token_ids,
-            new_block_ids=new_block_ids,
-            num_computed_tokens=num_computed,
-        )
-        return SchedulerOutput(
-            step_id=self.step_id,
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_data,
-            num_scheduled_tokens=plan.num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
-            finished_req_ids=sorted(self.finished_req_ids) if self.finished_req_ids else [],
-        )
-
-    def _unsent_output_tokens(self, request: Request) -> list[int]:
-        if not self.send_new_token_ids:
-            return []
-        sent = self._num_output_tokens_sent.get(request.request_id, 0)
-        self._num_output_tokens_sent[request.request_id] = request.num_output_tokens
+    def _unsent_output_tokens(self, req_id: str) -> list[int]:
+        request = self.requests[req_id]
+        sent = self._num_output_tokens_sent.get(req_id, 0)
+        self._num_output_tokens_sent[req_id] = request.num_output_tokens
         return list(request.output_token_ids[sent:])
 
     # -- results ---------------------------------------------------------------
@@ -507,62 +389,11 @@ class Scheduler:
         Returns an output for each request that got tokens, prompt
         log-probs or finished; requests aborted since ``schedule()`` are skipped.
         """
-        outputs: dict[str, EngineCoreOutput] = {}
-        stopped: list[Request] = []
-        requests = self.requests
-        finishing = self._finishing
-        index_of = model_runner_output.req_id_to_index
-        all_sampled = model_runner_output.sampled_token_ids
-        all_logprobs = model_runner_output.logprobs
-        max_seq_len = self.max_seq_len
-        first_finished = FIRST_FINISHED_STATUS
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = requests.get(req_id) or finishing.get(req_id)
-            if request is None:
-                continue
-            index = index_of.get(req_id)
-            sampled = all_sampled[index] if index is not None else _NO_TOKENS
-            num_sampled = len(sampled)
-            # The step is back: settle its accounting.
-            request.num_in_flight_steps -= 1
-            placeholders = request.num_output_placeholders
-            if placeholders:
-                request.num_output_placeholders = (
-                    placeholders - num_sampled if placeholders > num_sampled else 0
-                )
-            if request.status >= first_finished:
-                # Ended (the token of a late stop is dropped); free once no step holds it.
-                if request.num_in_flight_steps == 0:
-                    finishing.pop(req_id, None)
-                    self._free_finished(request)
-                continue
-            if num_sampled == 1:  # a decode: one inline check of every stop rule
-                token_id = sampled[0]
-                request.append_output_token_id(token_id)
-                new_token_ids = [token_id]
-                num_tokens = request.num_tokens
-                finished = (
-                    token_id in request.stop_ids
-                    or num_tokens >= request.max_num_tokens
-                    or num_tokens >= max_seq_len
-                ) and self._check_stop(request, token_id)
-            elif num_sampled:
-                new_token_ids = self._append_until_stop(request, sampled)
-                finished = request.status >= first_finished
-            else:
-                continue  # a prompt chunk
-            logprobs = None
-            if all_logprobs is not None and index is not None:
-                logprobs = all_logprobs[index][: len(new_token_ids)]
-            if finished:
-                stopped.append(request)
-                outputs[req_id] = EngineCoreOutput(
-                    req_id, new_token_ids, request.finish_reason, request.stop_reason, logprobs
-                )
-            else:
-                outputs[req_id] = EngineCoreOutput(
-                    req_id, new_token_ids, None, request.stop_reason, logprobs
-                )
+        outputs, stopped, freed = collect_step_results(
+            scheduler_output, model_runner_output, self.requests, self._finishing, self.max_seq_len
+        )
+        for request in freed:
+            self._free_finished(request)
         if stopped:
             # A request preempted with a step in flight may stop from that step's
             # token: it waits in the queue, not among the running ones.
@@ -570,42 +401,8 @@ class Scheduler:
             for request in stopped:
                 self._release(request)
         if model_runner_output.prompt_logprobs:
-            self._add_prompt_logprobs(outputs, model_runner_output.prompt_logprobs)
+            add_prompt_logprobs(outputs, model_runner_output.prompt_logprobs, self.requests)
         return outputs
-
-    def _add_prompt_logprobs(
-        self, outputs: dict[str, EngineCoreOutput], prompt_logprobs: dict[str, list[Logprobs]]
-    ) -> None:
-        """The step's prompt log-probs into the outputs: with its tokens, or
-        alone (a prompt chunk) for a request still running."""
-        for req_id, logprobs in prompt_logprobs.items():
-            output = outputs.get(req_id)
-            if output is not None:
-                outputs[req_id] = msgspec.structs.replace(output, new_prompt_logprobs=logprobs)
-            elif req_id in self.requests:
-                outputs[req_id] = EngineCoreOutput(req_id, [], new_prompt_logprobs=logprobs)
-
-    def _append_until_stop(self, request: Request, sampled: list[int]) -> list[int]:
-        """Append tokens one by one until a stop rule fires; returns those appended."""
-        for count, token_id in enumerate(sampled, start=1):
-            request.append_output_token_id(token_id)
-            if self._check_stop(request, token_id):
-                return sampled[:count]
-        return list(sampled)
-
-    def _check_stop(self, request: Request, token_id: int) -> bool:
-        """Apply the stop rules to the request's newest token. A stop id
-        counts only once ``min_tokens`` tokens are out (vLLM's ``check_stop``;
-        the sampler bans them before that, so this guards the rule only)."""
-        if token_id in request.stop_ids and request.num_output_tokens >= request.min_tokens:
-            request.status = RequestStatus.FINISHED_STOPPED
-            if request.sampling_params.ignore_eos or token_id not in request.eos_token_ids:
-                request.stop_reason = token_id  # a stop token id, not EOS
-        elif request.num_tokens >= request.max_num_tokens or request.num_tokens >= self.max_seq_len:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        else:
-            return False
-        return True
 
     # -- helpers ---------------------------------------------------------------
 

@@ -8,7 +8,7 @@ step's predecessors are all back (so every matcher has accepted every token
 sampled before it), :meth:`StructuredOutputManager.grammar_output` fills
 the step's bitmask, while the ranks run its forward; the last stage applies
 it in ``sample_tokens``. Matchers advance only on tokens the scheduler
-accepted (those in its :class:`~asyncstep.engine.scheduler.EngineCoreOutput`),
+accepted (those in its :class:`~asyncstep.engine.step_results.EngineCoreOutput`),
 so preemptions need no rollback, and a late token dropped after a stop never
 reaches a matcher. May import numpy, anyio, ``asyncstep.engine.grammar`` and
 the data types.
@@ -35,7 +35,7 @@ from asyncstep.structured_params import StructuredOutputsParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from asyncstep.engine.scheduler import EngineCoreOutput
+    from asyncstep.engine.step_results import EngineCoreOutput
 
 log = get_logger("engine")
 

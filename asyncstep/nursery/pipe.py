@@ -32,7 +32,7 @@ from asyncstep.channels.tensor_dict import (
     warm_up,
 )
 from asyncstep.datatypes import IntermediateTensors
-from asyncstep.runner.model_runner import StepEvents
+from asyncstep.runner.step_state import StepEvents
 
 ReceivedTensors = AsyncIntermediateTensors
 

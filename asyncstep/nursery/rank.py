@@ -83,7 +83,8 @@ from asyncstep.logging import bind_rank, bound_step, get_logger
 from asyncstep.logging.spans import now_us, record_span, span, tracing
 from asyncstep.nursery.pipe import PendingReceive, PipeStage, ReceivedTensors, SendInFlight
 from asyncstep.runner.async_output import AsyncModelRunnerOutput
-from asyncstep.runner.model_runner import ModelRunner, StepEvents, StepTimings
+from asyncstep.runner.model_runner import ModelRunner
+from asyncstep.runner.step_state import StepEvents, StepTimings
 
 log = get_logger("rank")
 

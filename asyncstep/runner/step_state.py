@@ -1,0 +1,59 @@
+"""What one step of the model runner leaves behind: the state
+``execute_model`` keeps for ``sample_tokens`` (:class:`ExecuteModelState`),
+the step's device events (:class:`StepEvents`) and its host timings
+(:class:`StepTimings`), which the rank reads for its step timeline.
+
+Plain dataclasses; may import torch, ``asyncstep.datatypes``,
+``asyncstep.gpu.stream`` and the runner's ``prompt_logprobs`` module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncstep.datatypes import SchedulerOutput
+from asyncstep.gpu.stream import StreamEvent
+from asyncstep.runner.prompt_logprobs import HostPromptLogprobs
+
+
+@dataclass
+class StepEvents:
+    """Device events of one step (recorded only while tracing or when asked):
+    the forward's start and end, and the end of sampling + the host copy."""
+
+    forward_start: StreamEvent
+    forward_end: StreamEvent
+    copy_end: StreamEvent | None = None
+
+
+@dataclass
+class ExecuteModelState:
+    """What ``execute_model`` leaves for ``sample_tokens``."""
+
+    scheduler_output: SchedulerOutput
+    req_ids: list[str]
+    logits: torch.Tensor  # [len(sample_rows), vocab]
+    sample_rows: list[int]
+    events: StepEvents | None = None
+    #: The step's input ids and each sample row's last token index among
+    #: them (the logits processing reads the newest tokens there).
+    input_ids: torch.Tensor | None = None
+    logits_indices: torch.Tensor | slice | None = None
+    #: The step's prompt log-probs on their way to the host (a request asked).
+    prompt_logprobs: HostPromptLogprobs | None = None
+
+
+@dataclass
+class StepTimings:
+    """Host seconds spent in the phases of the last step."""
+
+    prepare: float = 0.0
+    #: The launch: the forward call, the logits and the step's events.
+    forward: float = 0.0
+    sample: float = 0.0
+    #: Of ``forward``, the forward call alone (a graph replay, or the eager forward).
+    replay: float = 0.0
+    #: Of ``sample``, applying the grammar bitmask.
+    grammar: float = 0.0
