@@ -235,3 +235,28 @@ def test_the_server_imports_only_the_front_end() -> None:
             for name in names:
                 if name.startswith("asyncstep") and not name.startswith("asyncstep.server"):
                     assert name in FRONT_END, f"{module.name} imports {name}"
+
+
+def test_asyncstep_serve_exits_when_its_engine_dies(tmp_path: Path) -> None:
+    """A supervisor sees a dead engine: the server stops and exits 1 with one line."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "asyncstep", "serve", "--model", "tiny-llama", "--port", "0"]
+    argv += ["--load-format", "dummy", "--device", "cpu", "--dtype", "float32"]
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()  # blocks until serving (or the process ended)
+        assert line.startswith("asyncstep: serving"), line
+        tasks = Path(f"/proc/{server.pid}/task").glob("*/children")  # any thread's children
+        (core,) = [int(pid) for task in tasks for pid in task.read_text().split()]
+        os.kill(core, signal.SIGKILL)
+        code = server.wait(timeout=30)
+        stderr = server.stderr.read() if server.stderr is not None else ""
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert code == 1
+    assert "asyncstep: error:" in stderr and "engine" in stderr and "Traceback" not in stderr

@@ -498,6 +498,11 @@ class Engine:
                 event.set()
             self._stopped.set()
 
+    async def wait_stopped(self) -> None:
+        """Wait until the engine has stopped: closed, or dead (then
+        :attr:`error` says why)."""
+        await self._stopped.wait()
+
     async def aclose(self, timeout_s: float = 10.0) -> bool:
         """Stop after the steps in flight: requests still running fail with
         :class:`EngineDeadError`, the ranks are told to shut down. Returns

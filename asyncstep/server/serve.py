@@ -10,7 +10,9 @@ Stop, on SIGTERM or SIGINT: Hypercorn stops accepting connections and
 ``/health`` answers 503; requests in flight may finish for
 ``shutdown_timeout`` seconds, then are aborted (their responses end with
 finish reason ``abort``); once they have been answered the engine is
-closed and :func:`serve` returns. A second signal aborts at once.
+closed and :func:`serve` returns. A second signal aborts at once. An
+engine that dies stops the server the same way, and :func:`serve` raises
+its :class:`~asyncstep.errors.EngineDeadError` (``asyncstep serve`` exits 1).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ async def _serve(
         stop = trio.Event()
         async with trio.open_nursery() as outer:
             outer.start_soon(_watch_signals, server, stop)
+            outer.start_soon(_watch_engine, server, stop)
             async with trio.open_nursery() as http:
 
                 async def shutdown_trigger() -> None:
@@ -118,6 +121,16 @@ async def _watch_signals(server: OpenAIServer, stop: trio.Event) -> None:
                 log.warning("second signal: aborting every request", signal=signum)
                 server.abort_all()
             stop.set()
+
+
+async def _watch_engine(server: OpenAIServer, stop: trio.Event) -> None:
+    """An engine that dies stops the server (a supervisor can then restart
+    it): leaving ``open_engine`` raises the engine's error."""
+    engine = server.engine
+    await engine.wait_stopped()
+    if engine.error is not None:
+        log.error("the engine died: stopping the server", error=str(engine.error))
+        stop.set()
 
 
 def listen(host: str, port: int) -> socket.socket:
