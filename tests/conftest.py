@@ -84,3 +84,31 @@ def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     LlamaForCausalLM(config).save_pretrained(path)
     open_checkpoint(None).load_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def peaked_llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A tiny Llama with large random weights, saved as an HF checkpoint, and
+    HF's model of it: its logits are far from ties, so fp32 reduction-order
+    differences (layouts, chunks) cannot flip a token."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("peaked-llama")
+    model.save_pretrained(path)
+    return path, model

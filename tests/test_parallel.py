@@ -16,7 +16,6 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
 import trio
 from distributed import free_port
 
@@ -34,29 +33,9 @@ ENGINE = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, num_bloc
 
 
 @pytest.fixture(scope="module")
-def peaked_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama with large random weights: its logits are far from ties, so
-    fp32 reduction-order differences between layouts cannot flip a token."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
-    )
-    path = tmp_path_factory.mktemp("peaked-llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
+def peaked_llama(peaked_llama_checkpoint: tuple[Path, Any]) -> Path:
+    """The shared tiny Llama far from ties (conftest): layouts cannot flip a token."""
+    return peaked_llama_checkpoint[0]
 
 
 async def generate_all(

@@ -186,29 +186,9 @@ TINY_ENGINE: dict[str, Any] = dict(
 
 
 @pytest.fixture(scope="module")
-def peaked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    """A tiny Llama with large random weights (its logits far from ties), and HF's model of it."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("peaked-llama")
-    model.save_pretrained(path)
-    return path, model
+def peaked(peaked_llama_checkpoint: tuple[Path, Any]) -> tuple[Path, Any]:
+    """The shared tiny Llama far from ties (conftest), and HF's model of it."""
+    return peaked_llama_checkpoint
 
 
 def tiny_requests() -> list[tuple[Any, SamplingParams]]:
