@@ -1,11 +1,14 @@
 """``open_engine``: load a model, size the KV cache, start the rank actor and
-the engine's step loop in a task group, and hand the caller an :class:`Engine`."""
+the engine's step loop in a task group, and hand the caller an :class:`Engine`.
+``open_shared_engine`` / ``attach_engine``: one engine-core process, several
+front ends in processes of their own (``asyncstep serve --api-server-count``)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -13,12 +16,12 @@ import anyio
 
 from asyncstep.config import EngineConfig
 from asyncstep.engine.core import EngineCore
-from asyncstep.engine.core_client import CoreProcess
+from asyncstep.engine.core_client import CoreConnection, CoreProcess
 from asyncstep.engine.engine import CoreClient, Engine, tokenizer_eos
 from asyncstep.engine.executor import open_executor
 from asyncstep.errors import ConfigError, EngineDeadError, describe
 from asyncstep.logging import get_logger, json_log_file
-from asyncstep.models.model_info import describe_model, validate_parallel_layout
+from asyncstep.models.model_info import ModelInfo, describe_model, validate_parallel_layout
 from asyncstep.models.model_loader import (
     LoadedModel,
     ProgressFn,
@@ -68,18 +71,9 @@ async def open_engine(
 
     async with contextlib.AsyncExitStack() as stack:
         if preloaded is None and config.parallel.engine_process:
-            info = await anyio.to_thread.run_sync(describe_model, config.model)
-            validate_parallel_layout(info.arch_config, config.parallel)
-            config.model.max_model_len = info.max_model_len
+            info = await _describe(config)
             arch, tokenizer = info.arch_config, info.tokenizer
-            eos = frozenset(arch.eos_token_ids) | tokenizer_eos(tokenizer)
-            core: CoreClient = CoreProcess(
-                config,
-                eos,
-                progress,
-                log_level=config.parallel.rank_log_level,
-                log_json=_core_log_json(config),
-            )
+            core: CoreClient = _core_process(config, info, progress)
         else:
             opened = await stack.enter_async_context(open_executor(config, preloaded, progress))
             arch, tokenizer = opened.arch_config, opened.tokenizer
@@ -91,24 +85,94 @@ async def open_engine(
                 vocab_size=arch.vocab_size,
                 load_tokenizer=lambda: opened.tokenizer,
             )
-        engine = Engine(config, arch, tokenizer, core)
-        try:
-            async with anyio.create_task_group() as tg:
-                await tg.start(engine.serve)
-                try:
-                    yield engine
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await engine.aclose()
-                    tg.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            # The engine's own tasks never raise out (a failure ends requests
-            # with EngineDeadError), so a group holds the caller's one error:
-            # give it back as it was raised.
-            if len(group.exceptions) == 1:
-                error = group.exceptions[0]
-                raise error from error.__cause__
-            raise
+        async with _running(Engine(config, arch, tokenizer, core)) as engine:
+            yield engine
+
+
+@asynccontextmanager
+async def open_shared_engine(
+    config: EngineConfig,
+    attach: Sequence[socket.socket],
+    progress: ProgressFn | None = None,
+) -> AsyncIterator[Engine]:
+    """:func:`open_engine` with an engine-core process that also serves the
+    front ends attached on ``attach`` (the core's ends of their socket
+    pairs; each front end opens :func:`attach_engine` on the other end).
+    The engine returned is the primary front end: leaving the block stops
+    the core."""
+    config = copy.deepcopy(config)
+    if not config.parallel.engine_process:
+        raise ConfigError("front ends can share an engine core only in its own process")
+    info = await _describe(config)
+    core = _core_process(config, info, progress, attach)
+    async with _running(Engine(config, info.arch_config, info.tokenizer, core)) as engine:
+        yield engine
+
+
+@asynccontextmanager
+async def attach_engine(config: EngineConfig, fd: int, index: int) -> AsyncIterator[Engine]:
+    """A front end (``Engine``) on the engine core that another process
+    opened with :func:`open_shared_engine`, over the inherited socket ``fd``;
+    ``index`` (from 1) tells its generated request ids apart. Leaving the
+    block aborts its requests; the core keeps serving the others."""
+    config = copy.deepcopy(config)
+    info = await _describe(config)
+    engine = Engine(
+        config,
+        info.arch_config,
+        info.tokenizer,
+        CoreConnection(fd),
+        request_id_prefix=f"req-{index}-",
+    )
+    async with _running(engine) as running:
+        yield running
+
+
+async def _describe(config: EngineConfig) -> ModelInfo:
+    """The model's description (tokenizer included), its layout checked,
+    ``config.model.max_model_len`` resolved in place."""
+    info = await anyio.to_thread.run_sync(describe_model, config.model)
+    validate_parallel_layout(info.arch_config, config.parallel)
+    config.model.max_model_len = info.max_model_len
+    return info
+
+
+def _core_process(
+    config: EngineConfig,
+    info: ModelInfo,
+    progress: ProgressFn | None,
+    attach: Sequence[socket.socket] = (),
+) -> CoreProcess:
+    return CoreProcess(
+        config,
+        frozenset(info.arch_config.eos_token_ids) | tokenizer_eos(info.tokenizer),
+        progress,
+        log_level=config.parallel.rank_log_level,
+        log_json=_core_log_json(config),
+        attach=attach,
+    )
+
+
+@asynccontextmanager
+async def _running(engine: Engine) -> AsyncIterator[Engine]:
+    """Serve ``engine`` in a task group for the block; closed on the way out."""
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.serve)
+            try:
+                yield engine
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await engine.aclose()
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The engine's own tasks never raise out (a failure ends requests
+        # with EngineDeadError), so a group holds the caller's one error:
+        # give it back as it was raised.
+        if len(group.exceptions) == 1:
+            error = group.exceptions[0]
+            raise error from error.__cause__
+        raise
     if engine.error is not None:
         raise EngineDeadError(f"the engine stopped: {describe(engine.error)}") from engine.error
 

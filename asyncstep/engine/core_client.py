@@ -5,6 +5,11 @@ pair whose other end the child inherits as a file descriptor. Nothing
 listens: a socket pair has no address another process could connect to, so
 unlike the ranks' control connections it needs no secret and no handshake.
 
+:class:`CoreConnection` is an attached front end's side (an API server of
+``asyncstep serve --api-server-count``): a core another process started,
+over a socket it inherited; the core's end of the connection, or its
+:class:`CoreFailed`, ends it with :class:`EngineCoreDied`.
+
 In-process, the front end drives an :class:`~asyncstep.engine.core.EngineCore`
 directly (it has the same ``run`` contract), over memory channels.
 
@@ -23,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -66,6 +72,9 @@ class CoreProcess:
     log_json: str | None = None
     #: Seconds the child gets to exit after Shutdown before it is terminated.
     exit_timeout_s: float = 10.0
+    #: The core's ends of the connections of attached front ends (the child
+    #: inherits them; they are closed here once it started).
+    attach: Sequence[socket.socket] = ()
     process: Process | None = field(default=None, init=False)
     _stopping: bool = field(default=False, init=False)
 
@@ -85,6 +94,8 @@ class CoreProcess:
             self.process = await self._spawn(theirs.fileno())
         finally:
             theirs.close()
+            for sock in self.attach:
+                sock.close()
         channel = MessageStream[FromCore](await anyio.abc.SocketStream.from_socket(ours), FromCore)
         try:
             async with anyio.create_task_group() as tg, from_core:
@@ -109,6 +120,9 @@ class CoreProcess:
             "--log-level",
             self.log_level,
         ]
+        attach_fds = tuple(sock.fileno() for sock in self.attach)
+        for attached in attach_fds:
+            command += ["--attach-fd", str(attached)]
         if self.log_json is not None:
             command += ["--log-json", self.log_json]
         process = await anyio.open_process(
@@ -116,7 +130,7 @@ class CoreProcess:
             stdin=subprocess.PIPE,  # never written: its end tells the child we died
             stdout=None,
             stderr=None,
-            pass_fds=(fd,),
+            pass_fds=(fd, *attach_fds),
         )
         log.info("engine core started", pid=process.pid)
         return process
@@ -192,6 +206,63 @@ class CoreProcess:
             with anyio.move_on_after(wait_s if wait_s is not None else 30):
                 await process.wait()
                 return
+
+
+@dataclass
+class CoreConnection:
+    """An engine core started by another process, over the inherited
+    socket ``fd`` (see the module doc)."""
+
+    fd: int
+
+    async def run(
+        self,
+        to_core: MemoryObjectReceiveStream[ToCore],
+        from_core: MemoryObjectSendStream[FromCore],
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        stream = await anyio.abc.SocketStream.from_socket(socket.socket(fileno=self.fd))
+        channel = MessageStream[FromCore](stream, FromCore)
+        stopping = False
+
+        async def receive() -> FromCore:
+            try:
+                message = await channel.receive()
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+                raise EngineCoreDied("the engine core closed its connection") from None
+            if isinstance(message, CoreFailed):
+                raise error_from_core(message.error, message.kind)
+            return message
+
+        async def forward_to_core() -> None:
+            nonlocal stopping
+            async with to_core:
+                async for first in to_core:
+                    for message in _coalesced([first, *_queued(to_core)]):
+                        stopping = stopping or isinstance(message, Shutdown)
+                        await channel.send(message)
+            stopping = True
+
+        try:
+            async with anyio.create_task_group() as tg, from_core:
+                while not isinstance(ready := await receive(), CoreReady):
+                    pass  # LoadProgress is the primary's
+                await from_core.send(ready)
+                task_status.started()
+                tg.start_soon(forward_to_core)
+                while True:
+                    try:
+                        message = await receive()
+                    except EngineCoreDied:
+                        if stopping:
+                            break
+                        raise
+                    await from_core.send(message)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await channel.aclose()
 
 
 def _queued(stream: MemoryObjectReceiveStream[ToCore]) -> list[ToCore]:

@@ -2,7 +2,9 @@
 
 Started by the front end (:class:`~asyncstep.engine.core_client.CoreProcess`)
 with one end of a socket pair as file descriptor ``N`` (inherited; no
-address, nothing listens, so no handshake). It receives
+address, nothing listens, so no handshake), and one more per attached front
+end (``--attach-fd M``, repeated: the API servers of ``asyncstep serve
+--api-server-count``; :mod:`asyncstep.engine.front_ends`). It receives
 :class:`~asyncstep.engine.core_messages.CoreSetup`, loads the model (or starts
 the rank processes), reports :class:`CoreReady`, then runs the
 :class:`~asyncstep.engine.core.EngineCore` in its own ``trio.run`` until the
@@ -38,10 +40,10 @@ from asyncstep.engine.core_messages import (
     CoreSetup,
     FromCore,
     LoadProgress,
-    Shutdown,
     ToCore,
 )
 from asyncstep.engine.executor import open_executor
+from asyncstep.engine.front_ends import PEER_GONE, FrontEnds
 from asyncstep.errors import describe, error_kind, root_cause
 from asyncstep.logging import configure_logging, get_logger
 from asyncstep.models.model_info import describe_model
@@ -50,20 +52,18 @@ from asyncstep.procs import exit_when_parent_dies
 log = get_logger("engine")
 
 
-#: What the core sees when the front end closed the connection.
-_PEER_GONE = (
-    anyio.EndOfStream,
-    anyio.IncompleteRead,
-    anyio.BrokenResourceError,
-    anyio.ClosedResourceError,
-)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m asyncstep.engine.core_process", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--fd", type=int, required=True, help="the socket to the front end")
+    parser.add_argument(
+        "--attach-fd",
+        type=int,
+        action="append",
+        default=[],
+        help="the socket to one more front end (repeatable)",
+    )
     parser.add_argument(
         "--exit-grace",
         type=float,
@@ -80,29 +80,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_when_parent_dies(args.exit_grace)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(args.log_level, args.log_json)
-    return trio.run(serve_core, args.fd)
+    return trio.run(serve_core, args.fd, args.attach_fd)
 
 
-async def serve_core(fd: int) -> int:
-    """Serve one front end on socket ``fd``; returns the exit status."""
-    stream = await anyio.abc.SocketStream.from_socket(fd)
-    channel = MessageStream[ToCore](stream, ToCore)
+async def serve_core(fd: int, attach_fds: Sequence[int] = ()) -> int:
+    """Serve the front end on socket ``fd`` (and those attached on
+    ``attach_fds``); returns the exit status."""
+    channels = [
+        MessageStream[ToCore](await anyio.abc.SocketStream.from_socket(f), ToCore)
+        for f in (fd, *attach_fds)
+    ]
+    channel = channels[0]
     try:
         setup = await channel.receive()
         if not isinstance(setup, CoreSetup):
             raise RuntimeError(f"expected CoreSetup, got {type(setup).__name__}")
-        await _run(channel, setup)
+        await _run(FrontEnds(channels), setup)
     except Exception as exc:
         error = root_cause(exc)
-        if isinstance(error, _PEER_GONE):
+        if isinstance(error, PEER_GONE):
             return 0  # the front end went away: nobody to report to
         log.debug("engine core failed", error=repr(error), traceback=traceback.format_exc())
-        with anyio.move_on_after(2, shield=True), contextlib.suppress(Exception):
-            await channel.send(CoreFailed(describe(error), error_kind(error)))
+        failed = CoreFailed(describe(error), error_kind(error))
+        with anyio.move_on_after(2, shield=True):
+            for each in channels:  # every front end is told why
+                with contextlib.suppress(Exception):
+                    await each.send(failed)
         return 1
     finally:
         with anyio.CancelScope(shield=True):
-            await channel.aclose()
+            for each in channels:
+                await each.aclose()
     return 0
 
 
@@ -115,7 +123,7 @@ def _share_the_cpu(device: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
 
 
-async def _run(channel: MessageStream[ToCore], setup: CoreSetup) -> None:
+async def _run(front_ends: FrontEnds, setup: CoreSetup) -> None:
     _share_the_cpu(setup.config.model.device)
     events_tx, events_rx = anyio.create_memory_object_stream[FromCore](math.inf)
     inputs_tx, inputs_rx = anyio.create_memory_object_stream[ToCore](math.inf)
@@ -126,7 +134,7 @@ async def _run(channel: MessageStream[ToCore], setup: CoreSetup) -> None:
             token.run_sync_soon(events_tx.send_nowait, LoadProgress(done, total))
 
     async with anyio.create_task_group() as outer:
-        outer.start_soon(_write_front_end, channel, events_rx)
+        outer.start_soon(front_ends.write, events_rx)
         async with open_executor(setup.config, progress=progress, with_tokenizer=False) as opened:
             core = EngineCore(
                 setup.config,
@@ -137,33 +145,9 @@ async def _run(channel: MessageStream[ToCore], setup: CoreSetup) -> None:
                 freeze_heap=True,
             )
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_read_front_end, channel, inputs_tx)
+                tg.start_soon(front_ends.read, inputs_tx)
                 await core.run(inputs_rx, events_tx)
                 tg.cancel_scope.cancel()
-
-
-async def _read_front_end(
-    channel: MessageStream[ToCore], inputs: anyio.abc.ObjectSendStream[ToCore]
-) -> None:
-    """Socket -> the core's inputs; the end of the connection ends the inputs."""
-    async with inputs:
-        while True:
-            try:
-                message = await channel.receive()
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
-                return
-            await inputs.send(message)
-            if isinstance(message, Shutdown):
-                return
-
-
-async def _write_front_end(
-    channel: MessageStream[ToCore], events: anyio.abc.ObjectReceiveStream[FromCore]
-) -> None:
-    """The core's events -> socket, until the core closes them."""
-    async with events:
-        async for message in events:
-            await channel.send(message)
 
 
 if __name__ == "__main__":

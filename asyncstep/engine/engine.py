@@ -113,6 +113,8 @@ class Engine:
         arch_config: ModelArchConfig,
         tokenizer: PreTrainedTokenizerBase | None,
         core: CoreClient,
+        *,
+        request_id_prefix: str = "req-",
     ) -> None:
         self.config = config
         self.arch_config = arch_config
@@ -129,6 +131,8 @@ class Engine:
         #: The caller's request id -> its choices.
         self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
+        #: Generated request ids start with it (front ends of one core differ).
+        self._id_prefix = request_id_prefix
         self._to_core: MemoryObjectSendStream[ToCore] | None = None
         self._core_stats = CoreStats()
         #: Process ids of the rank processes (none when the rank runs in the core).
@@ -368,7 +372,7 @@ class Engine:
 
     def _check_request_id(self, request_id: object) -> str:
         if request_id is None:
-            return f"req-{next(self._ids)}"
+            return f"{self._id_prefix}{next(self._ids)}"
         if not isinstance(request_id, str):
             raise InvalidRequestError(
                 f"request_id must be a string, got {type(request_id).__name__} {shown(request_id)}"
