@@ -18,22 +18,41 @@ several apps in one process do not clash):
 
 Times are the server's (``time.perf_counter``): they include the queue,
 detokenization and the HTTP layer's own delay, not the network's.
+
+Several API servers (``--api-server-count``): when ``PROMETHEUS_MULTIPROC_DIR``
+names a directory (:func:`multiprocess_dir`; set by the supervisor before the
+API servers start, empty, deleted once they all ended), each process's
+counters and histograms live in files there (prometheus_client's
+multiprocess mode; it is taken even if prometheus_client was imported before
+the variable was set) and :meth:`ServerMetrics.render` answers with them
+summed over every API server, dead ones included, plus the engine's gauges
+and counter of the scraping process alone (the engine core is one: its
+numbers are the same in every API server). The families are the same as in
+one process, less the ``_created`` samples. No gauge lives in those files:
+nothing to clean when an API server ends. One :class:`ServerMetrics` per
+process then (two would write the same series).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+
+from asyncstep.errors import ConfigError
 
 if TYPE_CHECKING:
     from asyncstep.engine.engine import Engine
 
 PREFIX = "asyncstep:"
+#: The variable naming the directory where several API servers' metrics meet.
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: What ``GET /metrics`` answers with.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS: tuple[float, ...] = (
@@ -108,6 +127,25 @@ E2E_BUCKETS: tuple[float, ...] = (
 )
 
 
+def multiprocess_dir() -> str | None:
+    """The directory where the API servers' metrics meet (``None``: this
+    process's metrics are its own)."""
+    return os.environ.get(MULTIPROCESS_DIR_ENV)
+
+
+def _multiprocess_registry(path: str) -> CollectorRegistry:
+    """A registry reading every process's series from ``path``."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"{MULTIPROCESS_DIR_ENV}={path!r} is not a directory")
+    if not values.ValueClass._multiprocess:
+        # prometheus_client picks where values go when first imported: the
+        # variable came later (set in this process, or before a fork).
+        values.ValueClass = values.MultiProcessValue()
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path)
+    return registry
+
+
 class _EngineCollector(Collector):
     """The engine's counters, read when scraped."""
 
@@ -142,10 +180,13 @@ class ServerMetrics:
     """The metrics of one server over one engine."""
 
     def __init__(self, engine: Engine, model_name: str) -> None:
-        self.registry = CollectorRegistry()
+        path = multiprocess_dir()
+        #: What :meth:`render` collects.
+        self.registry = CollectorRegistry() if path is None else _multiprocess_registry(path)
         self.model_name = model_name
         labels = ["model_name"]
-        reg = self.registry
+        # Several processes: the series go to files, read back from there.
+        reg = self.registry if path is None else None
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens admitted.", labels, registry=reg
         ).labels(model_name)
@@ -179,7 +220,7 @@ class ServerMetrics:
             buckets=E2E_BUCKETS,
             registry=reg,
         ).labels(model_name)
-        reg.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(engine, model_name))
 
     def success(self, finish_reason: str) -> None:
         self._success.labels(self.model_name, finish_reason).inc()
