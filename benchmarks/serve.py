@@ -330,7 +330,7 @@ def client_processes(args: argparse.Namespace, requests: list[Request], url: str
     the concurrency cap, all starting their clocks at the same instant."""
     n = args.client_processes
     cap = None if args.max_concurrency is None else math.ceil(args.max_concurrency / n)
-    start_at = time.time() + 3.0  # after every worker has imported and connected
+    start_at = time.time() + 5.0  # after every worker has imported and connected
     workers = []
     for i in range(n):
         shard = WorkerInput(url, args.api_key, args.served_model, start_at, cap, requests[i::n])
@@ -361,6 +361,10 @@ async def client_worker(shard: WorkerInput) -> WorkerOutput:
     async with httpx.AsyncClient(
         base_url=shard.url, timeout=None, limits=limits, headers=headers
     ) as client:
+        # Its connections opened first, as a service's keep-alive client has them.
+        cap = shard.max_concurrency or len(shard.requests)
+        warmup = [Request(r.prompt[:8], 1, 0.0) for r in shard.requests[:cap]]
+        await run_workload(warmup, None, http_sender(client, shard.model))
         await trio.sleep(max(0.0, shard.start_at - time.time()))
         run = await run_workload(
             shard.requests, shard.max_concurrency, http_sender(client, shard.model)

@@ -7,7 +7,8 @@ metrics routes (counters move by what was served); greedy text equal to
 ``asyncstep generate``'s; 32 streams at once; clients that drop their
 connection (their requests stop running at once); bad requests (the right
 status and error JSON, the server serving on); and, last, SIGTERM under
-load (a clean exit 0)."""
+load (a clean exit 0). All of it against one server process, and again
+against two API server processes sharing the port and one engine core."""
 
 from __future__ import annotations
 
@@ -93,10 +94,12 @@ REFERENCE_PROMPTS = ["What is the capital of France?", "Write a haiku about rain
 REFERENCE_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    """The server, and ``asyncstep generate`` loading the same model meanwhile."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_api_server", "two_api_servers"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The server (one process, or a supervisor of two API servers on one
+    engine core), and ``asyncstep generate`` loading the same model meanwhile."""
     argv = [sys.executable, "-m", "asyncstep", "serve", "--port", "0"]
+    argv += ["--api-server-count", str(request.param)]
     argv += ["--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(BODY_LIMIT)]
     argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--kv-cache-memory-gib", "0.25"]
     env = os.environ | {"ASYNCSTEP_API_KEY": KEY}

@@ -8,10 +8,12 @@ serves token ids; once the engine is dead, ``/health`` and the routes answer
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import signal
 import socket
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -237,21 +239,31 @@ def test_the_server_imports_only_the_front_end() -> None:
                     assert name in FRONT_END, f"{module.name} imports {name}"
 
 
-def test_asyncstep_serve_exits_when_its_engine_dies(tmp_path: Path) -> None:
-    """A supervisor sees a dead engine: the server stops and exits 1 with one line."""
+@pytest.mark.parametrize(("api_servers", "victim"), [(1, "core"), (2, "core"), (2, "api")])
+def test_asyncstep_serve_exits_when_its_engine_or_an_api_server_dies(
+    api_servers: int, victim: str
+) -> None:
+    """A supervisor sees a dead engine, or a dead API server: the server
+    stops and exits 1 with one line, leaving no process behind."""
     import subprocess
     import sys
 
     argv = [sys.executable, "-m", "asyncstep", "serve", "--model", "tiny-llama", "--port", "0"]
     argv += ["--load-format", "dummy", "--device", "cpu", "--dtype", "float32"]
+    argv += ["--api-server-count", str(api_servers)]
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
         line = server.stdout.readline()  # blocks until serving (or the process ended)
         assert line.startswith("asyncstep: serving"), line
         tasks = Path(f"/proc/{server.pid}/task").glob("*/children")  # any thread's children
-        (core,) = [int(pid) for task in tasks for pid in task.read_text().split()]
-        os.kill(core, signal.SIGKILL)
+        children = {int(pid) for task in tasks for pid in task.read_text().split()}
+        by_kind = {
+            pid: "core" if b"core_process" in Path(f"/proc/{pid}/cmdline").read_bytes() else "api"
+            for pid in children
+        }
+        assert len(children) == 1 + (api_servers if api_servers > 1 else 0)
+        os.kill(next(pid for pid, kind in by_kind.items() if kind == victim), signal.SIGKILL)
         code = server.wait(timeout=30)
         stderr = server.stderr.read() if server.stderr is not None else ""
     finally:
@@ -259,4 +271,24 @@ def test_asyncstep_serve_exits_when_its_engine_dies(tmp_path: Path) -> None:
             server.kill()
             server.wait()
     assert code == 1
-    assert "asyncstep: error:" in stderr and "engine" in stderr and "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("asyncstep: error:")]
+    assert lines and "Traceback" not in stderr
+    assert ("engine" if victim == "core" else "API server") in lines[-1]
+    assert "SIGKILL" in lines[-1]
+    for pid in children:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # (not ours to reap: the server's)
+        assert _gone(pid, timeout_s=15), f"process {pid} ({by_kind[pid]}) outlived the server"
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)  # a test polling another process, not a trio task
+    return False

@@ -23,6 +23,8 @@ from asyncstep.errors import ConfigError
 API_KEY_ENV = "ASYNCSTEP_API_KEY"
 #: Bodies larger than this are refused with 413 unless configured otherwise.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+#: Most API server processes (``api_server_count``).
+MAX_API_SERVERS = 64
 
 
 def _doc(description: str) -> msgspec.Meta:
@@ -49,7 +51,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     ] = None
     max_waiting_requests: Annotated[
         int | None,
-        _doc("refuse requests with 429 once this many would wait for a batch slot; none: no limit"),
+        _doc(
+            "refuse requests with 429 once this many would wait for a batch slot (each "
+            "API server counts its own); none: no limit"
+        ),
     ] = None
     shutdown_timeout: Annotated[
         float,
@@ -64,6 +69,13 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     access_log: Annotated[bool, _doc("log every request to stderr (Hypercorn's access log)")] = (
         False
     )
+    api_server_count: Annotated[
+        int,
+        _doc(
+            "HTTP server processes (each its own front end: HTTP, detokenizer, streams) "
+            "sharing the port and one engine core"
+        ),
+    ] = 1
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -85,6 +97,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         if self.max_request_body_bytes <= 0:
             raise ConfigError(
                 f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}"
+            )
+        if not 1 <= self.api_server_count <= MAX_API_SERVERS:
+            raise ConfigError(
+                f"api_server_count must be in [1, {MAX_API_SERVERS}], got {self.api_server_count}"
             )
         if not self.keep_alive_timeout > 0:
             raise ConfigError(f"keep_alive_timeout must be positive, got {self.keep_alive_timeout}")

@@ -5,7 +5,8 @@ stop.
 A request is admitted (:meth:`Generations.admit`) unless the engine is dead
 or the server drains (503), or the batch's waiting queue would pass
 ``max_waiting_requests`` (429, ``Retry-After: 1``): the requests this
-server has in flight past the batch's capacity (``max_num_running_reqs``),
+server has in flight past its share of the batch's capacity
+(``max_num_running_reqs``, divided among ``api_server_count`` servers),
 or, when the engine reports a queue (e.g. a full KV cache), that queue and
 the new ones. Its response (:class:`GenerationResponse`) runs its prompts
 (``Engine.stream``, each chunk to the response's formatter) while a task of
@@ -112,9 +113,16 @@ class Generations:
         (when the engine reports a queue, e.g. the KV cache is full) its
         queue and these."""
         in_flight = sum(r.num_choices for r in self.in_flight.values())
-        over = in_flight + new_choices - self.engine.config.max_num_running_reqs
+        over = in_flight + new_choices - self.batch_share
         queued = self.engine.statistics().num_waiting_reqs
         return max(over, queued + new_choices if queued else 0)
+
+    @property
+    def batch_share(self) -> int:
+        """This server's share of the batch's capacity (API servers of one
+        engine core share it evenly)."""
+        capacity = self.engine.config.max_num_running_reqs
+        return -(-capacity // self.config.api_server_count)
 
     def release(self, rid: str) -> None:
         self.in_flight.pop(rid, None)

@@ -13,6 +13,10 @@ finish reason ``abort``); once they have been answered the engine is
 closed and :func:`serve` returns. A second signal aborts at once. An
 engine that dies stops the server the same way, and :func:`serve` raises
 its :class:`~asyncstep.errors.EngineDeadError` (``asyncstep serve`` exits 1).
+
+With ``api_server_count`` > 1 this process supervises that many API
+server processes on the one socket and one engine core
+(:mod:`asyncstep.server.api_servers`); each runs :func:`serve_app`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from asyncstep.config import EngineConfig
 from asyncstep.engine.api import open_engine
+from asyncstep.engine.engine import Engine
 from asyncstep.errors import ConfigError
 from asyncstep.logging import get_logger
 from asyncstep.server.app import OpenAIServer
@@ -85,33 +90,50 @@ async def _serve(
     progress: Callable[[int, int], None] | None,
     log_level: str,
 ) -> None:
+    if server_config.api_server_count > 1:
+        from asyncstep.server.api_servers import serve_api_servers
+
+        await serve_api_servers(engine_config, server_config, listener, ready, progress, log_level)
+        return
     async with open_engine(config=engine_config, progress=progress) as engine:
-        server = OpenAIServer(engine, server_config)
-        stop = trio.Event()
-        async with trio.open_nursery() as outer:
-            outer.start_soon(_watch_signals, server, stop)
-            outer.start_soon(_watch_engine, server, stop)
-            async with trio.open_nursery() as http:
+        await serve_app(engine, server_config, listener, ready, log_level)
 
-                async def shutdown_trigger() -> None:
-                    await stop.wait()
-                    log.info("stopping", in_flight=len(server.in_flight))
-                    http.start_soon(server.drain, server_config.shutdown_timeout)
 
-                hc = hypercorn_config(server_config, listener, log_level)
-                binds = await http.start(
-                    partial(
-                        hypercorn.trio.serve,
-                        cast(Any, server.app),  # Starlette's ASGI types are not Hypercorn's
-                        hc,
-                        shutdown_trigger=shutdown_trigger,
-                    )
+async def serve_app(
+    engine: Engine,
+    server_config: ServerConfig,
+    listener: socket.socket,
+    ready: Callable[[str, str], None] | None,
+    log_level: str,
+) -> None:
+    """The app over ``engine`` under Hypercorn on ``listener``, until
+    SIGTERM or SIGINT, or the engine's death (see the module's docstring)."""
+    server = OpenAIServer(engine, server_config)
+    stop = trio.Event()
+    async with trio.open_nursery() as outer:
+        outer.start_soon(_watch_signals, server, stop)
+        outer.start_soon(_watch_engine, server, stop)
+        async with trio.open_nursery() as http:
+
+            async def shutdown_trigger() -> None:
+                await stop.wait()
+                log.info("stopping", in_flight=len(server.in_flight))
+                http.start_soon(server.drain, server_config.shutdown_timeout)
+
+            hc = hypercorn_config(server_config, listener, log_level)
+            binds = await http.start(
+                partial(
+                    hypercorn.trio.serve,
+                    cast(Any, server.app),  # Starlette's ASGI types are not Hypercorn's
+                    hc,
+                    shutdown_trigger=shutdown_trigger,
                 )
-                if ready is not None:
-                    ready(binds[0] if binds else f"http://{server_config.bind}", server.model_name)
-            # Hypercorn has answered every connection (or given up on them).
-            outer.cancel_scope.cancel()
-        log.info("stopped")
+            )
+            if ready is not None:
+                ready(binds[0] if binds else f"http://{server_config.bind}", server.model_name)
+        # Hypercorn has answered every connection (or given up on them).
+        outer.cancel_scope.cancel()
+    log.info("stopped")
 
 
 async def _watch_signals(server: OpenAIServer, stop: trio.Event) -> None:
