@@ -67,8 +67,8 @@ async def test_front_ends_of_one_core_get_the_tokens_of_one_front_end_alone() ->
                     nursery.start_soon(one, e, p)
         assert all(got[e, p] == expected[p] for e, p in got) and len(got) == 12
         # Every front end's statistics see the one scheduler.
-        await attached[0].wait_idle()
-        await attached[1].wait_idle()
+        for engine in engines:
+            await engine.wait_idle()
         assert attached[1].statistics().num_steps == primary.statistics().num_steps > 0
 
 

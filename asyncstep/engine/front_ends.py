@@ -10,11 +10,12 @@ and splits the core's events between them:
   flight from another front end is refused to the newcomer
   (:class:`RejectedRequest`), and a front end can abort or stop only its
   own requests;
-* each step's :class:`CoreOutputs` goes to every front end with its own
-  requests' news (possibly none) and the scheduler's stats (so each sees
-  the queue); :class:`CoreReady` and :class:`CoreFailed` go to all,
-  :class:`LoadProgress` to the primary, :class:`Idle` to the one that asked
-  (tickets are renumbered across front ends);
+* each step's :class:`CoreOutputs` goes to each front end with news in it
+  (its own requests' outputs or refusals), and to the others at most every
+  :data:`STATS_INTERVAL_S` (so each sees the queue); :class:`CoreReady`
+  and :class:`CoreFailed` go to all, :class:`LoadProgress` to the
+  primary, :class:`Idle` to the one that asked (tickets are renumbered
+  across front ends);
 * an attached front end that says Shutdown or goes away has its requests
   aborted; the core keeps serving the others.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 from collections.abc import Sequence
 
 import anyio
@@ -55,6 +57,9 @@ from asyncstep.logging import get_logger
 log = get_logger("engine")
 
 PRIMARY = 0
+#: A front end with no news in a step is sent its stats at most this often
+#: (every message costs the core's loop, which the next step waits for).
+STATS_INTERVAL_S = 0.05
 
 #: What a reader or writer sees when its front end closed the connection.
 PEER_GONE = (
@@ -81,6 +86,8 @@ class FrontEnds:
         #: Attached front ends that left (what is routed to them is dropped).
         self._gone: set[int] = set()
         self._stats = CoreStats()
+        #: When each front end is next sent a step without news of its own.
+        self._stats_due = [0.0] * len(self.channels)
         boxes = [anyio.create_memory_object_stream[FromCore](math.inf) for _ in self.channels]
         self._outboxes: list[MemoryObjectSendStream[FromCore]] = [tx for tx, _ in boxes]
         self._inboxes: list[MemoryObjectReceiveStream[FromCore]] = [rx for _, rx in boxes]
@@ -234,10 +241,12 @@ class FrontEnds:
             holder = owner.pop(refusal.request_id, None)
             if holder is not None:
                 rejected[holder].append(refusal)
+        now = time.monotonic()
         for index in range(len(self.channels)):
-            self._route(
-                index, CoreOutputs(message.step_id, outputs[index], message.stats, rejected[index])
-            )
+            if outputs[index] or rejected[index] or now >= self._stats_due[index]:
+                self._stats_due[index] = now + STATS_INTERVAL_S
+                news = CoreOutputs(message.step_id, outputs[index], message.stats, rejected[index])
+                self._route(index, news)
 
     def _route(self, index: int, message: FromCore) -> None:
         if index not in self._gone:
