@@ -214,10 +214,12 @@ def test_serve_flags_make_the_server_config(
 FRONT_END = {
     "asyncstep",
     "asyncstep.checks",
+    "asyncstep.cli",
     "asyncstep.config",
     "asyncstep.datatypes",
     "asyncstep.errors",
     "asyncstep.logging",
+    "asyncstep.procs",
     "asyncstep.structured_params",
     "asyncstep.engine.api",
     "asyncstep.engine.engine",

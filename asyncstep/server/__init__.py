@@ -12,11 +12,14 @@
 * :mod:`~asyncstep.server.metrics`: Prometheus metrics, vLLM's names;
 * :mod:`~asyncstep.server.config`: the server's options;
   :mod:`~asyncstep.server.serve`: ``asyncstep serve`` (Hypercorn's Trio
-  worker, signals, graceful stop).
+  worker, signals, graceful stop); :mod:`~asyncstep.server.api_servers`:
+  several API server processes on one port and one engine core.
 
 It uses the engine's front end only (:class:`~asyncstep.engine.engine.Engine`,
-``open_engine``, the outputs, ``SamplingParams``, the errors and configs):
-never the engine core, the scheduler, the runner or the ranks.
+``open_engine`` and its shared-core variants, the outputs,
+``SamplingParams``, the errors and configs, the CLI's exit status, the
+process helpers): never the engine core, the scheduler, the runner or the
+ranks.
 """
 
 from __future__ import annotations
