@@ -28,7 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -103,7 +103,7 @@ class CoreProcess:
                 await channel.send(CoreSetup(self.config, sorted(self.eos_token_ids)))
                 await from_core.send(await self._wait_ready(channel))
                 task_status.started()
-                tg.start_soon(self._forward_to_core, to_core, channel)
+                tg.start_soon(_send_inputs, to_core, channel, self._stop_expected)
                 await self._forward_from_core(channel, from_core)
                 tg.cancel_scope.cancel()
         finally:
@@ -148,16 +148,8 @@ class CoreProcess:
             else:
                 raise EngineCoreDied(f"the engine core sent {type(message).__name__} first")
 
-    async def _forward_to_core(
-        self, to_core: MemoryObjectReceiveStream[ToCore], channel: MessageStream[FromCore]
-    ) -> None:
-        async with to_core:
-            async for first in to_core:
-                for message in _coalesced([first, *_queued(to_core)]):
-                    if isinstance(message, Shutdown):
-                        self._stopping = True
-                    await channel.send(message)
-        self._stopping = True  # the front end is done: the core ends on EOF
+    def _stop_expected(self) -> None:
+        self._stopping = True
 
     async def _forward_from_core(
         self, channel: MessageStream[FromCore], from_core: MemoryObjectSendStream[FromCore]
@@ -214,6 +206,10 @@ class CoreConnection:
     socket ``fd`` (see the module doc)."""
 
     fd: int
+    _stopping: bool = field(default=False, init=False)
+
+    def _stop_expected(self) -> None:
+        self._stopping = True
 
     async def run(
         self,
@@ -224,7 +220,6 @@ class CoreConnection:
     ) -> None:
         stream = await anyio.abc.SocketStream.from_socket(socket.socket(fileno=self.fd))
         channel = MessageStream[FromCore](stream, FromCore)
-        stopping = False
 
         async def receive() -> FromCore:
             try:
@@ -235,27 +230,18 @@ class CoreConnection:
                 raise error_from_core(message.error, message.kind)
             return message
 
-        async def forward_to_core() -> None:
-            nonlocal stopping
-            async with to_core:
-                async for first in to_core:
-                    for message in _coalesced([first, *_queued(to_core)]):
-                        stopping = stopping or isinstance(message, Shutdown)
-                        await channel.send(message)
-            stopping = True
-
         try:
             async with anyio.create_task_group() as tg, from_core:
                 while not isinstance(ready := await receive(), CoreReady):
                     pass  # LoadProgress is the primary's
                 await from_core.send(ready)
                 task_status.started()
-                tg.start_soon(forward_to_core)
+                tg.start_soon(_send_inputs, to_core, channel, self._stop_expected)
                 while True:
                     try:
                         message = await receive()
                     except EngineCoreDied:
-                        if stopping:
+                        if self._stopping:
                             break
                         raise
                     await from_core.send(message)
@@ -263,6 +249,27 @@ class CoreConnection:
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await channel.aclose()
+
+
+async def _send_inputs(
+    to_core: MemoryObjectReceiveStream[ToCore],
+    channel: MessageStream[FromCore],
+    stop_expected: Callable[[], None],
+) -> None:
+    """The front end's messages -> the core, runs of CoreInputs coalesced;
+    ``stop_expected()`` once Shutdown is sent or the front end is done (the
+    core then ends on EOF). A connection broken under a send ends this
+    quietly: the receiving side then says how the core died."""
+    async with to_core:
+        async for first in to_core:
+            for message in _coalesced([first, *_queued(to_core)]):
+                try:
+                    await channel.send(message)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return
+                if isinstance(message, Shutdown):
+                    stop_expected()
+    stop_expected()
 
 
 def _queued(stream: MemoryObjectReceiveStream[ToCore]) -> list[ToCore]:
