@@ -204,6 +204,12 @@ def test_serve_flags_make_the_server_config(
     assert cli.main(["serve", "--port", "70000"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "port must be in [0, 65535]" in err
+    assert cli.main(["serve", "--api-server-count", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "api_server_count must be in [1, 64], got 0" in err
+    assert cli.main(["serve", "--port", "0", "--api-server-count", "2", "--no-engine-process"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "share an engine core only in its own process" in err
     with socket.create_server(("127.0.0.1", 0)) as taken:
         assert cli.main(["serve", "--port", str(taken.getsockname()[1])]) == 1
     err = capsys.readouterr().err
