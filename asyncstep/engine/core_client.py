@@ -103,7 +103,7 @@ class CoreProcess:
                 await channel.send(CoreSetup(self.config, sorted(self.eos_token_ids)))
                 await from_core.send(await self._wait_ready(channel))
                 task_status.started()
-                tg.start_soon(_send_inputs, to_core, channel, self._stop_expected)
+                tg.start_soon(_send_inputs, to_core, channel, self._expect_stop)
                 await self._forward_from_core(channel, from_core)
                 tg.cancel_scope.cancel()
         finally:
@@ -148,8 +148,8 @@ class CoreProcess:
             else:
                 raise EngineCoreDied(f"the engine core sent {type(message).__name__} first")
 
-    def _stop_expected(self) -> None:
-        self._stopping = True
+    def _expect_stop(self, expected: bool) -> None:
+        self._stopping = expected
 
     async def _forward_from_core(
         self, channel: MessageStream[FromCore], from_core: MemoryObjectSendStream[FromCore]
@@ -208,8 +208,8 @@ class CoreConnection:
     fd: int
     _stopping: bool = field(default=False, init=False)
 
-    def _stop_expected(self) -> None:
-        self._stopping = True
+    def _expect_stop(self, expected: bool) -> None:
+        self._stopping = expected
 
     async def run(
         self,
@@ -236,7 +236,7 @@ class CoreConnection:
                     pass  # LoadProgress is the primary's
                 await from_core.send(ready)
                 task_status.started()
-                tg.start_soon(_send_inputs, to_core, channel, self._stop_expected)
+                tg.start_soon(_send_inputs, to_core, channel, self._expect_stop)
                 while True:
                     try:
                         message = await receive()
@@ -254,22 +254,24 @@ class CoreConnection:
 async def _send_inputs(
     to_core: MemoryObjectReceiveStream[ToCore],
     channel: MessageStream[FromCore],
-    stop_expected: Callable[[], None],
+    expect_stop: Callable[[bool], None],
 ) -> None:
     """The front end's messages -> the core, runs of CoreInputs coalesced;
-    ``stop_expected()`` once Shutdown is sent or the front end is done (the
-    core then ends on EOF). A connection broken under a send ends this
-    quietly: the receiving side then says how the core died."""
+    ``expect_stop(True)`` as Shutdown is sent or once the front end is done
+    (the core then ends on EOF). A connection broken under a send ends this
+    quietly (``expect_stop(False)``): the receiving side then says how the
+    core died."""
     async with to_core:
         async for first in to_core:
             for message in _coalesced([first, *_queued(to_core)]):
+                if isinstance(message, Shutdown):
+                    expect_stop(True)  # before the send: the core may answer with EOF at once
                 try:
                     await channel.send(message)
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    expect_stop(False)
                     return
-                if isinstance(message, Shutdown):
-                    stop_expected()
-    stop_expected()
+    expect_stop(True)
 
 
 def _queued(stream: MemoryObjectReceiveStream[ToCore]) -> list[ToCore]:

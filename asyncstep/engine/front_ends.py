@@ -61,13 +61,10 @@ PRIMARY = 0
 #: (every message costs the core's loop, which the next step waits for).
 STATS_INTERVAL_S = 0.05
 
-#: What a reader or writer sees when its front end closed the connection.
-PEER_GONE = (
-    anyio.EndOfStream,
-    anyio.IncompleteRead,
-    anyio.BrokenResourceError,
-    anyio.ClosedResourceError,
-)
+#: What a reader sees when its front end closed the connection.
+PEER_LEFT = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError)
+#: ... or a writer; or either once the connection was closed on this side.
+PEER_GONE = (*PEER_LEFT, anyio.ClosedResourceError)
 
 
 class FrontEnds:
@@ -111,7 +108,7 @@ class FrontEnds:
             while True:
                 try:
                     message = await self.channels[PRIMARY].receive()
-                except PEER_GONE[:3]:
+                except PEER_LEFT:
                     return
                 await self._forward(PRIMARY, message, inputs)
                 if isinstance(message, Shutdown):
