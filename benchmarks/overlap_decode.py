@@ -44,7 +44,7 @@ from asyncstep.logging import configure_logging
 from asyncstep.logging.trace import Span, draw_timeline, load_spans, summarize
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import engine_opt
+from bench import add_engine_opt
 
 
 def make_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -181,14 +181,7 @@ def main() -> int:
     parser.add_argument(
         "--switch-interval", type=float, help="sys.setswitchinterval (seconds) for the run"
     )
-    parser.add_argument(
-        "--engine-opt",
-        type=engine_opt,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra open_engine keyword (repeatable), e.g. engine_process=False",
-    )
+    add_engine_opt(parser)
     parser.add_argument("--overlap-only", action="store_true", help="skip the overlap-off runs")
     args = parser.parse_args()
     if args.switch_interval is not None:

@@ -40,7 +40,7 @@ from asyncstep.logging.trace import Span, draw_timeline, load_spans
 from asyncstep.models.model_info import get_shape
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import engine_opt
+from bench import add_engine_opt
 from overlap_decode import device_figures, make_prompts, write_results
 
 #: One long string field: 128 tokens never close it (every step in a JSON string).
@@ -178,14 +178,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--trace-dir", type=Path)
-    parser.add_argument(
-        "--engine-opt",
-        type=engine_opt,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra open_engine keyword (repeatable), e.g. engine_process=False",
-    )
+    add_engine_opt(parser)
     args = parser.parse_args()
     args.trace_dir = args.trace_dir or Path(tempfile.mkdtemp())
     args.trace_dir.mkdir(parents=True, exist_ok=True)
