@@ -100,6 +100,22 @@ def engine_opt(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def add_engine_opt(
+    parser: argparse.ArgumentParser,
+    help: str = "extra open_engine keyword (repeatable), e.g. engine_process=False",
+) -> None:
+    """``--engine-opt KEY=VALUE`` (repeatable): ``args.engine_opt`` is the list of
+    (key, value) pairs from :func:`engine_opt`, to pass to ``open_engine``."""
+    parser.add_argument(
+        "--engine-opt",
+        type=engine_opt,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=help,
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -156,14 +172,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="start the ranks here on N GPUs (fewer than tp x pp: stages share GPUs; "
         "see rank_gpus.py)",
     )
-    p.add_argument(
-        "--engine-opt",
-        type=engine_opt,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra open_engine keyword (repeatable; overrides the sizing)",
-    )
+    add_engine_opt(p, "extra open_engine keyword (repeatable; overrides the sizing)")
     p.add_argument("--ours-repeats", type=int, default=1, help="our runs per configuration")
     p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     p.add_argument("--hf-from", type=Path, help="quote HF figures from an earlier JSON")

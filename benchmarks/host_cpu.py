@@ -128,14 +128,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--trace-dir", type=Path, help="keep the span logs here")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
-    parser.add_argument(
-        "--engine-opt",
-        type=bench.engine_opt,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra open_engine keyword (repeatable; overrides the sizing), "
-        "e.g. engine_process=true",
+    bench.add_engine_opt(
+        parser,
+        "extra open_engine keyword (repeatable; overrides the sizing), e.g. engine_process=true",
     )
     parser.add_argument("--out", type=Path, help="write every figure here as JSON")
     args = parser.parse_args(argv)

@@ -44,7 +44,7 @@ from asyncstep.logging import configure_logging
 from asyncstep.logging.trace import Span, draw_timeline, load_spans, summarize
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import engine_opt
+from bench import add_engine_opt
 
 
 def make_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -148,6 +148,22 @@ def measure(args: argparse.Namespace, batch: int, overlap: bool, trace_dir: Path
     }
 
 
+def write_results(out: Path, rows: list[dict[str, Any]], **facts: Any) -> None:
+    """Write ``rows`` to ``out`` (its folder made if missing) as indented JSON, after
+    the run's command, date, machine, device and torch version, and ``facts``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        **facts,
+        "rows": rows,
+    }
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-1b")
@@ -165,14 +181,7 @@ def main() -> int:
     parser.add_argument(
         "--switch-interval", type=float, help="sys.setswitchinterval (seconds) for the run"
     )
-    parser.add_argument(
-        "--engine-opt",
-        type=engine_opt,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra open_engine keyword (repeatable), e.g. engine_process=False",
-    )
+    add_engine_opt(parser)
     parser.add_argument("--overlap-only", action="store_true", help="skip the overlap-off runs")
     args = parser.parse_args()
     if args.switch_interval is not None:
@@ -198,16 +207,7 @@ def main() -> int:
             f"busy on {on['gpu_busy'] * 100:.1f} % vs off {off['gpu_busy'] * 100:.1f} %"
         )
     if args.out is not None:
-        result = {
-            "command": "python " + " ".join(sys.argv),
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": platform.node(),
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__,
-            "switch_interval_s": sys.getswitchinterval(),
-            "rows": rows,
-        }
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_results(args.out, rows, switch_interval_s=sys.getswitchinterval())
     return 0
 
 

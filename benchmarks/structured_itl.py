@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import torch
 import trio
 
 import asyncstep
@@ -43,8 +40,8 @@ from asyncstep.logging.trace import Span, draw_timeline, load_spans
 from asyncstep.models.model_info import get_shape
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import engine_opt
-from overlap_decode import device_figures, make_prompts
+from bench import add_engine_opt
+from overlap_decode import device_figures, make_prompts, write_results
 
 #: One long string field: 128 tokens never close it (every step in a JSON string).
 LONG_STRING_SCHEMA = {
@@ -181,14 +178,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--trace-dir", type=Path)
-    parser.add_argument(
-        "--engine-opt",
-        type=engine_opt,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra open_engine keyword (repeatable), e.g. engine_process=False",
-    )
+    add_engine_opt(parser)
     args = parser.parse_args()
     args.trace_dir = args.trace_dir or Path(tempfile.mkdtemp())
     args.trace_dir.mkdir(parents=True, exist_ok=True)
@@ -229,16 +219,7 @@ def main() -> int:
             f"{grammar['wall_itl_ms'] / free['wall_itl_ms']:.3f} (wall)"
         )
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        result = {
-            "command": "python " + " ".join(sys.argv),
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": platform.node(),
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__,
-            "rows": rows,
-        }
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_results(args.out, rows)
     return 0
 
 
