@@ -10,6 +10,7 @@ unlike the ranks' control connections it needs no secret and no handshake.
 over a socket it inherited; the core's end of the connection, or its
 :class:`CoreFailed`, ends it with :class:`EngineCoreDied`.
 
+:class:`CoreClient` is the ``run`` contract the front end holds them to.
 In-process, the front end drives an :class:`~asyncstep.engine.core.EngineCore`
 directly (it has the same ``run`` contract), over memory channels.
 
@@ -30,6 +31,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 import anyio.abc
@@ -54,6 +56,21 @@ from asyncstep.models.model_loader import ProgressFn
 from asyncstep.procs import exit_reason
 
 log = get_logger("engine")
+
+
+class CoreClient(Protocol):
+    """Runs an engine core for the front end (in this process or another):
+    started once the core is ready; then carries ``to_core`` to it and its
+    messages to ``from_core`` until ``to_core`` ends and the core has
+    stopped. Raises if the core fails or dies."""
+
+    async def run(
+        self,
+        to_core: MemoryObjectReceiveStream[ToCore],
+        from_core: MemoryObjectSendStream[FromCore],
+        *,
+        task_status: TaskStatus[None] = ...,
+    ) -> None: ...
 
 
 class EngineCoreDied(EngineDeadError):
@@ -103,7 +120,7 @@ class CoreProcess:
                 await channel.send(CoreSetup(self.config, sorted(self.eos_token_ids)))
                 await from_core.send(await self._wait_ready(channel))
                 task_status.started()
-                tg.start_soon(_send_inputs, to_core, channel, self._stop_expected)
+                tg.start_soon(_send_inputs, to_core, channel, self._expect_stop)
                 await self._forward_from_core(channel, from_core)
                 tg.cancel_scope.cancel()
         finally:
@@ -148,8 +165,8 @@ class CoreProcess:
             else:
                 raise EngineCoreDied(f"the engine core sent {type(message).__name__} first")
 
-    def _stop_expected(self) -> None:
-        self._stopping = True
+    def _expect_stop(self, expected: bool) -> None:
+        self._stopping = expected
 
     async def _forward_from_core(
         self, channel: MessageStream[FromCore], from_core: MemoryObjectSendStream[FromCore]
@@ -208,8 +225,8 @@ class CoreConnection:
     fd: int
     _stopping: bool = field(default=False, init=False)
 
-    def _stop_expected(self) -> None:
-        self._stopping = True
+    def _expect_stop(self, expected: bool) -> None:
+        self._stopping = expected
 
     async def run(
         self,
@@ -236,7 +253,7 @@ class CoreConnection:
                     pass  # LoadProgress is the primary's
                 await from_core.send(ready)
                 task_status.started()
-                tg.start_soon(_send_inputs, to_core, channel, self._stop_expected)
+                tg.start_soon(_send_inputs, to_core, channel, self._expect_stop)
                 while True:
                     try:
                         message = await receive()
@@ -254,22 +271,24 @@ class CoreConnection:
 async def _send_inputs(
     to_core: MemoryObjectReceiveStream[ToCore],
     channel: MessageStream[FromCore],
-    stop_expected: Callable[[], None],
+    expect_stop: Callable[[bool], None],
 ) -> None:
     """The front end's messages -> the core, runs of CoreInputs coalesced;
-    ``stop_expected()`` once Shutdown is sent or the front end is done (the
-    core then ends on EOF). A connection broken under a send ends this
-    quietly: the receiving side then says how the core died."""
+    ``expect_stop(True)`` as Shutdown is sent or once the front end is done
+    (the core then ends on EOF). A connection broken under a send ends this
+    quietly (``expect_stop(False)``): the receiving side then says how the
+    core died."""
     async with to_core:
         async for first in to_core:
             for message in _coalesced([first, *_queued(to_core)]):
+                if isinstance(message, Shutdown):
+                    expect_stop(True)  # before the send: the core may answer with EOF at once
                 try:
                     await channel.send(message)
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    expect_stop(False)
                     return
-                if isinstance(message, Shutdown):
-                    stop_expected()
-    stop_expected()
+    expect_stop(True)
 
 
 def _queued(stream: MemoryObjectReceiveStream[ToCore]) -> list[ToCore]:
