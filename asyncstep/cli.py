@@ -24,8 +24,9 @@ from asyncstep.checks import is_utf8
 from asyncstep.config import EngineConfig, EngineOption, engine_options
 from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.api import make_config, open_engine
-from asyncstep.engine.engine import Engine, Prompt
+from asyncstep.engine.engine import Engine
 from asyncstep.engine.grammar import check_grammar
+from asyncstep.engine.input_processor import Prompt
 from asyncstep.engine.outputs import Completion
 from asyncstep.errors import AsyncstepError, leaves
 from asyncstep.logging import configure_logging

@@ -534,7 +534,9 @@ def test_bad_words_tokenize_like_vllm(smollm2: LoadedModel) -> None:
 
     async def tokenized() -> Any:
         async with asyncstep.open_engine(smollm2) as engine:
-            return engine._check_params(SamplingParams(bad_words=words)).bad_words_token_ids
+            return engine.input_processor.check_params(
+                SamplingParams(bad_words=words)
+            ).bad_words_token_ids
 
     got = trio.run(tokenized)
     assert [list(t) for t in got] == vllm_bad_words_ids(tokenizer, words)

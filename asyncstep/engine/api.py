@@ -16,9 +16,10 @@ import anyio
 
 from asyncstep.config import EngineConfig
 from asyncstep.engine.core import EngineCore
-from asyncstep.engine.core_client import CoreConnection, CoreProcess
-from asyncstep.engine.engine import CoreClient, Engine, tokenizer_eos
+from asyncstep.engine.core_client import CoreClient, CoreConnection, CoreProcess
+from asyncstep.engine.engine import Engine
 from asyncstep.engine.executor import open_executor
+from asyncstep.engine.input_processor import tokenizer_eos
 from asyncstep.errors import ConfigError, EngineDeadError, describe
 from asyncstep.logging import get_logger, json_log_file
 from asyncstep.models.model_info import ModelInfo, describe_model, validate_parallel_layout

@@ -10,6 +10,7 @@ unlike the ranks' control connections it needs no secret and no handshake.
 over a socket it inherited; the core's end of the connection, or its
 :class:`CoreFailed`, ends it with :class:`EngineCoreDied`.
 
+:class:`CoreClient` is the ``run`` contract the front end holds them to.
 In-process, the front end drives an :class:`~asyncstep.engine.core.EngineCore`
 directly (it has the same ``run`` contract), over memory channels.
 
@@ -30,6 +31,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 import anyio.abc
@@ -54,6 +56,21 @@ from asyncstep.models.model_loader import ProgressFn
 from asyncstep.procs import exit_reason
 
 log = get_logger("engine")
+
+
+class CoreClient(Protocol):
+    """Runs an engine core for the front end (in this process or another):
+    started once the core is ready; then carries ``to_core`` to it and its
+    messages to ``from_core`` until ``to_core`` ends and the core has
+    stopped. Raises if the core fails or dies."""
+
+    async def run(
+        self,
+        to_core: MemoryObjectReceiveStream[ToCore],
+        from_core: MemoryObjectSendStream[FromCore],
+        *,
+        task_status: TaskStatus[None] = ...,
+    ) -> None: ...
 
 
 class EngineCoreDied(EngineDeadError):

@@ -2,17 +2,15 @@
 output processor).
 
 :class:`Engine` lives on the caller's event loop (Trio, or asyncio through
-AnyIO). It checks each request whole before anything of it is kept or sent
-(its sampling parameters, its id, its prompt against the model: a refused
-request raises :class:`InvalidRequestError` and leaves nothing behind),
-tokenizes it (the prompt, and ``bad_words`` as vLLM does: each word with and
-without a leading space), applies chat templates, hands it to the engine core
+AnyIO). Its :class:`~asyncstep.engine.input_processor.InputProcessor` checks
+each request whole and tokenizes it before anything of it is kept or sent (a
+refused request raises :class:`InvalidRequestError` and leaves nothing
+behind); the engine then hands it to the engine core
 (:mod:`asyncstep.engine.core`: the scheduler and the ranks, by default in a
-process of its own), and turns the
-core's per-step token news into text for the callers: detokenization, stop
-strings, the client streams. It never waits on the core to accept a request:
-requests, aborts and stops queue on an unbounded channel that the transport
-sends as one message per batch.
+process of its own), and turns the core's per-step token news into text for
+the callers: detokenization, stop strings, the client streams. It never
+waits on the core to accept a request: requests, aborts and stops queue on
+an unbounded channel that the transport sends as one message per batch.
 
 A caller of :meth:`Engine.generate` is woken once, when its request ends; a
 reader of :meth:`Engine.stream` once per step at most, with everything new
@@ -25,18 +23,19 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from asyncstep.checks import is_utf8, shown
+from asyncstep.checks import shown
 from asyncstep.config import EngineConfig
 from asyncstep.datatypes import MAX_SEED, SamplingParams
+from asyncstep.engine.core_client import CoreClient
 from asyncstep.engine.core_messages import (
     CoreFailed,
     CoreInputs,
@@ -50,7 +49,7 @@ from asyncstep.engine.core_messages import (
     ToCore,
     WaitIdle,
 )
-from asyncstep.engine.grammar import check_grammar
+from asyncstep.engine.input_processor import InputProcessor, Prompt, check_request_id
 from asyncstep.engine.outputs import Completion, CompletionChunk
 from asyncstep.engine.request_state import RequestGroup, RequestState
 from asyncstep.errors import (
@@ -69,26 +68,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = get_logger("engine")
-
-#: A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
-Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
-#: Sequences of ints that are not token ids.
-_BINARY = (bytes, bytearray, memoryview)
-
-
-class CoreClient(Protocol):
-    """Runs an engine core for the front end (in this process or another):
-    started once the core is ready; then carries ``to_core`` to it and its
-    messages to ``from_core`` until ``to_core`` ends and the core has
-    stopped. Raises if the core fails or dies."""
-
-    async def run(
-        self,
-        to_core: MemoryObjectReceiveStream[ToCore],
-        from_core: MemoryObjectSendStream[FromCore],
-        *,
-        task_status: TaskStatus[None] = ...,
-    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -122,10 +101,10 @@ class Engine:
         #: The engine core's transport (an ``EngineCore`` itself in-process).
         self.core = core
         self.max_model_len = config.model.max_model_len or 0
+        #: Checks and tokenizes each request at the door.
+        self.input_processor = InputProcessor(arch_config, tokenizer, self.max_model_len)
         #: What ends a request unless it ignores EOS (``min_tokens`` bans them early).
-        self.eos_token_ids = tuple(
-            sorted(frozenset(arch_config.eos_token_ids) | tokenizer_eos(tokenizer))
-        )
+        self.eos_token_ids = self.input_processor.eos_token_ids
         #: Core request id -> its state (one per choice).
         self._requests: dict[str, RequestState] = {}
         #: The caller's request id -> its choices.
@@ -160,7 +139,7 @@ class Engine:
 
         Cancelling the caller aborts the request (its blocks are freed).
         """
-        await self._check_grammar(sampling_params)
+        await self.input_processor.check_grammar(sampling_params)
         group = self._add_request(prompt, sampling_params, request_id)
         try:
             await group.wait_finished()
@@ -183,7 +162,7 @@ class Engine:
         the choices' chunks interleave). Leaving the iteration early aborts
         the request.
         """
-        await self._check_grammar(sampling_params)
+        await self.input_processor.check_grammar(sampling_params)
         group = self._add_request(prompt, sampling_params, request_id)
         try:
             while (chunk := await group.next_chunk()) is not None:
@@ -218,26 +197,7 @@ class Engine:
         messages through the tokenizer's chat template, token ids as they are.
         Anything else, or ids the model cannot take, raise
         :class:`InvalidRequestError`."""
-        if isinstance(prompt, str):
-            ids = self._encode_text(prompt)
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, _BINARY):
-            items = list(prompt)
-            if items and all(isinstance(m, Mapping) for m in items):
-                ids = self._apply_chat_template(cast(list[Mapping[str, Any]], items))
-            elif all(type(t) is int for t in items):
-                ids = cast(list[int], items)
-            else:
-                raise InvalidRequestError(
-                    "prompt must be a string, a list of token ids (ints) or a list of chat "
-                    f"messages, got a list holding {_kinds(items)}"
-                )
-        else:
-            raise InvalidRequestError(
-                "prompt must be a string, a list of token ids or a list of chat messages, "
-                f"got {type(prompt).__name__}"
-            )
-        self._check_prompt(ids)
-        return ids
+        return self.input_processor.encode_prompt(prompt)
 
     def statistics(self) -> EngineStatistics:
         """Counters; the scheduler's are as of the core's latest message."""
@@ -273,7 +233,7 @@ class Engine:
         prompt's blocks are then cached: the others reuse them, vLLM's
         parallel sampling)."""
         self._check_alive()
-        params = self._check_params(params)
+        params = self.input_processor.check_params(params)
         request_id = self._check_request_id(request_id)
         ids = self.encode_prompt(prompt)
         n = params.n
@@ -306,79 +266,10 @@ class Engine:
         if held:
             self._send(CoreInputs(new_requests=[_core_request(s) for s in held]))
 
-    def _check_params(self, params: object) -> SamplingParams:
-        if params is None:
-            return SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
-            )
-        params.validate()  # again: its fields may have been set behind its back
-        vocab = self.arch_config.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            count = getattr(params, name)
-            if count is not None and count > vocab:
-                raise InvalidRequestError(
-                    f"{name} must be <= the vocabulary size ({vocab}), got {count}"
-                )
-        outside = [t for t in params.logit_bias or () if t >= vocab]
-        if outside:
-            raise InvalidRequestError(
-                f"logit_bias token ids must be < the vocabulary size ({vocab}), got {outside[0]}"
-            )
-        derived: dict[str, Any] = {}
-        if params.bad_words:
-            derived["_bad_words_token_ids"] = self._tokenize_bad_words(params.bad_words)
-        bad = derived.get("_bad_words_token_ids", params.bad_words_token_ids)
-        outside = [t for seq in bad for t in seq if t >= vocab]
-        if outside:
-            raise InvalidRequestError(
-                f"bad_words token ids must be < the vocabulary size ({vocab}), got {outside[0]}"
-            )
-        if params.min_tokens > 0 and params._eos_token_ids != self.eos_token_ids:
-            derived["_eos_token_ids"] = self.eos_token_ids
-        return msgspec.structs.replace(params, **derived) if derived else params
-
-    async def _check_grammar(self, params: object) -> None:
-        """The door's check of ``structured_outputs``: the grammar builds
-        (in a worker thread: xgrammar's first import takes seconds)."""
-        if not isinstance(params, SamplingParams) or params.structured_outputs is None:
-            return
-        if self.tokenizer is None:
-            raise InvalidRequestError(
-                "structured_outputs need a tokenizer, and this model has none"
-            )
-        structured = params.structured_outputs
-        structured.validate()  # again: its fields may have been set behind its back
-        await anyio.to_thread.run_sync(check_grammar, structured)
-
-    def _tokenize_bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """vLLM's tokenization of bad words: each word (its leading spaces
-        stripped) alone, and after a space when that gives other tokens of
-        the same count (the word in the middle of a text)."""
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            raise InvalidRequestError("bad_words need a tokenizer, and this model has none")
-        sequences: list[tuple[int, ...]] = []
-        for word in words:
-            bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            if not bare:
-                raise InvalidRequestError(f"bad word {shown(word)} tokenizes to nothing")
-            sequences.append(bare)
-            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-                sequences.append(spaced)
-        return tuple(sequences)
-
     def _check_request_id(self, request_id: object) -> str:
         if request_id is None:
             return f"{self._id_prefix}{next(self._ids)}"
-        if not isinstance(request_id, str):
-            raise InvalidRequestError(
-                f"request_id must be a string, got {type(request_id).__name__} {shown(request_id)}"
-            )
-        if not is_utf8(request_id):
-            raise InvalidRequestError(f"request_id {shown(request_id)} is not valid UTF-8")
+        request_id = check_request_id(request_id)
         if request_id in self._requests or request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         return request_id
@@ -418,48 +309,6 @@ class Engine:
             raise EngineDeadError(f"the engine stopped: {describe(self._error)}") from self._error
         if self._closed or self._closing:
             raise EngineDeadError("the engine is closed")
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the model's context (max_model_len) is "
-                f"{self.max_model_len}, and at least one token must be generated"
-            )
-        vocab = self.arch_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-
-    def _need_tokenizer(self) -> PreTrainedTokenizerBase:
-        if self.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer: pass the prompt as token ids")
-        return self.tokenizer
-
-    def _encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        if not text:
-            raise InvalidRequestError("prompt is empty")
-        if not is_utf8(text):
-            raise InvalidRequestError("prompt is not valid UTF-8 (it holds a lone surrogate)")
-        tokenizer = self._need_tokenizer()
-        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-
-    def _apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        tokenizer = self._need_tokenizer()
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model's tokenizer has no chat template")
-        for i, message in enumerate(messages):
-            _check_chat_message(i, message)
-        try:
-            conversation: list[dict[str, Any]] = [dict(m) for m in messages]
-            text = tokenizer.apply_chat_template(
-                conversation,
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-        except Exception as exc:  # jinja errors: a malformed conversation
-            raise InvalidRequestError(f"chat template failed: {describe(exc)}") from None
-        return self._encode_text(cast(str, text), add_special_tokens=False)
 
     # -- serving ----------------------------------------------------------
 
@@ -602,28 +451,3 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 def _core_request(state: RequestState) -> EngineCoreRequest:
     return EngineCoreRequest(state.request_id, state.prompt_token_ids, state.params)
-
-
-def _check_chat_message(index: int, message: Mapping[str, Any]) -> None:
-    """A chat message: a string ``role`` and a string ``content``, in UTF-8."""
-    for key in ("role", "content"):
-        value = message.get(key)
-        if not isinstance(value, str):
-            raise InvalidRequestError(
-                f"chat message {index}: {key!r} must be a string, got {shown(value)}"
-            )
-        if not is_utf8(value):
-            raise InvalidRequestError(f"chat message {index}: {key!r} is not valid UTF-8")
-    if not message["role"]:
-        raise InvalidRequestError(f"chat message {index}: 'role' is empty")
-
-
-def _kinds(items: list[Any]) -> str:
-    """The kinds of a prompt list's items, for an error message."""
-    names = sorted({type(item).__name__ for item in items})
-    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-
-
-def tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return frozenset([eos]) if isinstance(eos, int) else frozenset()
