@@ -76,6 +76,8 @@ def write_model_dir(shape: str, tokenizer: Path, out: Path) -> Path:
         "tie_word_embeddings": arch.tie_word_embeddings,
         "eos_token_id": list(arch.eos_token_ids),
     }
+    if arch.rope_scaling is not None:
+        config["rope_scaling"] = arch.rope_scaling
     (out / "config.json").write_text(json.dumps(config))
     return out
 
