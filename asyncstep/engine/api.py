@@ -114,8 +114,11 @@ async def open_shared_engine(
 async def attach_engine(config: EngineConfig, fd: int, index: int) -> AsyncIterator[Engine]:
     """A front end (``Engine``) on the engine core that another process
     opened with :func:`open_shared_engine`, over the inherited socket ``fd``;
-    ``index`` (from 1) tells its generated request ids apart. Leaving the
-    block aborts its requests; the core keeps serving the others."""
+    ``index`` (from 1) tells its generated request ids apart. Its
+    ``statistics()`` count its own tokens and finished requests, and the
+    scheduler's figures as of its latest message (at most 50 ms old while it
+    has nothing running). Leaving the block aborts its requests; the core
+    keeps serving the others."""
     config = copy.deepcopy(config)
     info = await _describe(config)
     engine = Engine(
