@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from typing import Any
 
 import anyio
@@ -18,6 +17,7 @@ import pytest
 import torch
 import trio
 from distributed import listening_sockets
+from processes import alive, wait_gone
 
 import asyncstep
 from asyncstep import ConfigError, EngineDeadError, SamplingParams
@@ -26,28 +26,6 @@ from asyncstep.engine.core_client import CoreProcess
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1], [42], list(range(5, 40))]
 TINY: dict[str, Any] = {"load_format": "dummy", "device": "cpu", "dtype": "float32"}
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not alive(pid):
-            return True
-        time.sleep(0.05)  # a test polling another process, not a trio task
-    return not alive(pid)
 
 
 async def run_all(engine: asyncstep.Engine, params: SamplingParams) -> list[list[int]]:

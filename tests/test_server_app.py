@@ -8,12 +8,10 @@ serves token ids; once the engine is dead, ``/health`` and the routes answer
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
 import os
 import signal
 import socket
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ import openai
 import pytest
 import trio
 from hypercorn.config import Config
+from processes import wait_gone
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -284,19 +283,4 @@ def test_asyncstep_serve_exits_when_its_engine_or_an_api_server_dies(
     assert ("engine" if victim == "core" else "API server") in lines[-1]
     assert "SIGKILL" in lines[-1]
     for pid in children:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)  # (not ours to reap: the server's)
-        assert _gone(pid, timeout_s=15), f"process {pid} ({by_kind[pid]}) outlived the server"
-
-
-def _gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.05)  # a test polling another process, not a trio task
-    return False
+        assert wait_gone(pid, 15), f"process {pid} ({by_kind[pid]}) outlived the server"
