@@ -28,6 +28,7 @@ from asyncstep.errors import ConfigError
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_PACKINGS = ("auto", "none")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -62,8 +63,25 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         str, _doc("weights format; dummy: random weights", choices=LOAD_FORMATS)
     ] = "auto"
     dtype: Annotated[
-        str, _doc("weights dtype; auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+        str,
+        _doc(
+            "weights dtype; auto: bfloat16 on CUDA and on CPUs that multiply it natively "
+            "(AVX512-BF16 or AMX), float32 on other CPUs",
+            choices=DTYPES,
+        ),
     ] = "auto"
+    weight_packing: Annotated[
+        str,
+        _doc(
+            "CPU: also keep 4-bit weights (a GGUF's Q4_0/Q4_1) packed as int4 and an 8-bit "
+            "LM head (Q8_0) as int8, for steps of at most packed_max_tokens tokens; "
+            "none: dense weights only",
+            choices=WEIGHT_PACKINGS,
+        ),
+    ] = "auto"
+    packed_max_tokens: Annotated[
+        int, _doc("CPU: steps of at most this many tokens use the packed weights")
+    ] = 8
     device: Annotated[str, _doc("auto, cpu, cuda or cuda:N; auto: cuda when available")] = "auto"
     max_model_len: Annotated[
         int | None, _doc("longest sequence (prompt + output); none: the model's own limit")
@@ -79,6 +97,12 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weight_packing not in WEIGHT_PACKINGS:
+            raise ConfigError(
+                f"weight_packing must be one of {WEIGHT_PACKINGS}, got {self.weight_packing!r}"
+            )
+        if self.packed_max_tokens < 0:
+            raise ConfigError(f"packed_max_tokens must be >= 0, got {self.packed_max_tokens}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
@@ -233,10 +257,19 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
             "off keeps them in the caller's process (debugging, tests)"
         ),
     ] = True
+    cpu_threads: Annotated[
+        int | None,
+        _doc(
+            "CPU: torch threads of each rank's forward; none: every core the process may "
+            "use, divided among the ranks of this machine"
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1 (or none), got {self.cpu_threads}")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"listen must be HOST:PORT, got {self.listen!r}")

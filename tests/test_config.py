@@ -107,6 +107,12 @@ def test_derived_properties() -> None:
         ({"block_size": 3}, "block_size must be a power of two, got 3"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
         ({"listen": "nowhere"}, "listen must be HOST:PORT, got 'nowhere'"),
+        ({"cpu_threads": 0}, "cpu_threads must be >= 1 (or none), got 0"),
+        (
+            {"weight_packing": "int3"},
+            "weight_packing must be one of ('auto', 'none'), got 'int3'",
+        ),
+        ({"packed_max_tokens": -1}, "packed_max_tokens must be >= 0, got -1"),
         (
             {"block_size": "16"},
             "bad engine config: Expected `int`, got `str` - at `$.cache.block_size`",
@@ -171,3 +177,36 @@ async def test_a_rank_receiving_a_bad_config_gets_the_config_error() -> None:
             await rank_side.receive()
         await rank_side.aclose()
         await engine_side.aclose()
+
+
+@pytest.mark.parametrize(
+    "cores,options,threads",
+    [
+        (2, {}, 2),  # a small machine: both cores for the forward
+        (16, {}, 15),  # one core left to the front end
+        (16, {"tensor_parallel_size": 2}, 7),  # shared by the local ranks
+        (16, {"tensor_parallel_size": 2, "launch_ranks": False}, 15),  # ranks started elsewhere
+        (2, {"cpu_threads": 1}, 1),
+    ],
+)
+def test_cpu_threads_by_default_share_the_cores(
+    monkeypatch: pytest.MonkeyPatch, cores: int, options: dict[str, object], threads: int
+) -> None:
+    from asyncstep.models import model_loader
+
+    monkeypatch.setattr(model_loader.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert model_loader.cpu_threads(asyncstep.make_config(**options).parallel) == threads
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_is_bfloat16_where_the_cpu_multiplies_it(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    import torch
+
+    from asyncstep.models import model_loader
+
+    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: native)
+    expected = torch.bfloat16 if native else torch.float32
+    assert model_loader.resolve_dtype("auto", torch.device("cpu")) == expected
+    assert model_loader.resolve_dtype("float32", torch.device("cpu")) == torch.float32

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import signal
 import sys
 import traceback
@@ -30,7 +29,6 @@ from collections.abc import Sequence
 
 import anyio
 import anyio.abc
-import torch
 import trio
 
 from asyncstep.channels.framing import MessageStream
@@ -114,17 +112,7 @@ async def serve_core(fd: int, attach_fds: Sequence[int] = ()) -> int:
     return 0
 
 
-def _share_the_cpu(device: str) -> None:
-    """On the CPU the forward's torch threads get every core but one: that
-    one is the front end's (detokenizing, the client streams) and this
-    loop's. (2 cores, tiny-llama, 256 requests: 1 torch thread gave ~35 %
-    more tok/s than 2, whose threads the other processes kept preempting.)"""
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
-
-
 async def _run(front_ends: FrontEnds, setup: CoreSetup) -> None:
-    _share_the_cpu(setup.config.model.device)
     events_tx, events_rx = anyio.create_memory_object_stream[FromCore](math.inf)
     inputs_tx, inputs_rx = anyio.create_memory_object_stream[ToCore](math.inf)
     token = trio.lowlevel.current_trio_token()

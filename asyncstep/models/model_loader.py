@@ -10,6 +10,7 @@ are built or the tokenizer converted."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,11 +20,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from asyncstep.channels import get_pp_group, get_tp_group
-from asyncstep.config import ModelConfig
+from asyncstep.config import ModelConfig, ParallelConfig
 from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.logging import get_logger
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
+from asyncstep.models.layers.embedding import ParallelLMHead
+from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from asyncstep.models.layers.norm import RMSNorm
+from asyncstep.models.layers.packed import (
+    PackedWeight,
+    is_int8_blocks,
+    pack_int4,
+    pack_int8_rows,
+)
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.loader import Checkpoint, open_checkpoint
 from asyncstep.models.memory import check_model_fits
@@ -77,9 +87,33 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs that multiply it natively
+    (AVX512-BF16 or AMX, as vLLM's CPU backend decides), else float32."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or cpu_has_bf16()
+        return torch.bfloat16 if native else torch.float32
     return _DTYPES[name]
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot products (AVX512-BF16 or AMX)."""
+    cpu = torch.cpu
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+def cpu_threads(parallel: ParallelConfig) -> int:
+    """Torch threads of one rank's forward on the CPU: ``parallel.cpu_threads``,
+    or the cores this process may use divided among the ranks started on
+    this machine, less one core for the front end where there are more than
+    four (on fewer, the forward needs them more than the front end does)."""
+    if parallel.cpu_threads is not None:
+        return parallel.cpu_threads
+    cores = len(os.sched_getaffinity(0))
+    if cores > 4:
+        cores -= 1
+    ranks = parallel.world_size if parallel.launch_ranks else 1
+    return max(1, cores // ranks)
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
@@ -128,8 +162,11 @@ def load_model(
         pp_size=pp.world_size,
     )
     tokenizer = maybe_tokenizer(checkpoint) if checkpoint is not None and with_tokenizer else None
+    # On the CPU the weights load in float32 (as the checkpoint gives them:
+    # packing reads them so), then take their dtypes.
+    build_dtype = torch.float32 if device.type == "cpu" else dtype
     with torch.device(device):
-        model = LlamaForCausalLM(arch, dtype, sequence_parallel=sequence_parallel)
+        model = LlamaForCausalLM(arch, build_dtype, sequence_parallel=sequence_parallel)
     if weights is None:
         needed = model.expected_weight_names()
         tensors = dummy_weights(arch, seed=config.seed, device=device, names=needed)
@@ -137,8 +174,50 @@ def load_model(
     else:
         total = len(weights.weight_names())
         _load_checkpoint(model, _counted(weights.iter_weights(), total, progress))
+    if weights is not None and device.type == "cpu" and config.weight_packing == "auto":
+        packed = pack_weights(model, dtype, config.packed_max_tokens)
+        log.info("weights packed for small steps", **packed)
+    if build_dtype != dtype:
+        settle_dtype(model, dtype)
     model.eval()
     return LoadedModel(model, arch, tokenizer, device, dtype, max_model_len, source)
+
+
+def settle_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Cast a float32-built CPU model's parameters to ``dtype``, but for the
+    norms, which keep float32 weights and a float32 residual stream
+    (:class:`~asyncstep.models.layers.norm.RMSNorm`'s ``float32_residual``)."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.float32_residual = True
+        target = torch.float32 if isinstance(module, RMSNorm) else dtype
+        for param in module.parameters(recurse=False):
+            param.data = param.data.to(target)
+
+
+def pack_weights(model: LlamaForCausalLM, dtype: torch.dtype, max_tokens: int) -> dict[str, int]:
+    """Give each linear layer whose float32 weight is exactly 4-bit an int4
+    copy, and an 8-bit LM head an int8 one, for steps of at most
+    ``max_tokens`` tokens (:mod:`~asyncstep.models.layers.packed`; scales
+    in ``dtype``). Returns how many of each, and their bytes."""
+    counts = {"int4": 0, "int8": 0, "dense": 0, "bytes": 0}
+    if max_tokens == 0:
+        return counts
+    for module in model.modules():
+        packed: PackedWeight | None = None
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            packed = pack_int4(module.weight.data, dtype, max_tokens)
+        elif isinstance(module, ParallelLMHead) and is_int8_blocks(module.weight.data):
+            packed = pack_int8_rows(module.weight.data, dtype, max_tokens)
+        elif not isinstance(module, ParallelLMHead):
+            continue
+        module.packed = packed
+        if packed is None:
+            counts["dense"] += 1
+        else:
+            counts[packed.kind] += 1
+            counts["bytes"] += packed.nbytes
+    return counts
 
 
 def maybe_tokenizer(checkpoint: Checkpoint) -> PreTrainedTokenizerBase | None:

@@ -4,9 +4,11 @@ in every rank process)."""
 
 from __future__ import annotations
 
+import torch
+
 from asyncstep.config import EngineConfig
 from asyncstep.errors import ConfigError
-from asyncstep.models.model_loader import LoadedModel
+from asyncstep.models.model_loader import LoadedModel, cpu_threads
 from asyncstep.runner.kv_sizing import num_kv_blocks
 from asyncstep.runner.model_runner import ModelRunner
 
@@ -21,7 +23,11 @@ def resolved_max_model_len(config: EngineConfig) -> int:
 
 
 def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
-    """The runner of ``loaded`` as ``config`` says; its KV cache not allocated yet."""
+    """The runner of ``loaded`` as ``config`` says; its KV cache not allocated
+    yet. On the CPU, torch's threads (process-wide) become
+    :func:`~asyncstep.models.model_loader.cpu_threads`'."""
+    if loaded.device.type == "cpu":
+        torch.set_num_threads(cpu_threads(config.parallel))
     return ModelRunner(
         loaded.model,
         device=loaded.device,

@@ -9,7 +9,8 @@ from torch import nn
 
 from asyncstep.channels import get_tp_group
 from asyncstep.errors import ModelLoadError
-from asyncstep.models.layers.linear import reduce_partial_sums
+from asyncstep.models.layers.linear import packed_linear, reduce_partial_sums
+from asyncstep.models.layers.packed import PackedWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -61,8 +62,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, split like the embedding; logits are gathered."""
 
+    #: The weight packed for small steps on the CPU (set after loading).
+    packed: PackedWeight | None = None
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = packed_linear(hidden_states, self.weight, self.packed)
         if self.tp_size > 1:
             logits = get_tp_group().all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -20,6 +20,7 @@ from torch import nn
 
 from asyncstep.channels import get_tp_group
 from asyncstep.errors import ModelLoadError
+from asyncstep.models.layers.packed import PackedWeight
 
 WeightLoader = Callable[..., None]
 
@@ -49,6 +50,20 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
             f"the model's {tuple(param.shape)}"
         )
     param.data.copy_(loaded)
+
+
+def packed_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: PackedWeight | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``, through the packed copy of ``weight`` when
+    it has one for a step of ``x``'s size (:mod:`~asyncstep.models.layers.packed`)."""
+    if packed is not None and packed.applies(x):
+        y = packed.mm(x)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
 
 
 def _make_param(shape: Sequence[int], dtype: torch.dtype, loader: WeightLoader) -> nn.Parameter:
@@ -93,13 +108,17 @@ class ColumnParallelLinear(nn.Module):
             if bias
             else None
         )
+        #: The weight packed for small steps on the CPU (set after loading).
+        self.packed: PackedWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = param.shape[0]
         _copy_checked(param, loaded.narrow(0, self.tp_rank * shard, shard), "column-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(gather_tokens(x, self.sequence_parallel), self.weight, self.bias)
+        y = packed_linear(
+            gather_tokens(x, self.sequence_parallel), self.weight, self.packed, self.bias
+        )
         if self.gather_output:
             y = get_tp_group().all_gather(y, dim=-1)
         return y
@@ -217,6 +236,8 @@ class RowParallelLinear(nn.Module):
             (output_size, self.input_size_per_partition), params_dtype, self.weight_loader
         )
         self.bias = _make_param((output_size,), params_dtype, self.weight_loader) if bias else None
+        #: The weight packed for small steps on the CPU (set after loading).
+        self.packed: PackedWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is whole on every rank
@@ -226,7 +247,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param, loaded.narrow(1, self.tp_rank * shard, shard), "row-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = packed_linear(x, self.weight, self.packed)
         if self.reduce_results:
             y = reduce_partial_sums(y, self.sequence_parallel)
         if self.bias is not None:
