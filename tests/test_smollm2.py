@@ -191,6 +191,7 @@ def hf_bf16_tokens(hf_smollm2: Any, prompt_ids: list[list[int]]) -> list[list[in
 
 
 @pytest.mark.trio
+@pytest.mark.timeout(900)  # transformers' bf16 generate is slow on the CPU
 @pytest.mark.parametrize("packing", ["none", "auto"])
 async def test_bfloat16_against_transformers(
     packing: str,
