@@ -117,6 +117,9 @@ class OpenAIServer:
             routes=routes,
             exception_handlers={HTTPException: _http_error, Exception: _internal_error},
         )
+        # No redirect of ``/v1/models/`` to ``/v1/models``: Starlette builds
+        # its ``Location`` from the client's ``Host`` header.
+        self.app.router.redirect_slashes = False
         self.app.state.openai_server = self
 
     @property
