@@ -10,7 +10,8 @@ asyncio, alone or mounted in a service's own ASGI app):
   server drains); ``GET /metrics`` (:mod:`asyncstep.server.metrics`);
   ``POST /tokenize``, ``POST /detokenize``; ``GET /version``.
 
-A request is read (at most ``max_request_body_bytes``: else 413), decoded
+A request is read (at most ``max_request_body_bytes``: else 413; within
+``body_read_timeout`` seconds: else 408, and the connection closes), decoded
 (a bad body or field: 400), matched to a served model name (else 404),
 turned into engine requests (:mod:`asyncstep.server.requests`: what the
 engine refuses is a 400), then admitted and served
@@ -274,7 +275,8 @@ class OpenAIServer:
 
     async def _body(self, request: Request) -> bytes:
         """The request's body, refused with 413 past the limit (by its
-        declared length first, then as it arrives)."""
+        declared length first, then as it arrives), and with 408 (closing
+        the connection) once it has taken ``body_read_timeout`` seconds."""
         limit = self.config.max_request_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -283,11 +285,19 @@ class OpenAIServer:
             if int(declared) > limit:
                 raise _too_large(int(declared), limit)
         parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise _too_large(size, limit)
-            parts.append(part)
+        timeout = self.config.body_read_timeout
+        with anyio.move_on_after(timeout) as reading:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise _too_large(size, limit)
+                parts.append(part)
+        if reading.cancelled_caught:
+            raise APIError(
+                HTTPStatus.REQUEST_TIMEOUT,
+                f"the request body took longer than {timeout:g} s to arrive ({size} bytes came)",
+                headers={"connection": "close"},
+            )
         return b"".join(parts)
 
     def _check_model(self, name: str | None) -> None:
