@@ -1,7 +1,8 @@
 """Checks of values from outside (a request, a client, a file): each turns
 a value into its normalized form or raises
 :class:`~asyncstep.errors.InvalidRequestError` with a one-line message naming
-the field. Imports nothing but ``asyncstep.errors``."""
+the field. Imports nothing but ``asyncstep.errors`` (and numpy, when a
+JSON text's depth must be measured)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import numbers
 from collections.abc import Callable, Sequence
 
 from asyncstep.errors import InvalidRequestError
+
+#: Deepest nesting of objects and arrays taken in a JSON text from outside (a
+#: request body, a schema): far below what a recursive parser or encoder
+#: survives, far above any real request.
+MAX_JSON_DEPTH = 128
+#: Every byte but the quote and the brackets (dropped before the depth is measured).
+_NOT_MARKS = bytes(b for b in range(256) if b not in b'"[]{}')
 
 
 def shown(value: object, limit: int = 60) -> str:
@@ -85,3 +93,39 @@ def is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def utf8_size(text: str) -> int:
+    """The length of ``text`` in UTF-8 bytes (a lone surrogate counts 3)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_json_depth(name: str, text: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse a JSON text whose objects and arrays nest more than ``limit``
+    deep, before a recursive parser sees it (no Python loop over its
+    bytes: a text with at most ``limit`` opening brackets is taken as it is)."""
+    if text.count(b"[") + text.count(b"{") <= limit:
+        return
+    depth = json_depth(text)
+    if depth > limit:
+        raise InvalidRequestError(f"{name} nests {depth} levels deep; at most {limit} are taken")
+
+
+def json_depth(text: bytes) -> int:
+    """How deep the objects and arrays of a JSON text nest (brackets in
+    strings do not count); for a text that is not JSON, a number that
+    means nothing (its parser refuses it anyway). Vectorized (numpy)."""
+    import numpy as np
+
+    # Escapes open and close nothing: drop escaped backslashes, then escaped quotes.
+    plain = text.replace(b"\\\\", b"").replace(b'\\"', b"")
+    marks = np.frombuffer(plain.translate(None, _NOT_MARKS), dtype=np.uint8)
+    steps = np.zeros(256, dtype=np.int8)
+    steps[list(b"[{")], steps[list(b"]}")] = 1, -1
+    moves = steps[marks]
+    quotes = marks == ord('"')
+    if quotes.any():
+        # A bracket is in a string when an odd number of quotes came before
+        # it (the count wraps at 256: its parity holds).
+        moves[(np.cumsum(quotes, dtype=np.uint8) & 1).view(np.bool_)] = 0
+    return int(np.cumsum(moves, dtype=np.int32).max(initial=0))
