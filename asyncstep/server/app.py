@@ -141,7 +141,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         body = decode_body(await self._body(request), CompletionRequest)
         self._check_model(body.model)
-        job = completion_job(self.engine, body)
+        job = await completion_job(self.engine, body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         echo = [self._prompt_text(job, i) for i in range(len(job.prompts))] if job.echo else None
         fmt = CompletionFormatter(
@@ -161,7 +161,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self._body(request), ChatCompletionRequest)
         self._check_model(body.model)
-        job = chat_job(self.engine, body)
+        job = await chat_job(self.engine, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(
             rid,
@@ -201,11 +201,11 @@ class OpenAIServer:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give prompt or messages (one of them)", "prompt")
         if body.messages is not None:
-            tokens = self.engine.encode_prompt(chat_messages(body.messages))
+            tokens = await self.engine.encode_prompt(chat_messages(body.messages))
         else:
-            tokenizer = self._tokenizer()
-            tokens = list(
-                tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            self._tokenizer()
+            tokens = await self.engine.input_processor.tokenize(
+                body.prompt or "", add_special_tokens=body.add_special_tokens
             )
         return _json(
             TokenizeResponse(
