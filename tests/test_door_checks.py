@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import threading
 from typing import Any
+from unittest import mock
 
 import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncstep import checks
 from asyncstep.checks import MAX_JSON_DEPTH, check_json_depth, json_depth
 from asyncstep.engine.input_processor import (
     INLINE_TOKENIZE_BYTES,
@@ -55,19 +57,23 @@ JSON_VALUES = st.recursive(
 def test_json_depth_counts_the_brackets_outside_strings(value: Any, ascii_only: bool) -> None:
     text = json.dumps(value, ensure_ascii=ascii_only).encode()
     assert json_depth(text) == depth_of(value)
+    with mock.patch.object(checks, "_DEPTH_SLICE", 3):  # strings and depth across slices
+        assert json_depth(text) == depth_of(value)
+        for k in range(4):
+            assert (json_depth(text, stop_above=k) > k) == (depth_of(value) > k)
 
 
 def test_json_past_the_depth_limit_is_refused_before_it_is_parsed() -> None:
     at_limit = ("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH).encode()
     check_json_depth("x", at_limit)
-    with pytest.raises(InvalidRequestError, match=f"x nests {MAX_JSON_DEPTH + 1} levels deep"):
+    with pytest.raises(InvalidRequestError, match=f"x nests more than {MAX_JSON_DEPTH} levels"):
         check_json_depth("x", b"[" + at_limit + b"]")
     # Brackets in strings are not nesting.
     check_json_depth("x", json.dumps(["[" * 10_000]).encode())
-    with pytest.raises(BodyError, match="request body nests 100001 levels deep"):
+    with pytest.raises(BodyError, match="request body nests more than 128 levels deep"):
         decode_body(b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", CompletionRequest)
     schema = '{"properties":' * 10_000 + "{}" + "}" * 10_000
-    with pytest.raises(InvalidRequestError, match=r"structured_outputs\.json nests 10001 levels"):
+    with pytest.raises(InvalidRequestError, match=r"structured_outputs\.json nests more than"):
         StructuredOutputsParams(json=schema)
 
 
