@@ -82,11 +82,16 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(args: Sequence[str], timeout_s: float = 180) -> Iterator[Server]:
-    """``python -m asyncstep serve --port 0 ARGS`` until it says where it
-    serves; killed on leaving."""
+def serving(
+    args: Sequence[str], timeout_s: float = 180, checkout: str | None = None
+) -> Iterator[Server]:
+    """``python -m asyncstep serve --port 0 ARGS`` (the code of ``checkout``,
+    a directory, if given) until it says where it serves; killed on leaving."""
     argv = [sys.executable, "-m", "asyncstep", "serve", "--port", "0", *args]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = None if checkout is None else os.environ | {"PYTHONPATH": checkout}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=checkout
+    )
     lines: queue.Queue[str] = queue.Queue()
     output: list[str] = []
 
@@ -221,6 +226,8 @@ class Health:
     max_gap_s: float
     rss_growth_mib: float
     attack_s: float
+    #: The system's load average when the attack ended.
+    load: str = ""
 
 
 def beside_healthy_stream(server: Server, attack: Callable[[], T]) -> tuple[T, Health]:
@@ -234,7 +241,8 @@ def beside_healthy_stream(server: Server, attack: Callable[[], T]) -> tuple[T, H
         took = time.monotonic() - began
     finally:
         stream.finish()
-    return result, Health(stream.text, stream.max_gap_s, memory.growth_mib(), took)
+    health = Health(stream.text, stream.max_gap_s, memory.growth_mib(), took, load_average())
+    return result, health
 
 
 def assert_healthy(health: Health, reference: str, requests: int = 1) -> None:
@@ -243,10 +251,10 @@ def assert_healthy(health: Health, reference: str, requests: int = 1) -> None:
     :data:`MAX_GAP_S`, and the server grew at most :data:`MAX_RSS_GROWTH_MIB`
     per attacking request."""
     shorter, longer = sorted((health.text, reference), key=len)
-    assert shorter and longer.startswith(shorter), (health.text, reference)
-    assert health.max_gap_s <= MAX_GAP_S, f"a {health.max_gap_s:.2f} s gap in the stream"
+    assert shorter and longer.startswith(shorter), (health, reference)
+    assert health.max_gap_s <= MAX_GAP_S, f"a {health.max_gap_s:.2f} s gap: {health}"
     growth = health.rss_growth_mib
-    assert growth <= MAX_RSS_GROWTH_MIB * requests, f"the server grew {growth:.0f} MiB"
+    assert growth <= MAX_RSS_GROWTH_MIB * requests, f"the server grew {growth:.0f} MiB: {health}"
 
 
 # -- attacks ------------------------------------------------------------------

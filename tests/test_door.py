@@ -34,7 +34,6 @@ from door import (
     send_request,
     serving,
     slow_body,
-    slow_text,
     status_of,
 )
 
@@ -103,26 +102,28 @@ def test_a_prompt_past_the_byte_bound_is_refused_untokenized(
 
 
 def test_long_text_is_tokenized_off_the_event_loop(server: Server, reference: str) -> None:
-    # Under the byte bound, but about 0.6 M tokens: tokenized (a second or
-    # more of a CPU), then refused by its token count.
-    prompt = slow_text(PROMPT_BYTE_BOUND - 1000)
+    # Prompts that fit the context (6000 tokens: a newline and 80 spaces is
+    # one token) but take about a CPU second each to tokenize; the request
+    # is then refused by its max_tokens, past what the context leaves.
+    prompt = ("\n" + " " * 80) * 6000
+    body = {"prompt": [prompt] * 4, "max_tokens": MAX_MODEL_LEN - 100}
     response, health = beside_healthy_stream(
-        server, lambda: post_json(server.url, "/v1/completions", {"prompt": prompt})
+        server, lambda: post_json(server.url, "/v1/completions", body)
     )
     assert response.status_code == 400, response.text[:300]
-    assert_error(response.json(), 400, "tokens", "max_model_len")
+    assert_error(response.json(), 400, "maximum context length", "6000 in the prompt")
     assert_healthy(health, reference)
 
 
 # -- connections --------------------------------------------------------------
 
 GENERATIONS = {
-    "whole": {"prompt": "Hi", "max_tokens": 2},
-    "stream": {"prompt": "Hi", "max_tokens": 2, "stream": True},
+    "whole": {"prompt": "Hi", "max_tokens": 1},
+    "stream": {"prompt": "Hi", "max_tokens": 1, "stream": True},
     # Refused inside the response (the grammar is checked by the engine).
     "error": {
         "prompt": "Hi",
-        "max_tokens": 2,
+        "max_tokens": 1,
         "stream": True,
         "structured_outputs": {"regex": "("},
     },
