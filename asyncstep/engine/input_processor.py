@@ -353,8 +353,14 @@ def _backend(tokenizer: PreTrainedTokenizerBase) -> Any:
 
 
 def _component(part: Any) -> dict[str, Any]:
-    """A ``tokenizers`` component's settings (its type, and those of a sequence's parts)."""
-    return cast(dict[str, Any], json.loads(part.__getstate__())) if part is not None else {}
+    """A ``tokenizers`` component's settings (its type, and those of a
+    sequence's parts); none when they cannot be read (the bound is then
+    the looser one)."""
+    try:
+        settings = json.loads(part.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
 
 
 def _byte_level_alphabet(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:

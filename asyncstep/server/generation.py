@@ -13,9 +13,9 @@ the new ones. Its response (:class:`GenerationResponse`) runs its prompts
 its own reads ``receive`` for the client's disconnect, which cancels it
 (aborting its engine requests) up to its last send: that one is made outside
 the cancellable scope, so that Hypercorn's own handling of the connection
-after it (close, keep-alive) runs whole. A stream's headers go out with its first
-chunk (a refused request is still an error status); an error after that is
-a last ``data: {"error": ...}`` event, then ``[DONE]``.
+after it (close, keep-alive) runs whole. A stream's headers go out with its
+first chunk (a refused request is still an error status); an error after
+that is a last ``data: {"error": ...}`` event, then ``[DONE]``.
 """
 
 from __future__ import annotations
