@@ -22,8 +22,9 @@ Reported per attack: the statuses it got, whether connections closed, its
 time, the healthy stream's largest gap between chunks, the server's peak RSS
 growth (its processes' ``VmHWM``, reset before each attack), and the load
 average (the machine may be shared: read the numbers as upper bounds when
-it is busy). The harness is ``tests/door.py`` (the tests run the same
-attacks scaled down).
+it is busy; the first row, no attack for 15 s, is the stream's gap alone).
+The harness is ``tests/door.py`` (the tests run the same attacks scaled
+down).
 
     python benchmarks/door.py --out benchmarks/results/door/cpu_smollm2.json
 
@@ -159,6 +160,8 @@ def redirect(server: door.Server) -> Callable[[], Any]:
 
 def summary(result: Any) -> str:
     """A short account of an attack's result."""
+    if result is None:
+        return "-"
     rows = result if isinstance(result, list) else list(result.values())
     if isinstance(result, dict) and "status" in result:
         rows = [result]
@@ -188,6 +191,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         kinds = {"whole": WHOLE, "stream": STREAMED, "refused": REFUSED_IN_RESPONSE}
         near = door.slow_text(bound - 1000)
         attacks: list[tuple[str, int, Callable[[], Any]]] = [
+            ("nothing, 15 s (the noise floor)", 0, lambda: time.sleep(15)),
             ("text 8 MiB, chat 8 MiB, token ids 8 MiB", 3, posts(server, prompt_attacks())),
             (
                 "text at the bound",
