@@ -1,7 +1,8 @@
 """Checks of values from outside (a request, a client, a file): each turns
 a value into its normalized form or raises
 :class:`~asyncstep.errors.InvalidRequestError` with a one-line message naming
-the field. Imports nothing but ``asyncstep.errors``."""
+the field. Imports nothing but ``asyncstep.errors`` (and numpy, when a
+JSON text's depth must be measured)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ import numbers
 from collections.abc import Callable, Sequence
 
 from asyncstep.errors import InvalidRequestError
+
+#: Deepest nesting of objects and arrays taken in a JSON text from outside (a
+#: request body, a schema): far below what a recursive parser or encoder
+#: survives, far above any real request.
+MAX_JSON_DEPTH = 128
+#: Every byte but the quote and the brackets (dropped before the depth is measured).
+_NOT_MARKS = bytes(b for b in range(256) if b not in b'"[]{}')
+#: Brackets and quotes measured at a time (the memory of a measure is a few times this).
+_DEPTH_SLICE = 1 << 20
 
 
 def shown(value: object, limit: int = 60) -> str:
@@ -85,3 +95,50 @@ def is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def utf8_size(text: str) -> int:
+    """The length of ``text`` in UTF-8 bytes (a lone surrogate counts 3)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_json_depth(name: str, text: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse a JSON text whose objects and arrays nest more than ``limit``
+    deep, before a recursive parser sees it (no Python loop over its
+    bytes: a text with at most ``limit`` opening brackets is taken as it is)."""
+    if text.count(b"[") + text.count(b"{") <= limit:
+        return
+    if json_depth(text, stop_above=limit) > limit:
+        raise InvalidRequestError(f"{name} nests more than {limit} levels deep")
+
+
+def json_depth(text: bytes, stop_above: int | None = None) -> int:
+    """How deep the objects and arrays of a JSON text nest (brackets in
+    strings do not count), or, with ``stop_above``, the first depth past it
+    met (the rest is not read); for a text that is not JSON, a number that
+    means nothing (its parser refuses it anyway). Vectorized (numpy), a
+    slice of the text at a time."""
+    import numpy as np
+
+    if b"\\" in text:  # escapes open and close nothing: drop them
+        text = text.replace(b"\\\\", b"").replace(b'\\"', b"")
+    marks = text.translate(None, _NOT_MARKS)
+    steps = np.zeros(256, dtype=np.int8)
+    steps[list(b"[{")], steps[list(b"]}")] = 1, -1
+    deepest, depth, in_string = 0, 0, False
+    for start in range(0, len(marks), _DEPTH_SLICE):
+        part = np.frombuffer(marks[start : start + _DEPTH_SLICE], dtype=np.uint8)
+        moves = steps[part]
+        # In a string: an odd number of quotes came before (the count wraps
+        # at 256: its parity holds).
+        strings = np.cumsum(part == ord('"'), dtype=np.uint8) & 1
+        if in_string:
+            strings ^= 1
+        moves[strings.view(np.bool_)] = 0
+        levels = np.cumsum(moves, dtype=np.int32)
+        deepest = max(deepest, depth + int(levels.max()))
+        if stop_above is not None and deepest > stop_above:
+            break
+        depth += int(levels[-1])
+        in_string = bool(strings[-1])
+    return deepest

@@ -66,6 +66,7 @@ _METAVARS = {
     "port": "PORT",
     "shutdown_timeout": "SECONDS",
     "keep_alive_timeout": "SECONDS",
+    "body_read_timeout": "SECONDS",
 }
 #: The help group of each config section.
 _GROUPS = {

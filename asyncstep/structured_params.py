@@ -3,8 +3,9 @@
 ``regex``, ``choice`` or ``grammar`` (EBNF, xgrammar's dialect).
 
 Checked here for shape (types, sizes, exactly one kind, a schema that parses
-as JSON); whether the grammar compiles is checked at the engine's door
-(:mod:`asyncstep.engine.grammar`). Imports nothing heavy: a field of
+as JSON and nests at most :data:`~asyncstep.checks.MAX_JSON_DEPTH` deep,
+checked before it is parsed); whether the grammar compiles is checked at the
+engine's door (:mod:`asyncstep.engine.grammar`). Imports nothing heavy: a field of
 :class:`~asyncstep.datatypes.SamplingParams`, it travels on every wire.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import msgspec
 from msgspec.structs import force_setattr
 
-from asyncstep.checks import check_flag, invalid, is_utf8, sequence, shown
+from asyncstep.checks import check_flag, check_json_depth, invalid, is_utf8, sequence, shown
 from asyncstep.errors import InvalidRequestError
 
 #: Longest schema, regex or grammar text, and longest choice list (in characters).
@@ -120,6 +121,7 @@ def _check_schema(name: str, value: object) -> str:
         text = _check_text(name, value)
     if len(text) > MAX_GRAMMAR_CHARS:
         raise InvalidRequestError(f"{name} is longer than {MAX_GRAMMAR_CHARS} characters")
+    check_json_depth(name, text.encode("utf-8", "surrogatepass"))
     try:
         parsed = _json.loads(text)
     except (ValueError, RecursionError) as exc:

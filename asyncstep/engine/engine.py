@@ -140,7 +140,8 @@ class Engine:
         Cancelling the caller aborts the request (its blocks are freed).
         """
         await self.input_processor.check_grammar(sampling_params)
-        group = self._add_request(prompt, sampling_params, request_id)
+        ids = await self.input_processor.encode_prompt(prompt)
+        group = self._add_request(prompt, ids, sampling_params, request_id)
         try:
             await group.wait_finished()
         finally:
@@ -163,7 +164,8 @@ class Engine:
         the request.
         """
         await self.input_processor.check_grammar(sampling_params)
-        group = self._add_request(prompt, sampling_params, request_id)
+        ids = await self.input_processor.encode_prompt(prompt)
+        group = self._add_request(prompt, ids, sampling_params, request_id)
         try:
             while (chunk := await group.next_chunk()) is not None:
                 yield chunk
@@ -192,12 +194,18 @@ class Engine:
         await event.wait()
         self._check_alive()
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    async def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text as ``tokenizer(text).input_ids``, chat
         messages through the tokenizer's chat template, token ids as they are.
-        Anything else, or ids the model cannot take, raise
-        :class:`InvalidRequestError`."""
-        return self.input_processor.encode_prompt(prompt)
+        A prompt that cannot fit the context is refused by its size before it
+        is tokenized; long text is tokenized in a worker thread. Anything
+        else, or ids the model cannot take, raise :class:`InvalidRequestError`."""
+        return await self.input_processor.encode_prompt(prompt)
+
+    def encode_prompt_nowait(self, prompt: Prompt) -> list[int]:
+        """:meth:`encode_prompt` on the caller's thread (long text blocks
+        the event loop while it is tokenized)."""
+        return self.input_processor.encode_prompt_nowait(prompt)
 
     def statistics(self) -> EngineStatistics:
         """Counters; the scheduler's are as of the core's latest message."""
@@ -222,10 +230,15 @@ class Engine:
     # -- requests ---------------------------------------------------------
 
     def _add_request(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+        self,
+        prompt: Prompt,
+        ids: list[int],
+        params: SamplingParams | None,
+        request_id: str | None,
     ) -> RequestGroup:
-        """Check the whole request, then register it and send it to the core:
-        a request refused here leaves nothing behind.
+        """Check the rest of the request (``ids``: its prompt's, checked),
+        then register it and send it to the core: a request refused here
+        leaves nothing behind.
 
         ``n`` > 1: one core request per choice, ids ``{request_id}-{i}``,
         choice ``i`` seeded with ``seed + i``. With prefix caching the first
@@ -235,7 +248,6 @@ class Engine:
         self._check_alive()
         params = self.input_processor.check_params(params)
         request_id = self._check_request_id(request_id)
-        ids = self.encode_prompt(prompt)
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         taken = [c for c in child_ids[1:] if c in self._requests]

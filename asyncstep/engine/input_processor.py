@@ -10,6 +10,12 @@ tokenizer's chat template, token ids are taken as they are, and the ids must
 fit the model; :func:`check_request_id` checks a caller's request id. A
 refused request raises :class:`InvalidRequestError`.
 
+Length before work: a prompt that cannot fit the context is refused by its
+size before it is tokenized (token ids by their count; text by its UTF-8
+bytes, past :func:`prompt_byte_limit`), and long text is tokenized in a worker
+thread (the tokenizer releases the GIL), so that the caller's event loop,
+and every stream on it, keeps going meanwhile.
+
 It may import the request types (:mod:`asyncstep.datatypes`), the grammar
 check, the errors and the model's config; it knows nothing of the engine core,
 the requests in flight or the transport (the :class:`Engine` holds those).
@@ -17,13 +23,15 @@ the requests in flight or the transport (the :class:`Engine` holds those).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import msgspec
 
-from asyncstep.checks import is_utf8, shown
+from asyncstep.checks import is_utf8, shown, utf8_size
 from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.grammar import check_grammar
 from asyncstep.errors import InvalidRequestError, describe
@@ -36,6 +44,15 @@ if TYPE_CHECKING:
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 #: Sequences of ints that are not token ids.
 _BINARY = (bytes, bytearray, memoryview)
+#: Prompt text up to this many UTF-8 bytes is tokenized on the caller's
+#: thread; longer text in a worker thread.
+INLINE_TOKENIZE_BYTES = 4096
+#: Worker threads tokenizing at once (per front end); more wait their turn
+#: (each holds memory in proportion to its text).
+TOKENIZE_THREADS = 2
+#: How much a tokenizer's normalizer is taken to shrink text at most (Unicode
+#: composition: three 3-byte jamo make one 3-byte Hangul syllable).
+NORMALIZER_SHRINK = 4
 
 
 class InputProcessor:
@@ -54,32 +71,44 @@ class InputProcessor:
         self.eos_token_ids = tuple(
             sorted(frozenset(arch_config.eos_token_ids) | tokenizer_eos(tokenizer))
         )
+        #: Most UTF-8 bytes of prompt text (or chat contents) that may fit the
+        #: context: more is refused untokenized (None: no tokenizer, no text).
+        self.max_prompt_bytes = (
+            None if tokenizer is None else prompt_byte_limit(tokenizer, max_model_len)
+        )
+        self._tokenize_limiter: anyio.CapacityLimiter | None = None
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    async def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text as ``tokenizer(text).input_ids``, chat
         messages through the tokenizer's chat template, token ids as they are.
-        Anything else, or ids the model cannot take, raise
-        :class:`InvalidRequestError`."""
-        if isinstance(prompt, str):
-            ids = self._encode_text(prompt)
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, _BINARY):
-            items = list(prompt)
-            if items and all(isinstance(m, Mapping) for m in items):
-                ids = self._apply_chat_template(cast(list[Mapping[str, Any]], items))
-            elif all(type(t) is int for t in items):
-                ids = cast(list[int], items)
-            else:
-                raise InvalidRequestError(
-                    "prompt must be a string, a list of token ids (ints) or a list of chat "
-                    f"messages, got a list holding {_kinds(items)}"
-                )
-        else:
-            raise InvalidRequestError(
-                "prompt must be a string, a list of token ids or a list of chat messages, "
-                f"got {type(prompt).__name__}"
-            )
+        A prompt that cannot fit the context is refused before it is
+        tokenized (see the module doc); text of more than
+        :data:`INLINE_TOKENIZE_BYTES` is tokenized in a worker thread (a
+        cancelled caller waits for it to finish). Anything else, or ids the
+        model cannot take, raise :class:`InvalidRequestError`."""
+        work, size = self._prepare(prompt)
+        ids = await self._in_thread(work) if size > INLINE_TOKENIZE_BYTES else work()
         self._check_prompt(ids)
         return ids
+
+    def encode_prompt_nowait(self, prompt: Prompt) -> list[int]:
+        """:meth:`encode_prompt` on the caller's thread, whatever the size
+        of the text (it never yields: long text blocks the caller's event
+        loop while it is tokenized)."""
+        work, _ = self._prepare(prompt)
+        ids = work()
+        self._check_prompt(ids)
+        return ids
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``tokenizer(text).input_ids`` of any text that may fit the context
+        (the token count is not checked; empty text is taken); refused past
+        :attr:`max_prompt_bytes`, and in a worker thread when long."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"prompt must be a string, got {type(text).__name__}")
+        size = self._check_text(text, "prompt") if text else 0
+        work = partial(self._tokenize, text, add_special_tokens=add_special_tokens)
+        return await self._in_thread(work) if size > INLINE_TOKENIZE_BYTES else work()
 
     def check_params(self, params: object) -> SamplingParams:
         """The request's sampling parameters (the defaults for None), checked
@@ -148,37 +177,99 @@ class InputProcessor:
                 sequences.append(spaced)
         return tuple(sequences)
 
+    def _prepare(self, prompt: Prompt) -> tuple[Callable[[], list[int]], int]:
+        """Check a prompt's kind and size: the work that gives its token ids,
+        and the UTF-8 bytes of text that work tokenizes (0: none)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            size = self._check_text(prompt, "prompt")
+            return partial(self._encode_text, prompt), size
+        if isinstance(prompt, Sequence) and not isinstance(prompt, _BINARY):
+            items = list(prompt)
+            if items and type(items[0]) is int and len(items) >= self.max_model_len:
+                raise self._too_long(len(items))
+            if items and all(isinstance(m, Mapping) for m in items):
+                messages = cast(list[Mapping[str, Any]], items)
+                return partial(self._apply_chat_template, messages), self._check_chat(messages)
+            if all(type(t) is int for t in items):
+                return lambda: cast(list[int], items), 0
+            raise InvalidRequestError(
+                "prompt must be a string, a list of token ids (ints) or a list of chat "
+                f"messages, got a list holding {_kinds(items)}"
+            )
+        raise InvalidRequestError(
+            "prompt must be a string, a list of token ids or a list of chat messages, "
+            f"got {type(prompt).__name__}"
+        )
+
+    def _check_text(self, text: str, what: str) -> int:
+        """The UTF-8 bytes of text to tokenize: refused past
+        :attr:`max_prompt_bytes`, or when it is not UTF-8."""
+        size = self._check_size(utf8_size(text), what)
+        if not is_utf8(text):
+            raise InvalidRequestError(f"{what} is not valid UTF-8 (it holds a lone surrogate)")
+        return size
+
+    def _check_chat(self, messages: Sequence[Mapping[str, Any]]) -> int:
+        """Check chat messages (string role and content, in UTF-8): the
+        UTF-8 bytes of their contents, refused past :attr:`max_prompt_bytes`
+        (the chat template renders each content: the text is longer still;
+        a template that strips whitespace from contents may shorten it)."""
+        for i, message in enumerate(messages):
+            _check_chat_message(i, message)
+        size = sum(utf8_size(m["content"]) for m in messages)
+        return self._check_size(size, "the chat messages' content")
+
+    def _check_size(self, size: int, what: str) -> int:
+        limit = self.max_prompt_bytes
+        if limit is not None and size > limit:
+            raise InvalidRequestError(
+                f"{what} has {size} bytes of text, more than can fit the model's context "
+                f"(max_model_len {self.max_model_len} tokens: at most {limit} bytes)"
+            )
+        return size
+
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise InvalidRequestError("prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the model's context (max_model_len) is "
-                f"{self.max_model_len}, and at least one token must be generated"
-            )
+            raise self._too_long(len(ids))
         vocab = self.arch_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+
+    def _too_long(self, num_tokens: int) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"prompt has {num_tokens} tokens; the model's context (max_model_len) is "
+            f"{self.max_model_len}, and at least one token must be generated"
+        )
+
+    async def _in_thread(self, work: Callable[[], list[int]]) -> list[int]:
+        """``work()`` in a worker thread (at most :data:`TOKENIZE_THREADS` at once)."""
+        if self._tokenize_limiter is None:
+            self._tokenize_limiter = anyio.CapacityLimiter(TOKENIZE_THREADS)
+        return await anyio.to_thread.run_sync(work, limiter=self._tokenize_limiter)
 
     def _need_tokenizer(self) -> PreTrainedTokenizerBase:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: pass the prompt as token ids")
         return self.tokenizer
 
-    def _encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        if not text:
-            raise InvalidRequestError("prompt is empty")
-        if not is_utf8(text):
-            raise InvalidRequestError("prompt is not valid UTF-8 (it holds a lone surrogate)")
+    def _tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self._need_tokenizer()
         return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
+    def _encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if not text:
+            raise InvalidRequestError("prompt is empty")
+        return self._tokenize(text, add_special_tokens=add_special_tokens)
+
     def _apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Checked messages (:meth:`_check_chat`) through the chat template."""
         tokenizer = self._need_tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template")
-        for i, message in enumerate(messages):
-            _check_chat_message(i, message)
         try:
             conversation: list[dict[str, Any]] = [dict(m) for m in messages]
             text = tokenizer.apply_chat_template(
@@ -227,3 +318,70 @@ def tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
     """The tokenizer's EOS token id, if it has one."""
     eos = getattr(tokenizer, "eos_token_id", None)
     return frozenset([eos]) if isinstance(eos, int) else frozenset()
+
+
+def prompt_byte_limit(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int:
+    """The most UTF-8 bytes of text whose tokens may fit ``max_model_len``:
+    ``max_model_len`` times the most bytes of text one token stands for
+    (:func:`token_byte_bound`). Strict for a tokenizer that does not
+    normalize and cannot make an unknown token (byte-level BPE, or byte
+    fallback): each token then stands for at most its own bytes of the
+    text. Otherwise :data:`NORMALIZER_SHRINK` times more (a normalizer that
+    composes characters shrinks text; one that deletes them is not bounded)."""
+    strict = _is_byte_exact(tokenizer)
+    return max_model_len * token_byte_bound(tokenizer) * (1 if strict else NORMALIZER_SHRINK)
+
+
+def token_byte_bound(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most bytes of text one token of the vocabulary (added tokens
+    too) stands for: its characters for a byte-level vocabulary (each one
+    stands for a byte), else its UTF-8 bytes (at least what it stands for:
+    ``▁`` for a space, ``<0x41>`` for a byte)."""
+    byte_level = _byte_level_alphabet(tokenizer)
+
+    def size(token: str) -> int:
+        if byte_level and byte_level.issuperset(token):
+            return len(token)
+        return len(token.encode("utf-8", "surrogatepass"))
+
+    return max((size(token) for token in tokenizer.get_vocab()), default=1)
+
+
+def _backend(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The ``tokenizers`` tokenizer behind a fast tokenizer (None: a slow one)."""
+    return getattr(tokenizer, "backend_tokenizer", None)
+
+
+def _component(part: Any) -> dict[str, Any]:
+    """A ``tokenizers`` component's settings (its type, and those of a
+    sequence's parts); none when they cannot be read (the bound is then
+    the looser one)."""
+    try:
+        settings = json.loads(part.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def _byte_level_alphabet(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:
+    """The 256 characters of a byte-level pre-tokenizer's vocabulary (none: not byte-level)."""
+    backend = _backend(tokenizer)
+    if backend is None:
+        return frozenset()
+    settings = _component(backend.pre_tokenizer)
+    kinds = [settings.get("type")] + [p.get("type") for p in settings.get("pretokenizers", [])]
+    if "ByteLevel" not in kinds:
+        return frozenset()
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return frozenset(ByteLevel.alphabet())
+
+
+def _is_byte_exact(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether each token stands for exactly its own bytes of the text: no
+    normalizer, and no unknown token (byte-level, or BPE with byte fallback)."""
+    backend = _backend(tokenizer)
+    if backend is None or backend.normalizer is not None:
+        return False
+    byte_fallback = bool(getattr(backend.model, "byte_fallback", False))
+    return byte_fallback or bool(_byte_level_alphabet(tokenizer))

@@ -10,7 +10,8 @@ asyncio, alone or mounted in a service's own ASGI app):
   server drains); ``GET /metrics`` (:mod:`asyncstep.server.metrics`);
   ``POST /tokenize``, ``POST /detokenize``; ``GET /version``.
 
-A request is read (at most ``max_request_body_bytes``: else 413), decoded
+A request is read (at most ``max_request_body_bytes``: else 413; within
+``body_read_timeout`` seconds: else 408, and the connection closes), decoded
 (a bad body or field: 400), matched to a served model name (else 404),
 turned into engine requests (:mod:`asyncstep.server.requests`: what the
 engine refuses is a 400), then admitted and served
@@ -117,6 +118,9 @@ class OpenAIServer:
             routes=routes,
             exception_handlers={HTTPException: _http_error, Exception: _internal_error},
         )
+        # No redirect of ``/v1/models/`` to ``/v1/models``: Starlette builds
+        # its ``Location`` from the client's ``Host`` header.
+        self.app.router.redirect_slashes = False
         self.app.state.openai_server = self
 
     @property
@@ -137,7 +141,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         body = decode_body(await self._body(request), CompletionRequest)
         self._check_model(body.model)
-        job = completion_job(self.engine, body)
+        job = await completion_job(self.engine, body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         echo = [self._prompt_text(job, i) for i in range(len(job.prompts))] if job.echo else None
         fmt = CompletionFormatter(
@@ -157,7 +161,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self._body(request), ChatCompletionRequest)
         self._check_model(body.model)
-        job = chat_job(self.engine, body)
+        job = await chat_job(self.engine, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(
             rid,
@@ -197,11 +201,11 @@ class OpenAIServer:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give prompt or messages (one of them)", "prompt")
         if body.messages is not None:
-            tokens = self.engine.encode_prompt(chat_messages(body.messages))
+            tokens = await self.engine.encode_prompt(chat_messages(body.messages))
         else:
-            tokenizer = self._tokenizer()
-            tokens = list(
-                tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            self._tokenizer()
+            tokens = await self.engine.input_processor.tokenize(
+                body.prompt or "", add_special_tokens=body.add_special_tokens
             )
         return _json(
             TokenizeResponse(
@@ -271,7 +275,8 @@ class OpenAIServer:
 
     async def _body(self, request: Request) -> bytes:
         """The request's body, refused with 413 past the limit (by its
-        declared length first, then as it arrives)."""
+        declared length first, then as it arrives), and with 408 (closing
+        the connection) once it has taken ``body_read_timeout`` seconds."""
         limit = self.config.max_request_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -280,11 +285,19 @@ class OpenAIServer:
             if int(declared) > limit:
                 raise _too_large(int(declared), limit)
         parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise _too_large(size, limit)
-            parts.append(part)
+        timeout = self.config.body_read_timeout
+        with anyio.move_on_after(timeout) as reading:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise _too_large(size, limit)
+                parts.append(part)
+        if reading.cancelled_caught:
+            raise APIError(
+                HTTPStatus.REQUEST_TIMEOUT,
+                f"the request body took longer than {timeout:g} s to arrive ({size} bytes came)",
+                headers={"connection": "close"},
+            )
         return b"".join(parts)
 
     def _check_model(self, name: str | None) -> None:

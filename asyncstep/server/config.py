@@ -23,6 +23,8 @@ from asyncstep.errors import ConfigError
 API_KEY_ENV = "ASYNCSTEP_API_KEY"
 #: Bodies larger than this are refused with 413 unless configured otherwise.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+#: Seconds a request's body may take to arrive unless configured otherwise.
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 #: Most API server processes (``api_server_count``).
 MAX_API_SERVERS = 64
 
@@ -63,6 +65,13 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     max_request_body_bytes: Annotated[int, _doc("largest request body accepted (larger: 413)")] = (
         DEFAULT_MAX_BODY_BYTES
     )
+    body_read_timeout: Annotated[
+        float,
+        _doc(
+            "seconds a client may take to send a request's whole body (longer: 408, "
+            "and the connection is closed)"
+        ),
+    ] = DEFAULT_BODY_READ_TIMEOUT_S
     keep_alive_timeout: Annotated[
         float, _doc("seconds an idle keep-alive connection stays open")
     ] = 5.0
@@ -102,6 +111,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(
                 f"api_server_count must be in [1, {MAX_API_SERVERS}], got {self.api_server_count}"
             )
+        if not self.body_read_timeout > 0:
+            raise ConfigError(f"body_read_timeout must be positive, got {self.body_read_timeout}")
         if not self.keep_alive_timeout > 0:
             raise ConfigError(f"keep_alive_timeout must be positive, got {self.keep_alive_timeout}")
 

@@ -11,9 +11,11 @@ or, when the engine reports a queue (e.g. a full KV cache), that queue and
 the new ones. Its response (:class:`GenerationResponse`) runs its prompts
 (``Engine.stream``, each chunk to the response's formatter) while a task of
 its own reads ``receive`` for the client's disconnect, which cancels it
-(aborting its engine requests). A stream's headers go out with its first
-chunk (a refused request is still an error status); an error after that is
-a last ``data: {"error": ...}`` event, then ``[DONE]``.
+(aborting its engine requests) up to its last send: that one is made outside
+the cancellable scope, so that Hypercorn's own handling of the connection
+after it (close, keep-alive) runs whole. A stream's headers go out with its
+first chunk (a refused request is still an error status); an error after
+that is a last ``data: {"error": ...}`` event, then ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from http import HTTPStatus
 from typing import cast
 
@@ -43,6 +46,16 @@ from asyncstep.server.responses import ChoiceOutput, Formatter, usage
 log = get_logger("server")
 
 OnChunk = Callable[[int, CompletionChunk], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What ends a response: its last send (given the ASGI ``send``), made
+    once the client's disconnect can no longer cancel it; and whether the
+    request failed (it is then left out of the latency metrics)."""
+
+    send: Callable[[Send], Awaitable[None]]
+    failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,7 +146,13 @@ class Generations:
         self, job: GenerationJob, fmt: Formatter, rid: str, receive: Receive, send: Send
     ) -> None:
         """Serve one generation request (its response), until it ends or
-        its client goes away."""
+        its client goes away.
+
+        The client's disconnect cancels the work (the engine requests and
+        every send but the last); the last send is made outside that scope:
+        Hypercorn delivers the disconnect from inside it and then closes or
+        recycles the connection there (``Connection: close``, HTTP/1.0, the
+        keep-alive idle timeout), which a cancellation would cut short."""
         try:
             self.admit(rid, job)
         except APIError as exc:
@@ -143,23 +162,27 @@ class Generations:
         failed = False
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(sse.watch_disconnect, receive, tg.cancel_scope)
-                try:
+                work = anyio.CancelScope()
+                tg.start_soon(sse.watch_disconnect, receive, work)
+                ending: Ending | None = None
+                with work:
                     if job.stream:
-                        failed = await self._stream(job, fmt, rid, timer, send)
+                        ending = await self._stream(job, fmt, rid, timer, send)
                     else:
-                        failed = await self._whole(job, fmt, rid, timer, send)
-                finally:
-                    tg.cancel_scope.cancel()
+                        ending = await self._whole(job, fmt, rid, timer)
+                if ending is not None and not work.cancel_called:
+                    failed = ending.failed
+                    await ending.send(send)
+                tg.cancel_scope.cancel()
         finally:
             self.release(rid)
             if not failed:
                 timer.end()
 
     async def _whole(
-        self, job: GenerationJob, fmt: Formatter, rid: str, timer: RequestTimer, send: Send
-    ) -> bool:
-        """A whole response; True if the request failed."""
+        self, job: GenerationJob, fmt: Formatter, rid: str, timer: RequestTimer
+    ) -> Ending:
+        """Run a request answered whole; its response is the ending."""
         outputs = [ChoiceOutput() for _ in range(job.num_choices)]
         prompts = _PromptTokens(self.metrics, job)
         prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(job.prompts)
@@ -175,18 +198,17 @@ class Generations:
         try:
             await self._generate(job, rid, on_chunk)
         except Exception as exc:
-            await send_error(send, self._failure(exc))
-            return True
+            return Ending(partial(send_error, error=self._failure(exc)), failed=True)
         completion_tokens = 0 if job.hide_output else sum(o.num_tokens for o in outputs)
         body = fmt.whole(outputs, usage(prompts.total, completion_tokens), prompt_logprobs)
-        await sse.send_whole(send, 200, sse.encode(body))
-        return False
+        return Ending(partial(sse.send_whole, status=200, body=sse.encode(body)))
 
     async def _stream(
         self, job: GenerationJob, fmt: Formatter, rid: str, timer: RequestTimer, send: Send
-    ) -> bool:
-        """An event stream, its headers sent with the first chunk; True if
-        the request failed before it."""
+    ) -> Ending:
+        """Stream a request's events, the headers with the first chunk; the
+        ending is its last events (or its error response, if it failed before
+        the first chunk)."""
         started = False
         first = [True] * job.num_choices
         prompts = _PromptTokens(self.metrics, job)
@@ -214,17 +236,15 @@ class Generations:
         except Exception as exc:
             error = self._failure(exc)
             if not started:
-                await send_error(send, error)
-                return True
-            await sse.send_events(send, sse.event(error.body()) + sse.DONE, last=True)
-            return False
+                return Ending(partial(send_error, error=error), failed=True)
+            last = sse.event(error.body()) + sse.DONE
+            return Ending(partial(sse.send_events, data=last, last=True))
         tail = sse.DONE
         if job.include_usage:
             tail = sse.event(fmt.usage_chunk(usage(prompts.total, completion_tokens))) + tail
         if not started:
             await sse.start_events(send)
-        await sse.send_events(send, tail, last=True)
-        return False
+        return Ending(partial(sse.send_events, data=tail, last=True))
 
     async def _generate(self, job: GenerationJob, rid: str, on_chunk: OnChunk) -> None:
         """Run every prompt of the request, each chunk to ``on_chunk``."""

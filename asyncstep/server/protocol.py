@@ -5,8 +5,9 @@ JSON. Values are checked where they become
 :class:`~asyncstep.datatypes.SamplingParams` (:mod:`asyncstep.server.requests`),
 so that one rule holds for the Python API and the HTTP API alike.
 
-Unknown request fields are ignored, as OpenAI and vLLM do. Imports only
-msgspec.
+Unknown request fields are ignored, as OpenAI and vLLM do. A body nested
+deeper than :data:`~asyncstep.checks.MAX_JSON_DEPTH` is refused before it is
+parsed. Imports msgspec and :mod:`asyncstep.checks`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
+
+from asyncstep.checks import check_json_depth
+from asyncstep.errors import InvalidRequestError
 
 T = TypeVar("T")
 
@@ -30,7 +34,13 @@ class BodyError(ValueError):
 def decode_body(body: bytes, kind: type[T]) -> T:
     """Decode a JSON request body as ``kind`` (raises :class:`BodyError`)."""
     try:
+        check_json_depth("request body", body)
+    except InvalidRequestError as exc:
+        raise BodyError(str(exc)) from None
+    try:
         return msgspec.json.decode(body, type=kind)
+    except RecursionError:  # (a limit above the interpreter's)
+        raise BodyError("request body nests too deeply") from None
     except msgspec.ValidationError as exc:
         message = str(exc)
         _, at, path = message.rpartition(" - at `$.")

@@ -12,8 +12,10 @@ the schema of any object, as OpenAI means it; ``json_schema``) and
 ``structured_outputs`` (as they are) become
 :class:`~asyncstep.structured_params.StructuredOutputsParams`. Every
 value is then checked by ``SamplingParams`` itself, and each prompt by the
-engine (:meth:`~asyncstep.engine.engine.Engine.encode_prompt`): what they
-refuse raises :class:`~asyncstep.errors.InvalidRequestError` (a 400).
+engine (:meth:`~asyncstep.engine.engine.Engine.encode_prompt`: one that
+cannot fit the context is refused by its size, before it is tokenized; long
+text is tokenized off the event loop): what they refuse raises
+:class:`~asyncstep.errors.InvalidRequestError` (a 400).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class GenerationJob:
         return self.n * len(self.prompts)
 
 
-def completion_job(engine: Engine, request: CompletionRequest) -> GenerationJob:
+async def completion_job(engine: Engine, request: CompletionRequest) -> GenerationJob:
     if request.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
     if request.best_of is not None and request.best_of != request.n:
@@ -84,8 +86,8 @@ def completion_job(engine: Engine, request: CompletionRequest) -> GenerationJob:
         # The echoed prompt's tokens come with their log-probs (a bad value is
         # left for SamplingParams to refuse).
         prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
-    prompts = completion_prompts(request.prompt)
-    ids = [_encoded(engine, p) for p in prompts]
+    prompts = completion_prompts(request.prompt, engine.max_model_len)
+    ids = [await _encoded(engine, p) for p in prompts]
     texts = [p if isinstance(p, str) else None for p in prompts]
     max_tokens = 1 if hide_output else request.max_tokens
     params = [
@@ -100,7 +102,7 @@ def completion_job(engine: Engine, request: CompletionRequest) -> GenerationJob:
     return _job(request, ids, texts, params, request.logprobs, echo=request.echo, hide=hide_output)
 
 
-def chat_job(engine: Engine, request: ChatCompletionRequest) -> GenerationJob:
+async def chat_job(engine: Engine, request: ChatCompletionRequest) -> GenerationJob:
     if request.tools and request.tool_choice != "none":
         raise bad_request("tools are not supported", "tools")
     if not request.messages:
@@ -108,7 +110,7 @@ def chat_job(engine: Engine, request: ChatCompletionRequest) -> GenerationJob:
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    ids = _encoded(engine, chat_messages(request.messages), "messages")
+    ids = await _encoded(engine, chat_messages(request.messages), "messages")
     given = request.max_completion_tokens
     name = "max_completion_tokens"
     if given is None and request.max_tokens is not None:
@@ -118,13 +120,20 @@ def chat_job(engine: Engine, request: ChatCompletionRequest) -> GenerationJob:
     return _job(request, [ids], [None], params, logprobs)
 
 
-def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+def completion_prompts(prompt: str | list[Any], max_model_len: int) -> list[str | list[int]]:
     """A completion's ``prompt``: a string, a list of strings, a list of
-    token ids, or a list of lists of token ids; as a list of prompts."""
+    token ids, or a list of lists of token ids; as a list of prompts. A list
+    of ``max_model_len`` token ids or more is refused by its length."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise bad_request("prompt must not be an empty list", "prompt")
+    if type(prompt[0]) is int and len(prompt) >= max_model_len:
+        raise bad_request(
+            f"prompt has {len(prompt)} tokens; the model's context (max_model_len) is "
+            f"{max_model_len}, and at least one token must be generated",
+            "prompt",
+        )
     if len(prompt) > MAX_PROMPTS and not all(type(t) is int for t in prompt):
         raise bad_request(f"prompt may list at most {MAX_PROMPTS} prompts", "prompt")
     if all(isinstance(p, str) for p in prompt):
@@ -166,9 +175,9 @@ def _is_token_ids(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
-def _encoded(engine: Engine, prompt: Any, param: str = "prompt") -> list[int]:
+async def _encoded(engine: Engine, prompt: Any, param: str = "prompt") -> list[int]:
     try:
-        return engine.encode_prompt(prompt)
+        return await engine.encode_prompt(prompt)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param) from None
 
