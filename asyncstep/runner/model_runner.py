@@ -144,7 +144,9 @@ class ModelRunner:
         #: The events of the last step that ran a forward.
         self.last_step_events: StepEvents | None = None
         compilation = compilation or CompilationConfig()
-        self.attention_backend = resolve_attention_backend(compilation.attention_backend, device)
+        self.attention_backend = resolve_attention_backend(
+            compilation.attention_backend, device, dtype
+        )
         for attn in model.attention_layers():
             attn.backend = self.attention_backend
         self.fused_kernels = compilation.fused_kernels and self.attention_backend == "triton"
