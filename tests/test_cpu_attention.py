@@ -23,6 +23,7 @@ from asyncstep.models.layers.attention import (
     reference_attention,
 )
 from asyncstep.models.layers.cpu_attention import CpuPagedAttention, load_cpu_attention
+from asyncstep.models.layers.rotary import RotaryEmbedding
 from asyncstep.runner.attention_backend import resolve_attention_backend
 
 #: bf16 outputs are rounded to bf16 (a relative step of 2**-8): torch's bf16 tolerance.
@@ -107,6 +108,7 @@ def make_step(
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=qsl,
         seq_lens_cpu=np.array(seq_lens, dtype=np.int32),
+        positions=torch.cat([torch.arange(c, s) for c, s in zip(computed, seq_lens, strict=True)]),
     )
     return PagedStep(q, k, v, kv_cache, meta, full_k, full_v, heads, dim)
 
@@ -130,7 +132,7 @@ def dense_attention(step: PagedStep) -> torch.Tensor:
 def run_kernel(kernel: CpuPagedAttention, step: PagedStep, threads: int = 1) -> torch.Tensor:
     out = torch.empty_like(step.q)
     args = step.meta.cpu_step_args()
-    kernel(out, step.q, step.k, step.v, step.kv_cache, args, step.scale, threads)
+    kernel(out, step.q, step.k, step.v, step.kv_cache, args, step.scale, num_threads=threads)
     return out
 
 
@@ -218,6 +220,27 @@ def test_kernel_stores_new_keys_at_their_slots_only(kernel: CpuPagedAttention) -
     untouched = torch.ones(by_slot.shape[2], dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(by_slot[:, :, untouched], before.view(2, 2, -1, 8)[:, :, untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_equals_rotating_first(kernel: CpuPagedAttention, dtype: torch.dtype) -> None:
+    """With the rotary's cache the kernel rotates q (as it reads it) and k
+    (as it stores it), leaving its inputs as they were."""
+    layout = {"query_lens": [1, 1, 6], "computed": [40, 7, 12]}
+    shape = {"heads": 6, "kv_heads": 2, "dim": 16, "block": 4, "dtype": dtype, "seed": 5}
+    fused, first = make_step(**layout, **shape), make_step(**layout, **shape)
+    rotary = RotaryEmbedding(16, 64, 10000.0)
+    positions = fused.meta.positions
+    assert positions is not None
+    first.q, first.k = rotary(rotary.cos_sin(positions, dtype), first.q, first.k)
+    q_before, k_before = fused.q.clone(), fused.k.clone()
+    out = torch.empty_like(fused.q)
+    args = fused.meta.cpu_step_args()
+    kernel(out, fused.q, fused.k, fused.v, fused.kv_cache, args, fused.scale, rotary.cos_sin_cache)
+    assert torch.equal(fused.q, q_before) and torch.equal(fused.k, k_before)
+    expected = run_kernel(kernel, first)
+    torch.testing.assert_close(fused.kv_cache, first.kv_cache, **tolerance(dtype))
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

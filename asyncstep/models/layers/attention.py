@@ -78,6 +78,7 @@ class AttentionMetadata:
                 self.seq_lens,
                 self.block_table,
                 self.slot_mapping,
+                self.positions,
             )
         return self.cpu_args
 
@@ -291,8 +292,8 @@ class Attention(nn.Module):
         #: CPU kernel: one call per layer) or "triton" (paged kernels reading
         #: only device metadata: CUDA-graph safe).
         self.backend = "torch"
-        #: With the Triton backend, the rotary embedding to apply to q and k
-        #: in the KV-store kernel (then q and k come in unrotated); None: the
+        #: With the Triton or CPU backend, the rotary embedding to apply to q
+        #: and k in the kernel (then q and k come in unrotated); None: the
         #: caller rotated them.
         self.fused_rotary: RotaryEmbedding | None = None
 
@@ -315,14 +316,16 @@ class Attention(nn.Module):
     def _forward_cpu(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """The CPU kernel stores and attends the real rows in one call;
-        padding rows of the output are zeros."""
+        """The CPU kernel rotates (with a fused rotary), stores and attends
+        the real rows in one call; padding rows of the output are zeros."""
         kernel = load_cpu_attention()
         assert kernel is not None, "the cpu backend needs the CPU attention kernel"
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if q.shape[0] > meta.num_actual_tokens:
             out[meta.num_actual_tokens :].zero_()
-        kernel(out, q, k, v, self.kv_cache, meta.cpu_step_args(), self.scale)
+        rotary = self.fused_rotary
+        cos_sin = None if rotary is None else rotary.cos_sin_cache
+        kernel(out, q, k, v, self.kv_cache, meta.cpu_step_args(), self.scale, cos_sin)
         return out
 
     def _forward_triton(

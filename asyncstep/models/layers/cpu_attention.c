@@ -14,6 +14,11 @@
  *   query_start_loc [num_reqs + 1] int32, seq_lens [num_reqs] int32
  *   block_table  [num_reqs, >= ceil(seq_len / block_size)] int32
  *
+ * With positions and cos_sin (the rotary cache [max_position, head_dim],
+ * float32: cos in the first half, sin in the second) given, q and k come in
+ * unrotated and are rotated (neox style) on the way: k before it is stored,
+ * q as it is loaded; the inputs are not modified.
+ *
  * Request r's query token i (of q_len) sees keys [0, seq_len - q_len + i]
  * (causal). The query heads sharing a KV head (grouped-query attention) are
  * attended together, with tq query tokens of a request per work item, so a
@@ -29,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ASYNCSTEP_ABI_VERSION 1
+#define ASYNCSTEP_ABI_VERSION 2
 #define CHUNK 64 /* keys per online-softmax step */
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
@@ -44,6 +49,8 @@ typedef struct {
     const int32_t* block_table;
     int64_t block_table_stride;
     float scale;
+    const int64_t* positions; /* NULL: q and k come rotated */
+    const float* cos_sin;
 } Layout;
 
 typedef struct {
@@ -81,6 +88,19 @@ static inline float exp_nonpositive(float x) {
     return p * c.f;
 }
 
+/* x (D values) rotated by the angles of position pos, in place. */
+static inline __attribute__((always_inline)) void rotate(const Layout* lay, float* x, int64_t pos,
+                                                         const int D) {
+    const int half = D / 2;
+    const float* cos = lay->cos_sin + pos * D;
+    const float* sin = cos + half;
+    for (int i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * cos[i] - x2 * sin[i];
+        x[i + half] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
 /*
  * One work item: request tile->req's query tokens [token_begin, +num_tokens)
  * (absolute rows), KV head h; token j of the tile sees keys
@@ -95,9 +115,11 @@ static inline float exp_nonpositive(float x) {
         float qf[rows][D], acc[rows][D], s[rows][CHUNK], m[rows], l[rows];                     \
         float kf[CHUNK][D], vf[CHUNK][D];                                                      \
         for (int row = 0; row < rows; row++) {                                                 \
-            const T* src = q + (int64_t)(tile->token_begin + row / group) * lay->q_stride +    \
-                           (int64_t)(h * group + row % group) * D;                             \
-            for (int d = 0; d < D; d++) qf[row][d] = LOAD(src[d]) * lay->scale;               \
+            const int token = tile->token_begin + row / group;                                 \
+            const T* src = q + (int64_t)token * lay->q_stride + (int64_t)(h * group + row % group) * D; \
+            for (int d = 0; d < D; d++) qf[row][d] = LOAD(src[d]);                             \
+            if (lay->positions != NULL) rotate(lay, qf[row], lay->positions[token], D);        \
+            for (int d = 0; d < D; d++) qf[row][d] *= lay->scale;                              \
             for (int d = 0; d < D; d++) acc[row][d] = 0.0f;                                    \
             m[row] = -FLT_MAX;                                                                 \
             l[row] = 0.0f;                                                                     \
@@ -168,24 +190,34 @@ static void attend_tile(int dtype, const Layout* lay, void* out, const void* q,
 #undef DISPATCH
 }
 
-/* The new tokens' keys and values at their slots (slot -1: not stored). */
-static void store_kv(const Layout* lay, size_t itemsize, void* cache, const void* k,
-                     int64_t k_stride, const void* v, int64_t v_stride,
-                     const int64_t* slot_mapping, int num_tokens) {
-    const size_t row_bytes = (size_t)lay->head_dim * itemsize;
-    char* base = (char*)cache;
-    for (int t = 0; t < num_tokens; t++) {
-        const int64_t slot = slot_mapping[t];
-        if (slot < 0) continue;
-        for (int h = 0; h < lay->num_kv_heads; h++) {
-            const int64_t at = (h * lay->head_stride + slot * lay->head_dim) * (int64_t)itemsize;
-            const int64_t col = (int64_t)h * row_bytes;
-            memcpy(base + at, (const char*)k + t * k_stride * (int64_t)itemsize + col, row_bytes);
-            memcpy(base + at + lay->value_offset * (int64_t)itemsize,
-                   (const char*)v + t * v_stride * (int64_t)itemsize + col, row_bytes);
-        }
+/* The new tokens' keys (rotated, with a rotary) and values at their slots
+ * (slot -1: not stored). */
+#define DEFINE_STORE_KV(NAME, T, LOAD, STORE)                                                  \
+    static void NAME(const Layout* lay, T* cache, const T* k, int64_t k_stride, const T* v,   \
+                     int64_t v_stride, const int64_t* slot_mapping, int num_tokens) {          \
+        const int D = lay->head_dim;                                                           \
+        float row[D];                                                                          \
+        for (int t = 0; t < num_tokens; t++) {                                                 \
+            const int64_t slot = slot_mapping[t];                                              \
+            if (slot < 0) continue;                                                            \
+            for (int h = 0; h < lay->num_kv_heads; h++) {                                      \
+                T* dst = cache + h * lay->head_stride + slot * D;                              \
+                const T* src = k + t * k_stride + (int64_t)h * D;                              \
+                if (lay->positions != NULL) {                                                  \
+                    for (int d = 0; d < D; d++) row[d] = LOAD(src[d]);                         \
+                    rotate(lay, row, lay->positions[t], D);                                    \
+                    for (int d = 0; d < D; d++) dst[d] = STORE(row[d]);                        \
+                } else {                                                                       \
+                    memcpy(dst, src, sizeof(T) * (size_t)D);                                   \
+                }                                                                              \
+                memcpy(dst + lay->value_offset, v + t * v_stride + (int64_t)h * D,             \
+                       sizeof(T) * (size_t)D);                                                 \
+            }                                                                                  \
+        }                                                                                      \
     }
-}
+
+DEFINE_STORE_KV(store_kv_f32, float, f32_id, f32_id)
+DEFINE_STORE_KV(store_kv_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 
 /*
  * Tiles of tq query tokens: prompt chunks first, their last (longest) tiles
@@ -221,14 +253,19 @@ int asyncstep_cpu_paged_attention(
     int num_tokens, void* kv_cache, int64_t num_blocks, int block_size,
     const int32_t* query_start_loc, const int32_t* seq_lens, int num_reqs,
     const int32_t* block_table, int64_t block_table_stride, int num_heads, int num_kv_heads,
-    int head_dim, float scale, int tq, int num_threads) {
+    int head_dim, float scale, const int64_t* positions, const float* cos_sin, int tq,
+    int num_threads) {
     const int64_t head_stride = num_blocks * block_size * head_dim;
-    const Layout lay = {q_stride,  out_stride,  num_heads,   num_kv_heads,
-                        head_dim,  block_size,  head_stride, head_stride * num_kv_heads,
-                        block_table, block_table_stride, scale};
-    const size_t itemsize = dtype == DTYPE_BFLOAT16 ? sizeof(bf16_t) : sizeof(float);
-    if (k != NULL && v != NULL)
-        store_kv(&lay, itemsize, kv_cache, k, k_stride, v, v_stride, slot_mapping, num_tokens);
+    const Layout lay = {q_stride,   out_stride,         num_heads,   num_kv_heads,
+                        head_dim,   block_size,         head_stride, head_stride * num_kv_heads,
+                        block_table, block_table_stride, scale,      positions,
+                        positions != NULL ? cos_sin : NULL};
+    if (k != NULL && v != NULL) {
+        if (dtype == DTYPE_BFLOAT16)
+            store_kv_bf16(&lay, kv_cache, k, k_stride, v, v_stride, slot_mapping, num_tokens);
+        else
+            store_kv_f32(&lay, kv_cache, k, k_stride, v, v_stride, slot_mapping, num_tokens);
+    }
     const int num_queries = query_start_loc[num_reqs];
     Tile* tiles = malloc(sizeof(Tile) * (size_t)(num_queries > 0 ? num_queries : 1));
     if (tiles == NULL) return -1;

@@ -41,7 +41,7 @@ log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 #: Must match ``ASYNCSTEP_ABI_VERSION`` in the source.
-ABI_VERSION = 1
+ABI_VERSION = 2
 #: Environment variable: ``torch`` turns the kernel off (the reference backend runs).
 SWITCH_ENV = "ASYNCSTEP_CPU_ATTENTION"
 CACHE_ENV = "ASYNCSTEP_CACHE_DIR"
@@ -82,6 +82,7 @@ _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     _PTR, _I64,  # block_table, row stride
     _INT, _INT, _INT,  # num_heads, num_kv_heads, head_dim
     ctypes.c_float,  # scale
+    _PTR, _PTR,  # positions, rotary cos_sin cache (NULL: no rotary)
     _INT, _INT,  # query tokens per tile, threads
 ]  # fmt: skip
 
@@ -90,7 +91,8 @@ _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
 class CpuStepArgs:
     """A step's attention metadata as the kernel reads it (shared by every
     layer of the step): int32 ``query_start_loc``, ``seq_lens`` and block
-    table rows, int64 slots, each contiguous; ``tensors`` keeps them alive."""
+    table rows, int64 slots and positions (0: none given), each contiguous;
+    ``tensors`` keeps them alive."""
 
     tensors: tuple[torch.Tensor, ...]
     num_tokens: int
@@ -100,6 +102,7 @@ class CpuStepArgs:
     seq_lens: int
     block_table: int
     block_table_stride: int
+    positions: int
 
     @classmethod
     def build(
@@ -109,19 +112,23 @@ class CpuStepArgs:
         seq_lens: torch.Tensor,
         block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
+        positions: torch.Tensor | None = None,
     ) -> CpuStepArgs:
         """From the step's CPU metadata tensors (converted where their dtype
-        or layout differs)."""
+        or layout differs); ``positions`` only for a fused rotary."""
         qsl = query_start_loc.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         table = block_table.to(torch.int32)
         if table.dim() != 2 or table.stride(1) != 1:
             table = table.reshape(len(lens), -1).contiguous()
         slots = slot_mapping.to(torch.int64).contiguous()
+        pos = None if positions is None else positions.to(torch.int64).contiguous()
         if len(slots) < num_tokens or len(qsl) != len(lens) + 1:
             raise ValueError("slot_mapping / query_start_loc do not match the step")
+        if pos is not None and len(pos) < num_tokens:
+            raise ValueError("fewer positions than tokens")
         return cls(
-            tensors=(qsl, lens, table, slots),
+            tensors=tuple(t for t in (qsl, lens, table, slots, pos) if t is not None),
             num_tokens=num_tokens,
             num_reqs=len(lens),
             slot_mapping=slots.data_ptr(),
@@ -129,6 +136,7 @@ class CpuStepArgs:
             seq_lens=lens.data_ptr(),
             block_table=table.data_ptr(),
             block_table_stride=table.stride(0),
+            positions=0 if pos is None else pos.data_ptr(),
         )
 
 
@@ -150,6 +158,7 @@ class CpuPagedAttention:
         kv_cache: torch.Tensor,
         step: CpuStepArgs,
         scale: float,
+        cos_sin_cache: torch.Tensor | None = None,
         num_threads: int | None = None,
     ) -> None:
         """Store ``k``/``v`` (the step's first ``step.num_tokens`` rows; None:
@@ -158,7 +167,10 @@ class CpuPagedAttention:
         kv_heads * head_dim]``, each with unit stride in its last dimension;
         ``kv_cache``: ``[2, kv_heads, blocks, block_size, head_dim]``,
         contiguous, of q's dtype. Rows of ``out`` past the step's query
-        tokens are not written. ``num_threads``: default torch's."""
+        tokens are not written. With ``cos_sin_cache`` (a rotary's, float32
+        ``[max_position, head_dim]``) q and k come unrotated and are rotated
+        at the step's positions (``step`` built with them); q/k are not
+        modified. ``num_threads``: default torch's."""
         _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         dtype = CPU_ATTENTION_DTYPES[kv_cache.dtype]
         if not kv_cache.is_contiguous():
@@ -172,6 +184,10 @@ class CpuPagedAttention:
             _check_rows(k, kv_cache.dtype)
             _check_rows(v, kv_cache.dtype)
             k_ptr, k_stride, v_ptr, v_stride = k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)
+        cos_sin = 0
+        if cos_sin_cache is not None:
+            _check_rotary(cos_sin_cache, head_dim, step)
+            cos_sin = cos_sin_cache.data_ptr()
         status = self._fn(
             dtype,
             out.data_ptr(),
@@ -196,6 +212,8 @@ class CpuPagedAttention:
             num_kv_heads,
             head_dim,
             scale,
+            step.positions if cos_sin else 0,
+            cos_sin,
             max(1, TILE_ROWS // group),
             num_threads or torch.get_num_threads(),
         )
@@ -206,6 +224,14 @@ class CpuPagedAttention:
 def _check_rows(x: torch.Tensor, dtype: torch.dtype) -> None:
     if x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu" or x.dtype != dtype:
         raise ValueError(f"expected [tokens, heads * head_dim] rows of {dtype} on the CPU")
+
+
+def _check_rotary(cos_sin_cache: torch.Tensor, head_dim: int, step: CpuStepArgs) -> None:
+    shape_ok = cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim
+    if not shape_ok or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
+        raise ValueError("the rotary cache must be contiguous float32 [max_position, head_dim]")
+    if not step.positions:
+        raise ValueError("a fused rotary needs the step's positions")
 
 
 def cpu_attention_supported(dtype: torch.dtype) -> bool:
