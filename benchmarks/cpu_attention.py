@@ -23,7 +23,8 @@ attention, dynamic shapes; its first-call seconds are reported). E.g.
 ``--model-step`` instead times whole decode steps of the embedded SmolLM2
 (forward and logits; contexts 129..192, as 128-token prompts generating 64
 tokens), the model's attention layers switched between the two backends
-each round; the reference's per-step bucket plan is part of its step.
+each round: the reference's step includes its bucket plan and the torch
+rotary, the kernel's step has the rotary fused in (as the runner runs it).
 """
 
 from __future__ import annotations
@@ -355,13 +356,16 @@ class ModelStep:
             shape = kv_cache_shape(num_blocks, BLOCK, KV_HEADS, DIM)
             layer.kv_cache = torch.zeros(shape, dtype=dtype)
         ids = torch.from_numpy(rng.integers(3, model.config.vocab_size, batch))
-        return cls(model, ids, torch.from_numpy(meta.seq_lens_cpu - 1).long(), meta)
+        meta.positions = torch.from_numpy(meta.seq_lens_cpu - 1).long()
+        return cls(model, ids, meta.positions, meta)
 
     def run(self, backend: str) -> torch.Tensor:
-        """One step with every attention layer on ``backend``, its per-step
-        metadata (the reference's bucket plan, the kernel's arguments) made anew."""
+        """One step with every attention layer on ``backend`` (the kernel with
+        the rotary fused in, as the runner sets it up), its per-step metadata
+        (the reference's bucket plan, the kernel's arguments) made anew."""
+        rotary = self.model.model.rotary if backend == "cpu" else None
         for layer in self.model.attention_layers():
-            layer.backend = backend
+            layer.backend, layer.fused_rotary = backend, rotary
         meta = self.meta
         meta.cpu_args = None
         if backend == "torch":

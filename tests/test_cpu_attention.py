@@ -247,7 +247,8 @@ def test_fused_rotary_equals_rotating_first(kernel: CpuPagedAttention, dtype: to
 def test_thread_count_does_not_change_the_output(
     kernel: CpuPagedAttention, dtype: torch.dtype
 ) -> None:
-    layout = {"query_lens": [1, 1, 1, 30], "computed": [33, 64, 5, 20]}
+    # Enough work for two threads (small calls run on one).
+    layout = {"query_lens": [1, 1, 1, 30], "computed": [300, 640, 50, 200]}
     one = make_step(**layout, heads=6, kv_heads=2, dim=64, block=16, dtype=dtype, seed=3)
     two = make_step(**layout, heads=6, kv_heads=2, dim=64, block=16, dtype=dtype, seed=3)
     assert torch.equal(run_kernel(kernel, one, threads=1), run_kernel(kernel, two, threads=2))

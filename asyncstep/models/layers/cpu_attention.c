@@ -25,9 +25,9 @@
  * key or value row read from the cache serves tq * group query rows. Scores,
  * softmax (online, per chunk of keys) and accumulation are float32; bfloat16
  * inputs are widened on load and the output is rounded to nearest even.
- * Work items (request tile, KV head) are spread over OpenMP threads; each is
- * computed by one thread in a fixed order, so results do not depend on the
- * thread count.
+ * Work items (request tile, KV head) are spread over OpenMP threads (a call
+ * with little work runs on one); each is computed by one thread in a fixed
+ * order, so results do not depend on the thread count.
  */
 #include <float.h>
 #include <stdint.h>
@@ -36,6 +36,10 @@
 
 #define ASYNCSTEP_ABI_VERSION 2
 #define CHUNK 64 /* keys per online-softmax step */
+/* Query-key dot products below which a call runs on one thread: a parallel
+ * region's fork and join cost more than splitting so little work saves (on
+ * a loaded machine, a descheduled thread stalls the join). */
+#define MIN_PARALLEL_DOTS 8192
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
@@ -271,6 +275,10 @@ int asyncstep_cpu_paged_attention(
     if (tiles == NULL) return -1;
     const int num_tiles = plan_tiles(query_start_loc, seq_lens, num_reqs, tq, tiles);
     const int num_items = num_tiles * num_kv_heads;
+    int64_t dots = 0;
+    for (int i = 0; i < num_tiles; i++)
+        dots += (int64_t)tiles[i].num_tokens * (tiles[i].context_begin + tiles[i].num_tokens);
+    if (dots * num_heads < MIN_PARALLEL_DOTS) num_threads = 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int item = 0; item < num_items; item++)
         attend_tile(dtype, &lay, out, q, kv_cache, &tiles[item / num_kv_heads],
