@@ -24,7 +24,9 @@ from asyncstep.models.layers.attention import (
 )
 from asyncstep.models.layers.cpu_attention import CpuPagedAttention, load_cpu_attention
 from asyncstep.models.layers.rotary import RotaryEmbedding
+from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner.attention_backend import resolve_attention_backend
+from asyncstep.runner.model_runner import ModelRunner
 
 #: bf16 outputs are rounded to bf16 (a relative step of 2**-8): torch's bf16 tolerance.
 BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
@@ -81,17 +83,18 @@ def make_step(
     # past a request's own blocks would show in its output.
     spare = free.pop()
     block_table = torch.full((len(seq_lens), max(per_req) + 2), spare, dtype=torch.int32)
+    by_slot = kv_cache.view(2, kv_heads, -1, dim)
     full_k, full_v, slots = [], [], []
     for r, s in enumerate(seq_lens):
         block_table[r, : per_req[r]] = torch.tensor([free.pop() for _ in range(per_req[r])])
         full_k.append(torch.randn(s, kv_heads, dim, generator=gen).to(dtype))
         full_v.append(torch.randn(s, kv_heads, dim, generator=gen).to(dtype))
-        for pos in range(s):
-            b, off = int(block_table[r, pos // block]), pos % block
-            if pos < computed[r]:
-                kv_cache[0, :, b, off], kv_cache[1, :, b, off] = full_k[r][pos], full_v[r][pos]
-            else:
-                slots.append(b * block + off)
+        pos = torch.arange(s)
+        req_slots = block_table[r, pos // block].long() * block + pos % block
+        prefix = req_slots[: computed[r]]  # already in the cache
+        by_slot[0][:, prefix] = full_k[r][: computed[r]].transpose(0, 1)
+        by_slot[1][:, prefix] = full_v[r][: computed[r]].transpose(0, 1)
+        slots += req_slots[computed[r] :].tolist()
     q = torch.randn(sum(query_lens), heads * dim, generator=gen).to(dtype)
     k = torch.cat([full_k[r][computed[r] :] for r in range(len(seq_lens))]).flatten(1)
     v = torch.cat([full_v[r][computed[r] :] for r in range(len(seq_lens))]).flatten(1)
@@ -208,15 +211,17 @@ def test_kernel_matches_the_torch_reference(kernel: CpuPagedAttention, dtype: to
 
 
 def test_kernel_stores_new_keys_at_their_slots_only(kernel: CpuPagedAttention) -> None:
+    """Slot -1 stores nothing (here the first decode's token)."""
     step = make_step(
         [1, 1, 5], [6, 0, 9], heads=4, kv_heads=2, dim=8, block=4, dtype=torch.float32, seed=2
     )
+    step.meta.slot_mapping[0] = -1
     before = step.kv_cache.clone()
     run_kernel(kernel, step)
-    slots = step.meta.slot_mapping
+    slots = step.meta.slot_mapping[1:]
     by_slot = step.kv_cache.view(2, 2, -1, 8)  # [k/v, kv_heads, slot, dim]
     new = torch.stack([step.k.view(-1, 2, 8), step.v.view(-1, 2, 8)]).transpose(1, 2)
-    torch.testing.assert_close(by_slot[:, :, slots], new, rtol=0, atol=0)
+    torch.testing.assert_close(by_slot[:, :, slots], new[:, :, 1:], rtol=0, atol=0)
     untouched = torch.ones(by_slot.shape[2], dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(by_slot[:, :, untouched], before.view(2, 2, -1, 8)[:, :, untouched])
@@ -319,3 +324,22 @@ def test_auto_picks_the_kernel_for_its_dtypes(kernel: CpuPagedAttention) -> None
     assert resolve_attention_backend("torch", cpu, torch.float32) == "torch"
     with pytest.raises(ConfigError, match="float32 or bfloat16"):
         resolve_attention_backend("cpu", cpu, torch.float16)
+
+
+def test_the_cpu_runner_runs_the_kernel_with_the_rotary_fused(
+    kernel: CpuPagedAttention, tiny_model: LoadedModel
+) -> None:
+    if tiny_model.device.type != "cpu":
+        pytest.skip("the CPU backend")
+    runner = ModelRunner(
+        tiny_model.model,
+        device=tiny_model.device,
+        dtype=tiny_model.dtype,
+        max_model_len=64,
+        max_num_reqs=2,
+        block_size=4,
+    )
+    rotary = tiny_model.model.model.rotary
+    assert runner.attention_backend == "cpu"
+    for layer in tiny_model.model.attention_layers():
+        assert layer.backend == "cpu" and layer.fused_rotary is rotary
