@@ -2,7 +2,9 @@
 
 The torch reference plans decodes on the host (dynamic shapes), so it
 cannot run inside a FULL graph; the Triton kernels read only device
-metadata and can. CUDA graphs need CUDA (or the CPU stand-in, for tests).
+metadata and can. On the CPU the compiled kernel (``cpu``) replaces the
+reference where it builds. CUDA graphs need CUDA (or the CPU stand-in, for
+tests).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import structlog
 import torch
 
 from asyncstep.errors import ConfigError
+from asyncstep.models.layers.cpu_attention import cpu_attention_supported
 from asyncstep.runner.cudagraph_dispatcher import CUDAGraphMode
 
 __all__ = ["resolve_attention_backend", "resolve_cudagraph_mode", "triton_available"]
@@ -24,14 +27,22 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """``auto``: Triton on CUDA (when installed), the torch reference elsewhere."""
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: Triton on CUDA (when installed); on the CPU the CPU kernel
+    where it builds for ``dtype``; else the torch reference."""
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        return "cpu" if device.type == "cpu" and cpu_attention_supported(dtype) else "torch"
     if name == "triton" and not triton_available():
         raise ConfigError("attention_backend='triton' needs triton (pip install triton)")
-    if name not in ("torch", "triton"):
-        raise ConfigError(f"attention_backend must be auto, torch or triton, got {name!r}")
+    if name == "cpu" and not (device.type == "cpu" and cpu_attention_supported(dtype)):
+        raise ConfigError(
+            f"attention_backend='cpu' needs a CPU device, float32 or bfloat16 (got {dtype}) "
+            "and a C compiler"
+        )
+    if name not in ("torch", "triton", "cpu"):
+        raise ConfigError(f"attention_backend must be auto, torch, cpu or triton, got {name!r}")
     return name
 
 

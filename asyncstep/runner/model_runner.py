@@ -144,11 +144,16 @@ class ModelRunner:
         #: The events of the last step that ran a forward.
         self.last_step_events: StepEvents | None = None
         compilation = compilation or CompilationConfig()
-        self.attention_backend = resolve_attention_backend(compilation.attention_backend, device)
+        self.attention_backend = resolve_attention_backend(
+            compilation.attention_backend, device, dtype
+        )
         for attn in model.attention_layers():
             attn.backend = self.attention_backend
         self.fused_kernels = compilation.fused_kernels and self.attention_backend == "triton"
         _use_fused_kernels(model, self.fused_kernels)
+        if self.attention_backend == "cpu":  # the CPU kernel rotates q and k as it reads them
+            for attn in model.attention_layers():
+                attn.fused_rotary = model.model.rotary
         mode = resolve_cudagraph_mode(
             compilation.cudagraph_mode, device, self.attention_backend, graph_stand_in
         )

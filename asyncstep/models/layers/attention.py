@@ -1,13 +1,15 @@
 """Attention over a paged KV cache: the metadata a step's attention needs,
-and the reference backend in plain torch (runs on CPU and CUDA).
+the reference backend in plain torch (runs on CPU and CUDA), and the
+dispatch to the CPU kernel (``cpu_attention``) and the Triton kernels.
 
 The KV cache of one layer is ``[2, num_kv_heads, num_blocks, block_size,
 head_dim]`` (head-major: one KV head's block is a contiguous ``[block_size,
 head_dim]`` tile). Token ``t`` of a step writes its key and value at
 ``slot_mapping[t] = block_id * block_size + offset`` (-1 for a padding token,
-which writes nothing). Requests are ordered decodes first (query length 1):
-decodes run as one batched gather per bucket of similar lengths, prompt
-chunks one request at a time over their cached prefix plus the new tokens.
+which writes nothing). Requests are ordered decodes first (query length 1).
+The reference runs the decodes as one batched gather per bucket of similar
+lengths, prompt chunks one request at a time over their cached prefix plus
+the new tokens; the CPU kernel runs the whole step in one call per layer.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from asyncstep.models.layers.cpu_attention import CpuStepArgs, load_cpu_attention
 from asyncstep.models.layers.rotary import RotaryEmbedding
 
 #: KV cache dimension of ``[2, kv_heads, blocks, block_size, head_dim]`` holding blocks.
@@ -59,10 +62,25 @@ class AttentionMetadata:
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     #: Token positions (device): for a rotary fused into the KV store.
     positions: torch.Tensor | None = None
+    #: The CPU kernel's view of this metadata, made by the step's first layer.
+    cpu_args: CpuStepArgs | None = field(default=None, repr=False)
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def cpu_step_args(self) -> CpuStepArgs:
+        """The metadata as the CPU kernel reads it (made once per step)."""
+        if self.cpu_args is None:
+            self.cpu_args = CpuStepArgs.build(
+                self.num_actual_tokens,
+                self.query_start_loc,
+                self.seq_lens,
+                self.block_table,
+                self.slot_mapping,
+                self.positions,
+            )
+        return self.cpu_args
 
 
 def plan_decode_buckets(
@@ -270,11 +288,12 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache = torch.empty(0)
-        #: "torch" (the reference: host-planned, dynamic shapes) or "triton"
-        #: (paged kernels reading only device metadata: CUDA-graph safe).
+        #: "torch" (the reference: host-planned, dynamic shapes), "cpu" (the
+        #: CPU kernel: one call per layer) or "triton" (paged kernels reading
+        #: only device metadata: CUDA-graph safe).
         self.backend = "torch"
-        #: With the Triton backend, the rotary embedding to apply to q and k
-        #: in the KV-store kernel (then q and k come in unrotated); None: the
+        #: With the Triton or CPU backend, the rotary embedding to apply to q
+        #: and k in the kernel (then q and k come in unrotated); None: the
         #: caller rotated them.
         self.fused_rotary: RotaryEmbedding | None = None
 
@@ -283,6 +302,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if self.backend == "triton":
             return self._forward_triton(q, k, v, meta)
+        if self.backend == "cpu":
+            return self._forward_cpu(q, k, v, meta)
         n, num_padding = meta.num_actual_tokens, q.shape[0] - meta.num_actual_tokens
         q = q[:n].view(n, self.num_heads, self.head_dim)
         k = k[:n].view(n, self.num_kv_heads, self.head_dim)
@@ -291,6 +312,21 @@ class Attention(nn.Module):
         out = reference_attention(q, k, v, self.kv_cache, meta, self.scale)
         out = out.reshape(n, self.num_heads * self.head_dim)
         return F.pad(out, (0, 0, 0, num_padding)) if num_padding else out
+
+    def _forward_cpu(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The CPU kernel rotates (with a fused rotary), stores and attends
+        the real rows in one call; padding rows of the output are zeros."""
+        kernel = load_cpu_attention()
+        assert kernel is not None, "the cpu backend needs the CPU attention kernel"
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if q.shape[0] > meta.num_actual_tokens:
+            out[meta.num_actual_tokens :].zero_()
+        rotary = self.fused_rotary
+        cos_sin = None if rotary is None else rotary.cos_sin_cache
+        kernel(out, q, k, v, self.kv_cache, meta.cpu_step_args(), self.scale, cos_sin)
+        return out
 
     def _forward_triton(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata

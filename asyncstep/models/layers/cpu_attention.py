@@ -1,0 +1,315 @@
+"""The CPU attention backend's kernel: ``cpu_attention.c`` compiled on first
+use with the machine's C compiler, cached, and called through ctypes.
+
+One call per layer and step stores the step's keys and values in the paged
+cache and attends every request (decodes and prompt chunks) over its blocks
+in place: no gather, no per-request Python. The shared library is built for
+this CPU (``-march=native``) into ``$ASYNCSTEP_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/asyncstep`` or ``~/.cache/asyncstep``), keyed by the
+source, the flags and the CPU's feature flags, so later processes load it
+without compiling. Without a compiler (or ``ASYNCSTEP_CPU_ATTENTION=torch``)
+:func:`load_cpu_attention` returns None and the runner keeps the torch
+reference backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+__all__ = [
+    "CPU_ATTENTION_DTYPES",
+    "CpuPagedAttention",
+    "CpuStepArgs",
+    "cpu_attention_supported",
+    "load_cpu_attention",
+]
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+#: Must match ``ASYNCSTEP_ABI_VERSION`` in the source.
+ABI_VERSION = 2
+#: Environment variable: ``torch`` turns the kernel off (the reference backend runs).
+SWITCH_ENV = "ASYNCSTEP_CPU_ATTENTION"
+CACHE_ENV = "ASYNCSTEP_CACHE_DIR"
+#: Tried in order; the first that builds is used (without OpenMP: one thread).
+FLAG_SETS = (
+    ("-fopenmp",),
+    (),
+)
+BASE_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=gnu11",
+    "-fPIC",
+    "-shared",
+    # Reassociation lets the dot products and sums vectorize; no finite-math
+    # assumption (the softmax starts from -FLT_MAX, NaNs propagate).
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-freciprocal-math",
+)
+#: Query rows (query tokens x the query heads of one KV head) a work item
+#: attends together: each key and value read serves that many rows.
+TILE_ROWS = 24
+CPU_ATTENTION_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_INT, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
+    _INT,  # dtype
+    _PTR, _I64,  # out, out row stride
+    _PTR, _I64,  # q, row stride
+    _PTR, _I64,  # k, row stride
+    _PTR, _I64,  # v, row stride
+    _PTR, _INT,  # slot_mapping, tokens to store
+    _PTR, _I64, _INT,  # kv_cache, num_blocks, block_size
+    _PTR, _PTR, _INT,  # query_start_loc, seq_lens, num_reqs
+    _PTR, _I64,  # block_table, row stride
+    _INT, _INT, _INT,  # num_heads, num_kv_heads, head_dim
+    ctypes.c_float,  # scale
+    _PTR, _PTR,  # positions, rotary cos_sin cache (NULL: no rotary)
+    _INT, _INT,  # query tokens per tile, threads
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CpuStepArgs:
+    """A step's attention metadata as the kernel reads it (shared by every
+    layer of the step): int32 ``query_start_loc``, ``seq_lens`` and block
+    table rows, int64 slots and positions (0: none given), each contiguous;
+    ``tensors`` keeps them alive."""
+
+    tensors: tuple[torch.Tensor, ...]
+    num_tokens: int
+    num_reqs: int
+    slot_mapping: int
+    query_start_loc: int
+    seq_lens: int
+    block_table: int
+    block_table_stride: int
+    positions: int
+
+    @classmethod
+    def build(
+        cls,
+        num_tokens: int,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> CpuStepArgs:
+        """From the step's CPU metadata tensors (converted where their dtype
+        or layout differs); ``positions`` only for a fused rotary."""
+        qsl = query_start_loc.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        table = block_table.to(torch.int32)
+        if table.dim() != 2 or table.stride(1) != 1:
+            table = table.reshape(len(lens), -1).contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        pos = None if positions is None else positions.to(torch.int64).contiguous()
+        if len(slots) < num_tokens or len(qsl) != len(lens) + 1:
+            raise ValueError("slot_mapping / query_start_loc do not match the step")
+        if pos is not None and len(pos) < num_tokens:
+            raise ValueError("fewer positions than tokens")
+        return cls(
+            tensors=tuple(t for t in (qsl, lens, table, slots, pos) if t is not None),
+            num_tokens=num_tokens,
+            num_reqs=len(lens),
+            slot_mapping=slots.data_ptr(),
+            query_start_loc=qsl.data_ptr(),
+            seq_lens=lens.data_ptr(),
+            block_table=table.data_ptr(),
+            block_table_stride=table.stride(0),
+            positions=0 if pos is None else pos.data_ptr(),
+        )
+
+
+class CpuPagedAttention:
+    """The loaded kernel."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._fn = library.asyncstep_cpu_paged_attention
+        self._fn.argtypes = _ARGTYPES
+        self._fn.restype = _INT
+
+    def __call__(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        step: CpuStepArgs,
+        scale: float,
+        cos_sin_cache: torch.Tensor | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        """Store ``k``/``v`` (the step's first ``step.num_tokens`` rows; None:
+        already stored) at their slots, then write every query row's attention
+        to ``out``. q/out: ``[tokens, heads * head_dim]``, k/v: ``[tokens,
+        kv_heads * head_dim]``, each with unit stride in its last dimension;
+        ``kv_cache``: ``[2, kv_heads, blocks, block_size, head_dim]``,
+        contiguous, of q's dtype. Rows of ``out`` past the step's query
+        tokens are not written. With ``cos_sin_cache`` (a rotary's, float32
+        ``[max_position, head_dim]``) q and k come unrotated and are rotated
+        at the step's positions (``step`` built with them); q/k are not
+        modified. ``num_threads``: default torch's."""
+        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        dtype = CPU_ATTENTION_DTYPES[kv_cache.dtype]
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache must be contiguous")
+        _check_rows(out, kv_cache.dtype)
+        _check_rows(q, kv_cache.dtype)
+        num_heads = q.shape[1] // head_dim
+        group = num_heads // num_kv_heads
+        k_ptr = v_ptr = k_stride = v_stride = 0
+        if k is not None and v is not None:
+            _check_rows(k, kv_cache.dtype)
+            _check_rows(v, kv_cache.dtype)
+            k_ptr, k_stride, v_ptr, v_stride = k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)
+        cos_sin = 0
+        if cos_sin_cache is not None:
+            _check_rotary(cos_sin_cache, head_dim, step)
+            cos_sin = cos_sin_cache.data_ptr()
+        status = self._fn(
+            dtype,
+            out.data_ptr(),
+            out.stride(0),
+            q.data_ptr(),
+            q.stride(0),
+            k_ptr,
+            k_stride,
+            v_ptr,
+            v_stride,
+            step.slot_mapping,
+            step.num_tokens,
+            kv_cache.data_ptr(),
+            num_blocks,
+            block_size,
+            step.query_start_loc,
+            step.seq_lens,
+            step.num_reqs,
+            step.block_table,
+            step.block_table_stride,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+            step.positions if cos_sin else 0,
+            cos_sin,
+            max(1, TILE_ROWS // group),
+            num_threads or torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("cpu paged attention: no memory for the tile plan")
+
+
+def _check_rows(x: torch.Tensor, dtype: torch.dtype) -> None:
+    if x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu" or x.dtype != dtype:
+        raise ValueError(f"expected [tokens, heads * head_dim] rows of {dtype} on the CPU")
+
+
+def _check_rotary(cos_sin_cache: torch.Tensor, head_dim: int, step: CpuStepArgs) -> None:
+    shape_ok = cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim
+    if not shape_ok or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
+        raise ValueError("the rotary cache must be contiguous float32 [max_position, head_dim]")
+    if not step.positions:
+        raise ValueError("a fused rotary needs the step's positions")
+
+
+def cpu_attention_supported(dtype: torch.dtype) -> bool:
+    """Whether the kernel runs ``dtype`` here (and builds or loads)."""
+    return dtype in CPU_ATTENTION_DTYPES and load_cpu_attention() is not None
+
+
+@functools.cache
+def load_cpu_attention() -> CpuPagedAttention | None:
+    """The kernel, built on first use (once per machine: cached); None when
+    switched off or when no compiler builds it (logged once)."""
+    if os.environ.get(SWITCH_ENV, "native") == "torch":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler: the CPU attention kernel is off", compiler="cc")
+        return None
+    errors: list[str] = []
+    for flags in FLAG_SETS:
+        target = _cache_dir() / f"cpu_attention_{_build_key(compiler, flags)}.so"
+        try:
+            if not target.exists():
+                _compile(compiler, [*BASE_FLAGS, *flags], target)
+            library = ctypes.CDLL(str(target))
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(str(getattr(e, "stderr", "") or e)[-500:])
+            continue
+        if library.asyncstep_cpu_attention_abi_version() != ABI_VERSION:
+            errors.append(f"{target}: ABI version mismatch")
+            continue
+        if not flags:
+            log.warning("CPU attention kernel built without OpenMP: one thread", path=str(target))
+        return CpuPagedAttention(library, target)
+    log.warning("the CPU attention kernel does not build: it is off", errors=errors)
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = str(Path(xdg) / "asyncstep")
+    path = Path(root) / "kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:  # not writable: build for this process only
+        return Path(tempfile.mkdtemp(prefix="asyncstep-kernels-"))
+    return path
+
+
+def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (compiler, *BASE_FLAGS, *flags, platform.machine(), _cpu_flags()):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` builds for them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(compiler: str, flags: list[str], target: Path) -> None:
+    """Build into a temporary file, then rename: processes building at once
+    (tensor-parallel ranks) never load a half-written library."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", str(built)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        os.replace(built, target)
