@@ -30,7 +30,7 @@ LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_PACKINGS = ("auto", "none")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def _doc(description: str, **extra: object) -> msgspec.Meta:
@@ -301,7 +301,7 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
     up to ``min(2 * max_num_seqs, 512)``, then steps of 256 (chunked
     prefills, PIECEWISE) up to ``max_cudagraph_capture_size`` (None:
     ``max_num_batched_tokens``, at most 4096). ``attention_backend``: auto
-    (triton on CUDA, torch on the CPU).
+    (triton on CUDA; on the CPU the compiled CPU kernel where it builds, else torch).
     ``ubatch_*``: micro-batching (two micro-batches whose TP communication
     overlaps each other's compute); off by default.
     """
@@ -319,7 +319,11 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
     ] = None
     attention_backend: Annotated[
         str,
-        _doc("auto: triton on CUDA, torch on the CPU", choices=ATTENTION_BACKENDS),
+        _doc(
+            "auto: triton on CUDA; on the CPU the CPU kernel (compiled on first use) where "
+            "a C compiler builds it, else torch (the reference)",
+            choices=ATTENTION_BACKENDS,
+        ),
     ] = "auto"
     fused_kernels: Annotated[
         bool, _doc("with the triton backend, also fuse residual add + RMSNorm, and rotary")
