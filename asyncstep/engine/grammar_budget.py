@@ -165,17 +165,17 @@ def schema_size(name: str, text: str, budget: StructuredOutputsConfig) -> Gramma
 def _json_depth(document: Any, limit: int) -> int:
     """The nesting of ``document``'s objects and arrays (a scalar: 0);
     stops counting past ``limit``."""
+    if not isinstance(document, dict | list):
+        return 0
     deepest = 0
     stack: list[tuple[Any, int]] = [(document, 1)]
     while stack:
         value, depth = stack.pop()
-        if not isinstance(value, dict | list):
-            continue
         deepest = max(deepest, depth)
         if deepest > limit:
             break
         children = value.values() if isinstance(value, dict) else value
-        stack.extend((child, depth + 1) for child in children)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
     return deepest
 
 

@@ -295,7 +295,6 @@ class CompilePool:
         self._jobs: dict[bytes, CompileJob] = {}
         self._workers: list[GrammarWorker | None] = [None] * config.grammar_compile_workers
         self._stats = CompilePoolStats()
-        self.running = False
 
     def statistics(self) -> CompilePoolStats:
         return CompilePoolStats(**vars(self._stats))
@@ -321,14 +320,13 @@ class CompilePool:
         return sum(job.scope is not None for job in self._jobs.values())
 
     async def run(self) -> None:
-        """Serve the queue until cancelled; then kill every worker."""
-        self.running = True
+        """Serve the queue until cancelled (jobs queue until then); then
+        kill every worker."""
         try:
             async with anyio.create_task_group() as tg:
                 for slot in range(len(self._workers)):
                     tg.start_soon(self._serve, slot)
         finally:
-            self.running = False
             with anyio.CancelScope(shield=True):
                 for slot, worker in enumerate(self._workers):
                     self._workers[slot] = None
@@ -347,8 +345,6 @@ class CompilePool:
         compile or goes past a limit. Joins the job of the same grammar if
         one is queued or running; a waiter cancelled is one fewer, and the
         last one gone drops the job (its worker killed, if it runs)."""
-        if not self.running:
-            raise RuntimeError("the grammar compile pool is not running")
         job = self._jobs.get(key.digest)
         if job is None:
             job = self._jobs[key.digest] = CompileJob(key, client)
