@@ -264,10 +264,13 @@ class StructuredOutputManager:
 
 
 def _lower_priority() -> None:
-    """A grammar build thread yields the CPU to the engine's (on Linux a
-    thread has a niceness of its own)."""
+    """A grammar build thread yields the CPU to the engine's: ``NICENESS``
+    more than the engine's (on Linux a thread has a niceness of its own,
+    and the threads xgrammar starts for a compile inherit it)."""
     if sys.platform.startswith("linux"):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+        thread = threading.get_native_id()
+        niceness = os.getpriority(os.PRIO_PROCESS, thread) + NICENESS
+        os.setpriority(os.PRIO_PROCESS, thread, min(niceness, 19))
 
 
 #: (request id, matcher, tokens to accept first, its bitmask row or -1 for none).
