@@ -374,7 +374,7 @@ class CompilePool:
 
     async def _serve(self, slot: int) -> None:
         while True:
-            job = await self._queue.get()
+            client, job = await self._queue.get()
             job.error = "the engine core stopped"  # unless the job ends
             try:
                 with anyio.CancelScope() as job.scope:
@@ -388,6 +388,7 @@ class CompilePool:
                 if job.scope.cancelled_caught:
                     job.error = f"structured_outputs.{job.key.kind}: its compile was cancelled"
             finally:
+                self._queue.done(client)
                 if self._jobs.get(job.key.digest) is job:
                     del self._jobs[job.key.digest]
                 job.done.set()
