@@ -41,6 +41,7 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
+from traceback import format_exc
 from typing import Any
 
 import anyio
@@ -58,7 +59,7 @@ from asyncstep.engine.grammar_messages import (
     WorkerReady,
     WorkerSetup,
 )
-from asyncstep.errors import InvalidRequestError
+from asyncstep.errors import InvalidRequestError, describe
 from asyncstep.logging import get_logger
 from asyncstep.procs import exit_reason
 
@@ -196,7 +197,10 @@ class GrammarWorker:
         still be compiling)."""
         what = f"structured_outputs.{key.kind}"
         outcome: FromWorker | CompileLimitError | None = None
-        await self.channel.send(CompileGrammar(key.kind, key.spec))
+        try:
+            await self.channel.send(CompileGrammar(key.kind, key.spec))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            raise await self._died(what) from None
         wall_s = WALL_TIME_FACTOR * timeout_s
         with anyio.move_on_after(wall_s):
             async with anyio.create_task_group() as tg:
@@ -247,13 +251,18 @@ class GrammarWorker:
         try:
             return await self.channel.receive()
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
-            pass
+            raise await self._died(what) from None
+
+    async def _died(self, what: str) -> CompileLimitError:
+        """The error of a worker whose connection broke (how it ended, if it did)."""
         with anyio.move_on_after(2):
             code = await self.process.wait()
-            raise CompileLimitError(
+            return CompileLimitError(
                 f"{what}: the grammar compile worker {exit_reason(code)}", "died"
             )
-        raise CompileLimitError(f"{what}: the grammar compile worker closed its connection", "died")
+        return CompileLimitError(
+            f"{what}: the grammar compile worker closed its connection", "died"
+        )
 
     def kill(self) -> None:
         """Kill the process now (it may be in the middle of a compile)."""
@@ -385,6 +394,10 @@ class CompilePool:
                     except InvalidRequestError as exc:
                         job.error = str(exc)
                         self._stats.num_refused += 1
+                    except Exception as exc:  # a fault of ours: this job fails, the pool serves on
+                        why = " ".join(describe(exc).split())
+                        log.error("grammar compile failed", error=why, traceback=format_exc())
+                        job.error = f"structured_outputs.{job.key.kind}: its compile failed ({why})"
                 if job.scope.cancelled_caught:
                     job.error = f"structured_outputs.{job.key.kind}: its compile was cancelled"
             finally:
