@@ -248,9 +248,9 @@ class EngineCore:
             self._rejected.append(RejectedRequest(req_id, f"request id {req_id!r} is in flight"))
             return
         self._compiling[req_id] = request
-        self._compile_scopes[req_id] = anyio.CancelScope()
+        scope = self._compile_scopes[req_id] = anyio.CancelScope()
         assert self._task_group is not None
-        self._task_group.start_soon(self._compile, request, client)
+        self._task_group.start_soon(self._compile, request, client, scope)
 
     def _stop_compiling(self, req_id: str) -> None:
         """``req_id`` went away: stop waiting for its grammar."""
@@ -259,13 +259,12 @@ class EngineCore:
         if scope is not None:
             scope.cancel()
 
-    async def _compile(self, request: Request, client: str) -> None:
+    async def _compile(self, request: Request, client: str, scope: anyio.CancelScope) -> None:
+        """Wait for the request's grammar in ``scope`` (cancelled if the
+        request goes away), then schedule the request or refuse it."""
         params = request.sampling_params.structured_outputs
         assert params is not None
         req_id = request.request_id
-        scope = self._compile_scopes.get(req_id)
-        if scope is None:
-            return  # aborted before this task started
         with scope:
             try:
                 compiled = await self.structured_output.compile(params, client)

@@ -80,8 +80,8 @@ class StructuredOutputManager:
     ) -> None:
         """``load_tokenizer`` is called (in a worker thread) for the first
         constrained request only. ``config``: the compiles' limits and the
-        cache's size. ``max_threads``: xgrammar's threads for compiling and
-        filling bitmasks (None: up to 8, the CPU count)."""
+        cache's size. ``max_threads``: xgrammar's threads for one compile (in
+        a worker, then here; None: up to 8, the CPU count)."""
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
