@@ -49,7 +49,7 @@ OnChunk = Callable[[int, CompletionChunk], Awaitable[None]]
 class InFlight:
     """A request being served: its engine request ids (one per prompt), and
     its client (the peer's address: the engine core shares grammar compiles
-    fairly between clients)."""
+    fairly between clients; behind a proxy, every request is the proxy's)."""
 
     engine_ids: list[str]
     num_choices: int
