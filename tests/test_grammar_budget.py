@@ -358,8 +358,10 @@ async def test_a_compile_past_its_memory_limit_is_killed_and_its_worker_replaced
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run)
-                await wait_until(
-                    lambda: pool.num_running == 1 and bool(pool.worker_pids), "a compile"
+                await wait_until(  # a fresh worker, if the last kept memory: seconds
+                    lambda: pool.num_running == 1 and bool(pool.worker_pids),
+                    "a worker to compile",
+                    timeout_s=60,
                 )
                 os.kill(pool.worker_pids[0], signal.SIGKILL)
             return refused[0]
