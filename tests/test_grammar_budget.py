@@ -223,6 +223,10 @@ ATTACKS: dict[str, tuple[dict[str, Any], str]] = {
         {"json": {"type": "string", "pattern": "|".join(f"p{i}" for i in range(5000))}},
         "grammar_max_alternatives",
     ),
+    "patternProperties of 5000 alternatives": (
+        {"json": {"type": "object", "patternProperties": {"|".join(map(str, range(5000))): {}}}},
+        "grammar_max_alternatives",
+    ),
     "grammar of 5000 alternatives": (
         {"grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(5000))},
         "grammar_max_alternatives",

@@ -199,7 +199,8 @@ def _subschemas(root: Any) -> Iterator[tuple[dict[str, Any], int]]:
 
 def _count_literals(schema: dict[str, Any], size: GrammarSize) -> None:
     """Add a schema object's own literals to ``size``: its property names,
-    enum and const values, pattern (alternatives and nesting too)."""
+    enum and const values, patterns (its ``pattern`` and the names of its
+    ``patternProperties``: their alternatives and nesting too)."""
     properties = schema.get("properties")
     if isinstance(properties, dict):
         size.num_bytes += sum(len(str(name).encode()) for name in properties)
@@ -209,9 +210,12 @@ def _count_literals(schema: dict[str, Any], size: GrammarSize) -> None:
         size.num_bytes += sum(_json_bytes(value) for value in enum)
     if "const" in schema:
         size.num_bytes += _json_bytes(schema["const"])
-    pattern = schema.get("pattern")
-    if isinstance(pattern, str):
-        found = pattern_size(pattern, ebnf=False)
+    patterns = schema.get("patternProperties")
+    patterns = list(patterns) if isinstance(patterns, dict) else []
+    if isinstance(schema.get("pattern"), str):
+        patterns.append(schema["pattern"])
+    for pattern in patterns:
+        found = pattern_size(str(pattern), ebnf=False)
         size.num_bytes += found.num_bytes
         size.num_alternatives += found.num_alternatives
         size.depth = max(size.depth, found.depth)
