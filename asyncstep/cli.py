@@ -75,6 +75,7 @@ _GROUPS = {
     "scheduler": "scheduler",
     "parallel": "parallelism",
     "compilation": "device fast path",
+    "structured_outputs": "structured outputs",
 }
 
 

@@ -1,4 +1,5 @@
-"""Engine configuration: model, cache, scheduler, parallel and compilation settings.
+"""Engine configuration: model, cache, scheduler, parallel, compilation and
+structured-output settings.
 
 Every section is a keyword-only :class:`msgspec.Struct`: the whole
 :class:`EngineConfig` is msgpack-encodable and travels as it is to the engine
@@ -378,6 +379,98 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
             raise ConfigError("ubatch thresholds must be at least 2 tokens")
 
 
+class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
+    """Grammars of structured outputs: the budget each is checked against at
+    the door, before anything builds or compiles it, and the bounds of their
+    compiles in the engine core.
+
+    The budget (``grammar_max_*``) is a first, cheap filter (an over-budget
+    grammar is refused with a one-line error naming the option): xgrammar's
+    compile time grows faster than linearly with a grammar's literal bytes,
+    alternatives, properties and nesting. It cannot see every costly grammar
+    (a short bounded repetition can compile for seconds), so each compile
+    runs first in a worker process that is killed past
+    ``grammar_compile_timeout_s`` or ``grammar_compile_memory_mib``, and when
+    every request waiting for it went away. The defaults pass real-world
+    grammars (tool-call and form schemas of hundreds of properties, nesting
+    to 32 levels) and refuse the sizes of the attacks measured in
+    ``benchmarks/results/grammar/``.
+    """
+
+    grammar_max_bytes: Annotated[
+        int,
+        _doc(
+            "most bytes of a regex or EBNF grammar, of a choice list, and of the literals "
+            "of a JSON schema (property names, enum and const values, patterns)"
+        ),
+    ] = 64 << 10
+    grammar_max_alternatives: Annotated[
+        int,
+        _doc(
+            "most alternatives of a grammar: '|' in a regex or EBNF grammar (a JSON "
+            "schema's patterns included), strings of a choice, enum values of a JSON schema"
+        ),
+    ] = 4096
+    grammar_max_properties: Annotated[
+        int,
+        _doc(
+            "most properties of a JSON schema, with its other subschemas "
+            "(items, anyOf/oneOf/allOf branches, $defs, ...)"
+        ),
+    ] = 2048
+    grammar_max_depth: Annotated[
+        int,
+        _doc(
+            "deepest nesting of a grammar: subschemas of a JSON schema (its JSON at most "
+            "4 times as deep), parentheses of a regex or EBNF grammar"
+        ),
+    ] = 32
+    grammar_compile_workers: Annotated[
+        int,
+        _doc(
+            "worker processes compiling grammars (started with the first structured "
+            "request; each compile waits its turn, round robin over the clients)"
+        ),
+    ] = 1
+    grammar_compile_timeout_s: Annotated[
+        float,
+        _doc(
+            "most CPU seconds one grammar's compile may take (and 10 times that of waiting): "
+            "past it the compile is killed, its requests refused"
+        ),
+    ] = 10.0
+    grammar_compile_memory_mib: Annotated[
+        int,
+        _doc(
+            "most memory (MiB) one grammar's compile may add to its worker: past it the "
+            "compile is killed, its requests refused"
+        ),
+    ] = 256
+    grammar_cache_mib: Annotated[
+        int, _doc("compiled grammars kept for reuse (MiB, as xgrammar counts their memory)")
+    ] = 64
+
+    def __post_init__(self) -> None:
+        for name in (
+            "grammar_max_bytes",
+            "grammar_max_alternatives",
+            "grammar_max_properties",
+            "grammar_max_depth",
+            "grammar_compile_workers",
+            "grammar_compile_memory_mib",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ConfigError(
+                f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}"
+            )
+        if self.grammar_cache_mib < 0:
+            raise ConfigError(
+                f"grammar_cache_mib must be 0 (no cache) or positive, got {self.grammar_cache_mib}"
+            )
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     """The whole engine configuration, one section per concern.
 
@@ -391,6 +484,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     compilation: CompilationConfig = msgspec.field(default_factory=CompilationConfig)
+    structured_outputs: StructuredOutputsConfig = msgspec.field(
+        default_factory=StructuredOutputsConfig
+    )
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -334,6 +334,14 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "ubatch_prefill_threshold": (["256"], 256),
     "cudagraph_stand_in": ([], True),
     "launch_inline": ([], True),
+    "grammar_max_bytes": (["1024"], 1024),
+    "grammar_max_alternatives": (["16"], 16),
+    "grammar_max_properties": (["64"], 64),
+    "grammar_max_depth": (["8"], 8),
+    "grammar_compile_workers": (["2"], 2),
+    "grammar_compile_timeout_s": (["2.5"], 2.5),
+    "grammar_compile_memory_mib": (["512"], 512),
+    "grammar_cache_mib": (["0"], 0),
 }
 
 

@@ -23,7 +23,7 @@ from asyncstep.config import (
 )
 from asyncstep.errors import ConfigError
 
-SECTIONS = ("model", "cache", "scheduler", "parallel", "compilation")
+SECTIONS = ("model", "cache", "scheduler", "parallel", "compilation", "structured_outputs")
 
 
 def non_default() -> EngineConfig:

@@ -223,34 +223,34 @@ async def test_an_aborted_request_lets_go_of_its_matcher(smollm2: LoadedModel) -
     check_output("regex", after.text)
 
 
-@pytest.mark.parametrize(
-    ("spec", "message"),
-    [
-        ({"json": "{not json"}, "not valid JSON"),
-        ({"json": "[1, 2]"}, "must be a JSON object"),
-        ({"json": {"type": "frobnicate"}}, "does not compile"),
-        ({"regex": "[a-z"}, "does not compile"),
-        ({"grammar": "root ::= undefined_rule"}, "does not compile"),
-        ({"grammar": 'start ::= "a"'}, "does not compile"),
-        ({"json": SCHEMA, "regex": REGEX}, "exactly one of"),
-        ({}, "exactly one of"),
-        ({"choice": []}, "at least one"),
-        ({"choice": ["a", 3]}, "strings only"),
-        ({"regex": "   "}, "must not be empty"),
-        ({"json_object": "yes"}, "True or False"),
-        ({"jsonschema": SCHEMA}, "unknown field"),
-    ],
-)
-async def test_bad_grammars_are_refused_at_the_door(
-    smollm2: LoadedModel, spec: dict[str, Any], message: str
-) -> None:
-    async with asyncstep.open_engine(smollm2) as engine:
-        with pytest.raises(InvalidRequestError, match=message):
-            params = SamplingParams(max_tokens=4, structured_outputs=spec)
-            await engine.generate("Hi", params)
-        assert engine.statistics().num_waiting_reqs == 0
-        good = await engine.generate("Hi", constrained("choice"))  # the engine still serves
-    check_output("choice", good.text)
+#: Bad grammars and what their refusal says.
+BAD_GRAMMARS: list[tuple[dict[str, Any], str]] = [
+    ({"json": "{not json"}, "not valid JSON"),
+    ({"json": "[1, 2]"}, "must be a JSON object"),
+    ({"json": {"type": "frobnicate"}}, "does not compile"),
+    ({"regex": "[a-z"}, "does not compile"),
+    ({"grammar": "root ::= undefined_rule"}, "does not compile"),
+    ({"grammar": 'start ::= "a"'}, "does not compile"),
+    ({"json": SCHEMA, "regex": REGEX}, "exactly one of"),
+    ({}, "exactly one of"),
+    ({"choice": []}, "at least one"),
+    ({"choice": ["a", 3]}, "strings only"),
+    ({"regex": "   "}, "must not be empty"),
+    ({"json_object": "yes"}, "True or False"),
+    ({"jsonschema": SCHEMA}, "unknown field"),
+]
+
+
+async def test_bad_grammars_are_refused_at_the_door(smollm2: LoadedModel) -> None:
+    async with asyncstep.open_engine(smollm2) as engine:  # one engine: one compile worker
+        for spec, message in BAD_GRAMMARS:
+            with pytest.raises(InvalidRequestError, match=message):
+                params = SamplingParams(max_tokens=4, structured_outputs=spec)
+                await engine.generate("Hi", params)
+            assert engine.statistics().num_waiting_reqs == 0
+            good = await engine.generate("Hi", constrained("choice"))  # the engine still serves
+            check_output("choice", good.text)
+        assert core_of(engine).structured_output.pool.statistics().num_refused == 0
 
 
 async def test_a_model_without_tokenizer_refuses_structured_outputs(

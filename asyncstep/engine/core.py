@@ -99,9 +99,13 @@ class EngineCore:
         # Built by run() once the ranks report how many KV blocks they hold.
         self.scheduler: Scheduler = None  # type: ignore[assignment]
         self._rejected: list[RejectedRequest] = []
-        self.structured_output = StructuredOutputManager(load_tokenizer, vocab_size, eos_token_ids)
-        #: Requests whose grammar is compiling (not yet with the scheduler).
+        self.structured_output = StructuredOutputManager(
+            load_tokenizer, vocab_size, eos_token_ids, config.structured_outputs
+        )
+        #: Requests whose grammar is compiling (not yet with the scheduler),
+        #: and the scope of each one's wait (cancelled when it is aborted).
         self._compiling: dict[str, Request] = {}
+        self._compile_scopes: dict[str, anyio.CancelScope] = {}
         self._compiled = anyio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
         self._idle_tickets: list[int] = []
@@ -131,6 +135,7 @@ class EngineCore:
             try:
                 async with anyio.create_task_group() as compiles:
                     self._task_group = compiles
+                    compiles.start_soon(self.structured_output.run)
                     await self._step_loop(inputs, events, to_rank_tx, from_rank_rx)
                     compiles.cancel_scope.cancel()  # grammars still compiling
             finally:
@@ -210,7 +215,7 @@ class EngineCore:
                     self.scheduler.finish_requests(ended, status)
                     self.structured_output.remove(ended)
                     for req_id in ended:
-                        self._compiling.pop(req_id, None)
+                        self._stop_compiling(req_id)
         elif isinstance(message, WaitIdle):
             self._idle_tickets.append(message.ticket)
         else:  # Shutdown (a CoreSetup here would be a protocol error of the transport)
@@ -222,7 +227,7 @@ class EngineCore:
                 new.request_id, new.prompt_token_ids, new.sampling_params, self.eos_token_ids
             )
             if new.sampling_params.structured_outputs is not None:
-                self._start_compiling(request)
+                self._start_compiling(request, new.client)
             else:
                 self._schedule_request(request)
 
@@ -233,30 +238,45 @@ class EngineCore:
             self.structured_output.remove([request.request_id])
             self._rejected.append(RejectedRequest(request.request_id, str(exc)))
 
-    def _start_compiling(self, request: Request) -> None:
-        """Compile the request's grammar off the loop; it goes to the
-        scheduler once compiled (unless it was aborted meanwhile)."""
+    def _start_compiling(self, request: Request, client: str) -> None:
+        """Compile the request's grammar off the loop (among ``client``'s
+        compiles); it goes to the scheduler once compiled, unless it was
+        aborted meanwhile (its compile then stops, unless another request
+        waits for the same grammar)."""
         req_id = request.request_id
         if req_id in self._compiling or req_id in self.scheduler.requests:
             self._rejected.append(RejectedRequest(req_id, f"request id {req_id!r} is in flight"))
             return
         self._compiling[req_id] = request
+        scope = self._compile_scopes[req_id] = anyio.CancelScope()
         assert self._task_group is not None
-        self._task_group.start_soon(self._compile, request)
+        self._task_group.start_soon(self._compile, request, client, scope)
 
-    async def _compile(self, request: Request) -> None:
+    def _stop_compiling(self, req_id: str) -> None:
+        """``req_id`` went away: stop waiting for its grammar."""
+        self._compiling.pop(req_id, None)
+        scope = self._compile_scopes.pop(req_id, None)
+        if scope is not None:
+            scope.cancel()
+
+    async def _compile(self, request: Request, client: str, scope: anyio.CancelScope) -> None:
+        """Wait for the request's grammar in ``scope`` (cancelled if the
+        request goes away), then schedule the request or refuse it."""
         params = request.sampling_params.structured_outputs
         assert params is not None
         req_id = request.request_id
-        try:
-            compiled = await self.structured_output.compile(params)
-        except InvalidRequestError as exc:
-            if self._compiling.pop(req_id, None) is not None:
-                self._rejected.append(RejectedRequest(req_id, str(exc)))
-        else:
-            if self._compiling.pop(req_id, None) is not None:
-                self.structured_output.add(req_id, compiled)
-                self._schedule_request(request)
+        with scope:
+            try:
+                compiled = await self.structured_output.compile(params, client)
+            except InvalidRequestError as exc:
+                if self._compiling.pop(req_id, None) is not None:
+                    self._rejected.append(RejectedRequest(req_id, str(exc)))
+            else:
+                if self._compiling.pop(req_id, None) is not None:
+                    self.structured_output.add(req_id, compiled)
+                    self._schedule_request(request)
+        if self._compile_scopes.get(req_id) is scope:
+            del self._compile_scopes[req_id]
         self._compiled.set()  # wakes the loop if it waits for inputs
 
     @property

@@ -26,11 +26,15 @@ from asyncstep.engine.step_results import EngineCoreOutput
 
 
 class EngineCoreRequest(msgspec.Struct, frozen=True, array_like=True):
-    """A request, validated and tokenized by the front end."""
+    """A request, validated and tokenized by the front end. ``client``: who
+    asked (the caller's key, e.g. an HTTP client's address; with several
+    front ends, prefixed with the front end's number), what the core's work
+    is shared fairly between (grammar compiles)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    client: str = ""
 
 
 class CoreStats(msgspec.Struct, frozen=True, array_like=True):

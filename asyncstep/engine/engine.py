@@ -102,7 +102,9 @@ class Engine:
         self.core = core
         self.max_model_len = config.model.max_model_len or 0
         #: Checks and tokenizes each request at the door.
-        self.input_processor = InputProcessor(arch_config, tokenizer, self.max_model_len)
+        self.input_processor = InputProcessor(
+            arch_config, tokenizer, self.max_model_len, config.structured_outputs
+        )
         #: What ends a request unless it ignores EOS (``min_tokens`` bans them early).
         self.eos_token_ids = self.input_processor.eos_token_ids
         #: Core request id -> its state (one per choice).
@@ -134,14 +136,17 @@ class Engine:
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        client: str = "",
     ) -> Completion:
         """Generate one completion (its ``n`` choices) and return it whole.
+        ``client``: who asks (e.g. an HTTP client's address): the engine
+        core shares its work fairly between clients (grammar compiles).
 
         Cancelling the caller aborts the request (its blocks are freed).
         """
         await self.input_processor.check_grammar(sampling_params)
         ids = await self.input_processor.encode_prompt(prompt)
-        group = self._add_request(prompt, ids, sampling_params, request_id)
+        group = self._add_request(prompt, ids, sampling_params, request_id, client)
         try:
             await group.wait_finished()
         finally:
@@ -156,16 +161,17 @@ class Engine:
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        client: str = "",
     ) -> AsyncIterator[CompletionChunk]:
         """Generate one completion chunk by chunk: each chunk holds the text
         and tokens new since the previous one (one step's, or several when
         the reader fell behind) of one choice (its ``index``; with ``n`` > 1
-        the choices' chunks interleave). Leaving the iteration early aborts
-        the request.
+        the choices' chunks interleave). ``client`` as for :meth:`generate`.
+        Leaving the iteration early aborts the request.
         """
         await self.input_processor.check_grammar(sampling_params)
         ids = await self.input_processor.encode_prompt(prompt)
-        group = self._add_request(prompt, ids, sampling_params, request_id)
+        group = self._add_request(prompt, ids, sampling_params, request_id, client)
         try:
             while (chunk := await group.next_chunk()) is not None:
                 yield chunk
@@ -235,6 +241,7 @@ class Engine:
         ids: list[int],
         params: SamplingParams | None,
         request_id: str | None,
+        client: str = "",
     ) -> RequestGroup:
         """Check the rest of the request (``ids``: its prompt's, checked),
         then register it and send it to the core: a request refused here
@@ -253,7 +260,9 @@ class Engine:
         taken = [c for c in child_ids[1:] if c in self._requests]
         if taken:
             raise InvalidRequestError(f"request id {taken[0]!r} is already in flight")
-        group = RequestGroup(request_id)
+        if not isinstance(client, str):
+            raise InvalidRequestError(f"client must be a string, got {shown(client)}")
+        group = RequestGroup(request_id, client)
         text = prompt if isinstance(prompt, str) else None
         for i, child_id in enumerate(child_ids):
             child = params if n == 1 else _choice_params(params, i)
@@ -462,4 +471,5 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 def _core_request(state: RequestState) -> EngineCoreRequest:
-    return EngineCoreRequest(state.request_id, state.prompt_token_ids, state.params)
+    client = state.group.client if state.group is not None else ""
+    return EngineCoreRequest(state.request_id, state.prompt_token_ids, state.params, client)

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import anyio
 import anyio.abc
+import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncstep.channels.framing import MessageStream
@@ -137,7 +138,8 @@ class FrontEnds:
             await inputs.send(message)  # the primary's Shutdown (or a CoreSetup: refused there)
 
     def _claim(self, index: int, message: CoreInputs) -> CoreInputs:
-        """The front end's inputs with its new requests recorded as its own,
+        """The front end's inputs with its new requests recorded as its own
+        (their client prefixed with the front end's number: ``"1/addr"``),
         an id another front end has in flight refused, and its aborts and
         stops kept to its own requests."""
         owner = self._owner
@@ -146,7 +148,7 @@ class FrontEnds:
         for request in message.new_requests:
             holder = owner.setdefault(request.request_id, index)
             if holder == index:
-                new.append(request)
+                new.append(msgspec.structs.replace(request, client=f"{index}/{request.client}"))
             else:
                 error = f"request id {request.request_id!r} is already in flight"
                 refused.append(RejectedRequest(request.request_id, error))

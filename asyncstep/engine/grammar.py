@@ -1,10 +1,18 @@
 """Grammars of structured outputs, through xgrammar: the check at the
-engine's door, and the compiler the engine core keeps.
+engine's door, and the compiler of a model's vocabulary.
 
-xgrammar takes ~3 s to import, so it is imported on first use only (an
+The door (:func:`check_grammar`) first checks the grammar against its
+budget (:mod:`asyncstep.engine.grammar_budget`: sizes, no xgrammar), then
+builds it (no vocabulary). The compiler (:class:`GrammarCompiler`) runs in
+the engine core and in its compile workers (:mod:`asyncstep.engine.grammar_worker`);
+it keeps no cache (the core's is bounded in bytes:
+:mod:`asyncstep.engine.grammar_cache`).
+
+xgrammar takes seconds to import, so it is imported on first use only (an
 engine that never sees a structured request never pays it); callers run
-these functions off their event loop. May import xgrammar, numpy, msgspec and
-``asyncstep.structured_params`` / ``asyncstep.errors``.
+these functions off their event loop. May import xgrammar, msgspec,
+``asyncstep.config``, ``asyncstep.structured_params`` / ``asyncstep.errors``
+and the budget.
 """
 
 from __future__ import annotations
@@ -12,9 +20,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from asyncstep.config import StructuredOutputsConfig
+from asyncstep.engine.grammar_budget import check_grammar_budget
 from asyncstep.errors import InvalidRequestError
 from asyncstep.structured_params import StructuredOutputsParams
 
@@ -22,16 +31,18 @@ if TYPE_CHECKING:
     import xgrammar
     from transformers import PreTrainedTokenizerBase
 
-#: Compiled grammars the core keeps (by kind and text), most recently used first.
-COMPILED_CACHE_SIZE = 256
 _XGRAMMAR_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
-def check_grammar(params: StructuredOutputsParams) -> None:
+def check_grammar(
+    params: StructuredOutputsParams, budget: StructuredOutputsConfig | None = None
+) -> None:
     """Raise :class:`InvalidRequestError` (one line) when ``params``' grammar
-    does not compile (a schema xgrammar cannot turn into a grammar, a regex
-    or EBNF with a syntax error). Builds the grammar only (no vocabulary):
-    under a millisecond once xgrammar is imported."""
+    is over ``budget`` (checked first, when given) or does not compile (a
+    schema xgrammar cannot turn into a grammar, a regex or EBNF with a
+    syntax error). Builds the grammar only (no vocabulary)."""
+    if budget is not None:
+        check_grammar_budget(params, budget)
     grammar_of(params)
 
 
@@ -70,35 +81,49 @@ def _one_line(exc: BaseException) -> str:
 
 
 class GrammarCompiler:
-    """Compiles the grammars of a model's vocabulary, with a cache (the
-    same schema in many requests compiles once). The vocabulary's token
-    table (xgrammar's ``TokenizerInfo``) is built on first use."""
+    """Compiles grammars over a model's vocabulary (xgrammar's
+    ``TokenizerInfo``), without a cache of its own."""
 
-    def __init__(
-        self,
+    def __init__(self, tokenizer_info: xgrammar.TokenizerInfo, *, max_threads: int) -> None:
+        import xgrammar as xgr
+
+        self.tokenizer_info = tokenizer_info
+        self._compiler = xgr.GrammarCompiler(
+            tokenizer_info, max_threads=max_threads, cache_enabled=False
+        )
+
+    @classmethod
+    def from_tokenizer(
+        cls,
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         stop_token_ids: Sequence[int],
         *,
-        max_threads: int = 4,
-    ) -> None:
+        max_threads: int,
+    ) -> GrammarCompiler:
+        """The compiler of ``tokenizer``'s vocabulary, ``vocab_size`` ids wide."""
         import xgrammar as xgr
 
-        self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
-        self.tokenizer_info = info
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
-        self.compile = lru_cache(maxsize=COMPILED_CACHE_SIZE)(self._compile)
+        return cls(info, max_threads=max_threads)
 
-    @property
-    def bitmask_width(self) -> int:
-        """int32 words per bitmask row: ``ceil(vocab_size / 32)``."""
-        return (self.vocab_size + 31) // 32
+    @classmethod
+    def from_vocabulary(cls, serialized: str, *, max_threads: int) -> GrammarCompiler:
+        """The compiler of a vocabulary :meth:`serialize_vocabulary` gave."""
+        import xgrammar as xgr
 
-    def _compile(self, kind: str, spec: str) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of ``kind`` and its text (``StructuredOutputsParams.spec``)."""
+        return cls(xgr.TokenizerInfo.deserialize_json(serialized), max_threads=max_threads)
+
+    def serialize_vocabulary(self) -> str:
+        """The vocabulary as xgrammar's JSON (what a compile worker needs)."""
+        return str(self.tokenizer_info.serialize_json())
+
+    def compile(self, kind: str, spec: str) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of ``kind`` and its text
+        (``StructuredOutputsParams.spec``); :class:`InvalidRequestError`
+        when it does not compile."""
         compiler: Any = self._compiler
         try:
             if kind == "json":

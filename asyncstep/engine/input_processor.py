@@ -5,9 +5,10 @@ checks and tokenization before anything of it is kept or sent.
 model (log-prob counts, ``logit_bias`` and bad-word token ids inside the
 vocabulary; ``bad_words`` tokenized as vLLM does: each word with and without a
 leading space; the EOS ids that ``min_tokens`` bans), its structured-output
-grammar, and its prompt: text is tokenized, chat messages go through the
-tokenizer's chat template, token ids are taken as they are, and the ids must
-fit the model; :func:`check_request_id` checks a caller's request id. A
+grammar (within its budget, then whether it builds), and its prompt: text is
+tokenized, chat messages go through the tokenizer's chat template, token ids
+are taken as they are, and the ids must fit the model;
+:func:`check_request_id` checks a caller's request id. A
 refused request raises :class:`InvalidRequestError`.
 
 Length before work: a prompt that cannot fit the context is refused by its
@@ -32,6 +33,7 @@ import anyio
 import msgspec
 
 from asyncstep.checks import is_utf8, shown, utf8_size
+from asyncstep.config import StructuredOutputsConfig
 from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.grammar import check_grammar
 from asyncstep.errors import InvalidRequestError, describe
@@ -63,10 +65,14 @@ class InputProcessor:
         arch_config: ModelArchConfig,
         tokenizer: PreTrainedTokenizerBase | None,
         max_model_len: int,
+        grammar_budget: StructuredOutputsConfig | None = None,
     ) -> None:
+        """``grammar_budget``: the limits a structured-output grammar is
+        checked against (None: the defaults)."""
         self.arch_config = arch_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.grammar_budget = grammar_budget or StructuredOutputsConfig()
         #: What ends a request unless it ignores EOS (``min_tokens`` bans them early).
         self.eos_token_ids = tuple(
             sorted(frozenset(arch_config.eos_token_ids) | tokenizer_eos(tokenizer))
@@ -147,8 +153,9 @@ class InputProcessor:
         return msgspec.structs.replace(params, **derived) if derived else params
 
     async def check_grammar(self, params: object) -> None:
-        """The door's check of ``structured_outputs``: the grammar builds
-        (in a worker thread: xgrammar's first import takes seconds)."""
+        """The door's check of ``structured_outputs``: the grammar is within
+        its budget (sizes, checked first), then builds (in a worker thread:
+        xgrammar's first import takes seconds)."""
         if not isinstance(params, SamplingParams) or params.structured_outputs is None:
             return
         if self.tokenizer is None:
@@ -157,7 +164,7 @@ class InputProcessor:
             )
         structured = params.structured_outputs
         structured.validate()  # again: its fields may have been set behind its back
-        await anyio.to_thread.run_sync(check_grammar, structured)
+        await anyio.to_thread.run_sync(check_grammar, structured, self.grammar_budget)
 
     def _tokenize_bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """vLLM's tokenization of bad words: each word (its leading spaces

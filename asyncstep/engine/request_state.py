@@ -158,9 +158,11 @@ class RequestState:
 class RequestGroup:
     """The ``n`` choices of one request (``n`` = 1: one state)."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, client: str = "") -> None:
         #: The caller's id.
         self.request_id = request_id
+        #: Who asked (``Engine.generate``'s ``client``).
+        self.client = client
         self.states: list[RequestState] = []
         self._wakeup: anyio.Event | None = None
         #: The next choice a chunk is looked for in (round robin).

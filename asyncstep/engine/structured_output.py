@@ -2,23 +2,32 @@
 one grammar matcher per constrained request, advanced by the tokens each
 step brings back, and the token bitmask of a step's constrained requests.
 
-The core compiles a request's grammar off its loop (a worker thread; the
-same grammar compiles once) before the scheduler sees the request. Once a
+The core compiles a request's grammar before the scheduler sees the
+request: first in a compile worker process, under a time and a memory limit
+and killed when no request waits for it any more
+(:mod:`asyncstep.engine.grammar_pool`), then, within those limits, in a
+thread of low priority here (the grammar the matchers use; a compiled
+grammar does not cross processes cheaply: see
+:mod:`asyncstep.engine.grammar_worker`); compiled grammars are kept for
+reuse in a cache bounded in bytes (:mod:`asyncstep.engine.grammar_cache`).
+Once a
 step's predecessors are all back (so every matcher has accepted every token
 sampled before it), :meth:`StructuredOutputManager.grammar_output` fills
 the step's bitmask, while the ranks run its forward; the last stage applies
 it in ``sample_tokens``. Matchers advance only on tokens the scheduler
 accepted (those in its :class:`~asyncstep.engine.step_results.EngineCoreOutput`),
 so preemptions need no rollback, and a late token dropped after a stop never
-reaches a matcher. May import numpy, anyio, ``asyncstep.engine.grammar`` and
-the data types.
+reaches a matcher. May import numpy, anyio, the grammar modules of
+``asyncstep.engine``, the config and the data types.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,8 +35,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
+from asyncstep.config import StructuredOutputsConfig
 from asyncstep.datatypes import GrammarOutput, SchedulerOutput
 from asyncstep.engine.grammar import GrammarCompiler
+from asyncstep.engine.grammar_cache import GrammarCache, GrammarKey
+from asyncstep.engine.grammar_messages import NICENESS
+from asyncstep.engine.grammar_pool import CompilePool
 from asyncstep.errors import InvalidRequestError
 from asyncstep.logging import get_logger
 from asyncstep.structured_params import StructuredOutputsParams
@@ -61,17 +74,31 @@ class StructuredOutputManager:
         load_tokenizer: Callable[[], PreTrainedTokenizerBase | None],
         vocab_size: int,
         stop_token_ids: Iterable[int],
+        config: StructuredOutputsConfig | None = None,
         *,
         max_threads: int | None = None,
     ) -> None:
         """``load_tokenizer`` is called (in a worker thread) for the first
-        constrained request only. ``max_threads``: xgrammar's threads for
-        compiling and filling bitmasks (None: up to 8, the CPU count)."""
+        constrained request only. ``config``: the compiles' limits and the
+        cache's size. ``max_threads``: xgrammar's threads for one compile (in
+        a worker, then here; None: up to 8, the CPU count)."""
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.config = config if config is not None else StructuredOutputsConfig()
         self.max_threads = max_threads or min(8, os.cpu_count() or 1)
         self._compiler: GrammarCompiler | None = None
+        self._vocabulary: str = ""
+        #: Compiled grammars kept for reuse.
+        self.cache = GrammarCache(self.config.grammar_cache_mib << 20)
+        #: The compile workers (started with the first grammar not in the cache).
+        self.pool = CompilePool(
+            self.config,
+            vocabulary=self._get_vocabulary,
+            build=self._build,
+            max_threads=self.max_threads,
+        )
+        self._builder: ThreadPoolExecutor | None = None
         #: Threads advancing and filling shards of a large step (1: none).
         self.num_pool_threads = max(1, min(4, (os.cpu_count() or 1) // 2))
         self._pool: ThreadPoolExecutor | None = None
@@ -84,11 +111,20 @@ class StructuredOutputManager:
 
     # -- requests -----------------------------------------------------------
 
-    async def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar of ``params`` (compiled in a worker thread,
-        once per grammar); :class:`InvalidRequestError` when it does not compile."""
-        compiler = await self._get_compiler()
-        return await anyio.to_thread.run_sync(compiler.compile, params.kind, params.spec)
+    async def run(self) -> None:
+        """Serve the compiles until cancelled (then every worker is killed)."""
+        await self.pool.run()
+
+    async def compile(self, params: StructuredOutputsParams, client: Hashable = "") -> Any:
+        """The compiled grammar of ``params`` (from the cache, or compiled
+        among ``client``'s compiles: see :class:`CompilePool`);
+        :class:`InvalidRequestError` (one line) when it does not compile or
+        goes past a limit. Cancelling the caller withdraws the request."""
+        key = GrammarKey.of(params)
+        compiled = self.cache.get(key)
+        if compiled is not None:
+            return compiled
+        return await self.pool.compile(key, client)
 
     async def _get_compiler(self) -> GrammarCompiler:
         async with self._lock:
@@ -96,17 +132,41 @@ class StructuredOutputManager:
                 self._compiler = await anyio.to_thread.run_sync(self._build_compiler)
             return self._compiler
 
+    async def _get_vocabulary(self) -> str:
+        """The vocabulary as xgrammar's JSON (a compile worker's setup)."""
+        await self._get_compiler()
+        return self._vocabulary
+
+    async def _build(self, key: GrammarKey) -> Any:
+        """Compile ``key`` here (its worker compiled it within the limits),
+        in a thread of low priority; keep it in the cache."""
+        compiler = await self._get_compiler()
+        future = self._get_builder().submit(compiler.compile, key.kind, key.spec)
+        compiled = await anyio.to_thread.run_sync(future.result)
+        self.cache.put(key, compiled, int(compiled.memory_size_bytes))
+        return compiled
+
     def _build_compiler(self) -> GrammarCompiler:
         tokenizer = self._load_tokenizer()
         if tokenizer is None:
             raise InvalidRequestError(
                 "structured_outputs need a tokenizer, and this model has none"
             )
-        compiler = GrammarCompiler(
+        compiler = GrammarCompiler.from_tokenizer(
             tokenizer, self.vocab_size, self.stop_token_ids, max_threads=self.max_threads
         )
+        self._vocabulary = compiler.serialize_vocabulary()
         log.info("grammar compiler ready", vocab_size=self.vocab_size)
         return compiler
+
+    def _get_builder(self) -> ThreadPoolExecutor:
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(
+                self.config.grammar_compile_workers,
+                "grammar-build",
+                initializer=_lower_priority,
+            )
+        return self._builder
 
     def add(self, req_id: str, compiled: Any) -> None:
         """Start ``req_id``'s matcher at the beginning of its grammar."""
@@ -195,9 +255,22 @@ class StructuredOutputManager:
             log.warning("grammar refused a sampled token", request_id=req_id, token_id=token_id)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        """Let go of the threads; kill the compile workers still alive."""
+        self.pool.kill_all()
+        for executor in (self._pool, self._builder):
+            if executor is not None:
+                executor.shutdown(wait=False)
+        self._pool = self._builder = None
+
+
+def _lower_priority() -> None:
+    """A grammar build thread yields the CPU to the engine's: ``NICENESS``
+    more than the engine's (on Linux a thread has a niceness of its own,
+    and the threads xgrammar starts for a compile inherit it)."""
+    if sys.platform.startswith("linux"):
+        thread = threading.get_native_id()
+        niceness = os.getpriority(os.PRIO_PROCESS, thread) + NICENESS
+        os.setpriority(os.PRIO_PROCESS, thread, min(niceness, 19))
 
 
 #: (request id, matcher, tokens to accept first, its bitmask row or -1 for none).

@@ -60,10 +60,13 @@ class Ending:
 
 @dataclass(frozen=True)
 class InFlight:
-    """A request being served: its engine request ids (one per prompt)."""
+    """A request being served: its engine request ids (one per prompt), and
+    its client (the peer's address: the engine core shares grammar compiles
+    fairly between clients; behind a proxy, every request is the proxy's)."""
 
     engine_ids: list[str]
     num_choices: int
+    client: str = ""
 
 
 class Generations:
@@ -103,7 +106,7 @@ class Generations:
         if self.draining:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down")
 
-    def admit(self, rid: str, job: GenerationJob) -> None:
+    def admit(self, rid: str, job: GenerationJob, client: str = "") -> None:
         """Register a request, unless the server stops or its batch's
         waiting queue would pass the limit."""
         self.check_serving()
@@ -118,7 +121,7 @@ class Generations:
                     headers={"retry-after": "1"},
                 )
         ids = [rid] if len(job.prompts) == 1 else [f"{rid}-p{i}" for i in range(len(job.prompts))]
-        self.in_flight[rid] = InFlight(ids, job.num_choices)
+        self.in_flight[rid] = InFlight(ids, job.num_choices, client)
 
     def projected_waiting(self, new_choices: int) -> int:
         """Requests that would wait for a batch slot with ``new_choices``
@@ -143,10 +146,16 @@ class Generations:
             self._emptied.set()
 
     async def respond(
-        self, job: GenerationJob, fmt: Formatter, rid: str, receive: Receive, send: Send
+        self,
+        job: GenerationJob,
+        fmt: Formatter,
+        rid: str,
+        receive: Receive,
+        send: Send,
+        client: str = "",
     ) -> None:
-        """Serve one generation request (its response), until it ends or
-        its client goes away.
+        """Serve one generation request (its response) for ``client`` (its
+        address), until it ends or the client goes away.
 
         The client's disconnect cancels the work (the engine requests and
         every send but the last); the last send is made outside that scope:
@@ -154,7 +163,7 @@ class Generations:
         recycles the connection there (``Connection: close``, HTTP/1.0, the
         keep-alive idle timeout), which a cancellation would cut short."""
         try:
-            self.admit(rid, job)
+            self.admit(rid, job, client)
         except APIError as exc:
             await send_error(send, exc)
             return
@@ -248,14 +257,14 @@ class Generations:
 
     async def _generate(self, job: GenerationJob, rid: str, on_chunk: OnChunk) -> None:
         """Run every prompt of the request, each chunk to ``on_chunk``."""
-        ids = self.in_flight[rid].engine_ids
+        ids, client = self.in_flight[rid].engine_ids, self.in_flight[rid].client
         if len(ids) == 1:
-            await self._run_prompt(job, 0, ids[0], on_chunk)
+            await self._run_prompt(job, 0, ids[0], client, on_chunk)
             return
         try:
             async with anyio.create_task_group() as tg:
                 for i, engine_id in enumerate(ids):
-                    tg.start_soon(self._run_prompt, job, i, engine_id, on_chunk)
+                    tg.start_soon(self._run_prompt, job, i, engine_id, client, on_chunk)
         except BaseExceptionGroup as group:
             cancelled = anyio.get_cancelled_exc_class()
             found = leaves(group)
@@ -266,11 +275,11 @@ class Generations:
             raise
 
     async def _run_prompt(
-        self, job: GenerationJob, i: int, engine_id: str, on_chunk: OnChunk
+        self, job: GenerationJob, i: int, engine_id: str, client: str, on_chunk: OnChunk
     ) -> None:
         stream = cast(
             AsyncGenerator[CompletionChunk, None],
-            self.engine.stream(job.prompts[i], job.params[i], request_id=engine_id),
+            self.engine.stream(job.prompts[i], job.params[i], request_id=engine_id, client=client),
         )
         async with contextlib.aclosing(stream):
             async for chunk in stream:
@@ -294,7 +303,9 @@ class GenerationResponse(Response):
         self.generations, self.job, self.fmt, self.rid = generations, job, fmt, rid
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.generations.respond(self.job, self.fmt, self.rid, receive, send)
+        peer = scope.get("client")
+        client = str(peer[0]) if peer else ""
+        await self.generations.respond(self.job, self.fmt, self.rid, receive, send, client)
 
 
 class _PromptTokens:
