@@ -30,6 +30,16 @@ LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+#: A step's token budget (``max_num_batched_tokens``) when none is given, on CUDA.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+#: ... and on the CPU, where a step's time grows with its tokens at a few ms
+#: each: small enough that a step of the embedded model (fp32) stays well
+#: under a second, so no stream's next token (nor an abort, which waits for
+#: the step in flight) waits long behind a long prompt's prefill (chunked
+#: over steps). Picked with ``benchmarks/cpu_step_budget.py`` (its results:
+#: ``benchmarks/results/cpu_step_budget.json``); run it again when the CPU
+#: forward changes.
+CPU_MAX_NUM_BATCHED_TOKENS = 64
 
 
 def _doc(description: str, **extra: object) -> msgspec.Meta:
@@ -133,11 +143,19 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
 
     ``gil_switch_interval_s``: the launch thread and the event loop share the
     GIL; a short interval keeps their hand-offs from stalling the device.
+
+    ``max_num_batched_tokens`` None is resolved for the device when the
+    engine starts (:meth:`EngineConfig.resolve_for_device`): the config it
+    hands on carries the number.
     """
 
     max_num_batched_tokens: Annotated[
-        int, _doc("token budget of one step (prompt chunks + decodes)")
-    ] = 2048
+        int | None,
+        _doc(
+            "token budget of one step (prompt chunks + decodes); none: "
+            f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} on CUDA, {CPU_MAX_NUM_BATCHED_TOKENS} on the CPU"
+        ),
+    ] = None
     max_num_seqs: Annotated[int, _doc("most requests in one step")] = 64
     enable_chunked_prefill: Annotated[
         bool, _doc("split long prompts over several steps (chunked prefill)")
@@ -159,7 +177,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     ] = 0.0005
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens <= 0:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ConfigError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
@@ -373,6 +391,30 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return msgspec.convert(sections, cls)
         except msgspec.ValidationError as exc:
             raise config_error(exc) from None
+
+    def resolve_for_device(self, device_type: str) -> None:
+        """Fill in, in place, the defaults that depend on the device
+        (``"cpu"``, ``"cuda"``): ``max_num_batched_tokens``
+        (:data:`CPU_MAX_NUM_BATCHED_TOKENS` on the CPU with chunked prefill,
+        else :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`: without chunked prefill
+        the budget bounds the prompt). A value given is kept."""
+        scheduler = self.scheduler
+        if scheduler.max_num_batched_tokens is None:
+            small = device_type == "cpu" and scheduler.enable_chunked_prefill
+            scheduler.max_num_batched_tokens = (
+                CPU_MAX_NUM_BATCHED_TOKENS if small else DEFAULT_MAX_NUM_BATCHED_TOKENS
+            )
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The step's token budget, once resolved (ConfigError before)."""
+        budget = self.scheduler.max_num_batched_tokens
+        if budget is None:
+            raise ConfigError(
+                "max_num_batched_tokens must be resolved for the device (resolve_for_device) "
+                "before the engine is built"
+            )
+        return budget
 
     @property
     def batch_queue_size(self) -> int:
