@@ -139,7 +139,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     ``max_concurrent_batches``: the engine's batch queue; 0 chooses (see
     :attr:`EngineConfig.batch_queue_size`). With overlap, 3 also hides the
     engine's update and schedule of a step behind the device (a stop is then
-    found two steps late: the extra tokens are dropped).
+    found two steps late: the extra tokens are dropped). On the CPU with one
+    pipeline stage, 0 is one step at a time: a step queued behind the one
+    computing is a whole forward there, and an abort (taken between steps)
+    would wait for it too; what overlap would hide, the engine's update and
+    schedule of a step, is small beside a CPU forward.
 
     ``gil_switch_interval_s``: the launch thread and the event loop share the
     GIL; a short interval keeps their hand-offs from stalling the device.
@@ -169,7 +173,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     ] = True
     max_concurrent_batches: Annotated[
         int,
-        _doc("steps in flight; 0: 1 without overlap, 2 with it, the pipeline depth with PP"),
+        _doc(
+            "steps in flight; 0: 1 without overlap or on the CPU, 2 with overlap on CUDA, "
+            "the pipeline depth with PP"
+        ),
     ] = 0
     gil_switch_interval_s: Annotated[
         float | None,
@@ -397,13 +404,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         (``"cpu"``, ``"cuda"``): ``max_num_batched_tokens``
         (:data:`CPU_MAX_NUM_BATCHED_TOKENS` on the CPU with chunked prefill,
         else :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`: without chunked prefill
-        the budget bounds the prompt). A value given is kept."""
-        scheduler = self.scheduler
+        the budget bounds the prompt), and on the CPU with one pipeline
+        stage ``max_concurrent_batches`` 1 (see :class:`SchedulerConfig`).
+        A value given is kept."""
+        scheduler, cpu = self.scheduler, device_type == "cpu"
         if scheduler.max_num_batched_tokens is None:
-            small = device_type == "cpu" and scheduler.enable_chunked_prefill
+            small = cpu and scheduler.enable_chunked_prefill
             scheduler.max_num_batched_tokens = (
                 CPU_MAX_NUM_BATCHED_TOKENS if small else DEFAULT_MAX_NUM_BATCHED_TOKENS
             )
+        one_stage = self.parallel.pipeline_parallel_size == 1
+        if scheduler.max_concurrent_batches == 0 and cpu and one_stage:
+            scheduler.max_concurrent_batches = 1
 
     @property
     def max_num_batched_tokens(self) -> int:

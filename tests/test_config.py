@@ -122,6 +122,24 @@ def test_the_step_budget_is_resolved_for_the_device(
     config.resolve_for_device(device)
     assert config.max_num_batched_tokens == config.scheduler.max_num_batched_tokens == budget
     assert CPU_MAX_NUM_BATCHED_TOKENS < DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # On the CPU one step at a time (with overlap too); a pipeline keeps every stage busy.
+    assert config.batch_queue_size == (1 if device == "cpu" else 2)
+
+
+@pytest.mark.parametrize(
+    "device,options,depth",
+    [
+        ("cpu", {"max_concurrent_batches": 2}, 2),
+        ("cpu", {"pipeline_parallel_size": 2}, 2),
+        ("cuda", {"async_scheduling": False}, 1),
+    ],
+)
+def test_the_batch_queue_is_resolved_for_the_device(
+    device: str, options: dict[str, object], depth: int
+) -> None:
+    config = asyncstep.make_config(**options)
+    config.resolve_for_device(device)
+    assert config.batch_queue_size == depth
 
 
 @pytest.mark.trio
