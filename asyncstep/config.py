@@ -32,6 +32,16 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_PACKINGS = ("auto", "none")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
+#: A step's token budget (``max_num_batched_tokens``) when none is given, on CUDA.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+#: ... and on the CPU, where a step's time grows with its tokens at a few ms
+#: each: small enough that a step of the embedded model (fp32) stays well
+#: under a second, so no stream's next token (nor an abort, which waits for
+#: the step in flight) waits long behind a long prompt's prefill (chunked
+#: over steps). Picked with ``benchmarks/cpu_step_budget.py`` (its results:
+#: ``benchmarks/results/cpu_step_budget.json``); run it again when the CPU
+#: forward changes.
+CPU_MAX_NUM_BATCHED_TOKENS = 64
 
 
 def _doc(description: str, **extra: object) -> msgspec.Meta:
@@ -154,15 +164,27 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     ``max_concurrent_batches``: the engine's batch queue; 0 chooses (see
     :attr:`EngineConfig.batch_queue_size`). With overlap, 3 also hides the
     engine's update and schedule of a step behind the device (a stop is then
-    found two steps late: the extra tokens are dropped).
+    found two steps late: the extra tokens are dropped). On the CPU with one
+    pipeline stage, 0 is one step at a time: a step queued behind the one
+    computing is a whole forward there, and an abort (taken between steps)
+    would wait for it too; what overlap would hide, the engine's update and
+    schedule of a step, is small beside a CPU forward.
 
     ``gil_switch_interval_s``: the launch thread and the event loop share the
     GIL; a short interval keeps their hand-offs from stalling the device.
+
+    ``max_num_batched_tokens`` None is resolved for the device when the
+    engine starts (:meth:`EngineConfig.resolve_for_device`): the config it
+    hands on carries the number.
     """
 
     max_num_batched_tokens: Annotated[
-        int, _doc("token budget of one step (prompt chunks + decodes)")
-    ] = 2048
+        int | None,
+        _doc(
+            "token budget of one step (prompt chunks + decodes); none: "
+            f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} on CUDA, {CPU_MAX_NUM_BATCHED_TOKENS} on the CPU"
+        ),
+    ] = None
     max_num_seqs: Annotated[int, _doc("most requests in one step")] = 64
     enable_chunked_prefill: Annotated[
         bool, _doc("split long prompts over several steps (chunked prefill)")
@@ -176,7 +198,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     ] = True
     max_concurrent_batches: Annotated[
         int,
-        _doc("steps in flight; 0: 1 without overlap, 2 with it, the pipeline depth with PP"),
+        _doc(
+            "steps in flight; 0: 1 without overlap or on the CPU, 2 with overlap on CUDA, "
+            "the pipeline depth with PP"
+        ),
     ] = 0
     gil_switch_interval_s: Annotated[
         float | None,
@@ -184,7 +209,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     ] = 0.0005
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens <= 0:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ConfigError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
@@ -506,6 +531,35 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return msgspec.convert(sections, cls)
         except msgspec.ValidationError as exc:
             raise config_error(exc) from None
+
+    def resolve_for_device(self, device_type: str) -> None:
+        """Fill in, in place, the defaults that depend on the device
+        (``"cpu"``, ``"cuda"``): ``max_num_batched_tokens``
+        (:data:`CPU_MAX_NUM_BATCHED_TOKENS` on the CPU with chunked prefill,
+        else :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`: without chunked prefill
+        the budget bounds the prompt), and on the CPU with one pipeline
+        stage ``max_concurrent_batches`` 1 (see :class:`SchedulerConfig`).
+        A value given is kept."""
+        scheduler, cpu = self.scheduler, device_type == "cpu"
+        if scheduler.max_num_batched_tokens is None:
+            small = cpu and scheduler.enable_chunked_prefill
+            scheduler.max_num_batched_tokens = (
+                CPU_MAX_NUM_BATCHED_TOKENS if small else DEFAULT_MAX_NUM_BATCHED_TOKENS
+            )
+        one_stage = self.parallel.pipeline_parallel_size == 1
+        if scheduler.max_concurrent_batches == 0 and cpu and one_stage:
+            scheduler.max_concurrent_batches = 1
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The step's token budget, once resolved (ConfigError before)."""
+        budget = self.scheduler.max_num_batched_tokens
+        if budget is None:
+            raise ConfigError(
+                "max_num_batched_tokens must be resolved for the device (resolve_for_device) "
+                "before the engine is built"
+            )
+        return budget
 
     @property
     def batch_queue_size(self) -> int:

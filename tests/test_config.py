@@ -14,6 +14,8 @@ import pytest
 import asyncstep
 from asyncstep.channels.control import ControlMessage, ControlStream, RankSetup
 from asyncstep.config import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -97,6 +99,55 @@ def test_derived_properties() -> None:
     assert (config.num_input_batches, config.uses_output_placeholders) == (2, False)
     assert config.parallel.world_size == 2
     assert config.parallel.listen_address == ("127.0.0.1", 0)
+
+
+@pytest.mark.parametrize(
+    "device,options,budget",
+    [
+        ("cpu", {}, CPU_MAX_NUM_BATCHED_TOKENS),
+        ("cuda", {}, DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        # Without chunked prefill the budget bounds the prompt: not the small one.
+        ("cpu", {"enable_chunked_prefill": False}, DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        ("cpu", {"max_num_batched_tokens": 512}, 512),  # given: kept
+    ],
+)
+def test_the_step_budget_is_resolved_for_the_device(
+    device: str, options: dict[str, object], budget: int
+) -> None:
+    config = asyncstep.make_config(**options)
+    if "max_num_batched_tokens" not in options:
+        assert config.scheduler.max_num_batched_tokens is None
+        with pytest.raises(ConfigError, match="max_num_batched_tokens must be resolved"):
+            _ = config.max_num_batched_tokens
+    config.resolve_for_device(device)
+    assert config.max_num_batched_tokens == config.scheduler.max_num_batched_tokens == budget
+    assert CPU_MAX_NUM_BATCHED_TOKENS < DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # On the CPU one step at a time (with overlap too); a pipeline keeps every stage busy.
+    assert config.batch_queue_size == (1 if device == "cpu" else 2)
+
+
+@pytest.mark.parametrize(
+    "device,options,depth",
+    [
+        ("cpu", {"max_concurrent_batches": 2}, 2),
+        ("cpu", {"pipeline_parallel_size": 2}, 2),
+        ("cuda", {"async_scheduling": False}, 1),
+    ],
+)
+def test_the_batch_queue_is_resolved_for_the_device(
+    device: str, options: dict[str, object], depth: int
+) -> None:
+    config = asyncstep.make_config(**options)
+    config.resolve_for_device(device)
+    assert config.batch_queue_size == depth
+
+
+@pytest.mark.trio
+async def test_an_engine_runs_with_its_device_s_budget() -> None:
+    async with asyncstep.open_engine(
+        "tiny-llama", load_format="dummy", device="cpu", engine_process=False, num_blocks=16
+    ) as engine:
+        assert engine.config.scheduler.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
 
 
 @pytest.mark.parametrize(

@@ -91,6 +91,12 @@ def plain_params() -> list[SamplingParams]:
     ]
 
 
+def overlapped(overlap: bool) -> dict[str, Any]:
+    """With overlap, two steps in flight, as on CUDA (on the CPU the engine
+    keeps one by default)."""
+    return {"max_concurrent_batches": 2} if overlap else {}
+
+
 async def serve(
     path: Path,
     overlap: bool,
@@ -100,6 +106,7 @@ async def serve(
     """Serve every prompt at once; the ABORTED one is cut by its caller after
     ABORT_AFTER tokens. Checks every block came back."""
     results: list[Result | None] = [None] * len(PROMPTS)
+    options = overlapped(overlap) | options
     async with asyncstep.open_engine(path, async_scheduling=overlap, **ENGINE, **options) as engine:
 
         async def one(i: int) -> None:
@@ -199,7 +206,9 @@ def traced_run(path: Path, log: Path, overlap: bool) -> list[Span]:
 
 async def _generate(path: Path, overlap: bool, params: list[SamplingParams]) -> None:
     async with (
-        asyncstep.open_engine(path, async_scheduling=overlap, **ENGINE) as engine,
+        asyncstep.open_engine(
+            path, async_scheduling=overlap, **ENGINE, **overlapped(overlap)
+        ) as engine,
         trio.open_nursery() as nursery,
     ):
         for prompt, p in zip(PROMPTS, params, strict=False):

@@ -258,7 +258,7 @@ def test_tracker_reads_hidden_states_or_logits_and_owes_each_position_once() -> 
     batch.add_request(
         CachedRequestState("a", prompt, SamplingParams(prompt_logprobs=2), None, [], 0)
     )
-    trackers = [PromptLogprobsTracker(), PromptLogprobsTracker()]
+    trackers = [PromptLogprobsTracker(vocab), PromptLogprobsTracker(vocab)]
     new = NewRequestData("a", prompt, SamplingParams(prompt_logprobs=2), [], 0)
 
     def step(computed: int, count: int, owed: range, first: bool = False) -> None:

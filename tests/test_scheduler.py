@@ -675,9 +675,11 @@ def test_empty_prompt_and_duplicate_id_are_rejected() -> None:
         sched.add_request(make_request("r", [2]))
 
 
-def test_max_model_len_must_be_set() -> None:
+def test_max_model_len_and_the_budget_must_be_set() -> None:
     with pytest.raises(ConfigError, match="max_model_len must be resolved"):
         Scheduler(SchedulerConfig(), CacheConfig(), 8, max_model_len=0)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens must be resolved"):
+        Scheduler(SchedulerConfig(), CacheConfig(), 8, max_model_len=64)
 
 
 # -- prefix caching -------------------------------------------------------------------
@@ -1277,7 +1279,7 @@ def test_pipeline_steps_in_flight_hold_different_full_batches() -> None:
 def test_running_cap_below_max_num_seqs_is_rejected() -> None:
     with pytest.raises(ConfigError, match="max_num_running_reqs"):
         Scheduler(
-            SchedulerConfig(max_num_seqs=4),
+            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
             CacheConfig(block_size=4),
             16,
             max_model_len=32,

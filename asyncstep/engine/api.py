@@ -23,10 +23,7 @@ from asyncstep.engine.input_processor import tokenizer_eos
 from asyncstep.errors import ConfigError, EngineDeadError, describe
 from asyncstep.logging import get_logger, json_log_file
 from asyncstep.models.model_info import ModelInfo, describe_model, validate_parallel_layout
-from asyncstep.models.model_loader import (
-    LoadedModel,
-    ProgressFn,
-)
+from asyncstep.models.model_loader import LoadedModel, ProgressFn, device_type
 
 log = get_logger("engine")
 
@@ -134,10 +131,11 @@ async def attach_engine(config: EngineConfig, fd: int, index: int) -> AsyncItera
 
 async def _describe(config: EngineConfig) -> ModelInfo:
     """The model's description (tokenizer included), its layout checked,
-    ``config.model.max_model_len`` resolved in place."""
+    ``config.model.max_model_len`` and the device's defaults resolved in place."""
     info = await anyio.to_thread.run_sync(describe_model, config.model)
     validate_parallel_layout(info.arch_config, config.parallel)
     config.model.max_model_len = info.max_model_len
+    config.resolve_for_device(device_type(config.model.device))
     return info
 
 

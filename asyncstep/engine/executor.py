@@ -24,6 +24,7 @@ from asyncstep.models.model_info import describe_model, validate_parallel_layout
 from asyncstep.models.model_loader import (
     LoadedModel,
     ProgressFn,
+    device_type,
     load_model,
     resolve_max_model_len,
 )
@@ -54,7 +55,8 @@ async def open_executor(
     with_tokenizer: bool = True,
 ) -> AsyncIterator[OpenedExecutor]:
     """The executor of ``config``'s layout, ready to run; ``config.model.max_model_len``
-    is resolved from the model. One rank: the model (or ``preloaded``) loads
+    is resolved from the model, the device's defaults filled in
+    (:meth:`EngineConfig.resolve_for_device`). One rank: the model (or ``preloaded``) loads
     here, the KV cache is allocated and CUDA graphs captured; all is freed on
     exit. Several: the ranks are processes of their own (:class:`RemoteRanks`),
     started when the executor runs."""
@@ -64,6 +66,7 @@ async def open_executor(
         info = await anyio.to_thread.run_sync(describe_model, config.model)
         validate_parallel_layout(info.arch_config, config.parallel)
         config.model.max_model_len = info.max_model_len
+        config.resolve_for_device(device_type(config.model.device))
         yield OpenedExecutor(remote_ranks(config), info.arch_config, info.tokenizer)
         return
     if preloaded is None:
@@ -75,6 +78,7 @@ async def open_executor(
         loaded = preloaded
         max_model_len = resolve_max_model_len(config.model.max_model_len, loaded.arch_config)
     config.model.max_model_len = max_model_len
+    config.resolve_for_device(loaded.device.type)
     with loaded.claim():
         runner = _build_runner(config, loaded)
         try:

@@ -105,11 +105,17 @@ class Scheduler:
 
         ``max_model_len``: the resolved context length
         (``config.model.max_model_len`` once the engine has resolved it);
-        ConfigError unless positive."""
+        ConfigError unless positive. ``max_num_batched_tokens`` must be
+        resolved too (ConfigError while None)."""
         if max_model_len <= 0:
             raise ConfigError(
                 "max_model_len must be resolved (positive) before building the scheduler, "
                 f"got {max_model_len}"
+            )
+        if scheduler_config.max_num_batched_tokens is None:
+            raise ConfigError(
+                "max_num_batched_tokens must be resolved for the device before building "
+                "the scheduler"
             )
         self.scheduler_config = scheduler_config
         self.send_new_token_ids = send_new_token_ids
@@ -118,7 +124,7 @@ class Scheduler:
         self._num_output_tokens_sent: dict[str, int] = {}
         self.cache_config = cache_config
         self.max_model_len = max_model_len
-        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_batched_tokens: int = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_running_reqs = max_num_running_reqs or self.max_num_seqs
         if self.max_num_running_reqs < self.max_num_seqs:

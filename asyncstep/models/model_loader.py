@@ -75,6 +75,14 @@ class LoadedModel:
             self._in_use = False
 
 
+def device_type(name: str) -> str:
+    """The type (``"cpu"``, ``"cuda"``) of the device ``name`` resolves to
+    (``auto``: cuda when available), unchecked: :func:`resolve_device` checks."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name).type
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

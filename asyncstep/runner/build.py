@@ -37,7 +37,7 @@ def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         block_size=config.cache.block_size,
         async_scheduling=config.uses_output_placeholders,
         compilation=config.compilation,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         graph_stand_in=config.compilation.cudagraph_stand_in,
         num_input_batches=config.num_input_batches,
     )
@@ -51,7 +51,7 @@ def kv_cache_blocks(config: EngineConfig, runner: ModelRunner, loaded: LoadedMod
         block_bytes=runner.kv_cache_block_bytes(),
         max_model_len=resolved_max_model_len(config),
         max_num_running_reqs=config.max_num_running_reqs,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         arch=loaded.arch_config,
         device=loaded.device,
         dtype=loaded.dtype,

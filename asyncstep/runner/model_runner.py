@@ -126,7 +126,9 @@ class ModelRunner:
             is_last_stage=self.is_last_stage,
         )
         self.sampler = Sampler()
-        self.prompt_logprobs = PromptLogprobsTracker(enabled=self.is_last_stage)
+        self.prompt_logprobs = PromptLogprobsTracker(
+            model.config.vocab_size, enabled=self.is_last_stage
+        )
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
         self.timings = StepTimings()

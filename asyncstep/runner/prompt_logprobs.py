@@ -16,9 +16,11 @@ returned twice, and a request is forgotten once it owes nothing. A step
 without such a request costs the runner one test of an empty dict. A step
 with one takes the extra logits from the step's hidden states (or, from a
 CUDA graph that ends with the LM head, its logits), outside any graph, in
-slices of at most ``MAX_ROWS_AT_ONCE`` positions, and copies the results to
-the host on the copy stream; :class:`HostPromptLogprobs` turns them into
-the per-request lists of the ``ModelRunnerOutput``.
+slices of positions whose float32 logits hold at most ``MAX_LOGITS_BYTES``
+(a slice's logits, their log-softmax and the rank comparison live at once;
+only the top-k and the prompt tokens' values are kept), and copies the
+results to the host on the copy stream; :class:`HostPromptLogprobs` turns
+them into the per-request lists of the ``ModelRunnerOutput``.
 
 May import torch, numpy, :mod:`asyncstep.datatypes`, :mod:`asyncstep.gpu`
 and the runner's sampler, async output and input batch.
@@ -39,10 +41,16 @@ from asyncstep.runner.input_batch import InputBatch
 from asyncstep.runner.logits_processing import list_to_device
 from asyncstep.runner.sampler import compute_logprobs, gather_logprobs
 
-__all__ = ["MAX_ROWS_AT_ONCE", "HostPromptLogprobs", "PromptLogprobsTracker"]
+__all__ = ["MAX_LOGITS_BYTES", "HostPromptLogprobs", "PromptLogprobsTracker", "rows_at_once"]
 
-#: Most positions whose logits (``[n, vocab]`` float32) are computed at once.
-MAX_ROWS_AT_ONCE = 1024
+#: Most bytes of one slice's float32 logits (``[rows, vocab]``): a step's
+#: prompt positions are computed that many rows at a time.
+MAX_LOGITS_BYTES = 16 << 20
+
+
+def rows_at_once(vocab_size: int) -> int:
+    """Positions whose float32 logits fit :data:`MAX_LOGITS_BYTES` (at least one)."""
+    return max(1, MAX_LOGITS_BYTES // (4 * vocab_size))
 
 
 @dataclass
@@ -94,8 +102,10 @@ class PromptLogprobsTracker:
     """The prompt log-probs a rank owes (see the module doc); inactive on a
     pipeline stage that does not sample."""
 
-    def __init__(self, *, enabled: bool = True) -> None:
+    def __init__(self, vocab_size: int, *, enabled: bool = True) -> None:
+        """``vocab_size``: the logits' width (it sizes the slices)."""
         self.enabled = enabled
+        self.rows_at_once = rows_at_once(vocab_size)
         #: Request id -> what it is still owed; empty when no request asks.
         self.owed: dict[str, _Owed] = {}
 
@@ -154,7 +164,7 @@ class PromptLogprobsTracker:
         if not pieces:
             return None
         k = max(p.num_logprobs for p in pieces)
-        n = MAX_ROWS_AT_ONCE
+        n = self.rows_at_once
         slices = [
             _gather(out, token_index[i : i + n], targets[i : i + n], k, to_logits)
             for i in range(0, len(token_index), n)

@@ -27,6 +27,14 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 #: Most API server processes (``api_server_count``).
 MAX_API_SERVERS = 64
+#: ``max_waiting_requests`` by default: this many times the server's share of
+#: the batch. A burst of a few batches' worth queues (the last of it waits
+#: about that many request lifetimes for a slot); past it a client is told to
+#: retry (429) rather than queue without bound, holding memory and its
+#: connection.
+WAITING_BATCHES = 4
+#: ``max_waiting_requests`` that switches the limit off.
+NO_WAITING_LIMIT = -1
 
 
 def _doc(description: str) -> msgspec.Meta:
@@ -54,8 +62,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     max_waiting_requests: Annotated[
         int | None,
         _doc(
-            "refuse requests with 429 once this many would wait for a batch slot (each "
-            "API server counts its own); none: no limit"
+            "refuse requests with 429 once this many choices would wait for a batch slot "
+            f"(each API server counts its own); none: {WAITING_BATCHES} x this server's "
+            f"share of the batch (max_num_seqs); {NO_WAITING_LIMIT}: no limit"
         ),
     ] = None
     shutdown_timeout: Annotated[
@@ -97,9 +106,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
             not self.served_model_name or not all(self.served_model_name)
         ):
             raise ConfigError("served_model_name needs at least one non-empty name")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+        if self.max_waiting_requests is not None and self.max_waiting_requests < NO_WAITING_LIMIT:
             raise ConfigError(
-                f"max_waiting_requests must be >= 0 (or none), got {self.max_waiting_requests}"
+                f"max_waiting_requests must be >= 0, {NO_WAITING_LIMIT} (no limit) or none, "
+                f"got {self.max_waiting_requests}"
             )
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
@@ -130,6 +140,15 @@ class ServerConfig(msgspec.Struct, kw_only=True):
             return msgspec.convert(options, cls)
         except msgspec.ValidationError as exc:
             raise config_error(exc) from None
+
+    def waiting_limit(self, batch_share: int) -> int | None:
+        """Choices that may wait for a batch slot at a server whose share of
+        the batch is ``batch_share`` (``max_waiting_requests`` resolved);
+        None: no limit."""
+        limit = self.max_waiting_requests
+        if limit is None:
+            return WAITING_BATCHES * batch_share
+        return None if limit == NO_WAITING_LIMIT else limit
 
     @property
     def bind(self) -> str:

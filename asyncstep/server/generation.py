@@ -76,6 +76,8 @@ class Generations:
         self.engine = engine
         self.metrics = metrics
         self.config = config
+        #: Choices that may wait for a batch slot (None: no limit).
+        self.waiting_limit = config.waiting_limit(self.batch_share)
         #: Requests being served, by response id.
         self.in_flight: dict[str, InFlight] = {}
         #: Refusing new requests (a graceful stop is under way).
@@ -107,11 +109,23 @@ class Generations:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down")
 
     def admit(self, rid: str, job: GenerationJob, client: str = "") -> None:
-        """Register a request, unless the server stops or its batch's
-        waiting queue would pass the limit."""
+        """Register a request, unless the server stops (503), its batch's
+        waiting queue would pass the limit (429: by default a few times this
+        server's share of the batch, see ``ServerConfig.waiting_limit``), or
+        it asks for more choices than the share and the queue together could
+        ever take (400)."""
         self.check_serving()
-        limit = self.config.max_waiting_requests
+        limit = self.waiting_limit
         if limit is not None:
+            most = self.batch_share + limit
+            if job.num_choices > most:
+                raise APIError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"this request asks for {job.num_choices} choices (n x prompts); this server "
+                    f"takes at most {most} at once ({self.batch_share} running + {limit} waiting: "
+                    "max_waiting_requests)",
+                    param="n",
+                )
             waiting = self.projected_waiting(job.num_choices)
             if waiting > limit:
                 raise APIError(

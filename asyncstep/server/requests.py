@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncstep.checks import shown
-from asyncstep.datatypes import SamplingParams
+from asyncstep.datatypes import MAX_LOGPROBS, SamplingParams
 from asyncstep.engine.engine import Engine
 from asyncstep.errors import InvalidRequestError
 from asyncstep.server.errors import bad_request
@@ -42,6 +42,9 @@ from asyncstep.structured_params import StructuredOutputsParams, check_structure
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: Most prompts one completion request may hold.
 MAX_PROMPTS = 1024
+#: Most choices one request may ask for: ``n`` x prompts, each an engine
+#: request (a list of MAX_PROMPTS prompts, or MAX_N choices of a few).
+MAX_CHOICES = MAX_PROMPTS
 #: ``response_format`` ``json_object``: any JSON object (OpenAI's meaning).
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
@@ -87,7 +90,9 @@ async def completion_job(engine: Engine, request: CompletionRequest) -> Generati
         # left for SamplingParams to refuse).
         prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
     prompts = completion_prompts(request.prompt, engine.max_model_len)
+    check_choices(request.n, len(prompts))
     ids = [await _encoded(engine, p) for p in prompts]
+    check_prompt_logprobs(engine, ids, prompt_logprobs)
     texts = [p if isinstance(p, str) else None for p in prompts]
     max_tokens = 1 if hide_output else request.max_tokens
     params = [
@@ -147,6 +152,35 @@ def completion_prompts(prompt: str | list[Any], max_model_len: int) -> list[str 
         "of token ids",
         "prompt",
     )
+
+
+def check_choices(n: object, num_prompts: int) -> None:
+    """At most :data:`MAX_CHOICES` choices over every prompt (a bad ``n`` is
+    left for ``SamplingParams`` to refuse)."""
+    if type(n) is int and n * num_prompts > MAX_CHOICES:
+        raise bad_request(
+            f"n x prompts must be at most {MAX_CHOICES} (choices over every prompt), got "
+            f"{n} x {num_prompts}",
+            "n",
+        )
+
+
+def check_prompt_logprobs(engine: Engine, prompts: list[list[int]], k: object) -> None:
+    """A request's prompt log-probs (``k + 1`` per prompt position after the
+    first, over every prompt) are at most one whole-context prompt's at the
+    largest ``k``: they are held and sent whole (a bad ``k`` is left for
+    ``SamplingParams`` to refuse)."""
+    if type(k) is not int or not 0 <= k <= MAX_LOGPROBS:
+        return
+    asked = (k + 1) * sum(max(len(p) - 1, 0) for p in prompts)
+    most = engine.max_model_len * (MAX_LOGPROBS + 1)
+    if asked > most:
+        raise bad_request(
+            f"prompt_logprobs: this request asks for {asked} log-probs ({k + 1} per prompt "
+            f"token after the first, over {len(prompts)} prompts); at most {most} (the "
+            f"model's context, {engine.max_model_len} tokens, x {MAX_LOGPROBS + 1})",
+            "prompt_logprobs",
+        )
 
 
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
