@@ -34,14 +34,14 @@ CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PI
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 #: A step's token budget (``max_num_batched_tokens``) when none is given, on CUDA.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-#: ... and on the CPU, where a step's time grows with its tokens at a few ms
-#: each: small enough that a step of the embedded model (fp32) stays well
-#: under a second, so no stream's next token (nor an abort, which waits for
+#: ... and on the CPU, where a step's time grows with its tokens at about a
+#: millisecond each: small enough that a step of the embedded model stays
+#: well under a second, so no stream's next token (nor an abort, which waits for
 #: the step in flight) waits long behind a long prompt's prefill (chunked
 #: over steps). Picked with ``benchmarks/cpu_step_budget.py`` (its results:
 #: ``benchmarks/results/cpu_step_budget.json``); run it again when the CPU
 #: forward changes.
-CPU_MAX_NUM_BATCHED_TOKENS = 64
+CPU_MAX_NUM_BATCHED_TOKENS = 256
 
 
 def _doc(description: str, **extra: object) -> msgspec.Meta:

@@ -1,5 +1,5 @@
 """CPU step time against the step's token budget (``max_num_batched_tokens``),
-for the embedded SmolLM2-135M-Instruct (fp32): what the CPU's default budget
+for the embedded SmolLM2-135M-Instruct (its default dtype): what the CPU's default budget
 (``asyncstep.config.CPU_MAX_NUM_BATCHED_TOKENS``) is picked from.
 
 For each budget, one in-process engine on the loaded model (prefix caching
@@ -9,8 +9,8 @@ step's runner calls (``execute_model`` and ``sample_tokens``, on the rank's
 launch thread: on the CPU that is the forward itself) are timed on the wall
 clock and on that thread's CPU clock. The CPU time is what the step costs
 on a machine to itself: other processes sharing the cores inflate the wall
-time, not it. The torch threads are the engine-core process's (every core
-but one). A step's cost grows with its tokens and with its context (the
+time, not it. The torch threads are the engine's default (``cpu_threads``).
+A step's cost grows with its tokens and with its context (the
 prefix a chunk attends to): the worst step of a budget is its last chunk
 of the longest prompt.
 
@@ -42,9 +42,9 @@ from overlap_decode import write_results
 
 import asyncstep
 from asyncstep import SamplingParams
-from asyncstep.config import ModelConfig
+from asyncstep.config import ModelConfig, ParallelConfig
 from asyncstep.datatypes import SchedulerOutput
-from asyncstep.models.model_loader import LoadedModel, load_model
+from asyncstep.models.model_loader import LoadedModel, cpu_threads, load_model
 from asyncstep.runner.model_runner import ModelRunner
 
 
@@ -135,7 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the pick counts the steps whose chunk ends within this many tokens of context",
     )
     parser.add_argument(
-        "--threads", type=int, default=max(1, (os.cpu_count() or 1) - 1), help="torch threads"
+        "--threads",
+        type=int,
+        default=cpu_threads(ParallelConfig()),
+        help="torch threads (default: the engine's cpu_threads default)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
