@@ -28,10 +28,6 @@ from asyncstep.config import StructuredOutputsConfig
 from asyncstep.errors import InvalidRequestError
 from asyncstep.structured_params import StructuredOutputsParams
 
-#: A schema's JSON may nest this many times deeper than its subschemas
-#: (``{"properties": {"a": {...}}}`` is two levels of JSON for one of schema).
-JSON_LEVELS_PER_SUBSCHEMA = 4
-
 #: Schema keywords whose value is a subschema (or a boolean).
 _SUBSCHEMA = frozenset(
     {
@@ -143,16 +139,9 @@ def pattern_size(text: str, *, ebnf: bool) -> GrammarSize:
 def schema_size(name: str, text: str, budget: StructuredOutputsConfig) -> GrammarSize:
     """What the budget counts of a JSON schema (its JSON text, an object),
     checked against ``budget`` as it is counted (:class:`InvalidRequestError`
-    at the first count over it). Its JSON may nest ``JSON_LEVELS_PER_SUBSCHEMA``
-    times deeper than the depth limit; that is checked first."""
-    max_json_depth = JSON_LEVELS_PER_SUBSCHEMA * budget.grammar_max_depth
+    at the first count over it). Its JSON nesting was bounded already
+    (``StructuredOutputsParams`` checks :data:`~asyncstep.checks.MAX_JSON_DEPTH`)."""
     document = json.loads(text)
-    json_depth = _json_depth(document, max_json_depth)
-    if json_depth > max_json_depth:
-        raise InvalidRequestError(
-            f"{name} nests more than {max_json_depth} levels of JSON; the limit is "
-            f"{max_json_depth} ({JSON_LEVELS_PER_SUBSCHEMA} x grammar_max_depth)"
-        )
     size = GrammarSize()
     for schema, depth in _subschemas(document):
         size.num_properties += depth > 0
@@ -160,23 +149,6 @@ def schema_size(name: str, text: str, budget: StructuredOutputsConfig) -> Gramma
         _count_literals(schema, size)
         check_size(name, size, budget)  # as it grows: a huge schema stops early
     return size
-
-
-def _json_depth(document: Any, limit: int) -> int:
-    """The nesting of ``document``'s objects and arrays (a scalar: 0);
-    stops counting past ``limit``."""
-    if not isinstance(document, dict | list):
-        return 0
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(document, 1)]
-    while stack:
-        value, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if deepest > limit:
-            break
-        children = value.values() if isinstance(value, dict) else value
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return deepest
 
 
 def _subschemas(root: Any) -> Iterator[tuple[dict[str, Any], int]]:
