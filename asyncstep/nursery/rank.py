@@ -162,12 +162,8 @@ class RankActor:
         self.recv_stream = HostStream(f"rank{rank}-recv", runner.device)
         #: Steps taken from the inbox so far (the recv task counts them).
         self._num_received = 0
-        #: One stage on CUDA, overlap on: hand out step N once step N+1 was
-        #: launched (its host work first). Not on the CPU, where the launch
-        #: is the forward: the engine would schedule step N+2 a forward late.
-        self._deliver_after_next_launch = (
-            runner.async_scheduling and pp.world_size == 1 and runner.device.type == "cuda"
-        )
+        #: One stage, overlap on: hand out step N once step N+1 was launched.
+        self._deliver_after_next_launch = runner.async_scheduling and pp.world_size == 1
         self._stats = RankStatistics()
 
     def statistics(self) -> RankStatistics:
