@@ -267,7 +267,12 @@ async def test_pipeline_stages_follow_the_grammar_as_one_rank(smollm2: LoadedMod
     async with asyncstep.open_engine(smollm2, max_num_batched_tokens=32) as engine:
         expected = [await engine.generate(prompt_for(k), constrained(k)) for k in kinds]
     async with asyncstep.open_engine(
-        None, device="cpu", pipeline_parallel_size=2, max_num_batched_tokens=32
+        None,
+        device="cpu",
+        dtype="float32",  # as the smollm2 fixture: dense fp32 weights
+        weight_packing="none",
+        pipeline_parallel_size=2,
+        max_num_batched_tokens=32,
     ) as engine:
         results: dict[int, asyncstep.Completion] = {}
 

@@ -159,9 +159,12 @@ def load_model(
     arch.validate()
     max_model_len = resolve_max_model_len(config.max_model_len, arch)
     tp, pp = get_tp_group(), get_pp_group()
+    # On the CPU the weights load in float32 (as the checkpoint gives them:
+    # packing reads them so), then take their dtypes: the float32 build is the peak.
+    build_dtype = torch.float32 if device.type == "cpu" else dtype
     check_model_fits(
         arch,
-        dtype,
+        build_dtype,
         device,
         source=source,
         random_weights=weights is None,
@@ -170,9 +173,6 @@ def load_model(
         pp_size=pp.world_size,
     )
     tokenizer = maybe_tokenizer(checkpoint) if checkpoint is not None and with_tokenizer else None
-    # On the CPU the weights load in float32 (as the checkpoint gives them:
-    # packing reads them so), then take their dtypes.
-    build_dtype = torch.float32 if device.type == "cpu" else dtype
     with torch.device(device):
         model = LlamaForCausalLM(arch, build_dtype, sequence_parallel=sequence_parallel)
     if weights is None:
