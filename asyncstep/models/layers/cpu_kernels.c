@@ -1,5 +1,9 @@
 /*
- * Paged attention on the CPU: one call per layer and step stores the step's
+ * The CPU's compiled kernels, one shared library (built and loaded by
+ * cpu_kernels.py): paged attention, and the non-matmul work of a decoder
+ * layer (residual add + RMSNorm, silu(gate) * up).
+ *
+ * Paged attention: one call per layer and step stores the step's
  * new keys and values in the paged KV cache, then attends every request's
  * query tokens (decodes and prompt chunks alike) over its cached sequence,
  * reading the cache blocks in place through the block table (no gather).
@@ -28,13 +32,26 @@
  * Work items (request tile, KV head) are spread over OpenMP threads (a call
  * with little work runs on one); each is computed by one thread in a fixed
  * order, so results do not depend on the thread count.
+ *
+ * Layer ops (rows with a row stride in elements, unit stride within a row;
+ * x and out of one dtype, float32 or bfloat16; residual and weight float32):
+ *   add + RMSNorm: r = residual + x (or r = x: the first layer), stored to
+ *     residual_out (may be residual itself: in place; NULL: not stored), then
+ *     out = (r * 1 / sqrt(mean(r^2) + eps)) * weight, computed in float32 and
+ *     rounded once; a row may hold `groups` vectors of `hidden` values each,
+ *     normalised separately (per-head norms).
+ *   silu * mul: out[:, i] = silu(gate_up[:, i]) * gate_up[:, d + i], in float32,
+ *     rounded once.
+ * Rows are spread over OpenMP threads only for large calls; each row is
+ * computed by one thread, so results do not depend on the thread count.
  */
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define ASYNCSTEP_ABI_VERSION 2
+#define ASYNCSTEP_ABI_VERSION 3
 #define CHUNK 64 /* keys per online-softmax step */
 /* Query-key dot products below which a call runs on one thread: a parallel
  * region's fork and join cost more than splitting so little work saves (on
@@ -247,7 +264,7 @@ static int plan_tiles(const int32_t* query_start_loc, const int32_t* seq_lens, i
     return n;
 }
 
-int asyncstep_cpu_attention_abi_version(void) { return ASYNCSTEP_ABI_VERSION; }
+int asyncstep_cpu_kernels_abi_version(void) { return ASYNCSTEP_ABI_VERSION; }
 
 /* Stores k/v (when both are given), then attends; returns 0, or -1 when the
  * tile plan cannot be allocated. */
@@ -285,4 +302,131 @@ int asyncstep_cpu_paged_attention(
                     item % num_kv_heads);
     free(tiles);
     return 0;
+}
+
+
+/* ---- Layer ops ---------------------------------------------------------------- */
+
+/* Values below which a layer op runs on one thread (as MIN_PARALLEL_DOTS). */
+#define MIN_PARALLEL_VALUES (1 << 18)
+
+static inline int layer_threads(int64_t values, int num_threads) {
+    return values < MIN_PARALLEL_VALUES ? 1 : num_threads;
+}
+
+/* exp(x), saturating at exp(+-87..88) (silu needs no more): exp_nonpositive's
+ * polynomial holds for x up to 88, where 2^n is still a normal float. */
+static inline float exp_saturated(float x) { return exp_nonpositive(x > 88.0f ? 88.0f : x); }
+
+/* One row's vectors: r = residual + x (residual NULL: r = x) into r (which
+ * may be residual: in place), then out = r normalised, times weight. */
+#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE)                                            \
+    static inline void NAME(const T* x, const float* residual, float* r, T* out,           \
+                            const float* weight, int n, float eps) {                         \
+        float sum = 0.0f;                                                                     \
+        if (residual != NULL) {                                                               \
+            for (int i = 0; i < n; i++) {                                                     \
+                const float v = residual[i] + LOAD(x[i]);                                     \
+                r[i] = v;                                                                     \
+                sum += v * v;                                                                 \
+            }                                                                                 \
+        } else {                                                                              \
+            for (int i = 0; i < n; i++) {                                                     \
+                const float v = LOAD(x[i]);                                                   \
+                r[i] = v;                                                                     \
+                sum += v * v;                                                                 \
+            }                                                                                 \
+        }                                                                                     \
+        const float inv = 1.0f / sqrtf(sum / (float)n + eps);                                 \
+        for (int i = 0; i < n; i++) out[i] = STORE(r[i] * inv * weight[i]);                   \
+    }
+
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, f32_id, f32_id)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+
+/*
+ * The layer ops take their arguments as one struct (ctypes converts each
+ * argument of a call separately, at a cost a batch-1 step pays per call;
+ * one struct packed by the caller is one argument). All fields are 8 bytes.
+ *
+ * x, out: [rows, groups * hidden] (row strides x_stride, out_stride);
+ * residual, residual_out: [rows, hidden] float32 (strides residual_stride,
+ * residual_out_stride), both only with groups == 1: residual NULL: the
+ * stream starts at x; residual_out NULL: not stored (it may equal residual:
+ * in place). weight: [hidden] float32.
+ */
+typedef struct {
+    int64_t dtype;
+    void* out;
+    int64_t out_stride;
+    const void* x;
+    int64_t x_stride;
+    const float* residual;
+    int64_t residual_stride;
+    float* residual_out;
+    int64_t residual_out_stride;
+    const float* weight;
+    int64_t rows, groups, hidden;
+    double eps;
+    int64_t num_threads;
+} NormArgs;
+
+void asyncstep_add_rms_norm(const NormArgs* a) {
+    const int64_t vectors = a->rows * a->groups;
+    const int hidden = (int)a->hidden, groups = (int)a->groups;
+    const float eps = (float)a->eps;
+    const int num_threads = layer_threads(vectors * hidden, (int)a->num_threads);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t at = 0; at < vectors; at++) {
+        const int64_t row = at / groups, offset = (at % groups) * hidden;
+        const float* res = a->residual != NULL ? a->residual + row * a->residual_stride : NULL;
+        float scratch[a->residual_out != NULL ? 1 : hidden];
+        float* r = a->residual_out != NULL ? a->residual_out + row * a->residual_out_stride
+                                           : scratch;
+        if (a->dtype == DTYPE_BFLOAT16) {
+            add_rms_norm_bf16((const bf16_t*)a->x + row * a->x_stride + offset, res, r,
+                              (bf16_t*)a->out + row * a->out_stride + offset, a->weight, hidden,
+                              eps);
+        } else {
+            add_rms_norm_f32((const float*)a->x + row * a->x_stride + offset, res, r,
+                             (float*)a->out + row * a->out_stride + offset, a->weight, hidden, eps);
+        }
+    }
+}
+
+#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE)                                      \
+    static inline void NAME(const T* gate, const T* up, T* out, int n) {                 \
+        for (int i = 0; i < n; i++) {                                                   \
+            const float g = LOAD(gate[i]);                                              \
+            out[i] = STORE(g / (1.0f + exp_saturated(-g)) * LOAD(up[i]));               \
+        }                                                                               \
+    }
+
+DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, f32_id, f32_id)
+DEFINE_SILU_AND_MUL(silu_and_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+
+/* gate_up: [rows, 2 * d] (row stride in_stride), gate first; out: [rows, d]. */
+typedef struct {
+    int64_t dtype;
+    void* out;
+    int64_t out_stride;
+    const void* gate_up;
+    int64_t in_stride;
+    int64_t rows, d;
+    int64_t num_threads;
+} SiluArgs;
+
+void asyncstep_silu_and_mul(const SiluArgs* a) {
+    const int d = (int)a->d;
+    const int num_threads = layer_threads(a->rows * d, (int)a->num_threads);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t row = 0; row < a->rows; row++) {
+        if (a->dtype == DTYPE_BFLOAT16) {
+            const bf16_t* in = (const bf16_t*)a->gate_up + row * a->in_stride;
+            silu_and_mul_bf16(in, in + d, (bf16_t*)a->out + row * a->out_stride, d);
+        } else {
+            const float* in = (const float*)a->gate_up + row * a->in_stride;
+            silu_and_mul_f32(in, in + d, (float*)a->out + row * a->out_stride, d);
+        }
+    }
 }
