@@ -62,6 +62,8 @@ BASE_FLAGS = (
     "-fassociative-math",
     "-freciprocal-math",
 )
+#: Linked after the source (the layer ops call libm's expf).
+LIBS = ("-lm",)
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def _cache_dir() -> Path:
 
 def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (compiler, *BASE_FLAGS, *flags, platform.machine(), _cpu_flags()):
+    for part in (compiler, *BASE_FLAGS, *flags, *LIBS, platform.machine(), _cpu_flags()):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
 
@@ -149,7 +151,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(built)],
+            [compiler, *flags, str(SOURCE), "-o", str(built), *LIBS],
             check=True,
             capture_output=True,
             text=True,

@@ -5,20 +5,20 @@ the residual add with RMSNorm over a float32 residual stream, and
 of a chain of torch ops (and their dtype conversions); rows are spread over
 threads only for large calls.
 
-Both compute in float32 and round once to the activations' dtype (float32
-or bfloat16). Against the torch expressions they replace
-(:class:`~asyncstep.models.layers.norm.RMSNorm` in ``float32_residual`` mode;
-``F.silu(gate) * up``):
-
-- the residual stream is bitwise equal (one float32 add per value);
-- the normed output is the same float32 arithmetic but for the order of the
-  sum of squares (a relative difference of a few float32 ulps), so a
-  bfloat16 output may differ from torch's by one bfloat16 ulp where the
-  exact value sits near a rounding boundary;
-- ``silu(gate) * up`` takes ``exp`` from a polynomial (a few float32 ulps),
-  and in bfloat16 rounds once where torch rounds twice (after ``silu``,
-  after the product): within one bfloat16 ulp of torch's, and no farther
-  than half an ulp (plus the float32 error) from the exact value.
+They return what the torch expressions they replace return
+(:class:`~asyncstep.models.layers.norm.RMSNorm` in ``float32_residual``
+mode; ``F.silu(gate) * up``), bit for bit on x86: the same float32
+operations in the same order, i.e. the sum of squares in the order of
+torch's sum kernel (its 8-lane x86 build), ``exp`` as SLEEF's ``expf_u10``
+where torch's vector loop takes a row's values and libm's ``expf`` on the
+rest, and bfloat16 rounding where torch rounds (silu, then the product). A
+greedy token on a near tie so comes out as it does without them. Two
+limits: where torch's vectors are of another width than
+:func:`torch_vector_bytes` says, or a row's silu width is not a multiple of
+128 values and torch splits a large call among threads, a few values take
+the other ``exp``; and elsewhere than x86 the sum's order may differ. Then
+the results are within a few float32 ulps before the output's rounding: one
+ulp of a bfloat16 output.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ _SILU_ARGS = struct.Struct(
     "qq"  # out, row stride
     "qq"  # gate_up, row stride
     "qq"  # rows, d (out's width; gate_up's is 2 * d)
+    "q"  # bytes of torch's vectors
     "q"  # threads
 )
 
@@ -67,6 +68,7 @@ class CpuLayerOps:
         for fn in (self._norm, self._silu):
             fn.argtypes = [ctypes.c_char_p]
             fn.restype = None
+        self._vector_bytes = torch_vector_bytes()
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -174,10 +176,17 @@ class CpuLayerOps:
             in_stride,
             rows,
             d,
+            self._vector_bytes,
             torch.get_num_threads(),
         )
         self._silu(args)
         return out
+
+
+def torch_vector_bytes() -> int:
+    """The width of torch's CPU vectors (its ``Vectorized``) in this process:
+    where its loops switch from vector to scalar code."""
+    return 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
 
 
 def _rows(x: torch.Tensor, name: str) -> tuple[int, int, int]:

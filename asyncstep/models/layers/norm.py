@@ -10,9 +10,9 @@ activations' dtype: the stream's rounding no longer piles up over the layers
 (a bf16 residual of magnitude ~2.5e4 keeps steps of 128), and on the CPU
 the adds cost little beside the matmuls. There, with ``use_cpu_kernel``, the
 add, the norm and the conversions are one call of the CPU library
-(:mod:`~asyncstep.models.layers.cpu_layer_ops`: the same float32 arithmetic,
-the sum of squares in another order); torch's ops run where the library is
-not loaded or does not take the input (float16)."""
+(:mod:`~asyncstep.models.layers.cpu_layer_ops`: torch's float32 arithmetic,
+bit for bit on x86); torch's ops run where the library is not loaded or
+does not take the input (float16)."""
 
 from __future__ import annotations
 
