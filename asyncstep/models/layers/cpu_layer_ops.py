@@ -99,7 +99,7 @@ class CpuLayerOps:
         modified. ``weight``: contiguous float32 ``[hidden]``."""
         rows, hidden, x_stride = _rows(x, "x")
         _check_weight(weight, hidden)
-        out = torch.empty((rows, hidden), dtype=x.dtype)
+        out = torch.empty(rows, hidden, dtype=x.dtype)
         res_ptr = res_stride = 0
         if residual is not None:
             if residual.dtype != torch.float32 or residual.shape != x.shape:
@@ -111,7 +111,7 @@ class CpuLayerOps:
                 raise ValueError("in_place needs a residual to write")
             result = residual
         else:
-            result = torch.empty((rows, hidden), dtype=torch.float32)
+            result = torch.empty(rows, hidden, dtype=torch.float32)
         args = _NORM_ARGS.pack(
             LAYER_OP_DTYPES[x.dtype],
             out.data_ptr(),
@@ -167,7 +167,7 @@ class CpuLayerOps:
         if width % 2:
             raise ValueError("gate_up's width must be even: [gate | up]")
         d = width // 2
-        out = torch.empty((rows, d), dtype=gate_up.dtype)
+        out = torch.empty(rows, d, dtype=gate_up.dtype)
         args = _SILU_ARGS.pack(
             LAYER_OP_DTYPES[gate_up.dtype],
             out.data_ptr(),
