@@ -129,8 +129,8 @@ def test_add_rms_norm_in_place_writes_the_residual_it_returns(
 def test_large_calls_split_over_threads_give_the_same_bits(
     ops: CpuLayerOps, dtype: torch.dtype, two_threads: None
 ) -> None:
-    """Rows past the size where the ops fork (2^18 values): every row is one
-    thread's, so the thread count changes nothing."""
+    """Rows past the size where the ops fork (2^18 values, a silu value worth
+    4): every row is one thread's, so the thread count changes nothing."""
     x, residual, weight = torch.randn(600, 576).to(dtype), torch.randn(600, 576), torch.rand(576)
     gate_up = torch.randn(200, 2 * 1536).to(dtype)
     two = ops.add_rms_norm(x, residual, weight, EPS)[0], ops.silu_and_mul(gate_up)

@@ -323,16 +323,18 @@ int asyncstep_cpu_paged_attention(
 #pragma GCC optimize("no-associative-math", "no-reciprocal-math", "fp-contract=off")
 #endif
 
-/* Values below which a layer op runs on one thread (as MIN_PARALLEL_DOTS). */
-#define MIN_PARALLEL_VALUES (1 << 18)
+/* Work below which a layer op runs on one thread (as MIN_PARALLEL_DOTS): a
+ * norm's values, of which a silu value is worth SILU_WORK (its exp). */
+#define MIN_PARALLEL_WORK (1 << 18)
+#define SILU_WORK 4
 /* Lanes of torch's float32 sum kernel on x86 (Vectorized<float> of its AVX2
  * build, which it runs on AVX-512 CPUs too). */
 #define SUM_LANES 8
 #define SUM_ILP 4
 #define SUM_LEVELS 4
 
-static inline int layer_threads(int64_t values, int num_threads) {
-    return values < MIN_PARALLEL_VALUES ? 1 : num_threads;
+static inline int layer_threads(int64_t work, int num_threads) {
+    return work < MIN_PARALLEL_WORK ? 1 : num_threads;
 }
 
 static inline int64_t ceil_log2(int64_t x) {
@@ -545,7 +547,7 @@ typedef struct {
 
 void asyncstep_silu_and_mul(const SiluArgs* a) {
     const int64_t d = a->d;
-    const int num_threads = layer_threads(a->rows * d, (int)a->num_threads);
+    const int num_threads = layer_threads(SILU_WORK * a->rows * d, (int)a->num_threads);
     /* torch's vector loop takes two vectors a step */
     const int64_t element = a->dtype == DTYPE_BFLOAT16 ? 2 : 4;
     const int64_t chunk = 2 * (a->vector_bytes / element > 0 ? a->vector_bytes / element : 1);
