@@ -352,7 +352,11 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
         ),
     ] = "auto"
     fused_kernels: Annotated[
-        bool, _doc("with the triton backend, also fuse residual add + RMSNorm, and rotary")
+        bool,
+        _doc(
+            "fuse residual add + RMSNorm and silu * up (Triton kernels with the triton"
+            " backend, with rotary too; the CPU library's kernels on the CPU)"
+        ),
     ] = True
     enable_ubatching: Annotated[
         bool,

@@ -1,7 +1,7 @@
 """CPU micro-benchmark of one layer's paged attention with SmolLM2-135M's
 heads (9 query / 3 KV, head_dim 64; block size 16, random block ids): the
 torch reference (``write_kv_cache`` + ``reference_attention``, decodes in
-the runner's buckets) against the CPU kernel (``cpu_attention.c``: store and
+the runner's buckets) against the CPU kernel (in ``cpu_kernels.c``: store and
 attend in one call), on decode batches (ragged lengths in [3/4, 1] of the
 context), mixed steps (decodes + a prompt chunk) and prompts, in fp32 and
 bf16, with 1 and 2 torch threads.
@@ -52,7 +52,7 @@ from asyncstep.models.layers.attention import (
     reference_attention_backends,
     write_kv_cache,
 )
-from asyncstep.models.layers.cpu_attention import load_cpu_attention
+from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.model_loader import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -161,8 +161,9 @@ def reference_variant(case: Case) -> Callable[[], torch.Tensor]:
 
 
 def kernel_variant(case: Case) -> Callable[[], torch.Tensor]:
-    kernel = load_cpu_attention()
-    assert kernel is not None, "the CPU attention kernel does not build here"
+    kernels = load_cpu_kernels()
+    assert kernels is not None, "the CPU kernels do not build here"
+    kernel = kernels.attention
     out = torch.empty(case.q.shape, dtype=case.q.dtype)
     step = case.meta.cpu_step_args()
 

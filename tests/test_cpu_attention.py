@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncstep.errors import ConfigError
-from asyncstep.models.layers import cpu_attention
+from asyncstep.models.layers import cpu_kernels
 from asyncstep.models.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -22,7 +22,8 @@ from asyncstep.models.layers.attention import (
     plan_decode_buckets,
     reference_attention,
 )
-from asyncstep.models.layers.cpu_attention import CpuPagedAttention, load_cpu_attention
+from asyncstep.models.layers.cpu_attention import CpuPagedAttention
+from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.rotary import RotaryEmbedding
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner.attention_backend import resolve_attention_backend
@@ -35,10 +36,10 @@ FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 @pytest.fixture(scope="module")
 def kernel() -> CpuPagedAttention:
-    loaded = load_cpu_attention()
+    loaded = load_cpu_kernels()
     if loaded is None:
-        pytest.skip("the CPU attention kernel does not build here (no C compiler)")
-    return loaded
+        pytest.skip("the CPU kernels do not build here (no C compiler)")
+    return loaded.attention
 
 
 @dataclass
@@ -294,25 +295,26 @@ def test_attention_layer_pads_and_matches_the_reference_backend(
 
 @pytest.fixture
 def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> Iterator[None]:
-    """``load_cpu_attention`` forgets its cached answer, and builds into a
+    """``load_cpu_kernels`` forgets its cached answer, and builds into a
     temporary cache, before and after the test."""
-    monkeypatch.setenv(cpu_attention.CACHE_ENV, str(tmp_path))
-    load_cpu_attention.cache_clear()
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    load_cpu_kernels.cache_clear()
     yield
-    load_cpu_attention.cache_clear()
+    load_cpu_kernels.cache_clear()
 
 
+@pytest.mark.parametrize("switch", cpu_kernels.SWITCH_ENVS)
 def test_switched_off_or_no_compiler_keeps_the_torch_backend(
-    fresh_loader: None, monkeypatch: pytest.MonkeyPatch
+    switch: str, fresh_loader: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cpu = torch.device("cpu")
-    monkeypatch.setenv(cpu_attention.SWITCH_ENV, "torch")
-    assert load_cpu_attention() is None
+    monkeypatch.setenv(switch, "torch")
+    assert load_cpu_kernels() is None
     assert resolve_attention_backend("auto", cpu, torch.float32) == "torch"
-    monkeypatch.delenv(cpu_attention.SWITCH_ENV)
+    monkeypatch.delenv(switch)
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    load_cpu_attention.cache_clear()
-    assert load_cpu_attention() is None
+    load_cpu_kernels.cache_clear()
+    assert load_cpu_kernels() is None
     with pytest.raises(ConfigError, match="needs a CPU device"):
         resolve_attention_backend("cpu", cpu, torch.float32)
 

@@ -136,6 +136,29 @@ async def test_layout_matches_single_rank(
 
 
 @pytest.mark.trio
+async def test_bfloat16_layout_gives_with_the_cpu_kernels_what_torch_gives(
+    peaked_llama: Path,
+) -> None:
+    """bf16 with its float32 residual stream on pp2 x tp2 with sequence
+    parallelism: the CPU library's add + RMSNorm on each rank's token shard
+    (the second stage's on the residual it received) and silu * up give the
+    tokens torch's ops give on the same layout. (The reference is the layout,
+    not one rank: bf16 partial sums of sharded matmuls round otherwise.)"""
+    layout: dict[str, Any] = {
+        **ENGINE,
+        "dtype": "bfloat16",
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "sequence_parallel": True,
+    }
+    tokens = []
+    for fused in (False, True):
+        async with asyncstep.open_engine(peaked_llama, fused_kernels=fused, **layout) as engine:
+            tokens.append(await generate_all(engine, PROMPTS, GREEDY))
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.trio
 @pytest.mark.parametrize("tp,pp", [(1, 2), (3, 1)], ids=["pp2", "tp3"])
 async def test_smollm2_layouts_match_single_rank(smollm2: Any, tp: int, pp: int) -> None:
     questions = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Hi")]

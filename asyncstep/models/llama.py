@@ -33,6 +33,7 @@ from asyncstep.datatypes import IntermediateTensors
 from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.layers.attention import Attention, AttentionMetadata
+from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncstep.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -146,6 +147,9 @@ class LlamaMLP(nn.Module):
         )
         #: One Triton kernel for silu(gate) * up (set by the runner on CUDA).
         self.fused_silu_and_mul = False
+        #: silu(gate) * up in one call of the CPU library where it is loaded
+        #: (set by the runner on the CPU).
+        self.use_cpu_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -153,6 +157,10 @@ class LlamaMLP(nn.Module):
             from asyncstep.gpu.triton_fused import silu_and_mul
 
             return self.down_proj(silu_and_mul(gate_up))
+        if self.use_cpu_kernel:
+            kernels = load_cpu_kernels()
+            if kernels is not None and kernels.layer_ops.takes(gate_up):
+                return self.down_proj(kernels.layer_ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -175,19 +183,32 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype, sequence_parallel)
 
     def pre_attention(
-        self, cos_sin: RotaryCosSin, hidden: torch.Tensor, residual: torch.Tensor | None
+        self,
+        cos_sin: RotaryCosSin,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        *,
+        own_residual: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Up to the attention: (q, k, v, residual)."""
-        hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
+        """Up to the attention: (q, k, v, residual). ``own_residual``: the
+        caller gives ``residual`` up (an earlier layer's, read by no one
+        else), so the norm may add into it in place."""
+        hidden, residual = self.input_layernorm.forward_residual(
+            hidden, residual, own_residual=own_residual
+        )
         q, k, v = self.self_attn.qkv(cos_sin, hidden)
         return q, k, v, residual
 
     def post_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """From the attention's output on: (hidden, residual)."""
+        """From the attention's output on: (hidden, residual). ``residual``
+        is :meth:`pre_attention`'s, the layer's own: the norm may add into it
+        in place."""
         hidden = self.self_attn.o_proj(attn_out)
-        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
+        hidden, residual = self.post_attention_layernorm.forward_residual(
+            hidden, residual, own_residual=True
+        )
         return self.mlp(hidden), residual
 
     def forward(
@@ -196,8 +217,11 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
+        *,
+        own_residual: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, residual = self.pre_attention(cos_sin, hidden, residual)
+        """``own_residual``: as :meth:`pre_attention`'s."""
+        q, k, v, residual = self.pre_attention(cos_sin, hidden, residual, own_residual=own_residual)
         return self.post_attention(self.self_attn.attn(q, k, v, meta), residual)
 
 
@@ -270,8 +294,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | IntermediateTensors:
         hidden, residual = self.begin(input_ids, intermediate_tensors)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer in self.stage_layers():
-            hidden, residual = layer(cos_sin, hidden, residual, meta)
+        # A received residual is left as it is; the ones the layers return
+        # are the stream's own (each passed on to the next layer alone).
+        for i, layer in enumerate(self.stage_layers()):
+            hidden, residual = layer(cos_sin, hidden, residual, meta, own_residual=i > 0)
         return self.finish(hidden, residual)
 
 

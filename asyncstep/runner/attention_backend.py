@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from asyncstep.errors import ConfigError
-from asyncstep.models.layers.cpu_attention import cpu_attention_supported
+from asyncstep.models.layers.cpu_kernels import cpu_attention_supported
 from asyncstep.runner.cudagraph_dispatcher import CUDAGraphMode
 
 __all__ = ["resolve_attention_backend", "resolve_cudagraph_mode", "triton_available"]

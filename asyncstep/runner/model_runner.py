@@ -61,6 +61,7 @@ from asyncstep.models.layers.attention import (
     kv_cache_shape,
     reference_attention_backends,
 )
+from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.llama import LlamaForCausalLM, LlamaMLP
 from asyncstep.runner.async_output import AsyncModelRunnerOutput, copy_to_host, host_logprobs
@@ -152,7 +153,12 @@ class ModelRunner:
         for attn in model.attention_layers():
             attn.backend = self.attention_backend
         self.fused_kernels = compilation.fused_kernels and self.attention_backend == "triton"
-        _use_fused_kernels(model, self.fused_kernels)
+        #: The CPU library's layer ops: residual add + RMSNorm (float32
+        #: residual stream), silu * up.
+        self.cpu_layer_kernels = (
+            compilation.fused_kernels and device.type == "cpu" and load_cpu_kernels() is not None
+        )
+        _use_fused_kernels(model, self.fused_kernels, cpu=self.cpu_layer_kernels)
         if self.attention_backend == "cpu":  # the CPU kernel rotates q and k as it reads them
             for attn in model.attention_layers():
                 attn.fused_rotary = model.model.rotary
@@ -422,15 +428,19 @@ class ModelRunner:
         return batch.token_history(rows, seq_lens, last, processing)
 
 
-def _use_fused_kernels(model: LlamaForCausalLM, fused: bool) -> None:
+def _use_fused_kernels(model: LlamaForCausalLM, fused: bool, *, cpu: bool = False) -> None:
     """Switch the model's layers to (or off) the fused Triton kernels:
-    residual add + RMSNorm, silu * up, and rotary inside the KV store."""
+    residual add + RMSNorm, silu * up, and rotary inside the KV store; with
+    ``cpu``, the norms (of a float32 residual stream) and the MLPs to the
+    CPU library's kernels."""
     rotary = model.model.rotary
     rotary.use_triton = fused
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.use_triton = fused
+            module.use_cpu_kernel = cpu
         elif isinstance(module, LlamaMLP):
             module.fused_silu_and_mul = fused
+            module.use_cpu_kernel = cpu
         elif isinstance(module, Attention):
             module.fused_rotary = rotary if fused else None

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from asyncstep.models.layers.cpu_attention import CpuStepArgs, load_cpu_attention
+from asyncstep.models.layers.cpu_attention import CpuStepArgs
+from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.rotary import RotaryEmbedding
 
 #: KV cache dimension of ``[2, kv_heads, blocks, block_size, head_dim]`` holding blocks.
@@ -318,14 +319,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """The CPU kernel rotates (with a fused rotary), stores and attends
         the real rows in one call; padding rows of the output are zeros."""
-        kernel = load_cpu_attention()
-        assert kernel is not None, "the cpu backend needs the CPU attention kernel"
+        kernels = load_cpu_kernels()
+        assert kernels is not None, "the cpu backend needs the CPU attention kernel"
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if q.shape[0] > meta.num_actual_tokens:
             out[meta.num_actual_tokens :].zero_()
         rotary = self.fused_rotary
         cos_sin = None if rotary is None else rotary.cos_sin_cache
-        kernel(out, q, k, v, self.kv_cache, meta.cpu_step_args(), self.scale, cos_sin)
+        kernels.attention(out, q, k, v, self.kv_cache, meta.cpu_step_args(), self.scale, cos_sin)
         return out
 
     def _forward_triton(

@@ -1,69 +1,24 @@
-"""The CPU attention backend's kernel: ``cpu_attention.c`` compiled on first
-use with the machine's C compiler, cached, and called through ctypes.
+"""The CPU attention backend's kernel (in ``cpu_kernels.c``, loaded by
+:func:`~asyncstep.models.layers.cpu_kernels.load_cpu_kernels`): its
+arguments and the call.
 
 One call per layer and step stores the step's keys and values in the paged
 cache and attends every request (decodes and prompt chunks) over its blocks
-in place: no gather, no per-request Python. The shared library is built for
-this CPU (``-march=native``) into ``$ASYNCSTEP_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/asyncstep`` or ``~/.cache/asyncstep``), keyed by the
-source, the flags and the CPU's feature flags, so later processes load it
-without compiling. Without a compiler (or ``ASYNCSTEP_CPU_ATTENTION=torch``)
-:func:`load_cpu_attention` returns None and the runner keeps the torch
-reference backend.
+in place: no gather, no per-request Python. Without the library the runner
+keeps the torch reference backend.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 
-__all__ = [
-    "CPU_ATTENTION_DTYPES",
-    "CpuPagedAttention",
-    "CpuStepArgs",
-    "cpu_attention_supported",
-    "load_cpu_attention",
-]
+__all__ = ["CPU_ATTENTION_DTYPES", "CpuPagedAttention", "CpuStepArgs"]
 
-log = structlog.get_logger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_attention.c")
-#: Must match ``ASYNCSTEP_ABI_VERSION`` in the source.
-ABI_VERSION = 2
-#: Environment variable: ``torch`` turns the kernel off (the reference backend runs).
-SWITCH_ENV = "ASYNCSTEP_CPU_ATTENTION"
-CACHE_ENV = "ASYNCSTEP_CACHE_DIR"
-#: Tried in order; the first that builds is used (without OpenMP: one thread).
-FLAG_SETS = (
-    ("-fopenmp",),
-    (),
-)
-BASE_FLAGS = (
-    "-O3",
-    "-march=native",
-    "-std=gnu11",
-    "-fPIC",
-    "-shared",
-    # Reassociation lets the dot products and sums vectorize; no finite-math
-    # assumption (the softmax starts from -FLT_MAX, NaNs propagate).
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fno-signed-zeros",
-    "-fassociative-math",
-    "-freciprocal-math",
-)
 #: Query rows (query tokens x the query heads of one KV head) a work item
 #: attends together: each key and value read serves that many rows.
 TILE_ROWS = 24
@@ -232,84 +187,3 @@ def _check_rotary(cos_sin_cache: torch.Tensor, head_dim: int, step: CpuStepArgs)
         raise ValueError("the rotary cache must be contiguous float32 [max_position, head_dim]")
     if not step.positions:
         raise ValueError("a fused rotary needs the step's positions")
-
-
-def cpu_attention_supported(dtype: torch.dtype) -> bool:
-    """Whether the kernel runs ``dtype`` here (and builds or loads)."""
-    return dtype in CPU_ATTENTION_DTYPES and load_cpu_attention() is not None
-
-
-@functools.cache
-def load_cpu_attention() -> CpuPagedAttention | None:
-    """The kernel, built on first use (once per machine: cached); None when
-    switched off or when no compiler builds it (logged once)."""
-    if os.environ.get(SWITCH_ENV, "native") == "torch":
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.warning("no C compiler: the CPU attention kernel is off", compiler="cc")
-        return None
-    errors: list[str] = []
-    for flags in FLAG_SETS:
-        target = _cache_dir() / f"cpu_attention_{_build_key(compiler, flags)}.so"
-        try:
-            if not target.exists():
-                _compile(compiler, [*BASE_FLAGS, *flags], target)
-            library = ctypes.CDLL(str(target))
-        except (OSError, subprocess.SubprocessError) as e:
-            errors.append(str(getattr(e, "stderr", "") or e)[-500:])
-            continue
-        if library.asyncstep_cpu_attention_abi_version() != ABI_VERSION:
-            errors.append(f"{target}: ABI version mismatch")
-            continue
-        if not flags:
-            log.warning("CPU attention kernel built without OpenMP: one thread", path=str(target))
-        return CpuPagedAttention(library, target)
-    log.warning("the CPU attention kernel does not build: it is off", errors=errors)
-    return None
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV)
-    if root is None:
-        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        root = str(Path(xdg) / "asyncstep")
-    path = Path(root) / "kernels"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError:  # not writable: build for this process only
-        return Path(tempfile.mkdtemp(prefix="asyncstep-kernels-"))
-    return path
-
-
-def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (compiler, *BASE_FLAGS, *flags, platform.machine(), _cpu_flags()):
-        digest.update(part.encode() + b"\0")
-    return digest.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (``-march=native`` builds for them)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compile(compiler: str, flags: list[str], target: Path) -> None:
-    """Build into a temporary file, then rename: processes building at once
-    (tensor-parallel ranks) never load a half-written library."""
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(built)],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        os.replace(built, target)

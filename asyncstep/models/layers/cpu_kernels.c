@@ -1,5 +1,9 @@
 /*
- * Paged attention on the CPU: one call per layer and step stores the step's
+ * The CPU's compiled kernels, one shared library (built and loaded by
+ * cpu_kernels.py): paged attention, and the non-matmul work of a decoder
+ * layer (residual add + RMSNorm, silu(gate) * up).
+ *
+ * Paged attention: one call per layer and step stores the step's
  * new keys and values in the paged KV cache, then attends every request's
  * query tokens (decodes and prompt chunks alike) over its cached sequence,
  * reading the cache blocks in place through the block table (no gather).
@@ -28,13 +32,27 @@
  * Work items (request tile, KV head) are spread over OpenMP threads (a call
  * with little work runs on one); each is computed by one thread in a fixed
  * order, so results do not depend on the thread count.
+ *
+ * Layer ops (rows with a row stride in elements, unit stride within a row;
+ * x and out of one dtype, float32 or bfloat16; residual and weight float32),
+ * each the float32 arithmetic of the torch ops it replaces, in torch's order
+ * (see "Layer ops" below):
+ *   add + RMSNorm: r = residual + x (or r = x: the first layer), stored to
+ *     residual_out (may be residual itself: in place; NULL: not stored), then
+ *     out = (r * (1 / sqrt(mean(r * r) + eps))) * weight; a row may hold
+ *     `groups` vectors of `hidden` values each, normalised separately
+ *     (per-head norms).
+ *   silu * mul: out[:, i] = silu(gate_up[:, i]) * gate_up[:, d + i].
+ * Rows are spread over OpenMP threads only for large calls; each row is
+ * computed by one thread, so results do not depend on the thread count.
  */
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define ASYNCSTEP_ABI_VERSION 2
+#define ASYNCSTEP_ABI_VERSION 3
 #define CHUNK 64 /* keys per online-softmax step */
 /* Query-key dot products below which a call runs on one thread: a parallel
  * region's fork and join cost more than splitting so little work saves (on
@@ -61,12 +79,13 @@ typedef struct {
     int req, token_begin, num_tokens, context_begin;
 } Tile;
 
-static inline float bf16_to_f32(bf16_t x) {
+/* always_inline: the layer ops below (other optimisation options) inline them too. */
+static inline __attribute__((always_inline)) float bf16_to_f32(bf16_t x) {
     union { uint32_t u; float f; } c = {.u = (uint32_t)x << 16};
     return c.f;
 }
 
-static inline bf16_t f32_to_bf16(float f) {
+static inline __attribute__((always_inline)) bf16_t f32_to_bf16(float f) {
     union { float f; uint32_t u; } c = {.f = f};
     uint32_t u = c.u;
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u); /* quiet NaN */
@@ -74,7 +93,7 @@ static inline bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
-static inline float f32_id(float x) { return x; }
+static inline __attribute__((always_inline)) float f32_id(float x) { return x; }
 
 /* exp(x) for x <= 0, Cephes' polynomial; branch-free, so loops over it vectorize. */
 static inline float exp_nonpositive(float x) {
@@ -247,7 +266,7 @@ static int plan_tiles(const int32_t* query_start_loc, const int32_t* seq_lens, i
     return n;
 }
 
-int asyncstep_cpu_attention_abi_version(void) { return ASYNCSTEP_ABI_VERSION; }
+int asyncstep_cpu_kernels_abi_version(void) { return ASYNCSTEP_ABI_VERSION; }
 
 /* Stores k/v (when both are given), then attends; returns 0, or -1 when the
  * tile plan cannot be allocated. */
@@ -286,3 +305,264 @@ int asyncstep_cpu_paged_attention(
     free(tiles);
     return 0;
 }
+
+
+/* ---- Layer ops: torch's float32 arithmetic, bit for bit ------------------------- */
+
+/*
+ * These kernels replace chains of torch ops, and return what those return,
+ * bit for bit (where torch's vector width is what the caller says): a
+ * greedy token on a near tie then comes out as it did. So no reassociation
+ * and no contraction into fused multiply-adds here (the attention above
+ * keeps them), and the float32 sum of squares follows torch's order.
+ */
+#if defined(__clang__)
+#pragma clang fp reassociate(off) contract(off)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math", "no-reciprocal-math", "fp-contract=off")
+#endif
+
+/* Work below which a layer op runs on one thread (as MIN_PARALLEL_DOTS): a
+ * norm's values, of which a silu value is worth SILU_WORK (its exp). */
+#define MIN_PARALLEL_WORK (1 << 18)
+#define SILU_WORK 4
+/* Lanes of torch's float32 sum kernel on x86 (Vectorized<float> of its AVX2
+ * build, which it runs on AVX-512 CPUs too). */
+#define SUM_LANES 8
+#define SUM_ILP 4
+#define SUM_LEVELS 4
+
+static inline int layer_threads(int64_t work, int num_threads) {
+    return work < MIN_PARALLEL_WORK ? 1 : num_threads;
+}
+
+static inline int64_t ceil_log2(int64_t x) {
+    return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(x - 1));
+}
+
+/*
+ * torch's multi_row_sum: `size` groups of SUM_ILP elements of W lanes each
+ * (group i, element k at x + (i * SUM_ILP + k) * W), summed per element and
+ * lane in a cascade of SUM_LEVELS accumulators; into out[k * W + lane].
+ */
+static inline __attribute__((always_inline)) void multi_row_sum(const float* x, int64_t size,
+                                                                const int W, float* out) {
+    float acc[SUM_LEVELS][SUM_ILP * W];
+    memset(acc, 0, sizeof(acc));
+    const int64_t level_power = ceil_log2(size) / SUM_LEVELS > 4 ? ceil_log2(size) / SUM_LEVELS : 4;
+    const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;
+    int64_t i = 0;
+    while (i + level_step <= size) {
+        for (int64_t j = 0; j < level_step; j++, i++)
+            for (int e = 0; e < SUM_ILP * W; e++) acc[0][e] += x[i * SUM_ILP * W + e];
+        for (int j = 1; j < SUM_LEVELS; j++) {
+            for (int e = 0; e < SUM_ILP * W; e++) {
+                acc[j][e] += acc[j - 1][e];
+                acc[j - 1][e] = 0.0f;
+            }
+            if ((i & (level_mask << (j * level_power))) != 0) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int e = 0; e < SUM_ILP * W; e++) acc[0][e] += x[i * SUM_ILP * W + e];
+    for (int j = 1; j < SUM_LEVELS; j++)
+        for (int e = 0; e < SUM_ILP * W; e++) acc[0][e] += acc[j][e];
+    memcpy(out, acc[0], sizeof(acc[0]));
+}
+
+/* torch's row_sum: `count` elements of W lanes each; the lanes' sums into out[W]. */
+static inline __attribute__((always_inline)) void row_sum(const float* x, int64_t count,
+                                                          const int W, float* out) {
+    const int64_t size_ilp = count / SUM_ILP;
+    float partial[SUM_ILP * W];
+    multi_row_sum(x, size_ilp, W, partial);
+    for (int64_t i = size_ilp * SUM_ILP; i < count; i++)
+        for (int l = 0; l < W; l++) partial[l] += x[i * W + l];
+    for (int k = 1; k < SUM_ILP; k++)
+        for (int l = 0; l < W; l++) partial[l] += partial[k * W + l];
+    memcpy(out, partial, sizeof(float) * (size_t)W);
+}
+
+/* The float32 sum of x[0, n) as torch's inner-dimension sum computes it. */
+static float torch_sum(const float* x, int64_t n) {
+    if (n < SUM_LANES) {
+        float sum;
+        row_sum(x, n, 1, &sum);
+        return sum;
+    }
+    const int64_t vectors = n / SUM_LANES;
+    float lanes[SUM_LANES];
+    row_sum(x, vectors, SUM_LANES, lanes);
+    float total = 0.0f;
+    for (int64_t i = vectors * SUM_LANES; i < n; i++) total += x[i];
+    for (int l = 0; l < SUM_LANES; l++) total += lanes[l];
+    return total;
+}
+
+/*
+ * One vector of n values: r = residual + x (residual NULL: r = x) into r
+ * (which may be residual: in place), then out = (r * (1 / sqrt(mean(r * r) +
+ * eps))) * weight, as torch's rms_norm decomposes on the CPU.
+ */
+#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE)                                            \
+    static inline void NAME(const T* x, const float* residual, float* r, T* out,           \
+                            const float* weight, int64_t n, float eps) {                     \
+        float squares[n];                                                                     \
+        if (residual != NULL) {                                                               \
+            for (int64_t i = 0; i < n; i++) r[i] = residual[i] + LOAD(x[i]);                  \
+        } else {                                                                              \
+            for (int64_t i = 0; i < n; i++) r[i] = LOAD(x[i]);                                \
+        }                                                                                     \
+        for (int64_t i = 0; i < n; i++) squares[i] = r[i] * r[i];                             \
+        const float inv = 1.0f / sqrtf(torch_sum(squares, n) / (float)n + eps);              \
+        for (int64_t i = 0; i < n; i++) out[i] = STORE((r[i] * inv) * weight[i]);             \
+    }
+
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, f32_id, f32_id)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+
+/*
+ * The layer ops take their arguments as one struct (ctypes converts each
+ * argument of a call separately, at a cost a batch-1 step pays per call;
+ * one struct packed by the caller is one argument). All fields are 8 bytes.
+ *
+ * x, out: [rows, groups * hidden] (row strides x_stride, out_stride);
+ * residual, residual_out: [rows, hidden] float32 (strides residual_stride,
+ * residual_out_stride), both only with groups == 1: residual NULL: the
+ * stream starts at x; residual_out NULL: not stored (it may equal residual:
+ * in place). weight: [hidden] float32.
+ */
+typedef struct {
+    int64_t dtype;
+    void* out;
+    int64_t out_stride;
+    const void* x;
+    int64_t x_stride;
+    const float* residual;
+    int64_t residual_stride;
+    float* residual_out;
+    int64_t residual_out_stride;
+    const float* weight;
+    int64_t rows, groups, hidden;
+    double eps;
+    int64_t num_threads;
+} NormArgs;
+
+void asyncstep_add_rms_norm(const NormArgs* a) {
+    const int64_t vectors = a->rows * a->groups, hidden = a->hidden, groups = a->groups;
+    const float eps = (float)a->eps;
+    const int num_threads = layer_threads(vectors * hidden, (int)a->num_threads);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t at = 0; at < vectors; at++) {
+        const int64_t row = at / groups, offset = (at % groups) * hidden;
+        const float* res = a->residual != NULL ? a->residual + row * a->residual_stride : NULL;
+        float scratch[a->residual_out != NULL ? 1 : hidden];
+        float* r = a->residual_out != NULL ? a->residual_out + row * a->residual_out_stride
+                                           : scratch;
+        if (a->dtype == DTYPE_BFLOAT16) {
+            add_rms_norm_bf16((const bf16_t*)a->x + row * a->x_stride + offset, res, r,
+                              (bf16_t*)a->out + row * a->out_stride + offset, a->weight, hidden,
+                              eps);
+        } else {
+            add_rms_norm_f32((const float*)a->x + row * a->x_stride + offset, res, r,
+                             (float*)a->out + row * a->out_stride + offset, a->weight, hidden, eps);
+        }
+    }
+}
+
+/*
+ * exp(d) as torch's vectorized float32 exp computes it (SLEEF's expf_u10:
+ * fused multiply-adds, a 2^q split in two factors, 0 below -104 and
+ * infinity above 100); vectorizes.
+ */
+static inline __attribute__((always_inline)) float sleef_expf(float d) {
+    /* q = rint(d / ln 2) by adding and subtracting 1.5 * 2^23 (exact, to nearest
+     * even, for |d| below 2.9e6; larger d and NaN get a q of no meaning, and a
+     * result replaced below or NaN through s), its integer from the sum's bits. */
+    const float magic = 12582912.0f;
+    union { float f; uint32_t u; } shifted = {.f = d * 1.442695040888963407359924681001892137426645954152985934135449406931f + magic};
+    const float qf = shifted.f - magic;
+    const int32_t q = (int32_t)(shifted.u - 0x4b400000u);
+    float s = __builtin_fmaf(qf, -0.693145751953125f, d);
+    s = __builtin_fmaf(qf, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = __builtin_fmaf(u, s, 0.00139304355252534151077271f);
+    u = __builtin_fmaf(u, s, 0.00833336077630519866943359f);
+    u = __builtin_fmaf(u, s, 0.0416664853692054748535156f);
+    u = __builtin_fmaf(u, s, 0.166666671633720397949219f);
+    u = __builtin_fmaf(u, s, 0.5f);
+    u = 1.0f + __builtin_fmaf(s * s, u, s);
+    const int32_t half = q >> 1;
+    union { uint32_t u; float f; } lo = {.u = (uint32_t)(half + 0x7f) << 23},
+                                   hi = {.u = (uint32_t)(q - half + 0x7f) << 23};
+    u = u * lo.f * hi.f;
+    u = d < -104.0f ? 0.0f : u;
+    return 100.0f < d ? __builtin_inff() : u;
+}
+
+/*
+ * silu(gate) * up as F.silu(gate) * up computes it: silu = g / (1 + exp(-g))
+ * in float32, with SLEEF's exp over the whole chunks of `chunk` values of a
+ * row that torch's vector loop takes and libm's expf on the rest (its scalar
+ * loop); bfloat16 rounds silu, then the product.
+ */
+/* f rounded to bfloat16 (to nearest even), kept as a float32. A NaN stays one
+ * as long as its low 16 bits are zero: true of every NaN silu's arithmetic
+ * makes from bfloat16 inputs (theirs, or the default NaN). */
+static inline __attribute__((always_inline)) float round_to_bf16(float f) {
+    union { float f; uint32_t u; } c = {.f = f};
+    c.u = (c.u + 0x7fffu + ((c.u >> 16) & 1u)) & 0xffff0000u;
+    return c.f;
+}
+
+#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE, ROUND)                               \
+    static inline void NAME(const T* gate, const T* up, T* out, int64_t n, int64_t chunk) { \
+        const int64_t vector_end = n - n % chunk;                                       \
+        for (int64_t i = 0; i < vector_end; i++) {                                      \
+            const float g = LOAD(gate[i]);                                              \
+            out[i] = STORE(ROUND(g / (1.0f + sleef_expf(-g))) * LOAD(up[i]));           \
+        }                                                                               \
+        for (int64_t i = vector_end; i < n; i++) {                                      \
+            const float g = LOAD(gate[i]);                                              \
+            out[i] = STORE(ROUND(g / (1.0f + expf(-g))) * LOAD(up[i]));                 \
+        }                                                                               \
+    }
+
+DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, f32_id, f32_id, f32_id)
+DEFINE_SILU_AND_MUL(silu_and_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, round_to_bf16)
+
+/* gate_up: [rows, 2 * d] (row stride in_stride), gate first; out: [rows, d];
+ * vector_bytes: the width of torch's vectors (its CPU capability's). */
+typedef struct {
+    int64_t dtype;
+    void* out;
+    int64_t out_stride;
+    const void* gate_up;
+    int64_t in_stride;
+    int64_t rows, d;
+    int64_t vector_bytes;
+    int64_t num_threads;
+} SiluArgs;
+
+void asyncstep_silu_and_mul(const SiluArgs* a) {
+    const int64_t d = a->d;
+    const int num_threads = layer_threads(SILU_WORK * a->rows * d, (int)a->num_threads);
+    /* torch's vector loop takes two vectors a step */
+    const int64_t element = a->dtype == DTYPE_BFLOAT16 ? 2 : 4;
+    const int64_t chunk = 2 * (a->vector_bytes / element > 0 ? a->vector_bytes / element : 1);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t row = 0; row < a->rows; row++) {
+        if (a->dtype == DTYPE_BFLOAT16) {
+            const bf16_t* in = (const bf16_t*)a->gate_up + row * a->in_stride;
+            silu_and_mul_bf16(in, in + d, (bf16_t*)a->out + row * a->out_stride, d, chunk);
+        } else {
+            const float* in = (const float*)a->gate_up + row * a->in_stride;
+            silu_and_mul_f32(in, in + d, (float*)a->out + row * a->out_stride, d, chunk);
+        }
+    }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif

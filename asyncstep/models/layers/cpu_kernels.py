@@ -1,0 +1,160 @@
+"""The CPU's compiled kernels: ``cpu_kernels.c`` compiled on first use with
+the machine's C compiler, cached, and called through ctypes. One library
+holds the paged attention (:mod:`~asyncstep.models.layers.cpu_attention`)
+and a decoder layer's non-matmul ops
+(:mod:`~asyncstep.models.layers.cpu_layer_ops`).
+
+The shared library is built for this CPU (``-march=native``) into
+``$ASYNCSTEP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/asyncstep`` or
+``~/.cache/asyncstep``), keyed by the source, the flags and the CPU's
+feature flags, so later processes load it without compiling. Without a
+compiler (or with ``ASYNCSTEP_CPU_KERNELS=torch``; the older
+``ASYNCSTEP_CPU_ATTENTION=torch`` too) :func:`load_cpu_kernels` returns None
+and every caller runs torch instead: the runner keeps the torch reference
+attention, the norms and the MLP their torch expressions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from asyncstep.models.layers.cpu_attention import CPU_ATTENTION_DTYPES, CpuPagedAttention
+from asyncstep.models.layers.cpu_layer_ops import CpuLayerOps
+
+__all__ = ["CpuKernels", "cpu_attention_supported", "load_cpu_kernels"]
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+#: Must match ``ASYNCSTEP_ABI_VERSION`` in the source.
+ABI_VERSION = 3
+#: Environment variables: ``torch`` turns the library off (torch runs instead).
+SWITCH_ENVS = ("ASYNCSTEP_CPU_KERNELS", "ASYNCSTEP_CPU_ATTENTION")
+CACHE_ENV = "ASYNCSTEP_CACHE_DIR"
+#: Tried in order; the first that builds is used (without OpenMP: one thread).
+FLAG_SETS = (
+    ("-fopenmp",),
+    (),
+)
+BASE_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=gnu11",
+    "-fPIC",
+    "-shared",
+    # Reassociation lets the dot products and sums vectorize; no finite-math
+    # assumption (the softmax starts from -FLT_MAX, NaNs propagate).
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-freciprocal-math",
+)
+#: Linked after the source (the layer ops call libm's expf).
+LIBS = ("-lm",)
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The loaded library: where it lies, and its kernels."""
+
+    path: Path
+    attention: CpuPagedAttention
+    layer_ops: CpuLayerOps
+
+    @classmethod
+    def bind(cls, library: ctypes.CDLL, path: Path) -> CpuKernels:
+        return cls(path, CpuPagedAttention(library, path), CpuLayerOps(library))
+
+
+def cpu_attention_supported(dtype: torch.dtype) -> bool:
+    """Whether the attention kernel runs ``dtype`` here (and the library builds or loads)."""
+    return dtype in CPU_ATTENTION_DTYPES and load_cpu_kernels() is not None
+
+
+@functools.cache
+def load_cpu_kernels() -> CpuKernels | None:
+    """The library, built on first use (once per machine: cached); None when
+    switched off or when no compiler builds it (logged once)."""
+    if any(os.environ.get(name) == "torch" for name in SWITCH_ENVS):
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler: the CPU kernels are off", compiler="cc")
+        return None
+    errors: list[str] = []
+    for flags in FLAG_SETS:
+        target = _cache_dir() / f"cpu_kernels_{_build_key(compiler, flags)}.so"
+        try:
+            if not target.exists():
+                _compile(compiler, [*BASE_FLAGS, *flags], target)
+            library = ctypes.CDLL(str(target))
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(str(getattr(e, "stderr", "") or e)[-500:])
+            continue
+        if library.asyncstep_cpu_kernels_abi_version() != ABI_VERSION:
+            errors.append(f"{target}: ABI version mismatch")
+            continue
+        if not flags:
+            log.warning("CPU kernels built without OpenMP: one thread", path=str(target))
+        return CpuKernels.bind(library, target)
+    log.warning("the CPU kernels do not build: they are off", errors=errors)
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = str(Path(xdg) / "asyncstep")
+    path = Path(root) / "kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:  # not writable: build for this process only
+        return Path(tempfile.mkdtemp(prefix="asyncstep-kernels-"))
+    return path
+
+
+def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (compiler, *BASE_FLAGS, *flags, *LIBS, platform.machine(), _cpu_flags()):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` builds for them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(compiler: str, flags: list[str], target: Path) -> None:
+    """Build into a temporary file, then rename: processes building at once
+    (tensor-parallel ranks) never load a half-written library."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", str(built), *LIBS],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        os.replace(built, target)
