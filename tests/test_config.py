@@ -249,6 +249,21 @@ def test_cpu_threads_by_default_share_the_cores(
     assert model_loader.cpu_threads(asyncstep.make_config(**options).parallel) == threads
 
 
+@pytest.mark.trio
+async def test_setup_work_runs_in_a_thread_that_has_ended() -> None:
+    """A CPU rank loads in a thread that ends, so its OpenMP threads end too
+    (asyncstep.runner.cpu_threads)."""
+    import threading
+
+    from asyncstep.runner.cpu_threads import run_in_ending_thread
+
+    thread = await run_in_ending_thread(threading.current_thread)
+    assert thread is not threading.current_thread()
+    assert not thread.is_alive()
+    with pytest.raises(ValueError, match="invalid literal"):
+        await run_in_ending_thread(lambda: int("x"))
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_dtype_is_bfloat16_where_the_cpu_multiplies_it(
     monkeypatch: pytest.MonkeyPatch, native: bool
@@ -261,26 +276,3 @@ def test_auto_dtype_is_bfloat16_where_the_cpu_multiplies_it(
     expected = torch.bfloat16 if native else torch.float32
     assert model_loader.resolve_dtype("auto", torch.device("cpu")) == expected
     assert model_loader.resolve_dtype("float32", torch.device("cpu")) == torch.float32
-
-
-@pytest.mark.parametrize("cores,small", [(2, 1), (4, 1), (16, 15)])
-def test_small_cpu_steps_take_one_thread_on_small_machines(
-    monkeypatch: pytest.MonkeyPatch, cores: int, small: int
-) -> None:
-    import torch
-
-    from asyncstep.models import model_loader
-    from asyncstep.runner import build
-
-    monkeypatch.setattr(model_loader.os, "sched_getaffinity", lambda pid: set(range(cores)))
-    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: set(range(cores)))
-    threads = build.step_threads(asyncstep.make_config())
-    assert (threads.small_steps, threads.small_step_tokens) == (small, 8)
-    before = torch.get_num_threads()
-    try:
-        threads.apply(8)
-        assert torch.get_num_threads() == small
-        threads.apply(9)
-        assert torch.get_num_threads() == threads.steps
-    finally:
-        torch.set_num_threads(before)

@@ -31,6 +31,7 @@ from asyncstep.models.model_loader import (
 from asyncstep.nursery import RankActor
 from asyncstep.runner.build import build_runner, kv_cache_blocks, resolved_max_model_len
 from asyncstep.runner.capture import capture_cuda_graphs
+from asyncstep.runner.cpu_threads import run_in_ending_thread
 from asyncstep.runner.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ async def open_executor(
         yield OpenedExecutor(remote_ranks(config), info.arch_config, info.tokenizer)
         return
     if preloaded is None:
-        loaded = await anyio.to_thread.run_sync(
+        loaded = await run_in_ending_thread(
             lambda: load_model(config.model, progress, with_tokenizer=with_tokenizer)
         )
         max_model_len = loaded.max_model_len
@@ -80,7 +81,7 @@ async def open_executor(
     config.model.max_model_len = max_model_len
     config.resolve_for_device(loaded.device.type)
     with loaded.claim():
-        runner = _build_runner(config, loaded)
+        runner = await run_in_ending_thread(lambda: _build_runner(config, loaded))
         try:
             await anyio.to_thread.run_sync(capture_cuda_graphs, runner)
             with switch_interval(config.scheduler.gil_switch_interval_s):

@@ -72,6 +72,7 @@ from asyncstep.nursery.pipe import PipeStage
 from asyncstep.nursery.rank import RankActor
 from asyncstep.runner.build import build_runner, kv_cache_blocks
 from asyncstep.runner.capture import capture_cuda_graphs
+from asyncstep.runner.cpu_threads import run_in_ending_thread
 from asyncstep.runner.model_runner import ModelRunner
 
 log = get_logger("rank")
@@ -249,12 +250,14 @@ async def serve_rank(
 async def _serve(stream: ControlStream, identity: RankIdentity, store_fd: int | None) -> None:
     setup = await _expect(stream, RankSetup)
     config = setup.config
-    runner, groups, loaded = await anyio.to_thread.run_sync(build_rank, setup, identity, store_fd)
+    runner, groups, loaded = await run_in_ending_thread(
+        lambda: build_rank(setup, identity, store_fd)
+    )
     num_blocks = kv_cache_blocks(config, runner, loaded)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     await stream.send(RankReady(identity.rank, num_blocks, weight_bytes, str(loaded.device)))
     init = await _expect(stream, InitKVCache)
-    runner.initialize_kv_cache(init.num_blocks)
+    await run_in_ending_thread(lambda: runner.initialize_kv_cache(init.num_blocks))
     await anyio.to_thread.run_sync(_capture, runner, identity.rank == 0)
     actor = RankActor(
         runner,

@@ -4,14 +4,11 @@ in every rank process)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from asyncstep.config import EngineConfig
 from asyncstep.errors import ConfigError
 from asyncstep.models.model_loader import LoadedModel, cpu_threads
-from asyncstep.runner.cpu_threads import CpuThreads
 from asyncstep.runner.kv_sizing import num_kv_blocks
 from asyncstep.runner.model_runner import ModelRunner
 
@@ -28,12 +25,10 @@ def resolved_max_model_len(config: EngineConfig) -> int:
 def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
     """The runner of ``loaded`` as ``config`` says; its KV cache not allocated
     yet. On the CPU, torch's threads become
-    :func:`~asyncstep.models.model_loader.cpu_threads`', and the runner's
-    small steps take fewer (:func:`step_threads`)."""
-    threads = None
+    :func:`~asyncstep.models.model_loader.cpu_threads`' (every thread takes
+    that count on its first torch op)."""
     if loaded.device.type == "cpu":
-        threads = step_threads(config)
-        torch.set_num_threads(threads.steps)
+        torch.set_num_threads(cpu_threads(config.parallel))
     return ModelRunner(
         loaded.model,
         device=loaded.device,
@@ -46,18 +41,7 @@ def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         max_num_batched_tokens=config.max_num_batched_tokens,
         graph_stand_in=config.compilation.cudagraph_stand_in,
         num_input_batches=config.num_input_batches,
-        cpu_threads=threads,
     )
-
-
-def step_threads(config: EngineConfig) -> CpuThreads:
-    """A CPU rank's threads: ``cpu_threads`` for its steps; one for steps of
-    at most ``packed_max_tokens`` tokens on machines of up to four cores
-    (see :mod:`~asyncstep.runner.cpu_threads`), all of them on larger ones,
-    where the front end has cores of its own."""
-    threads = cpu_threads(config.parallel)
-    small = 1 if len(os.sched_getaffinity(0)) <= 4 else threads
-    return CpuThreads(threads, min(small, threads), config.model.packed_max_tokens)
 
 
 def kv_cache_blocks(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel) -> int:

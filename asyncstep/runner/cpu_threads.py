@@ -1,31 +1,30 @@
-"""Torch threads of a CPU rank's steps.
+"""The OpenMP threads of a CPU rank.
 
-A step of at most ``small_step_tokens`` tokens (a decode of a few requests)
-runs on ``small_steps`` threads, a larger one on ``steps``. On a small
-machine the small steps take one: they are a chain of short ops, each of
-which a second thread would join and leave, and that core is the one the
-front end and the engine's loop run on (a thread the OS deschedules stalls
-every op of the step). Set on the thread that runs the forward (OpenMP's
-thread count is that thread's own). Imports torch only.
+A CPU rank's steps run on its launch thread with ``cpu_threads`` torch
+threads, and that thread alone may keep OpenMP threads: each thread that ran
+a multi-threaded torch op keeps a pool of its own until it ends, and libgomp
+spins between parallel regions only while the threads it manages fit the
+cores. With a second pool every op of a step waits for its helpers to wake
+from a futex. So the work before the steps (loading, the KV cache) runs in
+:func:`run_in_ending_thread`. Imports anyio only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
-import torch
+import anyio
+
+T = TypeVar("T")
 
 
-@dataclass
-class CpuThreads:
-    steps: int
-    small_steps: int
-    small_step_tokens: int
-    _current: int = field(default=0, init=False)
-
-    def apply(self, num_tokens: int) -> None:
-        """Set the calling thread's torch threads for a step of ``num_tokens``."""
-        threads = self.small_steps if num_tokens <= self.small_step_tokens else self.steps
-        if threads != self._current:
-            torch.set_num_threads(threads)
-            self._current = threads
+async def run_in_ending_thread(fn: Callable[[], T], name: str = "asyncstep-setup") -> T:
+    """``fn()`` in a new thread that has ended when this returns (its OpenMP
+    threads with it); not cancellable, as a worker thread of anyio's is not."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    try:
+        return await anyio.to_thread.run_sync(pool.submit(fn).result)
+    finally:
+        pool.shutdown(wait=True)
