@@ -15,7 +15,7 @@ LATENCY="python3 benchmarks/bench.py latency --no-record --no-hf --shape llama-8
 LATENCY="$LATENCY --prompt-len 128 --output-len 64"
 case "$1" in
 tests)
-    ASYNCSTEP_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider \
+    ASYNCSTEP_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
         tests/test_triton_quant.py > "$OUT/gpu_tests_h200.txt" 2>&1
     tail -5 "$OUT/gpu_tests_h200.txt" ;;
 kernels)
