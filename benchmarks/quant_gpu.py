@@ -28,33 +28,33 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncstep.gpu import triton_quant as tq  # noqa: E402
-from asyncstep.models.dummy import get_shape  # noqa: E402
+from asyncstep.gpu import triton_quant as tq
+from asyncstep.models.dummy import get_shape
 
+#: Every GEMV launch tried at one row (the best few also at 2 and 4 rows).
 GEMV_CONFIGS = [
-    tq.GemvConfig(32, 16, 4, True),
-    tq.GemvConfig(16, 16, 4, True),
-    tq.GemvConfig(8, 16, 4, True),
-    tq.GemvConfig(16, 8, 2, True),
-    tq.GemvConfig(32, 8, 2, True),
-    tq.GemvConfig(64, 8, 4, True),
-    tq.GemvConfig(64, 16, 8, True),
-    tq.GemvConfig(16, 8, 1, True),
-    tq.GemvConfig(32, 8, 1, True),
-    tq.GemvConfig(32, 16, 4, False),
-    tq.GemvConfig(16, 16, 4, False),
+    tq.GemvConfig(bn, bg, warps, True, prefetch)
+    for prefetch in (True, False)
+    for bn, bg, warps in [
+        (4, 32, 4),
+        (8, 16, 4),
+        (8, 32, 4),
+        (8, 32, 8),
+        (16, 16, 4),
+        (16, 32, 8),
+        (16, 8, 2),
+        (32, 16, 4),
+        (4, 16, 2),
+        (8, 8, 2),
+        (4, 64, 8),
+        (8, 64, 8),
+    ]
 ]
 #: (block_n, block_g, num_warps, num_stages, swap)
 DOT_CONFIGS = [
-    (64, 4, 4, 3, True),
-    (32, 4, 4, 3, True),
-    (128, 4, 4, 3, True),
-    (64, 8, 4, 3, True),
-    (128, 4, 8, 3, True),
-    (64, 4, 4, 3, False),
-    (32, 4, 4, 3, False),
-    (128, 4, 4, 3, False),
-    (64, 4, 4, 2, True),
+    (bn, bg, 4, stages, swap)
+    for swap in (False, True)
+    for bn, bg, stages in [(16, 8, 3), (16, 4, 3), (32, 4, 3), (32, 8, 3), (64, 4, 3), (32, 4, 4)]
 ]
 
 
@@ -157,47 +157,66 @@ def main(argv: list[str] | None = None) -> int:
     rows_out: list[dict[str, Any]] = []
 
     def variant(rows: int, path: str, config: str, product: Callable[..., torch.Tensor]) -> None:
+        """Check one Q4 path (or bf16) against the dequantized weight, then
+        time it on each layer shape (a graph over the distinct layers)."""
         x = torch.randn(rows, max(k for _, k in shapes.values()), device=device).bfloat16()
         xs = {name: x[:, :k].contiguous() for name, (_, k) in shapes.items()}
-        # Check against the dequantized weight (first layer), then time.
         qweight, scales, dense = weights[0]["down"]
         got = product(xs["down"], qweight, scales, dense).float()
         want = xs["down"].float() @ dense.float().T
         error = float((got - want).norm() / want.norm())
         if not error < 2e-2:
-            print(f"  M={rows:5d} {path:8s} {config:28s} WRONG: rel error {error:.2e}", flush=True)
+            print(f"  M={rows:5d} {path:8s} {config:32s} WRONG: rel error {error:.2e}", flush=True)
             return
+        per_shape = {}
+        for name in shapes:
 
-        def run() -> None:
-            for layer in weights:
-                for name, (qw, sc, de) in layer.items():
+            def run(name: str = name) -> None:
+                for layer in weights:
+                    qw, sc, de = layer[name]
                     product(xs[name], qw, sc, de)
 
-        seconds = time_graph(run, args.replays) / args.layers
+            per_shape[name] = time_graph(run, args.replays) / args.layers * 1e6
+        total = sum(per_shape.values())
         moved = bytes_bf16 if path == "bf16" else bytes_q4
-        row = {
-            "rows": rows,
-            "path": path,
-            "config": config,
-            "us_per_layer": seconds * 1e6,
-            "gb_s": moved / seconds / 1e9,
-            "rel_error": error,
-        }
-        rows_out.append(row)
+        rows_out.append(
+            {
+                "rows": rows,
+                "path": path,
+                "config": config,
+                "us_per_layer": total,
+                "us_per_shape": per_shape,
+                "gb_s": moved / total / 1e3,
+                "rel_error": error,
+            }
+        )
+        shown = " ".join(f"{k} {v:6.1f}" for k, v in per_shape.items())
         print(
-            f"  M={rows:5d} {path:8s} {config:28s} {seconds * 1e6:9.1f} us/layer "
-            f"{moved / seconds / 1e9:7.0f} GB/s  err {error:.1e}",
+            f"  M={rows:5d} {path:8s} {config:32s} {total:8.1f} us/layer "
+            f"{moved / total / 1e3:6.0f} GB/s | {shown}",
             flush=True,
         )
 
+    def gemv_label(c: tq.GemvConfig) -> str:
+        return f"n{c.block_n} g{c.block_g} w{c.num_warps} pf={int(c.prefetch)}"
+
     started = time.monotonic()
+    top_gemv: list[tq.GemvConfig] = []
     for rows in args.rows:
         variant(rows, "bf16", "F.linear", lambda x, qw, sc, de: F.linear(x, de))
         if rows <= 4:
-            for cfg in gemv_configs:
-                label = f"n{cfg.block_n} g{cfg.block_g} w{cfg.num_warps} magic={int(cfg.magic)}"
-                variant(rows, "gemv", label, lambda x, qw, sc, de, c=cfg: tq.q4_gemv(x, qw, sc, c))
-        if rows <= 256:
+            configs = gemv_configs if rows == 1 or not top_gemv else top_gemv
+            for cfg in configs:
+                gemv = lambda x, qw, sc, de, c=cfg: tq.q4_gemv(x, qw, sc, c)  # noqa: E731
+                variant(rows, "gemv", gemv_label(cfg), gemv)
+            if rows == 1:
+                ranked = sorted(
+                    (r for r in rows_out if r["rows"] == 1 and r["path"] == "gemv"),
+                    key=lambda r: r["us_per_layer"],
+                )
+                by_label = {gemv_label(c): c for c in gemv_configs}
+                top_gemv = [by_label[r["config"]] for r in ranked[:4]]
+        if 2 <= rows <= 256:
             for bn, bg, warps, stages, swap in dot_configs:
                 label = f"n{bn} g{bg} w{warps} s{stages} swap={int(swap)}"
                 variant(
@@ -215,29 +234,31 @@ def main(argv: list[str] | None = None) -> int:
                         swap=c[4],
                     ),
                 )
-        if rows >= 16:
+        if rows >= 128:
             variant(
                 rows,
                 "dequant",
                 "dequantize + F.linear",
                 lambda x, qw, sc, de: F.linear(x, tq.dequantize_q4(qw, sc, x.dtype)),
             )
-        variant(rows, "matmul", "q4_matmul (defaults)", lambda x, qw, sc, de: tq.q4_matmul(x, qw, sc))
     print(f"swept in {time.monotonic() - started:.0f} s", flush=True)
-    best: dict[int, dict[str, Any]] = {}
-    for row in rows_out:
-        if row["path"] != "bf16" and (
-            row["rows"] not in best or row["us_per_layer"] < best[row["rows"]]["us_per_layer"]
-        ):
-            best[row["rows"]] = row
     dense = {r["rows"]: r for r in rows_out if r["path"] == "bf16"}
-    print("\nbest Q4 per M (us a layer; bf16; bf16 / Q4):")
-    for rows, row in sorted(best.items()):
-        bf16 = dense[rows]["us_per_layer"] if rows in dense else math.nan
-        print(
-            f"  M={rows:5d} {row['path']:8s} {row['config']:28s} {row['us_per_layer']:8.1f}"
-            f" {bf16:8.1f}  x{bf16 / row['us_per_layer']:.2f}"
-        )
+    print("\nbest Q4 per M and layer shape (us a layer; bf16 / Q4 of the sum):")
+    for rows in args.rows:
+        candidates = [r for r in rows_out if r["rows"] == rows and r["path"] != "bf16"]
+        if not candidates:
+            continue
+        total = 0.0
+        for name in shapes:
+            best = min(candidates, key=lambda r: r["us_per_shape"][name])
+            total += best["us_per_shape"][name]
+            mine, theirs = best["us_per_shape"][name], dense[rows]["us_per_shape"][name]
+            print(
+                f"  M={rows:5d} {name:8s} {best['path']:8s} {best['config']:32s}"
+                f" {mine:7.1f} (bf16 {theirs:7.1f})"
+            )
+        bf16 = dense[rows]["us_per_layer"]
+        print(f"  M={rows:5d} all      {total:7.1f} us (bf16 {bf16:7.1f})  x{bf16 / total:.2f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(

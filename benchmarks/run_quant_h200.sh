@@ -19,7 +19,7 @@ tests)
         tests/test_triton_quant.py > "$OUT/gpu_tests_h200.txt" 2>&1
     tail -5 "$OUT/gpu_tests_h200.txt" ;;
 kernels)
-    timeout 330 python3 benchmarks/quant_gpu.py --rows 1 2 4 16 32 128 2048 \
+    timeout 330 python3 benchmarks/quant_gpu.py --rows 1 2 4 16 32 128 2048 --replays 20 \
         --out "$OUT/kernels_llama-8b.json" 2>&1 | tee "$OUT/kernels_llama-8b.txt" | tail -12 ;;
 latency)
     for packing in none q4; do

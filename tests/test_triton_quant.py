@@ -109,11 +109,12 @@ def test_dequantize_kernel(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5])
-@pytest.mark.parametrize("magic", [True, False])
-def test_gemv_float32(rows: int, magic: bool) -> None:
+@pytest.mark.parametrize(("magic", "prefetch"), [(True, True), (False, True), (True, False)])
+def test_gemv_float32(rows: int, magic: bool, prefetch: bool) -> None:
     qweight, scales, w = random_q4(40, 192)  # 6 blocks: a partial block tile
     x = torch.randn(rows, 192, device=DEVICE)
-    out = q4_gemv(x, qweight, scales, GemvConfig(block_n=16, block_g=4, num_warps=4, magic=magic))
+    config = GemvConfig(block_n=16, block_g=4, num_warps=4, magic=magic, prefetch=prefetch)
+    out = q4_gemv(x, qweight, scales, config)
     assert out.shape == (rows, 40) and out.dtype == torch.float32
     assert rel_error(out, x, w) < 1e-6
 

@@ -81,12 +81,15 @@ class GemvConfig(NamedTuple):
     """A launch of :func:`q4_gemv`: output rows per program, blocks of 32
     features per loop step, warps, and how a nibble becomes a float (True:
     masked into the mantissa of 2**23 and the bias subtracted, one integer
-    and one float operation; False: shifted, masked and converted)."""
+    and one float operation; False: shifted, masked and converted), and whether
+    each loop step loads the next step's words before it computes (double
+    buffering in registers)."""
 
-    block_n: int = 32
+    block_n: int = 16
     block_g: int = 16
     num_warps: int = 4
     magic: bool = True
+    prefetch: bool = True
 
 
 # -- packing -----------------------------------------------------------------
@@ -201,6 +204,25 @@ def _magic_halves(words, MAGIC: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _load_chunk(qw_ptr, sm_ptr, n64, n_mask, gg, K_GROUPS):  # type: ignore[no-untyped-def]
+    """The packed words ``[BN, BG, 4]`` and the scale/offset pairs ``[BN, BG]``
+    of rows ``n64``, blocks ``gg`` (zeros outside)."""
+    t = tl.arange(0, 4)
+    g_mask = gg < K_GROUPS
+    words = tl.load(
+        qw_ptr + n64[:, None, None] * (K_GROUPS * 4) + gg[None, :, None] * 4 + t[None, None, :],
+        mask=n_mask[:, None, None] & g_mask[None, :, None],
+        other=0,
+    )
+    sm = tl.load(
+        sm_ptr + n64[:, None] * K_GROUPS + gg[None, :],
+        mask=n_mask[:, None] & g_mask[None, :],
+        other=0,
+    )
+    return words, sm
+
+
+@triton.jit
 def _q4_gemv_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     qw_ptr,
@@ -215,6 +237,7 @@ def _q4_gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr,
     MAGIC: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -225,20 +248,21 @@ def _q4_gemv_kernel(  # type: ignore[no-untyped-def]
     t = tl.arange(0, 4)
     m_idx = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G], dtype=tl.float32)
+    if PREFETCH:
+        words_next, sm_next = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, g, K_GROUPS)
     for g0 in range(0, K_GROUPS, BLOCK_G):
         gg = g0 + g
         g_mask = gg < K_GROUPS
-        sm = tl.load(
-            sm_ptr + n64[:, None] * K_GROUPS + gg[None, :],
-            mask=n_mask[:, None] & g_mask[None, :],
-            other=0,
-        )
+        if PREFETCH:
+            # This chunk's words were loaded an iteration ago; the next one's load now.
+            words = words_next
+            sm = sm_next
+            words_next, sm_next = _load_chunk(
+                qw_ptr, sm_ptr, n64, n_mask, gg + BLOCK_G, K_GROUPS
+            )
+        else:
+            words, sm = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, gg, K_GROUPS)
         d, m = _fp16_pair(sm)  # [BN, BG]
-        words = tl.load(
-            qw_ptr + n64[:, None, None] * (K_GROUPS * 4) + gg[None, :, None] * 4 + t[None, None, :],
-            mask=n_mask[:, None, None] & g_mask[None, :, None],
-            other=0,
-        )
         lo_w, hi_w = _magic_halves(words, MAGIC)
         for mi in tl.static_range(BLOCK_M):
             row = pid_m * BLOCK_M + mi
@@ -364,25 +388,22 @@ def _q4_dequant_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr,
 ):
+    # One tile of the output [BN, BG * 32], written in order: element k of the
+    # chunk is nibble s = (k % 32) // 4 of word t = k % 4 of block k // 32
+    # (each word is read 8 times, from L1).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    gg = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    t = tl.arange(0, 4)
+    k = tl.arange(0, BLOCK_G * 32)
+    gk = tl.program_id(1) * BLOCK_G + k // 32
     n64 = n.to(tl.int64)
-    mask2 = (n < N)[:, None] & (gg < K_GROUPS)[None, :]
-    mask3 = mask2[:, :, None] & (t < 4)[None, None, :]
+    mask = (n < N)[:, None] & (gk < K_GROUPS)[None, :]
     words = tl.load(
-        qw_ptr + n64[:, None, None] * (K_GROUPS * 4) + gg[None, :, None] * 4 + t[None, None, :],
-        mask=mask3,
-        other=0,
+        qw_ptr + n64[:, None] * (K_GROUPS * 4) + (gk * 4 + k % 4)[None, :], mask=mask, other=0
     )
-    sm = tl.load(sm_ptr + n64[:, None] * K_GROUPS + gg[None, :], mask=mask2, other=0)
+    sm = tl.load(sm_ptr + n64[:, None] * K_GROUPS + gk[None, :], mask=mask, other=0)
     d, m = _fp16_pair(sm)
-    d = d[:, :, None]
-    m = m[:, :, None]
-    out = out_ptr + n64[:, None, None] * (K_GROUPS * 32) + gg[None, :, None] * 32 + t[None, None, :]
-    for s in tl.static_range(8):
-        w = ((words >> (4 * s)) & 15).to(tl.float32) * d + m
-        tl.store(out + 4 * s, w.to(out_ptr.dtype.element_ty), mask=mask3)
+    q = ((words >> (4 * ((k % 32) // 4))[None, :]) & 15).to(tl.float32)
+    out = out_ptr + n64[:, None] * (K_GROUPS * 32) + (gk * 32 + k % 32)[None, :]
+    tl.store(out, (q * d + m).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # -- launchers ---------------------------------------------------------------
@@ -429,6 +450,7 @@ def q4_gemv(
             BLOCK_N=cfg.block_n,
             BLOCK_G=cfg.block_g,
             MAGIC=cfg.magic,
+            PREFETCH=cfg.prefetch,
             num_warps=cfg.num_warps,
         )
     return out.reshape(*x.shape[:-1], n)
@@ -488,7 +510,7 @@ def dequantize_q4(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     n, groups = _check_weight(qweight, scales)
     out = torch.empty((n, groups * GROUP_SIZE), dtype=dtype, device=qweight.device)
     if n and groups:
-        block_n, block_g = 16, 8
+        block_n, block_g = 8, 4
         grid = (triton.cdiv(n, block_n), triton.cdiv(groups, block_g))
         _q4_dequant_kernel[grid](
             qweight.view(torch.int32),
