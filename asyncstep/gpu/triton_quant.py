@@ -257,9 +257,7 @@ def _q4_gemv_kernel(  # type: ignore[no-untyped-def]
             # This chunk's words were loaded an iteration ago; the next one's load now.
             words = words_next
             sm = sm_next
-            words_next, sm_next = _load_chunk(
-                qw_ptr, sm_ptr, n64, n_mask, gg + BLOCK_G, K_GROUPS
-            )
+            words_next, sm_next = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, gg + BLOCK_G, K_GROUPS)
         else:
             words, sm = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, gg, K_GROUPS)
         d, m = _fp16_pair(sm)  # [BN, BG]
