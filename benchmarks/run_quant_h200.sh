@@ -15,7 +15,7 @@ LATENCY="python3 benchmarks/bench.py latency --no-record --no-hf --shape llama-8
 LATENCY="$LATENCY --prompt-len 128 --output-len 64"
 case "$1" in
 tests)
-    ASYNCSTEP_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
+    ASYNCSTEP_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider \
         tests/test_triton_quant.py > "$OUT/gpu_tests_h200.txt" 2>&1
     tail -5 "$OUT/gpu_tests_h200.txt" ;;
 kernels)
@@ -23,7 +23,7 @@ kernels)
         --out "$OUT/kernels_llama-8b.json" 2>&1 | tee "$OUT/kernels_llama-8b.txt" | tail -12 ;;
 latency)
     for packing in none q4; do
-        timeout 270 $LATENCY --engine-opt weight_packing=$packing \
+        timeout 250 $LATENCY --engine-opt weight_packing=$packing \
             --out "$OUT/latency_llama-8b_$packing.json" > "$OUT/latency_llama-8b_$packing.txt" 2>&1
         grep -E "ours b|│ +[0-9]|bandwidth" "$OUT/latency_llama-8b_$packing.txt"
     done ;;

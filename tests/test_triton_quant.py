@@ -4,7 +4,8 @@ the dequantizing GEMM and the dequantize kernel equal the float64 product
 with the dequantized reference weight (float32 to 1e-5; float16 / bfloat16
 within their rounding), odd shapes and strided rows included; GGUF Q4_0 /
 Q4_1 weights pack losslessly, other weights not at all; layers packed while
-a model loads compute what their dense, rounded weights do.
+a model loads keep their dense weight too, take the Q4 copy for one-row
+steps only, and compute what their dense, rounded weights do.
 
 On the CPU the kernels run under the Triton interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported), which multiplies
@@ -228,7 +229,7 @@ def test_gguf_4_bit_weights_pack_losslessly() -> None:
         dequantize_q4_reference(packed.data, packed.scales), weight, rtol=0, atol=0
     )
     x = torch.randn(1, 128, device=DEVICE)
-    assert packed.applies(x)
+    assert packed.applies(x) and not packed.applies(torch.randn(2, 128, device=DEVICE))
     torch.testing.assert_close(packed.mm(x), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
@@ -281,9 +282,15 @@ def test_layers_packed_while_loading_equal_their_rounded_dense_weights() -> None
     }
     for module, weight in dense.items():
         assert isinstance(module, ColumnParallelLinear | RowParallelLinear)
-        assert isinstance(module.packed, GpuQ4Weight) and module.weight.numel() == 0
-        x = torch.randn(3, weight.shape[1], device=DEVICE)
-        torch.testing.assert_close(module(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+        assert isinstance(module.packed, GpuQ4Weight)
+        torch.testing.assert_close(module.weight, weight, rtol=0, atol=0)  # dense, beside
+        calls: list[int] = []
+        mm = module.packed.mm
+        module.packed.mm = lambda x, mm=mm, calls=calls: calls.append(x.shape[0]) or mm(x)  # type: ignore[method-assign]
+        for rows in (1, 3):  # one row: the Q4 copy; more: the dense weight
+            x = torch.randn(rows, weight.shape[1], device=DEVICE)
+            torch.testing.assert_close(module(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+        assert calls == [1]
     # The loaders are the layers' own again.
     assert not hasattr(layer.self_attn.o_proj.weight.weight_loader, "staging")
 

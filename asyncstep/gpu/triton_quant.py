@@ -66,8 +66,10 @@ __all__ = [
 
 #: Input features per block (GGUF's Q4_0 / Q4_1 block).
 GROUP_SIZE = 32
-#: Steps of at most this many rows take :func:`q4_gemv`.
-GEMV_MAX_M = 4
+#: Steps of at most this many rows take :func:`q4_gemv` (measured on an
+#: H200, ``benchmarks/results/quant_gpu``: at two rows the GEMV and the GEMM
+#: are both slower than a bf16 matmul of the dense weight).
+GEMV_MAX_M = 1
 #: ... and up to this many :func:`q4_dot`; larger ones dequantize and matmul.
 DOT_MAX_M = 128
 
@@ -85,8 +87,8 @@ class GemvConfig(NamedTuple):
     each loop step loads the next step's words before it computes (double
     buffering in registers)."""
 
-    block_n: int = 16
-    block_g: int = 16
+    block_n: int = 8
+    block_g: int = 32
     num_warps: int = 4
     magic: bool = True
     prefetch: bool = True
@@ -412,9 +414,12 @@ def _empty_out(x2: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _gemv_config(n: int, groups: int) -> GemvConfig:
-    """The launch for an ``[n, 32 groups]`` weight (picked by measurement:
-    ``benchmarks/quant_gpu.py``)."""
-    return GemvConfig()
+    """The launch for an ``[n, 32 groups]`` weight (picked by measurement,
+    ``benchmarks/quant_gpu.py``: eight rows a program, 32 blocks a loop step;
+    a very wide weight, 16 rows and 16 blocks)."""
+    if n >= 16384:
+        return GemvConfig(block_n=16, block_g=16, num_warps=4)
+    return GemvConfig(block_n=8, block_g=32, num_warps=4)
 
 
 def q4_gemv(

@@ -1,20 +1,21 @@
 """Weights kept 4-bit on the GPU, on the model's side: which linear layers
-get a packed Q4 weight, built while the checkpoint loads, and what a step
-multiplies by.
+get a packed Q4 copy, built while the checkpoint loads, and which steps use it.
 
 A linear layer's float32 weight that is exactly on a 4-bit grid per block of
 32 input features (a GGUF's Q4_0 / Q4_1 tensor, dequantized; detected as
-:mod:`~asyncstep.models.layers.packed` detects it for the CPU) is kept as
-:class:`GpuQ4Weight` (:mod:`asyncstep.gpu.triton_quant`'s layout, scales
-and offsets in float16, as GGUF stores them) and its dense parameter is
-freed: every step of the layer then goes through
-:func:`~asyncstep.gpu.triton_quant.q4_matmul`. A weight off the grid stays
-dense in the model's dtype.
+:mod:`~asyncstep.models.layers.packed` detects it for the CPU) gets, beside
+its dense weight in the model's dtype, a :class:`GpuQ4Weight`
+(:mod:`asyncstep.gpu.triton_quant`'s layout, scales and offsets in float16
+as GGUF stores them): a step of at most
+:data:`~asyncstep.gpu.triton_quant.GEMV_MAX_M` rows (a decode step of one
+request) multiplies by it with the Q4 GEMV, reading a quarter of the bytes;
+larger steps multiply by the dense weight (the Q4 kernels for more rows were
+measured slower than bf16's, ``benchmarks/results/quant_gpu``).
 
 :func:`packing_on_load` does this as the weights load: each layer's shards
-gather in a float32 staging tensor, which is packed (or copied into the
-dense parameter) once the layer has all of them, so the float32 copy of one
-layer at a time is all the extra memory.
+gather in a float32 staging tensor, which is copied into the dense
+parameter and packed once the layer has all of them, so the float32 copy of
+one layer at a time is all the extra memory while loading.
 
 :func:`round_to_q4_1` rounds a weight onto Q4_1's grid (round to nearest,
 per block: offset = its minimum, scale = its range / 15, both float16), so
@@ -58,13 +59,14 @@ class GpuQ4Weight(PackedWeight):
     """A ``[out_features, in_features]`` weight kept as Q4 on the GPU:
     ``data`` is the packed codes (uint8 ``[out, in / 2]``), ``scales`` the
     float16 ``[out, in / 32, 2]`` scale and offset of each block
-    (:mod:`asyncstep.gpu.triton_quant`'s layout). Every step on its device
-    uses it (there is no dense weight to fall back to)."""
+    (:mod:`asyncstep.gpu.triton_quant`'s layout). Steps of at most
+    ``max_tokens`` rows on its device use it."""
 
     KIND: ClassVar[str] = "q4_gpu"
 
     def applies(self, x: torch.Tensor) -> bool:
-        return x.device == self.data.device
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        return rows <= self.max_tokens and x.device == self.data.device
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w.T`` for ``x`` ``[rows, in_features]``, in ``x``'s dtype."""
@@ -73,11 +75,13 @@ class GpuQ4Weight(PackedWeight):
         return q4_matmul(x, self.data, self.scales)
 
 
-def pack_q4_gpu(weight: torch.Tensor) -> GpuQ4Weight | None:
-    """``weight`` (float32 ``[out, in]``, on its device) as :class:`GpuQ4Weight`,
-    or None when it is not exactly 4-bit per block of 32, or a block's scale
-    or offset overflows float16."""
-    from asyncstep.gpu.triton_quant import pack_q4
+def pack_q4_gpu(weight: torch.Tensor, max_tokens: int | None = None) -> GpuQ4Weight | None:
+    """``weight`` (float32 ``[out, in]``, on its device) as :class:`GpuQ4Weight`
+    for steps of at most ``max_tokens`` rows (default
+    :data:`~asyncstep.gpu.triton_quant.GEMV_MAX_M`), or None when it is not
+    exactly 4-bit per block of 32, or a block's scale or offset overflows
+    float16."""
+    from asyncstep.gpu.triton_quant import GEMV_MAX_M, pack_q4
 
     out_features, in_features = weight.shape
     if weight.dtype != torch.float32 or in_features % GROUP_SIZE or weight.numel() == 0:
@@ -96,7 +100,7 @@ def pack_q4_gpu(weight: torch.Tensor) -> GpuQ4Weight | None:
         scales,
         out_features,
         in_features,
-        max_tokens=torch.iinfo(torch.int64).max,
+        max_tokens=GEMV_MAX_M if max_tokens is None else max_tokens,
     )
 
 
@@ -125,7 +129,7 @@ def round_decoder_weights(
 
 class _Stager:
     """Stands in for a layer's weight loader: gathers its shards in float32,
-    then packs the whole weight or copies it into the dense parameter."""
+    then copies the whole weight into the dense parameter and packs it."""
 
     def __init__(
         self,
@@ -152,13 +156,12 @@ class _Stager:
 
     def _finish(self) -> None:
         assert self.staging is not None
+        self.param.data.copy_(self.staging)
         packed = pack_q4_gpu(self.staging)
         if packed is None:
-            self.param.data.copy_(self.staging)
             self.counts["dense"] += 1
         else:
             self.module.packed = packed
-            self.param.data = torch.empty(0, dtype=self.param.dtype, device=self.param.device)
             self.counts["q4"] += 1
             self.counts["bytes"] += packed.nbytes
         self.staging = None
@@ -175,10 +178,11 @@ def _parts(module: nn.Module) -> int:
 
 @contextmanager
 def packing_on_load(model: nn.Module, tied: nn.Parameter | None = None) -> Iterator[dict[str, int]]:
-    """While open, loading ``model``'s weights packs every linear layer (and
+    """While open, loading ``model``'s weights gives every linear layer (and
     an LM head whose weight is not ``tied``, the input embedding's) whose
-    weight is exactly 4-bit (see the module's docstring). Yields the counts,
-    filled as layers complete: ``q4``, ``dense`` and the packed ``bytes``."""
+    weight is exactly 4-bit a packed copy (see the module's docstring).
+    Yields the counts, filled as layers complete: ``q4``, ``dense`` (no
+    copy) and the packed ``bytes``."""
     counts = {"q4": 0, "dense": 0, "bytes": 0}
     wrapped: list[tuple[nn.Parameter, Callable[..., None]]] = []
     for module in model.modules():
