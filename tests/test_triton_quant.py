@@ -321,3 +321,17 @@ async def test_a_4_bit_model_generates_what_its_dense_twin_does() -> None:
             outs.append([await engine.generate(p, params) for p in prompts])
     for q, d in zip(*outs, strict=True):
         assert q.token_ids == d.token_ids
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's packing")
+def test_q4_rounding_on_the_cpu_packs_the_cpu_way() -> None:
+    from asyncstep.config import ModelConfig
+    from asyncstep.models.model_loader import load_model
+
+    loaded = load_model(
+        ModelConfig(model="tiny-llama", load_format="dummy", device="cpu", weight_packing="q4")
+    )
+    layer = loaded.model.model.stage_layers()[0]
+    for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        assert module.packed is not None and module.packed.kind == "int4"
+    assert loaded.model.lm_head is not None and loaded.model.lm_head.packed is None

@@ -66,9 +66,8 @@ __all__ = [
 
 #: Input features per block (GGUF's Q4_0 / Q4_1 block).
 GROUP_SIZE = 32
-#: Steps of at most this many rows take :func:`q4_gemv` (measured on an
-#: H200, ``benchmarks/results/quant_gpu``: at two rows the GEMV and the GEMM
-#: are both slower than a bf16 matmul of the dense weight).
+#: Steps of at most this many rows take :func:`q4_gemv`; a model keeps its
+#: dense weight for larger steps (why: ``benchmarks/results/quant_gpu``).
 GEMV_MAX_M = 1
 #: ... and up to this many :func:`q4_dot`; larger ones dequantize and matmul.
 DOT_MAX_M = 128

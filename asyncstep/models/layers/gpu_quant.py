@@ -8,9 +8,9 @@ its dense weight in the model's dtype, a :class:`GpuQ4Weight`
 (:mod:`asyncstep.gpu.triton_quant`'s layout, scales and offsets in float16
 as GGUF stores them): a step of at most
 :data:`~asyncstep.gpu.triton_quant.GEMV_MAX_M` rows (a decode step of one
-request) multiplies by it with the Q4 GEMV, reading a quarter of the bytes;
-larger steps multiply by the dense weight (the Q4 kernels for more rows were
-measured slower than bf16's, ``benchmarks/results/quant_gpu``).
+request) multiplies by it with the Q4 GEMV, reading about a third of bf16's
+bytes; larger steps multiply by the dense weight (why:
+``benchmarks/results/quant_gpu``).
 
 :func:`packing_on_load` does this as the weights load: each layer's shards
 gather in a float32 staging tensor, which is copied into the dense
