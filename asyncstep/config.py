@@ -29,7 +29,7 @@ from asyncstep.errors import ConfigError
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHT_PACKINGS = ("auto", "none")
+WEIGHT_PACKINGS = ("auto", "none", "q4")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 #: A step's token budget (``max_num_batched_tokens``) when none is given, on CUDA.
@@ -86,6 +86,8 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         _doc(
             "CPU: also keep 4-bit weights (a GGUF's Q4_0/Q4_1) packed as int4 and an 8-bit "
             "LM head (Q8_0) as int8, for steps of at most packed_max_tokens tokens; "
+            "CUDA: also keep 4-bit weights packed as Q4, for steps of one token; "
+            "q4: first round the decoder's linear weights to 4 bits (Q4_1's grid), then as auto; "
             "none: dense weights only",
             choices=WEIGHT_PACKINGS,
         ),

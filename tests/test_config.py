@@ -161,7 +161,7 @@ async def test_an_engine_runs_with_its_device_s_budget() -> None:
         ({"cpu_threads": 0}, "cpu_threads must be >= 1 (or none), got 0"),
         (
             {"weight_packing": "int3"},
-            "weight_packing must be one of ('auto', 'none'), got 'int3'",
+            "weight_packing must be one of ('auto', 'none', 'q4'), got 'int3'",
         ),
         ({"packed_max_tokens": -1}, "packed_max_tokens must be >= 0, got -1"),
         (

@@ -26,6 +26,7 @@ from asyncstep.logging import get_logger
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
 from asyncstep.models.layers.embedding import ParallelLMHead
+from asyncstep.models.layers.gpu_quant import packing_on_load, round_decoder_weights
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.layers.packed import (
@@ -176,13 +177,22 @@ def load_model(
     with torch.device(device):
         model = LlamaForCausalLM(arch, build_dtype, sequence_parallel=sequence_parallel)
     if weights is None:
-        needed = model.expected_weight_names()
+        total = len(needed := model.expected_weight_names())
         tensors = dummy_weights(arch, seed=config.seed, device=device, names=needed)
-        _load_checkpoint(model, _counted(tensors, len(needed), progress))
     else:
         total = len(weights.weight_names())
-        _load_checkpoint(model, _counted(weights.iter_weights(), total, progress))
-    if weights is not None and device.type == "cpu" and config.weight_packing == "auto":
+        tensors = weights.iter_weights()
+    if config.weight_packing == "q4":
+        tensors = round_decoder_weights(tensors)
+    if device.type == "cuda" and config.weight_packing != "none":
+        tied = model.model.embed_tokens.weight if model.model.embed_tokens is not None else None
+        with packing_on_load(model, tied=tied) as counts:
+            _load_checkpoint(model, _counted(tensors, total, progress))
+        log.info("weights kept 4-bit on the GPU", **counts)
+    else:
+        _load_checkpoint(model, _counted(tensors, total, progress))
+    packs_cpu = weights is not None or config.weight_packing == "q4"
+    if packs_cpu and device.type == "cpu" and config.weight_packing != "none":
         packed = pack_weights(model, dtype, config.packed_max_tokens)
         log.info("weights packed for small steps", **packed)
     if build_dtype != dtype:

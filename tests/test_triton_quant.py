@@ -1,0 +1,337 @@
+"""Weights kept 4-bit on the GPU (``asyncstep.gpu.triton_quant`` and
+``asyncstep.models.layers.gpu_quant``): the Q4 layout round-trips, the GEMV,
+the dequantizing GEMM and the dequantize kernel equal the float64 product
+with the dequantized reference weight (float32 to 1e-5; float16 / bfloat16
+within their rounding), odd shapes and strided rows included; GGUF Q4_0 /
+Q4_1 weights pack losslessly, other weights not at all; layers packed while
+a model loads keep their dense weight too, take the Q4 copy for one-row
+steps only, and compute what their dense, rounded weights do.
+
+On the CPU the kernels run under the Triton interpreter
+(``TRITON_INTERPRET=1``, set before triton is imported), which multiplies
+bfloat16 tiles wrongly in ``tl.dot``: the GEMM's bfloat16 case runs on CUDA
+only (``ASYNCSTEP_TEST_DEVICE=cuda``, which also runs a whole engine on a
+4-bit model against its dense twin).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+TEST_DEVICE = os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from asyncstep.gpu.triton_quant import (  # noqa: E402
+    GROUP_SIZE,
+    GemvConfig,
+    dequantize_q4,
+    dequantize_q4_reference,
+    pack_q4,
+    q4_dot,
+    q4_gemv,
+    q4_matmul,
+)
+from asyncstep.models.layers.gpu_quant import (  # noqa: E402
+    GpuQ4Weight,
+    pack_q4_gpu,
+    packing_on_load,
+    round_decoder_weights,
+    round_to_q4_1,
+)
+
+DEVICE = torch.device(TEST_DEVICE)
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("ASYNCSTEP_TEST_DEVICE=cuda but CUDA is unavailable", allow_module_level=True)
+
+#: Relative error of one rounding to the dtype (the interpreter truncates
+#: float32 -> bfloat16: a whole ulp), plus float32 noise.
+ROUNDING = {
+    torch.float32: 1e-5,
+    torch.float16: 2.0**-10,
+    torch.bfloat16: 2.0**-8 if DEVICE.type == "cuda" else 2.0**-7,
+}
+#: The GEMM also rounds each dequantized weight to x's dtype before multiplying.
+DOT_ERROR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+DOT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+def random_q4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(qweight, scales, w)``: random codes, scales and offsets packed, and
+    the float32 weight they stand for (from the codes, not the kernel's layout)."""
+    groups = k // GROUP_SIZE
+    codes = torch.randint(0, 16, (n, k), device=DEVICE)
+    scale = (torch.rand(n, groups, device=DEVICE) * 0.1 + 0.01).half()
+    offset = (torch.randn(n, groups, device=DEVICE) * 0.2).half()
+    qweight, scales = pack_q4(codes, scale, offset)
+    w = codes.float().reshape(n, groups, GROUP_SIZE) * scale.float()[..., None]
+    return qweight, scales, (w + offset.float()[..., None]).reshape(n, k)
+
+
+def rel_error(actual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    exact = x.double() @ w.double().T
+    return float((actual.double() - exact).norm() / exact.norm())
+
+
+# -- layout --------------------------------------------------------------------
+
+
+def test_the_layout_round_trips() -> None:
+    qweight, scales, w = random_q4(8, 96)
+    assert qweight.shape == (8, 48) and qweight.dtype == torch.uint8
+    assert scales.shape == (8, 3, 2) and scales.dtype == torch.float16
+    torch.testing.assert_close(dequantize_q4_reference(qweight, scales), w, rtol=0, atol=0)
+
+
+def test_nibble_s_of_word_t_is_feature_4s_plus_t() -> None:
+    codes = torch.zeros(1, 32, dtype=torch.int64, device=DEVICE)
+    codes[0, 4 * 5 + 2] = 9  # feature 22: nibble 5 of word 2
+    ones = torch.ones(1, 1, device=DEVICE)
+    qweight, _ = pack_q4(codes, ones, ones * 0)
+    words = qweight.view(torch.int32)[0]
+    assert words.tolist() == [0, 0, 9 << 20, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_kernel(dtype: torch.dtype) -> None:
+    qweight, scales, w = random_q4(20, 160)  # 20 rows, 5 blocks: partial tiles both ways
+    out = dequantize_q4(qweight, scales, dtype)
+    assert out.dtype == dtype and out.shape == w.shape
+    torch.testing.assert_close(out.float(), w, rtol=ROUNDING[dtype], atol=1e-6)
+
+
+# -- GEMV ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize(("magic", "prefetch"), [(True, True), (False, True), (True, False)])
+def test_gemv_float32(rows: int, magic: bool, prefetch: bool) -> None:
+    qweight, scales, w = random_q4(40, 192)  # 6 blocks: a partial block tile
+    x = torch.randn(rows, 192, device=DEVICE)
+    config = GemvConfig(block_n=16, block_g=4, num_warps=4, magic=magic, prefetch=prefetch)
+    out = q4_gemv(x, qweight, scales, config)
+    assert out.shape == (rows, 40) and out.dtype == torch.float32
+    assert rel_error(out, x, w) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_rounds_once_to_x_dtype(dtype: torch.dtype) -> None:
+    qweight, scales, w = random_q4(24, 128)
+    x = torch.randn(2, 128, device=DEVICE).to(dtype)
+    out = q4_gemv(x, qweight, scales, GemvConfig(block_n=8, block_g=2))
+    assert out.dtype == dtype
+    exact = (x.double() @ w.double().T).float()
+    torch.testing.assert_close(out.float(), exact, rtol=ROUNDING[dtype], atol=1e-3)
+
+
+def test_gemv_reads_strided_rows_and_keeps_leading_dims() -> None:
+    qweight, scales, w = random_q4(16, 64)
+    wide = torch.randn(3, 100, device=DEVICE)
+    x = wide[:, 10:74]  # row stride 100
+    out = q4_gemv(x, qweight, scales, GemvConfig(block_n=16, block_g=2))
+    assert rel_error(out, x, w) < 1e-6
+    x3 = torch.randn(2, 1, 64, device=DEVICE)
+    assert q4_gemv(x3, qweight, scales).shape == (2, 1, 16)
+
+
+# -- GEMM --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("swap", [True, False])
+def test_dot(dtype: torch.dtype, swap: bool) -> None:
+    qweight, scales, w = random_q4(48, 192)
+    x = torch.randn(19, 192, device=DEVICE).to(dtype)  # two row tiles of 16
+    out = q4_dot(x, qweight, scales, block_m=16, block_n=32, block_g=4, swap=swap)
+    assert out.shape == (19, 48) and out.dtype == dtype
+    assert rel_error(out, x, w) < DOT_ERROR[dtype]
+
+
+def test_dot_without_the_magic_conversion() -> None:
+    qweight, scales, w = random_q4(32, 128)
+    x = torch.randn(4, 128, device=DEVICE)
+    out = q4_dot(x, qweight, scales, block_n=16, block_g=4, magic=False)
+    assert rel_error(out, x, w) < 1e-5
+
+
+# -- dispatch and checks -------------------------------------------------------------
+
+
+def test_matmul_takes_each_path_and_adds_the_bias(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncstep.gpu.triton_quant as tq
+
+    monkeypatch.setattr(tq, "GEMV_MAX_M", 2)
+    monkeypatch.setattr(tq, "DOT_MAX_M", 4)
+    qweight, scales, w = random_q4(32, 64)
+    bias = torch.randn(32, device=DEVICE)
+    for rows in (0, 1, 3, 6):  # none, GEMV, GEMM, dequantize + matmul
+        x = torch.randn(rows, 64, device=DEVICE)
+        out = q4_matmul(x, qweight, scales, bias)
+        assert out.shape == (rows, 32)
+        torch.testing.assert_close(out, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"x": torch.zeros(2, 48)}, "last dimension"),
+        ({"x": torch.zeros(2, 64, dtype=torch.int32)}, "float32, float16 or bfloat16"),
+        ({"qweight": torch.zeros(8, 30, dtype=torch.uint8)}, "multiple of 16"),
+        ({"qweight": torch.zeros(8, 32, dtype=torch.int8)}, "contiguous uint8"),
+        ({"scales": torch.zeros(8, 2, 2)}, "float16"),
+        ({"scales": torch.zeros(8, 1, 2, dtype=torch.float16)}, r"\(8, 2, 2\)"),
+    ],
+)
+def test_bad_arguments_raise(change: dict[str, torch.Tensor], match: str) -> None:
+    qweight, scales, _ = random_q4(8, 64)
+    args = {"x": torch.zeros(2, 64), "qweight": qweight, "scales": scales}
+    args.update({k: v.to(DEVICE) for k, v in change.items()})
+    with pytest.raises(ValueError, match=match):
+        q4_matmul(args["x"].to(DEVICE), args["qweight"], args["scales"])
+
+
+# -- packing a model's weights -----------------------------------------------------------
+
+
+def q4_1_weight(rows: int, cols: int) -> torch.Tensor:
+    """As a GGUF Q4_1 tensor dequantizes: float16 scale and minimum per block,
+    codes 0 and 15 present."""
+    blocks = cols // GROUP_SIZE
+    d = (torch.rand(rows, blocks, 1, device=DEVICE) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(rows, blocks, 1, device=DEVICE) * 0.1).half().float()
+    q = torch.randint(0, 16, (rows, blocks, GROUP_SIZE), device=DEVICE).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q + m).reshape(rows, cols)
+
+
+def q4_0_weight(rows: int, cols: int) -> torch.Tensor:
+    """As a GGUF Q4_0 tensor: ``d * (q - 8)``, code 0 at the largest magnitude."""
+    blocks = cols // GROUP_SIZE
+    d = (torch.rand(rows, blocks, 1, device=DEVICE) * 0.02 + 1e-3).half().float()
+    q = torch.randint(0, 15, (rows, blocks, GROUP_SIZE), device=DEVICE).float()
+    q[..., 0] = 0
+    return (d * (q - 8)).reshape(rows, cols)
+
+
+def test_gguf_4_bit_weights_pack_losslessly() -> None:
+    weight = torch.cat([q4_1_weight(16, 128), q4_0_weight(16, 128)])
+    packed = pack_q4_gpu(weight)
+    assert isinstance(packed, GpuQ4Weight) and packed.kind == "q4_gpu"
+    assert packed.nbytes == 32 * 64 + 32 * 4 * 4
+    # The stored scales and offsets give back every value exactly.
+    torch.testing.assert_close(
+        dequantize_q4_reference(packed.data, packed.scales), weight, rtol=0, atol=0
+    )
+    x = torch.randn(1, 128, device=DEVICE)
+    assert packed.applies(x) and not packed.applies(torch.randn(2, 128, device=DEVICE))
+    torch.testing.assert_close(packed.mm(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(8, 64), (8, 40)])
+def test_other_weights_stay_dense(shape: tuple[int, int]) -> None:
+    assert pack_q4_gpu(torch.randn(*shape, device=DEVICE)) is None
+    on_grid = q4_1_weight(8, 64)
+    on_grid[3, 7] += 1e-3
+    assert pack_q4_gpu(on_grid) is None
+
+
+def test_rounding_to_q4_1_packs_and_stays_close() -> None:
+    weight = torch.randn(16, 96, device=DEVICE) * 0.05
+    rounded = round_to_q4_1(weight)
+    step = (weight.reshape(16, 3, 32).amax(-1) - weight.reshape(16, 3, 32).amin(-1)) / 15
+    assert ((rounded - weight).abs().reshape(16, 3, 32) <= step[..., None] * 0.51).all()
+    packed = pack_q4_gpu(rounded)
+    assert packed is not None
+    torch.testing.assert_close(
+        dequantize_q4_reference(packed.data, packed.scales), rounded, rtol=0, atol=0
+    )
+
+
+def test_layers_packed_while_loading_equal_their_rounded_dense_weights() -> None:
+    from asyncstep.models.dummy import dummy_weights, get_shape
+    from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from asyncstep.models.llama import LlamaForCausalLM
+
+    arch = get_shape("tiny-llama")
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(arch, torch.float32)
+    names = model.expected_weight_names()
+    weights = dict(round_decoder_weights(dummy_weights(arch, device=DEVICE, names=names)))
+    with packing_on_load(model, tied=model.model.embed_tokens.weight) as counts:
+        model.load_weights(weights.items())
+    layers = arch.num_hidden_layers
+    assert counts["q4"] == 4 * layers and counts["dense"] == 1  # the LM head: not rounded
+    assert model.lm_head is not None and model.lm_head.packed is None
+    layer = model.model.stage_layers()[1]
+    prefix = "model.layers.1."
+    dense = {
+        layer.self_attn.qkv_proj: torch.cat(
+            [weights[f"{prefix}self_attn.{p}_proj.weight"] for p in "qkv"]
+        ),
+        layer.mlp.gate_up_proj: torch.cat(
+            [weights[f"{prefix}mlp.{p}_proj.weight"] for p in ("gate", "up")]
+        ),
+        layer.self_attn.o_proj: weights[f"{prefix}self_attn.o_proj.weight"],
+        layer.mlp.down_proj: weights[f"{prefix}mlp.down_proj.weight"],
+    }
+    for module, weight in dense.items():
+        assert isinstance(module, ColumnParallelLinear | RowParallelLinear)
+        assert isinstance(module.packed, GpuQ4Weight)
+        torch.testing.assert_close(module.weight, weight, rtol=0, atol=0)  # dense, beside
+        calls: list[int] = []
+        mm = module.packed.mm
+        module.packed.mm = lambda x, mm=mm, calls=calls: calls.append(x.shape[0]) or mm(x)  # type: ignore[method-assign]
+        for rows in (1, 3):  # one row: the Q4 copy; more: the dense weight
+            x = torch.randn(rows, weight.shape[1], device=DEVICE)
+            torch.testing.assert_close(module(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+        assert calls == [1]
+    # The loaders are the layers' own again.
+    assert not hasattr(layer.self_attn.o_proj.weight.weight_loader, "staging")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a whole engine on the GPU")
+@pytest.mark.trio
+async def test_a_4_bit_model_generates_what_its_dense_twin_does() -> None:
+    import asyncstep
+    from asyncstep.config import ModelConfig
+    from asyncstep.models.model_loader import load_model
+
+    base = {"model": "tiny-llama", "load_format": "dummy", "device": "cuda", "dtype": "float32"}
+    quant = load_model(ModelConfig(**base, weight_packing="q4"))
+    dense = load_model(ModelConfig(**base, weight_packing="none"))
+    for module in dense.model.modules():
+        if hasattr(module, "packed") and module is not dense.model.lm_head:
+            module.weight.data = round_to_q4_1(module.weight.data)
+    assert all(
+        isinstance(m.packed, GpuQ4Weight)
+        for m in quant.model.modules()
+        if hasattr(m, "packed") and m is not quant.model.lm_head
+    )
+    params = asyncstep.SamplingParams(temperature=0, max_tokens=12, logprobs=1)
+    prompts = [[5, 17, 301, 42], [7] * 40]
+    outs = []
+    for loaded in (quant, dense):
+        async with asyncstep.open_engine(loaded, max_model_len=256) as engine:
+            outs.append([await engine.generate(p, params) for p in prompts])
+    for q, d in zip(*outs, strict=True):
+        assert q.token_ids == d.token_ids
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's packing")
+def test_q4_rounding_on_the_cpu_packs_the_cpu_way() -> None:
+    from asyncstep.config import ModelConfig
+    from asyncstep.models.model_loader import load_model
+
+    loaded = load_model(
+        ModelConfig(model="tiny-llama", load_format="dummy", device="cpu", weight_packing="q4")
+    )
+    layer = loaded.model.model.stage_layers()[0]
+    for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        assert module.packed is not None and module.packed.kind == "int4"
+    assert loaded.model.lm_head is not None and loaded.model.lm_head.packed is None
