@@ -1,7 +1,9 @@
 """CPU benchmark: asyncstep against HF transformers ``generate`` on the same
-SmolLM2-135M-Instruct weights (the embedded GGUF, dequantized, fp32), in one
-process: 1 request, and 16 concurrent requests of mixed prompt lengths with
-equal and with mixed output lengths.
+SmolLM2-135M-Instruct weights (the embedded GGUF, dequantized, fp32): 1
+request, and 16 concurrent requests of mixed prompt lengths with equal and
+with mixed output lengths. Each system runs in a process of its own (one
+after the other): two torch thread pools in one process slow both (see
+``asyncstep/runner/cpu_threads.py``).
 
 Each workload runs twice per system: generating its output lengths, and
 generating 1 token (the prefill). Decode tokens/s = (useful tokens of the long
@@ -21,6 +23,7 @@ import argparse
 import json
 import platform
 import random
+import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -32,7 +35,7 @@ import trio
 import asyncstep
 from asyncstep.config import ModelConfig
 from asyncstep.models.hf_reference import hf_reference_model
-from asyncstep.models.model_loader import load_model
+from asyncstep.models.model_info import describe_model
 
 
 def make_prompts(vocab: int, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -105,33 +108,66 @@ def workloads(args: argparse.Namespace, vocab: int) -> dict[str, tuple[list[list
     return cases
 
 
-async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    loaded = load_model(ModelConfig(device="cpu", dtype="float32"))
-    reference = hf_reference_model(None, pad_token_id=2)
-    results: dict[str, Any] = {}
-    async with asyncstep.open_engine(loaded, enable_prefix_caching=False) as engine:
+SYSTEMS = ("asyncstep", "hf")
+
+
+async def bench_side(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """One system's best run of every workload (this process runs only it)."""
+    vocab = describe_model(ModelConfig()).arch_config.vocab_size
+    best: dict[str, dict[str, float]] = {}
+    if args.side == "hf":
+        reference = hf_reference_model(None, pad_token_id=2)
+        hf_run(reference, [[5, 6, 7]], [4])  # warm-up
+
+        async def run(prompts: list[list[int]], out_lens: list[int]) -> tuple[float, int]:
+            return hf_run(reference, prompts, out_lens)
+
+        for name, (prompts, out_lens) in workloads(args, vocab).items():
+            best[name] = await best_of(args.repeats, run, prompts, out_lens)
+        return best
+    async with asyncstep.open_engine(dtype="float32", enable_prefix_caching=False) as engine:
         await ours_run(engine, [[5, 6, 7]], [4])  # warm-up
-        hf_run(reference, [[5, 6, 7]], [4])
-        for name, (prompts, out_lens) in workloads(args, loaded.arch_config.vocab_size).items():
-            ones = [1] * len(prompts)
-            best: dict[str, dict[str, float]] = {}
-            for _ in range(args.repeats):
-                ours = summarize(
-                    await ours_run(engine, prompts, out_lens), await ours_run(engine, prompts, ones)
-                )
-                hf = summarize(
-                    hf_run(reference, prompts, out_lens), hf_run(reference, prompts, ones)
-                )
-                for system, r in (("asyncstep", ours), ("hf", hf)):
-                    if system not in best or r["decode_tok_s"] > best[system]["decode_tok_s"]:
-                        best[system] = r
-            results[name] = {
-                **best,
-                "decode_ratio": best["asyncstep"]["decode_tok_s"] / best["hf"]["decode_tok_s"],
-                "e2e_ratio": best["asyncstep"]["e2e_tok_s"] / best["hf"]["e2e_tok_s"],
-                "prompt_lengths": [len(p) for p in prompts],
-                "output_lengths": out_lens,
-            }
+
+        async def run(prompts: list[list[int]], out_lens: list[int]) -> tuple[float, int]:
+            return await ours_run(engine, prompts, out_lens)
+
+        for name, (prompts, out_lens) in workloads(args, vocab).items():
+            best[name] = await best_of(args.repeats, run, prompts, out_lens)
+    return best
+
+
+async def best_of(
+    repeats: int, run: Any, prompts: list[list[int]], out_lens: list[int]
+) -> dict[str, float]:
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        r = summarize(await run(prompts, out_lens), await run(prompts, [1] * len(prompts)))
+        if not best or r["decode_tok_s"] > best["decode_tok_s"]:
+            best = r
+    return best
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Each system in a subprocess of this script, then the ratios."""
+    sides: dict[str, dict[str, dict[str, float]]] = {}
+    for side in SYSTEMS:
+        cmd = [sys.executable, __file__, "--side", side, "--repeats", str(args.repeats)]
+        cmd += ["--concurrency", *map(str, args.concurrency), "--max-tokens", str(args.max_tokens)]
+        cmd += ["--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt)]
+        done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+        sides[side] = json.loads(done.stdout.strip().splitlines()[-1])
+    results: dict[str, Any] = {}
+    vocab = describe_model(ModelConfig()).arch_config.vocab_size
+    for name, (prompts, out_lens) in workloads(args, vocab).items():
+        ours, hf = sides["asyncstep"][name], sides["hf"][name]
+        results[name] = {
+            "asyncstep": ours,
+            "hf": hf,
+            "decode_ratio": ours["decode_tok_s"] / hf["decode_tok_s"],
+            "e2e_ratio": ours["e2e_tok_s"] / hf["e2e_tok_s"],
+            "prompt_lengths": [len(p) for p in prompts],
+            "output_lengths": out_lens,
+        }
     return results
 
 
@@ -143,8 +179,12 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="best of N")
     parser.add_argument("--out", help="write the results here as JSON")
+    parser.add_argument("--side", choices=SYSTEMS, help=argparse.SUPPRESS)  # one system, JSON out
     args = parser.parse_args()
-    results = trio.run(bench, args)
+    if args.side:
+        print(json.dumps(trio.run(bench_side, args)))
+        return
+    results = bench(args)
     print(
         f"{'requests':<20} {'ours dec tok/s':>15} {'HF dec tok/s':>13} {'ratio':>6}"
         f" {'ours e2e tok/s':>15} {'HF e2e tok/s':>13} {'ratio':>6}"

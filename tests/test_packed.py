@@ -19,7 +19,7 @@ from asyncstep.models.layers.packed import (
     pack_int4,
     pack_int8_rows,
 )
-from asyncstep.models.model_loader import LoadedModel, load_model
+from asyncstep.models.model_loader import LoadedModel, load_model, pack_weights
 
 
 def q4_1_weight(rows: int, cols: int) -> torch.Tensor:
@@ -123,8 +123,13 @@ def test_layers_use_the_packed_weight_up_to_max_tokens_only() -> None:
 
 @pytest.fixture(scope="module")
 def packed_smollm2() -> LoadedModel:
-    """The embedded model in fp32 with its packed weights (int4 layers, int8 LM head)."""
-    return load_model(ModelConfig(device="cpu", dtype="float32"))
+    """The embedded model in fp32 with its packed weights (int4 layers, int8
+    LM head), packed by hand: the loader packs bfloat16 models only, and fp32
+    scales keep the packed product comparable with the dense one."""
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32"))
+    assert all(getattr(m, "packed", None) is None for m in loaded.model.modules())
+    pack_weights(loaded.model, torch.float32, max_tokens=8)
+    return loaded
 
 
 def test_the_embedded_model_packs_every_linear_and_its_lm_head(
