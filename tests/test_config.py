@@ -264,6 +264,37 @@ async def test_setup_work_runs_in_a_thread_that_has_ended() -> None:
         await run_in_ending_thread(lambda: int("x"))
 
 
+def test_cpu_steps_take_fewer_threads_while_other_processes_use_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncstep.runner import cpu_threads as ct
+
+    clock, busy, own = [0.0], [0], [0.0]
+    monkeypatch.setattr(ct.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ct, "_busy_ticks", lambda cpus: busy[0])
+    monkeypatch.setattr(ct.os, "times", lambda: (own[0], 0.0, 0.0, 0.0, 0.0))
+    monkeypatch.setattr(ct, "_TICKS", 100)
+    calls: list[int] = []
+    monkeypatch.setattr(ct.torch, "set_num_threads", calls.append)
+    threads = ct.CpuThreads(2)
+    threads._cpus = frozenset({0, 1})
+
+    def window(others: float, ours: float = 1.0, seconds: float = 0.25) -> list[int]:
+        clock[0] += seconds
+        own[0] += ours * seconds
+        busy[0] += round((ours + others) * seconds * 100)
+        threads.apply()
+        return calls
+
+    threads.apply()
+    assert calls == [2]
+    assert window(others=0.1) == [2]  # quiet
+    assert window(others=1.0) == [2, 1]  # a busy caller holds a core
+    assert window(others=0.4) == [2, 1]  # not yet free enough to come back
+    assert window(others=0.1) == [2, 1, 2]
+    assert window(others=1.0, seconds=0.1) == [2, 1, 2]  # within a window: not looked at
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_dtype_is_bfloat16_where_the_cpu_multiplies_it(
     monkeypatch: pytest.MonkeyPatch, native: bool

@@ -9,6 +9,7 @@ import torch
 from asyncstep.config import EngineConfig
 from asyncstep.errors import ConfigError
 from asyncstep.models.model_loader import LoadedModel, cpu_threads
+from asyncstep.runner.cpu_threads import CpuThreads
 from asyncstep.runner.kv_sizing import num_kv_blocks
 from asyncstep.runner.model_runner import ModelRunner
 
@@ -27,8 +28,10 @@ def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
     yet. On the CPU, torch's threads become
     :func:`~asyncstep.models.model_loader.cpu_threads`' (every thread takes
     that count on its first torch op)."""
+    threads = None
     if loaded.device.type == "cpu":
-        torch.set_num_threads(cpu_threads(config.parallel))
+        threads = CpuThreads(cpu_threads(config.parallel))
+        torch.set_num_threads(threads.threads)
     return ModelRunner(
         loaded.model,
         device=loaded.device,
@@ -41,6 +44,7 @@ def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         max_num_batched_tokens=config.max_num_batched_tokens,
         graph_stand_in=config.compilation.cudagraph_stand_in,
         num_input_batches=config.num_input_batches,
+        cpu_threads=threads,
     )
 
 

@@ -69,6 +69,7 @@ from asyncstep.runner.attention_backend import (
     resolve_attention_backend,
     resolve_cudagraph_mode,
 )
+from asyncstep.runner.cpu_threads import CpuThreads
 from asyncstep.runner.cudagraph_dispatcher import (
     CudagraphDispatcher,
     CUDAGraphMode,
@@ -104,6 +105,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         graph_stand_in: bool = False,
         num_input_batches: int = 1,
+        cpu_threads: CpuThreads | None = None,
     ) -> None:
         """``graph_stand_in``: run CUDA-graph modes without CUDA (graphs
         replayed by calling the captured function again), to test the
@@ -114,6 +116,9 @@ class ModelRunner:
         do not rebuild every row each step)."""
         self.model = model
         self.device, self.dtype = device, dtype
+        #: On the CPU: the steps' torch threads, fewer while other processes
+        #: keep the cores busy (None: left as they are).
+        self.cpu_threads = cpu_threads
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.is_last_stage = model.lm_head is not None
@@ -296,6 +301,8 @@ class ModelRunner:
         record = self.record_step_events or tracing()
         start = record_event(self.device) if record else None
         t2 = time.perf_counter()
+        if self.cpu_threads is not None:
+            self.cpu_threads.apply()
         if self.attention_backend == "torch":
             with reference_attention_backends():
                 out = self._forward(inputs, intermediate_tensors)
