@@ -292,7 +292,7 @@ def test_cpu_steps_take_fewer_threads_while_other_processes_use_the_cores(
     assert window(others=1.0) == [2, 1]  # a busy caller holds a core
     assert window(others=0.4) == [2, 1]  # not yet free enough to come back
     assert window(others=0.1) == [2, 1, 2]
-    assert window(others=1.0, seconds=0.1) == [2, 1, 2]  # within a window: not looked at
+    assert window(others=1.0, seconds=0.05) == [2, 1, 2]  # within a window: not looked at
 
 
 @pytest.mark.parametrize("native", [True, False])

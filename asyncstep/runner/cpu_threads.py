@@ -63,7 +63,7 @@ class CpuThreads:
     cores free, adds one back when ``current + 0.8`` are free."""
 
     threads: int
-    window_s: float = 0.25
+    window_s: float = 0.1
     _cpus: frozenset[int] = field(
         default_factory=lambda: frozenset(os.sched_getaffinity(0)), init=False
     )
