@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from processes import wait_for
 
 import asyncstep
 from asyncstep import SamplingParams, cli
@@ -372,14 +373,6 @@ def server() -> Iterator[Server]:
     yield Server(proc, url)
     proc.kill()
     proc.wait(10)
-
-
-def wait_for(check: Any, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)  # polling a server from a test thread
 
 
 class Stream:

@@ -23,14 +23,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from processes import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 KEY = "test-key"
@@ -38,7 +39,6 @@ MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
 BODY_LIMIT = 64 << 10
 SHUTDOWN_TIMEOUT = 4
-T = TypeVar("T")
 
 
 @dataclass
@@ -76,18 +76,6 @@ class Server:
                 inner = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
                 samples[f"{s.name}{{{inner}}}" if inner else s.name] = s.value
         return samples
-
-
-def wait_for(check: Callable[[], T], what: str, timeout_s: float = 30) -> T:
-    """Poll ``check`` until it returns something true (a test polling a server)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
 
 
 #: Dense fp32 weights: a request's greedy text is the same alone and in any
