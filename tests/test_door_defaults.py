@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import queue
 import random
 import socket
 import subprocess
@@ -36,7 +35,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from processes import wait_for
+from processes import serving_url, wait_for
 
 import asyncstep
 from asyncstep import SamplingParams, cli
@@ -350,26 +349,8 @@ def server() -> Iterator[Server]:
     argv = [sys.executable, "-m", "asyncstep", "serve", "--port", "0"]
     argv += ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-gib", "0.5"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
     output: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            output.append(line)
-            lines.put(line)
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 120
-    url = None
-    while url is None:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            proc.kill()
-            raise AssertionError("the server did not start:\n" + "".join(output)) from None
-        if line.startswith("asyncstep: serving"):
-            url = line.split(" on ")[-1].strip()
+    url = serving_url(proc, output)
     yield Server(proc, url)
     proc.kill()
     proc.wait(10)

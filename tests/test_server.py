@@ -15,14 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import queue
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +28,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from processes import wait_for
+from processes import serving_url, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 KEY = "test-key"
@@ -105,26 +102,8 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     reference = subprocess.Popen(
         [*generate, *REFERENCE_PROMPTS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    lines: queue.Queue[str] = queue.Queue()
     output: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            output.append(line)
-            lines.put(line)
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 120
-    url = None
-    while url is None:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            proc.kill()
-            raise AssertionError("the server did not start:\n" + "".join(output)) from None
-        if line.startswith("asyncstep: serving"):
-            url = line.split(" on ")[-1].strip()
+    url = serving_url(proc, output)
     yield Server(proc, url, output, reference)
     for child in (proc, reference):
         if child.poll() is None:
