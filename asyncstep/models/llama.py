@@ -23,6 +23,7 @@ between pipeline stages are the token shards.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ from asyncstep.models.layers.linear import (
 )
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.layers.rotary import RotaryCosSin, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from asyncstep.models.layers.cpu_decode import CpuDecodeStack
 
 # Checkpoint names folded into our fused parameters: (ours, theirs, shard id).
 STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
@@ -261,6 +265,9 @@ class LlamaModel(nn.Module):
         self.norm = (
             RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
         )
+        #: The stage's layers as one call of the CPU library, for steps it
+        #: takes (set by the runner on the CPU where the model qualifies).
+        self.decode_stack: CpuDecodeStack | None = None
 
     def stage_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's decoder layers, in order."""
@@ -293,6 +300,8 @@ class LlamaModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         hidden, residual = self.begin(input_ids, intermediate_tensors)
+        if self.decode_stack is not None and self.decode_stack.takes(hidden, meta):
+            return self.finish(*self.decode_stack(hidden, residual, meta))
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         # A received residual is left as it is; the ones the layers return
         # are the stream's own (each passed on to the next layer alone).

@@ -25,6 +25,8 @@ from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.logging import get_logger
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
+from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
+from asyncstep.models.layers.cpu_quant import pack_q4_cpu, pack_q8_cpu
 from asyncstep.models.layers.embedding import ParallelLMHead
 from asyncstep.models.layers.gpu_quant import packing_on_load, round_decoder_weights
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -217,27 +219,34 @@ def settle_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
 
 
 def pack_weights(model: LlamaForCausalLM, dtype: torch.dtype, max_tokens: int) -> dict[str, int]:
-    """Give each linear layer whose float32 weight is exactly 4-bit an int4
-    copy, and an 8-bit LM head an int8 one, for steps of at most
-    ``max_tokens`` tokens (:mod:`~asyncstep.models.layers.packed`; scales
-    in ``dtype``). Returns how many of each, and their bytes."""
-    counts = {"int4": 0, "int8": 0, "dense": 0, "bytes": 0}
+    """Give each linear layer whose float32 weight is exactly 4-bit a packed
+    copy, and an 8-bit LM head one too, for steps of at most ``max_tokens``
+    tokens: the CPU library's Q4 / Q8 blocks where it runs on AVX512-VNNI
+    (:mod:`~asyncstep.models.layers.cpu_quant`), else torch's int4 / int8
+    (:mod:`~asyncstep.models.layers.packed`, scales in ``dtype``). Returns
+    how many of each kind, and their bytes."""
+    counts = {"dense": 0, "bytes": 0}
     if max_tokens == 0:
         return counts
+    kernels = load_cpu_kernels()
+    blocks = kernels is not None and kernels.quant_matmul.fast
     for module in model.modules():
         packed: PackedWeight | None = None
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-            packed = pack_int4(module.weight.data, dtype, max_tokens)
-        elif isinstance(module, ParallelLMHead) and is_int8_blocks(module.weight.data):
-            packed = pack_int8_rows(module.weight.data, dtype, max_tokens)
-        elif not isinstance(module, ParallelLMHead):
+            weight = module.weight.data
+            packed = (pack_q4_cpu if blocks else pack_int4)(weight, dtype, max_tokens)
+        elif isinstance(module, ParallelLMHead):
+            weight = module.weight.data
+            if blocks:
+                packed = pack_q8_cpu(weight, dtype, max_tokens)
+            elif is_int8_blocks(weight):
+                packed = pack_int8_rows(weight, dtype, max_tokens)
+        else:
             continue
         module.packed = packed
-        if packed is None:
-            counts["dense"] += 1
-        else:
-            counts[packed.kind] += 1
-            counts["bytes"] += packed.nbytes
+        kind = "dense" if packed is None else packed.kind
+        counts[kind] = counts.get(kind, 0) + 1
+        counts["bytes"] += 0 if packed is None else packed.nbytes
     return counts
 
 

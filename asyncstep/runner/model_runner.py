@@ -61,6 +61,7 @@ from asyncstep.models.layers.attention import (
     kv_cache_shape,
     reference_attention_backends,
 )
+from asyncstep.models.layers.cpu_decode import CpuDecodeStack
 from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.llama import LlamaForCausalLM, LlamaMLP
@@ -167,6 +168,10 @@ class ModelRunner:
         if self.attention_backend == "cpu":  # the CPU kernel rotates q and k as it reads them
             for attn in model.attention_layers():
                 attn.fused_rotary = model.model.rotary
+        kernels = load_cpu_kernels() if self.cpu_layer_kernels else None
+        model.model.decode_stack = (
+            None if kernels is None else CpuDecodeStack.build(kernels, model.model.stage_layers())
+        )
         mode = resolve_cudagraph_mode(
             compilation.cudagraph_mode, device, self.attention_backend, graph_stand_in
         )

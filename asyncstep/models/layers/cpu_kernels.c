@@ -52,7 +52,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ASYNCSTEP_ABI_VERSION 3
+#include "cpu_kernels.h"
+
+#define ASYNCSTEP_ABI_VERSION 4
 #define CHUNK 64 /* keys per online-softmax step */
 /* Query-key dot products below which a call runs on one thread: a parallel
  * region's fork and join cost more than splitting so little work saves (on

@@ -1,8 +1,9 @@
 """The CPU's compiled kernels: ``cpu_kernels.c`` compiled on first use with
 the machine's C compiler, cached, and called through ctypes. One library
-holds the paged attention (:mod:`~asyncstep.models.layers.cpu_attention`)
-and a decoder layer's non-matmul ops
-(:mod:`~asyncstep.models.layers.cpu_layer_ops`).
+holds the paged attention (:mod:`~asyncstep.models.layers.cpu_attention`),
+a decoder layer's non-matmul ops
+(:mod:`~asyncstep.models.layers.cpu_layer_ops`) and the matmuls of weights
+kept quantized (:mod:`~asyncstep.models.layers.cpu_quant`, ``cpu_quant.c``).
 
 The shared library is built for this CPU (``-march=native``) into
 ``$ASYNCSTEP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/asyncstep`` or
@@ -32,14 +33,18 @@ import torch
 
 from asyncstep.models.layers.cpu_attention import CPU_ATTENTION_DTYPES, CpuPagedAttention
 from asyncstep.models.layers.cpu_layer_ops import CpuLayerOps
+from asyncstep.models.layers.cpu_quant import CpuQuantMatmul
 
 __all__ = ["CpuKernels", "cpu_attention_supported", "load_cpu_kernels"]
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_HERE = Path(__file__).parent
+SOURCES = tuple(_HERE / name for name in ("cpu_kernels.c", "cpu_quant.c", "cpu_decode.c"))
+#: Included by the sources (part of the build key).
+HEADERS = tuple(_HERE / name for name in ("cpu_kernels.h", "cpu_quant.h"))
 #: Must match ``ASYNCSTEP_ABI_VERSION`` in the source.
-ABI_VERSION = 3
+ABI_VERSION = 4
 #: Environment variables: ``torch`` turns the library off (torch runs instead).
 SWITCH_ENVS = ("ASYNCSTEP_CPU_KERNELS", "ASYNCSTEP_CPU_ATTENTION")
 CACHE_ENV = "ASYNCSTEP_CACHE_DIR"
@@ -71,12 +76,20 @@ class CpuKernels:
     """The loaded library: where it lies, and its kernels."""
 
     path: Path
+    library: ctypes.CDLL
     attention: CpuPagedAttention
     layer_ops: CpuLayerOps
+    quant_matmul: CpuQuantMatmul
 
     @classmethod
     def bind(cls, library: ctypes.CDLL, path: Path) -> CpuKernels:
-        return cls(path, CpuPagedAttention(library, path), CpuLayerOps(library))
+        return cls(
+            path,
+            library,
+            CpuPagedAttention(library, path),
+            CpuLayerOps(library),
+            CpuQuantMatmul(library),
+        )
 
 
 def cpu_attention_supported(dtype: torch.dtype) -> bool:
@@ -128,7 +141,9 @@ def _cache_dir() -> Path:
 
 
 def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in (*SOURCES, *HEADERS):
+        digest.update(source.read_bytes())
     for part in (compiler, *BASE_FLAGS, *flags, *LIBS, platform.machine(), _cpu_flags()):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
@@ -151,7 +166,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(built), *LIBS],
+            [compiler, *flags, *map(str, SOURCES), "-o", str(built), *LIBS],
             check=True,
             capture_output=True,
             text=True,

@@ -1,0 +1,321 @@
+/*
+ * Weight-only quantized matmuls for small CPU steps (built into the library
+ * of cpu_kernels.py beside cpu_kernels.c): out = x @ W.T for rows of x
+ * (float32 or bfloat16) and W [N, K] kept in GGUF's blocks of 32 input
+ * features, every weight w = d * q + m with a float16 scale d and offset m
+ * per block (Q4_1: 4-bit q and its own m; Q4_0: m = -8 d; Q8_0: 8-bit
+ * q + 128, m = -128 d).
+ *
+ * x is quantized per row and block of 32 to int8 codes with a float32 scale
+ * (nearest even, as llama.cpp's Q8_1 activations), so a block's dot product
+ * is d_w * d_x * sum(q_w * q_x) + m_w * d_x * sum(q_x): integer products of
+ * unsigned weight codes and signed activation codes (AVX512-VNNI's
+ * vpdpbusd, 64 a instruction), then two float32 multiply-adds a block.
+ *
+ * Layout: 16 output rows are interleaved so that one vector holds one
+ * partial sum per row. W is [ceil(N / 16), K / 32, BLOCK_BYTES]: for each
+ * group of 16 rows and each block, the codes, then the 16 scales d, then
+ * the 16 offsets m (float16). Codes: eight 64-byte vectors j = 0..7, lane r
+ * (row 16 g + r), byte i holding the code of input feature 4 j + i. Q8:
+ * those 512 bytes. Q4: 256 bytes, vector c = 0..3 holding vector c's codes
+ * in its low nibbles and vector c + 4's in its high nibbles. Rows past N
+ * are zero (scale and offset 0).
+ *
+ * Rows of x are taken QTILE / levels at a time: a block's codes, unpacked
+ * once, serve every row of the tile. Groups of 16 output rows are spread over OpenMP
+ * threads (each computed by one thread, in a fixed order: results do not
+ * depend on the thread count). Without AVX512-VNNI the same arithmetic runs
+ * in plain C (exact: integer sums, then the same float32 operations in the
+ * same order), for tests; asyncstep_qmatmul_fast() says which.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_quant.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QMATMUL_VNNI 1
+#include <immintrin.h>
+#else
+#define QMATMUL_VNNI 0
+#endif
+
+/* Multiply-adds below which a call runs on one thread. */
+#define QMIN_PARALLEL_WORK (1 << 16)
+
+static inline int64_t code_bytes(int64_t kind) { return kind == QKIND_Q4 ? 256 : 512; }
+static inline int64_t block_bytes(int64_t kind) { return code_bytes(kind) + 4 * QGROUP; }
+
+int asyncstep_qmatmul_fast(void) { return QMATMUL_VNNI; }
+int asyncstep_qmatmul_block_bytes(int kind) { return (int)block_bytes(kind); }
+
+/* Arguments as one struct (8-byte fields): ctypes converts each argument of
+ * a call separately, a cost a one-token step pays per call. */
+typedef struct {
+    int64_t kind;
+    const uint8_t* weight;
+    int64_t out_features, in_features;
+    int64_t dtype; /* of x and out */
+    const void* x;
+    int64_t x_stride;
+    void* out;
+    int64_t out_stride;
+    int64_t rows;
+    int64_t levels; /* 1 or 2: activation codes per value (asyncstep_q_quantize_block) */
+    int64_t num_threads;
+} QMatmulArgs;
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu,
+                   mant = h & 0x3ffu;
+    union { uint32_t u; float f; } c;
+    if (exp == 0) { /* zero or subnormal: mant * 2^-24 */
+        c.f = (float)mant * 5.9604644775390625e-8f;
+        c.u |= sign;
+    } else if (exp == 31) {
+        c.u = sign | 0x7f800000u | (mant << 13);
+    } else {
+        c.u = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    return c.f;
+}
+
+static inline float load_x(const void* x, int64_t dtype, int64_t i) {
+    if (dtype == QDTYPE_BFLOAT16) {
+        union { uint32_t u; float f; } c = {.u = (uint32_t)((const uint16_t*)x)[i] << 16};
+        return c.f;
+    }
+    return ((const float*)x)[i];
+}
+
+static inline void store_out(void* out, int64_t dtype, int64_t i, float v) {
+    if (dtype == QDTYPE_BFLOAT16) {
+        union { float f; uint32_t u; } c = {.f = v};
+        uint32_t u = c.u;
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            ((uint16_t*)out)[i] = (uint16_t)((u >> 16) | 0x40u);
+            return;
+        }
+        u += 0x7fffu + ((u >> 16) & 1u);
+        ((uint16_t*)out)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float*)out)[i] = v;
+    }
+}
+
+/* One block of 32 values as int8 codes (nearest even) with the scale
+ * max|v| / 127; with two levels, the remainder (at most half the first
+ * scale) again with its own scale: v ~ d1 q1 + d2 q2, 254 times finer. */
+void asyncstep_q_quantize_block(const float* values, int64_t row, int64_t block,
+                                const QuantizedRows* out) {
+    const int64_t K = out->in_features, blocks = K / QBLOCK, levels = out->levels;
+    float v[QBLOCK];
+    memcpy(v, values, sizeof(v));
+    float s = 0.0f;
+    for (int64_t level = 0; level < levels; level++) {
+        float amax = 0.0f;
+        for (int i = 0; i < QBLOCK; i++) {
+            const float a = v[i] < 0 ? -v[i] : v[i];
+            amax = a > amax ? a : amax;
+        }
+        const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        const int64_t entry = row * levels + level;
+        int8_t* codes = out->q + entry * K + block * QBLOCK;
+        int32_t sum = 0;
+        for (int i = 0; i < QBLOCK; i++) {
+            const int32_t c = (int32_t)__builtin_rintf(v[i] * inv);
+            codes[i] = (int8_t)c;
+            sum += c;
+            v[i] -= scale * (float)c;
+        }
+        out->d[entry * blocks + block] = scale;
+        s += scale * (float)sum;
+    }
+    out->s[row * blocks + block] = s;
+}
+
+void asyncstep_q_quantize(const void* x, int64_t dtype, int64_t x_stride, int64_t rows,
+                          const QuantizedRows* out) {
+    const int64_t blocks = out->in_features / QBLOCK;
+#pragma omp for schedule(static)
+    for (int64_t at = 0; at < rows * blocks; at++) {
+        const int64_t row = at / blocks, b = at % blocks;
+        float v[QBLOCK];
+        for (int i = 0; i < QBLOCK; i++) v[i] = load_x(x, dtype, row * x_stride + b * QBLOCK + i);
+        asyncstep_q_quantize_block(v, row, b, out);
+    }
+}
+
+#if QMATMUL_VNNI
+/* Codes of one block as eight vectors of unsigned bytes (see the layout). */
+static inline __attribute__((always_inline)) void unpack_codes(const uint8_t* p, int64_t kind,
+                                                               __m512i v[8]) {
+    if (kind == QKIND_Q4) {
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        for (int c = 0; c < 4; c++) {
+            const __m512i packed = _mm512_loadu_si512(p + 64 * c);
+            v[c] = _mm512_and_si512(packed, low);
+            v[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+    } else {
+        for (int j = 0; j < 8; j++) v[j] = _mm512_loadu_si512(p + 64 * j);
+    }
+}
+
+/* Sum over one level of row t's codes of block b: sum(q_w * q_x). */
+static inline __attribute__((always_inline)) __m512i block_dot(const __m512i v[8],
+                                                               const int8_t* codes) {
+    const int32_t* a = (const int32_t*)codes;
+    __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(a[0]));
+    __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], _mm512_set1_epi32(a[1]));
+    s0 = _mm512_dpbusd_epi32(s0, v[2], _mm512_set1_epi32(a[2]));
+    s1 = _mm512_dpbusd_epi32(s1, v[3], _mm512_set1_epi32(a[3]));
+    s0 = _mm512_dpbusd_epi32(s0, v[4], _mm512_set1_epi32(a[4]));
+    s1 = _mm512_dpbusd_epi32(s1, v[5], _mm512_set1_epi32(a[5]));
+    s0 = _mm512_dpbusd_epi32(s0, v[6], _mm512_set1_epi32(a[6]));
+    s1 = _mm512_dpbusd_epi32(s1, v[7], _mm512_set1_epi32(a[7]));
+    return _mm512_add_epi32(s0, s1);
+}
+
+/* Partial sums of one group for `entries` (<= QTILE) quantized rows of x,
+ * `levels` entries a row (both constants once inlined): out[t * 16 + r]. */
+static inline __attribute__((always_inline)) void group_tile(
+    const uint8_t* w, int64_t kind, int64_t blocks, const QuantizedRows* x, int64_t K,
+    float* out, const int entries, const int levels) {
+    __m512 acc[QTILE];
+    for (int e = 0; e < entries; e++) acc[e] = _mm512_setzero_ps();
+    const int64_t bytes = block_bytes(kind), codes = code_bytes(kind);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t* p = w + b * bytes;
+        __m512i v[8];
+        unpack_codes(p, kind, v);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + codes)));
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + codes + 32)));
+        for (int e = 0; e < entries; e++) {
+            const __m512 dot = _mm512_cvtepi32_ps(block_dot(v, x->q + e * K + b * QBLOCK));
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x->d[e * blocks + b]));
+            acc[e] = _mm512_fmadd_ps(dot, scale, acc[e]);
+            if (e % levels == 0)
+                acc[e] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x->s[e / levels * blocks + b]), acc[e]);
+        }
+    }
+    for (int e = 0; e < entries; e += levels) {
+        __m512 sum = acc[e];
+        for (int level = 1; level < levels; level++) sum = _mm512_add_ps(sum, acc[e + level]);
+        _mm512_storeu_ps(out + e / levels * QGROUP, sum);
+    }
+}
+#else
+static void group_tile(const uint8_t* w, int64_t kind, int64_t blocks, const QuantizedRows* x,
+                       int64_t K, float* out, const int entries, const int levels) {
+    float acc[QTILE][QGROUP] = {{0}};
+    const int64_t bytes = block_bytes(kind), codes = code_bytes(kind);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t* p = w + b * bytes;
+        for (int r = 0; r < QGROUP; r++) {
+            uint16_t dh, mh;
+            memcpy(&dh, p + codes + 2 * r, 2);
+            memcpy(&mh, p + codes + 32 + 2 * r, 2);
+            const float dw = half_to_float(dh), mw = half_to_float(mh);
+            for (int e = 0; e < entries; e++) {
+                const int8_t* a = x->q + e * K + b * QBLOCK;
+                int32_t dot = 0;
+                for (int k = 0; k < QBLOCK; k++) {
+                    const int j = k / 4, i = k % 4;
+                    uint8_t code;
+                    if (kind == QKIND_Q4) {
+                        const uint8_t byte = p[64 * (j % 4) + 4 * r + i];
+                        code = j < 4 ? (byte & 0x0f) : (byte >> 4);
+                    } else {
+                        code = p[64 * j + 4 * r + i];
+                    }
+                    dot += (int32_t)code * (int32_t)a[k];
+                }
+                acc[e][r] = __builtin_fmaf((float)dot, dw * x->d[e * blocks + b], acc[e][r]);
+                if (e % levels == 0)
+                    acc[e][r] = __builtin_fmaf(mw, x->s[e / levels * blocks + b], acc[e][r]);
+            }
+        }
+    }
+    for (int e = 0; e < entries; e += levels)
+        for (int r = 0; r < QGROUP; r++) {
+            float sum = acc[e][r];
+            for (int level = 1; level < levels; level++) sum += acc[e + level][r];
+            out[e / levels * QGROUP + r] = sum;
+        }
+}
+#endif
+
+static void group_rows(const QWeight* w, int64_t g, const QuantizedRows* x, int64_t row0,
+                       int rows, const QOutput* out) {
+    const int64_t K = w->in_features, blocks = K / QBLOCK;
+    const int levels = (int)x->levels;
+    const uint8_t* data = w->data + g * blocks * block_bytes(w->kind);
+    const QuantizedRows tile = {x->q + row0 * levels * K, x->d + row0 * levels * blocks,
+                                x->s + row0 * blocks, K, levels};
+    float partial[QTILE * QGROUP];
+    switch (rows * levels * 2 + levels - 1) { /* constants for each inlined copy */
+#define TILE_CASE(E, L)                                                \
+    case E * 2 + L - 1:                                                \
+        group_tile(data, w->kind, blocks, &tile, K, partial, E, L);    \
+        break;
+        TILE_CASE(1, 1) TILE_CASE(2, 1) TILE_CASE(3, 1) TILE_CASE(4, 1)
+        TILE_CASE(5, 1) TILE_CASE(6, 1) TILE_CASE(7, 1) TILE_CASE(8, 1)
+        TILE_CASE(2, 2) TILE_CASE(4, 2) TILE_CASE(6, 2) TILE_CASE(8, 2)
+#undef TILE_CASE
+    }
+    const int64_t n0 = g * QGROUP;
+    const int64_t width = w->out_features - n0 < QGROUP ? w->out_features - n0 : QGROUP;
+    for (int t = 0; t < rows; t++)
+        for (int64_t r = 0; r < width; r++) {
+            const float bias = out->bias != NULL ? out->bias[n0 + r] : 0.0f;
+            store_out(out->data, out->dtype, (row0 + t) * out->stride + n0 + r,
+                      partial[t * QGROUP + r] + bias);
+        }
+}
+
+void asyncstep_q_matmul_rows(const QWeight* w, const QuantizedRows* x, int64_t rows,
+                             const QOutput* out) {
+    const int64_t groups = (w->out_features + QGROUP - 1) / QGROUP, tile = QTILE / x->levels;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t row0 = 0; row0 < rows; row0 += tile)
+            group_rows(w, g, x, row0, rows - row0 < tile ? (int)(rows - row0) : (int)tile, out);
+}
+
+static inline int64_t align64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+int64_t asyncstep_q_scratch_bytes(int64_t rows, int64_t in_features, int64_t levels) {
+    const int64_t blocks = in_features / QBLOCK;
+    return align64(rows * levels * in_features) +
+           align64((int64_t)sizeof(float) * rows * (levels + 1) * blocks);
+}
+
+QuantizedRows asyncstep_q_rows(void* scratch, int64_t rows, int64_t in_features, int64_t levels) {
+    const int64_t blocks = in_features / QBLOCK;
+    int8_t* q = scratch;
+    float* d = (float*)(q + align64(rows * levels * in_features));
+    return (QuantizedRows){q, d, d + rows * levels * blocks, in_features, levels};
+}
+
+/* out[rows, N] = x[rows, K] @ W.T; 0 on success, -1 when scratch memory
+ * cannot be had or the arguments are out of range (nothing written). */
+int asyncstep_qmatmul(const QMatmulArgs* a) {
+    const int64_t K = a->in_features, rows = a->rows, levels = a->levels;
+    if (levels < 1 || levels > 2 || K % QBLOCK != 0 || rows < 0) return -1;
+    void* scratch = aligned_alloc(64, (size_t)asyncstep_q_scratch_bytes(rows, K, levels));
+    if (scratch == NULL) return -1;
+    const QuantizedRows x = asyncstep_q_rows(scratch, rows, K, levels);
+    const QWeight w = {a->kind, a->weight, a->out_features, K};
+    const QOutput out = {a->out, a->dtype, a->out_stride, NULL};
+    const int64_t work = rows * K * a->out_features;
+    const int num_threads = work < QMIN_PARALLEL_WORK ? 1 : (int)a->num_threads;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        asyncstep_q_quantize(a->x, a->dtype, a->x_stride, rows, &x);
+        asyncstep_q_matmul_rows(&w, &x, rows, &out);
+    }
+    free(scratch);
+    return 0;
+}
