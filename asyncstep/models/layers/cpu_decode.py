@@ -91,8 +91,9 @@ class CpuDecodeStack:
                 return None
             if _quantized(layer) is None or attention.o_proj.bias is not None:
                 return None
-            if not (layer.input_layernorm.float32_residual and layer.mlp.down_proj.bias is None):
-                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.float32 for w in norms) or layer.mlp.down_proj.bias is not None:
+                return None  # the stack keeps a float32 residual stream, as such norms do
         kinds = {(w.levels, w.scales.dtype) for layer in layers for w in _quantized(layer) or ()}
         if len(kinds) != 1:
             return None

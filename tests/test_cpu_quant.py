@@ -1,0 +1,274 @@
+"""The CPU library's quantized matmuls (``cpu_quant.c``) and decoder stack
+(``cpu_decode.c``): the packers keep exactly what a GGUF's Q4_0 / Q4_1 /
+Q8_0 tensor holds (and refuse anything else); the matmul computes what its
+contract says (activations quantized per block of 32, one or two levels)
+for every tile height and output width, on AVX512-VNNI and in the plain C
+build alike; the stack gives the layer-by-layer forward's tokens."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+import asyncstep
+from asyncstep import SamplingParams
+from asyncstep.config import ModelConfig
+from asyncstep.models.layers.cpu_decode import CpuDecodeStack
+from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
+from asyncstep.models.layers.cpu_quant import (
+    CpuQuantMatmul,
+    CpuQuantWeight,
+    pack_q4_cpu,
+    pack_q8_cpu,
+)
+from asyncstep.models.model_loader import LoadedModel, load_model, pack_weights
+
+KERNELS = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the library is off")
+BLOCK = 32
+
+
+def q4_1_weight(rows: int, cols: int) -> torch.Tensor:
+    """As a GGUF Q4_1 tensor dequantizes: float16 scale and minimum per block."""
+    blocks = cols // BLOCK
+    d = (torch.rand(rows, blocks, 1) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(rows, blocks, 1) * 0.1).half().float()
+    q = torch.randint(0, 16, (rows, blocks, BLOCK)).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q + m).reshape(rows, cols)
+
+
+def q4_0_weight(rows: int, cols: int) -> torch.Tensor:
+    """Q4_0: ``d * (q - 8)``, code 0 at the block's largest magnitude."""
+    blocks = cols // BLOCK
+    d = (torch.rand(rows, blocks, 1) * 0.02 + 1e-3).half().float()
+    q = torch.randint(0, 15, (rows, blocks, BLOCK)).float()
+    q[..., 0] = 0
+    return (d * (q - 8)).reshape(rows, cols)
+
+
+def q8_0_weight(rows: int, cols: int) -> torch.Tensor:
+    """Q8_0: ``d * q``, |q| <= 127, 127 at the block's largest magnitude."""
+    blocks = cols // BLOCK
+    d = (torch.rand(rows, blocks, 1) * 0.01 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (rows, blocks, BLOCK)).float()
+    q[..., 0] = 127
+    return (d * q).reshape(rows, cols)
+
+
+def quantized_reference(x: torch.Tensor, weight: torch.Tensor, levels: int) -> torch.Tensor:
+    """The kernel's contract in float64: x quantized per block of 32 to int8
+    (nearest even, scale max|x| / 127; a second level quantizes the
+    remainder), times the weight exactly."""
+    rows, cols = x.shape
+    rest = x.float().reshape(rows, cols // BLOCK, BLOCK)
+    rebuilt = torch.zeros_like(rest, dtype=torch.float64)
+    for _ in range(levels):
+        scale = rest.abs().amax(dim=-1, keepdim=True) / 127
+        codes = torch.round(rest * torch.where(scale > 0, 1 / scale, torch.zeros_like(scale)))
+        rebuilt += codes.double() * scale.double()
+        rest = rest - scale * codes
+    return rebuilt.reshape(rows, cols) @ weight.double().T
+
+
+def assert_matches_contract(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, levels: int
+) -> None:
+    ref = quantized_reference(x, weight, levels)
+    # float32 sums of float32 products: a few ulps of the sum of magnitudes;
+    # a bfloat16 output rounds to 8 bits of mantissa.
+    magnitude = x.abs().double() @ weight.abs().double().T
+    rtol = 2**-8 if out.dtype == torch.bfloat16 else 1e-5
+    assert ((out.double() - ref).abs() <= rtol * magnitude + 1e-6).all()
+
+
+PACKERS = {
+    "q4_1": (q4_1_weight, pack_q4_cpu),
+    "q4_0": (q4_0_weight, pack_q4_cpu),
+    "q8_0": (q8_0_weight, pack_q8_cpu),
+}
+
+
+@pytest.mark.parametrize("kind", PACKERS)
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_matmul_computes_its_contract(kind: str, levels: int, dtype: torch.dtype) -> None:
+    """Every tile height (rows 1..17 cross the tiles of 8 and 4 quantized
+    rows) and an output width that is not a multiple of 16."""
+    make, pack = PACKERS[kind]
+    weight = make(40, 96)
+    packed = pack(weight, dtype, 32, levels)
+    assert packed is not None and packed.levels == levels
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17):
+        x = torch.randn(rows, 96).to(dtype)
+        out = packed.mm(x)
+        assert out.dtype == dtype and out.shape == (rows, 40)
+        assert_matches_contract(out, x, weight, levels)
+
+
+def test_two_levels_come_within_bfloat16_rounding_of_the_dense_product() -> None:
+    weight = q4_1_weight(64, 576)
+    x = torch.randn(4, 576)
+    dense = x @ weight.T
+    scale = dense.abs().max()
+    errors = {}
+    for levels in (1, 2):
+        packed = pack_q4_cpu(weight, torch.float32, 8, levels)
+        assert packed is not None
+        errors[levels] = float((packed.mm(x) - dense).abs().max() / scale)
+    assert errors[2] < 2**-9 < errors[1]  # int8 activations alone: ~2^-8 of the largest output
+
+
+def test_a_mix_of_q4_0_and_q4_1_blocks_packs() -> None:
+    weight = torch.cat([q4_1_weight(16, 64), q4_0_weight(16, 64)])
+    packed = pack_q4_cpu(weight, torch.float32, 8)
+    assert packed is not None
+    x = torch.randn(3, 64)
+    assert_matches_contract(packed.mm(x), x, weight, packed.levels)
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [
+        torch.randn(32, 64),  # on no grid
+        q4_1_weight(32, 64).double(),  # not float32
+        q4_1_weight(32, 96)[:, :80].contiguous(),  # columns not whole blocks
+        q4_1_weight(32, 64) * 1e5,  # a scale past float16
+        torch.empty(0, 64),
+    ],
+    ids=["dense", "float64", "ragged", "overflow", "empty"],
+)
+def test_what_is_not_a_gguf_block_stays_dense(weight: torch.Tensor) -> None:
+    assert pack_q4_cpu(weight, torch.float32, 8) is None
+    assert pack_q8_cpu(weight, torch.float32, 8) is None
+
+
+def test_a_4_bit_weight_is_no_8_bit_one_and_back() -> None:
+    """Q8 packing wants 127 at each block's largest magnitude; Q4 a 4-bit grid."""
+    assert pack_q8_cpu(q4_1_weight(16, 64), torch.float32, 8) is None
+    assert pack_q4_cpu(q8_0_weight(16, 64), torch.float32, 8) is None
+
+
+def test_bad_inputs_are_refused_in_one_line() -> None:
+    packed = pack_q8_cpu(q8_0_weight(16, 64), torch.float32, 8)
+    assert packed is not None
+    with pytest.raises(ValueError, match="features"):
+        packed.mm(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="float32 or bfloat16 rows"):
+        packed.mm(torch.randn(2, 64).half())
+    with pytest.raises(ValueError, match="float32 or bfloat16 rows"):
+        packed.mm(torch.randn(64, 2).T)
+    assert packed.mm(torch.randn(0, 64)).shape == (0, 16)
+
+
+def plain_c_build(tmp_path: Path) -> CpuQuantMatmul:
+    """cpu_quant.c alone, built without AVX512-VNNI (its plain C path)."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = Path(asyncstep.__file__).parent / "models/layers/cpu_quant.c"
+    target = tmp_path / "cpu_quant_plain.so"
+    flags = ["-O2", "-std=gnu11", "-fPIC", "-shared", "-mno-avx512vnni"]
+    subprocess.run(
+        [compiler, *flags, str(source), "-o", str(target)],
+        check=True,
+        capture_output=True,
+    )
+    return CpuQuantMatmul(ctypes.CDLL(str(target)))
+
+
+@pytest.mark.parametrize("kind", PACKERS)
+def test_the_plain_c_build_gives_what_the_vector_build_gives(kind: str, tmp_path: Path) -> None:
+    plain = plain_c_build(tmp_path)
+    assert not plain.fast
+    make, pack = PACKERS[kind]
+    weight = make(48, 128)
+    packed = pack(weight, torch.float32, 8)
+    assert packed is not None
+    x = torch.randn(6, 128)
+    out = plain(packed, x)
+    assert_matches_contract(out, x, weight, packed.levels)
+    assert KERNELS is not None
+    torch.testing.assert_close(out, KERNELS.quant_matmul(packed, x), rtol=1e-5, atol=1e-6)
+
+
+# ---- the decoder stack -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stacked_smollm2() -> LoadedModel:
+    """The embedded model in fp32 with its weights packed by hand (the
+    loader packs bfloat16 models only)."""
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32"))
+    pack_weights(loaded.model, torch.float32, max_tokens=8)
+    return loaded
+
+
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Hi"]
+#: Largest difference of a chosen token's log-prob, stack against layers
+#: (the same quantized matmuls; the layers round nothing in fp32 either, but
+#: sum in another order).
+LOGPROB_TOLERANCE = 1e-3
+
+
+async def greedy(loaded: LoadedModel, stack: bool) -> list[asyncstep.Completion]:
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
+    async with asyncstep.open_engine(loaded, max_model_len=512, max_num_seqs=4) as engine:
+        assert isinstance(loaded.model.model.decode_stack, CpuDecodeStack) == (
+            KERNELS is not None and KERNELS.quant_matmul.fast
+        )
+        if not stack:
+            loaded.model.model.decode_stack = None
+        tasks: list[Any] = [None] * len(QUESTIONS)
+
+        async def one(i: int) -> None:
+            tasks[i] = await engine.generate([{"role": "user", "content": QUESTIONS[i]}], params)
+
+        async with trio.open_nursery() as nursery:  # decodes of 2-3 requests a step too
+            for i in range(len(QUESTIONS)):
+                nursery.start_soon(one, i)
+        return tasks
+
+
+@pytest.mark.trio
+async def test_the_stack_gives_the_layer_by_layer_tokens(
+    stacked_smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if KERNELS is None or not KERNELS.quant_matmul.fast:
+        pytest.skip("the stack runs on AVX512-VNNI only")
+    calls: list[int] = []
+    original = CpuDecodeStack.__call__
+
+    def counted(self: CpuDecodeStack, hidden: torch.Tensor, *args: Any) -> Any:
+        calls.append(hidden.shape[0])
+        return original(self, hidden, *args)
+
+    monkeypatch.setattr(CpuDecodeStack, "__call__", counted)
+    stacked = await greedy(stacked_smollm2, stack=True)
+    assert calls and max(calls) <= 8 and len(set(calls)) > 1  # batch-1 and batch-3 decodes
+    calls.clear()
+    layered = await greedy(stacked_smollm2, stack=False)
+    assert not calls
+    for s, layer in zip(stacked, layered, strict=True):
+        assert s.token_ids == layer.token_ids
+        assert s.logprobs is not None and layer.logprobs is not None
+        for a, b in zip(s.logprobs, layer.logprobs, strict=True):
+            assert abs(a.logprobs[0] - b.logprobs[0]) <= LOGPROB_TOLERANCE
+
+
+def test_the_stack_is_not_built_for_dense_weights(smollm2: LoadedModel) -> None:
+    assert KERNELS is not None
+    assert CpuDecodeStack.build(KERNELS, smollm2.model.model.stage_layers()) is None
+
+
+def test_packed_weights_record_their_kind(stacked_smollm2: LoadedModel) -> None:
+    layer = stacked_smollm2.model.model.stage_layers()[0]
+    packed = layer.mlp.down_proj.packed
+    assert isinstance(packed, CpuQuantWeight) == bool(KERNELS and KERNELS.quant_matmul.fast)
