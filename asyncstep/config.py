@@ -94,8 +94,12 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         ),
     ] = "auto"
     packed_max_tokens: Annotated[
-        int, _doc("CPU: steps of at most this many tokens use the packed weights")
-    ] = 8
+        int | None,
+        _doc(
+            "CPU: steps of at most this many tokens use the packed weights; none: 16 where "
+            "the CPU library's quantized matmuls run (AVX512-VNNI), else 8 (torch's int4/int8)"
+        ),
+    ] = None
     device: Annotated[str, _doc("auto, cpu, cuda or cuda:N; auto: cuda when available")] = "auto"
     max_model_len: Annotated[
         int | None, _doc("longest sequence (prompt + output); none: the model's own limit")
@@ -115,7 +119,7 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(
                 f"weight_packing must be one of {WEIGHT_PACKINGS}, got {self.weight_packing!r}"
             )
-        if self.packed_max_tokens < 0:
+        if self.packed_max_tokens is not None and self.packed_max_tokens < 0:
             raise ConfigError(f"packed_max_tokens must be >= 0, got {self.packed_max_tokens}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

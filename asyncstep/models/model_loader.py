@@ -218,18 +218,24 @@ def settle_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
             param.data = param.data.to(target)
 
 
-def pack_weights(model: LlamaForCausalLM, dtype: torch.dtype, max_tokens: int) -> dict[str, int]:
+def pack_weights(
+    model: LlamaForCausalLM, dtype: torch.dtype, max_tokens: int | None = None
+) -> dict[str, int]:
     """Give each linear layer whose float32 weight is exactly 4-bit a packed
     copy, and an 8-bit LM head one too, for steps of at most ``max_tokens``
     tokens: the CPU library's Q4 / Q8 blocks where it runs on AVX512-VNNI
     (:mod:`~asyncstep.models.layers.cpu_quant`), else torch's int4 / int8
     (:mod:`~asyncstep.models.layers.packed`, scales in ``dtype``). Returns
-    how many of each kind, and their bytes."""
+    how many of each kind, and their bytes. ``max_tokens`` None: 16 with the
+    library's blocks, 8 with torch's (where each stops paying against the
+    dense weights: ``benchmarks/results/cpu/``)."""
     counts = {"dense": 0, "bytes": 0}
-    if max_tokens == 0:
-        return counts
     kernels = load_cpu_kernels()
     blocks = kernels is not None and kernels.quant_matmul.fast
+    if max_tokens is None:
+        max_tokens = 16 if blocks else 8
+    if max_tokens == 0:
+        return counts
     for module in model.modules():
         packed: PackedWeight | None = None
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
