@@ -163,7 +163,7 @@ def paged_layouts(draw: st.DrawFn) -> dict[str, object]:
         "computed": computed,
         "heads": kv_heads * draw(st.sampled_from([1, 2, 3, 4])),
         "kv_heads": kv_heads,
-        "dim": draw(st.sampled_from([8, 64, 128])),
+        "dim": draw(st.sampled_from([8, 16, 32, 64, 128])),
         "block": draw(st.sampled_from([1, 4, 16])),
         "seed": draw(st.integers(0, 2**16)),
     }

@@ -203,6 +203,8 @@ static void attend_tile(int dtype, const Layout* lay, void* out, const void* q,
     /* Common head sizes get a constant D (unrolled, vectorized inner loops). */
 #define DISPATCH(FN, T)                                                                  \
     switch (lay->head_dim) {                                                             \
+        case 16: FN(lay, (T*)out, (const T*)q, (const T*)cache, tile, h, 16); break;      \
+        case 32: FN(lay, (T*)out, (const T*)q, (const T*)cache, tile, h, 32); break;      \
         case 64: FN(lay, (T*)out, (const T*)q, (const T*)cache, tile, h, 64); break;      \
         case 128: FN(lay, (T*)out, (const T*)q, (const T*)cache, tile, h, 128); break;    \
         default: FN(lay, (T*)out, (const T*)q, (const T*)cache, tile, h, lay->head_dim);  \
