@@ -1,0 +1,132 @@
+"""One step's packed matmuls of SmolLM2 on the CPU, per kernel, in one run:
+30 layers of 4-bit weights of its four shapes (distinct, so they stream
+from memory as a step reads them) and its 8-bit LM head, at 1 to 16 rows,
+through the CPU library's Q4 / Q8 blocks (``cpu_quant.c``) with one and two
+activation levels, torch's int4 / int8 packing, and dense bf16
+(``F.linear``). Best of ``--repeats``, milliseconds a step; the packed
+bytes a step reads, and the rate they are read at.
+
+    python3 benchmarks/cpu_quant_matmul.py --out benchmarks/results/cpu/cpu_quant_matmul.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import torch
+import torch.nn.functional as F
+
+from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
+from asyncstep.models.layers.cpu_quant import pack_q4_cpu, pack_q8_cpu
+from asyncstep.models.layers.packed import GROUP_SIZE, pack_int4, pack_int8_rows
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+
+
+def q4_weight(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """As a GGUF Q4_1 tensor dequantizes (codes 0 and 15 in every block)."""
+    blocks = cols // GROUP_SIZE
+    d = (torch.rand(rows, blocks, 1, generator=gen) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(rows, blocks, 1, generator=gen) * 0.1).half().float()
+    q = torch.randint(0, 16, (rows, blocks, GROUP_SIZE), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q + m).reshape(rows, cols)
+
+
+def q8_weight(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    blocks = cols // GROUP_SIZE
+    d = (torch.rand(rows, blocks, 1, generator=gen) * 0.01 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (rows, blocks, GROUP_SIZE), generator=gen).float()
+    q[..., 0] = 127
+    return (d * q).reshape(rows, cols)
+
+
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.quant_matmul.fast:
+        raise SystemExit("the CPU library's quantized matmuls do not run here (no AVX512-VNNI)")
+    gen = torch.Generator().manual_seed(0)
+    dense = [q4_weight(*SHAPES[name], gen) for _ in range(LAYERS) for name in SHAPES]
+    head = q8_weight(VOCAB, HIDDEN, gen)
+    layers: dict[str, list] = {
+        "blocks, 1 level": [pack_q4_cpu(w, torch.bfloat16, 64, 1) for w in dense],
+        "blocks, 2 levels": [pack_q4_cpu(w, torch.bfloat16, 64, 2) for w in dense],
+        "torch int4": [pack_int4(w, torch.bfloat16, 64) for w in dense],
+    }
+    heads = {
+        "blocks, 1 level": pack_q8_cpu(head, torch.bfloat16, 64, 1),
+        "blocks, 2 levels": pack_q8_cpu(head, torch.bfloat16, 64, 2),
+        "torch int4": pack_int8_rows(head, torch.bfloat16, 64),  # its LM head: int8 rows
+    }
+    bf16 = [w.bfloat16() for w in dense]
+    head_bf16 = head.bfloat16()
+    nbytes = {k: sum(p.nbytes for p in v) for k, v in layers.items()}
+    results: list[dict[str, object]] = []
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (576, 1536)}
+        row: dict[str, object] = {"rows": rows}
+        for kind, packed in layers.items():
+            row[f"{kind}: layers ms"] = best_ms(
+                lambda ps=packed: [p.mm(xs[p.in_features]) for p in ps], args.repeats
+            )
+            row[f"{kind}: head ms"] = best_ms(
+                lambda h=heads[kind]: h.mm(xs[HIDDEN]), args.repeats
+            )
+        row["bf16: layers ms"] = best_ms(
+            lambda: [F.linear(xs[w.shape[1]], w) for w in bf16], args.repeats
+        )
+        row["bf16: head ms"] = best_ms(lambda: F.linear(xs[HIDDEN], head_bf16), args.repeats)
+        results.append(row)
+        print(
+            f"rows {rows:3d}: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "rows"),
+            flush=True,
+        )
+    one = results[0]
+    rates = {
+        k: nbytes[k] / (float(one[f"{k}: layers ms"]) * 1e-3) / 1e9  # type: ignore[arg-type]
+        for k in layers
+    }
+    print("GB/s of packed bytes at the first row count:", {k: round(v, 1) for k, v in rates.items()})
+    if args.out:
+        out = {
+            "command": "python3 benchmarks/cpu_quant_matmul.py " + " ".join(
+                f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                for k, v in vars(args).items()
+                if v is not None
+            ),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": {"cores": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads()},
+            "load_avg_after": os.getloadavg(),
+            "packed_bytes": nbytes,
+            "gb_s_first_rows": rates,
+            "results": results,
+        }
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
