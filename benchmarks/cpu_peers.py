@@ -790,7 +790,7 @@ def describe(spec: str, kind: str) -> tuple[str, str]:
     if engine == "asyncstep":
         packing = opts.get("weight_packing", "auto")
         weights = (
-            f"{opts.get('dtype', 'auto')} (Q4_1 deq.{' + Q4/Q8 packed' if packing == 'auto' else ''})"
+            f"{opts.get('dtype', 'auto')} (Q4_1 deq.{' + Q4/Q8' if packing == 'auto' else ''})"
         )
         return weights, f"{opts.get('cpu_threads', 'auto')}+fe"
     if engine == "hf":

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,16 @@ def q8_weight(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
     q = torch.randint(-127, 128, (rows, blocks, GROUP_SIZE), generator=gen).float()
     q[..., 0] = 127
     return (d * q).reshape(rows, cols)
+
+
+def run_packed(packed: list, xs: dict[int, torch.Tensor]) -> None:
+    for p in packed:
+        p.mm(xs[p.in_features])
+
+
+def run_dense(weights: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> None:
+    for w in weights:
+        F.linear(xs[w.shape[1]], w)
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -87,16 +98,10 @@ def main() -> int:
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (576, 1536)}
         row: dict[str, object] = {"rows": rows}
         for kind, packed in layers.items():
-            row[f"{kind}: layers ms"] = best_ms(
-                lambda ps=packed: [p.mm(xs[p.in_features]) for p in ps], args.repeats
-            )
-            row[f"{kind}: head ms"] = best_ms(
-                lambda h=heads[kind]: h.mm(xs[HIDDEN]), args.repeats
-            )
-        row["bf16: layers ms"] = best_ms(
-            lambda: [F.linear(xs[w.shape[1]], w) for w in bf16], args.repeats
-        )
-        row["bf16: head ms"] = best_ms(lambda: F.linear(xs[HIDDEN], head_bf16), args.repeats)
+            row[f"{kind}: layers ms"] = best_ms(partial(run_packed, packed, xs), args.repeats)
+            row[f"{kind}: head ms"] = best_ms(partial(heads[kind].mm, xs[HIDDEN]), args.repeats)
+        row["bf16: layers ms"] = best_ms(partial(run_dense, bf16, xs), args.repeats)
+        row["bf16: head ms"] = best_ms(partial(F.linear, xs[HIDDEN], head_bf16), args.repeats)
         results.append(row)
         print(
             f"rows {rows:3d}: "
@@ -108,7 +113,7 @@ def main() -> int:
         k: nbytes[k] / (float(one[f"{k}: layers ms"]) * 1e-3) / 1e9  # type: ignore[arg-type]
         for k in layers
     }
-    print("GB/s of packed bytes at the first row count:", {k: round(v, 1) for k, v in rates.items()})
+    print("GB/s of packed bytes, first rows:", {k: round(r, 1) for k, r in rates.items()})
     if args.out:
         out = {
             "command": "python3 benchmarks/cpu_quant_matmul.py " + " ".join(
