@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.cpu_quant import pack_q4_cpu, pack_q8_cpu
-from asyncstep.models.layers.packed import GROUP_SIZE, pack_int4, pack_int8_rows
+from asyncstep.models.layers.packed import GROUP_SIZE, PackedWeight, pack_int4, pack_int8_rows
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
@@ -85,11 +85,12 @@ def main() -> int:
         "blocks, 2 levels": [pack_q4_cpu(w, torch.bfloat16, 64, 2) for w in dense],
         "torch int4": [pack_int4(w, torch.bfloat16, 64) for w in dense],
     }
-    heads = {
+    heads: dict[str, PackedWeight | None] = {
         "blocks, 1 level": pack_q8_cpu(head, torch.bfloat16, 64, 1),
         "blocks, 2 levels": pack_q8_cpu(head, torch.bfloat16, 64, 2),
         "torch int4": pack_int8_rows(head, torch.bfloat16, 64),  # its LM head: int8 rows
     }
+    assert all(h is not None for h in heads.values()), "the weights are on their grids"
     bf16 = [w.bfloat16() for w in dense]
     head_bf16 = head.bfloat16()
     nbytes = {k: sum(p.nbytes for p in v) for k, v in layers.items()}
@@ -99,13 +100,13 @@ def main() -> int:
         row: dict[str, object] = {"rows": rows}
         for kind, packed in layers.items():
             row[f"{kind}: layers ms"] = best_ms(partial(run_packed, packed, xs), args.repeats)
-            row[f"{kind}: head ms"] = best_ms(partial(heads[kind].mm, xs[HIDDEN]), args.repeats)
+            head_mm = heads[kind].mm  # type: ignore[union-attr]
+            row[f"{kind}: head ms"] = best_ms(partial(head_mm, xs[HIDDEN]), args.repeats)
         row["bf16: layers ms"] = best_ms(partial(run_dense, bf16, xs), args.repeats)
         row["bf16: head ms"] = best_ms(partial(F.linear, xs[HIDDEN], head_bf16), args.repeats)
         results.append(row)
         print(
-            f"rows {rows:3d}: "
-            + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "rows"),
+            f"rows {rows:3d}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "rows"),
             flush=True,
         )
     one = results[0]
@@ -116,7 +117,8 @@ def main() -> int:
     print("GB/s of packed bytes, first rows:", {k: round(r, 1) for k, r in rates.items()})
     if args.out:
         out = {
-            "command": "python3 benchmarks/cpu_quant_matmul.py " + " ".join(
+            "command": "python3 benchmarks/cpu_quant_matmul.py "
+            + " ".join(
                 f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                 for k, v in vars(args).items()
                 if v is not None
