@@ -33,30 +33,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from asyncstep.gpu import triton_quant as tq
 from asyncstep.models.dummy import get_shape
 
-#: Every GEMV launch tried at one row (the best few also at 2 and 4 rows).
+#: Every GEMV launch tried at one row (the best few also at 2 and 4 rows):
+#: (block_n, block_g, num_warps, prefetch); a warp's lanes go along the blocks.
 GEMV_CONFIGS = [
-    tq.GemvConfig(bn, bg, warps, prefetch)
-    for prefetch in (True, False)
-    for bn, bg, warps in [
-        (8, 32, 1),
-        (16, 32, 1),
-        (4, 32, 1),
-        (8, 16, 1),
-        (16, 16, 1),
-        (8, 64, 2),
-        (16, 64, 2),
-        (8, 32, 2),
-        (16, 32, 2),
-        (32, 32, 4),
-        (8, 32, 4),
-        (16, 16, 4),
+    tq.GemvConfig(*launch)
+    for launch in [
+        (8, 32, 1, True),
+        (8, 32, 1, False),
+        (4, 32, 1, False),
+        (8, 64, 2, True),
+        (8, 64, 2, False),
+        (4, 64, 2, False),
+        (16, 64, 2, False),
+        (8, 128, 4, True),
+        (8, 128, 4, False),
+        (4, 128, 4, False),
+        (16, 128, 4, False),
+        (2, 128, 4, False),
     ]
-    if prefetch or warps == 1
 ]
 #: GEMV launches tried on the LM head (8-bit codes).
 LM_HEAD_CONFIGS = [
-    tq.GemvConfig(bn, bg, warps)
-    for bn, bg, warps in [(8, 16, 1), (8, 32, 1), (4, 32, 1), (16, 16, 1), (4, 16, 1), (8, 32, 2)]
+    tq.GemvConfig(*launch)
+    for launch in [
+        (8, 16, 1, True),
+        (8, 16, 1, False),
+        (8, 32, 2, False),
+        (8, 64, 4, False),
+        (8, 64, 4, True),
+        (4, 64, 4, False),
+        (16, 64, 4, False),
+    ]
 ]
 #: (block_n, block_g, num_warps, num_stages, swap)
 DOT_CONFIGS = [

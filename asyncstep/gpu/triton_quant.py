@@ -253,23 +253,33 @@ def _magic_halves(words, MAGIC: tl.constexpr):  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _load_chunk(  # type: ignore[no-untyped-def]
-    qw_ptr, sm_ptr, n64, n_mask, gg, K_GROUPS, WORDS: tl.constexpr = 4, EVEN: tl.constexpr = False
+    qw_ptr,
+    sm_ptr,
+    n64,
+    n_mask,
+    g0,
+    K_GROUPS,
+    BLOCK_G: tl.constexpr,
+    WORDS: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
-    """The packed words ``[BN, BG, WORDS]`` and the scale/offset pairs
-    ``[BN, BG]`` of rows ``n64``, blocks ``gg`` (``WORDS`` int32 words a
-    block; zeros outside; EVEN: all inside, unmasked)."""
-    t = tl.arange(0, WORDS)
-    row_at = qw_ptr + n64[:, None, None] * (K_GROUPS * WORDS)
-    words_at = row_at + gg[None, :, None] * WORDS + t[None, None, :]
+    """The packed words ``[BN, BLOCK_G, WORDS]`` and the scale/offset pairs
+    ``[BN, BLOCK_G]`` of rows ``n64``, blocks ``g0 ..`` (``WORDS`` int32
+    words a block; zeros outside; EVEN: all inside, unmasked). The words load
+    as ``[BN, BLOCK_G * WORDS]`` rows, so that the compiler sees a row's run
+    as contiguous and spreads a warp's lanes along it."""
+    c = tl.arange(0, BLOCK_G * WORDS)
+    gg = g0 + tl.arange(0, BLOCK_G)
+    words_at = qw_ptr + n64[:, None] * (K_GROUPS * WORDS) + (g0 * WORDS + c)[None, :]
     sm_at = sm_ptr + n64[:, None] * K_GROUPS + gg[None, :]
     if EVEN:
         words = tl.load(words_at)
         sm = tl.load(sm_at)
     else:
-        g_mask = gg < K_GROUPS
-        words = tl.load(words_at, mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)
-        sm = tl.load(sm_at, mask=n_mask[:, None] & g_mask[None, :], other=0)
-    return words, sm
+        c_mask = (g0 + c // WORDS) < K_GROUPS
+        words = tl.load(words_at, mask=n_mask[:, None] & c_mask[None, :], other=0)
+        sm = tl.load(sm_at, mask=n_mask[:, None] & (gg < K_GROUPS)[None, :], other=0)
+    return tl.reshape(words, [n64.shape[0], BLOCK_G, WORDS]), sm
 
 
 @triton.jit
@@ -308,6 +318,8 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     # to code * x * 2**(X_EXP - 149), and d carries 2**(149 - X_EXP).
     CODES: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
+    # Unmasked x: every block inside, and one row a program (a program per row).
+    X_EVEN: tl.constexpr = EVEN and BLOCK_M == 1
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -318,7 +330,9 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     m_idx = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G], dtype=tl.float32)
     if PREFETCH:
-        words_next, sm_next = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, g, K_GROUPS, BITS, EVEN)
+        words_next, sm_next = _load_chunk(
+            qw_ptr, sm_ptr, n64, n_mask, 0, K_GROUPS, BLOCK_G, BITS, EVEN
+        )
     for g0 in range(0, K_GROUPS, BLOCK_G):
         gg = g0 + g
         g_mask = gg < K_GROUPS
@@ -327,30 +341,31 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
             # (EVEN: the last step loads the first chunk again rather than past the end).
             words = words_next
             sm = sm_next
-            if EVEN:
-                g_next = tl.where(g0 + BLOCK_G < K_GROUPS, g0 + BLOCK_G, 0) + g
+            if EVEN:  # noqa: SIM108 (a compile-time branch)
+                g_next = tl.where(g0 + BLOCK_G < K_GROUPS, g0 + BLOCK_G, 0)
             else:
-                g_next = gg + BLOCK_G
+                g_next = g0 + BLOCK_G
             words_next, sm_next = _load_chunk(
-                qw_ptr, sm_ptr, n64, n_mask, g_next, K_GROUPS, BITS, EVEN
+                qw_ptr, sm_ptr, n64, n_mask, g_next, K_GROUPS, BLOCK_G, BITS, EVEN
             )
         else:
-            words, sm = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, gg, K_GROUPS, BITS, EVEN)
+            words, sm = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, g0, K_GROUPS, BLOCK_G, BITS, EVEN)
         d, m = _fp16_pair(sm)  # [BN, BG]
         d = d * _D_SCALE
         high = words >> 8
         for mi in tl.static_range(BLOCK_M):
             row = pid_m * BLOCK_M + mi
-            x_row = x_ptr + row.to(tl.int64) * stride_xm + gg[:, None] * 32 + t[None, :]
+            # x as [1, BG, BITS] tiles: laid out as the words are, each thread
+            # converts and scales its x once for all its rows.
+            x_row = x_ptr + row.to(tl.int64) * stride_xm + gg[None, :, None] * 32 + t[None, None, :]
             # (the row test as a tensor: the interpreter cannot mask with a scalar;
-            # EVEN with one row a program: no mask, the grid has a program per row)
-            x_mask = g_mask[:, None] & ((row + 0 * t) < M)[None, :]
-            x_even: tl.constexpr = EVEN and BLOCK_M == 1
-            xv = _load_x(x_row, x_mask, x_even)
+            # X_EVEN: no mask)
+            x_mask = g_mask[None, :, None] & ((row + 0 * t) < M)[None, None, :]
+            xv = _load_x(x_row, x_mask, X_EVEN)
             xsum = xv
-            dots = (words & MASK).to(tl.float32, bitcast=True) * (xv * (2.0**_X_EXP))[None, :, :]
+            dots = (words & MASK).to(tl.float32, bitcast=True) * (xv * (2.0**_X_EXP))
             for s in tl.static_range(1, CODES):
-                xv = _load_x(x_row + BITS * s, x_mask, x_even)
+                xv = _load_x(x_row + BITS * s, x_mask, X_EVEN)
                 xsum += xv
                 if BITS * (s + 1) <= 24:
                     bits = words & (MASK << (BITS * s))
@@ -358,8 +373,8 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
                 else:
                     bits = high & (MASK << (BITS * s - 8))
                     xv = xv * (2.0 ** (_X_EXP - BITS * s + 8))
-                dots += bits.to(tl.float32, bitcast=True) * xv[None, :, :]
-            part = tl.sum(dots, axis=2) * d + m * tl.sum(xsum, axis=1)[None, :]
+                dots += bits.to(tl.float32, bitcast=True) * xv
+            part = tl.sum(dots, axis=2) * d + m * tl.sum(xsum, axis=2)
             if BLOCK_M == 1:
                 acc += part[None, :, :]
             else:
@@ -495,8 +510,13 @@ def _empty_out(x2: torch.Tensor, n: int) -> torch.Tensor:
 
 def _gemv_config(n: int, groups: int, bits: int) -> GemvConfig:
     """The launch for an ``[n, 32 groups]`` weight of ``bits``-bit codes
-    (picked by measurement, ``benchmarks/quant_gpu.py``)."""
-    return GemvConfig(block_n=8, block_g=32, num_warps=1)
+    (picked by measurement, ``benchmarks/quant_gpu.py``): a warp's lanes
+    along a row's blocks, 8 rows a thread, and a loop step that covers a
+    whole row of 4096 features where the blocks divide evenly."""
+    if bits == 8:
+        return GemvConfig(block_n=8, block_g=64, num_warps=4, prefetch=False)
+    block_g = 128 if groups % 128 == 0 else 64
+    return GemvConfig(block_n=8, block_g=block_g, num_warps=block_g // 32, prefetch=False)
 
 
 def _gemv(
