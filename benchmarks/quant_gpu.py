@@ -34,35 +34,34 @@ from asyncstep.gpu import triton_quant as tq
 from asyncstep.models.dummy import get_shape
 
 #: Every GEMV launch tried at one row (the best few also at 2 and 4 rows):
-#: (block_n, block_g, num_warps, prefetch); a warp's lanes go along the blocks.
+#: (block_n, block_g, num_warps, prefetch, stages); a warp's lanes go along the blocks.
 GEMV_CONFIGS = [
     tq.GemvConfig(*launch)
     for launch in [
-        (8, 32, 1, True),
-        (8, 32, 1, False),
-        (4, 32, 1, False),
-        (8, 64, 2, True),
-        (8, 64, 2, False),
-        (4, 64, 2, False),
-        (16, 64, 2, False),
-        (8, 128, 4, True),
-        (8, 128, 4, False),
-        (4, 128, 4, False),
-        (16, 128, 4, False),
-        (2, 128, 4, False),
+        (8, 64, 2, False, 1),
+        (8, 64, 2, True, 1),
+        (8, 128, 4, False, 1),
+        (8, 32, 1, False, 2),
+        (8, 32, 1, False, 3),
+        (8, 32, 1, False, 4),
+        (8, 64, 2, False, 2),
+        (8, 64, 2, False, 3),
+        (4, 32, 1, False, 4),
+        (8, 16, 1, False, 4),
+        (16, 32, 1, False, 3),
+        (4, 64, 2, False, 3),
     ]
 ]
 #: GEMV launches tried on the LM head (8-bit codes).
 LM_HEAD_CONFIGS = [
     tq.GemvConfig(*launch)
     for launch in [
-        (8, 16, 1, True),
-        (8, 16, 1, False),
-        (8, 32, 2, False),
-        (8, 64, 4, False),
-        (8, 64, 4, True),
-        (4, 64, 4, False),
-        (16, 64, 4, False),
+        (8, 32, 2, False, 1),
+        (4, 64, 4, False, 1),
+        (8, 32, 2, False, 3),
+        (8, 16, 1, False, 4),
+        (4, 32, 2, False, 3),
+        (8, 64, 4, False, 3),
     ]
 ]
 #: (block_n, block_g, num_warps, num_stages, swap)
@@ -216,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     def gemv_label(c: tq.GemvConfig) -> str:
-        return f"n{c.block_n} g{c.block_g} w{c.num_warps} pf={int(c.prefetch)}"
+        return f"n{c.block_n} g{c.block_g} w{c.num_warps} pf={int(c.prefetch)} s{c.stages}"
 
     lm_head: list[dict[str, Any]] = []
     if args.lm_head:

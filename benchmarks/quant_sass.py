@@ -2,7 +2,7 @@
 ``asyncstep.gpu.triton_quant``'s GEMV for sm_90 (Triton's own ptxas), and
 count the SASS instructions of its main loop per weight, by opcode.
 
-    python3 benchmarks/quant_sass.py [--out DIR] [BITS,BLOCK_N,BLOCK_G,WARPS ...]
+    python3 benchmarks/quant_sass.py [--out DIR] [BITS,BLOCK_N,BLOCK_G,WARPS[,STAGES] ...]
 
 With ``--out``, each launch's SASS, PTX and TTGIR go there. Integer
 arguments are specialized as divisible by 16, as Triton's launcher does for
@@ -29,11 +29,12 @@ from triton.compiler import ASTSource
 from asyncstep.gpu import triton_quant as tq
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-DEFAULT = ["4,8,32,1", "4,16,32,1", "4,8,64,2", "4,16,16,1", "4,32,32,4", "8,8,16,1", "8,8,32,1"]
+DEFAULT = ["4,8,64,2", "4,8,128,4", "4,8,32,1,3", "4,8,64,2,3", "8,8,32,2", "8,4,64,4"]
 
 
-def compile_gemv(bits: int, block_n: int, block_g: int, warps: int) -> object:
-    """The GEMV compiled for sm_90 with bfloat16 x, one row, unmasked tiles."""
+def compile_gemv(bits: int, block_n: int, block_g: int, warps: int, stages: int) -> object:
+    """The GEMV compiled for sm_90 with bfloat16 x, one row, unmasked tiles
+    (prefetch in registers with one stage)."""
     sig = {
         "x_ptr": "*bf16",
         "qw_ptr": "*i32",
@@ -50,8 +51,9 @@ def compile_gemv(bits: int, block_n: int, block_g: int, warps: int) -> object:
         "BLOCK_M": 1,
         "BLOCK_N": block_n,
         "BLOCK_G": block_g,
-        "PREFETCH": True,
+        "PREFETCH": stages == 1,
         "EVEN": True,
+        "STAGES": stages,
     }
     divisible = [(i,) for i, name in enumerate(sig) if name.endswith("_ptr") or name not in ("M",)]
     sig.update(dict.fromkeys(consts, "constexpr"))
@@ -91,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90")
     for launch in args.launches:
-        bits, block_n, block_g, warps = (int(v) for v in launch.split(","))
-        kernel = compile_gemv(bits, block_n, block_g, warps)
-        tag = f"q{bits}_n{block_n}_g{block_g}_w{warps}"
+        bits, block_n, block_g, warps, stages = (int(v) for v in (launch + ",1").split(",")[:5])
+        kernel = compile_gemv(bits, block_n, block_g, warps, stages)
+        tag = f"q{bits}_n{block_n}_g{block_g}_w{warps}_s{stages}"
         out = args.out or Path("/tmp")
         out.mkdir(parents=True, exist_ok=True)
         cubin = out / f"{tag}.cubin"

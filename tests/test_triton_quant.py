@@ -145,6 +145,7 @@ GEMV_CASES = [
     (40, 192, GemvConfig(block_n=8, block_g=2, num_warps=1)),  # even tiles
     (40, 192, GemvConfig(block_n=16, block_g=4, num_warps=4)),  # partial tiles both ways
     (40, 192, GemvConfig(block_n=16, block_g=4, num_warps=2, prefetch=False)),
+    (40, 192, GemvConfig(block_n=8, block_g=2, num_warps=1, prefetch=False, stages=3)),
 ]
 
 

@@ -101,13 +101,16 @@ _D_SCALE: tl.constexpr = tl.constexpr(2.0 ** (149 - 88))
 
 class GemvConfig(NamedTuple):
     """A launch of :func:`q4_gemv`: output rows per program, blocks of 32
-    features per loop step, warps, and whether each loop step loads the next
-    step's words before it computes (double buffering in registers)."""
+    features per loop step, warps, whether each loop step loads the next
+    step's words before it computes (double buffering in registers), and the
+    loop's pipeline depth (Triton's ``num_stages``: above 1, the loads of
+    later steps go to shared memory ahead, by asynchronous copies)."""
 
     block_n: int = 8
     block_g: int = 32
     num_warps: int = 4
     prefetch: bool = True
+    stages: int = 1
 
 
 # -- packing -----------------------------------------------------------------
@@ -309,6 +312,7 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_G: tl.constexpr,
     PREFETCH: tl.constexpr,
     EVEN: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # A block is BITS words; code s (bits BITS s ..) of word t is feature
     # BITS s + t. A code masked in place (for the top byte: in the word shifted
@@ -333,7 +337,7 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
         words_next, sm_next = _load_chunk(
             qw_ptr, sm_ptr, n64, n_mask, 0, K_GROUPS, BLOCK_G, BITS, EVEN
         )
-    for g0 in range(0, K_GROUPS, BLOCK_G):
+    for g0 in tl.range(0, K_GROUPS, BLOCK_G, num_stages=STAGES):
         gg = g0 + g
         g_mask = gg < K_GROUPS
         if PREFETCH:
@@ -550,6 +554,7 @@ def _gemv(
             BLOCK_G=cfg.block_g,
             PREFETCH=cfg.prefetch,
             EVEN=n % cfg.block_n == 0 and groups % cfg.block_g == 0,
+            STAGES=cfg.stages,
             num_warps=cfg.num_warps,
         )
     return out.reshape(*x.shape[:-1], n)
