@@ -514,13 +514,13 @@ def _empty_out(x2: torch.Tensor, n: int) -> torch.Tensor:
 
 def _gemv_config(n: int, groups: int, bits: int) -> GemvConfig:
     """The launch for an ``[n, 32 groups]`` weight of ``bits``-bit codes
-    (picked by measurement, ``benchmarks/quant_gpu.py``): a warp's lanes
-    along a row's blocks, 8 rows a thread, and a loop step that covers a
-    whole row of 4096 features where the blocks divide evenly."""
+    (picked by measurement on llama-8b's shapes, ``benchmarks/quant_gpu.py``):
+    two warps whose lanes go along a row's blocks, 64 blocks a loop step, 8
+    rows a thread (4-bit) or 32 blocks (8-bit); a long row (>= 256 blocks)
+    loads the next step's words ahead."""
     if bits == 8:
-        return GemvConfig(block_n=8, block_g=64, num_warps=4, prefetch=False)
-    block_g = 128 if groups % 128 == 0 else 64
-    return GemvConfig(block_n=8, block_g=block_g, num_warps=block_g // 32, prefetch=False)
+        return GemvConfig(block_n=8, block_g=32, num_warps=2, prefetch=False)
+    return GemvConfig(block_n=8, block_g=64, num_warps=2, prefetch=groups >= 256)
 
 
 def _gemv(
