@@ -3,7 +3,7 @@ kernel that combines their segments; launched by
 :mod:`asyncstep.gpu.triton_attention` (the scheme is described in
 :mod:`asyncstep.gpu.attention_kernels`).
 
-May import triton and asyncstep.gpu.pdl only.
+May import triton only.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from asyncstep.gpu.attention_kernels import _find_request, _store_rows
-from asyncstep.gpu.pdl import launch_dependents
 
 # --------------------------------------------------------------------------
 # paged_attention: decode batches, keys split across programs
@@ -311,7 +310,6 @@ def _decode_combine_kernel(
     """Grid ``(num_tokens, num_heads)``: ``out[t, head]`` from the segments'
     partial outputs, weighted by ``exp2(lse)``; empty segments (lse -inf) are
     not read. Padding rows zeros."""
-    launch_dependents()  # the next kernel (a GEMV with PDL) may start loading its weights
     token = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, HEAD_DIM_PAD)

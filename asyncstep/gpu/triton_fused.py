@@ -23,7 +23,7 @@ first call of a new specialization compiles), and raise ``ValueError`` for
 mismatched shapes, dtypes or devices. On the CPU they run under the Triton
 interpreter (``TRITON_INTERPRET=1``), which the tests use.
 
-May import torch, triton and asyncstep.gpu.pdl only.
+May import torch and triton only.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from asyncstep.gpu.pdl import launch_dependents
 
 __all__ = ["fused_add_rms_norm", "rotary_and_store_kv", "rotary_embedding", "silu_and_mul"]
 
@@ -55,7 +53,6 @@ def _fused_add_rms_norm_kernel(  # type: ignore[no-untyped-def]
     eps,
     BLOCK: tl.constexpr,
 ):
-    launch_dependents()  # the next kernel (a GEMV with PDL) may start loading its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -316,7 +313,6 @@ def _silu_and_mul_kernel(  # type: ignore[no-untyped-def]
     d,
     BLOCK: tl.constexpr,
 ):
-    launch_dependents()  # the next kernel (a GEMV with PDL) may start loading its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d

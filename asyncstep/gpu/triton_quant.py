@@ -52,7 +52,7 @@ a new specialization compiles) and raises ``ValueError`` for mismatched
 shapes, dtypes or devices. On the CPU the kernels run under the Triton
 interpreter (``TRITON_INTERPRET=1``), which the tests use.
 
-May import torch, triton and asyncstep.gpu.pdl only.
+May import torch and triton only.
 """
 
 from __future__ import annotations
@@ -63,9 +63,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from asyncstep.gpu.pdl import ENABLED as PDL_ENABLED
-from asyncstep.gpu.pdl import wait_prior
 
 __all__ = [
     "DOT_MAX_M",
@@ -340,9 +337,6 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
         words_next, sm_next = _load_chunk(
             qw_ptr, sm_ptr, n64, n_mask, 0, K_GROUPS, BLOCK_G, BITS, EVEN
         )
-    # Launched with PDL, the kernel before may still run: the weights are
-    # nobody's output, x is its.
-    wait_prior()
     for g0 in tl.range(0, K_GROUPS, BLOCK_G, num_stages=STAGES):
         gg = g0 + g
         g_mask = gg < K_GROUPS
@@ -522,12 +516,11 @@ def _gemv_config(n: int, groups: int, bits: int) -> GemvConfig:
     """The launch for an ``[n, 32 groups]`` weight of ``bits``-bit codes
     (picked by measurement on llama-8b's shapes, ``benchmarks/quant_gpu.py``):
     two warps whose lanes go along a row's blocks, 64 blocks a loop step, 8
-    rows a thread (4-bit) or 32 blocks (8-bit); a long row (>= 256 blocks),
-    or any row with PDL (:mod:`asyncstep.gpu.pdl`: the first step's words
-    load before the kernel waits for x), loads the next step's words ahead."""
+    rows a thread (4-bit) or 32 blocks (8-bit); a long row (>= 256 blocks)
+    loads the next step's words ahead."""
     if bits == 8:
-        return GemvConfig(block_n=8, block_g=32, num_warps=2, prefetch=PDL_ENABLED)
-    return GemvConfig(block_n=8, block_g=64, num_warps=2, prefetch=PDL_ENABLED or groups >= 256)
+        return GemvConfig(block_n=8, block_g=32, num_warps=2, prefetch=False)
+    return GemvConfig(block_n=8, block_g=64, num_warps=2, prefetch=groups >= 256)
 
 
 def _gemv(
@@ -563,7 +556,6 @@ def _gemv(
             EVEN=n % cfg.block_n == 0 and groups % cfg.block_g == 0,
             STAGES=cfg.stages,
             num_warps=cfg.num_warps,
-            **({"launch_pdl": True} if PDL_ENABLED and x2.is_cuda else {}),
         )
     return out.reshape(*x.shape[:-1], n)
 
