@@ -460,5 +460,7 @@ def test_q4_rounding_on_the_cpu_packs_the_cpu_way() -> None:
     )
     layer = loaded.model.model.stage_layers()[0]
     for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
-        assert module.packed is not None and module.packed.kind == "int4"
+        # Packed by the CPU's own packing (whichever kind it uses), not the GPU's.
+        assert module.packed is not None and not isinstance(module.packed, GpuQ4Weight)
+    # On the CPU the LM head is not rounded to Q8_0's grid, so stays dense.
     assert loaded.model.lm_head is not None and loaded.model.lm_head.packed is None
