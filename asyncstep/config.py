@@ -87,8 +87,10 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             "CPU, bfloat16 models: also keep 4-bit weights (a GGUF's Q4_0/Q4_1) packed as "
             "int4 and an 8-bit LM head (Q8_0) as int8, for steps of at most packed_max_tokens "
             "tokens; "
-            "CUDA: also keep 4-bit weights packed as Q4, for steps of one token; "
-            "q4: first round the decoder's linear weights to 4 bits (Q4_1's grid), then as auto; "
+            "CUDA: also keep 4-bit weights packed as Q4 and an 8-bit LM head (Q8_0) as Q8, "
+            "for steps of one token; "
+            "q4: first round the decoder's linear weights to 4 bits (Q4_1's grid) and, on CUDA, "
+            "the LM head to 8 bits (Q8_0's grid), then as auto; "
             "none: dense weights only",
             choices=WEIGHT_PACKINGS,
         ),

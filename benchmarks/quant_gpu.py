@@ -7,9 +7,11 @@ figure. Variants: bf16 dense (``F.linear``), the Q4 GEMV (several launch
 configurations), the dequantizing GEMM (several tiles), and dequantize +
 matmul; each Q4 variant is first checked against the dequantized weight.
 Bytes: the weights each layer reads (bf16: 2 per weight; Q4: 0.5 + 4 per 32
-for the scales); ``GB/s`` is those bytes over the time.
+for the scales); ``GB/s`` is those bytes over the time. With ``--lm-head``,
+first the LM head at one row: bf16 against the Q8 GEMV (1 + 4 / 32 bytes a
+weight), several launches.
 
-    python3 benchmarks/quant_gpu.py --out results.json [--rows 1 32] [--quick]
+    python3 benchmarks/quant_gpu.py --out results.json [--rows 1 32] [--quick] [--lm-head]
 """
 
 from __future__ import annotations
@@ -31,23 +33,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from asyncstep.gpu import triton_quant as tq
 from asyncstep.models.dummy import get_shape
 
-#: Every GEMV launch tried at one row (the best few also at 2 and 4 rows).
+#: Every GEMV launch tried at one row (the best few also at 2 and 4 rows):
+#: (block_n, block_g, num_warps, prefetch, stages); a warp's lanes go along the blocks.
 GEMV_CONFIGS = [
-    tq.GemvConfig(bn, bg, warps, True, prefetch)
-    for prefetch in (True, False)
-    for bn, bg, warps in [
-        (4, 32, 4),
-        (8, 16, 4),
-        (8, 32, 4),
-        (8, 32, 8),
-        (16, 16, 4),
-        (16, 32, 8),
-        (16, 8, 2),
-        (32, 16, 4),
-        (4, 16, 2),
-        (8, 8, 2),
-        (4, 64, 8),
-        (8, 64, 8),
+    tq.GemvConfig(*launch)
+    for launch in [
+        (8, 64, 2, False, 1),
+        (8, 64, 2, True, 1),
+        (8, 128, 4, False, 1),
+        (8, 32, 1, False, 2),
+        (8, 32, 1, False, 3),
+        (8, 32, 1, False, 4),
+        (8, 64, 2, False, 2),
+        (8, 64, 2, False, 3),
+        (4, 32, 1, False, 4),
+        (8, 16, 1, False, 4),
+        (16, 32, 1, False, 3),
+        (4, 64, 2, False, 3),
+    ]
+]
+#: GEMV launches tried on the LM head (8-bit codes).
+LM_HEAD_CONFIGS = [
+    tq.GemvConfig(*launch)
+    for launch in [
+        (8, 32, 2, False, 1),
+        (4, 64, 4, False, 1),
+        (8, 32, 2, False, 3),
+        (8, 16, 1, False, 4),
+        (4, 32, 2, False, 3),
+        (8, 64, 4, False, 3),
     ]
 ]
 #: (block_n, block_g, num_warps, num_stages, swap)
@@ -121,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="distinct layers per graph")
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="the first 3 configs of each kind")
+    parser.add_argument(
+        "--lm-head", action="store_true", help="also the LM head: bf16 against the Q8 GEMV"
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test (TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
@@ -198,7 +215,48 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     def gemv_label(c: tq.GemvConfig) -> str:
-        return f"n{c.block_n} g{c.block_g} w{c.num_warps} pf={int(c.prefetch)}"
+        return f"n{c.block_n} g{c.block_g} w{c.num_warps} pf={int(c.prefetch)} s{c.stages}"
+
+    lm_head: list[dict[str, Any]] = []
+    if args.lm_head:
+        a = get_shape(args.shape)
+        n, k = a.vocab_size, a.hidden_size
+        dense = torch.randn(n, k, device=device).bfloat16()
+        blocks = dense.float().reshape(n, k // tq.GROUP_SIZE, tq.GROUP_SIZE)
+        scale = blocks.abs().amax(dim=-1) / 127
+        codes = torch.round(blocks / scale.clamp_min(1e-30).unsqueeze(-1)).to(torch.int64)
+        qweight, scales = tq.pack_q8(codes.reshape(n, k), scale.half())
+        del blocks, codes
+        head_dense = tq.dequantize_q8_reference(qweight, scales)
+        x = torch.randn(1, k, device=device).bfloat16()
+        want = x.float() @ head_dense.T
+        head_dense = head_dense.bfloat16()
+        bytes_q8 = n * k + n * (k // tq.GROUP_SIZE) * 4
+        runs: list[tuple[str, Callable[[], torch.Tensor], int]] = [
+            ("bf16 F.linear", lambda: F.linear(x, head_dense), n * k * 2)
+        ]
+        for cfg in LM_HEAD_CONFIGS:
+            runs.append(
+                (
+                    f"q8 {gemv_label(cfg)}",
+                    lambda c=cfg: tq.q8_gemv(x, qweight, scales, c),
+                    bytes_q8,
+                )
+            )
+        for label, fn, moved in runs:
+            error = float((fn().float() - want).norm() / want.norm())
+
+            def call(fn: Callable[[], torch.Tensor] = fn) -> None:
+                fn()
+
+            us = time_graph(call, args.replays) * 1e6
+            lm_head.append({"path": label, "us": us, "gb_s": moved / us / 1e3, "rel_error": error})
+            print(
+                f"  LM head {n}x{k} {label:28s} {us:8.1f} us {moved / us / 1e3:6.0f} GB/s"
+                f"  rel error {error:.1e}",
+                flush=True,
+            )
+        del dense, head_dense, qweight, scales
 
     started = time.monotonic()
     top_gemv: list[tq.GemvConfig] = []
@@ -271,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                     "shape": args.shape,
                     "bytes_per_layer": {"bf16": bytes_bf16, "q4": bytes_q4},
                     "rows": rows_out,
+                    "lm_head": lm_head,
                 },
                 indent=1,
             )

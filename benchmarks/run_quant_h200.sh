@@ -3,10 +3,11 @@
 #     bash benchmarks/run_quant_h200.sh tests|kernels|latency
 #   tests:   the Q4 kernels' tests compiled for the GPU, and a whole engine on a
 #            4-bit tiny model against its dense twin
-#   kernels: benchmarks/quant_gpu.py on llama-8b's linear layers (bf16 against
-#            every Q4 path and launch configuration, per number of rows)
+#   kernels: benchmarks/quant_gpu.py on llama-8b's linear layers at one row (bf16
+#            against every Q4 GEMV launch) and its LM head (bf16 against Q8)
 #   latency: llama-8b ITL at batch 1 and 32, bf16 weights then Q4 (dummy
-#            weights rounded to Q4_1's grid: weight_packing=q4), one machine
+#            weights rounded to Q4_1's grid, the LM head to Q8_0's:
+#            weight_packing=q4), one machine
 # Output (text and JSON) goes to $OUT (default benchmarks/results/quant_gpu).
 set -u
 OUT=${OUT:-benchmarks/results/quant_gpu}
@@ -19,7 +20,7 @@ tests)
         tests/test_triton_quant.py > "$OUT/gpu_tests_h200.txt" 2>&1
     tail -5 "$OUT/gpu_tests_h200.txt" ;;
 kernels)
-    timeout 330 python3 benchmarks/quant_gpu.py --rows 1 2 4 16 32 128 2048 --replays 20 \
+    timeout 330 python3 benchmarks/quant_gpu.py --rows 1 --lm-head --replays 20 \
         --out "$OUT/kernels_llama-8b.json" 2>&1 | tee "$OUT/kernels_llama-8b.txt" | tail -12 ;;
 latency)
     for packing in none q4; do

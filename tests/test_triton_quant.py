@@ -1,11 +1,12 @@
 """Weights kept 4-bit on the GPU (``asyncstep.gpu.triton_quant`` and
-``asyncstep.models.layers.gpu_quant``): the Q4 layout round-trips, the GEMV,
-the dequantizing GEMM and the dequantize kernel equal the float64 product
-with the dequantized reference weight (float32 to 1e-5; float16 / bfloat16
-within their rounding), odd shapes and strided rows included; GGUF Q4_0 /
-Q4_1 weights pack losslessly, other weights not at all; layers packed while
-a model loads keep their dense weight too, take the Q4 copy for one-row
-steps only, and compute what their dense, rounded weights do.
+``asyncstep.models.layers.gpu_quant``): the Q4 and Q8 layouts round-trip,
+the GEMVs, the dequantizing GEMM and the dequantize kernel equal the float64
+product with the dequantized reference weight (float32 to 1e-6 / 1e-5;
+float16 / bfloat16 within their rounding), odd shapes, strided rows and x
+from 1e-12 to 1e9 in magnitude included; GGUF Q4_0 / Q4_1 / Q8_0 weights
+pack losslessly, other weights not at all; layers packed while a model
+loads keep their dense weight too, take the packed copy for one-row steps
+only, and compute what their dense, rounded weights do.
 
 On the CPU the kernels run under the Triton interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported), which multiplies
@@ -33,17 +34,24 @@ from asyncstep.gpu.triton_quant import (  # noqa: E402
     GemvConfig,
     dequantize_q4,
     dequantize_q4_reference,
+    dequantize_q8_reference,
     pack_q4,
+    pack_q8,
     q4_dot,
     q4_gemv,
     q4_matmul,
+    q8_gemv,
+    q8_matmul,
 )
 from asyncstep.models.layers.gpu_quant import (  # noqa: E402
     GpuQ4Weight,
+    GpuQ8Weight,
     pack_q4_gpu,
+    pack_q8_gpu,
     packing_on_load,
     round_decoder_weights,
     round_to_q4_1,
+    round_to_q8_0,
 )
 
 DEVICE = torch.device(TEST_DEVICE)
@@ -72,6 +80,16 @@ def random_q4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     qweight, scales = pack_q4(codes, scale, offset)
     w = codes.float().reshape(n, groups, GROUP_SIZE) * scale.float()[..., None]
     return qweight, scales, (w + offset.float()[..., None]).reshape(n, k)
+
+
+def random_q8(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`random_q4` for the 8-bit layout (codes -128..127)."""
+    groups = k // GROUP_SIZE
+    codes = torch.randint(-128, 128, (n, k), device=DEVICE)
+    scale = (torch.rand(n, groups, device=DEVICE) * 0.01 + 1e-3).half()
+    qweight, scales = pack_q8(codes, scale)
+    w = codes.float().reshape(n, groups, GROUP_SIZE) * scale.float()[..., None]
+    return qweight, scales, w.reshape(n, k)
 
 
 def rel_error(actual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
@@ -109,22 +127,66 @@ def test_dequantize_kernel(dtype: torch.dtype) -> None:
 # -- GEMV ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
-@pytest.mark.parametrize(("magic", "prefetch"), [(True, True), (False, True), (True, False)])
-def test_gemv_float32(rows: int, magic: bool, prefetch: bool) -> None:
-    qweight, scales, w = random_q4(40, 192)  # 6 blocks: a partial block tile
-    x = torch.randn(rows, 192, device=DEVICE)
-    config = GemvConfig(block_n=16, block_g=4, num_warps=4, magic=magic, prefetch=prefetch)
+def test_q8_layout_round_trips() -> None:
+    qweight, scales, w = random_q8(8, 96)
+    assert qweight.shape == (8, 96) and qweight.dtype == torch.uint8
+    assert scales.shape == (8, 3, 2) and scales.dtype == torch.float16
+    torch.testing.assert_close(dequantize_q8_reference(qweight, scales), w, rtol=0, atol=0)
+    codes = torch.zeros(1, 32, dtype=torch.int64, device=DEVICE)
+    codes[0, 8 * 3 + 5] = 9  # feature 29: byte 3 of word 5, stored + 128
+    qweight, _ = pack_q8(codes, torch.ones(1, 1, device=DEVICE))
+    words = qweight.view(torch.int32)[0].tolist()
+    assert words[5] == (128 | 128 << 8 | 128 << 16 | 137 << 24) - (1 << 32)
+    assert all(word == 0x80808080 - (1 << 32) for i, word in enumerate(words) if i != 5)
+
+
+# (rows of the weight, K, config): unmasked (every tile full) and masked launches.
+GEMV_CASES = [
+    (40, 192, GemvConfig(block_n=8, block_g=2, num_warps=1)),  # even tiles
+    (40, 192, GemvConfig(block_n=16, block_g=4, num_warps=4)),  # partial tiles both ways
+    (40, 192, GemvConfig(block_n=16, block_g=4, num_warps=2, prefetch=False)),
+    (40, 192, GemvConfig(block_n=8, block_g=2, num_warps=1, prefetch=False, stages=3)),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize(("n", "k", "config"), GEMV_CASES)
+def test_gemv_float32(rows: int, n: int, k: int, config: GemvConfig) -> None:
+    qweight, scales, w = random_q4(n, k)
+    x = torch.randn(rows, k, device=DEVICE)
     out = q4_gemv(x, qweight, scales, config)
-    assert out.shape == (rows, 40) and out.dtype == torch.float32
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    assert rel_error(out, x, w) < 1e-6
+
+
+@pytest.mark.parametrize("magnitude", [1e-12, 1e-3, 1e4, 1e9])
+def test_gemv_is_exact_over_the_range_of_x(magnitude: float) -> None:
+    # The codes meet x scaled by up to 2**88: no overflow below 2**40 (1.1e12),
+    # and no subnormal products above 2**-60 (8.7e-19).
+    qweight, scales, w = random_q4(16, 256)
+    x = torch.randn(1, 256, device=DEVICE) * magnitude
+    assert rel_error(q4_gemv(x, qweight, scales), x, w) < 1e-6
+    qweight, scales, w = random_q8(16, 256)
+    assert rel_error(q8_gemv(x, qweight, scales), x, w) < 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("n", "k", "config"), GEMV_CASES)
+def test_q8_gemv_float32(rows: int, n: int, k: int, config: GemvConfig) -> None:
+    qweight, scales, w = random_q8(n, k)
+    x = torch.randn(rows, k, device=DEVICE)
+    out = q8_gemv(x, qweight, scales, config)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
     assert rel_error(out, x, w) < 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_rounds_once_to_x_dtype(dtype: torch.dtype) -> None:
-    qweight, scales, w = random_q4(24, 128)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_rounds_once_to_x_dtype(dtype: torch.dtype, bits: int) -> None:
+    qweight, scales, w = (random_q4 if bits == 4 else random_q8)(24, 128)
     x = torch.randn(2, 128, device=DEVICE).to(dtype)
-    out = q4_gemv(x, qweight, scales, GemvConfig(block_n=8, block_g=2))
+    gemv = q4_gemv if bits == 4 else q8_gemv
+    out = gemv(x, qweight, scales, GemvConfig(block_n=8, block_g=2))
     assert out.dtype == dtype
     exact = (x.double() @ w.double().T).float()
     torch.testing.assert_close(out.float(), exact, rtol=ROUNDING[dtype], atol=1e-3)
@@ -175,6 +237,18 @@ def test_matmul_takes_each_path_and_adds_the_bias(monkeypatch: pytest.MonkeyPatc
         out = q4_matmul(x, qweight, scales, bias)
         assert out.shape == (rows, 32)
         torch.testing.assert_close(out, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_q8_matmul_takes_each_path_and_adds_the_bias() -> None:
+    qweight, scales, w = random_q8(32, 64)
+    bias = torch.randn(32, device=DEVICE)
+    for rows in (0, 1, 3):  # none, GEMV, dequantize + matmul
+        x = torch.randn(rows, 64, device=DEVICE)
+        out = q8_matmul(x, qweight, scales, bias)
+        assert out.shape == (rows, 32)
+        torch.testing.assert_close(out, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8_gemv(torch.zeros(1, 48, device=DEVICE), qweight[:, :48].contiguous(), scales)
 
 
 @pytest.mark.parametrize(
@@ -231,6 +305,35 @@ def test_gguf_4_bit_weights_pack_losslessly() -> None:
     x = torch.randn(1, 128, device=DEVICE)
     assert packed.applies(x) and not packed.applies(torch.randn(2, 128, device=DEVICE))
     torch.testing.assert_close(packed.mm(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_8_bit_weights_pack_losslessly_and_round_to_them() -> None:
+    blocks = 4
+    d = (torch.rand(16, blocks, 1, device=DEVICE) * 0.01 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (16, blocks, GROUP_SIZE), device=DEVICE).float()
+    q[..., 0] = 127 * torch.sign(torch.randn(16, blocks, device=DEVICE))  # as llama.cpp's
+    weight = (d * q).reshape(16, blocks * GROUP_SIZE)
+    packed = pack_q8_gpu(weight)
+    assert isinstance(packed, GpuQ8Weight) and packed.kind == "q8_gpu"
+    assert packed.nbytes == 16 * 128 + 16 * blocks * 4
+    torch.testing.assert_close(
+        dequantize_q8_reference(packed.data, packed.scales), weight, rtol=0, atol=0
+    )
+    x = torch.randn(1, 128, device=DEVICE)
+    assert packed.applies(x) and not packed.applies(torch.randn(2, 128, device=DEVICE))
+    torch.testing.assert_close(packed.mm(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+    # Rounding: within half a step of each value (and 127 times the scale's
+    # float16 rounding, 2**-11 relative), and then exactly on the grid.
+    dense = torch.randn(16, 128, device=DEVICE)
+    rounded = round_to_q8_0(dense)
+    step = dense.reshape(16, blocks, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((rounded - dense).abs().reshape(16, blocks, 32) <= step * 0.57).all()
+    packed = pack_q8_gpu(rounded)
+    assert packed is not None
+    torch.testing.assert_close(
+        dequantize_q8_reference(packed.data, packed.scales), rounded, rtol=0, atol=0
+    )
+    assert pack_q8_gpu(dense) is None and pack_q8_gpu(q4_1_weight(8, 64) * 1.001) is None
 
 
 @pytest.mark.parametrize("shape", [(8, 64), (8, 40)])
@@ -295,6 +398,28 @@ def test_layers_packed_while_loading_equal_their_rounded_dense_weights() -> None
     assert not hasattr(layer.self_attn.o_proj.weight.weight_loader, "staging")
 
 
+def test_an_lm_head_rounded_to_q8_0_packs_as_q8() -> None:
+    from asyncstep.models.dummy import dummy_weights, get_shape
+    from asyncstep.models.llama import LlamaForCausalLM
+
+    arch = get_shape("tiny-llama")
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(arch, torch.float32)
+    names = model.expected_weight_names()
+    tensors = dummy_weights(arch, device=DEVICE, names=names)
+    weights = dict(round_decoder_weights(tensors, lm_head=True))
+    with packing_on_load(model, tied=model.model.embed_tokens.weight) as counts:
+        model.load_weights(weights.items())
+    assert counts["q4"] == 4 * arch.num_hidden_layers and counts["q8"] == 1
+    assert counts["dense"] == 0
+    head = model.lm_head
+    assert head is not None and isinstance(head.packed, GpuQ8Weight)
+    torch.testing.assert_close(head.weight, weights["lm_head.weight"], rtol=0, atol=0)
+    x = torch.randn(1, arch.hidden_size, device=DEVICE)
+    logits = head.compute_logits(x)
+    torch.testing.assert_close(logits, x @ head.weight.T, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="a whole engine on the GPU")
 @pytest.mark.trio
 async def test_a_4_bit_model_generates_what_its_dense_twin_does() -> None:
@@ -306,13 +431,15 @@ async def test_a_4_bit_model_generates_what_its_dense_twin_does() -> None:
     quant = load_model(ModelConfig(**base, weight_packing="q4"))
     dense = load_model(ModelConfig(**base, weight_packing="none"))
     for module in dense.model.modules():
-        if hasattr(module, "packed") and module is not dense.model.lm_head:
-            module.weight.data = round_to_q4_1(module.weight.data)
+        if hasattr(module, "packed"):
+            rounding = round_to_q8_0 if module is dense.model.lm_head else round_to_q4_1
+            module.weight.data = rounding(module.weight.data)
     assert all(
         isinstance(m.packed, GpuQ4Weight)
         for m in quant.model.modules()
         if hasattr(m, "packed") and m is not quant.model.lm_head
     )
+    assert isinstance(quant.model.lm_head.packed, GpuQ8Weight)
     params = asyncstep.SamplingParams(temperature=0, max_tokens=12, logprobs=1)
     prompts = [[5, 17, 301, 42], [7] * 40]
     outs = []
@@ -333,5 +460,7 @@ def test_q4_rounding_on_the_cpu_packs_the_cpu_way() -> None:
     )
     layer = loaded.model.model.stage_layers()[0]
     for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
-        assert module.packed is not None and module.packed.kind == "int4"
+        # Packed by the CPU's own packing (whichever kind it uses), not the GPU's.
+        assert module.packed is not None and not isinstance(module.packed, GpuQ4Weight)
+    # On the CPU the LM head is not rounded to Q8_0's grid, so stays dense.
     assert loaded.model.lm_head is not None and loaded.model.lm_head.packed is None

@@ -1,6 +1,6 @@
-"""Weights kept 4-bit on the GPU: GGUF's Q4_0 / Q4_1 blocks as packed codes
-with per-block scales, and the Triton kernels that multiply by them without
-a dense copy.
+"""Weights kept 4-bit (or 8-bit) on the GPU: GGUF's Q4_0 / Q4_1 (Q8_0)
+blocks as packed codes with per-block scales, and the Triton kernels that
+multiply by them without a dense copy.
 
 The layout (``Q4``) of an ``[N, K]`` weight, ``K`` a multiple of
 :data:`GROUP_SIZE`, in blocks of 32 input features:
@@ -9,14 +9,20 @@ The layout (``Q4``) of an ``[N, K]`` weight, ``K`` a multiple of
   little-endian bytes ``4t..4t+3``) of block ``b`` of a row holds in its
   nibble ``s`` (bits ``4s..4s+3``, 0..7) the code of feature
   ``32 b + 4 s + t``. (Not GGUF's own order: this one lets a kernel turn a
-  nibble into a float with one AND, and read the four features of a nibble
+  code into a float with one AND, and read the four features of a nibble
   position from consecutive inputs.)
 - ``scales``: float16 ``[N, K // 32, 2]``: per block its scale ``d`` and its
   offset ``m``: ``w = q * d + m`` (a Q4_1 block as stored; a Q4_0 block has
   ``m = -8 d``), computed in float32.
 
-:func:`pack_q4` builds the layout from codes, scales and offsets;
-:func:`dequantize_q4_reference` is the torch reference (float32).
+The 8-bit layout (``Q8``) is the same with bytes for nibbles: ``qweight``
+uint8 ``[N, K]``, word ``t`` (0..7) of a block holds in its byte ``s``
+(0..3) the code of feature ``32 b + 8 s + t`` plus 128 (0..255), and
+``scales`` holds ``(d, -128 d)`` (a Q8_0 block: ``w = (q - 128) d``).
+
+:func:`pack_q4` / :func:`pack_q8` build the layouts from codes and scales;
+:func:`dequantize_q4_reference` / :func:`dequantize_q8_reference` are the
+torch references (float32).
 
 :func:`q4_matmul` is ``x @ w.T`` for ``x`` ``[..., K]`` (float32, float16 or
 bfloat16), in ``x``'s dtype, by the size of the step:
@@ -24,7 +30,10 @@ bfloat16), in ``x``'s dtype, by the size of the step:
 - up to :data:`GEMV_MAX_M` rows, :func:`q4_gemv`: each program streams the
   packed words of a few output rows once, for every row of ``x``, and
   accumulates ``d * sum(q x) + m * sum(x)`` per block in float32 (the
-  dequantized weight is never formed);
+  dequantized weight is never formed; a code, masked in place, is read as a
+  subnormal float32, and ``x`` is scaled by a power of two to match: the
+  products are exact for ``|x| < 2**40``, and entries below ``2**-60`` in
+  magnitude may lose bits);
 - up to :data:`DOT_MAX_M` rows, :func:`q4_dot`: a tiled GEMM that
   dequantizes each weight tile in registers to ``x``'s dtype and multiplies
   on the tensor cores (float32 accumulation; a float32 ``x`` multiplies in
@@ -32,6 +41,10 @@ bfloat16), in ``x``'s dtype, by the size of the step:
 - above, :func:`dequantize_q4` to ``x``'s dtype, then ``torch``'s matmul (a
   large step is bound by its arithmetic, and the dequantized copy is
   temporary).
+
+:func:`q8_gemv` is the GEMV for the 8-bit layout and :func:`q8_matmul` its
+dispatch (the GEMV up to :data:`GEMV_MAX_M` rows, else dequantize and
+matmul).
 
 Every launcher computes its grid from shapes only and allocates with torch
 (no host sync: capturable in a CUDA graph once warmed up; the first call of
@@ -58,10 +71,14 @@ __all__ = [
     "GemvConfig",
     "dequantize_q4",
     "dequantize_q4_reference",
+    "dequantize_q8_reference",
     "pack_q4",
+    "pack_q8",
     "q4_dot",
     "q4_gemv",
     "q4_matmul",
+    "q8_gemv",
+    "q8_matmul",
 ]
 
 #: Input features per block (GGUF's Q4_0 / Q4_1 block).
@@ -76,21 +93,24 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: 2**23: the float32 whose mantissa holds a small integer OR-ed into it.
 _MAGIC_F32: tl.constexpr = tl.constexpr(8388608.0)
 _MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)
+#: The GEMV scales x by 2**(_X_EXP - 4 s') before it meets a code read as a
+#: subnormal float (see :func:`q4_gemv`), and d by 2**(149 - _X_EXP).
+_X_EXP: tl.constexpr = tl.constexpr(88)
+_D_SCALE: tl.constexpr = tl.constexpr(2.0 ** (149 - 88))
 
 
 class GemvConfig(NamedTuple):
     """A launch of :func:`q4_gemv`: output rows per program, blocks of 32
-    features per loop step, warps, and how a nibble becomes a float (True:
-    masked into the mantissa of 2**23 and the bias subtracted, one integer
-    and one float operation; False: shifted, masked and converted), and whether
-    each loop step loads the next step's words before it computes (double
-    buffering in registers)."""
+    features per loop step, warps, whether each loop step loads the next
+    step's words before it computes (double buffering in registers), and the
+    loop's pipeline depth (Triton's ``num_stages``: above 1, the loads of
+    later steps go to shared memory ahead, by asynchronous copies)."""
 
     block_n: int = 8
     block_g: int = 32
     num_warps: int = 4
-    magic: bool = True
     prefetch: bool = True
+    stages: int = 1
 
 
 # -- packing -----------------------------------------------------------------
@@ -130,17 +150,47 @@ def dequantize_q4_reference(qweight: torch.Tensor, scales: torch.Tensor) -> torc
     return w.reshape(n, groups * GROUP_SIZE)
 
 
-def _check_weight(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
-    """``(N, blocks per row)`` of a checked ``(qweight, scales)`` pair."""
+def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qweight, scales)`` in the 8-bit layout (the module's docstring) for
+    ``w = codes * scale``: ``codes`` ``[N, K]`` integers in [-128, 127],
+    ``scale`` ``[N, K // 32]`` (rounded to float16). On ``codes``' device."""
+    if codes.dim() != 2 or codes.shape[1] % GROUP_SIZE:
+        raise ValueError(f"codes must be [N, K] with K a multiple of 32, got {tuple(codes.shape)}")
+    n, k = codes.shape
+    groups = k // GROUP_SIZE
+    if scale.shape != (n, groups):
+        raise ValueError(f"scale {tuple(scale.shape)} must be ({n}, {groups})")
+    # Feature 8 s + t of a block -> byte 4 t + s (byte s of word t).
+    by_position = (codes.reshape(n, groups, 4, 8) + 128).to(torch.uint8)
+    qweight = by_position.transpose(2, 3).reshape(n, k).contiguous()
+    d = scale.to(torch.float16)
+    scales = torch.stack([d, d * -128], dim=-1).contiguous()
+    return qweight, scales
+
+
+def dequantize_q8_reference(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[N, K]`` weight of an 8-bit ``(qweight, scales)`` (torch ops)."""
+    n, k = qweight.shape
+    groups = k // GROUP_SIZE
+    codes = qweight.reshape(n, groups, 8, 4).transpose(2, 3).float()  # [n, groups, s, t]
+    d, m = scales.float().unbind(-1)
+    w = codes.reshape(n, groups, GROUP_SIZE) * d.unsqueeze(-1) + m.unsqueeze(-1)
+    return w.reshape(n, k)
+
+
+def _check_weight(qweight: torch.Tensor, scales: torch.Tensor, bits: int = 4) -> tuple[int, int]:
+    """``(N, blocks per row)`` of a checked ``(qweight, scales)`` pair of
+    ``bits``-bit codes."""
     if qweight.dim() != 2 or qweight.dtype != torch.uint8 or not qweight.is_contiguous():
         raise ValueError(
-            f"qweight must be a contiguous uint8 [N, K / 2], got {qweight.dtype} "
+            f"qweight must be a contiguous uint8 [N, K * {bits} / 8], got {qweight.dtype} "
             f"{tuple(qweight.shape)}"
         )
-    n, half_k = qweight.shape
-    if half_k % (GROUP_SIZE // 2):
-        raise ValueError(f"qweight's K / 2 ({half_k}) must be a multiple of 16")
-    groups = half_k // (GROUP_SIZE // 2)
+    n, row_bytes = qweight.shape
+    block_bytes = GROUP_SIZE * bits // 8
+    if row_bytes % block_bytes:
+        raise ValueError(f"qweight's row of {row_bytes} bytes must be a multiple of {block_bytes}")
+    groups = row_bytes // block_bytes
     if scales.shape != (n, groups, 2) or scales.dtype != torch.float16:
         raise ValueError(
             f"scales must be float16 ({n}, {groups}, 2), got {scales.dtype} {tuple(scales.shape)}"
@@ -205,26 +255,48 @@ def _magic_halves(words, MAGIC: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _load_chunk(qw_ptr, sm_ptr, n64, n_mask, gg, K_GROUPS):  # type: ignore[no-untyped-def]
-    """The packed words ``[BN, BG, 4]`` and the scale/offset pairs ``[BN, BG]``
-    of rows ``n64``, blocks ``gg`` (zeros outside)."""
-    t = tl.arange(0, 4)
-    g_mask = gg < K_GROUPS
-    words = tl.load(
-        qw_ptr + n64[:, None, None] * (K_GROUPS * 4) + gg[None, :, None] * 4 + t[None, None, :],
-        mask=n_mask[:, None, None] & g_mask[None, :, None],
-        other=0,
-    )
-    sm = tl.load(
-        sm_ptr + n64[:, None] * K_GROUPS + gg[None, :],
-        mask=n_mask[:, None] & g_mask[None, :],
-        other=0,
-    )
-    return words, sm
+def _load_chunk(  # type: ignore[no-untyped-def]
+    qw_ptr,
+    sm_ptr,
+    n64,
+    n_mask,
+    g0,
+    K_GROUPS,
+    BLOCK_G: tl.constexpr,
+    WORDS: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """The packed words ``[BN, BLOCK_G, WORDS]`` and the scale/offset pairs
+    ``[BN, BLOCK_G]`` of rows ``n64``, blocks ``g0 ..`` (``WORDS`` int32
+    words a block; zeros outside; EVEN: all inside, unmasked). The words load
+    as ``[BN, BLOCK_G * WORDS]`` rows, so that the compiler sees a row's run
+    as contiguous and spreads a warp's lanes along it."""
+    c = tl.arange(0, BLOCK_G * WORDS)
+    gg = g0 + tl.arange(0, BLOCK_G)
+    words_at = qw_ptr + n64[:, None] * (K_GROUPS * WORDS) + (g0 * WORDS + c)[None, :]
+    sm_at = sm_ptr + n64[:, None] * K_GROUPS + gg[None, :]
+    if EVEN:
+        words = tl.load(words_at)
+        sm = tl.load(sm_at)
+    else:
+        c_mask = (g0 + c // WORDS) < K_GROUPS
+        words = tl.load(words_at, mask=n_mask[:, None] & c_mask[None, :], other=0)
+        sm = tl.load(sm_at, mask=n_mask[:, None] & (gg < K_GROUPS)[None, :], other=0)
+    return tl.reshape(words, [n64.shape[0], BLOCK_G, WORDS]), sm
 
 
 @triton.jit
-def _q4_gemv_kernel(  # type: ignore[no-untyped-def]
+def _load_x(at, mask, EVEN: tl.constexpr):  # type: ignore[no-untyped-def]
+    """x at ``at`` in float32 (zeros outside ``mask``; EVEN: unmasked)."""
+    if EVEN:  # noqa: SIM108 (a compile-time branch)
+        xv = tl.load(at)
+    else:
+        xv = tl.load(at, mask=mask, other=0.0)
+    return xv.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     qw_ptr,
     sm_ptr,
@@ -234,51 +306,79 @@ def _q4_gemv_kernel(  # type: ignore[no-untyped-def]
     K_GROUPS,
     stride_xm,
     stride_om,
+    BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr,
-    MAGIC: tl.constexpr,
     PREFETCH: tl.constexpr,
+    EVEN: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
+    # A block is BITS words; code s (bits BITS s ..) of word t is feature
+    # BITS s + t. A code masked in place (for the top byte: in the word shifted
+    # right by 8) read as a float32 is code * 2**(p - 149), p its bit offset
+    # (every bit pattern below 2**24 is its integer times 2**-149), so one AND
+    # makes the multiplicand; x, scaled by 2**(X_EXP - p), brings the product
+    # to code * x * 2**(X_EXP - 149), and d carries 2**(149 - X_EXP).
+    CODES: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    # Unmasked x: every block inside, and one row a program (a program per row).
+    X_EVEN: tl.constexpr = EVEN and BLOCK_M == 1
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     n64 = n.to(tl.int64)
     g = tl.arange(0, BLOCK_G)
-    t = tl.arange(0, 4)
+    t = tl.arange(0, BITS)
     m_idx = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G], dtype=tl.float32)
     if PREFETCH:
-        words_next, sm_next = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, g, K_GROUPS)
-    for g0 in range(0, K_GROUPS, BLOCK_G):
+        words_next, sm_next = _load_chunk(
+            qw_ptr, sm_ptr, n64, n_mask, 0, K_GROUPS, BLOCK_G, BITS, EVEN
+        )
+    for g0 in tl.range(0, K_GROUPS, BLOCK_G, num_stages=STAGES):
         gg = g0 + g
         g_mask = gg < K_GROUPS
         if PREFETCH:
-            # This chunk's words were loaded an iteration ago; the next one's load now.
+            # This chunk's words were loaded an iteration ago; the next one's load now
+            # (EVEN: the last step loads the first chunk again rather than past the end).
             words = words_next
             sm = sm_next
-            words_next, sm_next = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, gg + BLOCK_G, K_GROUPS)
+            if EVEN:  # noqa: SIM108 (a compile-time branch)
+                g_next = tl.where(g0 + BLOCK_G < K_GROUPS, g0 + BLOCK_G, 0)
+            else:
+                g_next = g0 + BLOCK_G
+            words_next, sm_next = _load_chunk(
+                qw_ptr, sm_ptr, n64, n_mask, g_next, K_GROUPS, BLOCK_G, BITS, EVEN
+            )
         else:
-            words, sm = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, gg, K_GROUPS)
+            words, sm = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, g0, K_GROUPS, BLOCK_G, BITS, EVEN)
         d, m = _fp16_pair(sm)  # [BN, BG]
-        lo_w, hi_w = _magic_halves(words, MAGIC)
+        d = d * _D_SCALE
+        high = words >> 8
         for mi in tl.static_range(BLOCK_M):
             row = pid_m * BLOCK_M + mi
-            # (the row test as a tensor: the interpreter cannot mask with a scalar)
-            x_mask = g_mask[:, None] & ((row + 0 * t) < M)[None, :]
-            x_row = x_ptr + row.to(tl.int64) * stride_xm + gg[:, None] * 32 + t[None, :]
-            dots = tl.zeros([BLOCK_N, BLOCK_G, 4], dtype=tl.float32)
-            xsum = tl.zeros([BLOCK_G, 4], dtype=tl.float32)
-            for s in tl.static_range(8):
-                xv = tl.load(x_row + 4 * s, mask=x_mask, other=0.0).to(tl.float32)
+            # x as [1, BG, BITS] tiles: laid out as the words are, each thread
+            # converts and scales its x once for all its rows.
+            x_row = x_ptr + row.to(tl.int64) * stride_xm + gg[None, :, None] * 32 + t[None, None, :]
+            # (the row test as a tensor: the interpreter cannot mask with a scalar;
+            # X_EVEN: no mask)
+            x_mask = g_mask[None, :, None] & ((row + 0 * t) < M)[None, None, :]
+            xv = _load_x(x_row, x_mask, X_EVEN)
+            xsum = xv
+            dots = (words & MASK).to(tl.float32, bitcast=True) * (xv * (2.0**_X_EXP))
+            for s in tl.static_range(1, CODES):
+                xv = _load_x(x_row + BITS * s, x_mask, X_EVEN)
                 xsum += xv
-                q = _nibble(words, lo_w, hi_w, s, MAGIC)
-                if MAGIC:
-                    # q carries 16**(s % 4): scale x by its inverse (a power of two: exact).
-                    xv = xv * (1.0 / (16 ** (s % 4)))
-                dots += q * xv[None, :, :]
-            part = tl.sum(dots, axis=2) * d + m * tl.sum(xsum, axis=1)[None, :]
+                if BITS * (s + 1) <= 24:
+                    bits = words & (MASK << (BITS * s))
+                    xv = xv * (2.0 ** (_X_EXP - BITS * s))
+                else:
+                    bits = high & (MASK << (BITS * s - 8))
+                    xv = xv * (2.0 ** (_X_EXP - BITS * s + 8))
+                dots += bits.to(tl.float32, bitcast=True) * xv
+            part = tl.sum(dots, axis=2) * d + m * tl.sum(xsum, axis=2)
             if BLOCK_M == 1:
                 acc += part[None, :, :]
             else:
@@ -412,33 +512,33 @@ def _empty_out(x2: torch.Tensor, n: int) -> torch.Tensor:
     return torch.empty((x2.shape[0], n), dtype=x2.dtype, device=x2.device)
 
 
-def _gemv_config(n: int, groups: int) -> GemvConfig:
-    """The launch for an ``[n, 32 groups]`` weight (picked by measurement,
-    ``benchmarks/quant_gpu.py``: eight rows a program, 32 blocks a loop step;
-    a very wide weight, 16 rows and 16 blocks)."""
-    if n >= 16384:
-        return GemvConfig(block_n=16, block_g=16, num_warps=4)
-    return GemvConfig(block_n=8, block_g=32, num_warps=4)
+def _gemv_config(n: int, groups: int, bits: int) -> GemvConfig:
+    """The launch for an ``[n, 32 groups]`` weight of ``bits``-bit codes
+    (picked by measurement on llama-8b's shapes, ``benchmarks/quant_gpu.py``):
+    two warps whose lanes go along a row's blocks, 64 blocks a loop step, 8
+    rows a thread (4-bit) or 32 blocks (8-bit); a long row (>= 256 blocks)
+    loads the next step's words ahead."""
+    if bits == 8:
+        return GemvConfig(block_n=8, block_g=32, num_warps=2, prefetch=False)
+    return GemvConfig(block_n=8, block_g=64, num_warps=2, prefetch=groups >= 256)
 
 
-def q4_gemv(
+def _gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    config: GemvConfig | None = None,
+    bits: int,
+    config: GemvConfig | None,
 ) -> torch.Tensor:
-    """``x @ w.T`` by streaming the packed weight (see the module's docstring);
-    any number of rows, meant for a few (a program unrolls up to 4 rows of
-    ``x`` over one read of its weights)."""
-    n, groups = _check_weight(qweight, scales)
+    n, groups = _check_weight(qweight, scales, bits)
     x2 = _check_x(x, groups * GROUP_SIZE, qweight.device)
     out = _empty_out(x2, n)
     rows = x2.shape[0]
     if rows and n:
-        cfg = config or _gemv_config(n, groups)
+        cfg = config or _gemv_config(n, groups, bits)
         block_m = min(triton.next_power_of_2(rows), 4)
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(rows, block_m))
-        _q4_gemv_kernel[grid](
+        _gemv_kernel[grid](
             x2,
             qweight.view(torch.int32),
             scales.view(torch.int32),
@@ -448,14 +548,38 @@ def q4_gemv(
             groups,
             x2.stride(0),
             out.stride(0),
+            BITS=bits,
             BLOCK_M=block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_G=cfg.block_g,
-            MAGIC=cfg.magic,
             PREFETCH=cfg.prefetch,
+            EVEN=n % cfg.block_n == 0 and groups % cfg.block_g == 0,
+            STAGES=cfg.stages,
             num_warps=cfg.num_warps,
         )
     return out.reshape(*x.shape[:-1], n)
+
+
+def q4_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``x @ w.T`` by streaming the packed 4-bit weight (see the module's
+    docstring); any number of rows, meant for a few (a program unrolls up to
+    4 rows of ``x`` over one read of its weights)."""
+    return _gemv(x, qweight, scales, 4, config)
+
+
+def q8_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """:func:`q4_gemv` for the 8-bit layout."""
+    return _gemv(x, qweight, scales, 8, config)
 
 
 def q4_dot(
@@ -541,3 +665,18 @@ def q4_matmul(
         _check_x(x, qweight.shape[1] * 2, qweight.device)
         return F.linear(x, dequantize_q4(qweight, scales, x.dtype), bias)
     return y if bias is None else y + bias
+
+
+def q8_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for the 8-bit layout, in ``x``'s dtype: the GEMV
+    up to :data:`GEMV_MAX_M` rows, else the weight dequantized (torch ops) and
+    ``torch``'s matmul."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if rows <= GEMV_MAX_M:
+        y = q8_gemv(x, qweight, scales)
+        return y if bias is None else y + bias
+    _check_weight(qweight, scales, 8)
+    _check_x(x, qweight.shape[1], qweight.device)
+    return F.linear(x, dequantize_q8_reference(qweight, scales).to(x.dtype), bias)

@@ -187,7 +187,8 @@ def load_model(
         total = len(weights.weight_names())
         tensors = weights.iter_weights()
     if config.weight_packing == "q4":
-        tensors = round_decoder_weights(tensors)
+        # On CUDA the LM head too, onto Q8_0's grid (a GGUF Q4 model's is 6 or 8 bits).
+        tensors = round_decoder_weights(tensors, lm_head=device.type == "cuda")
     if device.type == "cuda" and config.weight_packing != "none":
         tied = model.model.embed_tokens.weight if model.model.embed_tokens is not None else None
         with packing_on_load(model, tied=tied) as counts:

@@ -1,5 +1,6 @@
 """Weights kept 4-bit on the GPU, on the model's side: which linear layers
-get a packed Q4 copy, built while the checkpoint loads, and which steps use it.
+get a packed Q4 copy (and the LM head a Q8 one), built while the checkpoint
+loads, and which steps use it.
 
 A linear layer's float32 weight that is exactly on a 4-bit grid per block of
 32 input features (a GGUF's Q4_0 / Q4_1 tensor, dequantized; detected as
@@ -10,7 +11,9 @@ as GGUF stores them): a step of at most
 :data:`~asyncstep.gpu.triton_quant.GEMV_MAX_M` rows (a decode step of one
 request) multiplies by it with the Q4 GEMV, reading about a third of bf16's
 bytes; larger steps multiply by the dense weight (why:
-``benchmarks/results/quant_gpu``).
+``benchmarks/results/quant_gpu``). An LM head (not tied to the input
+embedding) whose weight is exactly 8-bit per block of 32 (a GGUF's Q8_0,
+dequantized) gets a :class:`GpuQ8Weight` the same way.
 
 :func:`packing_on_load` does this as the weights load: each layer's shards
 gather in a float32 staging tensor, which is copied into the dense
@@ -20,7 +23,9 @@ one layer at a time is all the extra memory while loading.
 :func:`round_to_q4_1` rounds a weight onto Q4_1's grid (round to nearest,
 per block: offset = its minimum, scale = its range / 15, both float16), so
 an unquantized checkpoint, or random weights, can run quantized
-(``weight_packing="q4"``).
+(``weight_packing="q4"``); :func:`round_to_q8_0` rounds onto Q8_0's grid
+(as llama.cpp quantizes: scale = the block's largest magnitude / 127 in
+float32 for the codes, stored as float16), for an LM head.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from asyncstep.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from asyncstep.models.layers.packed import GROUP_SIZE, PackedWeight, _int4_grid
+from asyncstep.models.layers.packed import GROUP_SIZE, PackedWeight, _int4_grid, is_int8_blocks
 
 #: Checkpoint (HF) names of the decoder's linear weights, by suffix.
 DECODER_LINEAR_SUFFIXES = (
@@ -73,6 +78,49 @@ class GpuQ4Weight(PackedWeight):
         from asyncstep.gpu.triton_quant import q4_matmul
 
         return q4_matmul(x, self.data, self.scales)
+
+
+@dataclass
+class GpuQ8Weight(GpuQ4Weight):
+    """:class:`GpuQ4Weight` for 8-bit codes: ``data`` is uint8 ``[out, in]``
+    (:func:`asyncstep.gpu.triton_quant.pack_q8`'s layout)."""
+
+    KIND: ClassVar[str] = "q8_gpu"
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` for ``x`` ``[rows, in_features]``, in ``x``'s dtype."""
+        from asyncstep.gpu.triton_quant import q8_matmul
+
+        return q8_matmul(x, self.data, self.scales)
+
+
+def pack_q8_gpu(weight: torch.Tensor, max_tokens: int | None = None) -> GpuQ8Weight | None:
+    """``weight`` (float32 ``[out, in]``, on its device) as :class:`GpuQ8Weight`
+    for steps of at most ``max_tokens`` rows (default
+    :data:`~asyncstep.gpu.triton_quant.GEMV_MAX_M`), or None when it is not
+    exactly 8-bit per block of 32 with float16 scales
+    (:func:`~asyncstep.models.layers.packed.is_int8_blocks`)."""
+    from asyncstep.gpu.triton_quant import GEMV_MAX_M, pack_q8
+
+    out_features, in_features = weight.shape
+    if weight.numel() == 0 or not is_int8_blocks(weight):
+        return None
+    blocks = weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    scale = blocks.abs().amax(dim=-1) / 127
+    half = scale.half()
+    if not bool(torch.isfinite(half).all()) or not torch.equal(half.float(), scale):
+        return None
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = torch.round(blocks / safe.unsqueeze(-1)).to(torch.int64)
+    qweight, scales = pack_q8(codes.reshape(out_features, in_features), half)
+    return GpuQ8Weight(
+        GpuQ8Weight.KIND,
+        qweight,
+        scales,
+        out_features,
+        in_features,
+        max_tokens=GEMV_MAX_M if max_tokens is None else max_tokens,
+    )
 
 
 def pack_q4_gpu(weight: torch.Tensor, max_tokens: int | None = None) -> GpuQ4Weight | None:
@@ -116,14 +164,29 @@ def round_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
     return (codes * scale + lo).reshape(w.shape)
 
 
+def round_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[..., K]``, K a multiple of 32) rounded onto Q8_0's grid
+    per block of 32 (see the module's docstring), in float32."""
+    w = weight.float()
+    blocks = w.reshape(-1, GROUP_SIZE)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = torch.round(blocks / safe).clamp_(-127, 127)
+    return (codes * scale.half().float()).reshape(w.shape)
+
+
 def round_decoder_weights(
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor]], lm_head: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors, the decoder's linear weights rounded with
-    :func:`round_to_q4_1` (the LM head and embeddings as they are)."""
+    :func:`round_to_q4_1`, and with ``lm_head`` the LM head's with
+    :func:`round_to_q8_0` (the embeddings, and else the LM head, as they are)."""
     for name, tensor in weights:
-        if name.endswith(DECODER_LINEAR_SUFFIXES) and tensor.shape[-1] % GROUP_SIZE == 0:
-            tensor = round_to_q4_1(tensor)
+        if tensor.shape[-1] % GROUP_SIZE == 0:
+            if name.endswith(DECODER_LINEAR_SUFFIXES):
+                tensor = round_to_q4_1(tensor)
+            elif lm_head and name == "lm_head.weight":
+                tensor = round_to_q8_0(tensor)
         yield name, tensor
 
 
@@ -158,11 +221,13 @@ class _Stager:
         assert self.staging is not None
         self.param.data.copy_(self.staging)
         packed = pack_q4_gpu(self.staging)
+        if packed is None and isinstance(self.module, ParallelLMHead):
+            packed = pack_q8_gpu(self.staging)
         if packed is None:
             self.counts["dense"] += 1
         else:
             self.module.packed = packed
-            self.counts["q4"] += 1
+            self.counts["q8" if isinstance(packed, GpuQ8Weight) else "q4"] += 1
             self.counts["bytes"] += packed.nbytes
         self.staging = None
 
@@ -180,10 +245,11 @@ def _parts(module: nn.Module) -> int:
 def packing_on_load(model: nn.Module, tied: nn.Parameter | None = None) -> Iterator[dict[str, int]]:
     """While open, loading ``model``'s weights gives every linear layer (and
     an LM head whose weight is not ``tied``, the input embedding's) whose
-    weight is exactly 4-bit a packed copy (see the module's docstring).
-    Yields the counts, filled as layers complete: ``q4``, ``dense`` (no
-    copy) and the packed ``bytes``."""
-    counts = {"q4": 0, "dense": 0, "bytes": 0}
+    weight is exactly 4-bit a packed copy, and such an LM head whose weight
+    is exactly 8-bit a Q8 one (see the module's docstring). Yields the
+    counts, filled as layers complete: ``q4``, ``q8``, ``dense`` (no copy)
+    and the packed ``bytes``."""
+    counts = {"q4": 0, "q8": 0, "dense": 0, "bytes": 0}
     wrapped: list[tuple[nn.Parameter, Callable[..., None]]] = []
     for module in model.modules():
         if not isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):

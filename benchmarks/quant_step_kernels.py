@@ -1,0 +1,89 @@
+"""Where a decode step's device time goes, by kernel: one request (batch 1)
+on dummy weights, ``weight_packing`` as given, the engine in this process;
+torch's profiler (CUPTI: the kernels of CUDA graph replays too) over the
+decode of ``--tokens`` tokens after a warm-up request. Prints each kernel
+name's device time per step, grouped (the Q4 / Q8 GEMV, torch's GEMV, the
+rest), and the sum, which is below the ITL by the device's idle time.
+
+    python3 benchmarks/quant_step_kernels.py --shape llama-8b --packing q4 [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import asyncstep
+from asyncstep import SamplingParams
+
+
+async def run(args: argparse.Namespace) -> dict[str, float]:
+    async with asyncstep.open_engine(
+        args.shape,
+        load_format="dummy",
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=1,
+        weight_packing=args.packing,
+        engine_process=False,
+    ) as engine:
+        prompt = list(range(3, 3 + 128))
+        await engine.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+        params = SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            await engine.generate(prompt, params)
+            torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.device_time / args.tokens  # us a step
+    return dict(per_kernel)
+
+
+def group(name: str) -> str:
+    if "_gemv_kernel" in name:
+        return "Q4/Q8 GEMV"
+    if "gemv" in name.lower() or "gemm" in name.lower() or "nvjet" in name.lower():
+        return "torch GEMV/GEMM"
+    if "attention" in name.lower() or "attn" in name.lower():
+        return "attention"
+    return "other"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-8b")
+    parser.add_argument("--packing", default="q4")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    per_kernel = trio.run(run, args)
+    groups: dict[str, float] = defaultdict(float)
+    for name, us in per_kernel.items():
+        groups[group(name)] += us
+    print(f"{args.shape} batch 1, weight_packing={args.packing}: device us a step by group")
+    for name, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:20s} {us:8.1f}")
+    print(f"  {'sum':20s} {sum(per_kernel.values()):8.1f}")
+    print("top kernels (us a step):")
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"  {us:8.1f}  {name[:110]}")
+    if args.out:
+        shown = {k: str(v) for k, v in vars(args).items()}
+        args.out.write_text(json.dumps({"args": shown, "us": per_kernel}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
