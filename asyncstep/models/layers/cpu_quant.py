@@ -31,7 +31,6 @@ from asyncstep.models.layers.packed import (
     PackedWeight,
     _codes,
     _int4_grid,
-    is_int8_blocks,
 )
 
 __all__ = ["QUANT_DTYPES", "CpuQuantMatmul", "CpuQuantWeight", "pack_q4_cpu", "pack_q8_cpu"]
@@ -125,13 +124,19 @@ def pack_q4_cpu(
     if not _packable(weight):
         return None
     out_features, in_features = weight.shape
-    found = _int4_grid(weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE))
-    if found is None:
-        return None
-    codes, scale, zero = found  # w = (q - 8) * scale + zero = q * scale + offset
-    halves = _as_halves(weight, codes, scale, zero - 8 * scale)
-    if halves is None:
-        return None
+    blocks = weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    found = _q4_1_blocks(blocks)  # a GGUF's Q4_1, in one pass
+    if found is None:  # Q4_0, or a mix: the general detection
+        grid = _int4_grid(blocks)
+        if grid is None:
+            return None
+        codes, scale, zero = grid  # w = (q - 8) * scale + zero = q * scale + offset
+        general = _as_halves(weight, codes, scale, zero - 8 * scale)
+        if general is None:
+            return None
+        halves = general
+    else:
+        codes, halves = found
     codes = _grouped(codes.reshape(out_features, in_features))  # [G, B, 16, 32]
     # Vector c (0..3), lane r, byte i: code 4c + i in the low nibble, 16 + 4c + i in the high.
     low = codes[..., :16].reshape(*codes.shape[:3], 4, 4).transpose(2, 3)
@@ -144,20 +149,61 @@ def pack_q8_cpu(
     weight: torch.Tensor, dtype: torch.dtype, max_tokens: int, levels: int = 2
 ) -> CpuQuantWeight | None:
     """``weight`` (float32 ``[out, in]``) in the Q8 layout, or None when it is
-    not exactly 8-bit per block (:func:`~asyncstep.models.layers.packed.is_int8_blocks`)."""
-    if not _packable(weight) or not is_int8_blocks(weight):
+    not exactly 8-bit per block (a GGUF's Q8_0: w = d * q, |q| <= 127, d the
+    block's largest magnitude / 127 in float16)."""
+    if not _packable(weight):
         return None
     out_features, in_features = weight.shape
     blocks = weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
-    scale = blocks.abs().amax(dim=-1) / 127
-    codes = (_codes(blocks, scale) + 128).clamp(1, 255).to(torch.uint8)  # w = scale * (u - 128)
-    halves = _as_halves(weight, codes, scale, -128 * scale)
-    if halves is None:
+    amax = blocks.abs().amax(dim=-1)
+    d = (amax / 127).to(torch.float16)
+    if not bool(torch.isfinite(d).all()):
         return None
+    codes = _codes(blocks, d.float())
+    if bool((codes.abs() > 127).any()):
+        return None
+    if not _rebuilds(blocks, codes, d.float(), 0.0, amax):
+        return None
+    halves = (d, (-128 * d.float()).to(torch.float16))  # w = d * (u - 128)
+    codes = (codes + 128).to(torch.uint8)
     codes = _grouped(codes.reshape(out_features, in_features))  # [G, B, 16, 32]
     # Vector j (0..7), lane r, byte i: code 4j + i.
     packed_codes = codes.reshape(*codes.shape[:3], 8, 4).transpose(2, 3).flatten(2)
     return _finish("q8_cpu", packed_codes, halves, weight.shape, dtype, max_tokens, levels)
+
+
+def _q4_1_blocks(
+    blocks: torch.Tensor,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+    """Codes ``[out, B, 32]`` (uint8) and float16 (scale, offset) ``[out, B]``
+    of blocks that are exactly Q4_1 (w = q * d + m, m the block's minimum and
+    d its range / 15, both float16), or None when one block is not."""
+    lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    d, m = ((hi - lo) / 15).to(torch.float16), lo.to(torch.float16)
+    if not bool(torch.isfinite(d).all() and torch.isfinite(m).all()):
+        return None
+    d32, m32 = d.float(), m.float()
+    codes = _codes(blocks - m32.unsqueeze(-1), d32).clamp_(0, 15)
+    amax = torch.maximum(lo.abs(), hi.abs())
+    if not _rebuilds(blocks, codes, d32, m32, amax):
+        return None
+    return codes.to(torch.uint8), (d, m)
+
+
+def _rebuilds(
+    blocks: torch.Tensor,
+    codes: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor | float,
+    amax: torch.Tensor,
+) -> bool:
+    """Whether ``codes * d + m`` gives back every value of ``blocks`` (to a
+    few float32 rounding steps of its block's largest magnitude)."""
+    rebuilt = codes * d.unsqueeze(-1)
+    if isinstance(m, torch.Tensor):
+        rebuilt += m.unsqueeze(-1)
+    tol = _ON_GRID_RTOL * amax.unsqueeze(-1) + 1e-30
+    return bool((rebuilt.sub_(blocks).abs_() <= tol).all())
 
 
 def _packable(weight: torch.Tensor) -> bool:

@@ -36,6 +36,7 @@ from asyncstep.models.limits import (
     MAX_TENSOR_DIMS,
     is_int,
 )
+from asyncstep.models.loader.gguf_blocks import dequantize_blocks
 from asyncstep.models.loader.tokenizer import load_gguf_tokenizer
 from asyncstep.models.memory import check_fits
 
@@ -503,8 +504,13 @@ class GGUFCheckpoint:
         return None
 
     def _load_tensor(self, tensor: Any, hf_name: str) -> torch.Tensor:
+        fast = dequantize_blocks(tensor.data, int(tensor.tensor_type))
         try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            array = (
+                fast.numpy()
+                if fast is not None
+                else gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            )
         except NotImplementedError:
             raise UnsupportedModelError(
                 f"{self.path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
