@@ -7,11 +7,27 @@ May import torch, msgspec, ``asyncstep.gpu`` and the shared
 ``asyncstep.datatypes`` / ``config`` / ``errors``. Never pickle: metadata travels as msgspec.
 """
 
-from asyncstep.channels.parallel_state import (
-    GroupCoordinator,
-    get_pp_group,
-    get_tp_group,
-    set_parallel_groups,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncstep.channels.parallel_state import (
+        GroupCoordinator,
+        get_pp_group,
+        get_tp_group,
+        set_parallel_groups,
+    )
 
 __all__ = ["GroupCoordinator", "get_pp_group", "get_tp_group", "set_parallel_groups"]
+
+
+def __getattr__(name: str) -> Any:
+    """The process-group names, imported on first use: the framing of every
+    connection lives in this package too, and a caller's process that only
+    talks to an engine core must not pay for importing torch."""
+    if name in __all__:
+        from asyncstep.channels import parallel_state
+
+        return getattr(parallel_state, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,19 +11,20 @@ import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
 from asyncstep.config import EngineConfig
-from asyncstep.engine.core import EngineCore
 from asyncstep.engine.core_client import CoreClient, CoreConnection, CoreProcess
 from asyncstep.engine.engine import Engine
-from asyncstep.engine.executor import open_executor
 from asyncstep.engine.input_processor import tokenizer_eos
 from asyncstep.errors import ConfigError, EngineDeadError, describe
 from asyncstep.logging import get_logger, json_log_file
-from asyncstep.models.model_info import ModelInfo, describe_model, validate_parallel_layout
-from asyncstep.models.model_loader import LoadedModel, ProgressFn, device_type
+
+if TYPE_CHECKING:  # imported where used: they import torch, which a caller may not need
+    from asyncstep.models.model_info import ModelInfo
+    from asyncstep.models.model_loader import LoadedModel, ProgressFn
 
 log = get_logger("engine")
 
@@ -59,6 +60,8 @@ async def open_engine(
     :class:`EngineDeadError`; if the engine stopped on an error, leaving the
     block raises it as :class:`EngineDeadError`.
     """
+    from asyncstep.models.model_loader import LoadedModel
+
     preloaded = model if isinstance(model, LoadedModel) else None
     if config is None:
         config = make_config(None if preloaded else model, **options)  # type: ignore[arg-type]
@@ -73,6 +76,9 @@ async def open_engine(
             arch, tokenizer = info.arch_config, info.tokenizer
             core: CoreClient = _core_process(config, info, progress)
         else:
+            from asyncstep.engine.core import EngineCore
+            from asyncstep.engine.executor import open_executor
+
             opened = await stack.enter_async_context(open_executor(config, preloaded, progress))
             arch, tokenizer = opened.arch_config, opened.tokenizer
             eos = frozenset(arch.eos_token_ids) | tokenizer_eos(tokenizer)
@@ -132,6 +138,9 @@ async def attach_engine(config: EngineConfig, fd: int, index: int) -> AsyncItera
 async def _describe(config: EngineConfig) -> ModelInfo:
     """The model's description (tokenizer included), its layout checked,
     ``config.model.max_model_len`` and the device's defaults resolved in place."""
+    from asyncstep.models.model_info import describe_model, validate_parallel_layout
+    from asyncstep.models.model_loader import device_type
+
     info = await anyio.to_thread.run_sync(describe_model, config.model)
     validate_parallel_layout(info.arch_config, config.parallel)
     config.model.max_model_len = info.max_model_len

@@ -31,7 +31,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import anyio.abc
@@ -52,8 +52,10 @@ from asyncstep.engine.core_messages import (
 )
 from asyncstep.errors import EngineDeadError, error_from_core
 from asyncstep.logging import get_logger
-from asyncstep.models.model_loader import ProgressFn
 from asyncstep.procs import exit_reason
+
+if TYPE_CHECKING:
+    from asyncstep.models.model_loader import ProgressFn
 
 log = get_logger("engine")
 
