@@ -72,9 +72,13 @@ async def open_engine(
 
     async with contextlib.AsyncExitStack() as stack:
         if preloaded is None and config.parallel.engine_process:
+            process = _core_process(config, progress)
+            stack.push_async_callback(process.discard)  # a no-op once it runs
+            await process.spawn_early()  # the child imports while the model is described
             info = await _describe(config)
+            process.eos_token_ids = _eos_token_ids(info)
             arch, tokenizer = info.arch_config, info.tokenizer
-            core: CoreClient = _core_process(config, info, progress)
+            core: CoreClient = process
         else:
             from asyncstep.engine.core import EngineCore
             from asyncstep.engine.executor import open_executor
@@ -108,7 +112,8 @@ async def open_shared_engine(
     if not config.parallel.engine_process:
         raise ConfigError("front ends can share an engine core only in its own process")
     info = await _describe(config)
-    core = _core_process(config, info, progress, attach)
+    core = _core_process(config, progress, attach)
+    core.eos_token_ids = _eos_token_ids(info)
     async with _running(Engine(config, info.arch_config, info.tokenizer, core)) as engine:
         yield engine
 
@@ -150,18 +155,23 @@ async def _describe(config: EngineConfig) -> ModelInfo:
 
 def _core_process(
     config: EngineConfig,
-    info: ModelInfo,
     progress: ProgressFn | None,
     attach: Sequence[socket.socket] = (),
 ) -> CoreProcess:
+    """The engine-core child for ``config`` (its end-of-sequence ids are
+    set once the model is described: :func:`_eos_token_ids`)."""
     return CoreProcess(
         config,
-        frozenset(info.arch_config.eos_token_ids) | tokenizer_eos(info.tokenizer),
+        frozenset(),
         progress,
         log_level=config.parallel.rank_log_level,
         log_json=_core_log_json(config),
         attach=attach,
     )
+
+
+def _eos_token_ids(info: ModelInfo) -> frozenset[int]:
+    return frozenset(info.arch_config.eos_token_ids) | tokenizer_eos(info.tokenizer)
 
 
 @asynccontextmanager

@@ -96,6 +96,8 @@ class CoreProcess:
     attach: Sequence[socket.socket] = ()
     process: Process | None = field(default=None, init=False)
     _stopping: bool = field(default=False, init=False)
+    #: A child started by :meth:`spawn_early` that :meth:`run` has not taken yet.
+    _early: tuple[Process, socket.socket] | None = field(default=None, init=False)
 
     @property
     def pid(self) -> int | None:
@@ -108,13 +110,17 @@ class CoreProcess:
         *,
         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        ours, theirs = socket.socketpair()
-        try:
-            self.process = await self._spawn(theirs.fileno())
-        finally:
-            theirs.close()
-            for sock in self.attach:
-                sock.close()
+        if self._early is not None:
+            self.process, ours = self._early
+            self._early = None
+        else:
+            ours, theirs = socket.socketpair()
+            try:
+                self.process = await self._spawn(theirs.fileno())
+            finally:
+                theirs.close()
+                for sock in self.attach:
+                    sock.close()
         channel = MessageStream[FromCore](await anyio.abc.SocketStream.from_socket(ours), FromCore)
         try:
             async with anyio.create_task_group() as tg, from_core:
@@ -128,6 +134,33 @@ class CoreProcess:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._stop(channel)
+
+    async def spawn_early(self) -> None:
+        """Start the child before :meth:`run`: it imports its modules while
+        the caller finishes its own set-up (describing the model), and
+        :meth:`run` sends it ``config`` and ``eos_token_ids`` as they are
+        then. A child that ``run`` never takes is killed by :meth:`discard`."""
+        ours, theirs = socket.socketpair()
+        try:
+            process = await self._spawn(theirs.fileno())
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._early = (process, ours)
+
+    async def discard(self) -> None:
+        """Kill a child :meth:`spawn_early` started that :meth:`run` did not take."""
+        if self._early is None:
+            return
+        process, ours = self._early
+        self._early = None
+        ours.close()
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.aclose()
 
     async def _spawn(self, fd: int) -> Process:
         command = [
