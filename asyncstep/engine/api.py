@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,8 +74,8 @@ async def open_engine(
         if preloaded is None and config.parallel.engine_process:
             process = _core_process(config, progress)
             stack.push_async_callback(process.discard)  # a no-op once it runs
-            await process.spawn_early()  # the child imports while the model is described
-            info = await _describe(config)
+            # The child imports while the tokenizer loads (after the layout check).
+            info = await _describe(config, before_tokenizer=process.spawn_early)
             process.eos_token_ids = _eos_token_ids(info)
             arch, tokenizer = info.arch_config, info.tokenizer
             core: CoreClient = process
@@ -140,14 +140,21 @@ async def attach_engine(config: EngineConfig, fd: int, index: int) -> AsyncItera
         yield running
 
 
-async def _describe(config: EngineConfig) -> ModelInfo:
+async def _describe(
+    config: EngineConfig, before_tokenizer: Callable[[], Awaitable[None]] | None = None
+) -> ModelInfo:
     """The model's description (tokenizer included), its layout checked,
-    ``config.model.max_model_len`` and the device's defaults resolved in place."""
-    from asyncstep.models.model_info import describe_model, validate_parallel_layout
+    ``config.model.max_model_len`` and the device's defaults resolved in
+    place; ``before_tokenizer`` runs once the layout passed, before the
+    tokenizer loads."""
+    from asyncstep.models.model_info import describe_model, model_arch, validate_parallel_layout
     from asyncstep.models.model_loader import device_type
 
-    info = await anyio.to_thread.run_sync(describe_model, config.model)
-    validate_parallel_layout(info.arch_config, config.parallel)
+    opened = await anyio.to_thread.run_sync(model_arch, config.model)
+    validate_parallel_layout(opened[0], config.parallel)
+    if before_tokenizer is not None:
+        await before_tokenizer()
+    info = await anyio.to_thread.run_sync(describe_model, config.model, opened)
     config.model.max_model_len = info.max_model_len
     config.resolve_for_device(device_type(config.model.device))
     return info

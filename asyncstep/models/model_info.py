@@ -17,6 +17,8 @@ from asyncstep.models.model_loader import maybe_tokenizer, resolve_max_model_len
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from asyncstep.models.loader import Checkpoint
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -27,20 +29,25 @@ class ModelInfo:
     source: str
 
 
-def describe_model(config: ModelConfig) -> ModelInfo:
-    """Architecture, tokenizer and context of ``config``'s model (no weights read)."""
+def model_arch(config: ModelConfig) -> tuple[ModelArchConfig, Checkpoint | None]:
+    """The architecture of ``config``'s model, and its checkpoint opened (None
+    for a dummy shape): the part of :func:`describe_model` a layout check needs."""
     if config.load_format == "dummy" and (config.model is None or str(config.model) in SHAPES):
-        name = str(config.model or "smollm2-135m")
-        arch = get_shape(name)
-        return ModelInfo(arch, None, resolve_max_model_len(config.max_model_len, arch), name)
+        return get_shape(str(config.model or "smollm2-135m")), None
     checkpoint = open_checkpoint(config.model, config.load_format)
-    arch = checkpoint.arch_config()
-    return ModelInfo(
-        arch,
-        maybe_tokenizer(checkpoint),
-        resolve_max_model_len(config.max_model_len, arch),
-        str(checkpoint.path),
-    )
+    return checkpoint.arch_config(), checkpoint
+
+
+def describe_model(
+    config: ModelConfig, opened: tuple[ModelArchConfig, Checkpoint | None] | None = None
+) -> ModelInfo:
+    """Architecture, tokenizer and context of ``config``'s model (no weights
+    read); ``opened``: :func:`model_arch`'s result, when the caller has it."""
+    arch, checkpoint = model_arch(config) if opened is None else opened
+    max_model_len = resolve_max_model_len(config.max_model_len, arch)
+    if checkpoint is None:
+        return ModelInfo(arch, None, max_model_len, str(config.model or "smollm2-135m"))
+    return ModelInfo(arch, maybe_tokenizer(checkpoint), max_model_len, str(checkpoint.path))
 
 
 def validate_parallel_layout(arch: ModelArchConfig, parallel: ParallelConfig) -> None:
