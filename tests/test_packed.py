@@ -12,7 +12,7 @@ import torch
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.config import ModelConfig
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
+from asyncstep.models.layers.cpu_kernels import cpu_has_vnni, cpu_kernels_off
 from asyncstep.models.layers.linear import packed_linear
 from asyncstep.models.layers.packed import (
     GROUP_SIZE,
@@ -147,9 +147,8 @@ def test_the_embedded_model_packs_every_linear_and_its_lm_head(
             layer.mlp.down_proj,
         )
     ]
-    # The CPU library's Q4 / Q8 blocks where it runs on AVX512-VNNI, else torch's.
-    kernels = load_cpu_kernels()
-    blocks = kernels is not None and kernels.quant_matmul.fast
+    # The CPU library's Q4 / Q8 blocks where the CPU has AVX512-VNNI, else torch's.
+    blocks = cpu_has_vnni() and not cpu_kernels_off()
     layer_kind, head_kind = ("q4_cpu", "q8_cpu") if blocks else ("int4", "int8")
     assert all(m.packed is not None and m.packed.kind == layer_kind for m in linears)
     lm_head = packed_smollm2.model.lm_head

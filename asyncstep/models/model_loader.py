@@ -27,7 +27,7 @@ from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.logging import get_logger
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
+from asyncstep.models.layers.cpu_kernels import cpu_has_vnni, cpu_kernels_off
 from asyncstep.models.layers.cpu_quant import pack_q4_cpu, pack_q8_cpu
 from asyncstep.models.layers.embedding import ParallelLMHead
 from asyncstep.models.layers.gpu_quant import packing_on_load, round_decoder_weights
@@ -248,8 +248,9 @@ def pack_weights(
     library's blocks, 8 with torch's (where each stops paying against the
     dense weights: ``benchmarks/results/cpu/``)."""
     counts = {"dense": 0, "bytes": 0}
-    kernels = load_cpu_kernels()
-    blocks = kernels is not None and kernels.quant_matmul.fast
+    # Decided from the CPU's flags: the library itself is built (once per
+    # machine, seconds) when a step first needs it, not while loading.
+    blocks = cpu_has_vnni() and not cpu_kernels_off()
     if max_tokens is None:
         max_tokens = 16 if blocks else 8
     if max_tokens == 0:

@@ -35,7 +35,13 @@ from asyncstep.models.layers.cpu_attention import CPU_ATTENTION_DTYPES, CpuPaged
 from asyncstep.models.layers.cpu_layer_ops import CpuLayerOps
 from asyncstep.models.layers.cpu_quant import CpuQuantMatmul
 
-__all__ = ["CpuKernels", "cpu_attention_supported", "load_cpu_kernels"]
+__all__ = [
+    "CpuKernels",
+    "cpu_attention_supported",
+    "cpu_has_vnni",
+    "cpu_kernels_off",
+    "load_cpu_kernels",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -101,7 +107,7 @@ def cpu_attention_supported(dtype: torch.dtype) -> bool:
 def load_cpu_kernels() -> CpuKernels | None:
     """The library, built on first use (once per machine: cached); None when
     switched off or when no compiler builds it (logged once)."""
-    if any(os.environ.get(name) == "torch" for name in SWITCH_ENVS):
+    if cpu_kernels_off():
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
@@ -125,6 +131,19 @@ def load_cpu_kernels() -> CpuKernels | None:
         return CpuKernels.bind(library, target)
     log.warning("the CPU kernels do not build: they are off", errors=errors)
     return None
+
+
+def cpu_kernels_off() -> bool:
+    """Whether the environment switched the library off (torch runs instead)."""
+    return any(os.environ.get(name) == "torch" for name in SWITCH_ENVS)
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (and AVX512-BW), which the library's
+    quantized matmuls are built for, read from its feature flags without
+    building the library."""
+    flags = set(_cpu_flags().split())
+    return {"avx512_vnni", "avx512bw"} <= flags
 
 
 def _cache_dir() -> Path:

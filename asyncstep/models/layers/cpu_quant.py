@@ -19,6 +19,7 @@ and the packed weights' grid detection only.
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 from dataclasses import dataclass
 from typing import ClassVar
@@ -108,12 +109,23 @@ class CpuQuantWeight(PackedWeight):
     #: remainder too: ~15 bits, twice the integer products).
     levels: int = 2
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
+    def applies(self, x: torch.Tensor) -> bool:
+        """As the packed weights', and only where the library runs its
+        vector build (it is built on the first call); else the dense weight."""
+        return super().applies(x) and _fast_library() is not None
 
-        kernels = load_cpu_kernels()
-        assert kernels is not None, "a CPU-quantized weight needs the CPU library"
-        return kernels.quant_matmul(self, x)
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        matmul = _fast_library()
+        assert matmul is not None, "a CPU-quantized weight needs the CPU library"
+        return matmul(self, x)
+
+
+@functools.cache
+def _fast_library() -> CpuQuantMatmul | None:
+    from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    return kernels.quant_matmul if kernels is not None and kernels.quant_matmul.fast else None
 
 
 def pack_q4_cpu(
