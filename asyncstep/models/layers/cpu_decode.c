@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
 #include "cpu_kernels.h"
 #include "cpu_quant.h"
 
@@ -63,37 +64,8 @@ typedef struct {
     int64_t num_threads;
 } StackArgs;
 
-static inline float bf16_load(uint16_t x) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)x << 16};
-    return c.f;
-}
-
-static inline uint16_t bf16_round(float f) {
-    union { float f; uint32_t u; } c = {.f = f};
-    uint32_t u = c.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 static inline float load(const void* x, int64_t dtype, int64_t i) {
-    return dtype == QDTYPE_BFLOAT16 ? bf16_load(((const uint16_t*)x)[i]) : ((const float*)x)[i];
-}
-
-/* exp(x), float32, branch-free (vectorizes); 0 below -87, overflow above 88. */
-static inline float fast_expf(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } c = {.u = (uint32_t)((int32_t)n + 127) << 23};
-    return p * c.f;
+    return dtype == QDTYPE_BFLOAT16 ? bf16_to_f32(((const bf16_t*)x)[i]) : ((const float*)x)[i];
 }
 
 /* r += add (when given); the row's RMSNorm times weight quantized as row t. */
@@ -121,7 +93,10 @@ static void silu_mul_quantize(const float* gate_up, int64_t rows, int64_t d,
         const float* gate = gate_up + t * 2 * d + b * QBLOCK;
         const float* up = gate + d;
         float act[QBLOCK];
-        for (int i = 0; i < QBLOCK; i++) act[i] = gate[i] / (1.0f + fast_expf(-gate[i])) * up[i];
+        for (int i = 0; i < QBLOCK; i++) {
+            const float minus = -gate[i] < 88.0f ? -gate[i] : 88.0f;
+            act[i] = gate[i] / (1.0f + exp_nonpositive(minus)) * up[i];
+        }
         asyncstep_q_quantize_block(act, t, b, out);
     }
 }
@@ -227,7 +202,7 @@ int asyncstep_decode_stack(const StackArgs* a) {
     if (status == 0) {
         for (int64_t i = 0; i < T * H; i++) {
             if (a->dtype == QDTYPE_BFLOAT16)
-                ((uint16_t*)a->hidden_out)[i] = bf16_round(buf.hidden[i]);
+                ((bf16_t*)a->hidden_out)[i] = f32_to_bf16(buf.hidden[i]);
             else
                 ((float*)a->hidden_out)[i] = buf.hidden[i];
         }

@@ -48,7 +48,7 @@ log = structlog.get_logger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("cpu_kernels.c", "cpu_quant.c", "cpu_decode.c"))
 #: Included by the sources (part of the build key).
-HEADERS = tuple(_HERE / name for name in ("cpu_kernels.h", "cpu_quant.h"))
+HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "cpu_kernels.h", "cpu_quant.h"))
 #: Must match ``ASYNCSTEP_ABI_VERSION`` in the source.
 ABI_VERSION = 4
 #: Environment variables: ``torch`` turns the library off (torch runs instead).

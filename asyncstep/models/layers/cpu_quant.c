@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
 #include "cpu_quant.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -82,26 +83,14 @@ static inline float half_to_float(uint16_t h) {
 }
 
 static inline float load_x(const void* x, int64_t dtype, int64_t i) {
-    if (dtype == QDTYPE_BFLOAT16) {
-        union { uint32_t u; float f; } c = {.u = (uint32_t)((const uint16_t*)x)[i] << 16};
-        return c.f;
-    }
-    return ((const float*)x)[i];
+    return dtype == QDTYPE_BFLOAT16 ? bf16_to_f32(((const bf16_t*)x)[i]) : ((const float*)x)[i];
 }
 
 static inline void store_out(void* out, int64_t dtype, int64_t i, float v) {
-    if (dtype == QDTYPE_BFLOAT16) {
-        union { float f; uint32_t u; } c = {.f = v};
-        uint32_t u = c.u;
-        if ((u & 0x7fffffffu) > 0x7f800000u) {
-            ((uint16_t*)out)[i] = (uint16_t)((u >> 16) | 0x40u);
-            return;
-        }
-        u += 0x7fffu + ((u >> 16) & 1u);
-        ((uint16_t*)out)[i] = (uint16_t)(u >> 16);
-    } else {
+    if (dtype == QDTYPE_BFLOAT16)
+        ((bf16_t*)out)[i] = f32_to_bf16(v);
+    else
         ((float*)out)[i] = v;
-    }
 }
 
 /* One block of 32 values as int8 codes (nearest even) with the scale
