@@ -84,8 +84,9 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     weight_packing: Annotated[
         str,
         _doc(
-            "CPU, bfloat16 models: also keep 4-bit weights (a GGUF's Q4_0/Q4_1) packed as "
-            "int4 and an 8-bit LM head (Q8_0) as int8, for steps of at most packed_max_tokens "
+            "CPU, bfloat16 models: also keep 4-bit weights (a GGUF's Q4_0/Q4_1) and an 8-bit "
+            "LM head (Q8_0) packed (in their blocks for the CPU library where the CPU has "
+            "AVX512-VNNI, else as torch's int4/int8) for steps of at most packed_max_tokens "
             "tokens; "
             "CUDA: also keep 4-bit weights packed as Q4 and an 8-bit LM head (Q8_0) as Q8, "
             "for steps of one token; "
