@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import trio
+from gguf_weights import q4_0_weight, q4_1_weight, q8_0_weight
 
 import asyncstep
 from asyncstep import SamplingParams
@@ -33,34 +34,6 @@ from asyncstep.models.model_loader import LoadedModel, load_model, pack_weights
 KERNELS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the library is off")
 BLOCK = 32
-
-
-def q4_1_weight(rows: int, cols: int) -> torch.Tensor:
-    """As a GGUF Q4_1 tensor dequantizes: float16 scale and minimum per block."""
-    blocks = cols // BLOCK
-    d = (torch.rand(rows, blocks, 1) * 0.02 + 1e-3).half().float()
-    m = (-torch.rand(rows, blocks, 1) * 0.1).half().float()
-    q = torch.randint(0, 16, (rows, blocks, BLOCK)).float()
-    q[..., 0], q[..., 1] = 0, 15
-    return (d * q + m).reshape(rows, cols)
-
-
-def q4_0_weight(rows: int, cols: int) -> torch.Tensor:
-    """Q4_0: ``d * (q - 8)``, code 0 at the block's largest magnitude."""
-    blocks = cols // BLOCK
-    d = (torch.rand(rows, blocks, 1) * 0.02 + 1e-3).half().float()
-    q = torch.randint(0, 15, (rows, blocks, BLOCK)).float()
-    q[..., 0] = 0
-    return (d * (q - 8)).reshape(rows, cols)
-
-
-def q8_0_weight(rows: int, cols: int) -> torch.Tensor:
-    """Q8_0: ``d * q``, |q| <= 127, 127 at the block's largest magnitude."""
-    blocks = cols // BLOCK
-    d = (torch.rand(rows, blocks, 1) * 0.01 + 1e-4).half().float()
-    q = torch.randint(-127, 128, (rows, blocks, BLOCK)).float()
-    q[..., 0] = 127
-    return (d * q).reshape(rows, cols)
 
 
 def quantized_reference(x: torch.Tensor, weight: torch.Tensor, levels: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_weights import q4_0_weight, q4_1_weight
 
 import asyncstep
 from asyncstep import SamplingParams
@@ -21,27 +22,6 @@ from asyncstep.models.layers.packed import (
     pack_int8_rows,
 )
 from asyncstep.models.model_loader import LoadedModel, load_model, pack_weights
-
-
-def q4_1_weight(rows: int, cols: int) -> torch.Tensor:
-    """A weight as a GGUF Q4_1 tensor dequantizes: per block of 32, fp16
-    scale ``d`` and minimum ``m``, codes 0..15 with 0 and 15 present."""
-    blocks = cols // GROUP_SIZE
-    d = (torch.rand(rows, blocks, 1) * 0.02 + 1e-3).half().float()
-    m = (-torch.rand(rows, blocks, 1) * 0.1).half().float()
-    q = torch.randint(0, 16, (rows, blocks, GROUP_SIZE)).float()
-    q[..., 0], q[..., 1] = 0, 15
-    return (d * q + m).reshape(rows, cols)
-
-
-def q4_0_weight(rows: int, cols: int) -> torch.Tensor:
-    """A Q4_0 tensor: ``d * (q - 8)``, code 0 at the block's largest magnitude
-    (and no code 15 in some blocks)."""
-    blocks = cols // GROUP_SIZE
-    d = (torch.rand(rows, blocks, 1) * 0.02 + 1e-3).half().float()
-    q = torch.randint(0, 15, (rows, blocks, GROUP_SIZE)).float()
-    q[..., 0] = 0
-    return (d * (q - 8)).reshape(rows, cols)
 
 
 @pytest.mark.parametrize("make", [q4_1_weight, q4_0_weight], ids=["q4_1", "q4_0"])
