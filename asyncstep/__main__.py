@@ -1,7 +1,5 @@
 """``python -m asyncstep``: the command line."""
 
-import sys
+from asyncstep.cli import run
 
-from asyncstep.cli import main
-
-sys.exit(main())
+run()

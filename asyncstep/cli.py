@@ -15,7 +15,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO, get_args, get_origin
+from typing import Any, NoReturn, TextIO, get_args, get_origin
 
 import msgspec
 import trio
@@ -30,7 +30,9 @@ from asyncstep.engine.input_processor import Prompt
 from asyncstep.engine.outputs import Completion
 from asyncstep.errors import AsyncstepError, leaves
 from asyncstep.logging import configure_logging
+from asyncstep.logging.spans import process_start_us, record_startup
 from asyncstep.logging.trace import add_trace_parser
+from asyncstep.procs import exit_now
 from asyncstep.progress import ProgressBar
 from asyncstep.server.config import ServerConfig, server_options
 from asyncstep.structured_params import StructuredOutputsParams
@@ -306,12 +308,19 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return make_config(**options, rank_log_level=log_level(args), rank_log_json=args.log_json)
 
 
+def run() -> NoReturn:
+    """The ``asyncstep`` command: :func:`main`, then a quick exit
+    (:func:`~asyncstep.procs.exit_now`)."""
+    exit_now(main())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (handler := getattr(args, "handler", None)) is not None:
         return int(handler(args))  # a subcommand with its own handler (trace)
     try:
         configure_logging(log_level(args), args.log_json)
+        record_startup("imports", process_start_us())
         params = sampling_params(args)
         prompts = list(args.prompts) or read_prompts(sys.stdin)
         if not prompts:
@@ -326,6 +335,7 @@ def run_serve(args: argparse.Namespace) -> int:
     ``asyncstep: serving MODEL on URL`` on stdout once it listens."""
     try:
         configure_logging(log_level(args), args.log_json)
+        record_startup("imports", process_start_us())
         engine_config = config_from_args(args)
         server_config = server_config_from_args(args)
         from asyncstep.server.serve import serve

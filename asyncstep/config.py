@@ -103,6 +103,14 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             "the CPU library's quantized matmuls run (AVX512-VNNI), else 8 (torch's int4/int8)"
         ),
     ] = None
+    packed_weight_cache: Annotated[
+        bool,
+        _doc(
+            "CPU: keep the packed model of a checkpoint on disk (under $ASYNCSTEP_CACHE_DIR, "
+            "default ~/.cache/asyncstep/weights) and map it at the next start instead of "
+            "dequantizing and packing again"
+        ),
+    ] = True
     device: Annotated[str, _doc("auto, cpu, cuda or cuda:N; auto: cuda when available")] = "auto"
     max_model_len: Annotated[
         int | None, _doc("longest sequence (prompt + output); none: the model's own limit")

@@ -1,6 +1,6 @@
 """Process helpers shared by the engine-core and rank entries: a child that
-never outlives its parent, and how a child's exit is told. Standard library
-only.
+never outlives its parent, how a child's exit is told, and a quick exit for
+a process whose work is done. Standard library only.
 
 A parent keeps the write end of its child's stdin pipe open and never writes
 to it; the kernel closes it when the parent dies, however it dies (SIGKILL
@@ -13,11 +13,14 @@ after a few idle seconds.)
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import sys
 import threading
 import time
+from typing import NoReturn
 
 
 def exit_when_parent_dies(grace_s: float, fd: int = 0) -> threading.Thread:
@@ -45,3 +48,15 @@ def exit_reason(code: int) -> str:
     if code < 0:
         return f"died (killed by signal {signal.Signals(-code).name})"
     return f"exited with status {code}"
+
+
+def exit_now(status: int) -> NoReturn:
+    """End this process with ``status`` once its output is flushed, without
+    the interpreter's teardown (with torch and transformers loaded, 0.3-0.6 s
+    of unloading that nobody waits for). Only for an entry point's last
+    line, after its own orderly shutdown: atexit handlers do not run."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed, or its reader went away
+            stream.flush()
+    os._exit(status)

@@ -302,6 +302,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "dtype": (["bfloat16"], "bfloat16"),
     "weight_packing": (["none"], "none"),
     "packed_max_tokens": (["4"], 4),
+    "packed_weight_cache": ([], False),
     "device": (["cuda:1"], "cuda:1"),
     "max_model_len": (["512"], 512),
     "seed": (["7"], 7),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import socket
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ from asyncstep.engine.engine import Engine
 from asyncstep.engine.input_processor import tokenizer_eos
 from asyncstep.errors import ConfigError, EngineDeadError, describe
 from asyncstep.logging import get_logger, json_log_file
+from asyncstep.logging.spans import STARTUP, span
 
 if TYPE_CHECKING:  # imported where used: they import torch, which a caller may not need
     from asyncstep.models.model_info import ModelInfo
@@ -60,9 +62,7 @@ async def open_engine(
     :class:`EngineDeadError`; if the engine stopped on an error, leaving the
     block raises it as :class:`EngineDeadError`.
     """
-    from asyncstep.models.model_loader import LoadedModel
-
-    preloaded = model if isinstance(model, LoadedModel) else None
+    preloaded = _preloaded(model)
     if config is None:
         config = make_config(None if preloaded else model, **options)  # type: ignore[arg-type]
     elif options or model is not None:
@@ -147,17 +147,30 @@ async def _describe(
     ``config.model.max_model_len`` and the device's defaults resolved in
     place; ``before_tokenizer`` runs once the layout passed, before the
     tokenizer loads."""
-    from asyncstep.models.model_info import describe_model, model_arch, validate_parallel_layout
-    from asyncstep.models.model_loader import device_type
+    from asyncstep.models.model_info import (
+        describe_model,
+        device_type,
+        model_arch,
+        validate_parallel_layout,
+    )
 
-    opened = await anyio.to_thread.run_sync(model_arch, config.model)
+    with span("model_arch", STARTUP):
+        opened = await anyio.to_thread.run_sync(model_arch, config.model)
     validate_parallel_layout(opened[0], config.parallel)
     if before_tokenizer is not None:
         await before_tokenizer()
-    info = await anyio.to_thread.run_sync(describe_model, config.model, opened)
+    with span("tokenizer", STARTUP):
+        info = await anyio.to_thread.run_sync(describe_model, config.model, opened)
     config.model.max_model_len = info.max_model_len
     config.resolve_for_device(device_type(config.model.device))
     return info
+
+
+def _preloaded(model: object) -> LoadedModel | None:
+    """``model`` if it is a :class:`LoadedModel` (only a process that
+    imported the loader, and so torch, can hold one: nothing is imported)."""
+    loader = sys.modules.get("asyncstep.models.model_loader")
+    return model if loader is not None and isinstance(model, loader.LoadedModel) else None
 
 
 def _core_process(

@@ -44,6 +44,7 @@ from asyncstep.engine.core_messages import (
     FromCore,
     Idle,
     RejectedRequest,
+    Shutdown,
     ToCore,
     WaitIdle,
 )
@@ -218,8 +219,10 @@ class EngineCore:
                         self._stop_compiling(req_id)
         elif isinstance(message, WaitIdle):
             self._idle_tickets.append(message.ticket)
-        else:  # Shutdown (a CoreSetup here would be a protocol error of the transport)
+        elif isinstance(message, Shutdown):
             self._shutting_down = True
+        else:  # CoreSetup / CoreStart are the transport's, taken before the core runs
+            log.warning("engine core ignored a set-up message", message=type(message).__name__)
 
     def _add_requests(self, message: CoreInputs) -> None:
         for new in message.new_requests:

@@ -45,6 +45,7 @@ from asyncstep.engine.core_messages import (
     CoreInputs,
     CoreReady,
     CoreSetup,
+    CoreStart,
     FromCore,
     LoadProgress,
     Shutdown,
@@ -52,6 +53,7 @@ from asyncstep.engine.core_messages import (
 )
 from asyncstep.errors import EngineDeadError, error_from_core
 from asyncstep.logging import get_logger
+from asyncstep.logging.spans import STARTUP, span
 from asyncstep.procs import exit_reason
 
 if TYPE_CHECKING:
@@ -97,7 +99,7 @@ class CoreProcess:
     process: Process | None = field(default=None, init=False)
     _stopping: bool = field(default=False, init=False)
     #: A child started by :meth:`spawn_early` that :meth:`run` has not taken yet.
-    _early: tuple[Process, socket.socket] | None = field(default=None, init=False)
+    _early: tuple[Process, MessageStream[FromCore]] | None = field(default=None, init=False)
 
     @property
     def pid(self) -> int | None:
@@ -110,23 +112,18 @@ class CoreProcess:
         *,
         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        if self._early is not None:
-            self.process, ours = self._early
-            self._early = None
-        else:
-            ours, theirs = socket.socketpair()
-            try:
-                self.process = await self._spawn(theirs.fileno())
-            finally:
-                theirs.close()
-                for sock in self.attach:
-                    sock.close()
-        channel = MessageStream[FromCore](await anyio.abc.SocketStream.from_socket(ours), FromCore)
+        if self._early is None:
+            await self.spawn_early()
+        assert self._early is not None
+        self.process, channel = self._early
+        self._early = None
         try:
             async with anyio.create_task_group() as tg, from_core:
                 tg.start_soon(self._watch, self.process)
-                await channel.send(CoreSetup(self.config, sorted(self.eos_token_ids)))
-                await from_core.send(await self._wait_ready(channel))
+                await channel.send(CoreStart(sorted(self.eos_token_ids)))
+                with span("core_ready_wait", STARTUP):
+                    ready = await self._wait_ready(channel)
+                await from_core.send(ready)
                 task_status.started()
                 tg.start_soon(_send_inputs, to_core, channel, self._expect_stop)
                 await self._forward_from_core(channel, from_core)
@@ -136,10 +133,11 @@ class CoreProcess:
                 await self._stop(channel)
 
     async def spawn_early(self) -> None:
-        """Start the child before :meth:`run`: it imports its modules while
-        the caller finishes its own set-up (describing the model), and
-        :meth:`run` sends it ``config`` and ``eos_token_ids`` as they are
-        then. A child that ``run`` never takes is killed by :meth:`discard`."""
+        """Start the child and send it ``config`` before :meth:`run`: it
+        imports its modules and loads the model while the caller finishes
+        its own set-up (the tokenizer); :meth:`run` then sends
+        ``eos_token_ids``. A child that ``run`` never takes is killed by
+        :meth:`discard`."""
         ours, theirs = socket.socketpair()
         try:
             process = await self._spawn(theirs.fileno())
@@ -148,16 +146,20 @@ class CoreProcess:
             raise
         finally:
             theirs.close()
-        self._early = (process, ours)
+            for sock in self.attach:
+                sock.close()
+        channel = MessageStream[FromCore](await anyio.abc.SocketStream.from_socket(ours), FromCore)
+        self._early = (process, channel)
+        await channel.send(CoreSetup(self.config))
 
     async def discard(self) -> None:
         """Kill a child :meth:`spawn_early` started that :meth:`run` did not take."""
         if self._early is None:
             return
-        process, ours = self._early
+        process, channel = self._early
         self._early = None
-        ours.close()
         with anyio.CancelScope(shield=True):
+            await channel.aclose()
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.aclose()

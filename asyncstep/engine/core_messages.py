@@ -53,9 +53,18 @@ class CoreStats(msgspec.Struct, frozen=True, array_like=True):
 
 
 class CoreSetup(msgspec.Struct, frozen=True, tag=True):
-    """The whole configuration (max_model_len resolved) and the EOS ids."""
+    """The whole configuration, sent as the child starts: it loads the model
+    while the front end loads the tokenizer (``max_model_len`` and the
+    device's defaults may still be unresolved: the core resolves them from
+    the model, as the front end does)."""
 
     config: EngineConfig
+
+
+class CoreStart(msgspec.Struct, frozen=True, tag=True):
+    """The EOS ids (the tokenizer's among them), once the front end has its
+    tokenizer: the core builds its scheduler with them."""
+
     eos_token_ids: list[int]
 
 
@@ -121,5 +130,5 @@ class CoreFailed(msgspec.Struct, frozen=True, tag=True):
     kind: str | None = None
 
 
-ToCore = CoreSetup | CoreInputs | WaitIdle | Shutdown
+ToCore = CoreSetup | CoreStart | CoreInputs | WaitIdle | Shutdown
 FromCore = LoadProgress | CoreReady | CoreOutputs | Idle | CoreFailed

@@ -5,8 +5,10 @@ with one end of a socket pair as file descriptor ``N`` (inherited; no
 address, nothing listens, so no handshake), and one more per attached front
 end (``--attach-fd M``, repeated: the API servers of ``asyncstep serve
 --api-server-count``; :mod:`asyncstep.engine.front_ends`). It receives
-:class:`~asyncstep.engine.core_messages.CoreSetup`, loads the model (or starts
-the rank processes), reports :class:`CoreReady`, then runs the
+:class:`~asyncstep.engine.core_messages.CoreSetup` (the config) and loads
+the model (or starts the rank processes) while the front end loads its
+tokenizer, receives :class:`CoreStart` (the EOS ids), reports
+:class:`CoreReady`, then runs the
 :class:`~asyncstep.engine.core.EngineCore` in its own ``trio.run`` until the
 front end says Shutdown or goes away. An error goes back as
 :class:`CoreFailed` before the process exits 1.
@@ -23,19 +25,21 @@ import argparse
 import contextlib
 import math
 import signal
-import sys
 import traceback
 from collections.abc import Sequence
+from typing import TypeVar
 
 import anyio
 import anyio.abc
 import trio
 
 from asyncstep.channels.framing import MessageStream
+from asyncstep.config import EngineConfig
 from asyncstep.engine.core import EngineCore
 from asyncstep.engine.core_messages import (
     CoreFailed,
     CoreSetup,
+    CoreStart,
     FromCore,
     LoadProgress,
     ToCore,
@@ -44,8 +48,9 @@ from asyncstep.engine.executor import open_executor
 from asyncstep.engine.front_ends import PEER_GONE, FrontEnds
 from asyncstep.errors import describe, error_kind, root_cause
 from asyncstep.logging import configure_logging, get_logger
+from asyncstep.logging.spans import CORE_STARTUP, process_start_us, record_startup, span
 from asyncstep.models.model_info import describe_model
-from asyncstep.procs import exit_when_parent_dies
+from asyncstep.procs import exit_now, exit_when_parent_dies
 
 log = get_logger("engine")
 
@@ -78,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_when_parent_dies(args.exit_grace)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(args.log_level, args.log_json)
+    record_startup("imports", process_start_us(), task=CORE_STARTUP)
     return trio.run(serve_core, args.fd, args.attach_fd)
 
 
@@ -90,10 +96,9 @@ async def serve_core(fd: int, attach_fds: Sequence[int] = ()) -> int:
     ]
     channel = channels[0]
     try:
-        setup = await channel.receive()
-        if not isinstance(setup, CoreSetup):
-            raise RuntimeError(f"expected CoreSetup, got {type(setup).__name__}")
-        await _run(FrontEnds(channels), setup)
+        with span("setup_wait", CORE_STARTUP):
+            setup = await _expect(channel, CoreSetup)
+        await _run(FrontEnds(channels), setup.config, channel)
     except Exception as exc:
         error = root_cause(exc)
         if isinstance(error, PEER_GONE):
@@ -112,7 +117,19 @@ async def serve_core(fd: int, attach_fds: Sequence[int] = ()) -> int:
     return 0
 
 
-async def _run(front_ends: FrontEnds, setup: CoreSetup) -> None:
+M = TypeVar("M", CoreSetup, CoreStart)
+
+
+async def _expect(channel: MessageStream[ToCore], kind: type[M]) -> M:
+    message = await channel.receive()
+    if not isinstance(message, kind):
+        raise RuntimeError(f"expected {kind.__name__}, got {type(message).__name__}")
+    return message
+
+
+async def _run(front_ends: FrontEnds, config: EngineConfig, primary: MessageStream[ToCore]) -> None:
+    """Load ``config``'s model, then (given :class:`CoreStart` by the
+    ``primary`` front end) serve the front ends until Shutdown."""
     events_tx, events_rx = anyio.create_memory_object_stream[FromCore](math.inf)
     inputs_tx, inputs_rx = anyio.create_memory_object_stream[ToCore](math.inf)
     token = trio.lowlevel.current_trio_token()
@@ -123,13 +140,14 @@ async def _run(front_ends: FrontEnds, setup: CoreSetup) -> None:
 
     async with anyio.create_task_group() as outer:
         outer.start_soon(front_ends.write, events_rx)
-        async with open_executor(setup.config, progress=progress, with_tokenizer=False) as opened:
+        async with open_executor(config, progress=progress, with_tokenizer=False) as opened:
+            start = await _expect(primary, CoreStart)
             core = EngineCore(
-                setup.config,
+                config,
                 opened.executor,
-                frozenset(setup.eos_token_ids),
+                frozenset(start.eos_token_ids),
                 vocab_size=opened.arch_config.vocab_size,
-                load_tokenizer=lambda: describe_model(setup.config.model).tokenizer,
+                load_tokenizer=lambda: describe_model(config.model).tokenizer,
                 freeze_heap=True,
             )
             async with anyio.create_task_group() as tg:
@@ -139,4 +157,4 @@ async def _run(front_ends: FrontEnds, setup: CoreSetup) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

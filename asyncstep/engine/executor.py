@@ -19,15 +19,15 @@ from asyncstep.engine.remote import RemoteRanks
 from asyncstep.errors import ConfigError
 from asyncstep.gpu import switch_interval
 from asyncstep.logging import get_logger
+from asyncstep.logging.spans import CORE_STARTUP, span
 from asyncstep.models.config import ModelArchConfig
-from asyncstep.models.model_info import describe_model, validate_parallel_layout
-from asyncstep.models.model_loader import (
-    LoadedModel,
-    ProgressFn,
+from asyncstep.models.model_info import (
+    describe_model,
     device_type,
-    load_model,
     resolve_max_model_len,
+    validate_parallel_layout,
 )
+from asyncstep.models.model_loader import LoadedModel, ProgressFn, load_model
 from asyncstep.nursery import RankActor
 from asyncstep.runner.build import build_runner, kv_cache_blocks, resolved_max_model_len
 from asyncstep.runner.capture import capture_cuda_graphs
@@ -71,9 +71,10 @@ async def open_executor(
         yield OpenedExecutor(remote_ranks(config), info.arch_config, info.tokenizer)
         return
     if preloaded is None:
-        loaded = await run_in_ending_thread(
-            lambda: load_model(config.model, progress, with_tokenizer=with_tokenizer)
-        )
+        with span("load_model", CORE_STARTUP):
+            loaded = await run_in_ending_thread(
+                lambda: load_model(config.model, progress, with_tokenizer=with_tokenizer)
+            )
         max_model_len = loaded.max_model_len
     else:
         loaded = preloaded
@@ -81,9 +82,11 @@ async def open_executor(
     config.model.max_model_len = max_model_len
     config.resolve_for_device(loaded.device.type)
     with loaded.claim():
-        runner = await run_in_ending_thread(lambda: _build_runner(config, loaded))
+        with span("kv_cache", CORE_STARTUP):
+            runner = await run_in_ending_thread(lambda: _build_runner(config, loaded))
         try:
-            await anyio.to_thread.run_sync(capture_cuda_graphs, runner)
+            with span("cuda_graphs", CORE_STARTUP):
+                await anyio.to_thread.run_sync(capture_cuda_graphs, runner)
             with switch_interval(config.scheduler.gil_switch_interval_s):
                 actor = RankActor(runner, launch_inline=config.compilation.launch_inline)
                 yield OpenedExecutor(actor, loaded.arch_config, loaded.tokenizer)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,6 +51,33 @@ def set_span_sink(handler: logging.StreamHandler[Any] | None) -> None:
 def now_us() -> int:
     """Microseconds since the epoch (the clock of every span)."""
     return time.time_ns() // 1000
+
+
+def process_start_us() -> int:
+    """When this process started, on :func:`now_us`'s clock (to the kernel's
+    tick, ~10 ms; now where ``/proc`` cannot tell)."""
+    try:
+        with open("/proc/self/stat") as stat:
+            ticks = int(stat.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as uptime:
+            up_s = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return now_us()
+    age_s = up_s - ticks / os.sysconf("SC_CLK_TCK")
+    return now_us() - max(int(age_s * 1e6), 0)
+
+
+#: The tracks of start-up spans: the front end's (imports, model description,
+#: tokenizer) and the engine core's (imports, weights, packing, KV cache,
+#: warm-up), in whichever process the core runs.
+STARTUP = "startup"
+CORE_STARTUP = "core_startup"
+
+
+def record_startup(name: str, since_us: int, *, task: str = STARTUP, **fields: Any) -> None:
+    """One start-up span from ``since_us`` to now on track ``task``: the
+    timeline that ``asyncstep trace`` draws beside the steps."""
+    record_span(name, task, since_us, now_us() - since_us, **fields)
 
 
 def tracing() -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from asyncstep.errors import ModelLoadError, UnsupportedModelError
+from asyncstep.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from asyncstep.models.limits import (
     MAX_CONTEXT_LENGTH,
     MAX_HEAD_DIM,
@@ -300,3 +300,17 @@ def _hf_eos(eos: Any) -> tuple[int, ...]:
     if isinstance(eos, list):
         return tuple(eos)
     return (eos,)
+
+
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Layers of one stage, split evenly; a remainder goes to the stages
+    before the last (which also carries the LM head)."""
+    if pp_size > num_layers:
+        raise ConfigError(
+            f"pipeline_parallel_size ({pp_size}) is larger than the layer count ({num_layers})"
+        )
+    sizes = [num_layers // pp_size] * pp_size
+    for i in range(num_layers % pp_size):
+        sizes[-2 - i if pp_size > 1 else 0] += 1
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
-
-import torch
+from typing import TYPE_CHECKING
 
 from asyncstep.errors import ModelLoadError
 from asyncstep.models.config import ModelArchConfig
+
+if TYPE_CHECKING:
+    import torch
 
 _LLAMA = "LlamaForCausalLM"
 
@@ -145,6 +147,8 @@ def dummy_weights(
     layer's contribution vanish next to the residual: the next token would be a
     function of the current one alone).
     """
+    import torch  # here: the shapes above are read by processes without torch
+
     for name, shape in arch.weight_shapes().items():
         if names is not None and name not in names:
             continue

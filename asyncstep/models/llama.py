@@ -31,8 +31,8 @@ from torch import nn
 
 from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.datatypes import IntermediateTensors
-from asyncstep.errors import ConfigError, ModelLoadError
-from asyncstep.models.config import ModelArchConfig
+from asyncstep.errors import ModelLoadError
+from asyncstep.models.config import ModelArchConfig, pp_layer_range
 from asyncstep.models.layers.attention import Attention, AttentionMetadata
 from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -56,20 +56,6 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
     (".gate_up_proj", ".gate_proj", 0),
     (".gate_up_proj", ".up_proj", 1),
 )
-
-
-def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """Layers of one stage, split evenly; a remainder goes to the stages
-    before the last (which also carries the LM head)."""
-    if pp_size > num_layers:
-        raise ConfigError(
-            f"pipeline_parallel_size ({pp_size}) is larger than the layer count ({num_layers})"
-        )
-    sizes = [num_layers // pp_size] * pp_size
-    for i in range(num_layers % pp_size):
-        sizes[-2 - i if pp_size > 1 else 0] += 1
-    start = sum(sizes[:pp_rank])
-    return start, start + sizes[pp_rank]
 
 
 class LlamaAttention(nn.Module):
@@ -331,8 +317,22 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: ParallelLMHead | None = None
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
-            if config.tie_word_embeddings and self.model.embed_tokens is not None:
-                self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """The LM head reads the input embedding's weight where the config
+        ties them and this stage holds both (again after a weight is replaced)."""
+        tied = self.config.tie_word_embeddings and self.model.embed_tokens is not None
+        if tied and self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def tied_weight_names(self) -> set[str]:
+        """State-dict names that alias another tensor (the tied LM head)."""
+        if self.lm_head is not None and self.lm_head.weight is getattr(
+            self.model.embed_tokens, "weight", None
+        ):
+            return {"lm_head.weight"}
+        return set()
 
     @property
     def num_tokens_multiple(self) -> int:

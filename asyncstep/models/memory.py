@@ -18,12 +18,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from asyncstep.errors import ModelLoadError
-from asyncstep.models.config import ModelArchConfig
-from asyncstep.models.llama import pp_layer_range
+from asyncstep.models.config import ModelArchConfig, pp_layer_range
+
+if TYPE_CHECKING:
+    import torch
 
 #: Live float32 copies of the largest tensor while a checkpoint loads (a GGUF
 #: dequantization makes temporaries; a rank narrows a whole tensor to its
@@ -94,6 +95,8 @@ def model_memory(
 def available_memory(device: torch.device) -> int | None:
     """Bytes free on ``device`` now, or None where that cannot be told."""
     if device.type == "cuda":
+        import torch  # a CUDA device: torch is loaded already
+
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
     if device.type == "cpu":
@@ -109,10 +112,18 @@ def available_host_memory() -> int | None:
 
 def check_fits(needed: int, device: torch.device, what: str) -> None:
     """Raise a one-line ModelLoadError if ``needed`` bytes exceed ``device``'s free memory."""
-    free = available_memory(device)
+    _refuse_over(needed, available_memory(device), str(device), what)
+
+
+def check_host_fits(needed: int, what: str) -> None:
+    """:func:`check_fits` on the host (no torch needed)."""
+    _refuse_over(needed, available_host_memory(), "cpu", what)
+
+
+def _refuse_over(needed: int, free: int | None, where: str, what: str) -> None:
     if free is not None and needed > free:
         raise ModelLoadError(
-            f"{what} needs {human_bytes(needed)} on {device} but only "
+            f"{what} needs {human_bytes(needed)} on {where} but only "
             f"{human_bytes(free)} is available"
         )
 
@@ -151,7 +162,7 @@ def check_model_fits(
     )
     check_fits(on_device, device, f"{source}: the model ({detail})")
     if on_host:
-        check_fits(on_host, torch.device("cpu"), f"{source}: loading the model's tensors")
+        check_host_fits(on_host, f"{source}: loading the model's tensors")
 
 
 def human_bytes(n: int) -> str:

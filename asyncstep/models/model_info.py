@@ -1,23 +1,34 @@
 """What the engine process needs to know of a model without loading its
 weights: the architecture (to validate a parallel layout before any rank
-starts), the tokenizer, and the context length."""
+starts), the tokenizer, the context length and the device type.
+
+Imports no torch (a front end describes the model while the engine-core
+process, which needs torch, starts): may import ``asyncstep.config``,
+``errors``, ``logging`` and the torch-free parts of ``asyncstep.models``.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncstep.config import ModelConfig, ParallelConfig
-from asyncstep.errors import ConfigError
+from asyncstep.errors import ConfigError, ModelLoadError
+from asyncstep.logging import get_logger
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dummy import SHAPES, get_shape
 from asyncstep.models.loader import open_checkpoint
-from asyncstep.models.model_loader import maybe_tokenizer, resolve_max_model_len
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from asyncstep.models.loader import Checkpoint
+
+log = get_logger("models")
 
 
 @dataclass(frozen=True)
@@ -66,3 +77,52 @@ def validate_parallel_layout(arch: ModelArchConfig, parallel: ParallelConfig) ->
         raise ConfigError(
             f"pipeline_parallel_size {pp} is larger than the layer count ({arch.num_hidden_layers})"
         )
+
+
+def device_type(name: str) -> str:
+    """The type (``"cpu"``, ``"cuda"``) of the device ``name`` (validated by
+    :class:`ModelConfig`) resolves to, unchecked (``resolve_device`` checks);
+    ``auto``: cuda when torch sees a device. A torch built without CUDA or
+    ROCm answers ``cpu`` without being imported."""
+    if name != "auto":
+        return name.partition(":")[0]
+    if "torch" not in sys.modules and not _torch_has_gpu_build():
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _torch_has_gpu_build() -> bool:
+    """Whether the installed torch was built for CUDA or ROCm, read from its
+    ``version.py`` (``cuda = None`` and ``hip = None`` in a CPU build); True
+    where that cannot be told."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return True
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return True
+    none = (r"^cuda\b[^=\n]*=\s*None\s*$", r"^hip\b[^=\n]*=\s*None\s*$")
+    return not all(re.search(each, text, re.MULTILINE) for each in none)
+
+
+def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
+    if requested is None:
+        return arch.max_position_embeddings
+    if requested > arch.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {requested} is longer than the model's context "
+            f"({arch.max_position_embeddings})"
+        )
+    return requested
+
+
+def maybe_tokenizer(checkpoint: Checkpoint) -> PreTrainedTokenizerBase | None:
+    """The checkpoint's tokenizer; without one, prompts must be token ids."""
+    try:
+        return checkpoint.load_tokenizer()
+    except ModelLoadError as exc:
+        log.warning("no tokenizer: prompts must be token ids", reason=str(exc))
+        return None

@@ -25,6 +25,7 @@ from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.config import ModelConfig, ParallelConfig
 from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.logging import get_logger
+from asyncstep.logging.spans import CORE_STARTUP, now_us, record_startup, span
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
 from asyncstep.models.layers.cpu_kernels import cpu_has_vnni, cpu_kernels_off
@@ -42,6 +43,8 @@ from asyncstep.models.layers.packed import (
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.loader import Checkpoint, open_checkpoint
 from asyncstep.models.memory import check_model_fits
+from asyncstep.models.model_info import maybe_tokenizer, resolve_max_model_len
+from asyncstep.models.weight_cache import PackedCache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -78,14 +81,6 @@ class LoadedModel:
             yield
         finally:
             self._in_use = False
-
-
-def device_type(name: str) -> str:
-    """The type (``"cpu"``, ``"cuda"``) of the device ``name`` resolves to
-    (``auto``: cuda when available), unchecked: :func:`resolve_device` checks."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name).type
 
 
 def resolve_device(name: str) -> torch.device:
@@ -129,17 +124,6 @@ def cpu_threads(parallel: ParallelConfig) -> int:
     return max(1, cores // ranks)
 
 
-def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
-    if requested is None:
-        return arch.max_position_embeddings
-    if requested > arch.max_position_embeddings:
-        raise ConfigError(
-            f"max_model_len {requested} is longer than the model's context "
-            f"({arch.max_position_embeddings})"
-        )
-    return requested
-
-
 def load_model(
     config: ModelConfig,
     progress: ProgressFn | None = None,
@@ -178,6 +162,18 @@ def load_model(
         pp_size=pp.world_size,
     )
     tokenizer = maybe_tokenizer(checkpoint) if checkpoint is not None and with_tokenizer else None
+    # torch's packed CPU matmuls are fast with bfloat16 rows only (one row of
+    # SmolLM2's gate_up in fp32: int4 1.7 ms against 0.15 ms dense).
+    packs_cpu = weights is not None or config.weight_packing == "q4"
+    packs_cpu = packs_cpu and device.type == "cpu" and dtype == torch.bfloat16
+    packs_cpu = packs_cpu and config.weight_packing != "none"
+    cache = None
+    if packs_cpu and weights is not None and config.packed_weight_cache:
+        options = _cache_options(config, dtype, sequence_parallel)
+        cache = PackedCache.for_checkpoint(weights.path, options)
+        cached = _load_packed_cache(cache, arch, dtype, sequence_parallel) if cache else None
+        if cached is not None:
+            return LoadedModel(cached, arch, tokenizer, device, dtype, max_model_len, source)
     with torch.device(device):
         model = LlamaForCausalLM(arch, build_dtype, sequence_parallel=sequence_parallel)
     if weights is None:
@@ -189,6 +185,7 @@ def load_model(
     if config.weight_packing == "q4":
         # On CUDA the LM head too, onto Q8_0's grid (a GGUF Q4 model's is 6 or 8 bits).
         tensors = round_decoder_weights(tensors, lm_head=device.type == "cuda")
+    read_since = now_us()
     if device.type == "cuda" and config.weight_packing != "none":
         tied = model.model.embed_tokens.weight if model.model.embed_tokens is not None else None
         with packing_on_load(model, tied=tied) as counts:
@@ -196,19 +193,52 @@ def load_model(
         log.info("weights kept 4-bit on the GPU", **counts)
     else:
         _load_checkpoint(model, _counted(tensors, total, progress))
-    # torch's packed CPU matmuls are fast with bfloat16 rows only (one row of
-    # SmolLM2's gate_up in fp32: int4 1.7 ms against 0.15 ms dense).
-    packs_cpu = weights is not None or config.weight_packing == "q4"
-    packs_cpu = packs_cpu and device.type == "cpu" and dtype == torch.bfloat16
-    if packs_cpu and config.weight_packing != "none":
-        packed = pack_weights(model, dtype, config.packed_max_tokens)
+    record_startup("read_weights", read_since, task=CORE_STARTUP)
+    if packs_cpu:
+        with span("pack_weights", CORE_STARTUP):
+            packed = pack_weights(model, dtype, config.packed_max_tokens)
         log.info("weights packed for small steps", **packed)
     if build_dtype != dtype:
         settle_dtype(model, dtype)
     model.eval()
     if device.type == "cpu":
         return_freed_memory()
+    if cache is not None:
+        with span("packed_cache_store", CORE_STARTUP):
+            cache.store(model)
     return LoadedModel(model, arch, tokenizer, device, dtype, max_model_len, source)
+
+
+def _load_packed_cache(
+    cache: PackedCache, arch: ModelArchConfig, dtype: torch.dtype, sequence_parallel: bool
+) -> LlamaForCausalLM | None:
+    """The CPU model of ``cache``'s entry, or None where it has none."""
+    since = now_us()
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(arch, dtype, sequence_parallel=sequence_parallel)
+    settle_dtype(model, dtype)
+    if not cache.load(model):
+        return None
+    record_startup("packed_cache", since, task=CORE_STARTUP)
+    log.info("weights from the packed cache", path=str(cache.path))
+    return model.eval()
+
+
+def _cache_options(
+    config: ModelConfig, dtype: torch.dtype, sequence_parallel: bool
+) -> dict[str, object]:
+    """What a packed model depends on beside its checkpoint and the code
+    (:class:`~asyncstep.models.weight_cache.PackedCache`'s key)."""
+    tp, pp = get_tp_group(), get_pp_group()
+    return {
+        "dtype": str(dtype),
+        "load_format": config.load_format,
+        "weight_packing": config.weight_packing,
+        "packed_max_tokens": config.packed_max_tokens,
+        "cpu_blocks": cpu_has_vnni() and not cpu_kernels_off(),
+        "rank": [tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size],
+        "sequence_parallel": sequence_parallel,
+    }
 
 
 def return_freed_memory() -> None:
@@ -273,15 +303,6 @@ def pack_weights(
         counts[kind] = counts.get(kind, 0) + 1
         counts["bytes"] += 0 if packed is None else packed.nbytes
     return counts
-
-
-def maybe_tokenizer(checkpoint: Checkpoint) -> PreTrainedTokenizerBase | None:
-    """The checkpoint's tokenizer; without one, prompts must be token ids."""
-    try:
-        return checkpoint.load_tokenizer()
-    except ModelLoadError as exc:
-        log.warning("no tokenizer: prompts must be token ids", reason=str(exc))
-        return None
 
 
 def _counted(

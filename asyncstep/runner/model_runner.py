@@ -78,6 +78,7 @@ from asyncstep.runner.cudagraph_dispatcher import (
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.grammar_bitmask import GrammarBitmask
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
+from asyncstep.runner.kv_sizing import zeroed_host_tensors
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
 from asyncstep.runner.persistent_batches import PersistentBatches
 from asyncstep.runner.prompt_logprobs import PromptLogprobsTracker
@@ -270,15 +271,17 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's paged cache and bind it to its attention layer."""
-        self.kv_caches = []
-        for attn in self.model.attention_layers():
-            cache = torch.zeros(
-                kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim),
-                dtype=self.dtype,
-                device=self.device,
-            )
+        layers = self.model.attention_layers()
+        shapes = [
+            kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            for attn in layers
+        ]
+        if self.device.type == "cpu":
+            self.kv_caches = zeroed_host_tensors(shapes, self.dtype)
+        else:
+            self.kv_caches = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes]
+        for attn, cache in zip(layers, self.kv_caches, strict=True):
             attn.kv_cache = cache
-            self.kv_caches.append(cache)
 
     # -- the step ---------------------------------------------------------
 

@@ -105,6 +105,15 @@ class CpuQuantWeight(PackedWeight):
     Steps of at most ``max_tokens`` rows of that dtype use it."""
 
     KINDS: ClassVar[tuple[str, ...]] = tuple(_KINDS)
+
+    @staticmethod
+    def block_bytes(kind: str) -> int:
+        """Bytes of ``data`` per 16 rows x 32 inputs (:func:`_finish`'s
+        layout): the codes (4 or 8 bits each), then 16 float16 scales and 16
+        float16 offsets."""
+        code_bits = 4 if kind == "q4_cpu" else 8
+        return ROWS_PER_GROUP * GROUP_SIZE * code_bits // 8 + 2 * ROWS_PER_GROUP * 2
+
     #: Activation codes per value: 1 (int8, as llama.cpp) or 2 (the
     #: remainder too: ~15 bits, twice the integer products).
     levels: int = 2

@@ -8,7 +8,8 @@ every count, offset and size it declares is checked in Python integers against
 the file (whole, aligned, no overlap) before the reader acts on it, and every
 tensor's shape and type against the config, all when the file opens.
 Supported GGUF architectures: ``llama`` (Llama, Mistral), ``qwen2``, ``qwen3``.
-May import numpy, torch, gguf, transformers and ``asyncstep.models.config``/``errors``.
+May import numpy, gguf, transformers and ``asyncstep.models.config``/``errors``/``memory``;
+torch only where tensors are read (a model is described without it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
-import torch
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig
@@ -36,11 +36,11 @@ from asyncstep.models.limits import (
     MAX_TENSOR_DIMS,
     is_int,
 )
-from asyncstep.models.loader.gguf_blocks import dequantize_blocks
 from asyncstep.models.loader.tokenizer import load_gguf_tokenizer
-from asyncstep.models.memory import check_fits
+from asyncstep.models.memory import check_host_fits
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 GGUF_MAGIC = b"GGUF"
@@ -504,6 +504,10 @@ class GGUFCheckpoint:
         return None
 
     def _load_tensor(self, tensor: Any, hf_name: str) -> torch.Tensor:
+        import torch  # where tensors are read: describing a model needs no torch
+
+        from asyncstep.models.loader.gguf_blocks import dequantize_blocks
+
         fast = dequantize_blocks(tensor.data, int(tensor.tensor_type))
         try:
             array = (
@@ -552,9 +556,8 @@ class GGUFCheckpoint:
         """transformers re-reads the tokenizer arrays element by element: refuse a
         conversion the host cannot hold."""
         entries = sum(self._array_length(key) or 0 for key in TOKENIZER_ARRAYS)
-        check_fits(
+        check_host_fits(
             entries * TOKENIZER_BYTES_PER_ENTRY,
-            torch.device("cpu"),
             f"{self.path}: converting its tokenizer ({entries:,} entries)",
         )
 

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 from safetensors import safe_open
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError, describe
@@ -36,6 +35,7 @@ from asyncstep.models.limits import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 CONFIG_FILE = "config.json"

@@ -1,0 +1,254 @@
+"""The packed CPU model, cached on disk.
+
+On the CPU a quantized checkpoint is dequantized, loaded in float32, packed
+for small steps (:func:`~asyncstep.models.model_loader.pack_weights`) and
+cast to the model's dtype: about a second for the embedded model, at every
+start. :class:`PackedCache` keeps the result, once, as one safetensors file
+under ``${ASYNCSTEP_CACHE_DIR:-~/.cache/asyncstep}/weights/``; a later load of
+the same checkpoint with the same options maps that file instead (its pages
+are read as the first step touches them).
+
+An entry's name is keyed by everything its content depends on: the
+checkpoint's files (absolute path, size, mtime), the code that builds it
+(a hash of the loader, model and packing sources), torch's and asyncstep's
+versions, the dtype, the packing options and the CPU features they were
+decided from, and the rank's place in the TP x PP layout. One entry is kept
+per checkpoint and options: writing one removes those that an older file or
+older code wrote. An entry is
+written to a temporary file and renamed, so a reader sees a whole entry or
+none; one that does not fit the model (names, shapes, dtypes, packed
+layouts) is ignored with a warning, and a filesystem error only costs the
+cache. May import torch, safetensors and ``asyncstep.models`` (not the
+loader, which imports this).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from asyncstep import __version__
+from asyncstep.logging import get_logger
+from asyncstep.models.layers.cpu_quant import CpuQuantWeight
+from asyncstep.models.layers.packed import PackedWeight
+from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.models.loader.tokenizer import cache_root
+
+log = get_logger("models")
+
+#: The sources an entry's content depends on (their bytes are in the key).
+_SOURCES = (
+    "models/model_loader.py",
+    "models/weight_cache.py",
+    "models/llama.py",
+    "models/loader/gguf.py",
+    "models/loader/gguf_blocks.py",
+    "models/loader/hf.py",
+    "models/layers/cpu_quant.py",
+    "models/layers/packed.py",
+    "models/layers/linear.py",
+    "models/layers/embedding.py",
+    "models/layers/norm.py",
+)
+_PACKED_PREFIX = "packed."
+#: Leave at least this much of the disk free when writing an entry.
+_DISK_MARGIN = 4
+
+
+@dataclass(frozen=True)
+class PackedCache:
+    """The cache entry of one checkpoint and rank (see the module doc)."""
+
+    path: Path
+
+    @classmethod
+    def for_checkpoint(cls, checkpoint: Path, options: dict[str, object]) -> PackedCache | None:
+        """The entry of ``checkpoint`` (a file or an HF directory) loaded
+        with ``options`` (JSON-able: everything else the content depends
+        on), or None when its files cannot be read."""
+        try:
+            files = _checkpoint_files(checkpoint.resolve())
+            stamp = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        except OSError:
+            return None
+        here = Path(__file__).resolve().parents[1]
+        code = hashlib.sha256()
+        for source in _SOURCES:
+            with contextlib.suppress(OSError):
+                code.update((here / source).read_bytes())
+        which = _digest({"checkpoint": str(checkpoint.resolve()), "options": options})
+        content = _digest(
+            {
+                "files": stamp,
+                "code": code.hexdigest(),
+                "asyncstep": __version__,
+                "torch": str(torch.__version__),
+            }
+        )
+        return cls(cache_root() / "weights" / f"{which}-{content}.safetensors")
+
+    def load(self, model: LlamaForCausalLM) -> bool:
+        """Fill ``model`` (built, its dtypes settled) from the entry: its
+        tensors and its layers' packed copies. False, ``model`` untouched,
+        where there is no usable entry."""
+        if not self.path.is_file():
+            return False
+        try:
+            tensors = load_file(self.path)
+            with open(self.path, "rb") as file:
+                header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+            layouts = json.loads(header["__metadata__"]["packed"])
+            packed = _packed_weights(model, tensors, layouts)
+            dense = {k: v for k, v in tensors.items() if not k.startswith(_PACKED_PREFIX)}
+            _check_dense(model, dense)
+        except Exception as exc:  # a foreign, truncated or stale file: rebuild it
+            log.warning(
+                "ignoring a packed-weights cache entry", path=str(self.path), error=str(exc)
+            )
+            return False
+        model.load_state_dict(dense, strict=False, assign=True)
+        model.tie_weights()
+        for name, weight in packed.items():
+            setattr(model.get_submodule(name), "packed", weight)  # noqa: B010 (a plain attribute)
+        return True
+
+    def store(self, model: LlamaForCausalLM) -> None:
+        """Write ``model``'s entry (and remove this checkpoint's older ones);
+        on a filesystem error, log and carry on uncached."""
+        tensors = _unshared(model.state_dict())
+        layouts: dict[str, dict[str, Any]] = {}
+        for name, module in model.named_modules():
+            weight = getattr(module, "packed", None)
+            if isinstance(weight, PackedWeight):
+                layouts[name] = _layout(weight)
+                tensors[f"{_PACKED_PREFIX}{name}.data"] = weight.data
+                tensors[f"{_PACKED_PREFIX}{name}.scales"] = weight.scales
+        size = sum(t.nbytes for t in tensors.values())
+        tmp: Path | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(self.path.parent).free < _DISK_MARGIN * size:
+                log.warning("no room for the packed-weights cache", needed=size)
+                return
+            fd, name = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+            os.close(fd)
+            tmp = Path(name)
+            save_file(tensors, tmp, metadata={"packed": json.dumps(layouts)})
+            os.replace(tmp, self.path)
+            tmp = None
+            self._remove_older()
+        except OSError as exc:
+            log.warning(
+                "cannot write a packed-weights cache entry", path=str(self.path), error=str(exc)
+            )
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+
+    def _remove_older(self) -> None:
+        which = self.path.name.partition("-")[0]
+        for other in self.path.parent.glob(f"{which}-*.safetensors"):
+            if other != self.path:
+                other.unlink(missing_ok=True)
+
+
+def _checkpoint_files(checkpoint: Path) -> list[Path]:
+    if checkpoint.is_dir():
+        return sorted(f for f in checkpoint.iterdir() if f.is_file())
+    return [checkpoint]
+
+
+def _digest(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each tensor once (tied weights are one tensor: the
+    first name keeps it; loading ties them again through the module)."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor.contiguous()
+    return out
+
+
+def _layout(weight: PackedWeight) -> dict[str, Any]:
+    layout: dict[str, Any] = {
+        "kind": weight.kind,
+        "out_features": weight.out_features,
+        "in_features": weight.in_features,
+        "max_tokens": weight.max_tokens,
+    }
+    if isinstance(weight, CpuQuantWeight):
+        layout["levels"] = weight.levels
+    return layout
+
+
+def _packed_weights(
+    model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], layouts: dict[str, Any]
+) -> dict[str, PackedWeight]:
+    """The entry's packed copies, each checked against its layer (its
+    sizes) and its kind's layout (the data's shape and dtype)."""
+    out: dict[str, PackedWeight] = {}
+    for name, layout in layouts.items():
+        rows, cols = (int(n) for n in model.get_parameter(f"{name}.weight").shape)
+        data = tensors[f"{_PACKED_PREFIX}{name}.data"]
+        scales = tensors[f"{_PACKED_PREFIX}{name}.scales"]
+        if (layout["out_features"], layout["in_features"]) != (rows, cols):
+            raise ValueError(f"{name}: packed for {layout['out_features']}x{layout['in_features']}")
+        kind, max_tokens = str(layout["kind"]), int(layout["max_tokens"])
+        if kind in CpuQuantWeight.KINDS:
+            weight: PackedWeight = CpuQuantWeight(
+                kind, data, scales, rows, cols, max_tokens, int(layout["levels"])
+            )
+        elif kind in ("int4", "int8"):
+            weight = PackedWeight(kind, data, scales, rows, cols, max_tokens)
+        else:
+            raise ValueError(f"{name}: unknown packed kind {kind!r}")
+        _check_packed(name, weight)
+        out[name] = weight
+    return out
+
+
+def _check_packed(name: str, weight: PackedWeight) -> None:
+    rows, cols = weight.out_features, weight.in_features
+    if isinstance(weight, CpuQuantWeight):
+        groups, blocks = -(-rows // 16), cols // 32
+        ok = (
+            weight.data.dtype == torch.uint8
+            and weight.data.dim() == 3
+            and tuple(weight.data.shape[:2]) == (groups, blocks)
+            and weight.data.shape[2] == CpuQuantWeight.block_bytes(weight.kind)
+        )
+    elif weight.kind == "int8":
+        ok = tuple(weight.data.shape) == (rows, cols) and tuple(weight.scales.shape) == (rows,)
+    else:  # int4: torch's own packed layout; its scales say the groups
+        ok = tuple(weight.scales.shape) == (cols // 32, rows, 2)
+    if not ok:
+        raise ValueError(f"{name}: packed {weight.kind} data of the wrong shape")
+
+
+def _check_dense(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` are ``model``'s state, name for name (but the tied
+    aliases), each with its shape and dtype."""
+    expected = model.state_dict()
+    for name, tensor in tensors.items():
+        want = expected.get(name)
+        if want is None or want.shape != tensor.shape or want.dtype != tensor.dtype:
+            raise ValueError(f"{name}: not one of the model's tensors")
+    missing = expected.keys() - tensors.keys() - model.tied_weight_names()
+    if missing:
+        raise ValueError(f"{len(missing)} tensors missing, e.g. {min(missing)}")
