@@ -102,20 +102,31 @@ async def open_shared_engine(
     config: EngineConfig,
     attach: Sequence[socket.socket],
     progress: ProgressFn | None = None,
+    *,
+    core_started: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncIterator[Engine]:
     """:func:`open_engine` with an engine-core process that also serves the
     front ends attached on ``attach`` (the core's ends of their socket
-    pairs; each front end opens :func:`attach_engine` on the other end).
-    The engine returned is the primary front end: leaving the block stops
-    the core."""
+    pairs; each front end opens :func:`attach_engine` on the other end:
+    they may start once ``core_started`` is called, as soon as the core's
+    process is, and wait there for it to be ready). The engine returned is
+    the primary front end: leaving the block stops the core."""
     config = copy.deepcopy(config)
     if not config.parallel.engine_process:
         raise ConfigError("front ends can share an engine core only in its own process")
-    info = await _describe(config)
-    core = _core_process(config, progress, attach)
-    core.eos_token_ids = _eos_token_ids(info)
-    async with _running(Engine(config, info.arch_config, info.tokenizer, core)) as engine:
-        yield engine
+    async with contextlib.AsyncExitStack() as stack:
+        core = _core_process(config, progress, attach)
+        stack.push_async_callback(core.discard)  # a no-op once it runs
+
+        async def spawn() -> None:
+            await core.spawn_early()
+            if core_started is not None:
+                await core_started()
+
+        info = await _describe(config, before_tokenizer=spawn)
+        core.eos_token_ids = _eos_token_ids(info)
+        async with _running(Engine(config, info.arch_config, info.tokenizer, core)) as engine:
+            yield engine
 
 
 @asynccontextmanager

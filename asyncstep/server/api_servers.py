@@ -96,31 +96,56 @@ async def serve_api_servers(
     pairs = [socket.socketpair() for _ in range(count)]
     metrics_dir = tempfile.mkdtemp(prefix="asyncstep-metrics-")
     log_json = json_log_file()
+    servers: list[Process] = []
+
+    async def start_servers() -> None:
+        """Each API server, as soon as the core's process is: it loads its
+        tokenizer while the core loads the model, then waits for it."""
+        for index, (ours, _) in enumerate(pairs, start=1):
+            setup = ApiServerSetup(
+                engine_config,
+                server_config,
+                index,
+                listener.fileno(),
+                ours.fileno(),
+                log_level,
+                None if log_json is None else f"{log_json}.api{index}",
+            )
+            servers.append(await _start(setup, metrics_dir))
+            ours.close()
+        listener.close()  # the API servers hold it: it closes when they stop listening
+
     try:
         cores = [core for _, core in pairs]
-        async with open_shared_engine(engine_config, cores, progress) as engine:
-            servers = []
-            for index, (ours, _) in enumerate(pairs, start=1):
-                setup = ApiServerSetup(
-                    engine.config,
-                    server_config,
-                    index,
-                    listener.fileno(),
-                    ours.fileno(),
-                    log_level,
-                    None if log_json is None else f"{log_json}.api{index}",
-                )
-                servers.append(await _start(setup, metrics_dir))
-                ours.close()
-            listener.close()  # the API servers hold it: it closes when they stop listening
+        async with open_shared_engine(
+            engine_config, cores, progress, core_started=start_servers
+        ) as engine:
             failures = await _supervise(servers, engine.wait_stopped, ready)
             if failures and engine.error is None:  # (an engine error is raised on leaving)
                 raise EngineDeadError("; ".join(failures))
     finally:
+        with anyio.CancelScope(shield=True):
+            await _end(servers)
         for ours, core in pairs:
             ours.close()
             core.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+async def _end(servers: list[Process]) -> None:
+    """Terminate the API servers still running (those of an engine that
+    failed to open: supervised ones have stopped), then reap them."""
+    for process in servers:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+    for process in servers:
+        with anyio.move_on_after(10):
+            await process.wait()
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
 
 
 async def _start(setup: ApiServerSetup, metrics_dir: str) -> Process:
