@@ -11,6 +11,10 @@ untimed run), as ``vllm bench sweep startup`` does.
 * ``first token``: in a running Python that has imported asyncstep,
   ``open_engine()`` to the first streamed token of that question.
 
+Then one more ``generate`` with ``--log-json``: its start-up timeline, each
+process's phases (the ``startup`` and ``core_startup`` spans) and the first
+step, from the CLI process's start.
+
     python3 benchmarks/startup.py --out benchmarks/results/startup/startup.json
 """
 
@@ -24,9 +28,11 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 
 QUESTION = "What is the capital of France?"
 FIRST_TOKEN = """
@@ -83,6 +89,39 @@ def first_token() -> float:
     raise RuntimeError(f"no first token: {done.stderr[-2000:]}")
 
 
+def timeline() -> list[dict[str, object]]:
+    """The start-up spans of one ``generate`` run, from its process's start."""
+    from asyncstep.logging.spans import CORE_STARTUP, STARTUP
+    from asyncstep.logging.trace import load_spans
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "run.jsonl"
+        timed([sys.executable, "-m", "asyncstep", "generate", QUESTION, "--log-json", str(log)])
+        spans = load_spans(Path(tmp).glob("run.jsonl*"))
+    startup = [s for s in spans if s.task in (STARTUP, CORE_STARTUP)]
+    steps = [s for s in spans if s.task == "device" and s.name == "forward"]
+    origin = min(s.ts_us for s in startup)
+    rows = [
+        {
+            "track": s.task,
+            "phase": s.name,
+            "start_s": (s.ts_us - origin) / 1e6,
+            "dur_s": s.dur_us / 1e6,
+        }
+        for s in sorted(startup, key=lambda s: s.ts_us)
+    ]
+    first = min(steps, key=lambda s: s.ts_us)
+    rows.append(
+        {
+            "track": "device",
+            "phase": "first step",
+            "start_s": (first.ts_us - origin) / 1e6,
+            "dur_s": first.dur_us / 1e6,
+        }
+    )
+    return rows
+
+
 def cases(server_counts: list[int]) -> dict[str, Callable[[], float]]:
     cli = [sys.executable, "-m", "asyncstep"]
     out: dict[str, Callable[[], float]] = {
@@ -107,11 +146,16 @@ def main() -> int:
     if args.cases:
         todo = {k: v for k, v in todo.items() if k in args.cases}
     results: dict[str, dict[str, object]] = {}
+    load_before = os.getloadavg()
     for name, run in todo.items():
         run()  # page cache warm, compiled kernels cached
         seconds = [run() for _ in range(args.repeats)]
         results[name] = {"median_s": statistics.median(seconds), "seconds": seconds}
         print(f"{name:12s} median {statistics.median(seconds):6.2f} s  {seconds}", flush=True)
+    phases = timeline()
+    print("\nstart-up timeline of one generate (s from its process's start):")
+    for row in phases:
+        print(f"  {row['track']:13s} {row['phase']:18s} {row['start_s']:6.2f} +{row['dur_s']:5.2f}")
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
@@ -119,14 +163,22 @@ def main() -> int:
                 {
                     "command": " ".join(["python3", *sys.argv]),
                     "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                    "commit": _commit(),
                     "cores": len(os.sched_getaffinity(0)),
+                    "load_avg_before": load_before,
                     "load_avg_after": os.getloadavg(),
                     "results": results,
+                    "timeline": phases,
                 },
                 f,
                 indent=1,
             )
     return 0
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip()
 
 
 if __name__ == "__main__":

@@ -295,6 +295,25 @@ def test_cpu_steps_take_fewer_threads_while_other_processes_use_the_cores(
     assert window(others=1.0, seconds=0.05) == [2, 1, 2]  # within a window: not looked at
 
 
+def test_the_first_cpu_step_knows_the_load_since_the_threads_were_set_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncstep.runner import cpu_threads as ct
+
+    clock, busy = [0.0], [0]
+    monkeypatch.setattr(ct.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ct, "_busy_ticks", lambda cpus: busy[0])
+    monkeypatch.setattr(ct.os, "times", lambda: (0.0, 0.0, 0.0, 0.0, 0.0))
+    monkeypatch.setattr(ct, "_TICKS", 100)
+    calls: list[int] = []
+    monkeypatch.setattr(ct.torch, "set_num_threads", calls.append)
+    threads = ct.CpuThreads(2)
+    threads._cpus = frozenset({0, 1})
+    clock[0], busy[0] = 1.0, 100  # another process kept a core busy since
+    threads.apply()
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_dtype_is_bfloat16_where_the_cpu_multiplies_it(
     monkeypatch: pytest.MonkeyPatch, native: bool

@@ -90,3 +90,23 @@ def test_a_host_kv_cache_is_zeroed_without_writing_it() -> None:
     first.fill_(1)
     assert not second.any()  # separate memory
     assert first.data_ptr() % 2 == 0 and second.data_ptr() % 2 == 0
+
+
+def test_a_front_end_serves_the_embedded_model_without_torch() -> None:
+    """``open_engine`` (the engine core in its own process) loads the
+    tokenizer, renders the chat template and streams an answer without
+    importing torch in the caller's process (importing it costs the caller
+    a second at start and a core while the child imports its own)."""
+    code = (
+        "import sys, trio, asyncstep\n"
+        "async def main():\n"
+        "    async with asyncstep.open_engine() as engine:\n"
+        "        params = asyncstep.SamplingParams(temperature=0, max_tokens=4)\n"
+        "        chat = [{'role': 'user', 'content': 'Hi'}]\n"
+        "        chunks = [c async for c in engine.stream(chat, params)]\n"
+        "    print(len(chunks) > 0, 'torch' in sys.modules)\n"
+        "trio.run(main)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"], done.stdout

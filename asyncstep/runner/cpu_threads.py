@@ -12,6 +12,7 @@ threads while other processes use the cores (:class:`CpuThreads`). Imports anyio
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -70,9 +71,17 @@ class CpuThreads:
     _current: int = field(default=0, init=False)
     _last: tuple[float, int, float] | None = field(default=None, init=False)
 
+    def __post_init__(self) -> None:
+        # A first sample now, so that the first step (often seconds later,
+        # at start-up, while other processes are busy) already knows the load.
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            self._last = (time.monotonic(), _busy_ticks(self._cpus), sum(os.times()[:2]))
+
     def apply(self) -> None:
         now = time.monotonic()
         if self._last is not None and now - self._last[0] < self.window_s:
+            if self._current == 0:
+                self._set(self.threads)
             return
         own = sum(os.times()[:2])
         try:
