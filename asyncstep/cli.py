@@ -28,7 +28,7 @@ from asyncstep.engine.engine import Engine
 from asyncstep.engine.grammar import check_grammar
 from asyncstep.engine.input_processor import Prompt
 from asyncstep.engine.outputs import Completion
-from asyncstep.errors import AsyncstepError, leaves
+from asyncstep.errors import AsyncstepError, exit_status
 from asyncstep.logging import configure_logging
 from asyncstep.logging.spans import process_start_us, record_startup
 from asyncstep.logging.trace import add_trace_parser
@@ -364,21 +364,6 @@ def run_serve(args: argparse.Namespace) -> int:
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The server config of parsed ``serve`` arguments (ConfigError if bad)."""
     return ServerConfig.from_options(**{name: getattr(args, name) for name in server_options()})
-
-
-def exit_status(error: BaseException) -> int:
-    """The exit status (and one stderr line) for an error a user can cause;
-    Ctrl-C may arrive inside any task, so it can come wrapped in a group."""
-    found = leaves(error)
-    if any(isinstance(e, KeyboardInterrupt) for e in found):
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    for leaf in found:
-        # OSError: e.g. --log-json into a missing directory.
-        if isinstance(leaf, AsyncstepError | OSError):
-            print(f"{PROG}: error: {leaf}", file=sys.stderr)
-            return 1
-    raise error
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -8,6 +8,8 @@ find the error that matters in a group of them. Imports only anyio.
 
 from __future__ import annotations
 
+import sys
+
 import anyio
 
 
@@ -90,3 +92,19 @@ _KINDS: dict[str, type[AsyncstepError]] = {
         RankError,
     )
 }
+
+
+def exit_status(error: BaseException, prog: str = "asyncstep") -> int:
+    """A command's exit status (and one stderr line, ``prog: ...``) for an
+    error a user can cause; any other error is raised again. Ctrl-C may
+    arrive inside any task, so it can come wrapped in a group."""
+    found = leaves(error)
+    if any(isinstance(e, KeyboardInterrupt) for e in found):
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    for leaf in found:
+        # OSError: e.g. --log-json into a missing directory.
+        if isinstance(leaf, AsyncstepError | OSError):
+            print(f"{prog}: error: {leaf}", file=sys.stderr)
+            return 1
+    raise error

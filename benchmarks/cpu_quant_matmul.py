@@ -22,8 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
-from asyncstep.models.layers.cpu_quant import pack_q4_cpu, pack_q8_cpu
+from asyncstep.models.layers.cpu_quant import pack_q4_cpu, pack_q8_cpu, quant_matmul
 from asyncstep.models.layers.packed import GROUP_SIZE, PackedWeight, pack_int4, pack_int8_rows
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -74,8 +73,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out")
     args = ap.parse_args()
-    kernels = load_cpu_kernels()
-    if kernels is None or not kernels.quant_matmul.fast:
+    matmul = quant_matmul()
+    if matmul is None or not matmul.fast:
         raise SystemExit("the CPU library's quantized matmuls do not run here (no AVX512-VNNI)")
     gen = torch.Generator().manual_seed(0)
     dense = [q4_weight(*SHAPES[name], gen) for _ in range(LAYERS) for name in SHAPES]

@@ -21,17 +21,19 @@ from gguf_weights import q4_0_weight, q4_1_weight, q8_0_weight
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.config import ModelConfig
-from asyncstep.models.layers.cpu_decode import CpuDecodeStack
+from asyncstep.models.cpu_decode import CpuDecodeStack
 from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.cpu_quant import (
     CpuQuantMatmul,
     CpuQuantWeight,
     pack_q4_cpu,
     pack_q8_cpu,
+    quant_matmul,
 )
 from asyncstep.models.model_loader import LoadedModel, load_model, pack_weights
 
 KERNELS = load_cpu_kernels()
+MATMUL = quant_matmul()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the library is off")
 BLOCK = 32
 
@@ -169,7 +171,8 @@ def test_the_plain_c_build_gives_what_the_vector_build_gives(kind: str, tmp_path
     out = plain(packed, x)
     assert_matches_contract(out, x, weight, packed.levels)
     assert KERNELS is not None
-    torch.testing.assert_close(out, KERNELS.quant_matmul(packed, x), rtol=1e-5, atol=1e-6)
+    assert MATMUL is not None
+    torch.testing.assert_close(out, MATMUL(packed, x), rtol=1e-5, atol=1e-6)
 
 
 # ---- the decoder stack -------------------------------------------------------------
@@ -195,7 +198,7 @@ async def greedy(loaded: LoadedModel, stack: bool) -> list[asyncstep.Completion]
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
     async with asyncstep.open_engine(loaded, max_model_len=512, max_num_seqs=4) as engine:
         assert isinstance(loaded.model.model.decode_stack, CpuDecodeStack) == (
-            KERNELS is not None and KERNELS.quant_matmul.fast
+            MATMUL is not None and MATMUL.fast
         )
         if not stack:
             loaded.model.model.decode_stack = None
@@ -214,7 +217,7 @@ async def greedy(loaded: LoadedModel, stack: bool) -> list[asyncstep.Completion]
 async def test_the_stack_gives_the_layer_by_layer_tokens(
     stacked_smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if KERNELS is None or not KERNELS.quant_matmul.fast:
+    if MATMUL is None or not MATMUL.fast:
         pytest.skip("the stack runs on AVX512-VNNI only")
     calls: list[int] = []
     original = CpuDecodeStack.__call__
@@ -244,4 +247,4 @@ def test_the_stack_is_not_built_for_dense_weights(smollm2: LoadedModel) -> None:
 def test_packed_weights_record_their_kind(stacked_smollm2: LoadedModel) -> None:
     layer = stacked_smollm2.model.model.stage_layers()[0]
     packed = layer.mlp.down_proj.packed
-    assert isinstance(packed, CpuQuantWeight) == bool(KERNELS and KERNELS.quant_matmul.fast)
+    assert isinstance(packed, CpuQuantWeight) == bool(MATMUL and MATMUL.fast)

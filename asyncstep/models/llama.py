@@ -23,7 +23,7 @@ between pipeline stages are the token shards.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +45,17 @@ from asyncstep.models.layers.linear import (
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.layers.rotary import RotaryCosSin, RotaryEmbedding
 
-if TYPE_CHECKING:
-    from asyncstep.models.layers.cpu_decode import CpuDecodeStack
+
+class DecodeStack(Protocol):
+    """A stage's decoder layers as one call, for the steps it takes (the CPU
+    library's: :class:`~asyncstep.models.cpu_decode.CpuDecodeStack`)."""
+
+    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool: ...
+
+    def __call__(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 # Checkpoint names folded into our fused parameters: (ours, theirs, shard id).
 STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
@@ -253,7 +262,7 @@ class LlamaModel(nn.Module):
         )
         #: The stage's layers as one call of the CPU library, for steps it
         #: takes (set by the runner on the CPU where the model qualifies).
-        self.decode_stack: CpuDecodeStack | None = None
+        self.decode_stack: DecodeStack | None = None
 
     def stage_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's decoder layers, in order."""

@@ -5,20 +5,19 @@ for small steps (:func:`~asyncstep.models.model_loader.pack_weights`) and
 cast to the model's dtype: about a second for the embedded model, at every
 start. :class:`PackedCache` keeps the result, once, as one safetensors file
 under ``${ASYNCSTEP_CACHE_DIR:-~/.cache/asyncstep}/weights/``; a later load of
-the same checkpoint with the same options maps that file instead (its pages
-are read as the first step touches them).
+the same checkpoint with the same options maps that file instead, reading
+a byte of each page as it loads.
 
 An entry's name is keyed by everything its content depends on: the
-checkpoint's files (absolute path, size, mtime), the code that builds it
-(a hash of the loader, model and packing sources), torch's and asyncstep's
-versions, the dtype, the packing options and the CPU features they were
-decided from, and the rank's place in the TP x PP layout. One entry is kept
-per checkpoint and options: writing one removes those that an older file or
-older code wrote. An entry is
-written to a temporary file and renamed, so a reader sees a whole entry or
-none; one that does not fit the model (names, shapes, dtypes, packed
-layouts) is ignored with a warning, and a filesystem error only costs the
-cache. May import torch, safetensors and ``asyncstep.models`` (not the
+checkpoint's files (absolute path, size, mtime), the code that builds it (a
+hash of the loader, model and packing sources), torch's version, the dtype,
+the packing options and the CPU features they were decided from, and the
+rank's place in the TP x PP layout. One entry is kept per checkpoint and
+options: writing one removes those that an older file or older code wrote.
+An entry is written to a temporary file and renamed, so a reader sees a
+whole entry or none; one that does not fit the model (names, shapes, dtypes,
+packed layouts) is ignored with a warning, and a filesystem error only costs
+the cache. May import torch, safetensors and ``asyncstep.models`` (not the
 loader, which imports this).
 """
 
@@ -39,7 +38,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncstep import __version__
 from asyncstep.logging import get_logger
 from asyncstep.models.layers.cpu_quant import CpuQuantWeight
 from asyncstep.models.layers.packed import PackedWeight
@@ -93,7 +91,6 @@ class PackedCache:
             {
                 "files": stamp,
                 "code": code.hexdigest(),
-                "asyncstep": __version__,
                 "torch": str(torch.__version__),
             }
         )

@@ -4,8 +4,9 @@
 ``sample_tokens`` enqueues the sampler, leaves the sampled ids on the device
 (the next step's input ids are scattered from them) and starts a
 non-blocking copy of them (and of the log-probs) into pinned host memory on
-a copy stream, with its own event (a step's prompt log-probs have a copy of
-their own: :mod:`asyncstep.runner.prompt_logprobs`).
+a copy stream (:func:`~asyncstep.runner.host_copy.copy_to_host`), with its
+own event (a step's prompt log-probs have a copy of their own:
+:mod:`asyncstep.runner.prompt_logprobs`).
 :class:`AsyncModelRunnerOutput` holds that copy: ``await wait()`` (or
 ``synchronize()``) until it landed, then
 ``get_output()`` builds the :class:`ModelRunnerOutput` from host memory only,
@@ -27,12 +28,12 @@ import numpy as np
 import torch
 
 from asyncstep.datatypes import Logprobs, ModelRunnerOutput
-from asyncstep.gpu.stream import StreamEvent, record_event
+from asyncstep.gpu.stream import StreamEvent
 
 if TYPE_CHECKING:
     from asyncstep.runner.prompt_logprobs import HostPromptLogprobs
 
-__all__ = ["AsyncModelRunnerOutput", "copy_to_host"]
+__all__ = ["AsyncModelRunnerOutput"]
 
 
 @dataclass
@@ -120,26 +121,6 @@ class AsyncModelRunnerOutput:
             if n is not None:
                 out[row] = [Logprobs(ids[: n + 1], values[: n + 1], rank)]
         return out
-
-
-def copy_to_host(
-    tensors: list[torch.Tensor], copy_stream: torch.cuda.Stream | None
-) -> tuple[list[torch.Tensor], StreamEvent]:
-    """Non-blocking device-to-host copies of ``tensors`` on ``copy_stream``
-    (after the work the current stream has enqueued so far), and the event
-    that marks their end. On the CPU: the tensors themselves, complete."""
-    if copy_stream is None:
-        return tensors, record_event(None)
-    copy_stream.wait_stream(torch.cuda.current_stream(copy_stream.device))
-    hosts = []
-    with torch.cuda.stream(copy_stream):
-        for tensor in tensors:
-            # The allocator must not hand this memory out again before the copy read it.
-            tensor.record_stream(copy_stream)
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            hosts.append(host)
-    return hosts, record_event(copy_stream.device, copy_stream)
 
 
 def host_logprobs(tensors: list[torch.Tensor], num_logprobs: list[int | None]) -> _HostLogprobs:

@@ -55,17 +55,17 @@ from asyncstep.datatypes import (
 )
 from asyncstep.gpu.stream import record_event
 from asyncstep.logging.spans import tracing
+from asyncstep.models.cpu_decode import CpuDecodeStack
 from asyncstep.models.layers.attention import (
     BLOCK_DIM,
     Attention,
     kv_cache_shape,
     reference_attention_backends,
 )
-from asyncstep.models.layers.cpu_decode import CpuDecodeStack
 from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.llama import LlamaForCausalLM, LlamaMLP
-from asyncstep.runner.async_output import AsyncModelRunnerOutput, copy_to_host, host_logprobs
+from asyncstep.runner.async_output import AsyncModelRunnerOutput, host_logprobs
 from asyncstep.runner.attention_backend import (
     resolve_attention_backend,
     resolve_cudagraph_mode,
@@ -77,6 +77,7 @@ from asyncstep.runner.cudagraph_dispatcher import (
 )
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.grammar_bitmask import GrammarBitmask
+from asyncstep.runner.host_copy import copy_to_host
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.kv_sizing import zeroed_host_tensors
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory

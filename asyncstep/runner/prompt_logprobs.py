@@ -36,7 +36,7 @@ import torch
 
 from asyncstep.datatypes import Logprobs, SchedulerOutput
 from asyncstep.gpu.stream import StreamEvent
-from asyncstep.runner.async_output import copy_to_host
+from asyncstep.runner.host_copy import copy_to_host
 from asyncstep.runner.input_batch import InputBatch
 from asyncstep.runner.logits_processing import list_to_device
 from asyncstep.runner.sampler import compute_logprobs, gather_logprobs

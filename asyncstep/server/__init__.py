@@ -11,14 +11,16 @@
   disconnects; :mod:`~asyncstep.server.errors`: OpenAI's error shape;
 * :mod:`~asyncstep.server.metrics`: Prometheus metrics, vLLM's names;
 * :mod:`~asyncstep.server.config`: the server's options;
-  :mod:`~asyncstep.server.serve`: ``asyncstep serve`` (Hypercorn's Trio
-  worker, signals, graceful stop); :mod:`~asyncstep.server.api_servers`:
-  several API server processes on one port and one engine core.
+  :mod:`~asyncstep.server.serve`: ``asyncstep serve`` (one API server, or
+  several); :mod:`~asyncstep.server.app_server`: one API server (Hypercorn's
+  Trio worker, signals, graceful stop) and its listening socket;
+  :mod:`~asyncstep.server.api_servers`: several API server processes on one
+  port and one engine core.
 
 It uses the engine's front end only (:class:`~asyncstep.engine.engine.Engine`,
 ``open_engine`` and its shared-core variants, the outputs,
-``SamplingParams``, the errors and configs, the CLI's exit status, the
-process helpers): never the engine core, the scheduler, the runner or the
+``SamplingParams``, the errors (and a command's exit status) and configs,
+the process helpers): never the engine core, the scheduler, the runner or the
 ranks.
 """
 

@@ -13,7 +13,7 @@ API servers (``python -m asyncstep.server.api_servers``): each inherits the
 socket and its end of its pair, reads its :class:`ApiServerSetup` from its
 stdin (kept open, never written again: its end tells the API server that the
 supervisor died), opens :func:`attach_engine` and serves the app
-(:func:`~asyncstep.server.serve.serve_app`), then prints one JSON line
+(:func:`~asyncstep.server.app_server.serve_app`), then prints one JSON line
 ``{"url": ..., "model": ...}`` on its stdout. ``ready`` is called once every
 API server has. Prometheus counters are shared through
 ``PROMETHEUS_MULTIPROC_DIR`` (a fresh directory, removed at the end), so
@@ -47,9 +47,10 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from asyncstep.config import EngineConfig
 from asyncstep.engine.api import attach_engine, open_shared_engine
-from asyncstep.errors import EngineDeadError
+from asyncstep.errors import EngineDeadError, exit_status
 from asyncstep.logging import configure_logging, get_logger, json_log_file
 from asyncstep.procs import exit_reason, exit_when_parent_dies
+from asyncstep.server.app_server import serve_app
 from asyncstep.server.config import ServerConfig
 from asyncstep.server.metrics import MULTIPROCESS_DIR_ENV
 
@@ -225,7 +226,6 @@ async def _supervise(
 
 async def run_api_server(setup: ApiServerSetup) -> None:
     """Serve the app on the inherited socket, over the shared engine core."""
-    from asyncstep.server.serve import serve_app
 
     def announce(url: str, model: str) -> None:
         sys.stdout.buffer.write(msgspec.json.encode(Ready(url, model)) + b"\n")
@@ -255,8 +255,6 @@ def _read_exactly(fd: int, size: int) -> bytes:
 
 
 def main() -> int:
-    from asyncstep.cli import exit_status
-
     setup = read_setup()
     exit_when_parent_dies(EXIT_GRACE_S)
     configure_logging(setup.log_level, setup.log_json)

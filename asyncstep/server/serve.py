@@ -21,44 +21,17 @@ server processes on the one socket and one engine core
 
 from __future__ import annotations
 
-import ipaddress
-import signal
 import socket
 from collections.abc import Callable
-from functools import partial
-from typing import Any, cast
-
-import hypercorn.trio
-import trio
-from hypercorn.config import Config as HypercornConfig
 
 from asyncstep.config import EngineConfig
 from asyncstep.engine.api import open_engine
-from asyncstep.engine.engine import Engine
-from asyncstep.errors import ConfigError
 from asyncstep.logging import get_logger
-from asyncstep.server.app import OpenAIServer
+from asyncstep.server.api_servers import serve_api_servers
+from asyncstep.server.app_server import is_loopback, listen, serve_app
 from asyncstep.server.config import ServerConfig
 
 log = get_logger("server")
-
-#: Extra seconds Hypercorn gives connections after the requests were
-#: aborted, for their last bytes.
-FLUSH_GRACE_S = 5.0
-
-
-def hypercorn_config(
-    config: ServerConfig, listener: socket.socket, log_level: str = "warning"
-) -> HypercornConfig:
-    """Hypercorn's config, serving on ``listener`` (which it then owns)."""
-    hc = HypercornConfig()
-    hc.bind = [f"fd://{listener.detach()}"]
-    hc.graceful_timeout = config.shutdown_timeout + FLUSH_GRACE_S
-    hc.keep_alive_timeout = config.keep_alive_timeout
-    hc.accesslog = "-" if config.access_log else None  # "-": stderr
-    hc.loglevel = log_level.upper()
-    hc.include_server_header = False
-    return hc
 
 
 async def serve(
@@ -70,7 +43,7 @@ async def serve(
     log_level: str = "warning",
 ) -> None:
     """Serve until SIGTERM or SIGINT (see the module's docstring)."""
-    if not _is_loopback(server_config.host):
+    if not is_loopback(server_config.host):
         log.warning(
             "listening off loopback: other machines can reach the API",
             host=server_config.host,
@@ -91,93 +64,7 @@ async def _serve(
     log_level: str,
 ) -> None:
     if server_config.api_server_count > 1:
-        from asyncstep.server.api_servers import serve_api_servers
-
         await serve_api_servers(engine_config, server_config, listener, ready, progress, log_level)
         return
     async with open_engine(config=engine_config, progress=progress) as engine:
         await serve_app(engine, server_config, listener, ready, log_level)
-
-
-async def serve_app(
-    engine: Engine,
-    server_config: ServerConfig,
-    listener: socket.socket,
-    ready: Callable[[str, str], None] | None,
-    log_level: str,
-) -> None:
-    """The app over ``engine`` under Hypercorn on ``listener``, until
-    SIGTERM or SIGINT, or the engine's death (see the module's docstring)."""
-    server = OpenAIServer(engine, server_config)
-    stop = trio.Event()
-    async with trio.open_nursery() as outer:
-        outer.start_soon(_watch_signals, server, stop)
-        outer.start_soon(_watch_engine, server, stop)
-        async with trio.open_nursery() as http:
-
-            async def shutdown_trigger() -> None:
-                await stop.wait()
-                log.info("stopping", in_flight=len(server.in_flight))
-                http.start_soon(server.drain, server_config.shutdown_timeout)
-
-            hc = hypercorn_config(server_config, listener, log_level)
-            binds = await http.start(
-                partial(
-                    hypercorn.trio.serve,
-                    cast(Any, server.app),  # Starlette's ASGI types are not Hypercorn's
-                    hc,
-                    shutdown_trigger=shutdown_trigger,
-                )
-            )
-            if ready is not None:
-                ready(binds[0] if binds else f"http://{server_config.bind}", server.model_name)
-        # Hypercorn has answered every connection (or given up on them).
-        outer.cancel_scope.cancel()
-    log.info("stopped")
-
-
-async def _watch_signals(server: OpenAIServer, stop: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            if stop.is_set():
-                log.warning("second signal: aborting every request", signal=signum)
-                server.abort_all()
-            stop.set()
-
-
-async def _watch_engine(server: OpenAIServer, stop: trio.Event) -> None:
-    """An engine that dies stops the server (a supervisor can then restart
-    it): leaving ``open_engine`` raises the engine's error."""
-    engine = server.engine
-    await engine.wait_stopped()
-    if engine.error is not None:
-        log.error("the engine died: stopping the server", error=str(engine.error))
-        stop.set()
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (an IPv6 address or name too)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(1024)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve anywhere

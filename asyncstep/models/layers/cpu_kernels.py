@@ -3,7 +3,8 @@ the machine's C compiler, cached, and called through ctypes. One library
 holds the paged attention (:mod:`~asyncstep.models.layers.cpu_attention`),
 a decoder layer's non-matmul ops
 (:mod:`~asyncstep.models.layers.cpu_layer_ops`) and the matmuls of weights
-kept quantized (:mod:`~asyncstep.models.layers.cpu_quant`, ``cpu_quant.c``).
+kept quantized (``cpu_quant.c``, bound by
+:func:`~asyncstep.models.layers.cpu_quant.quant_matmul`).
 
 The shared library is built for this CPU (``-march=native``) into
 ``$ASYNCSTEP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/asyncstep`` or
@@ -33,7 +34,6 @@ import torch
 
 from asyncstep.models.layers.cpu_attention import CPU_ATTENTION_DTYPES, CpuPagedAttention
 from asyncstep.models.layers.cpu_layer_ops import CpuLayerOps
-from asyncstep.models.layers.cpu_quant import CpuQuantMatmul
 
 __all__ = [
     "CpuKernels",
@@ -85,7 +85,6 @@ class CpuKernels:
     library: ctypes.CDLL
     attention: CpuPagedAttention
     layer_ops: CpuLayerOps
-    quant_matmul: CpuQuantMatmul
 
     @classmethod
     def bind(cls, library: ctypes.CDLL, path: Path) -> CpuKernels:
@@ -94,7 +93,6 @@ class CpuKernels:
             library,
             CpuPagedAttention(library, path),
             CpuLayerOps(library),
-            CpuQuantMatmul(library),
         )
 
 

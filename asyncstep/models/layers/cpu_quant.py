@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.packed import (
     _ON_GRID_RTOL,
     GROUP_SIZE,
@@ -130,11 +131,17 @@ class CpuQuantWeight(PackedWeight):
 
 
 @functools.cache
-def _fast_library() -> CpuQuantMatmul | None:
-    from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
-
+def quant_matmul() -> CpuQuantMatmul | None:
+    """The library's quantized matmul (the library built on first use);
+    None where the library is off or does not build."""
     kernels = load_cpu_kernels()
-    return kernels.quant_matmul if kernels is not None and kernels.quant_matmul.fast else None
+    return None if kernels is None else CpuQuantMatmul(kernels.library)
+
+
+def _fast_library() -> CpuQuantMatmul | None:
+    """:func:`quant_matmul` where it runs its vector (VNNI) build."""
+    matmul = quant_matmul()
+    return matmul if matmul is not None and matmul.fast else None
 
 
 def pack_q4_cpu(

@@ -10,7 +10,8 @@ attention is the CPU kernel with its rotary fused, on one tensor-parallel
 rank (the stack has no all-reduce), without per-head q/k norms; else None,
 and the model keeps its layer-by-layer forward. Steps of more tokens than
 the packed weights take (or with padding rows) go layer by layer too.
-Imports torch and the layers' modules.
+Imports torch, the layers' modules and :mod:`~asyncstep.models.llama` (the
+layers it reads).
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import torch
 
 from asyncstep.models.layers.attention import AttentionMetadata
 from asyncstep.models.layers.cpu_attention import TILE_ROWS
-from asyncstep.models.layers.cpu_quant import _KINDS, QUANT_DTYPES, CpuQuantWeight
+from asyncstep.models.layers.cpu_quant import _KINDS, QUANT_DTYPES, CpuQuantWeight, quant_matmul
+from asyncstep.models.llama import LlamaDecoderLayer
 
 if TYPE_CHECKING:
     from asyncstep.models.layers.cpu_kernels import CpuKernels
-    from asyncstep.models.llama import LlamaDecoderLayer
 
 __all__ = ["CpuDecodeStack"]
 
@@ -81,7 +82,8 @@ class CpuDecodeStack:
     @classmethod
     def build(cls, kernels: CpuKernels, layers: list[LlamaDecoderLayer]) -> CpuDecodeStack | None:
         """The stack for ``layers`` when they qualify (the module's docstring), else None."""
-        if not layers or not kernels.quant_matmul.fast:
+        matmul = quant_matmul()
+        if not layers or matmul is None or not matmul.fast:
             return None
         for layer in layers:
             attention = layer.self_attn

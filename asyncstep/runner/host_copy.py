@@ -1,0 +1,31 @@
+"""Device-to-host copies that do not block the host: the sampled tokens'
+(:mod:`asyncstep.runner.async_output`) and the prompt log-probs'
+(:mod:`asyncstep.runner.prompt_logprobs`). May import torch and
+:mod:`asyncstep.gpu`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncstep.gpu.stream import StreamEvent, record_event
+
+
+def copy_to_host(
+    tensors: list[torch.Tensor], copy_stream: torch.cuda.Stream | None
+) -> tuple[list[torch.Tensor], StreamEvent]:
+    """Non-blocking device-to-host copies of ``tensors`` on ``copy_stream``
+    (after the work the current stream has enqueued so far), and the event
+    that marks their end. On the CPU: the tensors themselves, complete."""
+    if copy_stream is None:
+        return tensors, record_event(None)
+    copy_stream.wait_stream(torch.cuda.current_stream(copy_stream.device))
+    hosts = []
+    with torch.cuda.stream(copy_stream):
+        for tensor in tensors:
+            # The allocator must not hand this memory out again before the copy read it.
+            tensor.record_stream(copy_stream)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            hosts.append(host)
+    return hosts, record_event(copy_stream.device, copy_stream)
