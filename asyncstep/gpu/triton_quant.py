@@ -295,17 +295,48 @@ def _load_x(at, mask, EVEN: tl.constexpr):  # type: ignore[no-untyped-def]
     return xv.to(tl.float32)
 
 
+#: The GEMV's prologue (what it makes of the rows it reads): x as it is,
+#: ``rms_norm(x) * weight`` (the norm's scale applied to the dot products),
+#: or ``silu(gate) * up`` of ``[gate | up]`` rows.
+PROLOGUE_NONE: tl.constexpr = tl.constexpr(0)
+PROLOGUE_RMS_NORM: tl.constexpr = tl.constexpr(1)
+PROLOGUE_SILU_AND_MUL: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _load_x_in(  # type: ignore[no-untyped-def]
+    x_at, nw_at, x_half, mask, EVEN: tl.constexpr, PROLOGUE: tl.constexpr
+):
+    """The GEMV's input at ``x_at`` in float32, through the prologue:
+    ``(x, r)`` with ``r`` the raw value whose square the RMS norm sums.
+    RMS_NORM: ``x * weight`` (the weight at ``nw_at``); SILU_AND_MUL:
+    ``silu(gate) * up`` (up ``x_half`` elements on), rounded to x's dtype
+    as :func:`asyncstep.gpu.triton_fused.silu_and_mul` stores it."""
+    xv = _load_x(x_at, mask, EVEN)
+    r = xv
+    if PROLOGUE == PROLOGUE_RMS_NORM:
+        xv = xv * _load_x(nw_at, mask, EVEN)
+    elif PROLOGUE == PROLOGUE_SILU_AND_MUL:
+        up = _load_x(x_at + x_half, mask, EVEN)
+        xv = (xv / (1.0 + tl.exp(-xv)) * up).to(x_at.dtype.element_ty).to(tl.float32)
+    return xv, r
+
+
 @triton.jit
 def _gemv_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     qw_ptr,
     sm_ptr,
     out_ptr,
+    nw_ptr,
+    res_ptr,
     M,
     N,
     K_GROUPS,
     stride_xm,
     stride_om,
+    stride_rm,
+    eps,
     BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -313,6 +344,8 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     PREFETCH: tl.constexpr,
     EVEN: tl.constexpr,
     STAGES: tl.constexpr,
+    PROLOGUE: tl.constexpr = 0,
+    RESIDUAL: tl.constexpr = False,
 ):
     # A block is BITS words; code s (bits BITS s ..) of word t is feature
     # BITS s + t. A code masked in place (for the top byte: in the word shifted
@@ -333,6 +366,10 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     t = tl.arange(0, BITS)
     m_idx = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G], dtype=tl.float32)
+    # RMS_NORM: each row's sum of squares, per block (every program reads the
+    # whole row of x anyway); the norm's scale multiplies the dot products.
+    sq_acc = tl.zeros([BLOCK_M, BLOCK_G], dtype=tl.float32)
+    x_half = K_GROUPS * 32  # SILU_AND_MUL: up follows gate
     if PREFETCH:
         words_next, sm_next = _load_chunk(
             qw_ptr, sm_ptr, n64, n_mask, 0, K_GROUPS, BLOCK_G, BITS, EVEN
@@ -365,12 +402,17 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
             # (the row test as a tensor: the interpreter cannot mask with a scalar;
             # X_EVEN: no mask)
             x_mask = g_mask[None, :, None] & ((row + 0 * t) < M)[None, None, :]
-            xv = _load_x(x_row, x_mask, X_EVEN)
+            nw_row = nw_ptr + gg[None, :, None] * 32 + t[None, None, :]
+            xv, xr = _load_x_in(x_row, nw_row, x_half, x_mask, X_EVEN, PROLOGUE)
             xsum = xv
+            xsq = xr * xr
             dots = (words & MASK).to(tl.float32, bitcast=True) * (xv * (2.0**_X_EXP))
             for s in tl.static_range(1, CODES):
-                xv = _load_x(x_row + BITS * s, x_mask, X_EVEN)
+                xv, xr = _load_x_in(
+                    x_row + BITS * s, nw_row + BITS * s, x_half, x_mask, X_EVEN, PROLOGUE
+                )
                 xsum += xv
+                xsq += xr * xr
                 if BITS * (s + 1) <= 24:
                     bits = words & (MASK << (BITS * s))
                     xv = xv * (2.0 ** (_X_EXP - BITS * s))
@@ -383,12 +425,31 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
                 acc += part[None, :, :]
             else:
                 acc = tl.where((m_idx == mi)[:, None, None], acc + part[None, :, :], acc)
+            if PROLOGUE == PROLOGUE_RMS_NORM:
+                sq = tl.sum(xsq, axis=2)  # [1, BG]
+                if BLOCK_M == 1:
+                    sq_acc += sq
+                else:
+                    sq_acc = tl.where((m_idx == mi)[:, None], sq_acc + sq, sq_acc)
     out = tl.sum(acc, axis=2)
+    if PROLOGUE == PROLOGUE_RMS_NORM:
+        inv_rms = tl.rsqrt(tl.sum(sq_acc, axis=1) / (K_GROUPS * 32) + eps)
+        out = out * inv_rms[:, None]
     rows = pid_m * BLOCK_M + m_idx
+    out_mask = (rows < M)[:, None] & n_mask[None, :]
+    if RESIDUAL:
+        # As the unfused layer: the product rounded to the output's dtype,
+        # then the residual added in float32 and rounded again.
+        res = tl.load(
+            res_ptr + rows.to(tl.int64)[:, None] * stride_rm + n64[None, :],
+            mask=out_mask,
+            other=0.0,
+        )
+        out = out.to(out_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)
     tl.store(
         out_ptr + rows.to(tl.int64)[:, None] * stride_om + n64[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=(rows < M)[:, None] & n_mask[None, :],
+        mask=out_mask,
     )
 
 
@@ -529,10 +590,43 @@ def _gemv(
     scales: torch.Tensor,
     bits: int,
     config: GemvConfig | None,
+    *,
+    rms_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_and_mul: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n, groups = _check_weight(qweight, scales, bits)
-    x2 = _check_x(x, groups * GROUP_SIZE, qweight.device)
+    k = groups * GROUP_SIZE
+    if rms_norm_weight is not None and silu_and_mul:
+        raise ValueError("one prologue at a time: rms_norm_weight or silu_and_mul")
+    x2 = _check_x(x, 2 * k if silu_and_mul else k, qweight.device)
+    prologue = PROLOGUE_NONE.value
+    nw = x2
+    if rms_norm_weight is not None:
+        if rms_norm_weight.shape != (k,) or rms_norm_weight.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"rms_norm_weight must be a float ({k},), got {rms_norm_weight.dtype} "
+                f"{tuple(rms_norm_weight.shape)}"
+            )
+        if rms_norm_weight.device != qweight.device:
+            raise ValueError(
+                f"rms_norm_weight on {rms_norm_weight.device}, weight on {qweight.device}"
+            )
+        prologue, nw = PROLOGUE_RMS_NORM.value, rms_norm_weight.contiguous()
+    elif silu_and_mul:
+        prologue = PROLOGUE_SILU_AND_MUL.value
     out = _empty_out(x2, n)
+    res = out
+    if residual is not None:
+        res = residual.reshape(-1, n) if residual.numel() == out.numel() else residual
+        if res.shape != out.shape or res.dtype != x2.dtype or res.device != out.device:
+            raise ValueError(
+                f"residual must be {x2.dtype} {tuple(out.shape)} on {out.device}, got "
+                f"{res.dtype} {tuple(res.shape)} on {res.device}"
+            )
+        if n > 1 and res.stride(1) != 1:
+            res = res.contiguous()
     rows = x2.shape[0]
     if rows and n:
         cfg = config or _gemv_config(n, groups, bits)
@@ -543,11 +637,15 @@ def _gemv(
             qweight.view(torch.int32),
             scales.view(torch.int32),
             out,
+            nw,
+            res,
             rows,
             n,
             groups,
             x2.stride(0),
             out.stride(0),
+            res.stride(0),
+            float(eps),
             BITS=bits,
             BLOCK_M=block_m,
             BLOCK_N=cfg.block_n,
@@ -555,6 +653,8 @@ def _gemv(
             PREFETCH=cfg.prefetch,
             EVEN=n % cfg.block_n == 0 and groups % cfg.block_g == 0,
             STAGES=cfg.stages,
+            PROLOGUE=prologue,
+            RESIDUAL=residual is not None,
             num_warps=cfg.num_warps,
         )
     return out.reshape(*x.shape[:-1], n)
@@ -565,11 +665,40 @@ def q4_gemv(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     config: GemvConfig | None = None,
+    *,
+    rms_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_and_mul: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ w.T`` by streaming the packed 4-bit weight (see the module's
     docstring); any number of rows, meant for a few (a program unrolls up to
-    4 rows of ``x`` over one read of its weights)."""
-    return _gemv(x, qweight, scales, 4, config)
+    4 rows of ``x`` over one read of its weights).
+
+    The fused decode's forms (the layer's elementwise kernels folded in; at
+    most one prologue):
+
+    - ``rms_norm_weight``: ``rms_norm(x, eps) * rms_norm_weight`` in place of
+      ``x`` (x ``[..., K]``): each program sums the squares of the row it
+      reads and scales its dot products by the norm's ``1 / rms`` (the
+      normed row is never rounded to x's dtype);
+    - ``silu_and_mul``: ``silu(gate) * up`` in place of ``x`` (x ``[..., 2 K]``,
+      gate then up), rounded to x's dtype as the unfused kernel stores it;
+    - ``residual`` (x's dtype, the output's shape): returns ``residual +
+      product``, the product rounded to x's dtype first, then the sum (as
+      the unfused layer's add: the new residual stream).
+    """
+    return _gemv(
+        x,
+        qweight,
+        scales,
+        4,
+        config,
+        rms_norm_weight=rms_norm_weight,
+        eps=eps,
+        silu_and_mul=silu_and_mul,
+        residual=residual,
+    )
 
 
 def q8_gemv(
@@ -577,9 +706,12 @@ def q8_gemv(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     config: GemvConfig | None = None,
+    *,
+    rms_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
-    """:func:`q4_gemv` for the 8-bit layout."""
-    return _gemv(x, qweight, scales, 8, config)
+    """:func:`q4_gemv` for the 8-bit layout (the RMS-norm prologue only)."""
+    return _gemv(x, qweight, scales, 8, config, rms_norm_weight=rms_norm_weight, eps=eps)
 
 
 def q4_dot(

@@ -33,6 +33,7 @@ from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.datatypes import IntermediateTensors
 from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.fused_decode import FusedDecodeWeights
 from asyncstep.models.layers.attention import Attention, AttentionMetadata
 from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -118,7 +119,13 @@ class LlamaAttention(nn.Module):
         self, cos_sin: RotaryCosSin, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention's inputs: projected, normed (Qwen3) and rotated q, k, v."""
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        return self.split_qkv(cos_sin, self.qkv_proj(hidden))
+
+    def split_qkv(
+        self, cos_sin: RotaryCosSin, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`qkv` of the projection's output ``qkv``."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self._per_head_norm(q, self.q_norm), self._per_head_norm(k, self.k_norm)
         if self.attn.fused_rotary is None:  # else rotated by the attention's KV store
@@ -228,6 +235,30 @@ class LlamaDecoderLayer(nn.Module):
         q, k, v, residual = self.pre_attention(cos_sin, hidden, residual, own_residual=own_residual)
         return self.post_attention(self.self_attn.attn(q, k, v, meta), residual)
 
+    def fused_decode_weights(self) -> FusedDecodeWeights | None:
+        """The layer's packed weights for :meth:`forward_fused_decode`, or
+        None where the layer cannot take it (see :mod:`~asyncstep.models.fused_decode`)."""
+        attn, mlp = self.self_attn, self.mlp
+        return FusedDecodeWeights.of(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+    def forward_fused_decode(
+        self,
+        cos_sin: RotaryCosSin,
+        stream: torch.Tensor,
+        meta: AttentionMetadata,
+        weights: FusedDecodeWeights,
+    ) -> torch.Tensor:
+        """The layer on the residual stream (``hidden + residual`` of
+        :meth:`forward`) in four GEMVs: each norm in the prologue of the
+        projection after it, SiLU·mul in down's, the residual adds in o's and
+        down's epilogues. Returns the new stream."""
+        attn, ln, post_ln = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        qkv = weights.qkv.mm_fused(stream, rms_norm_weight=ln.weight, eps=ln.eps)
+        q, k, v = attn.split_qkv(cos_sin, qkv)
+        stream = weights.o.mm_fused(attn.attn(q, k, v, meta), residual=stream)
+        gate_up = weights.gate_up.mm_fused(stream, rms_norm_weight=post_ln.weight, eps=post_ln.eps)
+        return weights.down.mm_fused(gate_up, silu_and_mul=True, residual=stream)
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -268,10 +299,29 @@ class LlamaModel(nn.Module):
         #: The stage's layers as one call of the CPU library, for steps it
         #: takes (set by the runner on the CPU where the model qualifies).
         self.decode_stack: CpuDecodeStack | None = None
+        #: The fused decode (:mod:`~asyncstep.models.fused_decode`) for the
+        #: steps it takes (set by the runner on CUDA with the fused kernels).
+        self.fused_decode = False
+        self._fused_weights: list[FusedDecodeWeights] | None = None
 
     def stage_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's decoder layers, in order."""
         return list(self.layers[self.start_layer : self.end_layer])  # type: ignore[arg-type]
+
+    def _fused_decode_weights(self, hidden: torch.Tensor) -> list[FusedDecodeWeights] | None:
+        """Each stage layer's packed weights when the fused decode takes this
+        step (on, and every layer's four weights packed for a step of its size)."""
+        if not self.fused_decode:
+            return None
+        if self._fused_weights is None:  # once: the weights stay after loading
+            found = [layer.fused_decode_weights() for layer in self.stage_layers()]
+            self._fused_weights = [w for w in found if w is not None]
+            if len(self._fused_weights) != len(found):
+                self._fused_weights = []
+        fused = self._fused_weights
+        if not fused or not all(w.applies(hidden) for w in fused):
+            return None
+        return fused
 
     def begin(
         self, input_ids: torch.Tensor, intermediate_tensors: IntermediateTensors | None
@@ -303,6 +353,15 @@ class LlamaModel(nn.Module):
         if self.decode_stack is not None and self.decode_stack.takes(hidden, meta):
             return self.finish(*self.decode_stack(hidden, residual, meta))
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        fused = self._fused_decode_weights(hidden)
+        if fused is not None:
+            # The residual stream alone: each layer's adds are in its GEMVs.
+            stream = hidden if residual is None else hidden + residual
+            for layer, weights in zip(self.stage_layers(), fused, strict=True):
+                stream = layer.forward_fused_decode(cos_sin, stream, meta, weights)
+            if self.norm is None:
+                return self.finish(stream, torch.zeros_like(stream))
+            return gather_tokens(self.norm(stream), self.sequence_parallel)
         # A received residual is left as it is; the ones the layers return
         # are the stream's own (each passed on to the next layer alone).
         for i, layer in enumerate(self.stage_layers()):

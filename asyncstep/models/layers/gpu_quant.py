@@ -79,6 +79,29 @@ class GpuQ4Weight(PackedWeight):
 
         return q4_matmul(x, self.data, self.scales)
 
+    def mm_fused(
+        self,
+        x: torch.Tensor,
+        *,
+        rms_norm_weight: torch.Tensor | None = None,
+        eps: float = 1e-6,
+        silu_and_mul: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The Q4 GEMV with its fused decode's prologue / epilogue
+        (:func:`asyncstep.gpu.triton_quant.q4_gemv`'s arguments)."""
+        from asyncstep.gpu.triton_quant import q4_gemv
+
+        return q4_gemv(
+            x,
+            self.data,
+            self.scales,
+            rms_norm_weight=rms_norm_weight,
+            eps=eps,
+            silu_and_mul=silu_and_mul,
+            residual=residual,
+        )
+
 
 @dataclass
 class GpuQ8Weight(GpuQ4Weight):

@@ -1,0 +1,293 @@
+"""The fused decode (``asyncstep.models.fused_decode``, issue 28): the Q4
+GEMV's prologues (the RMS norm, SiLU·mul) and its residual epilogue equal
+their torch references (float32 to 1e-6; bfloat16 within its rounding),
+the Q8 GEMV's norm prologue too; a decoder stack of packed 4-bit layers
+gives the unfused layers' hidden states for a one-token step and leaves a
+received residual alone; steps it cannot take (larger, dense layers, the
+switch off) run the unfused layers.
+
+On the CPU the kernels run under the Triton interpreter
+(``TRITON_INTERPRET=1``, set before triton is imported); with
+``ASYNCSTEP_TEST_DEVICE=cuda`` (the GPU machine's run) a whole engine on a
+4-bit model gives the same greedy tokens with the fused decode on and off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+TEST_DEVICE = os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from asyncstep.datatypes import IntermediateTensors  # noqa: E402
+from asyncstep.gpu.triton_fused import silu_and_mul  # noqa: E402
+from asyncstep.gpu.triton_quant import (  # noqa: E402
+    GROUP_SIZE,
+    GemvConfig,
+    dequantize_q4_reference,
+    dequantize_q8_reference,
+    pack_q4,
+    pack_q8,
+    q4_gemv,
+    q8_gemv,
+)
+from asyncstep.models.fused_decode import FusedDecodeWeights  # noqa: E402
+from asyncstep.models.layers.attention import AttentionMetadata, kv_cache_shape  # noqa: E402
+from asyncstep.models.layers.gpu_quant import pack_q4_gpu, round_decoder_weights  # noqa: E402
+from asyncstep.models.llama import LlamaForCausalLM  # noqa: E402
+
+DEVICE = torch.device(TEST_DEVICE)
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("ASYNCSTEP_TEST_DEVICE=cuda but CUDA is unavailable", allow_module_level=True)
+
+#: One rounding to bfloat16 (the interpreter truncates: a whole ulp) and noise.
+BF16 = 2.0**-8 if DEVICE.type == "cuda" else 2.0**-7
+
+# (rows of the weight, K, config): unmasked tiles, partial tiles both ways, prefetch off.
+CASES = [
+    (40, 192, GemvConfig(block_n=8, block_g=2, num_warps=1)),
+    (40, 192, GemvConfig(block_n=16, block_g=4, num_warps=4)),
+    (40, 192, GemvConfig(block_n=8, block_g=2, num_warps=2, prefetch=False)),
+]
+
+
+def random_q4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(qweight, scales, w)``: random Q4 codes packed, and their float32 weight."""
+    groups = k // GROUP_SIZE
+    codes = torch.randint(0, 16, (n, k), device=DEVICE)
+    scale = (torch.rand(n, groups, device=DEVICE) * 0.1 + 0.01).half()
+    offset = (torch.randn(n, groups, device=DEVICE) * 0.2).half()
+    qweight, scales = pack_q4(codes, scale, offset)
+    return qweight, scales, dequantize_q4_reference(qweight, scales)
+
+
+def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+# -- the GEMV's prologues and epilogue ----------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("n", "k", "config"), CASES)
+def test_rms_norm_prologue(rows: int, n: int, k: int, config: GemvConfig) -> None:
+    qweight, scales, w = random_q4(n, k)
+    x, weight = torch.randn(rows, k, device=DEVICE) * 3, torch.randn(k, device=DEVICE)
+    out = q4_gemv(x, qweight, scales, config, rms_norm_weight=weight, eps=1e-5)
+    normed = F.rms_norm(x.double(), (k,), weight.double(), 1e-5)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    assert rel(out, normed @ w.double().T) < 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("n", "k", "config"), CASES)
+def test_silu_and_mul_prologue(rows: int, n: int, k: int, config: GemvConfig) -> None:
+    qweight, scales, w = random_q4(n, k)
+    gate_up = torch.randn(rows, 2 * k, device=DEVICE)
+    out = q4_gemv(gate_up, qweight, scales, config, silu_and_mul=True)
+    gate, up = gate_up.double().chunk(2, -1)
+    assert out.shape == (rows, n)
+    assert rel(out, (F.silu(gate) * up) @ w.double().T) < 1e-6
+
+
+@pytest.mark.parametrize(("n", "k", "config"), CASES)
+def test_residual_epilogue_with_silu(n: int, k: int, config: GemvConfig) -> None:
+    qweight, scales, w = random_q4(n, k)
+    gate_up, residual = torch.randn(2, 2 * k, device=DEVICE), torch.randn(2, n, device=DEVICE)
+    kept = residual.clone()
+    out = q4_gemv(gate_up, qweight, scales, config, silu_and_mul=True, residual=residual)
+    gate, up = gate_up.double().chunk(2, -1)
+    assert rel(out, residual.double() + (F.silu(gate) * up) @ w.double().T) < 1e-6
+    assert torch.equal(residual, kept)  # read, not written
+
+
+def test_bfloat16_rounds_as_the_unfused_layer() -> None:
+    """bf16: SiLU·mul rounds as silu_and_mul stores it, and the product is
+    rounded before the residual add (the unfused layer's bits, but for the
+    GEMV's own summation order)."""
+    qweight, scales, w = random_q4(64, 256)
+    gate_up = torch.randn(1, 512, device=DEVICE).bfloat16()
+    residual = torch.randn(1, 64, device=DEVICE).bfloat16()
+    out = q4_gemv(gate_up, qweight, scales, silu_and_mul=True, residual=residual)
+    unfused = q4_gemv(silu_and_mul(gate_up), qweight, scales)
+    assert out.dtype == torch.bfloat16
+    # (the interpreter truncates where torch's add rounds: an ulp apart there)
+    exact = DEVICE.type == "cuda"
+    tolerance = {"rtol": 0.0 if exact else BF16, "atol": 0.0 if exact else 1e-2}
+    torch.testing.assert_close(out, residual + unfused, **tolerance)
+    x, weight = torch.randn(1, 256, device=DEVICE).bfloat16(), torch.rand(256, device=DEVICE)
+    out = q4_gemv(x, qweight, scales, rms_norm_weight=weight.bfloat16(), eps=1e-6)
+    normed = F.rms_norm(x.double(), (256,), weight.bfloat16().double(), 1e-6)
+    expected = (normed @ w.double().T).float()
+    torch.testing.assert_close(out.float(), expected, rtol=BF16, atol=2e-2)
+
+
+def test_q8_gemv_rms_norm_prologue() -> None:
+    codes = torch.randint(-128, 128, (24, 128), device=DEVICE)
+    qweight, scales = pack_q8(codes, (torch.rand(24, 4, device=DEVICE) * 0.01 + 1e-3).half())
+    w = dequantize_q8_reference(qweight, scales)
+    x, weight = torch.randn(1, 128, device=DEVICE), torch.randn(128, device=DEVICE)
+    out = q8_gemv(x, qweight, scales, GemvConfig(block_n=8, block_g=2), rms_norm_weight=weight)
+    normed = F.rms_norm(x.double(), (128,), weight.double(), 1e-6)
+    assert rel(out, normed @ w.double().T) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "x_width", "match"),
+    [
+        ({"rms_norm_weight": torch.ones(64), "silu_and_mul": True}, 64, "one prologue"),
+        ({"rms_norm_weight": torch.ones(32)}, 64, "rms_norm_weight must be"),
+        ({"silu_and_mul": True}, 64, "last dimension"),
+        ({"residual": torch.ones(1, 7)}, 64, "residual must be"),
+        ({"residual": torch.ones(1, 16, dtype=torch.float16)}, 64, "residual must be"),
+    ],
+)
+def test_bad_fused_arguments_raise(kwargs: dict[str, Any], x_width: int, match: str) -> None:
+    qweight, scales, _ = random_q4(16, 64)
+    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=match):
+        q4_gemv(torch.ones(1, x_width, device=DEVICE), qweight, scales, **kwargs)
+
+
+# -- the model --------------------------------------------------------------------------
+
+
+def metadata(tokens: int, past: int, block_size: int) -> AttentionMetadata:
+    """One request's ``tokens`` new tokens after ``past`` cached ones, in blocks 0, 1, ..."""
+    total = past + tokens
+    qsl = np.array([0, tokens], dtype=np.int32)
+    blocks = -(-total // block_size)
+    return AttentionMetadata(
+        num_actual_tokens=tokens,
+        num_decodes=0,
+        query_start_loc=torch.from_numpy(qsl).to(DEVICE),
+        seq_lens=torch.tensor([total], dtype=torch.int32, device=DEVICE),
+        block_table=torch.arange(blocks, dtype=torch.int32, device=DEVICE)[None],
+        slot_mapping=torch.arange(past, total, device=DEVICE),
+        max_query_len=tokens,
+        max_seq_len=total,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=np.array([total]),
+        positions=torch.arange(past, total, device=DEVICE),
+    )
+
+
+@pytest.fixture(scope="module")
+def q4_tiny() -> LlamaForCausalLM:
+    """The tiny Llama (float32) on weights rounded to Q4_1's grid, every
+    decoder linear layer packed, KV caches bound (the reference attention)."""
+    from asyncstep.models.dummy import dummy_weights, get_shape
+
+    arch = get_shape("tiny-llama")
+    model = LlamaForCausalLM(arch, torch.float32).to(DEVICE)
+    model.load_weights(round_decoder_weights(dummy_weights(arch, seed=0, device=DEVICE)))
+    for layer in model.model.stage_layers():
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
+            linear.packed = pack_q4_gpu(linear.weight.data.float())
+            assert linear.packed is not None
+    shape = kv_cache_shape(4, 16, arch.num_key_value_heads, arch.head_dim)
+    for attn in model.attention_layers():
+        attn.kv_cache = torch.zeros(shape, device=DEVICE)
+    return model
+
+
+def step(
+    model: LlamaForCausalLM,
+    fused: bool,
+    ids: torch.Tensor,
+    past: int,
+    intermediate: IntermediateTensors | None = None,
+) -> Any:
+    model.model.fused_decode = fused
+    meta = metadata(ids.shape[0], past, 16)
+    assert meta.positions is not None
+    return model.model(ids, meta.positions, meta, intermediate)
+
+
+def test_a_one_token_step_equals_the_unfused_layers(q4_tiny: LlamaForCausalLM) -> None:
+    prompt = torch.randint(3, 512, (9,), device=DEVICE)
+    step(q4_tiny, False, prompt, 0)  # the prompt's keys (dense weights: 9 rows)
+    token = torch.tensor([77], device=DEVICE)
+    unfused = step(q4_tiny, False, token, 9)
+    fused = step(q4_tiny, True, token, 9)
+    assert q4_tiny.model._fused_weights  # the fused path was taken
+    assert rel(fused, unfused) < 1e-5
+    # Larger steps run the unfused layers: the same bits.
+    two = torch.tensor([77, 78], device=DEVICE)
+    assert torch.equal(step(q4_tiny, True, two, 9), step(q4_tiny, False, two, 9))
+
+
+def test_a_received_residual_is_read_not_written(q4_tiny: LlamaForCausalLM) -> None:
+    hidden, residual = torch.randn(1, 64, device=DEVICE), torch.randn(1, 64, device=DEVICE)
+    kept = residual.clone()
+    embed = q4_tiny.model.embed_tokens
+    q4_tiny.model.embed_tokens = None  # a later stage
+    try:
+        outs = [
+            step(
+                q4_tiny,
+                fused,
+                torch.zeros(1, dtype=torch.long, device=DEVICE),
+                9,
+                IntermediateTensors({"hidden_states": hidden, "residual": residual}),
+            )
+            for fused in (True, False)
+        ]
+    finally:
+        q4_tiny.model.embed_tokens = embed
+    assert torch.equal(residual, kept)
+    assert rel(outs[0], outs[1]) < 1e-5
+
+
+def test_layers_without_packed_weights_are_not_fused(q4_tiny: LlamaForCausalLM) -> None:
+    layer = q4_tiny.model.stage_layers()[0]
+    assert layer.fused_decode_weights() is not None
+    packed, layer.mlp.down_proj.packed = layer.mlp.down_proj.packed, None
+    try:
+        assert layer.fused_decode_weights() is None
+    finally:
+        layer.mlp.down_proj.packed = packed
+    weights = layer.fused_decode_weights()
+    assert isinstance(weights, FusedDecodeWeights)
+    assert weights.applies(torch.ones(1, 64, device=DEVICE))
+    assert not weights.applies(torch.ones(2, 64, device=DEVICE))
+
+
+# -- the engine (GPU) ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a whole engine on the GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.trio
+async def test_the_engine_gives_the_same_greedy_tokens_fused_or_not(dtype: str) -> None:
+    import asyncstep
+    from asyncstep.config import ModelConfig
+    from asyncstep.models.model_loader import load_model
+
+    base = {"model": "tiny-llama", "load_format": "dummy", "device": "cuda", "dtype": dtype}
+    params = asyncstep.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 17, 301, 42], [7] * 40, list(range(3, 200))]
+    outs = []
+    for fused in (True, False):
+        loaded = load_model(ModelConfig(**base, weight_packing="q4"))
+        async with asyncstep.open_engine(
+            loaded, max_model_len=256, fused_decode=fused, max_num_seqs=1
+        ) as engine:
+            outs.append([(await engine.generate(p, params)).token_ids for p in prompts])
+        if fused:
+            assert loaded.model.model._fused_weights, "the fused decode did not apply"
+    assert outs[0] == outs[1]
