@@ -1,7 +1,8 @@
 """The fused decode (``asyncstep.models.fused_decode``, issue 28): the Q4
-GEMV's prologues (the RMS norm, SiLU·mul) and its residual epilogue equal
-their torch references (float32 to 1e-6; bfloat16 within its rounding),
-the Q8 GEMV's norm prologue too; a decoder stack of packed 4-bit layers
+GEMV's prologues (the RMS norm, over the row or from the previous kernel's
+parts) and epilogues (residual add, the next norm's rows, SiLU·mul of
+interleaved gate/up rows) equal their torch references (float32 to 1e-6;
+bfloat16 as the unfused kernels round); a decoder stack of packed 4-bit layers
 gives the unfused layers' hidden states for a one-token step and leaves a
 received residual alone; steps it cannot take (larger, dense layers, the
 switch off) run the unfused layers.
@@ -34,15 +35,18 @@ from asyncstep.gpu.triton_quant import (  # noqa: E402
     GROUP_SIZE,
     GemvConfig,
     dequantize_q4_reference,
-    dequantize_q8_reference,
+    interleave_pairs,
     pack_q4,
-    pack_q8,
     q4_gemv,
-    q8_gemv,
+    q4_gemv_fused,
 )
 from asyncstep.models.fused_decode import FusedDecodeWeights  # noqa: E402
 from asyncstep.models.layers.attention import AttentionMetadata, kv_cache_shape  # noqa: E402
-from asyncstep.models.layers.gpu_quant import pack_q4_gpu, round_decoder_weights  # noqa: E402
+from asyncstep.models.layers.gpu_quant import (  # noqa: E402
+    pack_q4_gpu,
+    round_decoder_weights,
+    round_to_q4_1,
+)
 from asyncstep.models.llama import LlamaForCausalLM  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
@@ -74,7 +78,7 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
-# -- the GEMV's prologues and epilogue ----------------------------------------------------
+# -- the GEMV's prologues and epilogues ---------------------------------------------------
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -82,80 +86,108 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def test_rms_norm_prologue(rows: int, n: int, k: int, config: GemvConfig) -> None:
     qweight, scales, w = random_q4(n, k)
     x, weight = torch.randn(rows, k, device=DEVICE) * 3, torch.randn(k, device=DEVICE)
-    out = q4_gemv(x, qweight, scales, config, rms_norm_weight=weight, eps=1e-5)
-    normed = F.rms_norm(x.double(), (k,), weight.double(), 1e-5)
-    assert out.shape == (rows, n) and out.dtype == torch.float32
-    assert rel(out, normed @ w.double().T) < 1e-6
+    out, normed = q4_gemv_fused(x, qweight, scales, rms_norm_weight=weight, eps=1e-5, config=config)
+    expected = F.rms_norm(x.double(), (k,), weight.double(), 1e-5) @ w.double().T
+    assert out.shape == (rows, n) and out.dtype == torch.float32 and normed is None
+    assert rel(out, expected) < 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(
+    ("n", "k", "config"),
+    [
+        (64, 192, GemvConfig(block_n=8, block_g=2, num_warps=1)),  # 8 parts
+        (96, 160, GemvConfig(block_n=16, block_g=4, num_warps=4)),  # 6 parts, partial blocks
+    ],
+)
+def test_residual_and_next_norm_then_the_normed_prologue(
+    rows: int, n: int, k: int, config: GemvConfig
+) -> None:
+    """o_proj's epilogue (residual add, the next norm's rows made ready),
+    then gate_up's normed prologue: the norm of the new stream."""
+    qweight, scales, w = random_q4(n, k)
+    x, residual = torch.randn(rows, k, device=DEVICE), torch.randn(rows, n, device=DEVICE)
+    next_weight = torch.randn(n, device=DEVICE)
+    kept = residual.clone()
+    stream, normed = q4_gemv_fused(
+        x, qweight, scales, residual=residual, next_rms_norm_weight=next_weight, config=config
+    )
+    expected = residual.double() + x.double() @ w.double().T
+    assert rel(stream, expected) < 1e-6 and torch.equal(residual, kept)
+    assert normed is not None
+    torch.testing.assert_close(normed.xw, stream * next_weight, rtol=0, atol=0)
+    parts = -(-n // config.block_n)
+    assert normed.sq_parts.shape == (rows, parts)
+    torch.testing.assert_close(normed.sq_parts.sum(1), (stream * stream).sum(1))
+    # The next GEMV folds that norm in from the parts.
+    qweight2, scales2, w2 = random_q4(24, n)
+    out, _ = q4_gemv_fused(
+        normed.xw, qweight2, scales2, sq_parts=normed.sq_parts, eps=1e-5, config=config
+    )
+    normed_ref = F.rms_norm(stream.double(), (n,), next_weight.double(), 1e-5)
+    assert rel(out, normed_ref @ w2.double().T) < 1e-6
 
 
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize(("n", "k", "config"), CASES)
-def test_silu_and_mul_prologue(rows: int, n: int, k: int, config: GemvConfig) -> None:
+def test_silu_pairs_epilogue(rows: int, n: int, k: int, config: GemvConfig) -> None:
     qweight, scales, w = random_q4(n, k)
-    gate_up = torch.randn(rows, 2 * k, device=DEVICE)
-    out = q4_gemv(gate_up, qweight, scales, config, silu_and_mul=True)
-    gate, up = gate_up.double().chunk(2, -1)
-    assert out.shape == (rows, n)
-    assert rel(out, (F.silu(gate) * up) @ w.double().T) < 1e-6
-
-
-@pytest.mark.parametrize(("n", "k", "config"), CASES)
-def test_residual_epilogue_with_silu(n: int, k: int, config: GemvConfig) -> None:
-    qweight, scales, w = random_q4(n, k)
-    gate_up, residual = torch.randn(2, 2 * k, device=DEVICE), torch.randn(2, n, device=DEVICE)
-    kept = residual.clone()
-    out = q4_gemv(gate_up, qweight, scales, config, silu_and_mul=True, residual=residual)
-    gate, up = gate_up.double().chunk(2, -1)
-    assert rel(out, residual.double() + (F.silu(gate) * up) @ w.double().T) < 1e-6
-    assert torch.equal(residual, kept)  # read, not written
+    x = torch.randn(rows, k, device=DEVICE)
+    paired = interleave_pairs(qweight, scales)
+    out, _ = q4_gemv_fused(x, *paired, silu_pairs=True, config=config)
+    gate, up = (x.double() @ w.double().T).chunk(2, -1)
+    assert out.shape == (rows, n // 2)
+    assert rel(out, F.silu(gate) * up) < 1e-6
 
 
 def test_bfloat16_rounds_as_the_unfused_layer() -> None:
-    """bf16: SiLU·mul rounds as silu_and_mul stores it, and the product is
-    rounded before the residual add (the unfused layer's bits, but for the
-    GEMV's own summation order)."""
-    qweight, scales, w = random_q4(64, 256)
-    gate_up = torch.randn(1, 512, device=DEVICE).bfloat16()
+    """bf16: SiLU·mul rounds as silu_and_mul (after gate_up's rounding), and
+    the product is rounded before the residual add (the unfused layer's
+    bits, but for the GEMV's own summation order)."""
+    qweight, scales, _ = random_q4(64, 256)
+    x = torch.randn(1, 256, device=DEVICE).bfloat16()
+    out, _ = q4_gemv_fused(x, *interleave_pairs(qweight, scales), silu_pairs=True)
+    unfused = silu_and_mul(q4_gemv(x, qweight, scales))
     residual = torch.randn(1, 64, device=DEVICE).bfloat16()
-    out = q4_gemv(gate_up, qweight, scales, silu_and_mul=True, residual=residual)
-    unfused = q4_gemv(silu_and_mul(gate_up), qweight, scales)
-    assert out.dtype == torch.bfloat16
+    stream, _ = q4_gemv_fused(x, qweight, scales, residual=residual)
     # (the interpreter truncates where torch's add rounds: an ulp apart there)
     exact = DEVICE.type == "cuda"
     tolerance = {"rtol": 0.0 if exact else BF16, "atol": 0.0 if exact else 1e-2}
-    torch.testing.assert_close(out, residual + unfused, **tolerance)
-    x, weight = torch.randn(1, 256, device=DEVICE).bfloat16(), torch.rand(256, device=DEVICE)
-    out = q4_gemv(x, qweight, scales, rms_norm_weight=weight.bfloat16(), eps=1e-6)
-    normed = F.rms_norm(x.double(), (256,), weight.bfloat16().double(), 1e-6)
-    expected = (normed @ w.double().T).float()
-    torch.testing.assert_close(out.float(), expected, rtol=BF16, atol=2e-2)
+    assert out.dtype == stream.dtype == torch.bfloat16
+    torch.testing.assert_close(out, unfused, **tolerance)
+    torch.testing.assert_close(stream, residual + q4_gemv(x, qweight, scales), **tolerance)
 
 
-def test_q8_gemv_rms_norm_prologue() -> None:
-    codes = torch.randint(-128, 128, (24, 128), device=DEVICE)
-    qweight, scales = pack_q8(codes, (torch.rand(24, 4, device=DEVICE) * 0.01 + 1e-3).half())
-    w = dequantize_q8_reference(qweight, scales)
-    x, weight = torch.randn(1, 128, device=DEVICE), torch.randn(128, device=DEVICE)
-    out = q8_gemv(x, qweight, scales, GemvConfig(block_n=8, block_g=2), rms_norm_weight=weight)
-    normed = F.rms_norm(x.double(), (128,), weight.double(), 1e-6)
-    assert rel(out, normed @ w.double().T) < 1e-6
+def test_interleaved_weights_still_multiply_stacked() -> None:
+    """A layer's packed weight with its rows interleaved for the fused
+    decode gives the stacked halves to the unfused path."""
+    weight = round_to_q4_1(torch.randn(32, 64, device=DEVICE))
+    packed = pack_q4_gpu(weight)
+    assert packed is not None
+    x = torch.randn(1, 64, device=DEVICE)
+    before = packed.mm(x)
+    packed.interleave_halves()
+    packed.interleave_halves()  # once only
+    assert packed.interleaved and torch.equal(packed.mm(x), before)
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "x_width", "match"),
+    ("kwargs", "match"),
     [
-        ({"rms_norm_weight": torch.ones(64), "silu_and_mul": True}, 64, "one prologue"),
-        ({"rms_norm_weight": torch.ones(32)}, 64, "rms_norm_weight must be"),
-        ({"silu_and_mul": True}, 64, "last dimension"),
-        ({"residual": torch.ones(1, 7)}, 64, "residual must be"),
-        ({"residual": torch.ones(1, 16, dtype=torch.float16)}, 64, "residual must be"),
+        ({"rms_norm_weight": torch.ones(64), "sq_parts": torch.ones(1, 2)}, "one prologue"),
+        ({"rms_norm_weight": torch.ones(32)}, "rms_norm_weight must be"),
+        ({"sq_parts": torch.ones(2, 2)}, "sq_parts must be"),
+        ({"residual": torch.ones(1, 7)}, "residual must be"),
+        ({"residual": torch.ones(1, 16, dtype=torch.float16)}, "residual must be"),
+        ({"silu_pairs": True, "residual": torch.ones(1, 16)}, "silu_pairs"),
+        ({"next_rms_norm_weight": torch.ones(8)}, "next_rms_norm_weight must be"),
     ],
 )
-def test_bad_fused_arguments_raise(kwargs: dict[str, Any], x_width: int, match: str) -> None:
+def test_bad_fused_arguments_raise(kwargs: dict[str, Any], match: str) -> None:
     qweight, scales, _ = random_q4(16, 64)
     kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with pytest.raises(ValueError, match=match):
-        q4_gemv(torch.ones(1, x_width, device=DEVICE), qweight, scales, **kwargs)
+        q4_gemv_fused(torch.ones(1, 64, device=DEVICE), qweight, scales, **kwargs)
 
 
 # -- the model --------------------------------------------------------------------------

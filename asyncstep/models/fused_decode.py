@@ -2,36 +2,49 @@
 decode) as four GEMVs over its packed 4-bit weights, the elementwise
 kernels folded into them (issue 28):
 
-- ``qkv_proj``: the input RMSNorm in its prologue (each program sums the
-  squares of the row it streams x from, and scales its dot products);
-- ``o_proj``: the residual add in its epilogue (it returns the new residual
-  stream);
-- ``gate_up_proj``: the post-attention RMSNorm in its prologue;
-- ``down_proj``: SiLU·mul in its prologue, the residual add in its epilogue.
+- ``o_proj``: the residual add in its epilogue (it returns the new
+  residual stream), and the post-attention RMSNorm's per-element part: the
+  stream times the norm's weight (float32) and the sums of its squares over
+  each program's features;
+- ``gate_up_proj``: that norm in its prologue (one scale a row, from the
+  sums, on its dot products), SiLU·mul in its epilogue (its rows are
+  stored gate and up interleaved, so that a program holds both of a pair);
+- ``down_proj``: the residual add in its epilogue, and the next layer's
+  input RMSNorm's part as o's;
+- ``qkv_proj``: that norm in its prologue (the first layer's: its own
+  sums, over the embedding's output).
 
 So a layer is qkv, the rotary + KV store, the attention (two kernels) and
-three GEMVs, against ten kernels unfused. The layers pass the residual
-stream (``hidden + residual`` of the unfused layer) alone. The result
-equals the unfused layer's but for the rounding of the normed rows (kept
-in float32 here, rounded to the activations' dtype there); the residual
-adds and SiLU·mul round as the unfused kernels do.
+three GEMVs: seven kernels against ten unfused. The layers pass the
+residual stream (``hidden + residual`` of the unfused layer) alone. The
+result equals the unfused layer's but for the rounding of the normed rows
+(kept in float32 here, rounded to the activations' dtype there); the
+residual adds and SiLU·mul round as the unfused kernels do.
+
+Tried first and slower (``benchmarks/results/fused_decode``): both norms
+and SiLU·mul in the prologues of the GEMV that reads them, each program
+redoing the per-element work over the whole row.
 
 It applies where every linear layer of the layer holds a
 :class:`~asyncstep.models.layers.gpu_quant.GpuQ4Weight` for the step's
 size, without bias, with one tensor-parallel rank (the row-parallel layers'
 epilogue would add the residual to a partial sum).
 
-Kernels: :func:`asyncstep.gpu.triton_quant.q4_gemv`'s prologues and epilogue.
+Kernels: :func:`asyncstep.gpu.triton_quant.q4_gemv_fused`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncstep.models.layers.gpu_quant import GpuQ4Weight, GpuQ8Weight
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:  # triton is imported on use
+    from asyncstep.gpu.triton_quant import NormedRows
 
 
 @dataclass(frozen=True)
@@ -66,3 +79,16 @@ class FusedDecodeWeights:
     def applies(self, x: torch.Tensor) -> bool:
         """Whether a step of rows ``x`` takes the packed weights (its size and device)."""
         return all(w.applies(x) for w in (self.qkv, self.o, self.gate_up, self.down))
+
+    def prepare(self) -> None:
+        """Store gate_up's rows interleaved (once), as its SiLU·mul epilogue reads them."""
+        self.gate_up.interleave_halves()
+
+
+def fused_gemv(
+    weight: GpuQ4Weight, x: torch.Tensor, **fused: Any
+) -> tuple[torch.Tensor, NormedRows | None]:
+    """:func:`~asyncstep.gpu.triton_quant.q4_gemv_fused` of ``weight``."""
+    from asyncstep.gpu.triton_quant import q4_gemv_fused
+
+    return q4_gemv_fused(x, weight.data, weight.scales, **fused)

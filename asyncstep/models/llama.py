@@ -33,7 +33,7 @@ from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.datatypes import IntermediateTensors
 from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.models.config import ModelArchConfig
-from asyncstep.models.fused_decode import FusedDecodeWeights
+from asyncstep.models.fused_decode import FusedDecodeWeights, fused_gemv
 from asyncstep.models.layers.attention import Attention, AttentionMetadata
 from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -47,6 +47,7 @@ from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.layers.rotary import RotaryCosSin, RotaryEmbedding
 
 if TYPE_CHECKING:
+    from asyncstep.gpu.triton_quant import NormedRows
     from asyncstep.models.layers.cpu_decode import CpuDecodeStack
 
 # Checkpoint names folded into our fused parameters: (ours, theirs, shard id).
@@ -245,19 +246,50 @@ class LlamaDecoderLayer(nn.Module):
         self,
         cos_sin: RotaryCosSin,
         stream: torch.Tensor,
+        normed: NormedRows | None,
         meta: AttentionMetadata,
         weights: FusedDecodeWeights,
-    ) -> torch.Tensor:
+        next_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor, NormedRows | None]:
         """The layer on the residual stream (``hidden + residual`` of
-        :meth:`forward`) in four GEMVs: each norm in the prologue of the
-        projection after it, SiLU·mul in down's, the residual adds in o's and
-        down's epilogues. Returns the new stream."""
+        :meth:`forward`) in four GEMVs (:mod:`~asyncstep.models.fused_decode`):
+        ``normed``: the stream made ready for the input norm by the previous
+        layer (None: the norm is done over the stream here). Returns the new
+        stream, and with ``next_norm`` (the next layer's input norm) its rows
+        made ready for it."""
         attn, ln, post_ln = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        qkv = weights.qkv.mm_fused(stream, rms_norm_weight=ln.weight, eps=ln.eps)
+        if normed is None:
+            qkv, _ = fused_gemv(weights.qkv, stream, rms_norm_weight=ln.weight, eps=ln.eps)
+        else:
+            qkv, _ = fused_gemv(
+                weights.qkv,
+                normed.xw,
+                sq_parts=normed.sq_parts,
+                eps=ln.eps,
+                out_dtype=stream.dtype,
+            )
         q, k, v = attn.split_qkv(cos_sin, qkv)
-        stream = weights.o.mm_fused(attn.attn(q, k, v, meta), residual=stream)
-        gate_up = weights.gate_up.mm_fused(stream, rms_norm_weight=post_ln.weight, eps=post_ln.eps)
-        return weights.down.mm_fused(gate_up, silu_and_mul=True, residual=stream)
+        stream, normed = fused_gemv(
+            weights.o,
+            attn.attn(q, k, v, meta),
+            residual=stream,
+            next_rms_norm_weight=post_ln.weight,
+        )
+        assert normed is not None
+        activated, _ = fused_gemv(
+            weights.gate_up,
+            normed.xw,
+            sq_parts=normed.sq_parts,
+            eps=post_ln.eps,
+            silu_pairs=True,
+            out_dtype=stream.dtype,
+        )
+        return fused_gemv(
+            weights.down,
+            activated,
+            residual=stream,
+            next_rms_norm_weight=None if next_norm is None else next_norm.weight,
+        )
 
 
 class LlamaModel(nn.Module):
@@ -318,6 +350,8 @@ class LlamaModel(nn.Module):
             self._fused_weights = [w for w in found if w is not None]
             if len(self._fused_weights) != len(found):
                 self._fused_weights = []
+            for weights in self._fused_weights:
+                weights.prepare()
         fused = self._fused_weights
         if not fused or not all(w.applies(hidden) for w in fused):
             return None
@@ -357,8 +391,12 @@ class LlamaModel(nn.Module):
         if fused is not None:
             # The residual stream alone: each layer's adds are in its GEMVs.
             stream = hidden if residual is None else hidden + residual
-            for layer, weights in zip(self.stage_layers(), fused, strict=True):
-                stream = layer.forward_fused_decode(cos_sin, stream, meta, weights)
+            layers, normed = self.stage_layers(), None
+            for i, (layer, weights) in enumerate(zip(layers, fused, strict=True)):
+                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+                stream, normed = layer.forward_fused_decode(
+                    cos_sin, stream, normed, meta, weights, next_norm
+                )
             if self.norm is None:
                 return self.finish(stream, torch.zeros_like(stream))
             return gather_tokens(self.norm(stream), self.sequence_parallel)
