@@ -474,13 +474,14 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
         tl.store(out_ptr + rows64[:, None] * stride_om + n64[None, :], out, mask=out_mask)
     if NEXT_NORM:
         # The next RMS norm's input: the output (as stored) times the norm's
-        # weight, in float32, and the sum of its squares over this program's
-        # features (one part of the row's sum; a PROLOGUE_NORMED kernel adds them).
+        # weight, rounded to the output's dtype, and the sum (float32) of its
+        # squares over this program's features (one part of the row's sum; a
+        # PROLOGUE_NORMED kernel adds them).
         stream = out.to(tl.float32)
         weight = tl.load(next_nw_ptr + n64, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(
             xw_ptr + rows64[:, None] * stride_xwm + n64[None, :],
-            stream * weight[None, :],
+            (stream * weight[None, :]).to(xw_ptr.dtype.element_ty),
             mask=out_mask,
         )
         sq_part = tl.sum(tl.where(out_mask, stream * stream, 0.0), axis=1)
@@ -621,7 +622,7 @@ def _gemv_config(n: int, groups: int, bits: int) -> GemvConfig:
 class NormedRows(NamedTuple):
     """Rows made ready, by the kernel that wrote them, for an RMS norm folded
     into the next GEMV (:func:`q4_gemv_fused`'s ``next_rms_norm_weight``):
-    ``xw`` (float32 ``[M, K]``) the rows times the norm's weight, and
+    ``xw`` (``[M, K]``, the rows' dtype) the rows times the norm's weight, and
     ``sq_parts`` (float32 ``[M, parts]``) the sums of the rows' squares over
     parts of the features (the row's sum of squares is their sum)."""
 
@@ -684,7 +685,7 @@ def _gemv(
     if next_rms_norm_weight is not None:
         _check_vector("next_rms_norm_weight", next_rms_norm_weight, n, qweight.device)
         next_nw = next_rms_norm_weight.contiguous()
-        xw = torch.empty((rows, n), dtype=torch.float32, device=x2.device)
+        xw = torch.empty((rows, n), dtype=dtype, device=x2.device)
         sq_out = torch.empty(
             (rows, triton.cdiv(n, cfg.block_n)), dtype=torch.float32, device=x2.device
         )
@@ -777,8 +778,9 @@ def q4_gemv_fused(
     - ``sq_parts``: ``x`` is a :class:`NormedRows`' ``xw`` and this its
       ``sq_parts``: the same, without the per-element work.
 
-    The normed row is never rounded to x's dtype (the unfused norm rounds it).
-    ``out_dtype``: the output's dtype (default x's; an ``xw`` is float32).
+    The unfused norm rounds ``rms_norm(x) * weight`` to x's dtype; here
+    ``x * weight`` is rounded (``xw``) or not at all (``rms_norm_weight``).
+    ``out_dtype``: the output's dtype (default x's).
 
     Epilogues:
 
