@@ -169,7 +169,8 @@ def test_interleaved_weights_still_multiply_stacked() -> None:
     packed.interleave_halves()
     packed.interleave_halves()  # once only
     assert packed.interleaved
-    torch.testing.assert_close(packed.mm(x), before, rtol=1e-6, atol=1e-6)
+    # (the compiled GEMV's sums may round a row differently at another position)
+    torch.testing.assert_close(packed.mm(x), before, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
