@@ -371,9 +371,9 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
     fused_decode: Annotated[
         bool,
         _doc(
-            "with fused_kernels on CUDA: one-token steps of a model whose linear layers are"
-            " packed 4-bit run each layer as four GEMVs, the norms, SiLU*mul and residual"
-            " adds folded into them"
+            "with fused_kernels on CUDA: decode batches rotate and store the new keys in the"
+            " attention kernel, and one-token steps of a model whose linear layers are packed"
+            " 4-bit run each layer's rest as four GEMVs (norms, SiLU*mul, residual adds in them)"
         ),
     ] = True
     enable_ubatching: Annotated[

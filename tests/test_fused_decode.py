@@ -305,9 +305,19 @@ def test_layers_without_packed_weights_are_not_fused(q4_tiny: LlamaForCausalLM) 
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="a whole engine on the GPU")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(
+    ("dtype", "packing", "concurrent"),
+    [("bfloat16", "q4", False), ("float32", "q4", False), ("bfloat16", "none", True)],
+)
 @pytest.mark.trio
-async def test_the_engine_gives_the_same_greedy_tokens_fused_or_not(dtype: str) -> None:
+async def test_the_engine_gives_the_same_greedy_tokens_fused_or_not(
+    dtype: str, packing: str, concurrent: bool
+) -> None:
+    """One request at a time (the 4-bit layers' fused decode) or several at
+    once (decode batches of several requests: the attention's fused rotary
+    and KV store)."""
+    import trio
+
     import asyncstep
     from asyncstep.config import ModelConfig
     from asyncstep.models.model_loader import load_model
@@ -317,11 +327,118 @@ async def test_the_engine_gives_the_same_greedy_tokens_fused_or_not(dtype: str) 
     prompts = [[5, 17, 301, 42], [7] * 40, list(range(3, 200))]
     outs = []
     for fused in (True, False):
-        loaded = load_model(ModelConfig(**base, weight_packing="q4"))
+        loaded = load_model(ModelConfig(**base, weight_packing=packing))
         async with asyncstep.open_engine(
-            loaded, max_model_len=256, fused_decode=fused, max_num_seqs=1
+            loaded, max_model_len=256, fused_decode=fused, max_num_seqs=4 if concurrent else 1
         ) as engine:
-            outs.append([(await engine.generate(p, params)).token_ids for p in prompts])
-        if fused:
+            got: dict[int, list[int]] = {}
+
+            async def one(i: int, engine: Any = engine, got: dict[int, list[int]] = got) -> None:
+                got[i] = list((await engine.generate(prompts[i], params)).token_ids)
+
+            if concurrent:
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(prompts)):
+                        nursery.start_soon(one, i)
+            else:
+                for i in range(len(prompts)):
+                    await one(i)
+            outs.append([got[i] for i in range(len(prompts))])
+        if fused and packing == "q4":
             assert loaded.model.model._fused_weights, "the fused decode did not apply"
     assert outs[0] == outs[1]
+
+
+# -- rotary + KV store inside the decode attention --------------------------------------
+
+
+def rotary_cache(max_pos: int, head_dim: int) -> torch.Tensor:
+    """float32 ``[max_pos, head_dim]``: cos of each position's angles, then sin."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    angles = torch.arange(max_pos).double()[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], -1).float().to(DEVICE)
+
+
+def decode_step(
+    contexts: list[int], num_padding: int, heads: int, kv_heads: int, dim: int, seed: int
+) -> dict[str, Any]:
+    """A decode batch: request r's one new token after ``contexts[r]`` cached
+    keys (a context of -1: a padded request, no token), in random blocks of
+    a random cache; ``num_padding`` padding tokens (slot -1) after them."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size, num_blocks, width = 16, 64, 16
+    kv_cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, dim), generator=gen)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.randint(0, num_blocks, (len(contexts), width), generator=gen, dtype=torch.int32)
+    seq_lens, slots, positions, query_lens = [], [], [], []
+    for r, context in enumerate(contexts):
+        if context < 0:
+            seq_lens.append(0)
+            query_lens.append(0)
+            continue
+        blocks = [free.pop() for _ in range(context // block_size + 1)]
+        table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        seq_lens.append(context + 1)
+        query_lens.append(1)
+        positions.append(context)
+        slots.append(blocks[context // block_size] * block_size + context % block_size)
+    tokens = len(positions) + num_padding
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    return {
+        "positions": torch.tensor(positions + [0] * num_padding).to(DEVICE),
+        "qkv": qkv.to(DEVICE),
+        "kv_cache": kv_cache.to(DEVICE),
+        "slot_mapping": torch.tensor(slots + [-1] * num_padding).to(DEVICE),
+        "query_start_loc": torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32).to(DEVICE),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32).to(DEVICE),
+        "block_table": table.to(DEVICE),
+    }
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4)])
+def test_rotary_and_kv_store_inside_the_decode_kernel(
+    num_splits: int, heads: int, kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same output and cache as rotary_and_store_kv then paged_attention
+    (float32), padded requests and padding rows included; q and k are left
+    unrotated; a batch that is not a uniform decode takes the two calls."""
+    import dataclasses
+
+    from asyncstep.gpu import triton_attention
+    from asyncstep.gpu.triton_attention import rotary_store_and_attend
+
+    choose = triton_attention._decode_launch
+    monkeypatch.setattr(
+        triton_attention,
+        "_decode_launch",
+        lambda *a: dataclasses.replace(choose(*a), num_splits=num_splits),
+    )
+    dim = 32
+    # 1 key, a tile and a key (fp32 tiles: 32 keys), several segments, a padded request.
+    step = decode_step([0, 32, -1, 200, 47], 1, heads, kv_heads, dim, seed=num_splits)
+    cos_sin = rotary_cache(256, dim)
+    outs, caches = [], []
+    for uniform in (True, False):
+        qkv, kv_cache = step["qkv"].clone(), step["kv_cache"].clone()
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        out = rotary_store_and_attend(
+            step["positions"],
+            q,
+            k,
+            v,
+            cos_sin,
+            kv_cache,
+            step["slot_mapping"],
+            step["query_start_loc"],
+            step["seq_lens"],
+            step["block_table"],
+            dim**-0.5,
+            uniform_decode=uniform,
+        )
+        assert torch.equal(qkv, step["qkv"]) == uniform  # fused: q and k left as they were
+        outs.append(out[:4])  # the real tokens (the padding row: zeros, unfused only)
+        caches.append(kv_cache)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[0], caches[1], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(caches[0], step["kv_cache"])

@@ -166,6 +166,8 @@ class ModelRunner:
         )
         _use_fused_kernels(model, self.fused_kernels, cpu=self.cpu_layer_kernels)
         model.model.fused_decode = self.fused_kernels and compilation.fused_decode
+        for attn in model.attention_layers():
+            attn.fused_decode = model.model.fused_decode
         if self.attention_backend == "cpu":  # the CPU kernel rotates q and k as it reads them
             for attn in model.attention_layers():
                 attn.fused_rotary = model.model.rotary
