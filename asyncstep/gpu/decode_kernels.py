@@ -134,7 +134,6 @@ def _decode_split_kernel(
     stride_cd: tl.tensor,
     stride_btr: tl.tensor,
     stride_btb: tl.tensor,
-    positions_ptr: tl.tensor,
     cos_sin_ptr: tl.tensor,
     k_new_ptr: tl.tensor,
     v_new_ptr: tl.tensor,
@@ -161,11 +160,12 @@ def _decode_split_kernel(
 
     ROTARY (the fused decode): q and the token's own key come in unrotated
     (``k_new`` / ``v_new`` rows, not yet in the cache): each program rotates
-    its q rows as it loads them (neox style, cos/sin of the token's position
-    in float32, rounded to q's dtype as ``rotary_and_store_kv`` stores them),
-    and the program of the last segment, the only one that reads the new
-    key, rotates it and stores it and its value to the token's slot (none
-    for slot < 0) before its loop, behind a barrier."""
+    its q rows as it loads them (neox style, cos/sin of the token's position,
+    its key's index ``keys_end - 1``, in float32, rounded to q's dtype as
+    ``rotary_and_store_kv`` stores them), and the program of the last
+    segment, the only one that reads the new key, rotates it and stores it
+    and its value to the token's slot (none for slot < 0) before its loop,
+    behind a barrier."""
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -192,8 +192,8 @@ def _decode_split_kernel(
                 # x1 * cos - x2 * sin in the first half, x2 * cos + x1 * sin in the second.
                 partner = tl.where(dims < HALF, dims + HALF, dims - HALF)
                 sign = tl.where(dims < HALF, -1.0, 1.0)
-                pos = tl.load(positions_ptr + token).to(tl.int64)
-                cs_row = cos_sin_ptr + pos * stride_csr
+                # A decode token's position is its key's index (no load to wait for).
+                cs_row = cos_sin_ptr + (keys_end - 1).to(tl.int64) * stride_csr
                 cos = tl.load(cs_row + dims % HALF, mask=dim_mask, other=0.0)
                 sin = tl.load(cs_row + HALF + dims % HALF, mask=dim_mask, other=0.0) * sign
                 q_partner = tl.load(q_row + partner[None, :] * stride_qd, mask=q_mask, other=0.0)

@@ -251,7 +251,9 @@ def rotary_store_and_attend(
     and stores the rotated key and the value of each token (``ROTARY`` in
     :mod:`asyncstep.gpu.decode_kernels`: a token's own key is read by its
     own programs only); q and k are then left unrotated (other batches: the
-    two calls, which rotate them in place)."""
+    two calls, which rotate them in place). A decode token's position must
+    be its key's index (``seq_len - 1``): the kernel takes it from there,
+    ``positions`` only where it runs the two calls."""
     from asyncstep.gpu.triton_fused import rotary_and_store_kv
 
     head_dim = kv_cache.shape[4]
@@ -275,7 +277,7 @@ def rotary_store_and_attend(
     _check_attention_args(q3, kv_cache, query_start_loc, seq_lens, block_table, None)
     out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    rotary = _DecodeRotary(positions, cos_sin_cache, k, v, slot_mapping)
+    rotary = _DecodeRotary(cos_sin_cache, k, v, slot_mapping)
     _paged_decode(
         q3, kv_cache, query_start_loc, seq_lens, block_table, scale, out, precision, rotary
     )
@@ -286,7 +288,6 @@ def rotary_store_and_attend(
 class _DecodeRotary:
     """What the split-KV kernel needs to rotate and store the new keys itself."""
 
-    positions: torch.Tensor
     cos_sin_cache: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -326,10 +327,10 @@ def _paged_decode(
     else:  # unused: the kernel writes out directly
         part, lse = out, out
         part_strides, lse_strides = (0, 0, 0, 0), (0, 0)
-    rotary_args: tuple[torch.Tensor | int, ...] = (q, q, q, q, q, 0, 0, 0)  # unused
+    rotary_args: tuple[torch.Tensor | int, ...] = (q, q, q, q, 0, 0, 0)  # unused
     if rotary is not None:
         r = rotary
-        rotary_args = (r.positions, r.cos_sin_cache, r.k, r.v, r.slot_mapping)
+        rotary_args = (r.cos_sin_cache, r.k, r.v, r.slot_mapping)
         rotary_args += (r.cos_sin_cache.stride(0), r.k.stride(0), r.v.stride(0))
     _decode_split_kernel[(num_tokens, num_kv_heads, splits)](
         q,
