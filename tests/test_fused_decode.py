@@ -246,7 +246,7 @@ def step(
     past: int,
     intermediate: IntermediateTensors | None = None,
 ) -> Any:
-    model.model.fused_decode = fused
+    model.model.use_fused_decode(fused)
     meta = metadata(ids.shape[0], past, 16)
     assert meta.positions is not None
     return model.model(ids, meta.positions, meta, intermediate)

@@ -332,7 +332,8 @@ class LlamaModel(nn.Module):
         #: takes (set by the runner on the CPU where the model qualifies).
         self.decode_stack: CpuDecodeStack | None = None
         #: The fused decode (:mod:`~asyncstep.models.fused_decode`) for the
-        #: steps it takes (set by the runner on CUDA with the fused kernels).
+        #: steps it takes (:meth:`use_fused_decode`: the runner, on CUDA with
+        #: the fused kernels).
         self.fused_decode = False
         self._fused_weights: list[FusedDecodeWeights] | None = None
 
@@ -340,18 +341,26 @@ class LlamaModel(nn.Module):
         """This stage's decoder layers, in order."""
         return list(self.layers[self.start_layer : self.end_layer])  # type: ignore[arg-type]
 
-    def _fused_decode_weights(self, hidden: torch.Tensor) -> list[FusedDecodeWeights] | None:
-        """Each stage layer's packed weights when the fused decode takes this
-        step (on, and every layer's four weights packed for a step of its size)."""
-        if not self.fused_decode:
-            return None
-        if self._fused_weights is None:  # once: the weights stay after loading
+    def use_fused_decode(self, on: bool) -> None:
+        """Switch the fused decode on or off. On, once the weights are loaded:
+        finds the layers' packed weights and prepares them (outside any CUDA
+        graph capture: preparing reorders gate_up's packed rows)."""
+        self.fused_decode = on
+        if on and self._fused_weights is None:
             found = [layer.fused_decode_weights() for layer in self.stage_layers()]
             self._fused_weights = [w for w in found if w is not None]
             if len(self._fused_weights) != len(found):
                 self._fused_weights = []
             for weights in self._fused_weights:
                 weights.prepare()
+
+    def _fused_decode_weights(self, hidden: torch.Tensor) -> list[FusedDecodeWeights] | None:
+        """Each stage layer's packed weights when the fused decode takes this
+        step (on, and every layer's four weights packed for a step of its size)."""
+        if not self.fused_decode:
+            return None
+        if self._fused_weights is None:  # switched on by the attribute: prepare now
+            self.use_fused_decode(True)
         fused = self._fused_weights
         if not fused or not all(w.applies(hidden) for w in fused):
             return None
