@@ -376,6 +376,14 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
             " backend, with rotary too; the CPU library's kernels on the CPU)"
         ),
     ] = True
+    fused_decode: Annotated[
+        bool,
+        _doc(
+            "with fused_kernels on CUDA: decode batches rotate and store the new keys in the"
+            " attention kernel, and one-token steps of a model whose linear layers are packed"
+            " 4-bit run each layer's rest as four GEMVs (norms, SiLU*mul, residual adds in them)"
+        ),
+    ] = True
     enable_ubatching: Annotated[
         bool,
         _doc("split large steps into two micro-batches (TP communication overlaps compute)"),

@@ -1,11 +1,13 @@
 """Where a decode step's device time goes, by kernel: one request (batch 1)
 on dummy weights, ``weight_packing`` as given, the engine in this process;
 torch's profiler (CUPTI: the kernels of CUDA graph replays too) over the
-decode of ``--tokens`` tokens after a warm-up request. Prints each kernel
+decode of ``--tokens`` greedy tokens after a warm-up request (greedy as
+``bench.py latency`` samples; ``--random`` for temperature 1). Prints each kernel
 name's device time per step, grouped (the Q4 / Q8 GEMV, torch's GEMV, the
 rest), and the sum, which is below the ITL by the device's idle time.
 
-    python3 benchmarks/quant_step_kernels.py --shape llama-8b --packing q4 [--out FILE]
+    python3 benchmarks/quant_step_kernels.py --shape llama-8b --packing q4 \
+        [--no-fused-decode] [--out FILE]
 """
 
 from __future__ import annotations
@@ -34,11 +36,16 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         max_model_len=256,
         max_num_seqs=1,
         weight_packing=args.packing,
+        fused_decode=args.fused_decode,
         engine_process=False,
     ) as engine:
         prompt = list(range(3, 3 + 128))
-        await engine.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
-        params = SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)
+        temperature = 1.0 if args.random else 0.0
+        warm_up = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True)
+        await engine.generate(prompt, warm_up)
+        params = SamplingParams(
+            temperature=temperature, max_tokens=args.tokens + 1, ignore_eos=True
+        )
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             await engine.generate(prompt, params)
@@ -66,13 +73,20 @@ def main() -> int:
     parser.add_argument("--packing", default="q4")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=14)
+    parser.add_argument(
+        "--no-fused-decode", dest="fused_decode", action="store_false", help="fused_decode=False"
+    )
+    parser.add_argument("--random", action="store_true", help="sample at temperature 1")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     per_kernel = trio.run(run, args)
     groups: dict[str, float] = defaultdict(float)
     for name, us in per_kernel.items():
         groups[group(name)] += us
-    print(f"{args.shape} batch 1, weight_packing={args.packing}: device us a step by group")
+    print(
+        f"{args.shape} batch 1, weight_packing={args.packing}, fused_decode={args.fused_decode}:"
+        " device us a step by group"
+    )
     for name, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {name:20s} {us:8.1f}")
     print(f"  {'sum':20s} {sum(per_kernel.values()):8.1f}")

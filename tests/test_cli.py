@@ -330,6 +330,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "max_cudagraph_capture_size": (["64"], 64),
     "attention_backend": (["torch"], "torch"),
     "fused_kernels": ([], False),
+    "fused_decode": ([], False),
     "enable_ubatching": ([], True),
     "ubatch_decode_threshold": (["16"], 16),
     "ubatch_prefill_threshold": (["256"], 256),

@@ -134,6 +134,13 @@ def _decode_split_kernel(
     stride_cd: tl.tensor,
     stride_btr: tl.tensor,
     stride_btb: tl.tensor,
+    cos_sin_ptr: tl.tensor,
+    k_new_ptr: tl.tensor,
+    v_new_ptr: tl.tensor,
+    slot_ptr: tl.tensor,
+    stride_csr: tl.tensor,
+    stride_knt: tl.tensor,
+    stride_vnt: tl.tensor,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -142,13 +149,23 @@ def _decode_split_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROTARY: tl.constexpr = False,
 ) -> None:
     """Grid ``(num_tokens == num_reqs, num_kv_heads, NUM_SPLITS)``: token ``t``'s GROUP
     query heads of one KV head against key segment ``split``. NUM_SPLITS > 1:
     the normalised fp32 output and the log2-sum-exp go to ``part[t, head,
     split]`` / ``lse[t, head, split]`` (an empty segment writes lse -inf only,
     padding rows nothing); NUM_SPLITS == 1: the output goes to ``out``,
-    padding rows zeros."""
+    padding rows zeros.
+
+    ROTARY (the fused decode): q and the token's own key come in unrotated
+    (``k_new`` / ``v_new`` rows, not yet in the cache): each program rotates
+    its q rows as it loads them (neox style, cos/sin of the token's position,
+    its key's index ``keys_end - 1``, in float32, rounded to q's dtype as
+    ``rotary_and_store_kv`` stores them), and the program of the last
+    segment, the only one that reads the new key, rotates it and stores it
+    and its value to the token's slot (none for slot < 0) before its loop,
+    behind a barrier."""
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -163,16 +180,45 @@ def _decode_split_kernel(
         seg_end = tl.minimum(seg_start + seg_len, keys_end)
         if seg_start < seg_end:
             dims = tl.arange(0, HEAD_DIM_PAD)
-            q_ptrs = (
-                q_ptr
-                + token.to(tl.int64) * stride_qt
-                + heads[:, None] * stride_qh
-                + dims[None, :] * stride_qd
-            )
-            q = tl.load(q_ptrs, mask=row_mask[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+            q_row = q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+            q_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
+            q = tl.load(q_row + dims[None, :] * stride_qd, mask=q_mask, other=0.0)
             bt_row_ptr = bt_ptr + req.to(tl.int64) * stride_btr
             k_head_ptr = kv_ptr + kv_head.to(tl.int64) * stride_ch
             v_head_ptr = k_head_ptr + stride_c
+            if ROTARY:
+                HALF: tl.constexpr = HEAD_DIM // 2
+                dim_mask = dims < HEAD_DIM
+                # x1 * cos - x2 * sin in the first half, x2 * cos + x1 * sin in the second.
+                partner = tl.where(dims < HALF, dims + HALF, dims - HALF)
+                sign = tl.where(dims < HALF, -1.0, 1.0)
+                # A decode token's position is its key's index (no load to wait for).
+                cs_row = cos_sin_ptr + (keys_end - 1).to(tl.int64) * stride_csr
+                cos = tl.load(cs_row + dims % HALF, mask=dim_mask, other=0.0)
+                sin = tl.load(cs_row + HALF + dims % HALF, mask=dim_mask, other=0.0) * sign
+                q_partner = tl.load(q_row + partner[None, :] * stride_qd, mask=q_mask, other=0.0)
+                q = (q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * sin[None, :]).to(
+                    q_ptr.dtype.element_ty
+                )
+                if seg_end == keys_end:  # the segment of the new key
+                    slot = tl.load(slot_ptr + token).to(tl.int64)
+                    if slot >= 0:
+                        k_row = k_new_ptr + token.to(tl.int64) * stride_knt + kv_head * HEAD_DIM
+                        k_new = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+                        k_partner = tl.load(k_row + partner, mask=dim_mask, other=0.0)
+                        k_new = k_new * cos + k_partner.to(tl.float32) * sin
+                        v_row = v_new_ptr + token.to(tl.int64) * stride_vnt + kv_head * HEAD_DIM
+                        v_new = tl.load(v_row + dims, mask=dim_mask, other=0.0)
+                        dst = (
+                            k_head_ptr
+                            + (slot // BLOCK_SIZE) * stride_cb
+                            + (slot % BLOCK_SIZE) * stride_cs
+                            + dims * stride_cd
+                        )
+                        tl.store(dst, k_new.to(kv_ptr.dtype.element_ty), mask=dim_mask)
+                        tl.store(dst + stride_c, v_new, mask=dim_mask)
+                    # The loop below reads the new key back: the stores first.
+                    tl.debug_barrier()
             full_end = seg_start + (seg_end - seg_start) // TILE_N * TILE_N
             m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -227,6 +227,73 @@ def paged_attention(
     return out
 
 
+def rotary_store_and_attend(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    uniform_decode: bool,
+) -> torch.Tensor:
+    """:func:`~asyncstep.gpu.triton_fused.rotary_and_store_kv` (q, k, v:
+    ``[tokens, heads * head_dim]`` column slices, unrotated) then
+    :func:`paged_attention`; returns the attention's output ``[tokens,
+    num_heads, head_dim]``. A uniform decode batch (``uniform_decode``:
+    every request has one query token, or none; as many tokens as requests)
+    takes one kernel fewer: the split-KV kernel rotates q as it loads it
+    and stores the rotated key and the value of each token (``ROTARY`` in
+    :mod:`asyncstep.gpu.decode_kernels`: a token's own key is read by its
+    own programs only); q and k are then left unrotated (other batches: the
+    two calls, which rotate them in place). A decode token's position must
+    be its key's index (``seq_len - 1``): the kernel takes it from there,
+    ``positions`` only where it runs the two calls."""
+    from asyncstep.gpu.triton_fused import rotary_and_store_kv
+
+    head_dim = kv_cache.shape[4]
+    tokens = q.shape[0]
+    if tokens == 0 or tokens != seq_lens.shape[0] or not uniform_decode:
+        rotary_and_store_kv(positions, q, k, v, cos_sin_cache, head_dim, kv_cache, slot_mapping)
+        return paged_attention(
+            q.view(tokens, -1, head_dim),
+            kv_cache,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            scale,
+        )
+    from asyncstep.gpu.triton_fused import _check_rotary_args
+    from asyncstep.gpu.triton_fused import _check_store_args as _check_kv_args
+
+    _check_rotary_args(positions, q, k, cos_sin_cache, head_dim)
+    _check_kv_args(k, v, head_dim, kv_cache, slot_mapping)
+    q3 = q.view(tokens, -1, head_dim)
+    _check_attention_args(q3, kv_cache, query_start_loc, seq_lens, block_table, None)
+    out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    rotary = _DecodeRotary(cos_sin_cache, k, v, slot_mapping)
+    _paged_decode(
+        q3, kv_cache, query_start_loc, seq_lens, block_table, scale, out, precision, rotary
+    )
+    return out
+
+
+@dataclass(frozen=True)
+class _DecodeRotary:
+    """What the split-KV kernel needs to rotate and store the new keys itself."""
+
+    cos_sin_cache: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def _paged_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -236,10 +303,13 @@ def _paged_decode(
     scale: float,
     out: torch.Tensor,
     precision: str,
+    rotary: _DecodeRotary | None = None,
 ) -> None:
     """:func:`paged_attention` of a decode-shaped batch: the split-KV kernel,
     then (more than one split) the combine kernel. The scratch comes from the
-    caching allocator (under graph capture: the graph's pool)."""
+    caching allocator (under graph capture: the graph's pool). ``rotary``:
+    q and the new keys come unrotated, the new keys not stored yet (see
+    :func:`rotary_store_and_attend`)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -257,6 +327,11 @@ def _paged_decode(
     else:  # unused: the kernel writes out directly
         part, lse = out, out
         part_strides, lse_strides = (0, 0, 0, 0), (0, 0)
+    rotary_args: tuple[torch.Tensor | int, ...] = (q, q, q, q, 0, 0, 0)  # unused
+    if rotary is not None:
+        r = rotary
+        rotary_args = (r.cos_sin_cache, r.k, r.v, r.slot_mapping)
+        rotary_args += (r.cos_sin_cache.stride(0), r.k.stride(0), r.v.stride(0))
     _decode_split_kernel[(num_tokens, num_kv_heads, splits)](
         q,
         kv_cache,
@@ -274,6 +349,7 @@ def _paged_decode(
         *lse_strides,
         *kv_cache.stride(),
         *block_table.stride(),
+        *rotary_args,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         GROUP=group,
@@ -282,6 +358,7 @@ def _paged_decode(
         TILE_N=launch.tile_n,
         NUM_SPLITS=splits,
         DOT_PRECISION=precision,
+        ROTARY=rotary is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )

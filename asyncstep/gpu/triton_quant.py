@@ -69,13 +69,16 @@ __all__ = [
     "GEMV_MAX_M",
     "GROUP_SIZE",
     "GemvConfig",
+    "NormedRows",
     "dequantize_q4",
     "dequantize_q4_reference",
     "dequantize_q8_reference",
+    "interleave_pairs",
     "pack_q4",
     "pack_q8",
     "q4_dot",
     "q4_gemv",
+    "q4_gemv_fused",
     "q4_matmul",
     "q8_gemv",
     "q8_matmul",
@@ -295,17 +298,39 @@ def _load_x(at, mask, EVEN: tl.constexpr):  # type: ignore[no-untyped-def]
     return xv.to(tl.float32)
 
 
+#: The GEMV's prologue (what it makes of the rows it reads): x as it is;
+#: ``rms_norm(x) * weight`` (RMS_NORM: each program sums the squares of the
+#: row it reads, the norm's scale applied to the dot products); or x already
+#: multiplied by the norm's weight, the squares of the raw row summed in
+#: parts by the kernel that wrote it (NORMED: see the NEXT_NORM epilogue).
+PROLOGUE_NONE: tl.constexpr = tl.constexpr(0)
+PROLOGUE_RMS_NORM: tl.constexpr = tl.constexpr(1)
+PROLOGUE_NORMED: tl.constexpr = tl.constexpr(2)
+
+
 @triton.jit
 def _gemv_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     qw_ptr,
     sm_ptr,
     out_ptr,
+    nw_ptr,
+    sq_ptr,
+    res_ptr,
+    next_nw_ptr,
+    xw_ptr,
+    sq_out_ptr,
     M,
     N,
     K_GROUPS,
     stride_xm,
     stride_om,
+    stride_sq,
+    stride_rm,
+    stride_xwm,
+    stride_sqo,
+    n_sq_parts,
+    eps,
     BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -313,6 +338,11 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     PREFETCH: tl.constexpr,
     EVEN: tl.constexpr,
     STAGES: tl.constexpr,
+    PROLOGUE: tl.constexpr = 0,
+    SQ_BLOCK: tl.constexpr = 1,
+    RESIDUAL: tl.constexpr = False,
+    SILU_PAIRS: tl.constexpr = False,
+    NEXT_NORM: tl.constexpr = False,
 ):
     # A block is BITS words; code s (bits BITS s ..) of word t is feature
     # BITS s + t. A code masked in place (for the top byte: in the word shifted
@@ -332,7 +362,18 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, BITS)
     m_idx = tl.arange(0, BLOCK_M)
+    rows = pid_m * BLOCK_M + m_idx
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G], dtype=tl.float32)
+    # RMS_NORM: each row's sum of squares, per block (every program reads the
+    # whole row of x anyway); the norm's scale multiplies the dot products.
+    sq_acc = tl.zeros([BLOCK_M, BLOCK_G], dtype=tl.float32)
+    if PROLOGUE == PROLOGUE_NORMED:  # the parts' loads ahead of the loop
+        parts = tl.arange(0, SQ_BLOCK)
+        sq_parts = tl.load(
+            sq_ptr + rows.to(tl.int64)[:, None] * stride_sq + parts[None, :],
+            mask=(rows < M)[:, None] & (parts < n_sq_parts)[None, :],
+            other=0.0,
+        )
     if PREFETCH:
         words_next, sm_next = _load_chunk(
             qw_ptr, sm_ptr, n64, n_mask, 0, K_GROUPS, BLOCK_G, BITS, EVEN
@@ -365,11 +406,22 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
             # (the row test as a tensor: the interpreter cannot mask with a scalar;
             # X_EVEN: no mask)
             x_mask = g_mask[None, :, None] & ((row + 0 * t) < M)[None, None, :]
-            xv = _load_x(x_row, x_mask, X_EVEN)
+            nw_row = nw_ptr + gg[None, :, None] * 32 + t[None, None, :]
+            xr = _load_x(x_row, x_mask, X_EVEN)
+            xsq = xr * xr
+            if PROLOGUE == PROLOGUE_RMS_NORM:  # noqa: SIM108 (a compile-time branch)
+                xv = xr * _load_x(nw_row, x_mask, X_EVEN)
+            else:
+                xv = xr
             xsum = xv
             dots = (words & MASK).to(tl.float32, bitcast=True) * (xv * (2.0**_X_EXP))
             for s in tl.static_range(1, CODES):
-                xv = _load_x(x_row + BITS * s, x_mask, X_EVEN)
+                xr = _load_x(x_row + BITS * s, x_mask, X_EVEN)
+                xsq += xr * xr
+                if PROLOGUE == PROLOGUE_RMS_NORM:
+                    xv = xr * _load_x(nw_row + BITS * s, x_mask, X_EVEN)
+                else:
+                    xv = xr
                 xsum += xv
                 if BITS * (s + 1) <= 24:
                     bits = words & (MASK << (BITS * s))
@@ -383,13 +435,57 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
                 acc += part[None, :, :]
             else:
                 acc = tl.where((m_idx == mi)[:, None, None], acc + part[None, :, :], acc)
+            if PROLOGUE == PROLOGUE_RMS_NORM:
+                sq = tl.sum(xsq, axis=2)  # [1, BG]
+                if BLOCK_M == 1:
+                    sq_acc += sq
+                else:
+                    sq_acc = tl.where((m_idx == mi)[:, None], sq_acc + sq, sq_acc)
     out = tl.sum(acc, axis=2)
-    rows = pid_m * BLOCK_M + m_idx
-    tl.store(
-        out_ptr + rows.to(tl.int64)[:, None] * stride_om + n64[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=(rows < M)[:, None] & n_mask[None, :],
-    )
+    if PROLOGUE == PROLOGUE_RMS_NORM:
+        inv_rms = tl.rsqrt(tl.sum(sq_acc, axis=1) / (K_GROUPS * 32) + eps)
+        out = out * inv_rms[:, None]
+    elif PROLOGUE == PROLOGUE_NORMED:
+        inv_rms = tl.rsqrt(tl.sum(sq_parts, axis=1) / (K_GROUPS * 32) + eps)
+        out = out * inv_rms[:, None]
+    rows64 = rows.to(tl.int64)
+    out_mask = (rows < M)[:, None] & n_mask[None, :]
+    if RESIDUAL:
+        # As the unfused layer: the product rounded to the output's dtype,
+        # then the residual added in float32 and rounded again.
+        res = tl.load(
+            res_ptr + rows64[:, None] * stride_rm + n64[None, :], mask=out_mask, other=0.0
+        )
+        out = out.to(out_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)
+    if SILU_PAIRS:
+        # Rows 2 j, 2 j + 1 are gate j and up j: silu(gate) * up, each rounded
+        # to the output's dtype first, as silu_and_mul reads and stores them.
+        gate, up = tl.split(
+            tl.reshape(out.to(out_ptr.dtype.element_ty).to(tl.float32), [BLOCK_M, BLOCK_N // 2, 2])
+        )
+        half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(
+            out_ptr + rows64[:, None] * stride_om + half.to(tl.int64)[None, :],
+            (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty),
+            mask=(rows < M)[:, None] & (half < N // 2)[None, :],
+        )
+    else:
+        out = out.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows64[:, None] * stride_om + n64[None, :], out, mask=out_mask)
+    if NEXT_NORM:
+        # The next RMS norm's input: the output (as stored) times the norm's
+        # weight, rounded to the output's dtype, and the sum (float32) of its
+        # squares over this program's features (one part of the row's sum; a
+        # PROLOGUE_NORMED kernel adds them).
+        stream = out.to(tl.float32)
+        weight = tl.load(next_nw_ptr + n64, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(
+            xw_ptr + rows64[:, None] * stride_xwm + n64[None, :],
+            (stream * weight[None, :]).to(xw_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+        sq_part = tl.sum(tl.where(out_mask, stream * stream, 0.0), axis=1)
+        tl.store(sq_out_ptr + rows64 * stride_sqo + pid_n, sq_part, mask=rows < M)
 
 
 @triton.jit
@@ -523,19 +619,78 @@ def _gemv_config(n: int, groups: int, bits: int) -> GemvConfig:
     return GemvConfig(block_n=8, block_g=64, num_warps=2, prefetch=groups >= 256)
 
 
+class NormedRows(NamedTuple):
+    """Rows made ready, by the kernel that wrote them, for an RMS norm folded
+    into the next GEMV (:func:`q4_gemv_fused`'s ``next_rms_norm_weight``):
+    ``xw`` (``[M, K]``, the rows' dtype) the rows times the norm's weight, and
+    ``sq_parts`` (float32 ``[M, parts]``) the sums of the rows' squares over
+    parts of the features (the row's sum of squares is their sum)."""
+
+    xw: torch.Tensor
+    sq_parts: torch.Tensor
+
+
 def _gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
     bits: int,
     config: GemvConfig | None,
-) -> torch.Tensor:
+    *,
+    rms_norm_weight: torch.Tensor | None = None,
+    sq_parts: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    silu_pairs: bool = False,
+    next_rms_norm_weight: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, NormedRows | None]:
     n, groups = _check_weight(qweight, scales, bits)
     x2 = _check_x(x, groups * GROUP_SIZE, qweight.device)
-    out = _empty_out(x2, n)
     rows = x2.shape[0]
+    prologue, nw, sq = PROLOGUE_NONE.value, x2, x2
+    if rms_norm_weight is not None and sq_parts is not None:
+        raise ValueError("one prologue at a time: rms_norm_weight or sq_parts")
+    if rms_norm_weight is not None:
+        _check_vector("rms_norm_weight", rms_norm_weight, x2.shape[1], qweight.device)
+        prologue, nw = PROLOGUE_RMS_NORM.value, rms_norm_weight.contiguous()
+    elif sq_parts is not None:
+        if sq_parts.dim() != 2 or sq_parts.shape[0] != rows or sq_parts.dtype != torch.float32:
+            raise ValueError(
+                f"sq_parts must be float32 ({rows}, parts), got {sq_parts.dtype} "
+                f"{tuple(sq_parts.shape)}"
+            )
+        if sq_parts.device != qweight.device or sq_parts.stride(-1) != 1:
+            raise ValueError("sq_parts must be on the weight's device, with unit last stride")
+        prologue, sq = PROLOGUE_NORMED.value, sq_parts
+    if silu_pairs and (residual is not None or next_rms_norm_weight is not None or n % 2):
+        raise ValueError("silu_pairs takes an even row count, and no residual or next norm")
+    if out_dtype is not None and out_dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    dtype = out_dtype or x2.dtype
+    out = torch.empty((rows, n // 2 if silu_pairs else n), dtype=dtype, device=x2.device)
+    res = out
+    if residual is not None:
+        res = residual.reshape(-1, n) if residual.numel() == out.numel() else residual
+        if res.shape != out.shape or res.dtype != dtype or res.device != out.device:
+            raise ValueError(
+                f"residual must be {dtype} {tuple(out.shape)} on {out.device}, got "
+                f"{res.dtype} {tuple(res.shape)} on {res.device}"
+            )
+        if n > 1 and res.stride(1) != 1:
+            res = res.contiguous()
+    cfg = config or _gemv_config(n, groups, bits)
+    normed = None
+    next_nw = xw = sq_out = out
+    if next_rms_norm_weight is not None:
+        _check_vector("next_rms_norm_weight", next_rms_norm_weight, n, qweight.device)
+        next_nw = next_rms_norm_weight.contiguous()
+        xw = torch.empty((rows, n), dtype=dtype, device=x2.device)
+        sq_out = torch.empty(
+            (rows, triton.cdiv(n, cfg.block_n)), dtype=torch.float32, device=x2.device
+        )
+        normed = NormedRows(xw.reshape(*x.shape[:-1], n), sq_out)
     if rows and n:
-        cfg = config or _gemv_config(n, groups, bits)
         block_m = min(triton.next_power_of_2(rows), 4)
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(rows, block_m))
         _gemv_kernel[grid](
@@ -543,11 +698,23 @@ def _gemv(
             qweight.view(torch.int32),
             scales.view(torch.int32),
             out,
+            nw,
+            sq,
+            res,
+            next_nw,
+            xw,
+            sq_out,
             rows,
             n,
             groups,
             x2.stride(0),
             out.stride(0),
+            sq.stride(0),
+            res.stride(0),
+            xw.stride(0),
+            sq_out.stride(0),
+            sq.shape[1],
+            float(eps),
             BITS=bits,
             BLOCK_M=block_m,
             BLOCK_N=cfg.block_n,
@@ -555,9 +722,21 @@ def _gemv(
             PREFETCH=cfg.prefetch,
             EVEN=n % cfg.block_n == 0 and groups % cfg.block_g == 0,
             STAGES=cfg.stages,
+            PROLOGUE=prologue,
+            SQ_BLOCK=triton.next_power_of_2(sq.shape[1]) if sq_parts is not None else 1,
+            RESIDUAL=residual is not None,
+            SILU_PAIRS=silu_pairs,
+            NEXT_NORM=next_rms_norm_weight is not None,
             num_warps=cfg.num_warps,
         )
-    return out.reshape(*x.shape[:-1], n)
+    return out.reshape(*x.shape[:-1], out.shape[1]), normed
+
+
+def _check_vector(name: str, v: torch.Tensor, size: int, device: torch.device) -> None:
+    if v.shape != (size,) or v.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be a float ({size},), got {v.dtype} {tuple(v.shape)}")
+    if v.device != device:
+        raise ValueError(f"{name} on {v.device}, the weight on {device}")
 
 
 def q4_gemv(
@@ -569,7 +748,77 @@ def q4_gemv(
     """``x @ w.T`` by streaming the packed 4-bit weight (see the module's
     docstring); any number of rows, meant for a few (a program unrolls up to
     4 rows of ``x`` over one read of its weights)."""
-    return _gemv(x, qweight, scales, 4, config)
+    return _gemv(x, qweight, scales, 4, config)[0]
+
+
+def q4_gemv_fused(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    rms_norm_weight: torch.Tensor | None = None,
+    sq_parts: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    silu_pairs: bool = False,
+    next_rms_norm_weight: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, NormedRows | None]:
+    """:func:`q4_gemv` with the fused decode's prologue and epilogues (the
+    decoder layer's elementwise kernels folded in). Returns ``(out,
+    normed)``: ``normed`` the :class:`NormedRows` of ``out`` with
+    ``next_rms_norm_weight``, else None.
+
+    Prologue, at most one:
+
+    - ``rms_norm_weight``: ``rms_norm(x, eps) * rms_norm_weight`` in place of
+      ``x``: each program sums the squares of the row it reads and scales its
+      dot products by the norm's ``1 / rms``;
+    - ``sq_parts``: ``x`` is a :class:`NormedRows`' ``xw`` and this its
+      ``sq_parts``: the same, without the per-element work.
+
+    The unfused norm rounds ``rms_norm(x) * weight`` to x's dtype; here
+    ``x * weight`` is rounded (``xw``) or not at all (``rms_norm_weight``).
+    ``out_dtype``: the output's dtype (default x's).
+
+    Epilogues:
+
+    - ``residual`` (x's dtype, the output's shape): ``out = residual +
+      product``, the product rounded to x's dtype first, then the sum (the
+      unfused layer's add: the new residual stream);
+    - ``silu_pairs``: the weight's rows are gate and up rows interleaved
+      (:func:`interleave_pairs`): ``out[:, j] = silu(gate_j) * up_j``
+      (``[M, N / 2]``), each rounded as :func:`asyncstep.gpu.triton_fused.silu_and_mul`
+      reads and stores them;
+    - ``next_rms_norm_weight`` (``[N]``): also the :class:`NormedRows` of
+      ``out`` for the RMS norm of that weight, which the next GEMV folds in
+      with ``sq_parts``.
+    """
+    return _gemv(
+        x,
+        qweight,
+        scales,
+        4,
+        config,
+        rms_norm_weight=rms_norm_weight,
+        sq_parts=sq_parts,
+        eps=eps,
+        residual=residual,
+        silu_pairs=silu_pairs,
+        next_rms_norm_weight=next_rms_norm_weight,
+        out_dtype=out_dtype,
+    )
+
+
+def interleave_pairs(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A ``[2 d, K]`` packed weight of two stacked halves (gate rows, then up
+    rows) with rows ``2 j, 2 j + 1`` the halves' rows ``j`` (new tensors)."""
+    n = qweight.shape[0]
+    if n % 2:
+        raise ValueError(f"an odd row count ({n}) has no halves")
+    order = torch.arange(n, device=qweight.device).view(2, n // 2).T.reshape(n)
+    return qweight[order].contiguous(), scales[order].contiguous()
 
 
 def q8_gemv(
@@ -579,7 +828,7 @@ def q8_gemv(
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """:func:`q4_gemv` for the 8-bit layout."""
-    return _gemv(x, qweight, scales, 8, config)
+    return _gemv(x, qweight, scales, 8, config)[0]
 
 
 def q4_dot(

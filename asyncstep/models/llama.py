@@ -23,7 +23,7 @@ between pipeline stages are the token shards.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.datatypes import IntermediateTensors
 from asyncstep.errors import ModelLoadError
 from asyncstep.models.config import ModelArchConfig, pp_layer_range
+from asyncstep.models.fused_decode import FusedDecodeWeights, fused_gemv
 from asyncstep.models.layers.attention import Attention, AttentionMetadata
 from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -44,6 +45,9 @@ from asyncstep.models.layers.linear import (
 )
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.layers.rotary import RotaryCosSin, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from asyncstep.gpu.triton_quant import NormedRows
 
 
 class DecodeStack(Protocol):
@@ -113,7 +117,13 @@ class LlamaAttention(nn.Module):
         self, cos_sin: RotaryCosSin, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention's inputs: projected, normed (Qwen3) and rotated q, k, v."""
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        return self.split_qkv(cos_sin, self.qkv_proj(hidden))
+
+    def split_qkv(
+        self, cos_sin: RotaryCosSin, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`qkv` of the projection's output ``qkv``."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self._per_head_norm(q, self.q_norm), self._per_head_norm(k, self.k_norm)
         if self.attn.fused_rotary is None:  # else rotated by the attention's KV store
@@ -223,6 +233,61 @@ class LlamaDecoderLayer(nn.Module):
         q, k, v, residual = self.pre_attention(cos_sin, hidden, residual, own_residual=own_residual)
         return self.post_attention(self.self_attn.attn(q, k, v, meta), residual)
 
+    def fused_decode_weights(self) -> FusedDecodeWeights | None:
+        """The layer's packed weights for :meth:`forward_fused_decode`, or
+        None where the layer cannot take it (see :mod:`~asyncstep.models.fused_decode`)."""
+        attn, mlp = self.self_attn, self.mlp
+        return FusedDecodeWeights.of(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+    def forward_fused_decode(
+        self,
+        cos_sin: RotaryCosSin,
+        stream: torch.Tensor,
+        normed: NormedRows | None,
+        meta: AttentionMetadata,
+        weights: FusedDecodeWeights,
+        next_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor, NormedRows | None]:
+        """The layer on the residual stream (``hidden + residual`` of
+        :meth:`forward`) in four GEMVs (:mod:`~asyncstep.models.fused_decode`):
+        ``normed``: the stream made ready for the input norm by the previous
+        layer (None: the norm is done over the stream here). Returns the new
+        stream, and with ``next_norm`` (the next layer's input norm) its rows
+        made ready for it."""
+        attn, ln, post_ln = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        if normed is None:
+            qkv, _ = fused_gemv(weights.qkv, stream, rms_norm_weight=ln.weight, eps=ln.eps)
+        else:
+            qkv, _ = fused_gemv(
+                weights.qkv,
+                normed.xw,
+                sq_parts=normed.sq_parts,
+                eps=ln.eps,
+                out_dtype=stream.dtype,
+            )
+        q, k, v = attn.split_qkv(cos_sin, qkv)
+        stream, normed = fused_gemv(
+            weights.o,
+            attn.attn(q, k, v, meta),
+            residual=stream,
+            next_rms_norm_weight=post_ln.weight,
+        )
+        assert normed is not None
+        activated, _ = fused_gemv(
+            weights.gate_up,
+            normed.xw,
+            sq_parts=normed.sq_parts,
+            eps=post_ln.eps,
+            silu_pairs=True,
+            out_dtype=stream.dtype,
+        )
+        return fused_gemv(
+            weights.down,
+            activated,
+            residual=stream,
+            next_rms_norm_weight=None if next_norm is None else next_norm.weight,
+        )
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -263,10 +328,40 @@ class LlamaModel(nn.Module):
         #: The stage's layers as one call of the CPU library, for steps it
         #: takes (set by the runner on the CPU where the model qualifies).
         self.decode_stack: DecodeStack | None = None
+        #: The fused decode (:mod:`~asyncstep.models.fused_decode`) for the
+        #: steps it takes (:meth:`use_fused_decode`: the runner, on CUDA with
+        #: the fused kernels).
+        self.fused_decode = False
+        self._fused_weights: list[FusedDecodeWeights] | None = None
 
     def stage_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's decoder layers, in order."""
         return list(self.layers[self.start_layer : self.end_layer])  # type: ignore[arg-type]
+
+    def use_fused_decode(self, on: bool) -> None:
+        """Switch the fused decode on or off. On, once the weights are loaded:
+        finds the layers' packed weights and prepares them (outside any CUDA
+        graph capture: preparing reorders gate_up's packed rows)."""
+        self.fused_decode = on
+        if on and self._fused_weights is None:
+            found = [layer.fused_decode_weights() for layer in self.stage_layers()]
+            self._fused_weights = [w for w in found if w is not None]
+            if len(self._fused_weights) != len(found):
+                self._fused_weights = []
+            for weights in self._fused_weights:
+                weights.prepare()
+
+    def _fused_decode_weights(self, hidden: torch.Tensor) -> list[FusedDecodeWeights] | None:
+        """Each stage layer's packed weights when the fused decode takes this
+        step (on, and every layer's four weights packed for a step of its size)."""
+        if not self.fused_decode:
+            return None
+        if self._fused_weights is None:  # switched on by the attribute: prepare now
+            self.use_fused_decode(True)
+        fused = self._fused_weights
+        if not fused or not all(w.applies(hidden) for w in fused):
+            return None
+        return fused
 
     def begin(
         self, input_ids: torch.Tensor, intermediate_tensors: IntermediateTensors | None
@@ -298,6 +393,19 @@ class LlamaModel(nn.Module):
         if self.decode_stack is not None and self.decode_stack.takes(hidden, meta):
             return self.finish(*self.decode_stack(hidden, residual, meta))
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        fused = self._fused_decode_weights(hidden)
+        if fused is not None:
+            # The residual stream alone: each layer's adds are in its GEMVs.
+            stream = hidden if residual is None else hidden + residual
+            layers, normed = self.stage_layers(), None
+            for i, (layer, weights) in enumerate(zip(layers, fused, strict=True)):
+                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+                stream, normed = layer.forward_fused_decode(
+                    cos_sin, stream, normed, meta, weights, next_norm
+                )
+            if self.norm is None:
+                return self.finish(stream, torch.zeros_like(stream))
+            return gather_tokens(self.norm(stream), self.sequence_parallel)
         # A received residual is left as it is; the ones the layers return
         # are the stream's own (each passed on to the next layer alone).
         for i, layer in enumerate(self.stage_layers()):

@@ -165,7 +165,7 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:num_reqs],
             block_table=self.block_table[:num_reqs],
             slot_mapping=self.slot_mapping[:n],
-            max_query_len=n,
+            max_query_len=1 if desc.uniform_decode else n,
             max_seq_len=0,
             query_start_loc_cpu=np.zeros(num_reqs + 1, dtype=np.int32),
             seq_lens_cpu=np.zeros(num_reqs, dtype=np.int32),

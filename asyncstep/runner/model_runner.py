@@ -167,6 +167,9 @@ class ModelRunner:
             compilation.fused_kernels and device.type == "cpu" and load_cpu_kernels() is not None
         )
         _use_fused_kernels(model, self.fused_kernels, cpu=self.cpu_layer_kernels)
+        model.model.use_fused_decode(self.fused_kernels and compilation.fused_decode)
+        for attn in model.attention_layers():
+            attn.fused_decode = model.model.fused_decode
         if self.attention_backend == "cpu":  # the CPU kernel rotates q and k as it reads them
             for attn in model.attention_layers():
                 attn.fused_rotary = model.model.rotary

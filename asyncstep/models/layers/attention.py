@@ -297,6 +297,10 @@ class Attention(nn.Module):
         #: and k in the kernel (then q and k come in unrotated); None: the
         #: caller rotated them.
         self.fused_rotary: RotaryEmbedding | None = None
+        #: With the Triton backend and a fused rotary: decode batches rotate and
+        #: store the new keys inside the attention's split-KV kernel (set by
+        #: the runner with ``fused_decode``).
+        self.fused_decode = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -338,6 +342,25 @@ class Attention(nn.Module):
         from asyncstep.gpu.triton_attention import paged_attention, store_kv_cache
 
         n = q.shape[0]
+        if self.fused_rotary is not None and self.fused_decode:
+            from asyncstep.gpu.triton_attention import rotary_store_and_attend
+
+            assert meta.positions is not None, "a fused rotary needs the positions"
+            out = rotary_store_and_attend(
+                meta.positions[:n],
+                q,
+                k,
+                v,
+                self.fused_rotary.cos_sin_cache,
+                self.kv_cache,
+                meta.slot_mapping,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_table,
+                self.scale,
+                uniform_decode=meta.max_query_len == 1,
+            )
+            return out.view(n, self.num_heads * self.head_dim)
         if self.fused_rotary is not None:
             from asyncstep.gpu.triton_fused import rotary_and_store_kv
 

@@ -68,6 +68,8 @@ class GpuQ4Weight(PackedWeight):
     ``max_tokens`` rows on its device use it."""
 
     KIND: ClassVar[str] = "q4_gpu"
+    #: The rows of two stacked halves interleaved (:meth:`interleave_halves`).
+    interleaved: bool = False
 
     def applies(self, x: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
@@ -77,7 +79,22 @@ class GpuQ4Weight(PackedWeight):
         """``x @ w.T`` for ``x`` ``[rows, in_features]``, in ``x``'s dtype."""
         from asyncstep.gpu.triton_quant import q4_matmul
 
-        return q4_matmul(x, self.data, self.scales)
+        out = q4_matmul(x, self.data, self.scales)
+        if self.interleaved:  # back to the halves stacked
+            half = out.shape[-1] // 2
+            out = out.unflatten(-1, (half, 2)).transpose(-1, -2).reshape(out.shape)
+        return out
+
+    def interleave_halves(self) -> None:
+        """Reorder the packed rows (once) so that rows ``2 j, 2 j + 1`` are
+        the two stacked halves' rows ``j`` (a ``gate_up_proj``'s gate and up:
+        what :func:`~asyncstep.gpu.triton_quant.q4_gemv_fused`'s
+        ``silu_pairs`` reads); :meth:`mm` still returns the halves stacked."""
+        from asyncstep.gpu.triton_quant import interleave_pairs
+
+        if not self.interleaved:
+            self.data, self.scales = interleave_pairs(self.data, self.scales)
+            self.interleaved = True
 
 
 @dataclass
