@@ -142,8 +142,9 @@ def _add_output_flags(parser: argparse.ArgumentParser, *, json_flag: bool) -> No
     out.add_argument(
         "--log-json",
         metavar="FILE",
-        help="write every log event (step-timeline spans too) as JSON lines; started ranks "
-        "write FILE.rank<N> (read them with: asyncstep trace FILE FILE.rank* -o trace.json)",
+        help="write every log event (step-timeline spans too) as JSON lines; the engine-core "
+        "process writes FILE.core, started ranks FILE.rank<N> (read them all with: "
+        "asyncstep trace FILE FILE.* -o trace.json)",
     )
     out.add_argument(
         "-v", "--verbose", action="count", default=0, help="log to stderr: -v info, -vv every step"
@@ -152,38 +153,48 @@ def _add_output_flags(parser: argparse.ArgumentParser, *, json_flag: bool) -> No
 
 def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
     sampling = gen.add_argument_group("sampling")
-    sampling.add_argument("--n", type=int, default=1, help="choices per prompt")
-    sampling.add_argument("--max-tokens", type=int, default=256)
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
-    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--n", type=int, default=1, help="choices per prompt (default: 1)")
+    sampling.add_argument(
+        "--max-tokens", type=int, default=256, help="most tokens generated (default: 256)"
+    )
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="(default: 1: off)")
+    sampling.add_argument("--top-k", type=int, default=0, help="0 or -1: off (default: 0)")
+    sampling.add_argument("--min-p", type=float, default=0.0, help="(default: 0: off)")
     sampling.add_argument(
         "--presence-penalty",
         type=float,
         default=0.0,
-        help="in [-2, 2]: minus this for tokens in the output",
+        help="in [-2, 2]: minus this for tokens in the output (default: 0)",
     )
     sampling.add_argument(
         "--frequency-penalty",
         type=float,
         default=0.0,
-        help="in [-2, 2]: minus this times the count in the output",
+        help="in [-2, 2]: minus this times the count in the output (default: 0)",
     )
     sampling.add_argument(
         "--repetition-penalty",
         type=float,
         default=1.0,
-        help="> 0, 1 is off: penalizes the tokens of the prompt and the output",
+        help="> 0, 1 is off: penalizes the tokens of the prompt and the output (default: 1)",
     )
     sampling.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens)")
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    sampling.add_argument("--ignore-eos", action="store_true")
+    sampling.add_argument(
+        "--ignore-eos", action="store_true", help="generate past the end-of-sequence token"
+    )
     sampling.add_argument(
         "--prompt-logprobs",
         type=int,
         metavar="K",
         help="log-probs of each prompt token and the top K of its position (with --json)",
+    )
+    sampling.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="each prompt is token ids separated by spaces or commas (a model without a "
+        "tokenizer, e.g. --load-format dummy --model tiny-llama)",
     )
     sampling.add_argument(
         "--chat",
@@ -322,6 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(log_level(args), args.log_json)
         record_startup("imports", process_start_us())
         params = sampling_params(args)
+        if not args.prompts and sys.stdin.isatty():
+            print(
+                f"{PROG}: reading prompts, one a line; Ctrl-D ends",
+                file=sys.stderr,
+            )
         prompts = list(args.prompts) or read_prompts(sys.stdin)
         if not prompts:
             raise AsyncstepError("no prompts: pass them as arguments or on stdin")
@@ -427,10 +443,21 @@ async def generate_all(args: argparse.Namespace, prompts: list[str], params: Sam
             chat = args.chat
             if chat is None:
                 chat = bool(getattr(engine.tokenizer, "chat_template", None))
-            requests = [to_request(p, chat) for p in prompts]
-            if len(prompts) == 1 and not args.json and params.n == 1:
+            requests = [token_ids(p) if args.token_ids else to_request(p, chat) for p in prompts]
+            ids = engine.tokenizer is None  # no text: the output's token ids are shown
+            if len(prompts) == 1 and not args.json and params.n == 1 and not ids:
                 return await _stream_one(engine, requests[0], params, prompts[0])
-            return await _generate_many(engine, requests, params, prompts, args.json)
+            return await _generate_many(engine, requests, params, prompts, args.json, ids)
+
+
+def token_ids(prompt: str) -> list[int]:
+    """``--token-ids``: a prompt of token ids, separated by spaces or commas."""
+    try:
+        return [int(part) for part in prompt.replace(",", " ").split()]
+    except ValueError:
+        raise AsyncstepError(
+            f"--token-ids: prompt {prompt[:40]!r} is not token ids separated by spaces or commas"
+        ) from None
 
 
 def to_request(prompt: str, chat: bool) -> Prompt:
@@ -459,6 +486,7 @@ async def _generate_many(
     params: SamplingParams,
     prompts: list[str],
     as_json: bool,
+    show_ids: bool = False,
 ) -> int:
     """Many prompts, batched by the engine; sent to it in prompt order (the
     scheduler serves them first come, first served) and printed in that
@@ -469,7 +497,7 @@ async def _generate_many(
     def print_ready() -> None:
         nonlocal printed
         while printed < len(results) and (result := results[printed]) is not None:
-            _print_result(prompts[printed], result, as_json)
+            _print_result(prompts[printed], result, as_json, show_ids)
             printed += 1
 
     async def one(i: int, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -486,7 +514,11 @@ async def _generate_many(
     return 1 if any(isinstance(r, AsyncstepError) for r in results) else 0
 
 
-def _print_result(prompt: str, result: Completion | AsyncstepError, as_json: bool) -> None:
+def _print_result(
+    prompt: str, result: Completion | AsyncstepError, as_json: bool, show_ids: bool = False
+) -> None:
+    """One prompt's choices (``show_ids``: their token ids, for a model
+    without a tokenizer), or its error."""
     if isinstance(result, AsyncstepError):
         _print_error(prompt, result)
         if as_json:
@@ -497,7 +529,10 @@ def _print_result(prompt: str, result: Completion | AsyncstepError, as_json: boo
         _emit(record)
     else:
         for output in result.outputs:  # the n choices, in order
-            print(output.text, flush=True)
+            if len(result.outputs) > 1:
+                print(f"--- choice {output.index} ---", flush=True)
+            shown = " ".join(map(str, output.token_ids)) if show_ids else output.text
+            print(shown, flush=True)
 
 
 def _print_error(prompt: str, error: AsyncstepError) -> None:

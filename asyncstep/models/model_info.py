@@ -45,6 +45,8 @@ def model_arch(config: ModelConfig) -> tuple[ModelArchConfig, Checkpoint | None]
     for a dummy shape): the part of :func:`describe_model` a layout check needs."""
     if config.load_format == "dummy" and (config.model is None or str(config.model) in SHAPES):
         return get_shape(str(config.model or "smollm2-135m")), None
+    if config.load_format == "dummy" and not Path(str(config.model)).exists():
+        get_shape(str(config.model))  # neither a shape nor a path: the known shapes, listed
     checkpoint = open_checkpoint(config.model, config.load_format)
     return checkpoint.arch_config(), checkpoint
 

@@ -173,7 +173,9 @@ def load_model(
         cache = PackedCache.for_checkpoint(weights.path, options)
         cached = _load_packed_cache(cache, arch, dtype, sequence_parallel) if cache else None
         if cached is not None:
-            return LoadedModel(cached, arch, tokenizer, device, dtype, max_model_len, source)
+            return _loaded(
+                LoadedModel(cached, arch, tokenizer, device, dtype, max_model_len, source)
+            )
     with torch.device(device):
         model = LlamaForCausalLM(arch, build_dtype, sequence_parallel=sequence_parallel)
     if weights is None:
@@ -206,7 +208,22 @@ def load_model(
     if cache is not None:
         with span("packed_cache_store", CORE_STARTUP):
             cache.store(model)
-    return LoadedModel(model, arch, tokenizer, device, dtype, max_model_len, source)
+    return _loaded(LoadedModel(model, arch, tokenizer, device, dtype, max_model_len, source))
+
+
+def _loaded(loaded: LoadedModel) -> LoadedModel:
+    """``loaded``, logged (``-v``: which model, where, in which dtype)."""
+    arch = loaded.arch_config
+    log.info(
+        "model loaded",
+        source=loaded.source,
+        device=str(loaded.device),
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        layers=arch.num_hidden_layers,
+        hidden=arch.hidden_size,
+        max_model_len=loaded.max_model_len,
+    )
+    return loaded
 
 
 def _load_packed_cache(
