@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-command set-up: asyncstep, its tests' tools, and the embedded default model.
 # torch is pinned: where a local CPU wheel of the pin exists (this project's
-# machines), pip takes it; from PyPI on Linux it is the CUDA build (an unpinned torch
-# pulls a multi-GB CUDA build); set ASYNCSTEP_TORCH to choose another.
+# machines) pip takes it; from PyPI on Linux the pin is the multi-GB CUDA build
+# (ASYNCSTEP_TORCH_INDEX below picks another index, ASYNCSTEP_TORCH another pin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
