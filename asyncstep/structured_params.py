@@ -27,6 +27,8 @@ MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CHOICES = 1024
 #: The kinds, in the order a message names them.
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+#: Fields beside the kinds.
+OPTIONS = ("disable_any_whitespace",)
 
 
 class StructuredOutputsParams(
@@ -44,6 +46,9 @@ class StructuredOutputsParams(
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    #: ``json``: no whitespace between tokens (compact JSON), as vLLM's
+    #: option: a small model may otherwise fill its budget with blank lines.
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -58,6 +63,7 @@ class StructuredOutputsParams(
             )
         if self.json_object is not None:
             check_flag("structured_outputs.json_object", self.json_object)
+        check_flag("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
         checks: dict[str, Callable[[str, object], object]] = {
             "json": _check_schema,
             "regex": _check_text,
@@ -77,6 +83,13 @@ class StructuredOutputsParams(
         return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
 
     @property
+    def grammar_kind(self) -> str:
+        """:attr:`kind`, ``json_compact`` for ``json`` without free whitespace:
+        with :attr:`spec`, what a compiled grammar is known by."""
+        compact = self.kind == "json" and self.disable_any_whitespace
+        return "json_compact" if compact else self.kind
+
+    @property
     def spec(self) -> str:
         """The kind's text (schema JSON, regex, grammar; choices as a JSON list;
         ``""`` for ``json_object``): with :attr:`kind`, the grammar's cache key."""
@@ -92,7 +105,7 @@ def check_structured_outputs(name: str, value: object) -> StructuredOutputsParam
         return value
     if not isinstance(value, Mapping):
         raise invalid(name, "None, a StructuredOutputsParams or a dict of its fields", value)
-    unknown = sorted(str(key) for key in value if key not in KINDS)
+    unknown = sorted(str(key) for key in value if key not in (*KINDS, *OPTIONS))
     if unknown:
         raise InvalidRequestError(f"{name} has unknown field {shown(unknown[0])}")
     return StructuredOutputsParams(**value)

@@ -349,6 +349,114 @@ def test_a_json_schema_reply_parses_and_validates(server: Server) -> None:
     assert choice.choices[0].text in ("yes", "no")
 
 
+def test_a_named_tool_call_is_forced_and_streams_as_openai_s(server: Server) -> None:
+    """A named function's call: its arguments follow its parameters' schema;
+    streamed, the id and name come first, then the arguments in pieces, which
+    add up to the whole reply's."""
+    client = server.client()
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": ask,
+        "tools": [WEATHER, TIME],
+        "tool_choice": named("get_weather"),
+        "max_tokens": 96,
+        "temperature": 0,
+    }
+    out = client.chat.completions.create(**kwargs)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls or []
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)  # type: ignore[union-attr]
+    assert out.usage is not None and out.usage.completion_tokens > 0
+    pieces = list(client.chat.completions.create(**kwargs, stream=True))
+    deltas = [c.choices[0].delta for c in pieces if c.choices]
+    first = deltas[0].tool_calls[0]  # type: ignore[index]
+    assert first.id and first.function.name == "get_weather"  # type: ignore[union-attr]
+    arguments = "".join(
+        (d.tool_calls[0].function.arguments or "")
+        for d in deltas
+        if d.tool_calls  # type: ignore[union-attr]
+    )
+    assert arguments == call.function.arguments  # type: ignore[union-attr]
+    assert pieces[-1].choices[0].finish_reason == "tool_calls"
+    assert all(not d.content for d in deltas)
+
+
+def test_required_tool_calls_validate_whatever_is_sampled(server: Server) -> None:
+    """``required``: every call of every sampled reply names a tool and its
+    arguments validate against that tool's schema; at most one call without
+    parallel_tool_calls; streamed, the calls come whole with the last chunk."""
+    client = server.client()
+    schemas = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
+    ask = [{"role": "user", "content": "Weather in Oslo, and the time in Tokyo?"}]
+    for seed in range(4):
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=ask,  # type: ignore[arg-type]
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tool_choice="required",
+            parallel_tool_calls=seed % 2 == 0,
+            max_tokens=160,
+            temperature=1.0,
+            seed=seed,
+        )
+        choice = out.choices[0]
+        if choice.finish_reason == "length":
+            continue  # cut short: the text is left as content
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == "tool_calls" and calls
+        assert seed % 2 == 0 or len(calls) == 1
+        for call in calls:
+            name = call.function.name  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(call.function.arguments), schemas[name])  # type: ignore[union-attr]
+    pieces = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ask,  # type: ignore[arg-type]
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tool_choice="required",
+            max_tokens=160,
+            temperature=0,
+            stream=True,
+        )
+    )
+    last = pieces[-1].choices[0]
+    if last.finish_reason == "tool_calls":
+        streamed = last.delta.tool_calls or []
+        assert streamed and all(c.id and c.function and c.function.name for c in streamed)
+
+
+def test_a_tool_loop_runs_to_its_answer(server: Server) -> None:
+    """call -> the tool's result -> an answer: the history with the
+    assistant's call and the tool message is taken, and answered in text."""
+    client = server.client()
+    history: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Rome?"}]
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=history,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="required",
+        max_tokens=96,
+        temperature=0,
+    )
+    [call] = out.choices[0].message.tool_calls or []
+    history.append(out.choices[0].message.model_dump(exclude_none=True))
+    history.append({"role": "tool", "tool_call_id": call.id, "content": "22 C, sunny"})
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=history,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="none",
+        max_tokens=24,
+        temperature=0,
+    )
+    assert answer.choices[0].message.content
+    assert not answer.choices[0].message.tool_calls
+
+
 def test_stop_strings_end_the_text_before_them(server: Server) -> None:
     client = server.client()
     free = client.completions.create(
@@ -527,6 +635,39 @@ def test_a_client_dropping_a_whole_request_frees_it(server: Server, reset: bool)
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
+
+
+def tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name, "description": f"the {name} tool"}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+WEATHER_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+WEATHER = tool("get_weather", WEATHER_PARAMETERS)
+TIME_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 40}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TIME = tool("get_time", TIME_PARAMETERS)
+
+
 BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("malformed JSON", COMPLETIONS, b'{"prompt": "hi",', 400, None),
     ("not an object", COMPLETIONS, b"[1, 2]", 400, None),
@@ -622,6 +763,62 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
         "stream_options",
     ),
     ("suffix", COMPLETIONS, {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("tool_choice auto", CHAT, {"messages": USER, "tools": [WEATHER]}, 400, "tool_choice"),
+    (
+        "tool_choice of no tool",
+        CHAT,
+        {"messages": USER, "tools": [WEATHER], "tool_choice": named("get_time")},
+        400,
+        None,
+    ),
+    ("required without tools", CHAT, {"messages": USER, "tool_choice": "required"}, 400, None),
+    (
+        "tool name",
+        CHAT,
+        {"messages": USER, "tools": [tool("bad name!")], "tool_choice": "required"},
+        400,
+        "tools",
+    ),
+    (
+        "two tools of one name",
+        CHAT,
+        {"messages": USER, "tools": [WEATHER, WEATHER], "tool_choice": "required"},
+        400,
+        "tools",
+    ),
+    (
+        "too many tools",
+        CHAT,
+        {"messages": USER, "tools": [tool(f"t{i}") for i in range(129)]},
+        400,
+        "tools",
+    ),
+    (
+        "parameters not an object schema",
+        CHAT,
+        {"messages": USER, "tools": [tool("x", {"type": "string"})], "tool_choice": "required"},
+        400,
+        "tools",
+    ),
+    (
+        "a tool message answering nothing",
+        CHAT,
+        {"messages": [*USER, {"role": "tool", "tool_call_id": "c1", "content": "x"}]},
+        400,
+        "messages",
+    ),
+    (
+        "a forced call and a response_format",
+        CHAT,
+        {
+            "messages": USER,
+            "tools": [WEATHER],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "tool_choice",
+    ),
     ("detokenize outside the vocabulary", "/detokenize", {"tokens": [1, -5]}, 400, "tokens"),
     ("tokenize nothing", "/tokenize", {}, 400, "prompt"),
     ("oversized body", COMPLETIONS, {"prompt": "x" * BODY_LIMIT}, 413, None),

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -200,13 +200,16 @@ class Engine:
         await event.wait()
         self._check_alive()
 
-    async def encode_prompt(self, prompt: Prompt) -> list[int]:
+    async def encode_prompt(
+        self, prompt: Prompt, *, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of a prompt: text as ``tokenizer(text).input_ids``, chat
-        messages through the tokenizer's chat template, token ids as they are.
-        A prompt that cannot fit the context is refused by its size before it
-        is tokenized; long text is tokenized in a worker thread. Anything
-        else, or ids the model cannot take, raise :class:`InvalidRequestError`."""
-        return await self.input_processor.encode_prompt(prompt)
+        messages through the tokenizer's chat template (``tools``: function
+        schemas, its ``tools``), token ids as they are. A prompt that cannot
+        fit the context is refused by its size before it is tokenized; long
+        text is tokenized in a worker thread. Anything else, or ids the model
+        cannot take, raise :class:`InvalidRequestError`."""
+        return await self.input_processor.encode_prompt(prompt, tools=tools)
 
     def encode_prompt_nowait(self, prompt: Prompt) -> list[int]:
         """:meth:`encode_prompt` on the caller's thread (long text blocks

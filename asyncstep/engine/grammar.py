@@ -54,7 +54,8 @@ def grammar_of(params: StructuredOutputsParams) -> xgrammar.Grammar:
     kind = params.kind
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(params.spec)
+            compact = params.disable_any_whitespace
+            return xgr.Grammar.from_json_schema(params.spec, any_whitespace=not compact)
         if kind == "json_object":
             return xgr.Grammar.builtin_json_grammar()
         if kind == "regex":
@@ -128,6 +129,8 @@ class GrammarCompiler:
         try:
             if kind == "json":
                 return compiler.compile_json_schema(spec)
+            if kind == "json_compact":
+                return compiler.compile_json_schema(spec, any_whitespace=False)
             if kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
             if kind == "regex":

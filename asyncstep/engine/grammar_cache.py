@@ -21,7 +21,7 @@ from asyncstep.structured_params import StructuredOutputsParams
 
 @dataclass(frozen=True)
 class GrammarKey:
-    """A grammar: its kind and text (``StructuredOutputsParams.kind`` and ``.spec``)."""
+    """A grammar: its kind and text (``StructuredOutputsParams.grammar_kind`` and ``.spec``)."""
 
     kind: str
     spec: str = field(repr=False)
@@ -34,7 +34,7 @@ class GrammarKey:
 
     @classmethod
     def of(cls, params: StructuredOutputsParams) -> GrammarKey:
-        return cls(params.kind, params.spec)
+        return cls(params.grammar_kind, params.spec)
 
 
 @dataclass

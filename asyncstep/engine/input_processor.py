@@ -24,6 +24,7 @@ the requests in flight or the transport (the :class:`Engine` holds those).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -84,24 +85,29 @@ class InputProcessor:
         )
         self._tokenize_limiter: anyio.CapacityLimiter | None = None
 
-    async def encode_prompt(self, prompt: Prompt) -> list[int]:
+    async def encode_prompt(
+        self, prompt: Prompt, *, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of a prompt: text as ``tokenizer(text).input_ids``, chat
-        messages through the tokenizer's chat template, token ids as they are.
+        messages through the tokenizer's chat template (with ``tools``, the
+        function schemas, as its ``tools``), token ids as they are.
         A prompt that cannot fit the context is refused before it is
         tokenized (see the module doc); text of more than
         :data:`INLINE_TOKENIZE_BYTES` is tokenized in a worker thread (a
         cancelled caller waits for it to finish). Anything else, or ids the
         model cannot take, raise :class:`InvalidRequestError`."""
-        work, size = self._prepare(prompt)
+        work, size = self._prepare(prompt, tools)
         ids = await self._in_thread(work) if size > INLINE_TOKENIZE_BYTES else work()
         self._check_prompt(ids)
         return ids
 
-    def encode_prompt_nowait(self, prompt: Prompt) -> list[int]:
+    def encode_prompt_nowait(
+        self, prompt: Prompt, *, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         """:meth:`encode_prompt` on the caller's thread, whatever the size
         of the text (it never yields: long text blocks the caller's event
         loop while it is tokenized)."""
-        work, _ = self._prepare(prompt)
+        work, _ = self._prepare(prompt, tools)
         ids = work()
         self._check_prompt(ids)
         return ids
@@ -184,9 +190,13 @@ class InputProcessor:
                 sequences.append(spaced)
         return tuple(sequences)
 
-    def _prepare(self, prompt: Prompt) -> tuple[Callable[[], list[int]], int]:
+    def _prepare(
+        self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[Callable[[], list[int]], int]:
         """Check a prompt's kind and size: the work that gives its token ids,
         and the UTF-8 bytes of text that work tokenizes (0: none)."""
+        if tools is not None and (isinstance(prompt, str) or not _is_chat(prompt)):
+            raise InvalidRequestError("tools go with chat messages only")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
@@ -198,7 +208,8 @@ class InputProcessor:
                 raise self._too_long(len(items))
             if items and all(isinstance(m, Mapping) for m in items):
                 messages = cast(list[Mapping[str, Any]], items)
-                return partial(self._apply_chat_template, messages), self._check_chat(messages)
+                size = self._check_chat(messages, tools)
+                return partial(self._apply_chat_template, messages, tools), size
             if all(type(t) is int for t in items):
                 return lambda: cast(list[int], items), 0
             raise InvalidRequestError(
@@ -218,14 +229,17 @@ class InputProcessor:
             raise InvalidRequestError(f"{what} is not valid UTF-8 (it holds a lone surrogate)")
         return size
 
-    def _check_chat(self, messages: Sequence[Mapping[str, Any]]) -> int:
-        """Check chat messages (string role and content, in UTF-8): the
-        UTF-8 bytes of their contents, refused past :attr:`max_prompt_bytes`
-        (the chat template renders each content: the text is longer still;
-        a template that strips whitespace from contents may shorten it)."""
-        for i, message in enumerate(messages):
-            _check_chat_message(i, message)
-        size = sum(utf8_size(m["content"]) for m in messages)
+    def _check_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> int:
+        """Check chat messages (:func:`_check_chat_message`) and ``tools``
+        (JSON objects): the UTF-8 bytes of their contents, tool calls and
+        tool schemas, refused past :attr:`max_prompt_bytes` (the chat
+        template renders each of them: the text is longer still; a template
+        that strips whitespace may shorten it)."""
+        size = sum(_check_chat_message(i, message) for i, message in enumerate(messages))
+        if tools is not None:
+            size += _json_size(tools, "tools")
         return self._check_size(size, "the chat messages' content")
 
     def _check_size(self, size: int, what: str) -> int:
@@ -272,15 +286,21 @@ class InputProcessor:
             raise InvalidRequestError("prompt is empty")
         return self._tokenize(text, add_special_tokens=add_special_tokens)
 
-    def _apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Checked messages (:meth:`_check_chat`) through the chat template."""
+    def _apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Checked messages and tools (:meth:`_check_chat`) through the chat
+        template."""
         tokenizer = self._need_tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template")
         try:
-            conversation: list[dict[str, Any]] = [dict(m) for m in messages]
+            conversation: list[dict[str, Any]] = [_template_message(m) for m in messages]
             text = tokenizer.apply_chat_template(
                 conversation,
+                tools=None if tools is None else [dict(t) for t in tools],
                 add_generation_prompt=True,
                 tokenize=False,
             )
@@ -301,18 +321,93 @@ def check_request_id(request_id: object) -> str:
     return request_id
 
 
-def _check_chat_message(index: int, message: Mapping[str, Any]) -> None:
-    """A chat message: a string ``role`` and a string ``content``, in UTF-8."""
-    for key in ("role", "content"):
-        value = message.get(key)
-        if not isinstance(value, str):
-            raise InvalidRequestError(
-                f"chat message {index}: {key!r} must be a string, got {shown(value)}"
-            )
-        if not is_utf8(value):
-            raise InvalidRequestError(f"chat message {index}: {key!r} is not valid UTF-8")
-    if not message["role"]:
+def _check_chat_message(index: int, message: Mapping[str, Any]) -> int:
+    """A chat message: a string ``role``; a string ``content``, which an
+    assistant's message with ``tool_calls`` may leave out (or null); each
+    tool call a ``function`` with a string ``name`` and ``arguments`` (a
+    JSON string or object); a string ``tool_call_id`` where given; all in
+    UTF-8. Returns the UTF-8 bytes the template renders of it."""
+    role = message.get("role")
+    _check_string(index, "role", role)
+    if not role:
         raise InvalidRequestError(f"chat message {index}: 'role' is empty")
+    calls = message.get("tool_calls")
+    content = message.get("content")
+    if content is not None or not calls:
+        _check_string(index, "content", content)
+    size = utf8_size(content or "")
+    if calls is not None:
+        size += _check_tool_calls(index, calls)
+    if (call_id := message.get("tool_call_id")) is not None:
+        _check_string(index, "tool_call_id", call_id)
+        size += utf8_size(call_id)
+    return size
+
+
+def _check_string(index: int, key: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise InvalidRequestError(
+            f"chat message {index}: {key!r} must be a string, got {shown(value)}"
+        )
+    if not is_utf8(value):
+        raise InvalidRequestError(f"chat message {index}: {key!r} is not valid UTF-8")
+
+
+def _check_tool_calls(index: int, calls: object) -> int:
+    if not isinstance(calls, Sequence) or isinstance(calls, str | bytes) or not calls:
+        raise InvalidRequestError(f"chat message {index}: 'tool_calls' must be a non-empty list")
+    size = 0
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise InvalidRequestError(
+                f"chat message {index}: each tool call must hold a 'function' object"
+            )
+        _check_string(index, "tool_calls[].function.name", function.get("name"))
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            _check_string(index, "tool_calls[].function.arguments", arguments)
+            size += utf8_size(arguments)
+        else:
+            size += _json_size(arguments, f"chat message {index}: tool call arguments")
+        size += utf8_size(function["name"])
+    return size
+
+
+def _json_size(value: object, what: str) -> int:
+    """The UTF-8 bytes of ``value`` as JSON (InvalidRequestError if it is not JSON)."""
+    try:
+        return len(msgspec.json.encode(value))
+    except (TypeError, msgspec.EncodeError, UnicodeEncodeError) as exc:
+        raise InvalidRequestError(f"{what} must be JSON: {exc}") from None
+
+
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A checked message as chat templates take it: tool calls' arguments
+    as objects (they render them with ``tojson``), a missing content empty."""
+    out = dict(message)
+    if out.get("content") is None:
+        out["content"] = ""
+    if out.get("tool_calls"):
+        out["tool_calls"] = [_template_call(call) for call in out["tool_calls"]]
+    return out
+
+
+def _template_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    function = dict(call["function"])
+    if isinstance(function.get("arguments"), str):
+        with contextlib.suppress(msgspec.DecodeError):  # not JSON: the template gets the string
+            function["arguments"] = msgspec.json.decode(function["arguments"])
+    return {**call, "type": call.get("type", "function"), "function": function}
+
+
+def _is_chat(prompt: object) -> bool:
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, str | bytes)
+        and bool(prompt)
+        and all(isinstance(m, Mapping) for m in prompt)
+    )
 
 
 def _kinds(items: list[Any]) -> str:

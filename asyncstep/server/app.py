@@ -170,6 +170,7 @@ class OpenAIServer:
             self.texts,
             job.logprobs is not None,
             job.prompt_logprobs,
+            job.forced_calls,
         )
         return GenerationResponse(self.generations, job, fmt, rid)
 

@@ -119,11 +119,53 @@ class CompletionRequest(GenerationRequest, kw_only=True):
     best_of: int | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    #: The arguments as a JSON text (OpenAI's).
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A call an assistant made (a response's, or one in the history)."""
+
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     #: A string, or a list of content parts (only ``{"type": "text", "text": ...}``).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    #: An assistant message's calls.
+    tool_calls: list[ToolCall] | None = None
+    #: A ``tool`` message: the call it answers.
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    #: The JSON schema of the arguments (an object).
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    type: str
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """``tool_choice`` naming one function: its call is forced."""
+
+    type: str
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationRequest, kw_only=True):
@@ -135,8 +177,12 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     max_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    #: Functions the model may call (:mod:`asyncstep.server.tools`).
+    tools: list[ChatTool] | None = None
+    #: ``none``, ``auto``, ``required`` or a named function (default: ``auto``
+    #: with tools, else ``none``).
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -223,6 +269,7 @@ class ChatChoiceLogprobs(msgspec.Struct, kw_only=True):
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -243,9 +290,25 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A piece of a streamed call: its ``index`` among the choice's calls;
+    ``id``, ``type`` and the name first, then pieces of the arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct, kw_only=True):

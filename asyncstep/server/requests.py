@@ -20,9 +20,12 @@ text is tokenized off the event loop): what they refuse raises
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from asyncstep.checks import shown
 from asyncstep.datatypes import MAX_LOGPROBS, SamplingParams
@@ -36,6 +39,7 @@ from asyncstep.server.protocol import (
     GenerationRequest,
     ResponseFormat,
 )
+from asyncstep.server.tools import ForcedCalls, check_tools, template_tools
 from asyncstep.structured_params import StructuredOutputsParams, check_structured_outputs
 
 #: A completion's ``max_tokens`` when none is given (OpenAI's).
@@ -67,6 +71,8 @@ class GenerationJob:
     echo: bool = False
     #: ``echo`` with ``max_tokens`` 0: the prompt alone (one token is made, not shown).
     hide_output: bool = False
+    #: A chat's forced tool calls: the output is read as calls.
+    forced_calls: ForcedCalls | None = None
 
     @property
     def n(self) -> int:
@@ -108,21 +114,25 @@ async def completion_job(engine: Engine, request: CompletionRequest) -> Generati
 
 
 async def chat_job(engine: Engine, request: ChatCompletionRequest) -> GenerationJob:
-    if request.tools and request.tool_choice != "none":
-        raise bad_request("tools are not supported", "tools")
     if not request.messages:
         raise bad_request("messages must not be empty", "messages")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    forced = check_tools(
+        request.tools, request.tool_choice, request.parallel_tool_calls, request.messages
+    )
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    ids = await _encoded(engine, chat_messages(request.messages), "messages")
+    ids = await _encoded(
+        engine, chat_messages(request.messages), "messages", tools=template_tools(request.tools)
+    )
     given = request.max_completion_tokens
     name = "max_completion_tokens"
     if given is None and request.max_tokens is not None:
         given, name = request.max_tokens, "max_tokens"
     max_tokens = _max_tokens(engine, len(ids), given, name, completion=False)
-    params = [_sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)]
-    return _job(request, [ids], [None], params, logprobs)
+    params = [_sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, forced)]
+    job = _job(request, [ids], [None], params, logprobs)
+    return dataclasses.replace(job, forced_calls=forced)
 
 
 def completion_prompts(prompt: str | list[Any], max_model_len: int) -> list[str | list[int]]:
@@ -183,10 +193,19 @@ def check_prompt_logprobs(engine: Engine, prompts: list[list[int]], k: object) -
         )
 
 
-def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """Chat messages as the engine's chat template takes them: string
-    contents (text parts joined by newlines; none: empty)."""
-    return [{"role": m.role, "content": _content(i, m.content)} for i, m in enumerate(messages)]
+    contents (text parts joined by newlines; none: empty), an assistant's
+    ``tool_calls`` and a tool message's ``tool_call_id`` as given."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        message: dict[str, Any] = {"role": m.role, "content": _content(i, m.content)}
+        if m.tool_calls:
+            message["tool_calls"] = [msgspec.to_builtins(call) for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
 
 
 def _content(index: int, content: str | list[dict[str, Any]] | None) -> str:
@@ -209,9 +228,11 @@ def _is_token_ids(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
-async def _encoded(engine: Engine, prompt: Any, param: str = "prompt") -> list[int]:
+async def _encoded(
+    engine: Engine, prompt: Any, param: str = "prompt", tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     try:
-        return await engine.encode_prompt(prompt)
+        return await engine.encode_prompt(prompt, tools=tools)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param) from None
 
@@ -235,7 +256,11 @@ def _max_tokens(
 
 
 def _sampling_params(
-    request: GenerationRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    request: GenerationRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    forced: ForcedCalls | None = None,
 ) -> SamplingParams:
     return SamplingParams(
         n=request.n,
@@ -259,7 +284,7 @@ def _sampling_params(
         logit_bias=_logit_bias(request.logit_bias),
         min_tokens=request.min_tokens,
         bad_words=request.bad_words or (),  # type: ignore[arg-type]
-        structured_outputs=structured_outputs(request),
+        structured_outputs=structured_outputs(request, forced),
     )
 
 
@@ -279,14 +304,26 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def structured_outputs(request: GenerationRequest) -> StructuredOutputsParams | None:
-    """``response_format`` (OpenAI's) or ``structured_outputs`` (vLLM's), not both."""
+def structured_outputs(
+    request: GenerationRequest, forced: ForcedCalls | None = None
+) -> StructuredOutputsParams | None:
+    """``response_format`` (OpenAI's), ``structured_outputs`` (vLLM's) or
+    the schema of ``forced`` tool calls: one of them."""
     given = request.structured_outputs
     from_format = _response_format(request.response_format)
     if from_format is not None and given is not None:
         raise bad_request(
             "give response_format or structured_outputs, not both", "structured_outputs"
         )
+    if forced is not None:
+        if from_format is not None or given is not None:
+            raise bad_request(
+                "a forced tool call (tool_choice required or a named function) cannot be "
+                "combined with response_format or structured_outputs",
+                "tool_choice",
+            )
+        schema = {"json": forced.schema(), "disable_any_whitespace": True}
+        return check_structured_outputs("tools", schema)
     if given is not None:
         return check_structured_outputs("structured_outputs", given)
     return from_format

@@ -35,6 +35,7 @@ from asyncstep.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from asyncstep.server.tools import ForcedCalls, ToolCallStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -91,6 +92,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
+
+
+def _called(finish_reason: str | None, called: bool) -> str | None:
+    """A forced call's finish reason: ``tool_calls`` where the output ended
+    as a whole call (a stop), else as it was (``length``: cut short)."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def _logprob(value: float) -> float:
@@ -294,6 +301,9 @@ class ChatFormatter:
     texts: TokenTexts
     logprobs: bool
     prompt_logprobs: int | None = None
+    #: The output is read as these forced tool calls (:mod:`asyncstep.server.tools`).
+    forced_calls: ForcedCalls | None = None
+    _streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     def whole(
         self,
@@ -305,28 +315,44 @@ class ChatFormatter:
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=[
-                ChatChoice(
-                    index=i,
-                    message=ChatMessageOut(content=choice.text),
-                    logprobs=self._logprobs(choice.logprobs),
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                )
-                for i, choice in enumerate(choices)
-            ],
+            choices=[self._choice(i, choice) for i, choice in enumerate(choices)],
             usage=usage,
             prompt_logprobs=self._prompt_entries(prompt_logprobs[0]),
+        )
+
+    def _choice(self, index: int, choice: ChoiceOutput) -> ChatChoice:
+        calls = None if self.forced_calls is None else self.forced_calls.calls(choice.text)
+        message = (
+            ChatMessageOut(content=choice.text)
+            if calls is None
+            else ChatMessageOut(tool_calls=calls)
+        )
+        return ChatChoice(
+            index=index,
+            message=message,
+            logprobs=self._logprobs(choice.logprobs),
+            finish_reason=_called(choice.finish_reason, calls is not None),
+            stop_reason=choice.stop_reason,
         )
 
     def chunk(
         self, index: int, chunk: CompletionChunk, first: bool, usage: UsageInfo | None
     ) -> ChatCompletionChunk:
+        finished = chunk.finish_reason is not None
+        reason = None if chunk.finish_reason is None else str(chunk.finish_reason)
+        role = "assistant" if first else None
+        if self.forced_calls is None:
+            delta = DeltaMessage(role=role, content=chunk.text)
+        else:
+            stream = self._streams.setdefault(index, ToolCallStream(self.forced_calls))
+            calls, content = stream.delta(chunk.text, finished)
+            delta = DeltaMessage(role=role, content=content, tool_calls=calls)
+            reason = _called(reason, content is None)
         choice = ChatStreamChoice(
             index=index,
-            delta=DeltaMessage(role="assistant" if first else None, content=chunk.text),
+            delta=delta,
             logprobs=self._logprobs(chunk.logprobs or []),
-            finish_reason=None if chunk.finish_reason is None else str(chunk.finish_reason),
+            finish_reason=reason,
             stop_reason=chunk.stop_reason,
         )
         body = self._chunk([choice], usage)

@@ -1,0 +1,166 @@
+"""Forced tool calls (:mod:`asyncstep.server.tools`) without a server: the
+schema each ``tool_choice`` forces, the output read back as calls, the
+stream's deltas; and the engine's door for chat messages that carry calls."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from asyncstep.config import ModelConfig
+from asyncstep.engine.input_processor import InputProcessor
+from asyncstep.errors import InvalidRequestError
+from asyncstep.models.model_info import describe_model
+from asyncstep.server.errors import APIError
+from asyncstep.server.protocol import ChatMessage, ChatTool, NamedToolChoice
+from asyncstep.server.tools import ForcedCalls, ToolCallStream, check_tools
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    msgspec.convert(
+        {"type": "function", "function": {"name": "weather", "parameters": CITY}}, ChatTool
+    ),
+    msgspec.convert({"type": "function", "function": {"name": "clock"}}, ChatTool),
+]
+USER = [ChatMessage(role="user", content="hi")]
+
+
+def named(name: str) -> NamedToolChoice:
+    return msgspec.convert({"type": "function", "function": {"name": name}}, NamedToolChoice)
+
+
+def test_each_tool_choice_forces_its_schema() -> None:
+    assert check_tools(TOOLS, "none", None, USER) is None
+    assert check_tools(None, None, None, USER) is None  # no tools: none
+    one = check_tools(TOOLS, named("weather"), None, USER)
+    assert one is not None and one.schema() == CITY
+    some = check_tools(TOOLS, "required", None, USER)
+    assert some is not None
+    schema = some.schema()
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [item["properties"]["name"]["const"] for item in schema["items"]["anyOf"]]
+    assert names == ["weather", "clock"]
+    single = check_tools(TOOLS, "required", False, USER)
+    assert single is not None and single.schema()["maxItems"] == 1
+
+
+@pytest.mark.parametrize(
+    "tools,choice,messages,message",
+    [
+        (TOOLS, None, USER, "requires --enable-auto-tool-choice"),
+        (TOOLS, "sometimes", USER, "tool_choice must be one of none, auto, required"),
+        (None, "required", USER, "needs tools"),
+        (TOOLS, named("nothing"), USER, "not among the tools"),
+        ([TOOLS[0], TOOLS[0]], "required", USER, "a second tool named 'weather'"),
+        (
+            TOOLS,
+            "required",
+            [*USER, ChatMessage(role="tool", content="22 C", tool_call_id="c9")],
+            "answers no earlier tool call",
+        ),
+        (TOOLS, "required", [*USER, ChatMessage(role="tool", content="x")], "needs tool_call_id"),
+    ],
+)
+def test_bad_tools_are_refused_in_one_line(
+    tools: list[ChatTool] | None,
+    choice: str | NamedToolChoice | None,
+    messages: list[ChatMessage],
+    message: str,
+) -> None:
+    with pytest.raises(APIError) as refused:
+        check_tools(tools, choice, None, messages)
+    assert message in refused.value.message and "\n" not in refused.value.message
+
+
+def test_outputs_read_back_as_calls() -> None:
+    one = ForcedCalls({"weather": CITY}, "weather", parallel=False)
+    [call] = one.calls('{"city": "Oslo"}') or []
+    assert call.function.name == "weather" and json.loads(call.function.arguments) == {
+        "city": "Oslo"
+    }
+    assert one.calls('{"city": "Os') is None  # cut by max_tokens
+    some = ForcedCalls({"weather": CITY, "clock": {"type": "object"}}, None, parallel=True)
+    calls = some.calls(
+        '[{"name":"weather","parameters":{"city":"Rome"}},{"name":"clock","parameters":{}}]'
+    )
+    assert calls is not None and [c.function.name for c in calls] == ["weather", "clock"]
+    assert len({c.id for c in calls}) == 2
+    assert some.calls("[]") == [] and some.calls('{"name": "weather"}') is None
+
+
+def test_a_named_call_streams_its_name_then_its_arguments() -> None:
+    stream = ToolCallStream(ForcedCalls({"weather": CITY}, "weather", parallel=False))
+    first, content = stream.delta('{"ci', finished=False)
+    assert content is None and first is not None
+    assert first[0].id and first[0].function is not None
+    assert (first[0].function.name, first[0].function.arguments) == ("weather", '{"ci')
+    second, _ = stream.delta('ty": "Oslo"}', finished=True)
+    assert second is not None and second[0].id is None and second[0].function is not None
+    assert second[0].function.arguments == 'ty": "Oslo"}'
+    assert stream.delta("", finished=True) == (None, None)
+
+
+def test_required_calls_stream_whole_at_the_end() -> None:
+    stream = ToolCallStream(ForcedCalls({"weather": CITY}, None, parallel=True))
+    assert stream.delta('[{"name":"weather",', finished=False) == (None, None)
+    calls, content = stream.delta('"parameters":{"city":"Rome"}}]', finished=True)
+    assert content is None and calls is not None and len(calls) == 1
+    assert calls[0].function is not None and calls[0].function.name == "weather"
+    cut = ToolCallStream(ForcedCalls({"weather": CITY}, None, parallel=True))
+    assert cut.delta('[{"name":', finished=True) == (None, '[{"name":')
+
+
+@pytest.fixture(scope="module")
+def door() -> InputProcessor:
+    """The embedded model's door (its tokenizer and chat template)."""
+    info = describe_model(ModelConfig())
+    return InputProcessor(info.arch_config, info.tokenizer, 1024)
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "messages,tools,message",
+    [
+        ([{"role": "assistant", "tool_calls": "x"}], None, "'tool_calls' must be a non-empty list"),
+        ([{"role": "assistant", "tool_calls": [{"id": "c1"}]}], None, "a 'function' object"),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": 3, "arguments": "{}"}}]}],
+            None,
+            "'tool_calls[].function.name' must be a string",
+        ),
+        ([{"role": "assistant", "content": None}], None, "'content' must be a string"),
+        ([{"role": "tool", "content": "x", "tool_call_id": 7}], None, "'tool_call_id' must be"),
+        ([{"role": "user", "content": "x"}], [{"f": object()}], "tools must be JSON"),
+    ],
+)
+def test_the_door_checks_calls_in_chat_messages(
+    door: InputProcessor,
+    messages: list[dict[str, object]],
+    tools: list[dict[str, object]] | None,
+    message: str,
+) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        door.encode_prompt_nowait(messages, tools=tools)
+    assert message in str(refused.value)
+
+
+def test_tools_go_with_chat_messages_only(door: InputProcessor) -> None:
+    with pytest.raises(InvalidRequestError, match="tools go with chat messages only"):
+        door.encode_prompt_nowait("hi", tools=[{"type": "function"}])
+
+
+def test_a_tool_loop_s_history_renders_through_the_template(door: InputProcessor) -> None:
+    """An assistant's call (content null) and the tool's answer are taken;
+    the answer reaches the prompt."""
+    history = [
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": "22 C and sunny"},
+    ]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": CITY}}]
+    ids = door.encode_prompt_nowait(history, tools=tools)
+    assert door.tokenizer is not None and "22 C and sunny" in door.tokenizer.decode(ids)
