@@ -4,17 +4,29 @@ stream's deltas; and the engine's door for chat messages that carry calls."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from asyncstep.config import ModelConfig
 from asyncstep.engine.input_processor import InputProcessor
-from asyncstep.errors import InvalidRequestError
+from asyncstep.errors import ConfigError, InvalidRequestError
 from asyncstep.models.model_info import describe_model
+from asyncstep.server.config import TOOL_PARSER_NAMES, ServerConfig
 from asyncstep.server.errors import APIError
 from asyncstep.server.protocol import ChatMessage, ChatTool, NamedToolChoice
+from asyncstep.server.tool_parsers import (
+    TOOL_PARSERS,
+    HermesParser,
+    Llama3JsonParser,
+    Parsed,
+    ToolParser,
+    make_call,
+)
 from asyncstep.server.tools import ForcedCalls, ToolCallStream, check_tools
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -164,3 +176,73 @@ def test_a_tool_loop_s_history_renders_through_the_template(door: InputProcessor
     tools = [{"type": "function", "function": {"name": "weather", "parameters": CITY}}]
     ids = door.encode_prompt_nowait(history, tools=tools)
     assert door.tokenizer is not None and "22 C and sunny" in door.tokenizer.decode(ids)
+
+
+# -- auto: the parsers ---------------------------------------------------------
+
+HERMES = (
+    'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    '<tool_call>{"name": "clock", "arguments": {}}</tool_call>'
+)
+LLAMA3 = '<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo"}}; {"name": "clock"}'
+
+
+def streamed(parser: ToolParser, pieces: list[str]) -> Parsed:
+    stream = parser.stream()
+    content: list[str] = []
+    calls: list[tuple[int, str, str]] = []
+    for i, piece in enumerate(pieces):
+        text, deltas = stream.feed(piece, finished=i == len(pieces) - 1)
+        content.append(text or "")
+        for delta in deltas or []:
+            assert delta.id and delta.function is not None and delta.function.name
+            calls.append((delta.index, delta.function.name, delta.function.arguments or ""))
+    assert [index for index, _, _ in calls] == list(range(len(calls)))
+    made = [make_call(name, arguments) for _, name, arguments in calls]
+    return Parsed("".join(content).strip() or None, made)
+
+
+def summary(parsed: Parsed) -> tuple[str | None, list[tuple[str, object]]]:
+    return parsed.content, [
+        (c.function.name, json.loads(c.function.arguments)) for c in parsed.calls
+    ]
+
+
+@pytest.mark.parametrize(
+    "parser,text,content,calls",
+    [
+        (HermesParser(), HERMES, "Let me look.", [("weather", {"city": "Oslo"}), ("clock", {})]),
+        (HermesParser(), "No call here.", "No call here.", []),
+        (HermesParser(), "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+        (HermesParser(), '<tool_call>{"name": "clock"', '<tool_call>{"name": "clock"', []),
+        (Llama3JsonParser(), LLAMA3, None, [("weather", {"city": "Oslo"}), ("clock", {})]),
+        (Llama3JsonParser(), '{"name": "clock", "parameters": {}}', None, [("clock", {})]),
+        (Llama3JsonParser(), "Hello there.", "Hello there.", []),
+        (Llama3JsonParser(), '{"not": "a call"}', '{"not": "a call"}', []),
+    ],
+)
+def test_a_parser_reads_calls_whole_and_in_any_pieces(
+    parser: ToolParser, text: str, content: str | None, calls: list[tuple[str, object]]
+) -> None:
+    assert summary(parser.parse(text)) == (content, calls)
+    for size in (1, 2, 3, 7, len(text)):
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        assert summary(streamed(parser, pieces)) == (content, calls), size
+
+
+@given(cuts=st.lists(st.integers(min_value=0, max_value=len(HERMES)), max_size=12))
+def test_hermes_streams_the_same_wherever_the_text_is_cut(cuts: list[int]) -> None:
+    points = sorted({0, *cuts, len(HERMES)})
+    pieces = [HERMES[a:b] for a, b in itertools.pairwise(points)] or [""]
+    assert summary(streamed(HermesParser(), pieces)) == summary(HermesParser().parse(HERMES))
+
+
+def test_the_parsers_are_the_server_options() -> None:
+    assert set(TOOL_PARSERS) == set(TOOL_PARSER_NAMES)
+    with pytest.raises(ConfigError, match="tool_call_parser must be one of hermes, llama3_json"):
+        ServerConfig(tool_call_parser="xml")
+    with pytest.raises(ConfigError, match="enable_auto_tool_choice needs a tool_call_parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    parser = HermesParser()
+    assert check_tools(TOOLS, "auto", None, USER, parser) is parser
+    assert check_tools(TOOLS, None, None, USER, parser) is parser

@@ -73,6 +73,7 @@ from asyncstep.server.responses import (
     CompletionFormatter,
     TokenTexts,
 )
+from asyncstep.server.tool_parsers import TOOL_PARSERS, ToolParser
 
 log = get_logger("server")
 
@@ -103,6 +104,10 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engine, self.model_name)
         self.texts = TokenTexts(engine.tokenizer)
         self.generations = Generations(engine, self.metrics, self.config)
+        #: ``tool_choice: auto``'s parser (None: auto is refused).
+        self.tool_parser: ToolParser | None = None
+        if self.config.enable_auto_tool_choice and self.config.tool_call_parser is not None:
+            self.tool_parser = TOOL_PARSERS[self.config.tool_call_parser]()
         self._created = int(time.time())
         routes = [
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
@@ -161,7 +166,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self._body(request), ChatCompletionRequest)
         self._check_model(body.model)
-        job = await chat_job(self.engine, body)
+        job = await chat_job(self.engine, body, self.tool_parser)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(
             rid,
@@ -170,7 +175,7 @@ class OpenAIServer:
             self.texts,
             job.logprobs is not None,
             job.prompt_logprobs,
-            job.forced_calls,
+            job.tool_calls,
         )
         return GenerationResponse(self.generations, job, fmt, rid)
 

@@ -25,6 +25,8 @@ API_KEY_ENV = "ASYNCSTEP_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 #: Seconds a request's body may take to arrive unless configured otherwise.
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
+#: ``tool_call_parser`` names (:data:`asyncstep.server.tool_parsers.TOOL_PARSERS`).
+TOOL_PARSER_NAMES = ("hermes", "llama3_json")
 #: Most API server processes (``api_server_count``).
 MAX_API_SERVERS = 64
 #: ``max_waiting_requests`` by default: this many times the server's share of
@@ -87,6 +89,17 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     access_log: Annotated[bool, _doc("log every request to stderr (Hypercorn's access log)")] = (
         False
     )
+    enable_auto_tool_choice: Annotated[
+        bool,
+        _doc(
+            "serve tool_choice 'auto' (the default with tools): the model chooses to call, "
+            "and --tool-call-parser reads its calls from its text"
+        ),
+    ] = False
+    tool_call_parser: Annotated[
+        str | None,
+        _doc("how calls are written in the model's text: hermes or llama3_json"),
+    ] = None
     api_server_count: Annotated[
         int,
         _doc(
@@ -121,6 +134,13 @@ class ServerConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(
                 f"api_server_count must be in [1, {MAX_API_SERVERS}], got {self.api_server_count}"
             )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSER_NAMES:
+            raise ConfigError(
+                f"tool_call_parser must be one of {', '.join(TOOL_PARSER_NAMES)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("enable_auto_tool_choice needs a tool_call_parser")
         if not self.body_read_timeout > 0:
             raise ConfigError(f"body_read_timeout must be positive, got {self.body_read_timeout}")
         if not self.keep_alive_timeout > 0:

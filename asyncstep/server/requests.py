@@ -39,6 +39,7 @@ from asyncstep.server.protocol import (
     GenerationRequest,
     ResponseFormat,
 )
+from asyncstep.server.tool_parsers import ToolParser
 from asyncstep.server.tools import ForcedCalls, check_tools, template_tools
 from asyncstep.structured_params import StructuredOutputsParams, check_structured_outputs
 
@@ -71,8 +72,8 @@ class GenerationJob:
     echo: bool = False
     #: ``echo`` with ``max_tokens`` 0: the prompt alone (one token is made, not shown).
     hide_output: bool = False
-    #: A chat's forced tool calls: the output is read as calls.
-    forced_calls: ForcedCalls | None = None
+    #: A chat's tool calls: forced ones, or the parser of ``auto``'s.
+    tool_calls: ForcedCalls | ToolParser | None = None
 
     @property
     def n(self) -> int:
@@ -113,14 +114,18 @@ async def completion_job(engine: Engine, request: CompletionRequest) -> Generati
     return _job(request, ids, texts, params, request.logprobs, echo=request.echo, hide=hide_output)
 
 
-async def chat_job(engine: Engine, request: ChatCompletionRequest) -> GenerationJob:
+async def chat_job(
+    engine: Engine, request: ChatCompletionRequest, parser: ToolParser | None = None
+) -> GenerationJob:
+    """``parser``: the server's tool-call parser (``tool_choice`` ``auto``)."""
     if not request.messages:
         raise bad_request("messages must not be empty", "messages")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    forced = check_tools(
-        request.tools, request.tool_choice, request.parallel_tool_calls, request.messages
+    mode = check_tools(
+        request.tools, request.tool_choice, request.parallel_tool_calls, request.messages, parser
     )
+    forced = mode if isinstance(mode, ForcedCalls) else None
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     ids = await _encoded(
         engine, chat_messages(request.messages), "messages", tools=template_tools(request.tools)
@@ -132,7 +137,7 @@ async def chat_job(engine: Engine, request: ChatCompletionRequest) -> Generation
     max_tokens = _max_tokens(engine, len(ids), given, name, completion=False)
     params = [_sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, forced)]
     job = _job(request, [ids], [None], params, logprobs)
-    return dataclasses.replace(job, forced_calls=forced)
+    return dataclasses.replace(job, tool_calls=mode)
 
 
 def completion_prompts(prompt: str | list[Any], max_model_len: int) -> list[str | list[int]]:

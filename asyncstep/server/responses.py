@@ -35,6 +35,7 @@ from asyncstep.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from asyncstep.server.tool_parsers import ParserStream, ToolParser
 from asyncstep.server.tools import ForcedCalls, ToolCallStream
 
 if TYPE_CHECKING:
@@ -301,9 +302,10 @@ class ChatFormatter:
     texts: TokenTexts
     logprobs: bool
     prompt_logprobs: int | None = None
-    #: The output is read as these forced tool calls (:mod:`asyncstep.server.tools`).
-    forced_calls: ForcedCalls | None = None
-    _streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    #: The output is read as calls: forced ones (:mod:`asyncstep.server.tools`),
+    #: or those ``auto``'s parser finds (:mod:`asyncstep.server.tool_parsers`).
+    tool_calls: ForcedCalls | ToolParser | None = None
+    _streams: dict[int, ToolCallStream | ParserStream] = field(default_factory=dict)
 
     def whole(
         self,
@@ -321,15 +323,17 @@ class ChatFormatter:
         )
 
     def _choice(self, index: int, choice: ChoiceOutput) -> ChatChoice:
-        calls = None if self.forced_calls is None else self.forced_calls.calls(choice.text)
-        message = (
-            ChatMessageOut(content=choice.text)
-            if calls is None
-            else ChatMessageOut(tool_calls=calls)
-        )
+        mode, calls = self.tool_calls, None
+        content: str | None = choice.text
+        if isinstance(mode, ForcedCalls):
+            calls = mode.calls(choice.text)
+            content = None if calls is not None else choice.text
+        elif mode is not None:
+            parsed = mode.parse(choice.text)
+            content, calls = parsed.content, parsed.calls or None
         return ChatChoice(
             index=index,
-            message=message,
+            message=ChatMessageOut(content=content, tool_calls=calls or []),
             logprobs=self._logprobs(choice.logprobs),
             finish_reason=_called(choice.finish_reason, calls is not None),
             stop_reason=choice.stop_reason,
@@ -341,13 +345,21 @@ class ChatFormatter:
         finished = chunk.finish_reason is not None
         reason = None if chunk.finish_reason is None else str(chunk.finish_reason)
         role = "assistant" if first else None
-        if self.forced_calls is None:
+        mode = self.tool_calls
+        if mode is None:
             delta = DeltaMessage(role=role, content=chunk.text)
-        else:
-            stream = self._streams.setdefault(index, ToolCallStream(self.forced_calls))
-            calls, content = stream.delta(chunk.text, finished)
+        elif isinstance(mode, ForcedCalls):
+            forced = self._streams.setdefault(index, ToolCallStream(mode))
+            assert isinstance(forced, ToolCallStream)
+            calls, content = forced.delta(chunk.text, finished)
             delta = DeltaMessage(role=role, content=content, tool_calls=calls)
             reason = _called(reason, content is None)
+        else:
+            parsing = self._streams.setdefault(index, mode.stream())
+            assert isinstance(parsing, ParserStream)
+            content, calls = parsing.feed(chunk.text, finished)
+            delta = DeltaMessage(role=role, content=content, tool_calls=calls)
+            reason = _called(reason, parsing.num_calls > 0)
         choice = ChatStreamChoice(
             index=index,
             delta=delta,

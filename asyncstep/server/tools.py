@@ -7,8 +7,8 @@
   ``tool_choice`` ``none``, ``auto``, ``required`` or a named function that
   is among the tools; every ``tool`` message answers a call of an earlier
   assistant message (``tool_call_id``). ``auto`` (the model chooses, a
-  parser reads its calls) is refused as vLLM refuses it without
-  ``--enable-auto-tool-choice``: it is not built yet.
+  :mod:`~asyncstep.server.tool_parsers` parser reads its calls) needs
+  ``--enable-auto-tool-choice`` and ``--tool-call-parser``, as vLLM's.
 * ``required`` and a named function are **forced** (:class:`ForcedCalls`):
   the output follows a JSON schema, so every call parses and validates
   against its tool's parameters whatever the model's size (vLLM's shapes: a
@@ -42,6 +42,7 @@ from asyncstep.server.protocol import (
     NamedToolChoice,
     ToolCall,
 )
+from asyncstep.server.tool_parsers import ToolParser
 
 #: Most tools one request may list.
 MAX_TOOLS = 128
@@ -114,9 +115,11 @@ def check_tools(
     tool_choice: str | NamedToolChoice | None,
     parallel_tool_calls: bool | None,
     messages: Sequence[ChatMessage],
-) -> ForcedCalls | None:
-    """The request's tools checked (see the module doc); the calls to force,
-    if any. A bad value is a 400 naming its field."""
+    parser: ToolParser | None = None,
+) -> ForcedCalls | ToolParser | None:
+    """The request's tools checked (see the module doc): the calls to force,
+    or (``auto``) the ``parser`` that reads the model's calls (none: ``auto``
+    is refused), or None. A bad value is a 400 naming its field."""
     by_name = _tools_by_name(tools or [])
     _check_tool_messages(messages)
     if tool_choice is None:
@@ -132,11 +135,13 @@ def check_tools(
             return None
         if not by_name:
             raise bad_request(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
+        if tool_choice == "auto" and parser is not None:
+            return parser
         if tool_choice == "auto":
             raise bad_request(
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                'to be set (asyncstep has no tool-call parser yet: use "required" or a named '
-                "function, whose calls a grammar forces)",
+                'to be set (or use "required" or a named function, whose calls a grammar '
+                "forces)",
                 "tool_choice",
             )
         return ForcedCalls(by_name, None, parallel_tool_calls is not False)
