@@ -111,6 +111,13 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             "dequantizing and packing again"
         ),
     ] = True
+    chat_template: Annotated[
+        str | None,
+        _doc(
+            "a Jinja chat template file to use instead of the tokenizer's (which may have "
+            "none, or one without tools); checked at start-up by rendering a short chat"
+        ),
+    ] = None
     device: Annotated[str, _doc("auto, cpu, cuda or cuda:N; auto: cuda when available")] = "auto"
     max_model_len: Annotated[
         int | None, _doc("longest sequence (prompt + output); none: the model's own limit")

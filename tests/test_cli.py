@@ -168,6 +168,7 @@ LLAMA_CONFIG = dict(
         (["--json-schema", "/no/such/schema.json", "x"], "--json-schema /no/such/schema.json"),
         (["--choice", "", "x"], "choice must not hold an empty string"),
         (["--load-format", "dummy", "--model", "foo", "x"], "known: tiny-llama, smollm2-135m"),
+        (["--chat-template", "/no/such.jinja", "x"], "chat_template /no/such.jinja: No such file"),
         (["--load-format", "dummy", "--model", "tiny-llama", "--token-ids", "1 x"], "--token-ids"),
     ],
 )
@@ -310,6 +311,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "weight_packing": (["none"], "none"),
     "packed_max_tokens": (["4"], 4),
     "packed_weight_cache": ([], False),
+    "chat_template": (["/t.jinja"], "/t.jinja"),
     "device": (["cuda:1"], "cuda:1"),
     "max_model_len": (["512"], 512),
     "seed": (["7"], 7),
@@ -492,3 +494,27 @@ def test_verbose_says_which_model_was_loaded(capsys: pytest.CaptureFixture[str])
     [line] = [line for line in err.splitlines() if "model loaded" in line]
     for part in ("source=tiny-llama", "device=cpu", "dtype=", "layers=4"):
         assert part in line
+
+
+def test_a_chat_template_file_replaces_the_tokenizer_s(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    code, out, err = run(
+        capsys, "generate", "--chat-template", str(template), "--json", "--max-tokens", "1", "Hi"
+    )
+    assert code == 0, err
+    # The file's template: no system prompt (the embedded tokenizer's adds ~20 tokens).
+    assert 0 < len(json.loads(out)["prompt_token_ids"]) < 12
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ unclosed")
+    code, _, err = run(capsys, "generate", "--chat-template", str(broken), "x")
+    assert code == 1 and "does not render a chat" in err and err.count("\n") == 1
+    silent = tmp_path / "silent.jinja"
+    silent.write_text("nothing of the messages")
+    code, _, err = run(capsys, "generate", "--chat-template", str(silent), "x")
+    assert code == 1 and "leaves the messages out" in err

@@ -19,7 +19,7 @@ import anyio
 from asyncstep.config import EngineConfig
 from asyncstep.engine.core_client import CoreClient, CoreConnection, CoreProcess
 from asyncstep.engine.engine import Engine
-from asyncstep.engine.input_processor import tokenizer_eos
+from asyncstep.engine.input_processor import tokenizer_eos, use_chat_template
 from asyncstep.errors import ConfigError, EngineDeadError, describe
 from asyncstep.logging import get_logger, json_log_file
 from asyncstep.logging.spans import STARTUP, span
@@ -85,6 +85,7 @@ async def open_engine(
 
             opened = await stack.enter_async_context(open_executor(config, preloaded, progress))
             arch, tokenizer = opened.arch_config, opened.tokenizer
+            use_chat_template(tokenizer, config.model.chat_template)
             eos = frozenset(arch.eos_token_ids) | tokenizer_eos(tokenizer)
             core = EngineCore(
                 config,
@@ -172,6 +173,7 @@ async def _describe(
         await before_tokenizer()
     with span("tokenizer", STARTUP):
         info = await anyio.to_thread.run_sync(describe_model, config.model, opened)
+    use_chat_template(info.tokenizer, config.model.chat_template)
     config.model.max_model_len = info.max_model_len
     config.resolve_for_device(device_type(config.model.device))
     return info

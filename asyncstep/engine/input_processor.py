@@ -37,7 +37,7 @@ from asyncstep.checks import is_utf8, shown, utf8_size
 from asyncstep.config import StructuredOutputsConfig
 from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.grammar import check_grammar
-from asyncstep.errors import InvalidRequestError, describe
+from asyncstep.errors import ConfigError, InvalidRequestError, describe
 from asyncstep.models.config import ModelArchConfig
 
 if TYPE_CHECKING:
@@ -307,6 +307,39 @@ class InputProcessor:
         except Exception as exc:  # jinja errors: a malformed conversation
             raise InvalidRequestError(f"chat template failed: {describe(exc)}") from None
         return self._encode_text(cast(str, text), add_special_tokens=False)
+
+
+#: Largest chat template file taken (``ModelConfig.chat_template``).
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+#: What a chat template must render at start-up.
+_PROBE_CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def use_chat_template(tokenizer: PreTrainedTokenizerBase | None, path: str | None) -> None:
+    """Give ``tokenizer`` the chat template in file ``path`` (None: keep its
+    own), once it renders a two-message chat; else a one-line ConfigError."""
+    if path is None:
+        return
+    if tokenizer is None:
+        raise ConfigError(f"chat_template {path}: this model has no tokenizer")
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_CHAT_TEMPLATE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"chat_template {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_CHAT_TEMPLATE_BYTES:
+        raise ConfigError(f"chat_template {path}: larger than {MAX_CHAT_TEMPLATE_BYTES} bytes")
+    try:
+        template = data.decode()
+        text = tokenizer.apply_chat_template(
+            _PROBE_CHAT, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # not UTF-8, or jinja's errors
+        why = describe(exc)
+        raise ConfigError(f"chat_template {path}: does not render a chat: {why}") from None
+    if not isinstance(text, str) or "Hi" not in text:
+        raise ConfigError(f"chat_template {path}: its rendering of a chat leaves the messages out")
+    tokenizer.chat_template = template
 
 
 def check_request_id(request_id: object) -> str:
