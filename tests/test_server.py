@@ -93,6 +93,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     argv += ["--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(BODY_LIMIT)]
     argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--kv-cache-memory-gib", "0.25"]
     argv += [*BATCH_INVARIANT, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    argv += ["--reasoning-parser", "qwen3"]
     env = os.environ | {"ASYNCSTEP_API_KEY": KEY}
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -462,6 +463,31 @@ def test_auto_tool_calls_are_read_by_the_parser(server: Server) -> None:
     plain = client.chat.completions.create(**kwargs)
     assert plain.choices[0].message.content == "It is sunny in Rome."
     assert not plain.choices[0].message.tool_calls and plain.choices[0].finish_reason == "stop"
+
+
+def test_thinking_goes_to_reasoning_content(server: Server) -> None:
+    """``--reasoning-parser qwen3``: a reply that thinks first (made so by a
+    regex) has its thinking in ``reasoning_content``, whole and streamed;
+    replies that do not think are unchanged (every other test here)."""
+    client = server.client()
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": USER,
+        "max_tokens": 64,
+        "temperature": 0,
+        "extra_body": {"structured_outputs": {"regex": "<think>Rome is hot\\.</think>Sunny\\."}},
+    }
+    out = client.chat.completions.create(**kwargs)
+    message = out.choices[0].message
+    assert message.content == "Sunny."
+    assert message.model_extra is not None and message.model_extra["reasoning_content"] == (
+        "Rome is hot."
+    )
+    pieces = list(client.chat.completions.create(**kwargs, stream=True))
+    deltas = [c.choices[0].delta for c in pieces if c.choices]
+    thinking = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    assert thinking.strip() == "Rome is hot."
+    assert "".join(d.content or "" for d in deltas) == "Sunny."
 
 
 def test_a_tool_loop_runs_to_its_answer(server: Server) -> None:

@@ -16,9 +16,10 @@ from asyncstep.config import ModelConfig
 from asyncstep.engine.input_processor import InputProcessor
 from asyncstep.errors import ConfigError, InvalidRequestError
 from asyncstep.models.model_info import describe_model
-from asyncstep.server.config import TOOL_PARSER_NAMES, ServerConfig
+from asyncstep.server.config import REASONING_PARSERS, TOOL_PARSER_NAMES, ServerConfig
 from asyncstep.server.errors import APIError
 from asyncstep.server.protocol import ChatMessage, ChatTool, NamedToolChoice
+from asyncstep.server.reasoning import ReasoningParser
 from asyncstep.server.tool_parsers import (
     TOOL_PARSERS,
     HermesParser,
@@ -246,3 +247,37 @@ def test_the_parsers_are_the_server_options() -> None:
     parser = HermesParser()
     assert check_tools(TOOLS, "auto", None, USER, parser) is parser
     assert check_tools(TOOLS, None, None, USER, parser) is parser
+
+
+# -- reasoning -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,text,reasoning,content",
+    [
+        ("qwen3", "<think>\nhot\n</think>\n\nSunny.", "hot", "Sunny."),
+        ("qwen3", "Sunny.", None, "Sunny."),  # thinking switched off
+        ("qwen3", "<think>cut sho", "cut sho", None),
+        ("deepseek_r1", "hot</think>Sunny.", "hot", "Sunny."),
+        ("deepseek_r1", "<think>hot</think>Sunny.", "hot", "Sunny."),
+        ("deepseek_r1", "still thinking", "still thinking", None),
+    ],
+)
+def test_thinking_is_read_apart_whole_and_in_any_pieces(
+    name: str, text: str, reasoning: str | None, content: str | None
+) -> None:
+    parser = ReasoningParser.named(name)
+    assert parser.split(text) == (reasoning, content)
+    for size in (1, 2, 5, len(text)):
+        stream = parser.stream()
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        got = [stream.feed(p, finished=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        thought = "".join(r or "" for r, _ in got).strip() or None
+        said = "".join(c or "" for _, c in got).strip() or None
+        assert (thought, said) == (reasoning, content), size
+
+
+def test_the_reasoning_parsers_are_the_server_options() -> None:
+    assert {ReasoningParser.named(n).name for n in REASONING_PARSERS} == {"qwen3", "deepseek_r1"}
+    with pytest.raises(ConfigError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
+        ServerConfig(reasoning_parser="o1")

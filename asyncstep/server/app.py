@@ -62,6 +62,7 @@ from asyncstep.server.protocol import (
     TokenizeResponse,
     decode_body,
 )
+from asyncstep.server.reasoning import ReasoningParser
 from asyncstep.server.requests import (
     GenerationJob,
     chat_job,
@@ -108,6 +109,10 @@ class OpenAIServer:
         self.tool_parser: ToolParser | None = None
         if self.config.enable_auto_tool_choice and self.config.tool_call_parser is not None:
             self.tool_parser = TOOL_PARSERS[self.config.tool_call_parser]()
+        #: ``--reasoning-parser``'s (None: the thinking stays in the content).
+        self.reasoning: ReasoningParser | None = None
+        if self.config.reasoning_parser is not None:
+            self.reasoning = ReasoningParser.named(self.config.reasoning_parser)
         self._created = int(time.time())
         routes = [
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
@@ -176,6 +181,7 @@ class OpenAIServer:
             job.logprobs is not None,
             job.prompt_logprobs,
             job.tool_calls,
+            self.reasoning,
         )
         return GenerationResponse(self.generations, job, fmt, rid)
 

@@ -269,6 +269,8 @@ class ChatChoiceLogprobs(msgspec.Struct, kw_only=True):
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    #: The thinking before the answer (``--reasoning-parser``).
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
@@ -308,6 +310,7 @@ class DeltaToolCall(msgspec.Struct, omit_defaults=True):
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -35,6 +35,7 @@ from asyncstep.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from asyncstep.server.reasoning import ReasoningParser, ReasoningStream
 from asyncstep.server.tool_parsers import ParserStream, ToolParser
 from asyncstep.server.tools import ForcedCalls, ToolCallStream
 
@@ -305,7 +306,10 @@ class ChatFormatter:
     #: The output is read as calls: forced ones (:mod:`asyncstep.server.tools`),
     #: or those ``auto``'s parser finds (:mod:`asyncstep.server.tool_parsers`).
     tool_calls: ForcedCalls | ToolParser | None = None
+    #: The thinking apart (``--reasoning-parser``; not for forced calls).
+    reasoning: ReasoningParser | None = None
     _streams: dict[int, ToolCallStream | ParserStream] = field(default_factory=dict)
+    _thinking: dict[int, ReasoningStream] = field(default_factory=dict)
 
     def whole(
         self,
@@ -323,17 +327,23 @@ class ChatFormatter:
         )
 
     def _choice(self, index: int, choice: ChoiceOutput) -> ChatChoice:
-        mode, calls = self.tool_calls, None
+        mode, calls, reasoning = self.tool_calls, None, None
         content: str | None = choice.text
-        if isinstance(mode, ForcedCalls):
+        if isinstance(mode, ForcedCalls):  # the reply is the call alone
             calls = mode.calls(choice.text)
             content = None if calls is not None else choice.text
-        elif mode is not None:
-            parsed = mode.parse(choice.text)
-            content, calls = parsed.content, parsed.calls or None
+        else:
+            if self.reasoning is not None:
+                reasoning, content = self.reasoning.split(choice.text)
+            if mode is not None:
+                parsed = mode.parse(content or "")
+                content, calls = parsed.content, parsed.calls or None
+        message = ChatMessageOut(
+            content=content, reasoning_content=reasoning, tool_calls=calls or []
+        )
         return ChatChoice(
             index=index,
-            message=ChatMessageOut(content=content, tool_calls=calls or []),
+            message=message,
             logprobs=self._logprobs(choice.logprobs),
             finish_reason=_called(choice.finish_reason, calls is not None),
             stop_reason=choice.stop_reason,
@@ -344,32 +354,42 @@ class ChatFormatter:
     ) -> ChatCompletionChunk:
         finished = chunk.finish_reason is not None
         reason = None if chunk.finish_reason is None else str(chunk.finish_reason)
-        role = "assistant" if first else None
-        mode = self.tool_calls
-        if mode is None:
-            delta = DeltaMessage(role=role, content=chunk.text)
-        elif isinstance(mode, ForcedCalls):
-            forced = self._streams.setdefault(index, ToolCallStream(mode))
-            assert isinstance(forced, ToolCallStream)
-            calls, content = forced.delta(chunk.text, finished)
-            delta = DeltaMessage(role=role, content=content, tool_calls=calls)
-            reason = _called(reason, content is None)
-        else:
-            parsing = self._streams.setdefault(index, mode.stream())
-            assert isinstance(parsing, ParserStream)
-            content, calls = parsing.feed(chunk.text, finished)
-            delta = DeltaMessage(role=role, content=content, tool_calls=calls)
-            reason = _called(reason, parsing.num_calls > 0)
+        delta, called = self._delta(index, chunk.text, finished)
+        delta.role = "assistant" if first else None
         choice = ChatStreamChoice(
             index=index,
             delta=delta,
             logprobs=self._logprobs(chunk.logprobs or []),
-            finish_reason=reason,
+            finish_reason=_called(reason, called),
             stop_reason=chunk.stop_reason,
         )
         body = self._chunk([choice], usage)
         body.prompt_logprobs = self._prompt_entries(chunk.prompt_logprobs)
         return body
+
+    def _delta(self, index: int, text: str, finished: bool) -> tuple[DeltaMessage, bool]:
+        """The delta of choice ``index``'s next piece of text (its thinking
+        apart, its calls read), and whether the choice called a tool."""
+        mode = self.tool_calls
+        if isinstance(mode, ForcedCalls):
+            forced = self._streams.setdefault(index, ToolCallStream(mode))
+            assert isinstance(forced, ToolCallStream)
+            calls, left = forced.delta(text, finished)
+            return DeltaMessage(content=left, tool_calls=calls), left is None
+        reasoning: str | None = None
+        content: str | None = text
+        if self.reasoning is not None:
+            thinking = self._thinking.setdefault(index, self.reasoning.stream())
+            reasoning, content = thinking.feed(text, finished)
+        if mode is None:
+            return DeltaMessage(content=content, reasoning_content=reasoning), False
+        if index not in self._streams:
+            self._streams[index] = mode.stream()
+        parsing = self._streams[index]
+        assert isinstance(parsing, ParserStream)
+        content, calls = parsing.feed(content or "", finished)
+        delta = DeltaMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
+        return delta, parsing.num_calls > 0
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk([], usage)
