@@ -81,6 +81,20 @@ class EngineStatistics:
     kv_cache_usage: float
     num_kv_blocks: int
     prefix_cache_hit_rate: float
+    #: Speculative decoding (0 and [] while off): request-steps verified with
+    #: drafts, their draft tokens, the drafts accepted, and per draft position
+    #: the drafts accepted there (over ``spec_decode_num_drafts``: that
+    #: position's acceptance rate).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Draft tokens accepted over proposed (0 before any)."""
+        drafts = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafts if drafts else 0.0
 
 
 class Engine:
@@ -226,6 +240,12 @@ class Engine:
             kv_cache_usage=core.kv_cache_usage,
             num_kv_blocks=core.num_kv_blocks,
             prefix_cache_hit_rate=core.prefix_cache_hit_rate,
+            spec_decode_num_drafts=core.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=core.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=core.spec_decode_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(
+                core.spec_decode_num_accepted_tokens_per_pos
+            ),
         )
 
     @property

@@ -84,6 +84,7 @@ class Request:
         "output_token_ids",
         "prompt_token_ids",
         "request_id",
+        "speculates",
         "status",
         "stop_ids",
         "stop_reason",
@@ -98,6 +99,11 @@ class Request:
     stop_ids: frozenset[int]
     #: Outputs before which a stop id does not end the request (``min_tokens``).
     min_tokens: int
+    #: Whether the request may be given draft tokens (speculative decoding):
+    #: not when the sampler must see each token before the next (structured
+    #: outputs, penalties, logit bias, ``min_tokens``, bad words) or the
+    #: request asks for log-probs.
+    speculates: bool
 
     def __init__(
         self,
@@ -142,6 +148,12 @@ class Request:
         self.min_tokens = params.min_tokens
         stop_ids = frozenset(params.stop_token_ids)
         self.stop_ids = stop_ids if params.ignore_eos else stop_ids | self._eos_token_ids
+        self.speculates = (
+            params.structured_outputs is None
+            and not params.processes_logits
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+        )
 
     @property
     def sampling_params(self) -> SamplingParams:

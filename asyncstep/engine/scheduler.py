@@ -7,8 +7,8 @@ the per-request results of a step's output, with the stop rules, in
 :mod:`asyncstep.engine.step_results` (:class:`EngineCoreOutput`). Pure
 Python; may import only the standard library and ``asyncstep.datatypes`` /
 ``asyncstep.config`` / ``asyncstep.errors`` (plus its siblings
-``asyncstep.engine.request``, ``kv_cache_manager``, ``step_plan`` and
-``step_results``).
+``asyncstep.engine.request``, ``kv_cache_manager``, ``step_plan``,
+``step_results``, ``ngram_proposer`` and ``spec_decode_stats``).
 
 One loop, no prefill/decode phases: every step hands each request the tokens
 it lacks (``num_tokens - num_computed_tokens``: a prompt chunk, a whole prompt,
@@ -39,6 +39,20 @@ engine's batch queue):
   written them before a later step can reuse them) but is not resumed while
   a step that includes it is in flight.
 
+* **Speculative decoding** (``speculative_config``): a running request
+  that decodes (one token to compute, no placeholder) and may speculate
+  (:attr:`Request.speculates`) gets the n-gram proposer's draft tokens as
+  extra query tokens (``scheduled_spec_decode_tokens``): they count against
+  the token budget, get KV slots (``allocate_slots`` for ``1 + drafts``), and
+  advance ``num_computed_tokens`` like any token. Drafts never reach past
+  ``max_tokens`` or the context (``1 + drafts`` tokens at most fill them).
+  When the output is back, the rejected drafts are rolled back
+  (``num_computed_tokens`` minus their count: their slots are written again
+  by the next step; the blocks stay the request's), before any stop rule or
+  free runs, so the prefix cache only registers blocks of accepted tokens.
+  The engine runs one step at a time then (no placeholders: the next drafts
+  need this step's tokens).
+
 The conventions of the output, which the runner relies on, are listed in
 :mod:`asyncstep.engine.step_plan`. Preemption is by recompute: the victim's
 blocks are freed (its computed full blocks stay in the prefix cache) and it
@@ -51,10 +65,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from asyncstep.config import CacheConfig, SchedulerConfig
+from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
 from asyncstep.engine.kv_cache_manager import KVCacheManager, KVCacheStats
+from asyncstep.engine.ngram_proposer import NgramProposer
 from asyncstep.engine.request import Request, RequestStatus
+from asyncstep.engine.spec_decode_stats import SpecDecodingStats
 from asyncstep.engine.step_plan import StepPlan
 from asyncstep.engine.step_results import (
     EngineCoreOutput,
@@ -74,6 +90,8 @@ class SchedulerStats:
     #: Preemptions since the scheduler started.
     num_preemptions: int
     kv_cache: KVCacheStats
+    #: Speculative decoding's counters (None: speculation off).
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -98,6 +116,7 @@ class Scheduler:
         async_scheduling: bool = False,
         max_num_running_reqs: int | None = None,
         max_model_len: int,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """``max_num_running_reqs``: requests admitted at once (default
         ``max_num_seqs``); more with a pipeline, whose steps in flight hold
@@ -106,7 +125,10 @@ class Scheduler:
         ``max_model_len``: the resolved context length
         (``config.model.max_model_len`` once the engine has resolved it);
         ConfigError unless positive. ``max_num_batched_tokens`` must be
-        resolved too (ConfigError while None)."""
+        resolved too (ConfigError while None).
+
+        ``speculative_config``: propose draft tokens for decodes (see the
+        module doc); needs ``async_scheduling`` False (ConfigError)."""
         if max_model_len <= 0:
             raise ConfigError(
                 "max_model_len must be resolved (positive) before building the scheduler, "
@@ -117,7 +139,15 @@ class Scheduler:
                 "max_num_batched_tokens must be resolved for the device before building "
                 "the scheduler"
             )
+        if speculative_config is not None and async_scheduling:
+            raise ConfigError("speculative decoding runs without output placeholders")
         self.scheduler_config = scheduler_config
+        self.proposer = NgramProposer(speculative_config) if speculative_config else None
+        self.spec_decoding_stats = (
+            SpecDecodingStats(speculative_config.num_speculative_tokens)
+            if speculative_config
+            else None
+        )
         self.send_new_token_ids = send_new_token_ids
         self.async_scheduling = async_scheduling
         #: request id -> output tokens already sent to the ranks (new_token_ids).
@@ -218,6 +248,7 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting),
             num_preemptions=self.num_preemptions,
             kv_cache=self.kv_cache_manager.statistics(),
+            spec_decoding=self.spec_decoding_stats,
         )
 
     # -- scheduling ------------------------------------------------------------
@@ -260,6 +291,7 @@ class Scheduler:
         max_seq_len = self.max_seq_len
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
+        proposer = self.proposer
         budget = plan.token_budget
         index = 0
         while index < len(running) and budget > 0 and len(num_scheduled) < max_num_seqs:
@@ -278,7 +310,18 @@ class Scheduler:
                 continue  # its last token is in flight (pipeline)
             req_id = request.request_id
             new_block_ids: list[int] | None
-            if (
+            drafts = (
+                self._propose_drafts(request, budget)
+                if proposer is not None and num_new == 1 and request.speculates
+                else None
+            )
+            if drafts:
+                num_new += len(drafts)
+                new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+                if new_block_ids is None:
+                    break  # the request preempted itself: nothing after it is running
+                plan.spec_token_ids[req_id] = drafts
+            elif (
                 num_new == 1
                 and num_computed < max_model_len
                 and num_computed < decode_limits.get(req_id, 0)
@@ -302,6 +345,21 @@ class Scheduler:
             if async_scheduling and num_computed >= num_tokens:
                 request.num_output_placeholders = placeholders + 1  # this step samples for it
         plan.token_budget = budget
+
+    def _propose_drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode of ``request`` within ``budget`` tokens
+        (its own token included): never so many that ``1 + drafts`` sampled
+        tokens would pass ``max_tokens`` or the context."""
+        assert self.proposer is not None
+        num_tokens = request.num_tokens
+        room = min(
+            budget - 1,
+            request.max_num_tokens - num_tokens - 1,
+            self.max_seq_len - num_tokens - 1,
+        )
+        if room <= 0:
+            return []
+        return self.proposer.propose(request.all_token_ids, room)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, plan: StepPlan
@@ -396,7 +454,12 @@ class Scheduler:
         log-probs or finished; requests aborted since ``schedule()`` are skipped.
         """
         outputs, stopped, freed = collect_step_results(
-            scheduler_output, model_runner_output, self.requests, self._finishing, self.max_seq_len
+            scheduler_output,
+            model_runner_output,
+            self.requests,
+            self._finishing,
+            self.max_seq_len,
+            self.spec_decoding_stats,
         )
         for request in freed:
             self._free_finished(request)

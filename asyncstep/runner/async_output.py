@@ -72,8 +72,24 @@ class AsyncModelRunnerOutput:
     def synchronize(self) -> None:
         self.copy_event.synchronize()
 
+    @property
+    def multi_token(self) -> bool:
+        """Whether a sample row may have several tokens (a speculative step:
+        ``sampled_token_lists``)."""
+        return self._sampled_host.dim() == 2
+
+    def sampled_token_lists(self) -> list[list[int]]:
+        """The tokens of each sample row (blocks until the copy landed): a
+        speculative step's rows are padded with -1, dropped here."""
+        self.copy_event.synchronize()
+        if not self.multi_token:
+            return [[token] for token in self._sampled_host.tolist()]
+        return [[t for t in row if t >= 0] for row in self._sampled_host.tolist()]
+
     def sampled_token_ids(self) -> list[int]:
-        """The token of each sample row (blocks until the copy landed)."""
+        """The token of each sample row (blocks until the copy landed); one
+        token per row only (not ``multi_token``)."""
+        assert not self.multi_token, "a speculative step's rows: sampled_token_lists()"
         self.copy_event.synchronize()
         tokens: list[int] = self._sampled_host.tolist()  # int64: Python ints already
         return tokens
@@ -85,14 +101,24 @@ class AsyncModelRunnerOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         """The :class:`ModelRunnerOutput` (blocks until the copy landed)."""
-        tokens = self.sampled_token_ids()
         req_ids, rows = self.req_ids, self.sample_rows
+        sampled: list[list[int]]
+        if self.multi_token:
+            sampled = [[] for _ in req_ids]
+            for row, row_tokens in zip(rows, self.sampled_token_lists(), strict=True):
+                sampled[row] = row_tokens
+            return self._output(sampled)
+        tokens = self.sampled_token_ids()
         if len(rows) == len(req_ids):  # every row sampled: rows are 0, 1, ... in order
             sampled = [[token] for token in tokens]
         else:
             sampled = [[] for _ in req_ids]
             for row, token in zip(rows, tokens, strict=True):
                 sampled[row] = [token]
+        return self._output(sampled)
+
+    def _output(self, sampled: list[list[int]]) -> ModelRunnerOutput:
+        req_ids = self.req_ids
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index=dict(zip(req_ids, range(len(req_ids)), strict=True)),

@@ -81,6 +81,7 @@ from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
 from asyncstep.runner.persistent_batches import PersistentBatches
 from asyncstep.runner.prompt_logprobs import PromptLogprobsTracker
+from asyncstep.runner.rejection_sampler import RejectionSampler
 from asyncstep.runner.sampled_tokens import SampledTokens
 from asyncstep.runner.sampler import Sampler
 from asyncstep.runner.staging import StagingBuffers
@@ -133,6 +134,7 @@ class ModelRunner:
             is_last_stage=self.is_last_stage,
         )
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
         self.prompt_logprobs = PromptLogprobsTracker(
             model.config.vocab_size, enabled=self.is_last_stage
         )
@@ -295,6 +297,8 @@ class ModelRunner:
         self.sampled.resolve(keep_last=self.async_scheduling)
         self.step_inputs.input_batch = self.batches.select(scheduler_output)
         self.batches.update(scheduler_output)
+        if scheduler_output.scheduled_spec_decode_tokens:
+            self._write_drafts(scheduler_output.scheduled_spec_decode_tokens)
         self.prompt_logprobs.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.timings = StepTimings()
@@ -341,7 +345,20 @@ class ModelRunner:
             inputs.logits_indices,
             prompt_logprobs=prompt_lp,
         )
+        if inputs.spec_decode_metadata is not None:
+            self.execute_model_state.spec_decode_metadata = inputs.spec_decode_metadata
+            self.execute_model_state.logits_indices = inputs.spec_decode_metadata.last_token_indices
         return None
+
+    def _write_drafts(self, spec_tokens: dict[str, list[int]]) -> None:
+        """Put each request's draft tokens after its known tokens in its row
+        (the step's input ids read them there; ``num_tokens`` stays: the
+        accepted ones are appended over them once sampled)."""
+        batch = self.input_batch
+        for req_id, drafts in spec_tokens.items():
+            row = batch.req_id_to_index[req_id]
+            start = int(batch.num_tokens[row])
+            batch.token_ids_cpu[row, start : start + len(drafts)] = drafts
 
     def _graph_computed_logits(self, inputs: StepInputs) -> bool:
         return self.graph_runner is not None and self.graph_runner.computes_logits(
@@ -378,6 +395,10 @@ class ModelRunner:
             raise RuntimeError("sample_tokens() called without a pending execute_model()")
         self.execute_model_state = None
         t0 = time.perf_counter()
+        spec = state.spec_decode_metadata
+        if spec is not None:  # the sampler sees the bonus positions; the drafts' rows aside
+            state.target_logits = state.logits[spec.target_logits_indices]
+            state.logits = state.logits[spec.bonus_logits_indices]
         if grammar_output is not None:
             rows = state.sample_rows
             row_of = dict(zip(map(state.req_ids.__getitem__, rows), range(len(rows)), strict=True))
@@ -410,7 +431,11 @@ class ModelRunner:
             history = self._token_history(state, metadata.processing)
         result = self.sampler(state.logits, metadata, history)
         sampled = result.sampled_token_ids
-        self.sampled.record(sampled, batch, rows, state.req_ids)
+        if state.spec_decode_metadata is not None:
+            sampled = self._verify_drafts(state, sampled)
+            self.sampled.clear()  # (no async scheduling with drafts: nothing scatters them)
+        else:
+            self.sampled.record(sampled, batch, rows, state.req_ids)
         tensors = [sampled]
         lp = result.logprobs_tensors
         if lp is not None:
@@ -421,6 +446,20 @@ class ModelRunner:
             asked = [self.input_batch.sampling_params[row].logprobs for row in rows]  # type: ignore[union-attr]
             logprobs = host_logprobs(hosts[1:], asked)
         return AsyncModelRunnerOutput(state.req_ids, rows, hosts[0], copy_event, logprobs)
+
+    def _verify_drafts(self, state: ExecuteModelState, bonus: torch.Tensor) -> torch.Tensor:
+        """The step's output tokens per sampling row, ``[rows, 1 + max
+        drafts]`` padded with -1: the rejection sampler over the drafts'
+        logits, ``bonus`` (the sampler's token at each row's bonus position)
+        after a row's drafts all pass."""
+        spec = state.spec_decode_metadata
+        assert spec is not None and state.target_logits is not None
+        counts = zip(state.sample_rows, spec.num_draft_tokens, strict=True)
+        draft_rows = [row for row, n in counts for _ in range(n)]
+        metadata = self.input_batch.sampling_metadata_of_positions(draft_rows)
+        return self.rejection_sampler(
+            spec.draft_token_ids, spec.num_draft_tokens, state.target_logits, bonus, metadata
+        )
 
     def _token_history(
         self, state: ExecuteModelState, processing: LogitsProcessing

@@ -110,6 +110,9 @@ class SampledTokens:
 
     def _apply(self, output: AsyncModelRunnerOutput, origin: _SampledFrom | None) -> None:
         batches = self._batches
+        if output.multi_token:  # a speculative step: 1 + accepted tokens per row
+            self._append_lists(output)
+            return
         if self.fast_paths and origin is not None:
             if origin.still_in_place():
                 _append_in_place(output, origin)
@@ -131,6 +134,24 @@ class SampledTokens:
                     break
             else:
                 state.output_token_ids.append(token)  # (its row, if any, has it)
+
+    def _append_lists(self, output: AsyncModelRunnerOutput) -> None:
+        """``_apply`` of a step whose rows may have several tokens each: to
+        the rows the requests hold now, or to their states."""
+        requests, input_batches = self._batches.requests, self._batches.input_batches
+        for row, tokens in zip(output.sample_rows, output.sampled_token_lists(), strict=True):
+            req_id = output.req_ids[row]
+            state = requests.get(req_id)
+            if state is None:
+                continue  # finished meanwhile
+            for batch in input_batches:
+                current_row = batch.req_id_to_index.get(req_id)
+                if current_row is not None:
+                    for token in tokens:
+                        batch.append_token(current_row, token)
+                    break
+            else:
+                state.output_token_ids.extend(tokens)
 
     def _append_moved(self, output: AsyncModelRunnerOutput, origin: _SampledFrom) -> None:
         """``_apply`` with one persistent batch whose rows changed since the
