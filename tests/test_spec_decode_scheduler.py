@@ -1,0 +1,307 @@
+"""Speculative decoding in the scheduler, driven by a fake runner that
+verifies drafts exactly as a greedy target model would.
+
+The fake runner (``tests/test_scheduler.py``'s, extended) writes every
+scheduled token, drafts included, to a fake paged KV cache and checks that
+every step reads back the request's tokens at every earlier position: a
+rejected draft's slot left as if computed, a wrong rollback of
+``num_computed_tokens`` or a wrong prefix-cache hit fails. The target
+"model" is a token function of the whole sequence that often repeats the
+sequence (so the n-gram drafts are often right, sometimes not); outputs
+must equal the request run alone without speculation, token for token,
+with ``max_tokens``, stop tokens, EOS, preemption, prefix caching, chunked
+prefill and aborts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+import pytest
+from test_scheduler import (
+    EOS,
+    VOCAB,
+    FakeRunner,
+    Run,
+    _RunnerReq,
+    assert_all_blocks_free,
+    cdiv,
+    check_step,
+    make_request,
+    prompt_of,
+    reference,
+)
+
+from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from asyncstep.datatypes import FinishReason, ModelRunnerOutput, SchedulerOutput
+from asyncstep.engine.request import Request, RequestStatus
+from asyncstep.engine.scheduler import Scheduler
+from asyncstep.errors import ConfigError
+
+PERIOD = 5
+
+
+def repeating_token(tokens: Sequence[int]) -> int:
+    """Mostly the token ``PERIOD`` back (n-gram drafts then hit), every
+    third sequence (by hash) a fresh one (drafts then miss)."""
+    digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=8).digest()
+    h = int.from_bytes(digest, "little")
+    if h % 3 and len(tokens) >= PERIOD:
+        return tokens[-PERIOD]
+    return h % VOCAB
+
+
+class SpecFakeRunner(FakeRunner):
+    """:class:`FakeRunner` that verifies draft tokens: it computes the
+    request's tokens and its drafts, accepts drafts while each is the token
+    the target would sample there, and returns the accepted drafts and the
+    target's next token."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size, repeating_token)
+        self.num_draft_tokens = 0
+        self.num_accepted = 0
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._drafts = out.scheduled_spec_decode_tokens
+        for req_id, drafts in self._drafts.items():
+            assert out.num_scheduled_tokens[req_id] == 1 + len(drafts)
+        return super().execute(out)
+
+    def _run_request(
+        self, state: _RunnerReq, num_tokens: int, written: set[tuple[int, int]]
+    ) -> list[int]:
+        req_id = next(r for r, s in self.states.items() if s is state)
+        drafts = self._drafts.get(req_id, [])
+        bs = self.block_size
+        start, end = state.num_computed, state.num_computed + num_tokens
+        assert not drafts or start == len(state.tokens) - 1, "drafts follow the last token"
+        assert end <= len(state.tokens) + len(drafts)
+        # Blocks of a rejected draft may stay the request's.
+        assert len(state.block_ids) >= cdiv(end, bs)
+        sequence = state.tokens + list(drafts)
+        for pos in range(start, end):
+            slot = (state.block_ids[pos // bs], pos % bs)
+            assert slot not in written, "two requests write one slot in a step"
+            written.add(slot)
+            self.kv[slot] = (sequence[pos], pos)
+        for pos in range(end):  # "attention" reads every earlier position
+            slot = (state.block_ids[pos // bs], pos % bs)
+            assert self.kv.get(slot) == (sequence[pos], pos), f"bad KV at {pos}"
+        if end < len(state.tokens):
+            state.num_computed = end
+            return []  # a prompt chunk that is not the last
+        sampled: list[int] = []
+        for draft in [*drafts, None]:
+            token = self.token_fn(state.tokens)
+            state.tokens.append(token)
+            sampled.append(token)
+            if token != draft:
+                break
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted += len(sampled) - 1
+        # The rejected drafts are not computed (nor the last token sampled).
+        state.num_computed = end - len(drafts) + len(sampled) - 1
+        return sampled
+
+
+def make_spec_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 64,
+    max_num_seqs: int = 8,
+    max_model_len: int = 128,
+    prefix_caching: bool = True,
+    k: int = 4,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
+        CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+        num_blocks,
+        max_model_len=max_model_len,
+        speculative_config=SpeculativeConfig(
+            num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3
+        ),
+    )
+
+
+def check_spec_kv(sched: Scheduler) -> None:
+    """Every reference is held by a live request; a running request holds
+    the blocks of its computed tokens, maybe more (a rejected draft's)."""
+    kv = sched.kv_cache_manager
+    holders = [0] * kv.num_blocks
+    for request in [*sched.requests.values(), *sched._finishing.values()]:
+        ids = kv.get_block_ids(request.request_id)
+        if request.status == RequestStatus.RUNNING:
+            assert len(ids) >= cdiv(request.num_computed_tokens, kv.block_size)
+            # At most all but its newest token (less: a prompt, or a
+            # preempted request's recompute, in chunks).
+            assert request.num_computed_tokens <= request.num_tokens - 1
+        for block_id in ids:
+            holders[block_id] += 1
+    assert [b.ref_cnt for b in kv.block_pool.blocks] == holders
+
+
+def drive_spec(
+    sched: Scheduler,
+    runner: SpecFakeRunner,
+    arrivals: dict[int, list[Request]],
+    aborts: dict[int, list[str]] | None = None,
+) -> Run:
+    """The engine's loop with speculation: one step at a time."""
+    aborts = dict(aborts or {})
+    run = Run()
+    for step in range(2000):
+        for request in arrivals.pop(step, []):
+            sched.add_request(request)
+        sched.finish_requests(aborts.pop(step, []), RequestStatus.FINISHED_ABORTED)
+        if not sched.has_requests() and not arrivals:
+            break
+        out = sched.schedule()
+        check_step(sched, out)
+        run.outputs.append(out)
+        core = sched.update_from_output(out, runner.execute(out))
+        for req_id, co in core.items():
+            assert req_id not in run.finish, "output after the finish"
+            run.tokens.setdefault(req_id, []).extend(co.new_token_ids)
+            if co.finish_reason is not None:
+                run.finish[req_id] = co.finish_reason
+                run.stop_reason[req_id] = co.stop_reason
+        check_spec_kv(sched)
+    else:
+        pytest.fail("the scheduler did not finish")
+    assert_all_blocks_free(sched)
+    assert runner.states == {}
+    return run
+
+
+def check_against_reference(run: Run, requests: list[Request], max_seq_len: int = 128) -> None:
+    for request in requests:
+        tokens, finish, stop_reason = reference(request, max_seq_len, repeating_token)
+        assert run.tokens[request.request_id] == tokens, request.request_id
+        assert run.finish[request.request_id] == finish
+        assert run.stop_reason[request.request_id] == stop_reason
+
+
+def test_drafts_are_extra_query_tokens_within_the_budget_and_rolled_back() -> None:
+    sched = make_spec_scheduler(budget=64)
+    runner = SpecFakeRunner(4)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+    request = make_request("a", prompt, max_tokens=30, ignore_eos=True)
+    run = drive_spec(sched, runner, {0: [request]})
+    drafted = [o for o in run.outputs if o.scheduled_spec_decode_tokens]
+    assert drafted, "a repeating prompt gets drafts"
+    first = drafted[0]
+    # The first decode after the prompt (whose first token continued the
+    # pattern): drafts continue it.
+    assert run.tokens["a"][0] == 3
+    assert first.scheduled_spec_decode_tokens["a"] == [4, 5, 1, 2]
+    assert first.num_scheduled_tokens["a"] == 5 == first.total_num_scheduled_tokens
+    stats = sched.statistics().spec_decoding
+    assert stats is not None and stats.num_draft_tokens == runner.num_draft_tokens
+    assert stats.num_accepted_tokens == runner.num_accepted > 0
+    assert stats.num_accepted_tokens < stats.num_draft_tokens, "some drafts are rejected"
+    assert stats.num_accepted_tokens_per_pos[0] >= stats.num_accepted_tokens_per_pos[-1]
+    assert len(run.outputs) < 30, "fewer steps than tokens"
+    check_against_reference(run, [request])
+
+
+def test_a_small_budget_trims_the_drafts() -> None:
+    sched = make_spec_scheduler(budget=3, k=4)
+    request = make_request("a", [7, 8, 7, 8, 7], max_tokens=12, ignore_eos=True)
+    run = drive_spec(sched, SpecFakeRunner(4), {0: [request]})
+    drafts = [len(d) for o in run.outputs for d in o.scheduled_spec_decode_tokens.values()]
+    assert drafts and max(drafts) == 2  # 1 + 2 tokens fill the budget of 3
+    check_against_reference(run, [request])
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 6, 7, 13])
+def test_max_tokens_is_exact_inside_an_accepted_run(max_tokens: int) -> None:
+    # A prompt of a period-5 pattern: the target repeats it, drafts are all accepted.
+    sched = make_spec_scheduler(k=4)
+    request = make_request("a", [1, 2, 3, 4, 5] * 3, max_tokens=max_tokens, ignore_eos=True)
+    run = drive_spec(sched, SpecFakeRunner(4), {0: [request]})
+    assert len(run.tokens["a"]) == max_tokens and run.finish["a"] == FinishReason.LENGTH
+    for out in run.outputs:  # no draft reaches past max_tokens
+        for drafts in out.scheduled_spec_decode_tokens.values():
+            assert out.num_scheduled_tokens["a"] <= max_tokens
+            assert len(drafts) >= 1
+    check_against_reference(run, [request])
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_output_there() -> None:
+    prompt = [1, 2, 3, 4, 5] * 3
+    alone = make_request("x", prompt, max_tokens=20, ignore_eos=True)
+    plain = reference(alone, 128, repeating_token)
+    stop = plain[0][6]
+    request = make_request("a", prompt, max_tokens=20, stop_token_ids=[stop])
+    run = drive_spec(make_spec_scheduler(), SpecFakeRunner(4), {0: [request]})
+    assert run.tokens["a"][-1] == stop and run.finish["a"] == FinishReason.STOP
+    assert run.stop_reason["a"] == stop
+    check_against_reference(run, [request])
+
+
+def test_the_context_limit_is_exact_with_drafts() -> None:
+    request = make_request("a", [1, 2, 3, 4, 5] * 3, max_tokens=100, ignore_eos=True)
+    sched = make_spec_scheduler(max_model_len=24)
+    run = drive_spec(sched, SpecFakeRunner(4), {0: [request]})
+    assert len(run.tokens["a"]) == 24 - 15 and run.finish["a"] == FinishReason.LENGTH
+    check_against_reference(run, [request], max_seq_len=24)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("num_blocks", [64, 12])
+def test_many_requests_preemption_prefix_caching_and_aborts(
+    prefix_caching: bool, num_blocks: int
+) -> None:
+    """Requests arriving over time, sharing prefixes, some with EOS in
+    reach, one aborted; a tight cache preempts."""
+    shared = [1, 2, 3, 4, 5, 1, 2, 3]
+    requests = [
+        make_request(f"r{i}", shared + prompt_of(i, i % 4), max_tokens=8 + 3 * i, eos=(EOS,))
+        for i in range(6)
+    ]
+    requests.append(make_request("same", shared, max_tokens=15, ignore_eos=True))
+    requests.append(make_request("same2", shared, max_tokens=15, ignore_eos=True))
+    aborted = make_request("gone", prompt_of(9, 10), max_tokens=40)
+    sched = make_spec_scheduler(num_blocks=num_blocks, prefix_caching=prefix_caching, budget=16)
+    runner = SpecFakeRunner(4)
+    arrivals = {0: [*requests[:3], aborted], 2: requests[3:6], 5: requests[6:]}
+    run = drive_spec(sched, runner, arrivals, aborts={6: ["gone"]})
+    check_against_reference(run, requests)
+    assert aborted.status == RequestStatus.FINISHED_ABORTED and "gone" not in run.finish
+    assert run.tokens["same"] == run.tokens["same2"]
+    assert runner.num_accepted > 0
+    if num_blocks == 12:
+        assert sched.num_preemptions > 0
+    if prefix_caching:
+        assert sched.kv_cache_manager.statistics().prefix_cache_hits > 0
+
+
+def test_requests_that_cannot_speculate_get_no_drafts() -> None:
+    prompt = [1, 2, 3, 4, 5] * 3
+    requests = [
+        make_request("logprobs", prompt, max_tokens=6, logprobs=1),
+        make_request("penalty", prompt, max_tokens=6, presence_penalty=0.5),
+        make_request("min_tokens", prompt, max_tokens=6, min_tokens=2),
+        make_request("plain", prompt, max_tokens=6),
+    ]
+    run = drive_spec(make_spec_scheduler(), SpecFakeRunner(4), {0: requests})
+    drafted = {r for o in run.outputs for r in o.scheduled_spec_decode_tokens}
+    assert drafted == {"plain"}
+    check_against_reference(run, requests)
+
+
+def test_speculation_needs_one_step_at_a_time() -> None:
+    with pytest.raises(ConfigError, match="placeholders"):
+        Scheduler(
+            SchedulerConfig(max_num_batched_tokens=64),
+            CacheConfig(),
+            64,
+            max_model_len=128,
+            async_scheduling=True,
+            speculative_config=SpeculativeConfig(),
+        )
