@@ -265,3 +265,32 @@ def test_spec_decode_metadata_points_at_draft_and_bonus_positions() -> None:
     assert indices.tolist() == [0, 1, 7, 8, 9]
     assert meta.target_logits_indices.tolist() == [0, 2, 3]
     assert meta.bonus_logits_indices.tolist() == [1, 4]
+
+
+# -- the front end: several tokens a step ---------------------------------------------
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_inside_a_steps_tokens_cuts_the_tokens_after_it(include: bool) -> None:
+    """A step's accepted tokens may run past a stop string: the tokens
+    after the one that completed it reach no client."""
+    from asyncstep.engine.request_state import RequestState
+    from asyncstep.errors import ModelLoadError
+    from asyncstep.models.loader import open_checkpoint
+
+    try:
+        tokenizer = open_checkpoint(None).load_tokenizer()
+    except ModelLoadError as exc:
+        pytest.skip(f"needs SmolLM2's tokenizer: {exc}")
+    ids = tokenizer(" one two three four five six").input_ids
+    pieces = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    stop_at = next(i for i, text in enumerate(pieces) if "hre" in text)  # the token completing it
+    params = SamplingParams(
+        temperature=0, max_tokens=50, stop=("hre",), include_stop_str_in_output=include
+    )
+    state = RequestState("r", None, [1, 2], params, tokenizer)
+    assert state.add_output(ids[:1], None, None, None) is None
+    assert state.add_output(ids[1:], None, None, None) == "hre"
+    assert state.finish_reason == "stop" and state.stop_reason == "hre"
+    assert state.token_ids == ids[: stop_at + 1]
+    assert state.output().text == (" one two thre" if include else " one two t")
