@@ -294,3 +294,49 @@ def test_a_stop_string_inside_a_steps_tokens_cuts_the_tokens_after_it(include: b
     assert state.finish_reason == "stop" and state.stop_reason == "hre"
     assert state.token_ids == ids[: stop_at + 1]
     assert state.output().text == (" one two thre" if include else " one two t")
+
+
+# -- the metrics ------------------------------------------------------------------------
+
+
+def test_metrics_show_the_spec_decode_counters_when_speculation_is_on() -> None:
+    from asyncstep.engine.engine import EngineStatistics
+    from asyncstep.server.metrics import _EngineCollector
+
+    class FakeEngine:
+        def __init__(self, stats: EngineStatistics) -> None:
+            self.stats = stats
+
+        def statistics(self) -> EngineStatistics:
+            return self.stats
+
+    base = dict(
+        num_running_reqs=0,
+        num_waiting_reqs=0,
+        num_steps=5,
+        num_preemptions=0,
+        num_generated_tokens=9,
+        num_finished_reqs=1,
+        kv_cache_usage=0.0,
+        num_kv_blocks=8,
+        prefix_cache_hit_rate=0.0,
+    )
+    on = EngineStatistics(
+        **base,  # type: ignore[arg-type]
+        spec_decode_num_drafts=3,
+        spec_decode_num_draft_tokens=12,
+        spec_decode_num_accepted_tokens=5,
+        spec_decode_num_accepted_tokens_per_pos=(3, 1, 1, 0),
+    )
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for family in _EngineCollector(FakeEngine(on), "m").collect()  # type: ignore[arg-type]
+        for s in family.samples
+    }
+    assert samples[("asyncstep:spec_decode_num_draft_tokens_total", None)] == 12
+    assert samples[("asyncstep:spec_decode_num_accepted_tokens_total", None)] == 5
+    assert samples[("asyncstep:spec_decode_num_drafts_total", None)] == 3
+    assert samples[("asyncstep:spec_decode_num_accepted_tokens_per_pos_total", "1")] == 1
+    off = EngineStatistics(**base)  # type: ignore[arg-type]
+    names = {f.name for f in _EngineCollector(FakeEngine(off), "m").collect()}  # type: ignore[arg-type]
+    assert not any("spec_decode" in name for name in names)
