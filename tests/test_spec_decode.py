@@ -340,3 +340,17 @@ def test_metrics_show_the_spec_decode_counters_when_speculation_is_on() -> None:
     off = EngineStatistics(**base)  # type: ignore[arg-type]
     names = {f.name for f in _EngineCollector(FakeEngine(off), "m").collect()}  # type: ignore[arg-type]
     assert not any("spec_decode" in name for name in names)
+
+
+def test_the_host_greedy_path_lays_out_as_the_device_path() -> None:
+    from asyncstep.runner.rejection_sampler import _greedy_on_host
+
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        counts = torch.randint(0, 5, (4,), generator=generator).tolist()
+        total = sum(counts)
+        drafts = torch.randint(0, 3, (total,), generator=generator)
+        argmax = torch.randint(0, 3, (total,), generator=generator)
+        bonus = torch.randint(10, 20, (4,), generator=generator)
+        device_path = rejection_sample(drafts, counts, argmax == drafts, argmax, bonus)
+        assert torch.equal(_greedy_on_host(drafts, counts, argmax, bonus), device_path)

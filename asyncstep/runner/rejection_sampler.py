@@ -96,6 +96,31 @@ def rejection_sample(
     return output
 
 
+def _greedy_on_host(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: list[int],
+    argmax: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`rejection_sample` of all-greedy rows whose tensors are host
+    memory (the CPU): a few list operations cost less than the tensor ops."""
+    drafts, targets, bonus = draft_token_ids.tolist(), argmax.tolist(), bonus_token_ids.tolist()
+    width = max(num_draft_tokens) + 1
+    rows: list[list[int]] = []
+    start = 0
+    for row, count in enumerate(num_draft_tokens):
+        out: list[int] = []
+        for j in range(start, start + count):
+            out.append(targets[j])  # the draft when accepted, else the recovered token
+            if targets[j] != drafts[j]:
+                break
+        else:
+            out.append(bonus[row])
+        rows.append(out + [PLACEHOLDER_TOKEN_ID] * (width - len(out)))
+        start += count
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 class RejectionSampler:
     """Verifies a step's drafts: :meth:`__call__` (see the module doc)."""
 
@@ -116,6 +141,8 @@ class RejectionSampler:
             return bonus_token_ids.unsqueeze(1)
         logits = target_logits.float()
         argmax = logits.argmax(dim=-1)
+        if metadata.all_greedy and logits.device.type == "cpu":
+            return _greedy_on_host(draft_token_ids, num_draft_tokens, argmax, bonus_token_ids)
         if metadata.all_greedy:
             accepted = argmax == draft_token_ids
             recovered = argmax
