@@ -254,3 +254,26 @@ def test_seeded_sampling_with_speculation_repeats_and_ends_right(looping_hf_dir:
     second = trio.run(lambda: serve(looping_hf_dir, params, spec=True, check_accepted=False))
     assert first == second
     assert all(len(r.token_ids) <= MAX_TOKENS for r in first)
+
+
+def test_tensor_parallel_speculation_gives_the_single_ranks_tokens(looping_hf_dir: Path) -> None:
+    """TP = 2 (two rank processes, gloo): every rank verifies the same
+    drafts on the same logits; the tokens are the single rank's."""
+    params = [greedy()] * len(PROMPTS)
+    plain = trio.run(lambda: serve(looping_hf_dir, params, spec=False))
+    tp2 = trio.run(lambda: serve(looping_hf_dir, params, spec=True, tensor_parallel_size=2))
+    assert tp2 == plain
+
+
+def test_structured_outputs_are_served_without_drafts(looping_hf_dir: Path) -> None:
+    """A request with a grammar is given no drafts (its bitmask is per
+    token), beside requests that speculate; it still follows its grammar."""
+    from asyncstep import StructuredOutputsParams
+
+    choices = ["yes", "no", "maybe so"]
+    params = [greedy()] * len(PROMPTS)
+    params[2] = greedy(structured_outputs=StructuredOutputsParams(choice=choices))
+    plain = trio.run(lambda: serve(looping_hf_dir, params, spec=False))
+    spec = trio.run(lambda: serve(looping_hf_dir, params, spec=True))
+    assert spec == plain
+    assert spec[2].text in choices
