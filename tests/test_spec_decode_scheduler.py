@@ -305,3 +305,25 @@ def test_speculation_needs_one_step_at_a_time() -> None:
             async_scheduling=True,
             speculative_config=SpeculativeConfig(),
         )
+
+
+def test_drafts_preempt_nobody() -> None:
+    """A step whose decodes fit but whose drafts would need a block that is
+    not free: the decodes go without drafts, nobody is preempted."""
+    sched = make_spec_scheduler(num_blocks=4)  # two 7-token prompts fill them
+    runner = SpecFakeRunner(4)
+    runner.token_fn = lambda tokens: tokens[-3]  # period 3: drafts always found
+    a = make_request("a", [1, 2, 3, 1, 2, 3, 1], max_tokens=6, ignore_eos=True)
+    b = make_request("b", [4, 5, 6, 4, 5, 6, 4], max_tokens=6, ignore_eos=True)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()  # the prompts: 2 blocks each, none left
+    sched.update_from_output(out, runner.execute(out))
+    assert sched.kv_cache_manager.num_free_blocks == 0
+    out = sched.schedule()  # position 7 is in each one's 2nd block; drafts need a 3rd
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert out.scheduled_spec_decode_tokens == {} and sched.num_preemptions == 0
+    sched.update_from_output(out, runner.execute(out))
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # 2 blocks free again
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {"b": [4, 5, 6]}  # (3: max_tokens)

@@ -43,7 +43,9 @@ engine's batch queue):
   that decodes (one token to compute, no placeholder) and may speculate
   (:attr:`Request.speculates`) gets the n-gram proposer's draft tokens as
   extra query tokens (``scheduled_spec_decode_tokens``): they count against
-  the token budget, get KV slots (``allocate_slots`` for ``1 + drafts``), and
+  the token budget left once every running request has its tokens, get KV
+  slots (``allocate_slots`` for ``1 + drafts``, only from free blocks: no
+  request is preempted for drafts; without room a decode goes without), and
   advance ``num_computed_tokens`` like any token. Drafts never reach past
   ``max_tokens`` or the context (``1 + drafts`` tokens at most fill them).
   When the output is back, the rejected drafts are rolled back
@@ -292,6 +294,8 @@ class Scheduler:
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
         proposer = self.proposer
+        #: Decodes that may speculate: (their index in the plan's columns, request).
+        draft_candidates: list[tuple[int, Request]] = []
         budget = plan.token_budget
         index = 0
         while index < len(running) and budget > 0 and len(num_scheduled) < max_num_seqs:
@@ -310,18 +314,7 @@ class Scheduler:
                 continue  # its last token is in flight (pipeline)
             req_id = request.request_id
             new_block_ids: list[int] | None
-            drafts = (
-                self._propose_drafts(request, budget)
-                if proposer is not None and num_new == 1 and request.speculates
-                else None
-            )
-            if drafts:
-                num_new += len(drafts)
-                new_block_ids = self._allocate_or_preempt(request, num_new, plan)
-                if new_block_ids is None:
-                    break  # the request preempted itself: nothing after it is running
-                plan.spec_token_ids[req_id] = drafts
-            elif (
+            if (
                 num_new == 1
                 and num_computed < max_model_len
                 and num_computed < decode_limits.get(req_id, 0)
@@ -334,6 +327,8 @@ class Scheduler:
                 new_block_ids = self._allocate_or_preempt(request, num_new, plan)
                 if new_block_ids is None:
                     break  # the request preempted itself: nothing after it is running
+            if proposer is not None and num_new == 1 and request.speculates:
+                draft_candidates.append((len(req_ids), request))
             num_scheduled[req_id] = num_new
             budget -= num_new
             req_ids.append(req_id)
@@ -345,6 +340,37 @@ class Scheduler:
             if async_scheduling and num_computed >= num_tokens:
                 request.num_output_placeholders = placeholders + 1  # this step samples for it
         plan.token_budget = budget
+        if draft_candidates:
+            self._schedule_drafts(draft_candidates, plan)
+
+    def _schedule_drafts(self, candidates: list[tuple[int, Request]], plan: StepPlan) -> None:
+        """Give the step's decodes their drafts, in priority order, within
+        the token budget left once every running request has its tokens,
+        and only from free blocks: drafts never push another request out
+        (a decode without room for its drafts goes without). ``candidates``:
+        (the request's index in the plan's running columns, the request),
+        each already scheduled for its one token."""
+        kv = self.kv_cache_manager
+        for column, request in candidates:
+            if plan.token_budget <= 0:
+                return
+            drafts = self._propose_drafts(request, plan.token_budget + 1)
+            if not drafts:
+                continue
+            # The slots of 1 + drafts tokens from the count before this step
+            # (so that only computed blocks are registered in the prefix cache).
+            computed = request.num_computed_tokens - 1
+            request.num_computed_tokens = computed
+            new_block_ids = kv.allocate_slots(request, 1 + len(drafts))
+            request.num_computed_tokens = computed + 1
+            if new_block_ids is None:
+                continue
+            num_drafts = len(drafts)
+            request.num_computed_tokens += num_drafts
+            plan.running_new_block_ids[column] = plan.running_new_block_ids[column] + new_block_ids
+            plan.num_scheduled_tokens[request.request_id] += num_drafts
+            plan.token_budget -= num_drafts
+            plan.spec_token_ids[request.request_id] = drafts
 
     def _propose_drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decode of ``request`` within ``budget`` tokens
