@@ -6,12 +6,15 @@ from ``benchmarks/prompts/spec_decode.json``.
 Both engines are open at once (two engine-core processes, on the same
 model and options) and serve one request at a time, alternating prompt by
 prompt (without speculation, then with), so a slow stretch of a shared
-machine falls on both. Per category: decode tokens/s of each (tokens over
-the time of the requests, chat template applied, greedy, ``max_tokens``,
-EOS honoured), the ratio (with / without; targets: >= 1.5 on repetitive
-prompts, >= 0.97 on the others), the acceptance rate and how many outputs
-were token for token the same (bf16 and packed weights may tip a near tie
-differently in a verify step, so this is reported, not asserted). The load
+machine falls on both. Per category (chat template applied, greedy,
+``max_tokens``, EOS honoured): the decode tokens/s of each (the tokens
+after each request's first over the time from its first token to its
+last: speculation does not change a prefill) and end to end (every token
+over the whole request, prefill included), their ratios (with / without;
+targets: >= 1.5 on repetitive prompts, >= 0.97 on the others), the
+acceptance rate and how many outputs were token for token the same (bf16
+and packed weights may tip a near tie differently in a verify step, so
+this is reported, not asserted). The load
 average before and after is printed with the figures (``uptime``).
 
     python benchmarks/spec_decode.py                       # embedded SmolLM2, k = 4
@@ -44,12 +47,19 @@ def load_average() -> str:
 
 async def one_request(
     engine: asyncstep.Engine, prompt: str, max_tokens: int
-) -> tuple[float, list[int]]:
-    """Seconds and token ids of one greedy chat request, alone on the engine."""
+) -> tuple[float, float, list[int]]:
+    """One greedy chat request, alone on the engine: (seconds from its first
+    token to its last, seconds in all, its token ids)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    ids: list[int] = []
     t0 = time.perf_counter()
-    out = await engine.generate([{"role": "user", "content": prompt}], params)
-    return time.perf_counter() - t0, list(out.token_ids)
+    first = None
+    async for chunk in engine.stream([{"role": "user", "content": prompt}], params):
+        if first is None and chunk.token_ids:
+            first = time.perf_counter()
+        ids += chunk.token_ids
+    end = time.perf_counter()
+    return end - (first or end), end - t0, ids
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -63,6 +73,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if args.model:
         options["model"] = args.model
+    if args.cpu_threads:
+        options["cpu_threads"] = args.cpu_threads
     results: dict[str, Any] = {}
     async with (
         asyncstep.open_engine(**options) as plain,
@@ -71,35 +83,42 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for engine in (plain, fast):  # warm up: first steps, kernels, caches
             await one_request(engine, "Hello!", 8)
         for category, texts in prompts.items():
-            seconds = {"off": 0.0, "on": 0.0}
+            decode = {"off": 0.0, "on": 0.0}  # first token to last
+            total = {"off": 0.0, "on": 0.0}
             tokens = {"off": 0, "on": 0}
             same = 0
             before = fast.statistics()
             for _ in range(args.rounds):
                 for text in texts:
-                    t_off, ids_off = await one_request(plain, text, args.max_tokens)
-                    t_on, ids_on = await one_request(fast, text, args.max_tokens)
-                    seconds["off"] += t_off
-                    seconds["on"] += t_on
-                    tokens["off"] += len(ids_off)
-                    tokens["on"] += len(ids_on)
-                    same += ids_on == ids_off
+                    for mode, engine in (("off", plain), ("on", fast)):
+                        t_decode, t_total, ids = await one_request(engine, text, args.max_tokens)
+                        decode[mode] += t_decode
+                        total[mode] += t_total
+                        tokens[mode] += len(ids)
+                        if mode == "off":
+                            ids_off = ids
+                    same += ids == ids_off
             after = fast.statistics()
             drafts = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
             accepted = (
                 after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
             )
-            off = tokens["off"] / seconds["off"]
-            on = tokens["on"] / seconds["on"]
+            num = len(texts) * args.rounds
+            # Decode rate: the tokens after each request's first over the time after it.
+            off = (tokens["off"] - num) / decode["off"]
+            on = (tokens["on"] - num) / decode["on"]
             results[category] = {
-                "tok_s_without": round(off, 2),
-                "tok_s_with": round(on, 2),
-                "ratio": round(on / off, 3),
+                "decode_tok_s_without": round(off, 2),
+                "decode_tok_s_with": round(on, 2),
+                "decode_ratio": round(on / off, 3),
+                "e2e_tok_s_without": round(tokens["off"] / total["off"], 2),
+                "e2e_tok_s_with": round(tokens["on"] / total["on"], 2),
+                "e2e_ratio": round(tokens["on"] / total["on"] / (tokens["off"] / total["off"]), 3),
                 "acceptance_rate": round(accepted / drafts, 3) if drafts else 0.0,
                 "draft_tokens": drafts,
                 "tokens_without": tokens["off"],
                 "tokens_with": tokens["on"],
-                "same_outputs": f"{same}/{len(texts) * args.rounds}",
+                "same_outputs": f"{same}/{num}",
             }
             print(f"{category:>11}: {json.dumps(results[category])}", flush=True)
     return results
@@ -113,6 +132,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
+    parser.add_argument("--cpu-threads", type=int, help="torch threads of each engine's forward")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args()
     load_before = load_average()
