@@ -657,10 +657,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def batch_queue_size(self) -> int:
         """Steps the engine keeps in flight: ``max_concurrent_batches`` if
         set, else 1 without overlap or pipeline, ``pp_size`` with a pipeline
-        (every stage busy), at least 2 with overlap; always 1 with
-        speculative decoding (see :attr:`uses_output_placeholders`)."""
-        if self.speculative_config is not None:
-            return 1
+        (every stage busy), at least 2 with overlap."""
         if self.scheduler.max_concurrent_batches:
             return self.scheduler.max_concurrent_batches
         pp = self.parallel.pipeline_parallel_size
@@ -678,15 +675,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def uses_output_placeholders(self) -> bool:
         """Async scheduling over output placeholders: the runners keep sampled
         ids on the device for the next step. One pipeline stage only: with
-        pipeline parallelism the first stage needs every token's id. Off with
-        speculative decoding: the drafts of step N+1 are proposed from step
-        N's accepted tokens, so a speculative engine runs one step at a time
-        (overlap falls back; ``max_concurrent_batches`` is then 1 by default)."""
-        return (
-            self.scheduler.async_scheduling
-            and self.parallel.pipeline_parallel_size == 1
-            and self.speculative_config is None
-        )
+        pipeline parallelism the first stage needs every token's id. With
+        speculative decoding a request's verify step runs alone in flight
+        for it (see :mod:`asyncstep.engine.scheduler`)."""
+        return self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size == 1
 
     @property
     def num_input_batches(self) -> int:

@@ -37,8 +37,8 @@ def test_speculative_config_with_vllms_names() -> None:
     assert spec == SpeculativeConfig(
         method="ngram", num_speculative_tokens=4, prompt_lookup_min=4, prompt_lookup_max=4
     )
-    # Speculation runs one step at a time (see EngineConfig.uses_output_placeholders).
-    assert not config.uses_output_placeholders and config.batch_queue_size == 1
+    # With overlap: a verify step is its request's only step in flight (see the scheduler).
+    assert config.uses_output_placeholders and config.batch_queue_size == 2
     default = EngineConfig.from_options(speculative_config={})
     assert default.speculative_config is not None
     assert default.speculative_config.prompt_lookup_min == 5

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import deque
 from collections.abc import Sequence
 
 import pytest
@@ -25,6 +26,7 @@ from test_scheduler import (
     VOCAB,
     FakeRunner,
     Run,
+    TokenFn,
     _RunnerReq,
     assert_all_blocks_free,
     cdiv,
@@ -38,7 +40,6 @@ from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from asyncstep.datatypes import FinishReason, ModelRunnerOutput, SchedulerOutput
 from asyncstep.engine.request import Request, RequestStatus
 from asyncstep.engine.scheduler import Scheduler
-from asyncstep.errors import ConfigError
 
 PERIOD = 5
 
@@ -116,12 +117,14 @@ def make_spec_scheduler(
     max_model_len: int = 128,
     prefix_caching: bool = True,
     k: int = 4,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_blocks,
         max_model_len=max_model_len,
+        async_scheduling=async_scheduling,
         speculative_config=SpeculativeConfig(
             num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3
         ),
@@ -150,27 +153,37 @@ def drive_spec(
     runner: SpecFakeRunner,
     arrivals: dict[int, list[Request]],
     aborts: dict[int, list[str]] | None = None,
+    depth: int = 1,
 ) -> Run:
-    """The engine's loop with speculation: one step at a time."""
+    """The engine's loop (``tests/test_scheduler.py``'s ``drive``) with
+    speculation: ``depth`` steps in flight (2 with async scheduling: the
+    runner executes each step at once, in order, as the ranks would)."""
     aborts = dict(aborts or {})
     run = Run()
+    in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     for step in range(2000):
         for request in arrivals.pop(step, []):
             sched.add_request(request)
         sched.finish_requests(aborts.pop(step, []), RequestStatus.FINISHED_ABORTED)
-        if not sched.has_requests() and not arrivals:
+        if not sched.has_requests() and not arrivals and not in_flight:
             break
-        out = sched.schedule()
-        check_step(sched, out)
-        run.outputs.append(out)
-        core = sched.update_from_output(out, runner.execute(out))
+        if len(in_flight) < depth and (sched.has_work_to_schedule() or not in_flight):
+            out = sched.schedule()
+            check_step(sched, out)
+            run.outputs.append(out)
+            in_flight.append((out, runner.execute(out)))
+            if len(in_flight) < depth:
+                continue
+        out, runner_output = in_flight.popleft()
+        core = sched.update_from_output(out, runner_output)
         for req_id, co in core.items():
             assert req_id not in run.finish, "output after the finish"
             run.tokens.setdefault(req_id, []).extend(co.new_token_ids)
             if co.finish_reason is not None:
                 run.finish[req_id] = co.finish_reason
                 run.stop_reason[req_id] = co.stop_reason
-        check_spec_kv(sched)
+        if not in_flight:
+            check_spec_kv(sched)
     else:
         pytest.fail("the scheduler did not finish")
     assert_all_blocks_free(sched)
@@ -178,9 +191,11 @@ def drive_spec(
     return run
 
 
-def check_against_reference(run: Run, requests: list[Request], max_seq_len: int = 128) -> None:
+def check_against_reference(
+    run: Run, requests: list[Request], max_seq_len: int = 128, token_fn: TokenFn = repeating_token
+) -> None:
     for request in requests:
-        tokens, finish, stop_reason = reference(request, max_seq_len, repeating_token)
+        tokens, finish, stop_reason = reference(request, max_seq_len, token_fn)
         assert run.tokens[request.request_id] == tokens, request.request_id
         assert run.finish[request.request_id] == finish
         assert run.stop_reason[request.request_id] == stop_reason
@@ -252,10 +267,11 @@ def test_the_context_limit_is_exact_with_drafts() -> None:
     check_against_reference(run, [request], max_seq_len=24)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("num_blocks", [64, 12])
 def test_many_requests_preemption_prefix_caching_and_aborts(
-    prefix_caching: bool, num_blocks: int
+    prefix_caching: bool, num_blocks: int, overlap: bool
 ) -> None:
     """Requests arriving over time, sharing prefixes, some with EOS in
     reach, one aborted; a tight cache preempts."""
@@ -267,14 +283,18 @@ def test_many_requests_preemption_prefix_caching_and_aborts(
     requests.append(make_request("same", shared, max_tokens=15, ignore_eos=True))
     requests.append(make_request("same2", shared, max_tokens=15, ignore_eos=True))
     aborted = make_request("gone", prompt_of(9, 10), max_tokens=40)
-    sched = make_spec_scheduler(num_blocks=num_blocks, prefix_caching=prefix_caching, budget=16)
+    sched = make_spec_scheduler(
+        num_blocks=num_blocks, prefix_caching=prefix_caching, budget=16, async_scheduling=overlap
+    )
     runner = SpecFakeRunner(4)
     arrivals = {0: [*requests[:3], aborted], 2: requests[3:6], 5: requests[6:]}
-    run = drive_spec(sched, runner, arrivals, aborts={6: ["gone"]})
+    depth = 2 if overlap else 1
+    run = drive_spec(sched, runner, arrivals, aborts={6: ["gone"]}, depth=depth)
     check_against_reference(run, requests)
     assert aborted.status == RequestStatus.FINISHED_ABORTED and "gone" not in run.finish
     assert run.tokens["same"] == run.tokens["same2"]
     assert runner.num_accepted > 0
+    assert any(o.scheduled_spec_decode_tokens for o in run.outputs)
     if num_blocks == 12:
         assert sched.num_preemptions > 0
     if prefix_caching:
@@ -293,18 +313,6 @@ def test_requests_that_cannot_speculate_get_no_drafts() -> None:
     drafted = {r for o in run.outputs for r in o.scheduled_spec_decode_tokens}
     assert drafted == {"plain"}
     check_against_reference(run, requests)
-
-
-def test_speculation_needs_one_step_at_a_time() -> None:
-    with pytest.raises(ConfigError, match="placeholders"):
-        Scheduler(
-            SchedulerConfig(max_num_batched_tokens=64),
-            CacheConfig(),
-            64,
-            max_model_len=128,
-            async_scheduling=True,
-            speculative_config=SpeculativeConfig(),
-        )
 
 
 def test_drafts_preempt_nobody() -> None:
@@ -327,3 +335,27 @@ def test_drafts_preempt_nobody() -> None:
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # 2 blocks free again
     out = sched.schedule()
     assert out.scheduled_spec_decode_tokens == {"b": [4, 5, 6]}  # (3: max_tokens)
+
+
+def test_with_async_scheduling_a_repeating_request_waits_to_speculate() -> None:
+    """Two steps in flight: a request whose known tokens end with a
+    recurring n-gram waits for its step in flight and then verifies drafts
+    (its verify steps alone in flight for it); a request whose tokens never
+    recur is scheduled over its placeholders, step after step."""
+    sched = make_spec_scheduler(async_scheduling=True)
+    runner = SpecFakeRunner(4)
+    runner.token_fn = token_fn = lambda tokens: tokens[-3] if tokens[0] == 1 else 100 + len(tokens)
+    looping = make_request("loop", [1, 2, 3, 1, 2, 3], max_tokens=20, ignore_eos=True)
+    fresh = make_request("fresh", [7, 8, 9], max_tokens=20, ignore_eos=True)
+    run = drive_spec(sched, runner, {0: [looping, fresh]}, depth=2)
+    check_against_reference(run, [looping, fresh], token_fn=token_fn)
+    drafted = [o for o in run.outputs if "loop" in o.scheduled_spec_decode_tokens]
+    assert drafted and runner.num_accepted == runner.num_draft_tokens  # all accepted
+    assert not any("fresh" in o.scheduled_spec_decode_tokens for o in run.outputs)
+    # "fresh" ran in (almost) every step: never waited for its tokens in flight.
+    steps = [o for o in run.outputs if "fresh" in o.num_scheduled_tokens]
+    assert len(steps) == 20
+    # "loop" was never scheduled in two steps in a row after a verify step.
+    for i, out in enumerate(run.outputs[:-1]):
+        if "loop" in out.scheduled_spec_decode_tokens:
+            assert "loop" not in run.outputs[i + 1].num_scheduled_tokens

@@ -52,8 +52,13 @@ engine's batch queue):
   (``num_computed_tokens`` minus their count: their slots are written again
   by the next step; the blocks stay the request's), before any stop rule or
   free runs, so the prefix cache only registers blocks of accepted tokens.
-  The engine runs one step at a time then (no placeholders: the next drafts
-  need this step's tokens).
+  Drafts need every token's id, so only a request with no placeholder gets
+  them. With async scheduling, a verify step is its request's only step in
+  flight (its next positions depend on what is accepted: ``num_new`` is not
+  positive until the output is back), and a request with a step in flight
+  whose known tokens end with a recurring n-gram waits for that step rather
+  than being scheduled over its placeholder (:meth:`_waits_to_speculate`),
+  so its next step can verify drafts; the other requests keep overlapping.
 
 The conventions of the output, which the runner relies on, are listed in
 :mod:`asyncstep.engine.step_plan`. Preemption is by recompute: the victim's
@@ -130,7 +135,7 @@ class Scheduler:
         resolved too (ConfigError while None).
 
         ``speculative_config``: propose draft tokens for decodes (see the
-        module doc); needs ``async_scheduling`` False (ConfigError)."""
+        module doc)."""
         if max_model_len <= 0:
             raise ConfigError(
                 "max_model_len must be resolved (positive) before building the scheduler, "
@@ -141,8 +146,6 @@ class Scheduler:
                 "max_num_batched_tokens must be resolved for the device before building "
                 "the scheduler"
             )
-        if speculative_config is not None and async_scheduling:
-            raise ConfigError("speculative decoding runs without output placeholders")
         self.scheduler_config = scheduler_config
         self.proposer = NgramProposer(speculative_config) if speculative_config else None
         self.spec_decoding_stats = (
@@ -239,7 +242,9 @@ class Scheduler:
             num_tokens = request.num_tokens + placeholders
             if placeholders and (num_tokens >= request.max_num_tokens or num_tokens >= max_seq_len):
                 continue
-            if num_tokens > request.num_computed_tokens:
+            if num_tokens > request.num_computed_tokens and not (
+                placeholders and self._waits_to_speculate(request)
+            ):
                 return True
         return False
 
@@ -311,7 +316,9 @@ class Scheduler:
                 continue  # the tokens in flight end it
             num_new = num_tokens + placeholders - num_computed
             if num_new <= 0:
-                continue  # its last token is in flight (pipeline)
+                continue  # its last token is in flight (pipeline, or a verify step)
+            if placeholders and proposer is not None and self._waits_to_speculate(request):
+                continue  # its drafts need the tokens in flight: once they are back
             req_id = request.request_id
             new_block_ids: list[int] | None
             if (
@@ -327,7 +334,7 @@ class Scheduler:
                 new_block_ids = self._allocate_or_preempt(request, num_new, plan)
                 if new_block_ids is None:
                     break  # the request preempted itself: nothing after it is running
-            if proposer is not None and num_new == 1 and request.speculates:
+            if proposer is not None and num_new == 1 and not placeholders and request.speculates:
                 draft_candidates.append((len(req_ids), request))
             num_scheduled[req_id] = num_new
             budget -= num_new
@@ -371,6 +378,20 @@ class Scheduler:
             plan.num_scheduled_tokens[request.request_id] += num_drafts
             plan.token_budget -= num_drafts
             plan.spec_token_ids[request.request_id] = drafts
+
+    def _waits_to_speculate(self, request: Request) -> bool:
+        """Async scheduling: whether a request with tokens in flight should
+        wait for them rather than be scheduled over placeholders: it may
+        speculate, has room for drafts, and its known tokens end with an
+        n-gram that recurs (the proposer would find drafts, and drafts need
+        every token's id). Its verify steps then run alone in flight for it;
+        the others keep overlapping."""
+        if self.proposer is None or not request.speculates:
+            return False
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        if min(request.max_num_tokens, self.max_seq_len) - num_tokens - 1 <= 0:
+            return False
+        return bool(self.proposer.propose(request.all_token_ids, 1))
 
     def _propose_drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decode of ``request`` within ``budget`` tokens

@@ -294,11 +294,14 @@ class ModelRunner:
         if self.execute_model_state is not None:
             raise RuntimeError(REENTRY_ERROR)
         t0 = time.perf_counter()
-        self.sampled.resolve(keep_last=self.async_scheduling)
+        # A step with drafts needs its rows' every token on the host (the
+        # drafts go after them): the newest sampled output too.
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        self.sampled.resolve(keep_last=self.async_scheduling and not spec_tokens)
         self.step_inputs.input_batch = self.batches.select(scheduler_output)
         self.batches.update(scheduler_output)
-        if scheduler_output.scheduled_spec_decode_tokens:
-            self._write_drafts(scheduler_output.scheduled_spec_decode_tokens)
+        if spec_tokens:
+            self._write_drafts(spec_tokens)
         self.prompt_logprobs.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.timings = StepTimings()
@@ -433,7 +436,7 @@ class ModelRunner:
         sampled = result.sampled_token_ids
         if state.spec_decode_metadata is not None:
             sampled = self._verify_drafts(state, sampled)
-            self.sampled.clear()  # (no async scheduling with drafts: nothing scatters them)
+            self.sampled.clear()  # (no step scatters these ids: see SampledTokens.resolve)
         else:
             self.sampled.record(sampled, batch, rows, state.req_ids)
         tensors = [sampled]

@@ -103,10 +103,12 @@ class SampledTokens:
         """Append the tokens of kept outputs to the persistent batch; all of
         them, or all but the newest (whose ids the next step takes from the
         device, even when its copy has landed: one code path on every device).
-        Blocks on a copy only if it has not landed yet."""
-        keep = 1 if keep_last else 0
-        while len(self._unresolved) > keep:
-            self._apply(*self._unresolved.popleft())
+        A speculative step's output is always appended (no step takes ids of
+        it from the device). Blocks on a copy only if it has not landed yet."""
+        unresolved = self._unresolved
+        keep = 1 if keep_last and unresolved and not unresolved[-1][0].multi_token else 0
+        while len(unresolved) > keep:
+            self._apply(*unresolved.popleft())
 
     def _apply(self, output: AsyncModelRunnerOutput, origin: _SampledFrom | None) -> None:
         batches = self._batches

@@ -170,8 +170,8 @@ class StepInputBuilder:
             logits_indices = self._logits_indices(cu_num_tokens[sample_rows] - 1)
         if spec_metadata is None:
             input_ids = scatter_sampled(input_ids, seq_lens, cu_num_tokens)
-        # (else nothing to scatter: a speculative engine runs without output
-        # placeholders, and its drafts are in the batch's rows past num_tokens)
+        # (else nothing to scatter: the runner resolved every sampled output
+        # before a step with drafts, whose drafts are in the rows past num_tokens)
         inputs = StepInputs(
             input_ids=input_ids,
             positions=positions_t,
