@@ -523,18 +523,23 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     """Speculative decoding, vLLM's ``speculative_config`` names.
 
     ``method`` ``"ngram"``: prompt lookup (no draft model): the drafts are the
-    ``num_speculative_tokens`` tokens that followed the latest earlier
+    up to ``num_speculative_tokens`` tokens that followed an earlier
     occurrence of the sequence's last ``n`` tokens, for the longest ``n`` in
     ``[prompt_lookup_min, prompt_lookup_max]`` that occurs (prompt and output
-    both searched). One of the two lookup bounds given sets the other
-    (vLLM's rule); neither: both :data:`DEFAULT_PROMPT_LOOKUP`. A bad value
-    is a one-line :class:`ConfigError`; the resolved bounds are stored.
+    both searched; see :mod:`asyncstep.engine.ngram_proposer`). One of the
+    two lookup bounds given sets the other (vLLM's rule); neither: both
+    :data:`DEFAULT_PROMPT_LOOKUP`. ``disable_by_batch_size`` (vLLM's name):
+    no drafts in a step while at least this many requests run (a verify
+    step grows with the batch; on the CPU past ``packed_max_tokens`` tokens
+    it leaves the one-call decoder stack); None: never. A bad value is a
+    one-line :class:`ConfigError`; the resolved bounds are stored.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -559,6 +564,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                 f"got {low} and {high}"
             )
         self.prompt_lookup_min, self.prompt_lookup_max = low, high
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ConfigError(
+                "speculative_config disable_by_batch_size must be >= 1 (or none), "
+                f"got {self.disable_by_batch_size}"
+            )
 
 
 class SpeculativeSection(msgspec.Struct, kw_only=True):

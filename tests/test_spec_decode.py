@@ -57,6 +57,7 @@ def test_speculative_config_with_vllms_names() -> None:
             "prompt_lookup_min <= prompt_lookup_max",
         ),
         ({"prompt_lookup_min": 0}, "prompt_lookup_min <= prompt_lookup_max"),
+        ({"disable_by_batch_size": 0}, "disable_by_batch_size must be >= 1"),
         ({"num_speculative_token": 4}, "unknown field"),
         ({"num_speculative_tokens": "4"}, "Expected `int`"),
         (4, "Expected `object | null`"),

@@ -118,6 +118,7 @@ def make_spec_scheduler(
     prefix_caching: bool = True,
     k: int = 4,
     async_scheduling: bool = False,
+    disable_by_batch_size: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
@@ -126,7 +127,10 @@ def make_spec_scheduler(
         max_model_len=max_model_len,
         async_scheduling=async_scheduling,
         speculative_config=SpeculativeConfig(
-            num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3
+            num_speculative_tokens=k,
+            prompt_lookup_min=1,
+            prompt_lookup_max=3,
+            disable_by_batch_size=disable_by_batch_size,
         ),
     )
 
@@ -359,3 +363,18 @@ def test_with_async_scheduling_a_repeating_request_waits_to_speculate() -> None:
     for i, out in enumerate(run.outputs[:-1]):
         if "loop" in out.scheduled_spec_decode_tokens:
             assert "loop" not in run.outputs[i + 1].num_scheduled_tokens
+
+
+def test_disable_by_batch_size() -> None:
+    """No drafts while at least ``disable_by_batch_size`` requests run; drafts
+    again once fewer do."""
+    prompt = [1, 2, 3, 4, 5] * 3
+    a = make_request("a", prompt, max_tokens=4, ignore_eos=True)
+    b = make_request("b", prompt, max_tokens=16, ignore_eos=True)
+    sched = make_spec_scheduler(disable_by_batch_size=2)
+    run = drive_spec(sched, SpecFakeRunner(4), {0: [a, b]})
+    check_against_reference(run, [a, b])
+    for out in run.outputs:
+        if len(out.num_scheduled_tokens) == 2:
+            assert out.scheduled_spec_decode_tokens == {}
+    assert any(o.scheduled_spec_decode_tokens for o in run.outputs), "b alone speculates"

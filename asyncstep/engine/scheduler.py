@@ -148,6 +148,10 @@ class Scheduler:
             )
         self.scheduler_config = scheduler_config
         self.proposer = NgramProposer(speculative_config) if speculative_config else None
+        #: Running requests from which no step has drafts (None: any number).
+        self.spec_disable_by_batch_size = (
+            speculative_config.disable_by_batch_size if speculative_config else None
+        )
         self.spec_decoding_stats = (
             SpecDecodingStats(speculative_config.num_speculative_tokens)
             if speculative_config
@@ -299,6 +303,9 @@ class Scheduler:
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
         proposer = self.proposer
+        disable = self.spec_disable_by_batch_size
+        if disable is not None and len(running) >= disable:
+            proposer = None  # a batch this large verifies no drafts
         #: Decodes that may speculate: (their index in the plan's columns, request).
         draft_candidates: list[tuple[int, Request]] = []
         budget = plan.token_budget
@@ -387,6 +394,9 @@ class Scheduler:
         every token's id). Its verify steps then run alone in flight for it;
         the others keep overlapping."""
         if self.proposer is None or not request.speculates:
+            return False
+        disable = self.spec_disable_by_batch_size
+        if disable is not None and len(self.running) >= disable:
             return False
         num_tokens = request.num_tokens + request.num_output_placeholders
         if min(request.max_num_tokens, self.max_seq_len) - num_tokens - 1 <= 0:
