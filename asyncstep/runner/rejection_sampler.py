@@ -20,11 +20,13 @@ yields ``1 + accepted`` tokens.
   row draws from its own generator.
 
 Everything stays on the logits' device; no host sync. May import torch,
-``asyncstep.datatypes`` and the runner's ``sampler`` module.
+numpy, ``asyncstep.datatypes`` and the runner's ``sampler`` and
+``spec_decode_metadata`` modules.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from asyncstep.datatypes import GREEDY_EPSILON
@@ -35,6 +37,7 @@ from asyncstep.runner.sampler import (
     apply_top_k_top_p,
     random_sample,
 )
+from asyncstep.runner.spec_decode_metadata import to_device
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "RejectionSampler", "rejection_sample", "target_probs"]
 
@@ -70,10 +73,20 @@ def rejection_sample(
     device = bonus_token_ids.device
     num_rows = len(num_draft_tokens)
     width = max(num_draft_tokens, default=0)
-    counts = torch.tensor(num_draft_tokens, dtype=torch.int64)
-    row_of = torch.repeat_interleave(torch.arange(num_rows), counts).to(device)
-    starts = torch.cumsum(counts, 0) - counts
-    pos_of = (torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)).to(device)
+    counts_np = np.asarray(num_draft_tokens, dtype=np.int64)
+    starts = np.cumsum(counts_np) - counts_np
+    # Each draft's row and position in it, and each row's count: one copy.
+    layout = np.concatenate(
+        [
+            np.repeat(np.arange(num_rows), counts_np),
+            np.arange(int(counts_np.sum())) - np.repeat(starts, counts_np),
+            counts_np,
+        ]
+    )
+    on_device = to_device(layout, device)
+    num_total = int(counts_np.sum())
+    row_of, pos_of = on_device[:num_total], on_device[num_total : 2 * num_total]
+    counts = on_device[2 * num_total :]
     shape = (num_rows, width + 1)
     accepted_mat = torch.zeros(shape, dtype=torch.bool, device=device)
     accepted_mat[row_of, pos_of] = accepted
@@ -89,7 +102,7 @@ def rejection_sample(
         drafts_mat,
         torch.full_like(drafts_mat, PLACEHOLDER_TOKEN_ID),
     )
-    all_accepted = num_accepted == counts.to(device)
+    all_accepted = num_accepted == counts
     recovered = recovered_mat.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
     last = torch.where(all_accepted, bonus_token_ids, recovered)
     output.scatter_(1, num_accepted.unsqueeze(1), last.unsqueeze(1))

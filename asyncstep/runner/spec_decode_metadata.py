@@ -73,7 +73,7 @@ def build_spec_decode_metadata(
     flat = [t for row in drafts for t in row]
 
     def tensor(values: np.ndarray | list[int]) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device, non_blocking=True)
+        return to_device(np.asarray(values, dtype=np.int64), device)
 
     metadata = SpecDecodeMetadata(
         draft_token_ids=tensor(flat),
@@ -83,3 +83,12 @@ def build_spec_decode_metadata(
         last_token_indices=tensor(ends - 1),
     )
     return logits_indices, metadata
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device`` without waiting for the device's
+    queue (pinned memory, a non-blocking copy); on the CPU, the array's memory."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
