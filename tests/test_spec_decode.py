@@ -123,9 +123,27 @@ def test_the_proposer_caps_its_drafts() -> None:
         SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
     )
     tokens = [1, 2, 3, 4, 5, 6, 1, 2]
-    assert proposer.propose(tokens, 10) == [3, 4, 5]
-    assert proposer.propose(tokens, 1) == [3]
-    assert proposer.propose(tokens, 0) == []
+    assert proposer.propose("r", tokens, 10) == [3, 4, 5]
+    assert proposer.propose("r", tokens, 1) == [3]
+    assert proposer.propose("r", tokens, 0) == []
+
+
+def test_the_proposer_keeps_each_requests_tokens_as_they_grow() -> None:
+    proposer = NgramProposer(
+        SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
+    )
+    tokens = [7, 8, 9, 1]
+    assert proposer.propose("r", tokens, 10) == []
+    for token, expected in [(7, [8, 9]), (8, [9, 1]), (5, []), (9, [1, 7])]:
+        tokens.append(token)
+        assert proposer.propose("r", tokens, 10) == expected
+        assert proposer.propose("r", tokens, 10) == expected  # asked again: the same
+    tokens += [*range(100, 300), 100]  # the buffer grows
+    assert proposer.propose("r", tokens, 10) == [101, 102]
+    # An id used again with other tokens: started over (forget() is the rule).
+    assert proposer.propose("r", [3, 1, 2, 3], 10) == [1, 2]
+    proposer.forget("r")
+    assert proposer.propose("r", [4, 4], 10) == [4]
 
 
 # -- the rejection sampler ---------------------------------------------------------

@@ -61,20 +61,50 @@ def propose_ngram(
 
 
 class NgramProposer:
-    """:func:`propose_ngram` with a :class:`SpeculativeConfig`'s settings."""
+    """:func:`propose_ngram` with a :class:`SpeculativeConfig`'s settings,
+    over each request's tokens kept as an int64 array that grows with the
+    request (a step converts only its new tokens); :meth:`forget` a request
+    when it ends (its id may come back with other tokens)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.num_speculative_tokens = config.num_speculative_tokens
+        #: Request id -> (a buffer holding its tokens, how many it holds).
+        self._arrays: dict[str, tuple[np.ndarray, int]] = {}
 
-    def propose(self, token_ids: Sequence[int], max_num_draft_tokens: int) -> list[int]:
+    def propose(
+        self, request_id: str, token_ids: Sequence[int], max_num_draft_tokens: int
+    ) -> list[int]:
         """At most ``min(num_speculative_tokens, max_num_draft_tokens)``
-        draft tokens to follow ``token_ids`` (maybe none)."""
+        draft tokens to follow ``token_ids``, the request's tokens (which
+        only grow while it lives), maybe none."""
         k = min(self.num_speculative_tokens, max_num_draft_tokens)
         if k <= 0 or len(token_ids) <= self.min_n:
             return []
-        ids = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
+        ids = self._token_array(request_id, token_ids)
         drafts: list[int] = propose_ngram(ids, self.min_n, self.max_n, k).tolist()
         return drafts
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop its array."""
+        self._arrays.pop(request_id, None)
+
+    def _token_array(self, request_id: str, token_ids: Sequence[int]) -> np.ndarray:
+        """``token_ids`` as an int64 array, converting only the tokens added
+        since the last call for the request."""
+        num_tokens = len(token_ids)
+        buffer, filled = self._arrays.get(request_id, (_NO_DRAFT, 0))
+        if filled > num_tokens or (
+            filled and (buffer[0] != token_ids[0] or buffer[filled - 1] != token_ids[filled - 1])
+        ):
+            filled = 0  # not the tokens it was (an id used again): start over
+        if num_tokens > len(buffer):
+            grown = np.empty(max(2 * num_tokens, 64), dtype=np.int64)
+            grown[:filled] = buffer[:filled]
+            buffer = grown
+        if num_tokens > filled:
+            buffer[filled:num_tokens] = token_ids[filled:num_tokens]
+        self._arrays[request_id] = (buffer, num_tokens)
+        return buffer[:num_tokens]

@@ -401,7 +401,7 @@ class Scheduler:
         num_tokens = request.num_tokens + request.num_output_placeholders
         if min(request.max_num_tokens, self.max_seq_len) - num_tokens - 1 <= 0:
             return False
-        return bool(self.proposer.propose(request.all_token_ids, 1))
+        return bool(self.proposer.propose(request.request_id, request.all_token_ids, 1))
 
     def _propose_drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decode of ``request`` within ``budget`` tokens
@@ -416,7 +416,7 @@ class Scheduler:
         )
         if room <= 0:
             return []
-        return self.proposer.propose(request.all_token_ids, room)
+        return self.proposer.propose(request.request_id, request.all_token_ids, room)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, plan: StepPlan
@@ -542,6 +542,8 @@ class Scheduler:
         uses them) and report it to the runner in the next step."""
         del self.requests[request.request_id]
         self._num_output_tokens_sent.pop(request.request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         if request.num_in_flight_steps:
             self._finishing[request.request_id] = request
         else:
