@@ -451,7 +451,7 @@ class Engine:
             state = requests.get(news.request_id)
             if state is None:
                 continue  # aborted, or stopped by a stop string a step ago
-            self._num_generated_tokens += len(news.new_token_ids)
+            num_before = len(state.token_ids)
             stop_string = state.add_output(
                 news.new_token_ids,
                 news.new_logprobs,
@@ -459,6 +459,8 @@ class Engine:
                 news.stop_reason,
                 news.new_prompt_logprobs,
             )
+            # (A stop string may have cut a step's tokens after it.)
+            self._num_generated_tokens += len(state.token_ids) - num_before
             group = state.group
             if (
                 group is not None
