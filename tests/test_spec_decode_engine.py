@@ -278,3 +278,20 @@ def test_structured_outputs_are_served_without_drafts(looping_hf_dir: Path) -> N
     spec = trio.run(lambda: serve(looping_hf_dir, params, spec=True))
     assert spec == plain
     assert spec[2].text in choices
+
+
+def test_n_choices_speculate_each(looping_hf_dir: Path) -> None:
+    """``n = 3`` greedy choices of a prompt: each is a request of its own in
+    the core (their prompt cached once), each speculates, each gives the
+    greedy tokens."""
+    plain = trio.run(lambda: serve(looping_hf_dir, [greedy()], spec=False, prompts=PROMPTS[:1]))
+
+    async def choices() -> list[tuple[int, ...]]:
+        async with asyncstep.open_engine(
+            looping_hf_dir, speculative_config=NGRAM, **ENGINE
+        ) as engine:
+            out = await engine.generate(PROMPTS[0], greedy(n=3))
+            assert engine.statistics().spec_decode_num_accepted_tokens > 0
+            return [tuple(choice.token_ids) for choice in out.outputs]
+
+    assert trio.run(choices) == [plain[0].token_ids] * 3
