@@ -148,7 +148,7 @@ class Scheduler:
             )
         self.scheduler_config = scheduler_config
         self.proposer = NgramProposer(speculative_config) if speculative_config else None
-        #: Running requests from which no step has drafts (None: any number).
+        #: No drafts while at least this many requests run (None: any number).
         self.spec_disable_by_batch_size = (
             speculative_config.disable_by_batch_size if speculative_config else None
         )

@@ -168,7 +168,7 @@ class StepInputBuilder:
             )
         elif logits_indices is None:
             logits_indices = self._logits_indices(cu_num_tokens[sample_rows] - 1)
-        if spec_metadata is None:
+        if not so.scheduled_spec_decode_tokens:
             input_ids = scatter_sampled(input_ids, seq_lens, cu_num_tokens)
         # (else nothing to scatter: the runner resolved every sampled output
         # before a step with drafts, whose drafts are in the rows past num_tokens)
