@@ -295,3 +295,20 @@ def test_n_choices_speculate_each(looping_hf_dir: Path) -> None:
             return [tuple(choice.token_ids) for choice in out.outputs]
 
     assert trio.run(choices) == [plain[0].token_ids] * 3
+
+
+@pytest.mark.skipif(ENGINE["device"] != "cpu", reason="the stand-in graphs are the CPU's")
+def test_verify_steps_through_the_graph_wiring(looping_hf_dir: Path) -> None:
+    """The Triton attention kernels (interpreted) and stand-in CUDA graphs
+    (FULL for uniform decodes, PIECEWISE for the rest, verify steps
+    included), as on CUDA: the same greedy tokens as without speculation."""
+    params = [greedy()] * len(PROMPTS)
+    graphs = {
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "cudagraph_stand_in": True,
+        "attention_backend": "triton",
+        "max_num_seqs": 8,
+    }
+    plain = trio.run(lambda: serve(looping_hf_dir, params, spec=False))
+    spec = trio.run(lambda: serve(looping_hf_dir, params, spec=True, **graphs))
+    assert spec == plain
