@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_scheduler import (
     EOS,
     VOCAB,
@@ -40,6 +42,7 @@ from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from asyncstep.datatypes import FinishReason, ModelRunnerOutput, SchedulerOutput
 from asyncstep.engine.request import Request, RequestStatus
 from asyncstep.engine.scheduler import Scheduler
+from asyncstep.errors import InvalidRequestError
 
 PERIOD = 5
 
@@ -378,3 +381,103 @@ def test_disable_by_batch_size() -> None:
         if len(out.num_scheduled_tokens) == 2:
             assert out.scheduled_spec_decode_tokens == {}
     assert any(o.scheduled_spec_decode_tokens for o in run.outputs), "b alone speculates"
+
+
+# -- property test: random traffic with speculation --------------------------------------
+
+
+def small_vocab_repeating(tokens: Sequence[int]) -> int:
+    """``repeating_token`` over 40 tokens (EOS, 0, happens)."""
+    digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=8).digest()
+    h = int.from_bytes(digest, "little")
+    if h % 3 and len(tokens) >= PERIOD:
+        return tokens[-PERIOD]
+    return h % 40
+
+
+request_spec = st.tuples(
+    st.integers(0, 12),  # arrival step
+    st.integers(1, 20),  # prompt length
+    st.integers(1, 16),  # max_tokens
+    st.integers(0, 3),  # shares a prefix with family n (0: none)
+    st.one_of(st.none(), st.integers(0, 30)),  # abort step
+    st.booleans(),  # ignore_eos
+)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+    database=None,
+)
+@given(
+    specs=st.lists(request_spec, min_size=1, max_size=8),
+    num_blocks=st.integers(5, 14),
+    budget=st.integers(4, 24),
+    max_num_seqs=st.integers(1, 5),
+    chunked=st.booleans(),
+    prefix_caching=st.booleans(),
+    k=st.integers(1, 6),
+)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_random_traffic_with_speculation_matches_the_reference(
+    overlap: bool,
+    specs: list[tuple[int, int, int, int, int | None, bool]],
+    num_blocks: int,
+    budget: int,
+    max_num_seqs: int,
+    chunked: bool,
+    prefix_caching: bool,
+    k: int,
+) -> None:
+    """Random arrivals, prompts sharing prefixes, aborts, EOS, a small
+    cache (preemption), chunked prefills or not, sync or async scheduling:
+    every request's tokens are those it makes alone without speculation,
+    the fake KV cache always holds the right tokens, no block leaks."""
+    block_size, max_model_len = 4, 40
+    if not chunked:
+        budget = max(budget, 20)  # every prompt must fit one step
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            enable_chunked_prefill=chunked,
+        ),
+        CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+        num_blocks,
+        max_model_len=max_model_len,
+        async_scheduling=overlap,
+        speculative_config=SpeculativeConfig(
+            num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3
+        ),
+    )
+    arrivals: dict[int, list[Request]] = {}
+    aborts: dict[int, list[str]] = {}
+    reqs: list[Request] = []
+    for i, (arrive, length, max_tokens, family, abort, ignore_eos) in enumerate(specs):
+        prompt = prompt_of(100 + family, length) if family else prompt_of(i, length)
+        prompt[-1] = i
+        req = make_request(f"r{i}", prompt, max_tokens, eos=(0,), ignore_eos=ignore_eos)
+        if length > num_blocks * block_size:
+            with pytest.raises(InvalidRequestError):
+                sched.add_request(req)
+            continue
+        reqs.append(req)
+        arrivals.setdefault(arrive, []).append(req)
+        if abort is not None:
+            aborts.setdefault(max(abort, arrive), []).append(req.request_id)
+    runner = SpecFakeRunner(block_size)
+    runner.token_fn = small_vocab_repeating
+    run = drive_spec(sched, runner, arrivals, aborts, depth=2 if overlap else 1)
+    max_seq_len = min(max_model_len, num_blocks * block_size)
+    for req in reqs:
+        want, reason, stop_reason = reference(req, max_seq_len, small_vocab_repeating)
+        got = run.tokens.get(req.request_id, [])
+        assert req.output_token_ids == got
+        if req.status == RequestStatus.FINISHED_ABORTED:
+            assert got == want[: len(got)]
+        else:
+            assert (got, run.finish[req.request_id]) == (want, reason)
+            assert run.stop_reason[req.request_id] == stop_reason
