@@ -2,10 +2,11 @@
 draft tokens of a request are what followed, earlier in its own sequence
 (prompt and output), the n-gram it ends with.
 
-:func:`propose_ngram` is the whole method: no model, no state. It runs in
-the engine core, where the scheduler keeps every request's token ids, once
-per decode step of a request that speculates. Pure numpy; may import only
-numpy and ``asyncstep.config``.
+:func:`propose_ngram` is the whole method: no model, no state.
+:class:`NgramProposer` runs it in the engine core, where the scheduler keeps
+every request's token ids, once per decode step of a request that
+speculates (each request's tokens mirrored in an array that grows with it).
+Pure numpy; may import only numpy and ``asyncstep.config``.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ def propose_ngram(
     last ``n`` tokens, for the longest ``n`` in ``[min_n, max_n]`` that
     occurs earlier (an occurrence may overlap the suffix itself): the latest
     such occurrence followed by ``num_draft_tokens`` tokens, else the
-    earliest (the most tokens after it). Empty when
-    no n-gram of at least ``min_n`` tokens recurs, or ``num_draft_tokens`` is
-    0. Costs ``O(len(token_ids) * max_n)`` at worst, usually ``O(len)``."""
+    earliest (the most tokens after it). Empty when no n-gram of at least
+    ``min_n`` tokens recurs, or ``num_draft_tokens`` is 0. Costs
+    ``O(len(token_ids) * max_n)`` at worst, usually ``O(len)``."""
     length = len(token_ids)
     if num_draft_tokens <= 0 or length < min_n + 1:
         return _NO_DRAFT
