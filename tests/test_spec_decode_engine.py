@@ -266,18 +266,34 @@ def test_tensor_parallel_speculation_gives_the_single_ranks_tokens(looping_hf_di
     assert tp2 == plain
 
 
-def test_structured_outputs_are_served_without_drafts(looping_hf_dir: Path) -> None:
-    """A request with a grammar is given no drafts (its bitmask is per
-    token), beside requests that speculate; it still follows its grammar."""
+def test_structured_outputs_verify_drafts_the_grammar_accepts(looping_hf_dir: Path) -> None:
+    """A request with a grammar speculates too: its drafts are cut to what
+    its matcher accepts, and the bitmask has a row per draft position (and
+    the bonus position); beside requests without one. The same tokens as
+    without speculation, in the grammar."""
     from asyncstep import StructuredOutputsParams
 
     choices = ["yes", "no", "maybe so"]
-    params = [greedy()] * len(PROMPTS)
+    pattern = r"(the cat sat on the mat\. ){4}"
+    params = [greedy(max_tokens=40)] * len(PROMPTS)
+    params[0] = greedy(max_tokens=40, structured_outputs=StructuredOutputsParams(regex=pattern))
     params[2] = greedy(structured_outputs=StructuredOutputsParams(choice=choices))
     plain = trio.run(lambda: serve(looping_hf_dir, params, spec=False))
+    # (40 tokens end it before the 4th sentence: this model spells oddly.)
+    assert plain[0].text.startswith("the cat sat on the mat. " * 2) and plain[2].text in choices
+
+    async def constrained_alone() -> tuple[Result, int]:
+        async with asyncstep.open_engine(
+            looping_hf_dir, speculative_config=NGRAM, **ENGINE
+        ) as engine:
+            out = await engine.generate(PROMPTS[0], params[0])
+            accepted = engine.statistics().spec_decode_num_accepted_tokens
+        return Result(tuple(out.token_ids), out.text, out.finish_reason), accepted
+
+    alone, accepted = trio.run(constrained_alone)
+    assert alone == plain[0] and accepted > 0, "the grammar's drafts were verified"
     spec = trio.run(lambda: serve(looping_hf_dir, params, spec=True))
     assert spec == plain
-    assert spec[2].text in choices
 
 
 def test_n_choices_speculate_each(looping_hf_dir: Path) -> None:

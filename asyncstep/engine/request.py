@@ -100,9 +100,9 @@ class Request:
     #: Outputs before which a stop id does not end the request (``min_tokens``).
     min_tokens: int
     #: Whether the request may be given draft tokens (speculative decoding):
-    #: not when the sampler must see each token before the next (structured
-    #: outputs, penalties, logit bias, ``min_tokens``, bad words) or the
-    #: request asks for log-probs.
+    #: not when the sampler must see each token before the next (penalties,
+    #: logit bias, ``min_tokens``, bad words) or the request asks for
+    #: log-probs. (A grammar's drafts are checked by its matcher.)
     speculates: bool
 
     def __init__(
@@ -149,8 +149,7 @@ class Request:
         stop_ids = frozenset(params.stop_token_ids)
         self.stop_ids = stop_ids if params.ignore_eos else stop_ids | self._eos_token_ids
         self.speculates = (
-            params.structured_outputs is None
-            and not params.processes_logits
+            not params.processes_logits
             and params.logprobs is None
             and params.prompt_logprobs is None
         )

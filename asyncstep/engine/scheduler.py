@@ -69,7 +69,7 @@ goes back to the front of the queue.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -148,6 +148,9 @@ class Scheduler:
             )
         self.scheduler_config = scheduler_config
         self.proposer = NgramProposer(speculative_config) if speculative_config else None
+        #: (request id, drafts) -> the prefix of them its grammar accepts; set
+        #: by the engine core (the structured outputs' matchers), None: all.
+        self.draft_filter: Callable[[str, list[int]], list[int]] | None = None
         #: No drafts while at least this many requests run (None: any number).
         self.spec_disable_by_batch_size = (
             speculative_config.disable_by_batch_size if speculative_config else None
@@ -369,6 +372,9 @@ class Scheduler:
             if plan.token_budget <= 0:
                 return
             drafts = self._propose_drafts(request, plan.token_budget + 1)
+            grammar = request.sampling_params.structured_outputs is not None
+            if drafts and grammar and self.draft_filter is not None:
+                drafts = self.draft_filter(request.request_id, drafts)
             if not drafts:
                 continue
             # The slots of 1 + drafts tokens from the count before this step

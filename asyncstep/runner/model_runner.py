@@ -399,16 +399,21 @@ class ModelRunner:
         self.execute_model_state = None
         t0 = time.perf_counter()
         spec = state.spec_decode_metadata
+        if grammar_output is not None:
+            if self._grammar_bitmask is None:
+                self._grammar_bitmask = GrammarBitmask(self.device)
+            if spec is not None:  # a row per draft position and the bonus position
+                pairs = _spec_grammar_rows(state, grammar_output)
+                self._grammar_bitmask.apply_rows(state.logits, grammar_output, pairs)
+            else:
+                rows = state.sample_rows
+                req_ids = map(state.req_ids.__getitem__, rows)
+                row_of = dict(zip(req_ids, range(len(rows)), strict=True))
+                self._grammar_bitmask.apply(state.logits, grammar_output, row_of)
+            self.timings.grammar = time.perf_counter() - t0
         if spec is not None:  # the sampler sees the bonus positions; the drafts' rows aside
             state.target_logits = state.logits[spec.target_logits_indices]
             state.logits = state.logits[spec.bonus_logits_indices]
-        if grammar_output is not None:
-            rows = state.sample_rows
-            row_of = dict(zip(map(state.req_ids.__getitem__, rows), range(len(rows)), strict=True))
-            if self._grammar_bitmask is None:
-                self._grammar_bitmask = GrammarBitmask(self.device)
-            self._grammar_bitmask.apply(state.logits, grammar_output, row_of)
-            self.timings.grammar = time.perf_counter() - t0
         output = self._sample(state)
         output.prompt_logprobs = state.prompt_logprobs
         if state.events is not None:
@@ -480,6 +485,30 @@ class ModelRunner:
             assert state.input_ids is not None and state.logits_indices is not None
             last = state.input_ids[state.logits_indices]
         return batch.token_history(rows, seq_lens, last, processing)
+
+
+def _spec_grammar_rows(
+    state: ExecuteModelState, grammar_output: GrammarOutput
+) -> list[tuple[int, int]]:
+    """(logits row, bitmask row) of a speculative step's constrained
+    requests: a request's ``j``-th bitmask row (its id repeated, one row per
+    draft position and then the bonus position) masks its ``j``-th logits
+    row."""
+    spec = state.spec_decode_metadata
+    assert spec is not None
+    first_row: dict[str, tuple[int, int]] = {}  # req_id -> (first logits row, rows)
+    start = 0
+    for row, num_drafts in zip(state.sample_rows, spec.num_draft_tokens, strict=True):
+        first_row[state.req_ids[row]] = (start, num_drafts + 1)
+        start += num_drafts + 1
+    pairs = []
+    seen: dict[str, int] = {}
+    for mask_row, req_id in enumerate(grammar_output.structured_output_request_ids):
+        j = seen.get(req_id, 0)
+        seen[req_id] = j + 1
+        if req_id in first_row and j < first_row[req_id][1]:
+            pairs.append((first_row[req_id][0] + j, mask_row))
+    return pairs
 
 
 def _use_fused_kernels(model: LlamaForCausalLM, fused: bool, *, cpu: bool = False) -> None:
