@@ -419,7 +419,10 @@ class GrammarOutput(msgspec.Struct, frozen=True):
     ``GrammarOutput``), sent after the step's :class:`SchedulerOutput` once
     the engine has the tokens before it: row ``i`` (``ceil(vocab / 32)``
     little-endian int32 words; bit ``t`` set allows token ``t``) is that of
-    ``structured_output_request_ids[i]``."""
+    ``structured_output_request_ids[i]``. A request with ``d`` draft tokens
+    in the step (``scheduled_spec_decode_tokens``) has ``d + 1`` rows in a
+    row, its id repeated: the masks of its draft positions, then of its
+    bonus position."""
 
     step_id: int
     structured_output_request_ids: list[str]
