@@ -328,3 +328,31 @@ def test_verify_steps_through_the_graph_wiring(looping_hf_dir: Path) -> None:
     plain = trio.run(lambda: serve(looping_hf_dir, params, spec=False))
     spec = trio.run(lambda: serve(looping_hf_dir, params, spec=True, **graphs))
     assert spec == plain
+
+
+def test_logprobs_of_every_accepted_token(looping_hf_dir: Path) -> None:
+    """A request asking for log-probs speculates too: one entry per token,
+    each the target's at that token's position (the same tokens, ranks and,
+    within float tolerance, values as without speculation)."""
+    params = [greedy(logprobs=3)] * len(PROMPTS)
+    params[1] = greedy()  # a request without, beside
+
+    async def run(spec: bool) -> tuple[list[Any], int]:
+        options = {"speculative_config": NGRAM} if spec else {}
+        async with asyncstep.open_engine(looping_hf_dir, **(ENGINE | options)) as engine:
+            outs = [await engine.generate(p, params[i]) for i, p in enumerate(PROMPTS)]
+            return outs, engine.statistics().spec_decode_num_accepted_tokens
+
+    plain, _ = trio.run(run, False)
+    spec, accepted = trio.run(run, True)
+    assert accepted > 0
+    for a, b in zip(plain, spec, strict=True):
+        assert a.token_ids == b.token_ids
+        if a.logprobs is None:
+            assert b.logprobs is None
+            continue
+        assert b.logprobs is not None and len(b.logprobs) == len(b.token_ids)
+        for token, x, y in zip(b.token_ids, a.logprobs, b.logprobs, strict=True):
+            assert y.token_ids[0] == token and x.token_ids == y.token_ids
+            assert x.sampled_token_rank == y.sampled_token_rank == 1
+            assert y.logprobs == pytest.approx(x.logprobs, abs=1e-4)

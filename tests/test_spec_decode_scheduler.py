@@ -311,7 +311,7 @@ def test_many_requests_preemption_prefix_caching_and_aborts(
 def test_requests_that_cannot_speculate_get_no_drafts() -> None:
     prompt = [1, 2, 3, 4, 5] * 3
     requests = [
-        make_request("logprobs", prompt, max_tokens=6, logprobs=1),
+        make_request("prompt_logprobs", prompt, max_tokens=6, prompt_logprobs=1),
         make_request("penalty", prompt, max_tokens=6, presence_penalty=0.5),
         make_request("min_tokens", prompt, max_tokens=6, min_tokens=2),
         make_request("plain", prompt, max_tokens=6),

@@ -101,7 +101,7 @@ class Request:
     min_tokens: int
     #: Whether the request may be given draft tokens (speculative decoding):
     #: not when the sampler must see each token before the next (penalties,
-    #: logit bias, ``min_tokens``, bad words) or the request asks for
+    #: logit bias, ``min_tokens``, bad words) or the request asks for prompt
     #: log-probs. (A grammar's drafts are checked by its matcher.)
     speculates: bool
 
@@ -148,11 +148,7 @@ class Request:
         self.min_tokens = params.min_tokens
         stop_ids = frozenset(params.stop_token_ids)
         self.stop_ids = stop_ids if params.ignore_eos else stop_ids | self._eos_token_ids
-        self.speculates = (
-            not params.processes_logits
-            and params.logprobs is None
-            and params.prompt_logprobs is None
-        )
+        self.speculates = not params.processes_logits and params.prompt_logprobs is None
 
     @property
     def sampling_params(self) -> SamplingParams:

@@ -42,6 +42,10 @@ class _HostLogprobs:
     ranks: torch.Tensor  # [n]
     #: Log-probs each sample row asked for (None: that row did not).
     num_logprobs: list[int | None]
+    #: A speculative step: each sample row's positions (drafts + 1), whose
+    #: entries follow one another (its tokens take the first ones); None:
+    #: one entry per sample row.
+    positions: list[int] | None = None
 
 
 class AsyncModelRunnerOutput:
@@ -134,6 +138,8 @@ class AsyncModelRunnerOutput:
         if lp is None:
             return None
         out: list[list[Logprobs]] = [[] for _ in self.req_ids]
+        if lp.positions is not None:
+            return self._spec_logprobs_lists(lp, out)
         rows = zip(
             self.sample_rows,
             lp.token_ids.tolist(),
@@ -145,6 +151,24 @@ class AsyncModelRunnerOutput:
         for row, ids, values, rank, n in rows:
             if n is not None:
                 out[row] = [Logprobs(ids[: n + 1], values[: n + 1], rank)]
+        return out
+
+    def _spec_logprobs_lists(
+        self, lp: _HostLogprobs, out: list[list[Logprobs]]
+    ) -> list[list[Logprobs]]:
+        """:meth:`_logprobs_lists` of a speculative step: a sample row's
+        first ``len(tokens)`` entries of its positions."""
+        assert lp.positions is not None
+        ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        start = 0
+        tokens = self.sampled_token_lists()
+        for i, (row, n) in enumerate(zip(self.sample_rows, lp.num_logprobs, strict=True)):
+            if n is not None:
+                out[row] = [
+                    Logprobs(ids[k][: n + 1], values[k][: n + 1], ranks[k])
+                    for k in range(start, start + len(tokens[i]))
+                ]
+            start += lp.positions[i]
         return out
 
 
@@ -168,6 +192,12 @@ def copy_to_host(
     return hosts, record_event(copy_stream.device, copy_stream)
 
 
-def host_logprobs(tensors: list[torch.Tensor], num_logprobs: list[int | None]) -> _HostLogprobs:
+def host_logprobs(
+    tensors: list[torch.Tensor],
+    num_logprobs: list[int | None],
+    positions: list[int] | None = None,
+) -> _HostLogprobs:
+    """``positions``: a speculative step's positions per sample row (see
+    :class:`_HostLogprobs`)."""
     token_ids, logprobs, ranks = tensors
-    return _HostLogprobs(token_ids, logprobs, ranks, num_logprobs)
+    return _HostLogprobs(token_ids, logprobs, ranks, num_logprobs, positions)

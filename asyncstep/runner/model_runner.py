@@ -83,7 +83,8 @@ from asyncstep.runner.persistent_batches import PersistentBatches
 from asyncstep.runner.prompt_logprobs import PromptLogprobsTracker
 from asyncstep.runner.rejection_sampler import RejectionSampler
 from asyncstep.runner.sampled_tokens import SampledTokens
-from asyncstep.runner.sampler import Sampler
+from asyncstep.runner.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from asyncstep.runner.spec_decode_metadata import to_device
 from asyncstep.runner.staging import StagingBuffers
 from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs
 from asyncstep.runner.step_state import ExecuteModelState, StepEvents, StepTimings
@@ -412,6 +413,7 @@ class ModelRunner:
                 self._grammar_bitmask.apply(state.logits, grammar_output, row_of)
             self.timings.grammar = time.perf_counter() - t0
         if spec is not None:  # the sampler sees the bonus positions; the drafts' rows aside
+            state.spec_logits = state.logits
             state.target_logits = state.logits[spec.target_logits_indices]
             state.logits = state.logits[spec.bonus_logits_indices]
         output = self._sample(state)
@@ -446,14 +448,34 @@ class ModelRunner:
             self.sampled.record(sampled, batch, rows, state.req_ids)
         tensors = [sampled]
         lp = result.logprobs_tensors
+        positions = None
+        if lp is not None and state.spec_decode_metadata is not None:
+            lp, positions = self._spec_logprobs(state, sampled, metadata.max_num_logprobs)
         if lp is not None:
             tensors += [lp.logprob_token_ids, lp.logprobs, lp.selected_token_ranks]
         hosts, copy_event = copy_to_host(tensors, self._copy_stream)
         logprobs = None
         if lp is not None:
             asked = [self.input_batch.sampling_params[row].logprobs for row in rows]  # type: ignore[union-attr]
-            logprobs = host_logprobs(hosts[1:], asked)
+            logprobs = host_logprobs(hosts[1:], asked, positions)
         return AsyncModelRunnerOutput(state.req_ids, rows, hosts[0], copy_event, logprobs)
+
+    def _spec_logprobs(
+        self, state: ExecuteModelState, output: torch.Tensor, num_logprobs: int | None
+    ) -> tuple[LogprobsTensors, list[int]]:
+        """A speculative step's log-probs: of the token each position of each
+        sampling row output (``output``, ``[rows, 1 + max drafts]``, -1
+        where none), from that position's logits (the raw ones, as the
+        sampler's); and each row's number of positions."""
+        spec = state.spec_decode_metadata
+        assert spec is not None and state.spec_logits is not None and num_logprobs is not None
+        counts = np.asarray(spec.num_draft_tokens, dtype=np.int64) + 1
+        rows = np.repeat(np.arange(len(counts)), counts)
+        columns = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        index = to_device(np.concatenate([rows, columns]), self.device).view(2, -1)
+        tokens = output[index[0], index[1]].clamp_min(0)
+        raw = compute_logprobs(state.spec_logits)
+        return gather_logprobs(raw, num_logprobs, tokens), counts.tolist()
 
     def _verify_drafts(self, state: ExecuteModelState, bonus: torch.Tensor) -> torch.Tensor:
         """The step's output tokens per sampling row, ``[rows, 1 + max

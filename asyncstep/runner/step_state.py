@@ -49,8 +49,10 @@ class ExecuteModelState:
     prompt_logprobs: HostPromptLogprobs | None = None
     #: A step with draft tokens (speculative decoding): where they are.
     spec_decode_metadata: SpecDecodeMetadata | None = None
-    #: Set by ``sample_tokens`` from ``logits``: the rows of the draft positions.
+    #: Set by ``sample_tokens`` from ``logits``: the rows of the draft positions,
+    #: and every row (draft and bonus positions, masked by a grammar; log-probs).
     target_logits: torch.Tensor | None = None
+    spec_logits: torch.Tensor | None = None
 
 
 @dataclass
