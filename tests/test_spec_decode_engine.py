@@ -257,6 +257,9 @@ def test_seeded_sampling_with_speculation_repeats_and_ends_right(looping_hf_dir:
     assert all(len(r.token_ids) <= MAX_TOKENS for r in first)
 
 
+@pytest.mark.skipif(
+    ENGINE["device"] == "cuda" and torch.cuda.device_count() < 2, reason="TP = 2 needs 2 GPUs"
+)
 def test_tensor_parallel_speculation_gives_the_single_ranks_tokens(looping_hf_dir: Path) -> None:
     """TP = 2 (two rank processes, gloo): every rank verifies the same
     drafts on the same logits; the tokens are the single rank's."""
