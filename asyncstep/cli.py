@@ -69,6 +69,7 @@ _METAVARS = {
     "shutdown_timeout": "SECONDS",
     "keep_alive_timeout": "SECONDS",
     "body_read_timeout": "SECONDS",
+    "speculative_config": "JSON",
 }
 #: The help group of each config section.
 _GROUPS = {
@@ -78,6 +79,7 @@ _GROUPS = {
     "parallel": "parallelism",
     "compilation": "device fast path",
     "structured_outputs": "structured outputs",
+    "speculative": "speculative decoding",
 }
 
 
@@ -259,12 +261,16 @@ def _add_engine_flag(group: argparse._ArgumentGroup, option: EngineOption) -> No
 def _value_parser(kind: type, optional: bool) -> Callable[[str], Any]:
     """argparse's ``type`` for ``kind``; with ``optional``, ``none`` is None."""
 
+    struct = isinstance(kind, type) and issubclass(kind, msgspec.Struct)
+
     def parse(text: str) -> Any:
         if optional and text.lower() == "none":
             return None
+        if struct:  # JSON of its fields; the config checks them (one-line ConfigError)
+            return json.loads(text)
         return kind(text)
 
-    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
+    parse.__name__ = "JSON" if struct else kind.__name__  # argparse's "invalid int value: 'x'"
     return parse
 
 

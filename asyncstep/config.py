@@ -533,6 +533,81 @@ class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
             )
 
 
+#: Speculative decoding methods (vLLM's names) that asyncstep implements.
+SPECULATIVE_METHODS = ("ngram",)
+#: Most draft tokens per step: a verify step of ``1 + k`` tokens stays within the
+#: CPU's packed one-call path (16 tokens) and the rejection sampler's small tensors.
+MAX_SPECULATIVE_TOKENS = 15
+#: ``prompt_lookup_min`` / ``prompt_lookup_max`` when neither is given (vLLM's).
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding, vLLM's ``speculative_config`` names.
+
+    ``method`` ``"ngram"``: prompt lookup (no draft model): the drafts are the
+    up to ``num_speculative_tokens`` tokens that followed an earlier
+    occurrence of the sequence's last ``n`` tokens, for the longest ``n`` in
+    ``[prompt_lookup_min, prompt_lookup_max]`` that occurs (prompt and output
+    both searched; see :mod:`asyncstep.engine.ngram_proposer`). One of the
+    two lookup bounds given sets the other (vLLM's rule); neither: both
+    :data:`DEFAULT_PROMPT_LOOKUP`. ``disable_by_batch_size`` (vLLM's name):
+    no drafts in a step while at least this many requests run (a verify
+    step grows with the batch; on the CPU past ``packed_max_tokens`` tokens
+    it leaves the one-call decoder stack); None: never. A bad value is a
+    one-line :class:`ConfigError`; the resolved bounds are stored.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_config method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        k = self.num_speculative_tokens
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                "speculative_config num_speculative_tokens must be in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}], got {k}"
+            )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if high is None:
+            high = DEFAULT_PROMPT_LOOKUP if low is None else low
+        if low is None:
+            low = high
+        if not 1 <= low <= high:
+            raise ConfigError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                f"got {low} and {high}"
+            )
+        self.prompt_lookup_min, self.prompt_lookup_max = low, high
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ConfigError(
+                "speculative_config disable_by_batch_size must be >= 1 (or none), "
+                f"got {self.disable_by_batch_size}"
+            )
+
+
+class SpeculativeSection(msgspec.Struct, kw_only=True):
+    """The speculative decoding section: one option, vLLM's
+    ``speculative_config`` (a :class:`SpeculativeConfig`, or a dict of its
+    fields; on the command line, JSON). None: no speculation."""
+
+    speculative_config: Annotated[
+        SpeculativeConfig | None,
+        _doc(
+            'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": k, '
+            '"prompt_lookup_min": m, "prompt_lookup_max": M}; none: off'
+        ),
+    ] = None
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     """The whole engine configuration, one section per concern.
 
@@ -549,6 +624,19 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     structured_outputs: StructuredOutputsConfig = msgspec.field(
         default_factory=StructuredOutputsConfig
     )
+    speculative: SpeculativeSection = msgspec.field(default_factory=SpeculativeSection)
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None and self.parallel.pipeline_parallel_size > 1:
+            raise ConfigError(
+                "speculative_config does not work with pipeline parallelism yet "
+                "(pipeline_parallel_size must be 1)"
+            )
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative decoding settings (None: off)."""
+        return self.speculative.speculative_config
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:
@@ -606,7 +694,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.scheduler.max_concurrent_batches:
             return self.scheduler.max_concurrent_batches
         pp = self.parallel.pipeline_parallel_size
-        return max(2 if self.scheduler.async_scheduling else 1, pp)
+        return max(2 if self.uses_output_placeholders else 1, pp)
 
     @property
     def max_num_running_reqs(self) -> int:
@@ -620,7 +708,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def uses_output_placeholders(self) -> bool:
         """Async scheduling over output placeholders: the runners keep sampled
         ids on the device for the next step. One pipeline stage only: with
-        pipeline parallelism the first stage needs every token's id."""
+        pipeline parallelism the first stage needs every token's id. With
+        speculative decoding a request's verify step runs alone in flight
+        for it (see :mod:`asyncstep.engine.scheduler`)."""
         return self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size == 1
 
     @property

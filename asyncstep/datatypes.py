@@ -403,6 +403,11 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     #: A request of the step follows a grammar: the last stage samples only
     #: once the step's :class:`GrammarOutput` has come.
     has_structured_output_requests: bool = False
+    #: Speculative decoding: req_id -> the draft tokens the step verifies
+    #: (vLLM's name). Such a request's ``num_scheduled_tokens`` is
+    #: ``1 + len(drafts)``: its last known token, then the drafts; it samples
+    #: ``1 + accepted`` tokens (see :class:`ModelRunnerOutput`).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -414,7 +419,10 @@ class GrammarOutput(msgspec.Struct, frozen=True):
     ``GrammarOutput``), sent after the step's :class:`SchedulerOutput` once
     the engine has the tokens before it: row ``i`` (``ceil(vocab / 32)``
     little-endian int32 words; bit ``t`` set allows token ``t``) is that of
-    ``structured_output_request_ids[i]``."""
+    ``structured_output_request_ids[i]``. A request with ``d`` draft tokens
+    in the step (``scheduled_spec_decode_tokens``) has ``d + 1`` rows in a
+    row, its id repeated: the masks of its draft positions, then of its
+    bonus position."""
 
     step_id: int
     structured_output_request_ids: list[str]
@@ -444,7 +452,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True):
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
-    #: One list per request: empty for a prompt chunk that is not the last.
+    #: One list per request: empty for a prompt chunk that is not the last;
+    #: with draft tokens, the accepted drafts then one token of the target
+    #: model (``1 + accepted`` tokens).
     sampled_token_ids: list[list[int]]
     #: Per request, when asked for: one entry per sampled token.
     logprobs: list[list[Logprobs]] | None = None

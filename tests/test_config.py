@@ -25,7 +25,15 @@ from asyncstep.config import (
 )
 from asyncstep.errors import ConfigError
 
-SECTIONS = ("model", "cache", "scheduler", "parallel", "compilation", "structured_outputs")
+SECTIONS = (
+    "model",
+    "cache",
+    "scheduler",
+    "parallel",
+    "compilation",
+    "structured_outputs",
+    "speculative",
+)
 
 
 def non_default() -> EngineConfig:

@@ -128,6 +128,8 @@ class EngineCore:
         async with anyio.create_task_group() as tg, events:
             num_blocks = await tg.start(self.executor.run, to_rank_rx, from_rank_tx)
             self.scheduler = self._build_scheduler(num_blocks)
+            # A grammar's drafts: the prefix its matcher accepts.
+            self.scheduler.draft_filter = self.structured_output.valid_drafts
             if self.freeze_heap:
                 freeze_gc_heap()
             rank_pids = list(getattr(self.executor, "pids", []))
@@ -152,11 +154,13 @@ class EngineCore:
             async_scheduling=config.uses_output_placeholders,
             max_num_running_reqs=config.max_num_running_reqs,
             max_model_len=config.model.max_model_len or 0,
+            speculative_config=config.speculative_config,
         )
 
     def stats(self) -> CoreStats:
         stats = self.scheduler.statistics()
         kv = stats.kv_cache
+        spec = stats.spec_decoding
         return CoreStats(
             num_steps=stats.step_id,
             num_running_reqs=stats.num_running_reqs,
@@ -165,6 +169,12 @@ class EngineCore:
             kv_cache_usage=kv.usage,
             num_kv_blocks=kv.num_blocks,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+            spec_decode_num_drafts=spec.num_drafts if spec else 0,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_decode_num_accepted_tokens_per_pos=(
+                list(spec.num_accepted_tokens_per_pos) if spec else []
+            ),
         )
 
     # -- inputs -----------------------------------------------------------

@@ -47,6 +47,11 @@ class CoreStats(msgspec.Struct, frozen=True, array_like=True):
     kv_cache_usage: float = 0.0
     num_kv_blocks: int = 0
     prefix_cache_hit_rate: float = 0.0
+    #: Speculative decoding (vLLM's names; see ``SpecDecodingStats``).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 # -- front end -> core ----------------------------------------------------------

@@ -81,6 +81,20 @@ class EngineStatistics:
     kv_cache_usage: float
     num_kv_blocks: int
     prefix_cache_hit_rate: float
+    #: Speculative decoding (0 and [] while off): request-steps verified with
+    #: drafts, their draft tokens, the drafts accepted, and per draft position
+    #: the drafts accepted there (over ``spec_decode_num_drafts``: that
+    #: position's acceptance rate).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Draft tokens accepted over proposed (0 before any)."""
+        drafts = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafts if drafts else 0.0
 
 
 class Engine:
@@ -229,6 +243,12 @@ class Engine:
             kv_cache_usage=core.kv_cache_usage,
             num_kv_blocks=core.num_kv_blocks,
             prefix_cache_hit_rate=core.prefix_cache_hit_rate,
+            spec_decode_num_drafts=core.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=core.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=core.spec_decode_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(
+                core.spec_decode_num_accepted_tokens_per_pos
+            ),
         )
 
     @property
@@ -434,7 +454,7 @@ class Engine:
             state = requests.get(news.request_id)
             if state is None:
                 continue  # aborted, or stopped by a stop string a step ago
-            self._num_generated_tokens += len(news.new_token_ids)
+            num_before = len(state.token_ids)
             stop_string = state.add_output(
                 news.new_token_ids,
                 news.new_logprobs,
@@ -442,6 +462,8 @@ class Engine:
                 news.stop_reason,
                 news.new_prompt_logprobs,
             )
+            # (A stop string may have cut a step's tokens after it.)
+            self._num_generated_tokens += len(state.token_ids) - num_before
             group = state.group
             if (
                 group is not None

@@ -84,6 +84,7 @@ class Request:
         "output_token_ids",
         "prompt_token_ids",
         "request_id",
+        "speculates",
         "status",
         "stop_ids",
         "stop_reason",
@@ -98,6 +99,11 @@ class Request:
     stop_ids: frozenset[int]
     #: Outputs before which a stop id does not end the request (``min_tokens``).
     min_tokens: int
+    #: Whether the request may be given draft tokens (speculative decoding):
+    #: not when the sampler must see each token before the next (penalties,
+    #: logit bias, ``min_tokens``, bad words) or the request asks for prompt
+    #: log-probs. (A grammar's drafts are checked by its matcher.)
+    speculates: bool
 
     def __init__(
         self,
@@ -142,6 +148,7 @@ class Request:
         self.min_tokens = params.min_tokens
         stop_ids = frozenset(params.stop_token_ids)
         self.stop_ids = stop_ids if params.ignore_eos else stop_ids | self._eos_token_ids
+        self.speculates = not params.processes_logits and params.prompt_logprobs is None
 
     @property
     def sampling_params(self) -> SamplingParams:

@@ -97,6 +97,12 @@ class RequestState:
         stop_string = self._decode() if self._eager else None
         if stop_string is not None:
             finish_reason, stop_reason = FinishReason.STOP, stop_string
+            kept = self.detokenizer.num_tokens_at_stop
+            if kept is not None and kept < len(self.token_ids):  # tokens after the stop
+                del self.token_ids[kept:]
+                self._num_decoded = kept
+                if self.logprobs is not None:
+                    del self.logprobs[kept:]
         self.finish_reason, self.stop_reason = finish_reason, stop_reason
         self._wake()
         return stop_string

@@ -7,8 +7,8 @@ the per-request results of a step's output, with the stop rules, in
 :mod:`asyncstep.engine.step_results` (:class:`EngineCoreOutput`). Pure
 Python; may import only the standard library and ``asyncstep.datatypes`` /
 ``asyncstep.config`` / ``asyncstep.errors`` (plus its siblings
-``asyncstep.engine.request``, ``kv_cache_manager``, ``step_plan`` and
-``step_results``).
+``asyncstep.engine.request``, ``kv_cache_manager``, ``step_plan``,
+``step_results``, ``ngram_proposer`` and ``spec_decode_stats``).
 
 One loop, no prefill/decode phases: every step hands each request the tokens
 it lacks (``num_tokens - num_computed_tokens``: a prompt chunk, a whole prompt,
@@ -39,6 +39,27 @@ engine's batch queue):
   written them before a later step can reuse them) but is not resumed while
   a step that includes it is in flight.
 
+* **Speculative decoding** (``speculative_config``): a running request
+  that decodes (one token to compute, no placeholder) and may speculate
+  (:attr:`Request.speculates`) gets the n-gram proposer's draft tokens as
+  extra query tokens (``scheduled_spec_decode_tokens``): they count against
+  the token budget left once every running request has its tokens, get KV
+  slots (``allocate_slots`` for ``1 + drafts``, only from free blocks: no
+  request is preempted for drafts; without room a decode goes without), and
+  advance ``num_computed_tokens`` like any token. Drafts never reach past
+  ``max_tokens`` or the context (``1 + drafts`` tokens at most fill them).
+  When the output is back, the rejected drafts are rolled back
+  (``num_computed_tokens`` minus their count: their slots are written again
+  by the next step; the blocks stay the request's), before any stop rule or
+  free runs, so the prefix cache only registers blocks of accepted tokens.
+  Drafts need every token's id, so only a request with no placeholder gets
+  them. With async scheduling, a verify step is its request's only step in
+  flight (its next positions depend on what is accepted: ``num_new`` is not
+  positive until the output is back), and a request with a step in flight
+  whose known tokens end with a recurring n-gram waits for that step rather
+  than being scheduled over its placeholder (:meth:`_waits_to_speculate`),
+  so its next step can verify drafts; the other requests keep overlapping.
+
 The conventions of the output, which the runner relies on, are listed in
 :mod:`asyncstep.engine.step_plan`. Preemption is by recompute: the victim's
 blocks are freed (its computed full blocks stay in the prefix cache) and it
@@ -48,13 +69,15 @@ goes back to the front of the queue.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from asyncstep.config import CacheConfig, SchedulerConfig
+from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
 from asyncstep.engine.kv_cache_manager import KVCacheManager, KVCacheStats
+from asyncstep.engine.ngram_proposer import NgramProposer
 from asyncstep.engine.request import Request, RequestStatus
+from asyncstep.engine.spec_decode_stats import SpecDecodingStats
 from asyncstep.engine.step_plan import StepPlan
 from asyncstep.engine.step_results import (
     EngineCoreOutput,
@@ -74,6 +97,8 @@ class SchedulerStats:
     #: Preemptions since the scheduler started.
     num_preemptions: int
     kv_cache: KVCacheStats
+    #: Speculative decoding's counters (None: speculation off).
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -98,6 +123,7 @@ class Scheduler:
         async_scheduling: bool = False,
         max_num_running_reqs: int | None = None,
         max_model_len: int,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """``max_num_running_reqs``: requests admitted at once (default
         ``max_num_seqs``); more with a pipeline, whose steps in flight hold
@@ -106,7 +132,10 @@ class Scheduler:
         ``max_model_len``: the resolved context length
         (``config.model.max_model_len`` once the engine has resolved it);
         ConfigError unless positive. ``max_num_batched_tokens`` must be
-        resolved too (ConfigError while None)."""
+        resolved too (ConfigError while None).
+
+        ``speculative_config``: propose draft tokens for decodes (see the
+        module doc)."""
         if max_model_len <= 0:
             raise ConfigError(
                 "max_model_len must be resolved (positive) before building the scheduler, "
@@ -118,6 +147,19 @@ class Scheduler:
                 "the scheduler"
             )
         self.scheduler_config = scheduler_config
+        self.proposer = NgramProposer(speculative_config) if speculative_config else None
+        #: (request id, drafts) -> the prefix of them its grammar accepts; set
+        #: by the engine core (the structured outputs' matchers), None: all.
+        self.draft_filter: Callable[[str, list[int]], list[int]] | None = None
+        #: No drafts while at least this many requests run (None: any number).
+        self.spec_disable_by_batch_size = (
+            speculative_config.disable_by_batch_size if speculative_config else None
+        )
+        self.spec_decoding_stats = (
+            SpecDecodingStats(speculative_config.num_speculative_tokens)
+            if speculative_config
+            else None
+        )
         self.send_new_token_ids = send_new_token_ids
         self.async_scheduling = async_scheduling
         #: request id -> output tokens already sent to the ranks (new_token_ids).
@@ -207,7 +249,9 @@ class Scheduler:
             num_tokens = request.num_tokens + placeholders
             if placeholders and (num_tokens >= request.max_num_tokens or num_tokens >= max_seq_len):
                 continue
-            if num_tokens > request.num_computed_tokens:
+            if num_tokens > request.num_computed_tokens and not (
+                placeholders and self._waits_to_speculate(request)
+            ):
                 return True
         return False
 
@@ -218,6 +262,7 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting),
             num_preemptions=self.num_preemptions,
             kv_cache=self.kv_cache_manager.statistics(),
+            spec_decoding=self.spec_decoding_stats,
         )
 
     # -- scheduling ------------------------------------------------------------
@@ -260,6 +305,12 @@ class Scheduler:
         max_seq_len = self.max_seq_len
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
+        proposer = self.proposer
+        disable = self.spec_disable_by_batch_size
+        if disable is not None and len(running) >= disable:
+            proposer = None  # a batch this large verifies no drafts
+        #: Decodes that may speculate: (their index in the plan's columns, request).
+        draft_candidates: list[tuple[int, Request]] = []
         budget = plan.token_budget
         index = 0
         while index < len(running) and budget > 0 and len(num_scheduled) < max_num_seqs:
@@ -275,7 +326,9 @@ class Scheduler:
                 continue  # the tokens in flight end it
             num_new = num_tokens + placeholders - num_computed
             if num_new <= 0:
-                continue  # its last token is in flight (pipeline)
+                continue  # its last token is in flight (pipeline, or a verify step)
+            if placeholders and proposer is not None and self._waits_to_speculate(request):
+                continue  # its drafts need the tokens in flight: once they are back
             req_id = request.request_id
             new_block_ids: list[int] | None
             if (
@@ -291,6 +344,8 @@ class Scheduler:
                 new_block_ids = self._allocate_or_preempt(request, num_new, plan)
                 if new_block_ids is None:
                     break  # the request preempted itself: nothing after it is running
+            if proposer is not None and num_new == 1 and not placeholders and request.speculates:
+                draft_candidates.append((len(req_ids), request))
             num_scheduled[req_id] = num_new
             budget -= num_new
             req_ids.append(req_id)
@@ -302,6 +357,72 @@ class Scheduler:
             if async_scheduling and num_computed >= num_tokens:
                 request.num_output_placeholders = placeholders + 1  # this step samples for it
         plan.token_budget = budget
+        if draft_candidates:
+            self._schedule_drafts(draft_candidates, plan)
+
+    def _schedule_drafts(self, candidates: list[tuple[int, Request]], plan: StepPlan) -> None:
+        """Give the step's decodes their drafts, in priority order, within
+        the token budget left once every running request has its tokens,
+        and only from free blocks: drafts never push another request out
+        (a decode without room for its drafts goes without). ``candidates``:
+        (the request's index in the plan's running columns, the request),
+        each already scheduled for its one token."""
+        kv = self.kv_cache_manager
+        for column, request in candidates:
+            if plan.token_budget <= 0:
+                return
+            drafts = self._propose_drafts(request, plan.token_budget + 1)
+            grammar = request.sampling_params.structured_outputs is not None
+            if drafts and grammar and self.draft_filter is not None:
+                drafts = self.draft_filter(request.request_id, drafts)
+            if not drafts:
+                continue
+            # The slots of 1 + drafts tokens from the count before this step
+            # (so that only computed blocks are registered in the prefix cache).
+            computed = request.num_computed_tokens - 1
+            request.num_computed_tokens = computed
+            new_block_ids = kv.allocate_slots(request, 1 + len(drafts))
+            request.num_computed_tokens = computed + 1
+            if new_block_ids is None:
+                continue
+            num_drafts = len(drafts)
+            request.num_computed_tokens += num_drafts
+            plan.running_new_block_ids[column] = plan.running_new_block_ids[column] + new_block_ids
+            plan.num_scheduled_tokens[request.request_id] += num_drafts
+            plan.token_budget -= num_drafts
+            plan.spec_token_ids[request.request_id] = drafts
+
+    def _waits_to_speculate(self, request: Request) -> bool:
+        """Async scheduling: whether a request with tokens in flight should
+        wait for them rather than be scheduled over placeholders: it may
+        speculate, has room for drafts, and its known tokens end with an
+        n-gram that recurs (the proposer would find drafts, and drafts need
+        every token's id). Its verify steps then run alone in flight for it;
+        the others keep overlapping."""
+        if self.proposer is None or not request.speculates:
+            return False
+        disable = self.spec_disable_by_batch_size
+        if disable is not None and len(self.running) >= disable:
+            return False
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        if min(request.max_num_tokens, self.max_seq_len) - num_tokens - 1 <= 0:
+            return False
+        return bool(self.proposer.propose(request.request_id, request.all_token_ids, 1))
+
+    def _propose_drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode of ``request`` within ``budget`` tokens
+        (its own token included): never so many that ``1 + drafts`` sampled
+        tokens would pass ``max_tokens`` or the context."""
+        assert self.proposer is not None
+        num_tokens = request.num_tokens
+        room = min(
+            budget - 1,
+            request.max_num_tokens - num_tokens - 1,
+            self.max_seq_len - num_tokens - 1,
+        )
+        if room <= 0:
+            return []
+        return self.proposer.propose(request.request_id, request.all_token_ids, room)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, plan: StepPlan
@@ -396,7 +517,12 @@ class Scheduler:
         log-probs or finished; requests aborted since ``schedule()`` are skipped.
         """
         outputs, stopped, freed = collect_step_results(
-            scheduler_output, model_runner_output, self.requests, self._finishing, self.max_seq_len
+            scheduler_output,
+            model_runner_output,
+            self.requests,
+            self._finishing,
+            self.max_seq_len,
+            self.spec_decoding_stats,
         )
         for request in freed:
             self._free_finished(request)
@@ -422,6 +548,8 @@ class Scheduler:
         uses them) and report it to the runner in the next step."""
         del self.requests[request.request_id]
         self._num_output_tokens_sent.pop(request.request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         if request.num_in_flight_steps:
             self._finishing[request.request_id] = request
         else:

@@ -20,6 +20,11 @@ The output's conventions, which the runner relies on:
   the output tokens each request produced since the ranks last heard of it
   (stages that do not sample need them as inputs); else empty lists.
 * ``num_computed_tokens`` in both is the value before this step's tokens.
+* ``scheduled_spec_decode_tokens`` (speculative decoding): a running
+  decode's draft tokens; its ``num_scheduled_tokens`` counts them (1 + the
+  drafts), and ``num_computed_tokens`` the value before the step as for every
+  request (the scheduler rolls back the rejected drafts when the output is
+  back, so the next step's value is the true one).
 * ``finished_req_ids``: requests that ended (or were aborted) since the previous
   ``schedule()``, reported exactly once, even in a step that schedules no
   tokens: the runner drops their state, then runs no forward when
@@ -57,6 +62,7 @@ class StepPlan:
         "running_new_block_ids",
         "running_num_computed",
         "running_req_ids",
+        "spec_token_ids",
         "token_budget",
     )
 
@@ -74,6 +80,8 @@ class StepPlan:
         self.running_num_computed: list[int] = []
         self.running_new_block_ids: list[list[int]] = []
         self.num_preempted = 0
+        #: Running requests given draft tokens this step (speculative decoding).
+        self.spec_token_ids: dict[str, list[int]] = {}
 
     def has_room(self, max_num_seqs: int) -> bool:
         """Token budget left, and fewer than ``max_num_seqs`` requests."""
@@ -127,4 +135,5 @@ class StepPlan:
             num_scheduled_tokens=self.num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_tokens - self.token_budget,
             finished_req_ids=sorted(finished_req_ids) if finished_req_ids else [],
+            scheduled_spec_decode_tokens=self.spec_token_ids,
         )

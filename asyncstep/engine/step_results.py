@@ -6,7 +6,8 @@ themselves (:func:`check_stop`, vLLM's ``check_stop``).
 
 The scheduler frees and releases what these functions report; they touch
 only the requests. Pure Python; may import only the standard library,
-msgspec, ``asyncstep.datatypes`` and ``asyncstep.engine.request``.
+msgspec, ``asyncstep.datatypes`` and ``asyncstep.engine.request`` /
+``spec_decode_stats``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import msgspec
 
 from asyncstep.datatypes import FinishReason, Logprobs, ModelRunnerOutput, SchedulerOutput
 from asyncstep.engine.request import FIRST_FINISHED_STATUS, Request, RequestStatus
+from asyncstep.engine.spec_decode_stats import SpecDecodingStats
 
 #: The sampled tokens of a request the runner's output does not list.
 _NO_TOKENS: list[int] = []
@@ -45,13 +47,19 @@ def collect_step_results(
     requests: dict[str, Request],
     finishing: dict[str, Request],
     max_seq_len: int,
+    spec_stats: SpecDecodingStats | None = None,
 ) -> tuple[dict[str, EngineCoreOutput], list[Request], list[Request]]:
     """The step's sampled tokens appended to its requests (``requests``
     running or waiting, ``finishing`` ended with steps in flight), with the
     stop rules applied. Returns an output for each request that got tokens
     or finished (requests aborted since ``schedule()`` are skipped), the
     requests that stopped (to release), and the ended requests no step holds
-    any more (taken out of ``finishing``; to free), each in step order."""
+    any more (taken out of ``finishing``; to free), each in step order.
+
+    A request that verified draft tokens (``scheduled_spec_decode_tokens``)
+    first has its rejected drafts rolled back (``num_computed_tokens``), also
+    when it ended meanwhile (its blocks are freed, and their hashes
+    registered, from the true count), and is counted in ``spec_stats``."""
     outputs: dict[str, EngineCoreOutput] = {}
     stopped: list[Request] = []
     freed: list[Request] = []
@@ -59,6 +67,7 @@ def collect_step_results(
     all_sampled = model_runner_output.sampled_token_ids
     all_logprobs = model_runner_output.logprobs
     first_finished = FIRST_FINISHED_STATUS
+    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
     for req_id in scheduler_output.num_scheduled_tokens:
         request = requests.get(req_id) or finishing.get(req_id)
         if request is None:
@@ -73,6 +82,10 @@ def collect_step_results(
             request.num_output_placeholders = (
                 placeholders - num_sampled if placeholders > num_sampled else 0
             )
+        if spec_tokens and num_sampled:
+            drafts = spec_tokens.get(req_id)
+            if drafts:
+                settle_drafts(request, len(drafts), num_sampled - 1, spec_stats)
         if request.status >= first_finished:
             # Ended (the token of a late stop is dropped); free once no step holds it.
             if request.num_in_flight_steps == 0:
@@ -107,6 +120,23 @@ def collect_step_results(
                 req_id, new_token_ids, None, request.stop_reason, logprobs
             )
     return outputs, stopped, freed
+
+
+def settle_drafts(
+    request: Request,
+    num_draft_tokens: int,
+    num_accepted: int,
+    spec_stats: SpecDecodingStats | None,
+) -> None:
+    """Roll back a request's rejected drafts: the step computed
+    ``1 + num_draft_tokens`` tokens, of which the last token before the
+    drafts and the ``num_accepted`` accepted drafts stay computed (the
+    rejected drafts' KV slots are written again by the next step). A
+    preempted request (its count already 0) is left alone."""
+    if request.status != RequestStatus.PREEMPTED:
+        request.num_computed_tokens -= num_draft_tokens - num_accepted
+    if spec_stats is not None:
+        spec_stats.observe(num_draft_tokens, num_accepted)
 
 
 def add_prompt_logprobs(

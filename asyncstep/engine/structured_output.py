@@ -181,6 +181,26 @@ class StructuredOutputManager:
 
     # -- steps --------------------------------------------------------------
 
+    def valid_drafts(self, req_id: str, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` that ``req_id``'s grammar accepts
+        after the tokens its matcher has seen, none of which ends the grammar
+        (a request without a grammar: all of them). The matcher is left as it
+        was (rolled back)."""
+        matcher = self.matchers.get(req_id)
+        if matcher is None:
+            return drafts
+        num_accepted = num_valid = 0
+        for token_id in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            num_accepted += 1
+            if matcher.is_terminated():
+                break  # a stop token: the step's own token may be it
+            num_valid += 1
+        if num_accepted:
+            matcher.rollback(num_accepted)
+        return drafts[:num_valid]
+
     def constrains(self, scheduler_output: SchedulerOutput) -> bool:
         """Whether a request of the step follows a grammar."""
         matchers = self.matchers
@@ -199,7 +219,10 @@ class StructuredOutputManager:
         """Advance the matchers by a step's accepted tokens (``outputs``),
         drop those of requests that ended, then (``next_step`` given) fill
         that step's bitmask: one row per constrained request still running,
-        ``ceil(vocab_size / 32)`` int32 words, bit ``t`` allows token ``t``.
+        ``ceil(vocab_size / 32)`` int32 words, bit ``t`` allows token ``t``;
+        a request with ``d`` draft tokens in the step has ``d + 1`` rows, in
+        a row (its id repeated): row ``j`` after its drafts before ``j``
+        (the matcher rolled back after).
 
         From ``POOL_MIN_ROWS`` requests on, shards of them are advanced and
         filled by a pool of threads, each request's accept before its fill
@@ -215,14 +238,18 @@ class StructuredOutputManager:
             if output.request_id in matchers
         ]
         req_ids: list[str] = []
+        drafts: dict[str, list[int]] = {}
         if next_step is not None:
             ended = {output.request_id for output in outputs if output.finished}
             req_ids = [
                 r for r in next_step.num_scheduled_tokens if r in matchers and r not in ended
             ]
+            spec = next_step.scheduled_spec_decode_tokens
+            drafts = {r: spec[r] for r in req_ids if r in spec} if spec else {}
+        rows = [r for r in req_ids for _ in range(len(drafts.get(r, ())) + 1)]
         width = (self.vocab_size + 31) // 32
-        bitmask = np.full((len(req_ids), width), -1, dtype=np.int32)
-        work = _work_items(accepted, req_ids, matchers)
+        bitmask = np.full((len(rows), width), -1, dtype=np.int32)
+        work = _work_items(accepted, req_ids, matchers, drafts)
         if len(work) >= POOL_MIN_ROWS and self.num_pool_threads > 1:
             shard = -(-len(work) // self.num_pool_threads)
             futures = [
@@ -240,9 +267,9 @@ class StructuredOutputManager:
             return None
         stats = self._stats
         stats.num_bitmasks += 1
-        stats.num_rows += len(req_ids)
+        stats.num_rows += len(rows)
         stats.fill_s += time.perf_counter() - start
-        return GrammarOutput(next_step.step_id, req_ids, bitmask.tobytes())
+        return GrammarOutput(next_step.step_id, rows, bitmask.tobytes())
 
     def _get_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -273,29 +300,50 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, thread, min(niceness, 19))
 
 
-#: (request id, matcher, tokens to accept first, its bitmask row or -1 for none).
-_WorkItem = tuple[str, Any, list[int], int]
+#: (request id, matcher, tokens to accept first, its first bitmask row or -1
+#: for none, its draft tokens: a row after each).
+_WorkItem = tuple[str, Any, list[int], int, list[int]]
 
 
 def _work_items(
-    accepted: list[tuple[str, Any, list[int]]], req_ids: list[str], matchers: dict[str, Any]
+    accepted: list[tuple[str, Any, list[int]]],
+    req_ids: list[str],
+    matchers: dict[str, Any],
+    drafts: dict[str, list[int]],
 ) -> list[_WorkItem]:
-    """One item per request: the tokens it accepts, then the row it fills."""
-    row_of = {r: i for i, r in enumerate(req_ids)}
+    """One item per request: the tokens it accepts, then the rows it fills
+    (``1 + drafts``, from its first row in ``req_ids`` order)."""
+    row_of: dict[str, int] = {}
+    row = 0
+    for req_id in req_ids:
+        row_of[req_id] = row
+        row += 1 + len(drafts.get(req_id, ()))
     items: list[_WorkItem] = [
-        (req_id, matcher, tokens, row_of.pop(req_id, -1)) for req_id, matcher, tokens in accepted
+        (req_id, matcher, tokens, row_of.pop(req_id, -1), drafts.get(req_id, []))
+        for req_id, matcher, tokens in accepted
     ]
-    items += [(req_id, matchers[req_id], [], row) for req_id, row in row_of.items()]
+    items += [(r, matchers[r], [], row, drafts.get(r, [])) for r, row in row_of.items()]
     return items
 
 
 def _advance_and_fill(items: list[_WorkItem], bitmask: np.ndarray) -> list[tuple[str, int]]:
-    """Accept each item's tokens, then fill its row; the tokens refused."""
+    """Accept each item's tokens, then fill its rows (one, then one after
+    each draft, rolled back after); the tokens refused."""
     rejected = []
-    for req_id, matcher, tokens, row in items:
+    for req_id, matcher, tokens, row, drafts in items:
         for token_id in tokens:
             if not matcher.accept_token(token_id) and not matcher.is_terminated():
                 rejected.append((req_id, token_id))
-        if row >= 0:
-            matcher.fill_next_token_bitmask(bitmask, row)
+        if row < 0:
+            continue
+        matcher.fill_next_token_bitmask(bitmask, row)
+        num_accepted = 0
+        for offset, token_id in enumerate(drafts, start=1):
+            if not matcher.accept_token(token_id):  # (checked when scheduled: never)
+                rejected.append((req_id, token_id))
+                break
+            num_accepted += 1
+            matcher.fill_next_token_bitmask(bitmask, row + offset)
+        if num_accepted:
+            matcher.rollback(num_accepted)
     return rejected

@@ -43,6 +43,10 @@ class _HostLogprobs:
     ranks: torch.Tensor  # [n]
     #: Log-probs each sample row asked for (None: that row did not).
     num_logprobs: list[int | None]
+    #: A speculative step: each sample row's positions (drafts + 1), whose
+    #: entries follow one another (its tokens take the first ones); None:
+    #: one entry per sample row.
+    positions: list[int] | None = None
 
 
 class AsyncModelRunnerOutput:
@@ -73,8 +77,24 @@ class AsyncModelRunnerOutput:
     def synchronize(self) -> None:
         self.copy_event.synchronize()
 
+    @property
+    def multi_token(self) -> bool:
+        """Whether a sample row may have several tokens (a speculative step:
+        ``sampled_token_lists``)."""
+        return self._sampled_host.dim() == 2
+
+    def sampled_token_lists(self) -> list[list[int]]:
+        """The tokens of each sample row (blocks until the copy landed): a
+        speculative step's rows are padded with -1, dropped here."""
+        self.copy_event.synchronize()
+        if not self.multi_token:
+            return [[token] for token in self._sampled_host.tolist()]
+        return [[t for t in row if t >= 0] for row in self._sampled_host.tolist()]
+
     def sampled_token_ids(self) -> list[int]:
-        """The token of each sample row (blocks until the copy landed)."""
+        """The token of each sample row (blocks until the copy landed); one
+        token per row only (not ``multi_token``)."""
+        assert not self.multi_token, "a speculative step's rows: sampled_token_lists()"
         self.copy_event.synchronize()
         tokens: list[int] = self._sampled_host.tolist()  # int64: Python ints already
         return tokens
@@ -86,14 +106,24 @@ class AsyncModelRunnerOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         """The :class:`ModelRunnerOutput` (blocks until the copy landed)."""
-        tokens = self.sampled_token_ids()
         req_ids, rows = self.req_ids, self.sample_rows
+        sampled: list[list[int]]
+        if self.multi_token:
+            sampled = [[] for _ in req_ids]
+            for row, row_tokens in zip(rows, self.sampled_token_lists(), strict=True):
+                sampled[row] = row_tokens
+            return self._output(sampled)
+        tokens = self.sampled_token_ids()
         if len(rows) == len(req_ids):  # every row sampled: rows are 0, 1, ... in order
             sampled = [[token] for token in tokens]
         else:
             sampled = [[] for _ in req_ids]
             for row, token in zip(rows, tokens, strict=True):
                 sampled[row] = [token]
+        return self._output(sampled)
+
+    def _output(self, sampled: list[list[int]]) -> ModelRunnerOutput:
+        req_ids = self.req_ids
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index=dict(zip(req_ids, range(len(req_ids)), strict=True)),
@@ -109,6 +139,8 @@ class AsyncModelRunnerOutput:
         if lp is None:
             return None
         out: list[list[Logprobs]] = [[] for _ in self.req_ids]
+        if lp.positions is not None:
+            return self._spec_logprobs_lists(lp, out)
         rows = zip(
             self.sample_rows,
             lp.token_ids.tolist(),
@@ -122,7 +154,31 @@ class AsyncModelRunnerOutput:
                 out[row] = [Logprobs(ids[: n + 1], values[: n + 1], rank)]
         return out
 
+    def _spec_logprobs_lists(
+        self, lp: _HostLogprobs, out: list[list[Logprobs]]
+    ) -> list[list[Logprobs]]:
+        """:meth:`_logprobs_lists` of a speculative step: a sample row's
+        first ``len(tokens)`` entries of its positions."""
+        assert lp.positions is not None
+        ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        start = 0
+        tokens = self.sampled_token_lists()
+        for i, (row, n) in enumerate(zip(self.sample_rows, lp.num_logprobs, strict=True)):
+            if n is not None:
+                out[row] = [
+                    Logprobs(ids[k][: n + 1], values[k][: n + 1], ranks[k])
+                    for k in range(start, start + len(tokens[i]))
+                ]
+            start += lp.positions[i]
+        return out
 
-def host_logprobs(tensors: list[torch.Tensor], num_logprobs: list[int | None]) -> _HostLogprobs:
+
+def host_logprobs(
+    tensors: list[torch.Tensor],
+    num_logprobs: list[int | None],
+    positions: list[int] | None = None,
+) -> _HostLogprobs:
+    """``positions``: a speculative step's positions per sample row (see
+    :class:`_HostLogprobs`)."""
     token_ids, logprobs, ranks = tensors
-    return _HostLogprobs(token_ids, logprobs, ranks, num_logprobs)
+    return _HostLogprobs(token_ids, logprobs, ranks, num_logprobs, positions)

@@ -37,10 +37,17 @@ class GrammarBitmask:
         wider than the bitmask (padded logits) has its extra tokens masked too."""
         req_ids = grammar_output.structured_output_request_ids
         pairs = [(logits_row[r], i) for i, r in enumerate(req_ids) if r in logits_row]
+        self.apply_rows(logits, grammar_output, pairs)
+
+    def apply_rows(
+        self, logits: torch.Tensor, grammar_output: GrammarOutput, pairs: list[tuple[int, int]]
+    ) -> None:
+        """:meth:`apply` with the rows given: (logits row, bitmask row) pairs
+        (a speculative step's request has a bitmask row per draft position)."""
         if not pairs:
             return
         packed = np.frombuffer(grammar_output.grammar_bitmask, dtype="<i4")
-        words = packed.reshape(len(req_ids), -1)
+        words = packed.reshape(len(grammar_output.structured_output_request_ids), -1)
         rows, mask_rows = zip(*pairs, strict=True)
         staging = self.staging
         staging.begin_step()  # the previous step's rows were read

@@ -258,6 +258,13 @@ class InputBatch:
             self._sampling_cache = (self.layout_version, list(rows), metadata)
         return metadata
 
+    def sampling_metadata_of_positions(self, rows: list[int]) -> SamplingMetadata:
+        """Sampling parameters with one entry per position of ``rows`` (a
+        row may repeat: one entry per draft token of a speculative step;
+        a seeded row's generator serves each of its entries, in order).
+        Not cached."""
+        return self._build_sampling_metadata(rows)
+
     def token_history(
         self,
         rows: list[int],

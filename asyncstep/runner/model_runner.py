@@ -83,8 +83,10 @@ from asyncstep.runner.kv_sizing import zeroed_host_tensors
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
 from asyncstep.runner.persistent_batches import PersistentBatches
 from asyncstep.runner.prompt_logprobs import PromptLogprobsTracker
+from asyncstep.runner.rejection_sampler import RejectionSampler
 from asyncstep.runner.sampled_tokens import SampledTokens
-from asyncstep.runner.sampler import Sampler
+from asyncstep.runner.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from asyncstep.runner.spec_decode_metadata import to_device
 from asyncstep.runner.staging import StagingBuffers
 from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs
 from asyncstep.runner.step_state import ExecuteModelState, StepEvents, StepTimings
@@ -135,6 +137,7 @@ class ModelRunner:
             is_last_stage=self.is_last_stage,
         )
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
         self.prompt_logprobs = PromptLogprobsTracker(
             model.config.vocab_size, enabled=self.is_last_stage
         )
@@ -299,9 +302,14 @@ class ModelRunner:
         if self.execute_model_state is not None:
             raise RuntimeError(REENTRY_ERROR)
         t0 = time.perf_counter()
-        self.sampled.resolve(keep_last=self.async_scheduling)
+        # A step with drafts needs its rows' every token on the host (the
+        # drafts go after them): the newest sampled output too.
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        self.sampled.resolve(keep_last=self.async_scheduling and not spec_tokens)
         self.step_inputs.input_batch = self.batches.select(scheduler_output)
         self.batches.update(scheduler_output)
+        if spec_tokens:
+            self._write_drafts(spec_tokens)
         self.prompt_logprobs.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.timings = StepTimings()
@@ -348,7 +356,20 @@ class ModelRunner:
             inputs.logits_indices,
             prompt_logprobs=prompt_lp,
         )
+        if inputs.spec_decode_metadata is not None:
+            self.execute_model_state.spec_decode_metadata = inputs.spec_decode_metadata
+            self.execute_model_state.logits_indices = inputs.spec_decode_metadata.last_token_indices
         return None
+
+    def _write_drafts(self, spec_tokens: dict[str, list[int]]) -> None:
+        """Put each request's draft tokens after its known tokens in its row
+        (the step's input ids read them there; ``num_tokens`` stays: the
+        accepted ones are appended over them once sampled)."""
+        batch = self.input_batch
+        for req_id, drafts in spec_tokens.items():
+            row = batch.req_id_to_index[req_id]
+            start = int(batch.num_tokens[row])
+            batch.token_ids_cpu[row, start : start + len(drafts)] = drafts
 
     def _graph_computed_logits(self, inputs: StepInputs) -> bool:
         return self.graph_runner is not None and self.graph_runner.computes_logits(
@@ -385,13 +406,23 @@ class ModelRunner:
             raise RuntimeError("sample_tokens() called without a pending execute_model()")
         self.execute_model_state = None
         t0 = time.perf_counter()
+        spec = state.spec_decode_metadata
         if grammar_output is not None:
-            rows = state.sample_rows
-            row_of = dict(zip(map(state.req_ids.__getitem__, rows), range(len(rows)), strict=True))
             if self._grammar_bitmask is None:
                 self._grammar_bitmask = GrammarBitmask(self.device)
-            self._grammar_bitmask.apply(state.logits, grammar_output, row_of)
+            if spec is not None:  # a row per draft position and the bonus position
+                pairs = _spec_grammar_rows(state, grammar_output)
+                self._grammar_bitmask.apply_rows(state.logits, grammar_output, pairs)
+            else:
+                rows = state.sample_rows
+                req_ids = map(state.req_ids.__getitem__, rows)
+                row_of = dict(zip(req_ids, range(len(rows)), strict=True))
+                self._grammar_bitmask.apply(state.logits, grammar_output, row_of)
             self.timings.grammar = time.perf_counter() - t0
+        if spec is not None:  # the sampler sees the bonus positions; the drafts' rows aside
+            state.spec_logits = state.logits
+            state.target_logits = state.logits[spec.target_logits_indices]
+            state.logits = state.logits[spec.bonus_logits_indices]
         output = self._sample(state)
         output.prompt_logprobs = state.prompt_logprobs
         if state.events is not None:
@@ -417,17 +448,55 @@ class ModelRunner:
             history = self._token_history(state, metadata.processing)
         result = self.sampler(state.logits, metadata, history)
         sampled = result.sampled_token_ids
-        self.sampled.record(sampled, batch, rows, state.req_ids)
+        if state.spec_decode_metadata is not None:
+            sampled = self._verify_drafts(state, sampled)
+            self.sampled.clear()  # (no step scatters these ids: see SampledTokens.resolve)
+        else:
+            self.sampled.record(sampled, batch, rows, state.req_ids)
         tensors = [sampled]
         lp = result.logprobs_tensors
+        positions = None
+        if lp is not None and state.spec_decode_metadata is not None:
+            lp, positions = self._spec_logprobs(state, sampled, metadata.max_num_logprobs)
         if lp is not None:
             tensors += [lp.logprob_token_ids, lp.logprobs, lp.selected_token_ranks]
         hosts, copy_event = copy_to_host(tensors, self._copy_stream)
         logprobs = None
         if lp is not None:
             asked = [self.input_batch.sampling_params[row].logprobs for row in rows]  # type: ignore[union-attr]
-            logprobs = host_logprobs(hosts[1:], asked)
+            logprobs = host_logprobs(hosts[1:], asked, positions)
         return AsyncModelRunnerOutput(state.req_ids, rows, hosts[0], copy_event, logprobs)
+
+    def _spec_logprobs(
+        self, state: ExecuteModelState, output: torch.Tensor, num_logprobs: int | None
+    ) -> tuple[LogprobsTensors, list[int]]:
+        """A speculative step's log-probs: of the token each position of each
+        sampling row output (``output``, ``[rows, 1 + max drafts]``, -1
+        where none), from that position's logits (the raw ones, as the
+        sampler's); and each row's number of positions."""
+        spec = state.spec_decode_metadata
+        assert spec is not None and state.spec_logits is not None and num_logprobs is not None
+        counts = np.asarray(spec.num_draft_tokens, dtype=np.int64) + 1
+        rows = np.repeat(np.arange(len(counts)), counts)
+        columns = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        index = to_device(np.concatenate([rows, columns]), self.device).view(2, -1)
+        tokens = output[index[0], index[1]].clamp_min(0)
+        raw = compute_logprobs(state.spec_logits)
+        return gather_logprobs(raw, num_logprobs, tokens), counts.tolist()
+
+    def _verify_drafts(self, state: ExecuteModelState, bonus: torch.Tensor) -> torch.Tensor:
+        """The step's output tokens per sampling row, ``[rows, 1 + max
+        drafts]`` padded with -1: the rejection sampler over the drafts'
+        logits, ``bonus`` (the sampler's token at each row's bonus position)
+        after a row's drafts all pass."""
+        spec = state.spec_decode_metadata
+        assert spec is not None and state.target_logits is not None
+        counts = zip(state.sample_rows, spec.num_draft_tokens, strict=True)
+        draft_rows = [row for row, n in counts for _ in range(n)]
+        metadata = self.input_batch.sampling_metadata_of_positions(draft_rows)
+        return self.rejection_sampler(
+            spec.draft_token_ids, spec.num_draft_tokens, state.target_logits, bonus, metadata
+        )
 
     def _token_history(
         self, state: ExecuteModelState, processing: LogitsProcessing
@@ -445,6 +514,30 @@ class ModelRunner:
             assert state.input_ids is not None and state.logits_indices is not None
             last = state.input_ids[state.logits_indices]
         return batch.token_history(rows, seq_lens, last, processing)
+
+
+def _spec_grammar_rows(
+    state: ExecuteModelState, grammar_output: GrammarOutput
+) -> list[tuple[int, int]]:
+    """(logits row, bitmask row) of a speculative step's constrained
+    requests: a request's ``j``-th bitmask row (its id repeated, one row per
+    draft position and then the bonus position) masks its ``j``-th logits
+    row."""
+    spec = state.spec_decode_metadata
+    assert spec is not None
+    first_row: dict[str, tuple[int, int]] = {}  # req_id -> (first logits row, rows)
+    start = 0
+    for row, num_drafts in zip(state.sample_rows, spec.num_draft_tokens, strict=True):
+        first_row[state.req_ids[row]] = (start, num_drafts + 1)
+        start += num_drafts + 1
+    pairs = []
+    seen: dict[str, int] = {}
+    for mask_row, req_id in enumerate(grammar_output.structured_output_request_ids):
+        j = seen.get(req_id, 0)
+        seen[req_id] = j + 1
+        if req_id in first_row and j < first_row[req_id][1]:
+            pairs.append((first_row[req_id][0] + j, mask_row))
+    return pairs
 
 
 def _use_fused_kernels(model: LlamaForCausalLM, fused: bool, *, cpu: bool = False) -> None:

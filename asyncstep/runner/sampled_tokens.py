@@ -103,13 +103,18 @@ class SampledTokens:
         """Append the tokens of kept outputs to the persistent batch; all of
         them, or all but the newest (whose ids the next step takes from the
         device, even when its copy has landed: one code path on every device).
-        Blocks on a copy only if it has not landed yet."""
-        keep = 1 if keep_last else 0
-        while len(self._unresolved) > keep:
-            self._apply(*self._unresolved.popleft())
+        A speculative step's output is always appended (no step takes ids of
+        it from the device). Blocks on a copy only if it has not landed yet."""
+        unresolved = self._unresolved
+        keep = 1 if keep_last and unresolved and not unresolved[-1][0].multi_token else 0
+        while len(unresolved) > keep:
+            self._apply(*unresolved.popleft())
 
     def _apply(self, output: AsyncModelRunnerOutput, origin: _SampledFrom | None) -> None:
         batches = self._batches
+        if output.multi_token:  # a speculative step: 1 + accepted tokens per row
+            self._append_lists(output)
+            return
         if self.fast_paths and origin is not None:
             if origin.still_in_place():
                 _append_in_place(output, origin)
@@ -131,6 +136,24 @@ class SampledTokens:
                     break
             else:
                 state.output_token_ids.append(token)  # (its row, if any, has it)
+
+    def _append_lists(self, output: AsyncModelRunnerOutput) -> None:
+        """``_apply`` of a step whose rows may have several tokens each: to
+        the rows the requests hold now, or to their states."""
+        requests, input_batches = self._batches.requests, self._batches.input_batches
+        for row, tokens in zip(output.sample_rows, output.sampled_token_lists(), strict=True):
+            req_id = output.req_ids[row]
+            state = requests.get(req_id)
+            if state is None:
+                continue  # finished meanwhile
+            for batch in input_batches:
+                current_row = batch.req_id_to_index.get(req_id)
+                if current_row is not None:
+                    for token in tokens:
+                        batch.append_token(current_row, token)
+                    break
+            else:
+                state.output_token_ids.extend(tokens)
 
     def _append_moved(self, output: AsyncModelRunnerOutput, origin: _SampledFrom) -> None:
         """``_apply`` with one persistent batch whose rows changed since the

@@ -31,6 +31,7 @@ from asyncstep.runner.cudagraph_dispatcher import (
 )
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner, HostInputs
 from asyncstep.runner.input_batch import InputBatch
+from asyncstep.runner.spec_decode_metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from asyncstep.runner.staging import StagingBuffers
 from asyncstep.runner.ubatch_forward import UBatchInputs
 from asyncstep.runner.ubatching import (
@@ -63,6 +64,9 @@ class StepInputs:
     batch_descriptor: BatchDescriptor
     #: Two micro-batches (``enable_ubatching``), or None: the step runs whole.
     ubatches: list[UBatchInputs] | None = None
+    #: A step with draft tokens: where they are; ``logits_indices`` then
+    #: holds every draft position and each sampling row's bonus position.
+    spec_decode_metadata: SpecDecodeMetadata | None = None
 
 
 class StepInputBuilder:
@@ -157,16 +161,26 @@ class StepInputBuilder:
                     host, desc.num_tokens, self._host_meta(host, num_decodes)
                 )
                 self._plan_buckets(meta, host.seq_lens)
-        if logits_indices is None:
+        spec_metadata = None
+        if so.scheduled_spec_decode_tokens and sample_rows:
+            logits_indices, spec_metadata = self._spec_logits_indices(
+                so.scheduled_spec_decode_tokens, sample_rows, cu_num_tokens
+            )
+        elif logits_indices is None:
             logits_indices = self._logits_indices(cu_num_tokens[sample_rows] - 1)
+        if not so.scheduled_spec_decode_tokens:
+            input_ids = scatter_sampled(input_ids, seq_lens, cu_num_tokens)
+        # (else nothing to scatter: the runner resolved every sampled output
+        # before a step with drafts, whose drafts are in the rows past num_tokens)
         inputs = StepInputs(
-            input_ids=scatter_sampled(input_ids, seq_lens, cu_num_tokens),
+            input_ids=input_ids,
             positions=positions_t,
             attn_metadata=meta,
             logits_indices=logits_indices,
             sample_rows=sample_rows,
             cudagraph_mode=mode,
             batch_descriptor=desc,
+            spec_decode_metadata=spec_metadata,
         )
         if ubatch_slices is not None:
             assert meta is not None
@@ -176,6 +190,18 @@ class StepInputBuilder:
             ]
         self.staging.end_step()
         return inputs
+
+    def _spec_logits_indices(
+        self, spec_tokens: dict[str, list[int]], sample_rows: list[int], cu_num_tokens: np.ndarray
+    ) -> tuple[torch.Tensor | slice, SpecDecodeMetadata]:
+        """A speculative step's logits indices (every draft position and each
+        sampling row's bonus position) and its :class:`SpecDecodeMetadata`."""
+        req_ids = self.input_batch.req_ids
+        drafts = [spec_tokens.get(req_ids[row], []) for row in sample_rows]
+        indices, metadata = build_spec_decode_metadata(
+            drafts, cu_num_tokens[sample_rows], self.input_batch.device
+        )
+        return self._logits_indices(indices), metadata
 
     def _logits_indices(self, indices: np.ndarray) -> torch.Tensor | slice:
         if is_arange(indices):

@@ -4,7 +4,8 @@ the step's device events (:class:`StepEvents`) and its host timings
 (:class:`StepTimings`), which the rank reads for its step timeline.
 
 Plain dataclasses; may import torch, ``asyncstep.datatypes``,
-``asyncstep.gpu.stream`` and the runner's ``prompt_logprobs`` module.
+``asyncstep.gpu.stream`` and the runner's ``prompt_logprobs`` and
+``spec_decode_metadata`` modules.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from asyncstep.datatypes import SchedulerOutput
 from asyncstep.gpu.stream import StreamEvent
 from asyncstep.runner.prompt_logprobs import HostPromptLogprobs
+from asyncstep.runner.spec_decode_metadata import SpecDecodeMetadata
 
 
 @dataclass
@@ -34,7 +36,9 @@ class ExecuteModelState:
 
     scheduler_output: SchedulerOutput
     req_ids: list[str]
-    logits: torch.Tensor  # [len(sample_rows), vocab]
+    #: ``[len(sample_rows), vocab]``; a speculative step: one row per
+    #: ``spec_decode_metadata`` logits index (drafts' and bonus positions).
+    logits: torch.Tensor
     sample_rows: list[int]
     events: StepEvents | None = None
     #: The step's input ids and each sample row's last token index among
@@ -43,6 +47,12 @@ class ExecuteModelState:
     logits_indices: torch.Tensor | slice | None = None
     #: The step's prompt log-probs on their way to the host (a request asked).
     prompt_logprobs: HostPromptLogprobs | None = None
+    #: A step with draft tokens (speculative decoding): where they are.
+    spec_decode_metadata: SpecDecodeMetadata | None = None
+    #: Set by ``sample_tokens`` from ``logits``: the rows of the draft positions,
+    #: and every row (draft and bonus positions, masked by a grammar; log-probs).
+    target_logits: torch.Tensor | None = None
+    spec_logits: torch.Tensor | None = None
 
 
 @dataclass

@@ -5,7 +5,11 @@ several apps in one process do not clash):
 * gauges read from :meth:`Engine.statistics` when scraped:
   ``num_requests_running``, ``num_requests_waiting``,
   ``kv_cache_usage_perc`` (a fraction, 1 = full, as vLLM's),
-  ``prefix_cache_hit_rate``; counter ``num_preemptions_total``;
+  ``prefix_cache_hit_rate``; counter ``num_preemptions_total``; with
+  speculative decoding the counters ``spec_decode_num_drafts_total``,
+  ``spec_decode_num_draft_tokens_total``,
+  ``spec_decode_num_accepted_tokens_total`` and
+  ``spec_decode_num_accepted_tokens_per_pos_total`` (label ``position``);
 * counters: ``prompt_tokens_total`` (each prompt once, when admitted),
   ``generation_tokens_total`` (as tokens arrive, aborted requests' too),
   ``request_success_total`` by ``finished_reason`` (``stop``, ``length``,
@@ -48,7 +52,7 @@ from prometheus_client.registry import Collector
 from asyncstep.errors import ConfigError
 
 if TYPE_CHECKING:
-    from asyncstep.engine.engine import Engine
+    from asyncstep.engine.engine import Engine, EngineStatistics
 
 PREFIX = "asyncstep:"
 #: The variable naming the directory where several API servers' metrics meet.
@@ -174,6 +178,36 @@ class _EngineCollector(Collector):
         )
         counter.add_metric(self._labels, stats.num_preemptions)
         yield counter
+        if stats.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is on
+            yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats: EngineStatistics) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters."""
+        counters = (
+            ("spec_decode_num_drafts", "Drafts verified.", stats.spec_decode_num_drafts),
+            (
+                "spec_decode_num_draft_tokens",
+                "Draft tokens verified.",
+                stats.spec_decode_num_draft_tokens,
+            ),
+            (
+                "spec_decode_num_accepted_tokens",
+                "Draft tokens accepted.",
+                stats.spec_decode_num_accepted_tokens,
+            ),
+        )
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric(self._labels, value)
+            yield counter
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, per draft position.",
+            labels=["model_name", "position"],
+        )
+        for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([*self._labels, str(position)], value)
+        yield per_pos
 
 
 class ServerMetrics:
