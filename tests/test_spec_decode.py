@@ -6,6 +6,7 @@ and the speculative step's metadata."""
 
 from __future__ import annotations
 
+import os
 import numpy as np
 import pytest
 import torch
@@ -226,8 +227,8 @@ def test_the_sampled_rule_keeps_the_target_distribution(params: SamplingParams, 
     vocab, rows = 6, 60_000
     base = torch.tensor([2.0, 1.5, 1.0, 0.6, 0.2, -0.5])
     p = target_probs(base.unsqueeze(0), metadata_of([params])).squeeze(0)
-    if p[draft] == 0:
-        pytest.skip("the draft is filtered out of the target: always rejected")
+    # A draft the filters leave out (p = 0) is always rejected: the first
+    # token is then p's all the same.
     logits = base.repeat(2 * rows, 1)
     drafts = torch.tensor([draft, 1]).repeat(rows)
     bonus = torch.multinomial(p, rows, replacement=True)
@@ -299,7 +300,9 @@ def test_a_stop_string_inside_a_steps_tokens_cuts_the_tokens_after_it(include: b
 
     try:
         tokenizer = open_checkpoint(None).load_tokenizer()
-    except ModelLoadError as exc:
+    except ModelLoadError as exc:  # the GPU machine has no embedded model; CPU runs must
+        if os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu") == "cpu":
+            raise
         pytest.skip(f"needs SmolLM2's tokenizer: {exc}")
     ids = tokenizer(" one two three four five six").input_ids
     pieces = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
