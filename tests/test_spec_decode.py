@@ -7,6 +7,7 @@ and the speculative step's metadata."""
 from __future__ import annotations
 
 import os
+
 import numpy as np
 import pytest
 import torch
