@@ -24,7 +24,7 @@ from asyncstep.structured_params import StructuredOutputsParams
 
 NOTE = {
     "type": "object",
-    "properties": {"text": {"type": "string", "maxLength": 2000}},
+    "properties": {"text": {"type": "string", "minLength": 600, "maxLength": 2000}},
     "required": ["text"],
     "additionalProperties": False,
 }
