@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import agents
 import pytest
+from openai import AsyncOpenAI
 from processes import serving_url
 
 pytestmark = pytest.mark.anyio
@@ -38,9 +39,7 @@ def url() -> Iterator[str]:
         proc.wait(30)
 
 
-def weather_agent(url: str, calls: list[str]) -> object:
-    from openai import AsyncOpenAI
-
+def weather_agent(client: AsyncOpenAI, calls: list[str]) -> agents.Agent[None]:
     agents.set_tracing_disabled(True)
 
     @agents.function_tool
@@ -49,7 +48,6 @@ def weather_agent(url: str, calls: list[str]) -> object:
         calls.append(city)
         return f"22 C and sunny in {city}"
 
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     return agents.Agent(
         name="weather",
         instructions="Answer with the help of the weather tool.",
@@ -59,21 +57,29 @@ def weather_agent(url: str, calls: list[str]) -> object:
     )
 
 
+def client_of(url: str) -> AsyncOpenAI:
+    """A client of the test's own (closed by it: its connections belong to
+    the test's event loop)."""
+    return AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
 async def test_an_agent_calls_its_tool_and_answers(url: str) -> None:
     calls: list[str] = []
-    result = await agents.Runner.run(
-        weather_agent(url, calls), "What is the weather in Paris?", max_turns=4
-    )
+    async with client_of(url) as client:
+        result = await agents.Runner.run(
+            weather_agent(client, calls), "What is the weather in Paris?", max_turns=4
+        )
     assert len(calls) == 1 and calls[0]
     assert isinstance(result.final_output, str) and result.final_output
 
 
 async def test_a_streamed_agent_run_calls_its_tool_and_answers(url: str) -> None:
     calls: list[str] = []
-    run = agents.Runner.run_streamed(
-        weather_agent(url, calls), "What is the weather in Oslo?", max_turns=4
-    )
-    kinds = [event.type async for event in run.stream_events()]
+    async with client_of(url) as client:
+        run = agents.Runner.run_streamed(
+            weather_agent(client, calls), "What is the weather in Oslo?", max_turns=4
+        )
+        kinds = [event.type async for event in run.stream_events()]
     assert len(calls) == 1 and calls[0]
     assert "run_item_stream_event" in kinds
     assert isinstance(run.final_output, str) and run.final_output
