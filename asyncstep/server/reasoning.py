@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from asyncstep.server.markers import held_back
+
 START, END = "<think>", "</think>"
 
 
@@ -86,15 +88,7 @@ class ReasoningStream:
         if finished:  # thinking cut short
             held, self._held = self._held.rstrip(), ""
             return held or None, None
-        keep = _partial_suffix(self._held, END)
+        keep = held_back(self._held, END)
         cut = len(self._held) - keep
         reasoning, self._held = self._held[:cut], self._held[cut:]
         return reasoning or None, None
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """How long a suffix of ``text`` is a proper prefix of ``marker``."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from asyncstep.server.markers import held_back
 from asyncstep.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
 
@@ -35,10 +36,15 @@ class Parsed:
     calls: list[ToolCall]
 
 
+def new_call_id() -> str:
+    """A fresh tool call id (OpenAI's shape: ``call_`` and 24 hex digits)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def make_call(name: str, arguments: Any) -> ToolCall:
     """A call with a fresh id; ``arguments`` an object or its JSON text."""
     text = arguments if isinstance(arguments, str) else msgspec.json.encode(arguments).decode()
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name, text))
+    return ToolCall(id=new_call_id(), function=FunctionCall(name, text))
 
 
 def call_of(item: object, arguments_key: str) -> ToolCall | None:
@@ -141,7 +147,7 @@ class _HermesStream(ParserStream):
                 content.append(self._held[:at])
                 self._held, self._in_call = self._held[at + len(start) :], True
                 continue
-            keep = 0 if finished else _partial_suffix(self._held, start)
+            keep = 0 if finished else held_back(self._held, start)
             content.append(self._held[: len(self._held) - keep])
             self._held = self._held[len(self._held) - keep :]
             break
@@ -211,14 +217,6 @@ def _json_call(body: str, arguments_key: str) -> ToolCall | None:
         return call_of(msgspec.json.decode(body.strip()), arguments_key)
     except msgspec.DecodeError:
         return None
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """How long a suffix of ``text`` is a proper prefix of ``marker``."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 #: The parsers by their ``--tool-call-parser`` name.

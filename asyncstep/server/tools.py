@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +37,10 @@ from asyncstep.server.protocol import (
     ChatTool,
     DeltaFunctionCall,
     DeltaToolCall,
-    FunctionCall,
     NamedToolChoice,
     ToolCall,
 )
-from asyncstep.server.tool_parsers import ToolParser
+from asyncstep.server.tool_parsers import ToolParser, as_deltas, make_call, new_call_id
 
 #: Most tools one request may list.
 MAX_TOOLS = 128
@@ -90,7 +88,7 @@ class ForcedCalls:
                 msgspec.json.decode(text)
             except msgspec.DecodeError:
                 return None
-            return [_call(self.name, text)]
+            return [make_call(self.name, text)]
         try:
             items = msgspec.json.decode(text)
         except msgspec.DecodeError:
@@ -102,12 +100,8 @@ class ForcedCalls:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 return None
             arguments = msgspec.json.encode(item.get("parameters", {})).decode()
-            calls.append(_call(item["name"], arguments))
+            calls.append(make_call(item["name"], arguments))
         return calls
-
-
-def _call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name, arguments))
 
 
 def check_tools(
@@ -219,7 +213,7 @@ class ToolCallStream:
         self._text.append(text)
         if self.forced.name is not None:
             if self._call_id is None:
-                self._call_id = f"call_{uuid.uuid4().hex[:24]}"
+                self._call_id = new_call_id()
                 function = DeltaFunctionCall(name=self.forced.name, arguments=text)
                 first = DeltaToolCall(0, id=self._call_id, type="function", function=function)
                 return [first], None
@@ -232,12 +226,4 @@ class ToolCallStream:
         calls = self.forced.calls(whole)
         if calls is None:
             return None, whole
-        return [
-            DeltaToolCall(
-                i,
-                id=call.id,
-                type="function",
-                function=DeltaFunctionCall(call.function.name, call.function.arguments),
-            )
-            for i, call in enumerate(calls)
-        ], None
+        return as_deltas(calls, 0), None

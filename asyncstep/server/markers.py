@@ -1,0 +1,14 @@
+"""Markers in streamed text (``<tool_call>``, ``</think>``): how much of the
+text seen so far may be the start of one, and so is held back until the
+next piece of the stream tells. Standard library only."""
+
+from __future__ import annotations
+
+
+def held_back(text: str, marker: str) -> int:
+    """The length of the longest suffix of ``text`` that is a proper prefix
+    of ``marker`` (0: none: all of ``text`` may be shown)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
