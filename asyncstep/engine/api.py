@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 import anyio
 
 from asyncstep.config import EngineConfig
+from asyncstep.engine.chat_messages import use_chat_template
 from asyncstep.engine.core_client import CoreClient, CoreConnection, CoreProcess
 from asyncstep.engine.engine import Engine
-from asyncstep.engine.input_processor import tokenizer_eos, use_chat_template
+from asyncstep.engine.input_processor import tokenizer_eos
 from asyncstep.errors import ConfigError, EngineDeadError, describe
 from asyncstep.logging import get_logger, json_log_file
 from asyncstep.logging.spans import STARTUP, span

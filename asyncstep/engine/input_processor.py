@@ -24,7 +24,6 @@ the requests in flight or the transport (the :class:`Engine` holds those).
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -36,8 +35,14 @@ import msgspec
 from asyncstep.checks import is_utf8, shown, utf8_size
 from asyncstep.config import StructuredOutputsConfig
 from asyncstep.datatypes import SamplingParams
+from asyncstep.engine.chat_messages import (
+    check_chat_message,
+    is_chat,
+    json_size,
+    template_message,
+)
 from asyncstep.engine.grammar import check_grammar
-from asyncstep.errors import ConfigError, InvalidRequestError, describe
+from asyncstep.errors import InvalidRequestError, describe
 from asyncstep.models.config import ModelArchConfig
 
 if TYPE_CHECKING:
@@ -195,7 +200,7 @@ class InputProcessor:
     ) -> tuple[Callable[[], list[int]], int]:
         """Check a prompt's kind and size: the work that gives its token ids,
         and the UTF-8 bytes of text that work tokenizes (0: none)."""
-        if tools is not None and (isinstance(prompt, str) or not _is_chat(prompt)):
+        if tools is not None and (isinstance(prompt, str) or not is_chat(prompt)):
             raise InvalidRequestError("tools go with chat messages only")
         if isinstance(prompt, str):
             if not prompt:
@@ -232,14 +237,15 @@ class InputProcessor:
     def _check_chat(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
     ) -> int:
-        """Check chat messages (:func:`_check_chat_message`) and ``tools``
-        (JSON objects): the UTF-8 bytes of their contents, tool calls and
+        """Check chat messages
+        (:func:`~asyncstep.engine.chat_messages.check_chat_message`) and
+        ``tools`` (JSON objects): the UTF-8 bytes of their contents, tool calls and
         tool schemas, refused past :attr:`max_prompt_bytes` (the chat
         template renders each of them: the text is longer still; a template
         that strips whitespace may shorten it)."""
-        size = sum(_check_chat_message(i, message) for i, message in enumerate(messages))
+        size = sum(check_chat_message(i, message) for i, message in enumerate(messages))
         if tools is not None:
-            size += _json_size(tools, "tools")
+            size += json_size(tools, "tools")
         return self._check_size(size, "the chat messages' content")
 
     def _check_size(self, size: int, what: str) -> int:
@@ -297,7 +303,7 @@ class InputProcessor:
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template")
         try:
-            conversation: list[dict[str, Any]] = [_template_message(m) for m in messages]
+            conversation: list[dict[str, Any]] = [template_message(m) for m in messages]
             text = tokenizer.apply_chat_template(
                 conversation,
                 tools=None if tools is None else [dict(t) for t in tools],
@@ -307,39 +313,6 @@ class InputProcessor:
         except Exception as exc:  # jinja errors: a malformed conversation
             raise InvalidRequestError(f"chat template failed: {describe(exc)}") from None
         return self._encode_text(cast(str, text), add_special_tokens=False)
-
-
-#: Largest chat template file taken (``ModelConfig.chat_template``).
-MAX_CHAT_TEMPLATE_BYTES = 1 << 20
-#: What a chat template must render at start-up.
-_PROBE_CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-
-
-def use_chat_template(tokenizer: PreTrainedTokenizerBase | None, path: str | None) -> None:
-    """Give ``tokenizer`` the chat template in file ``path`` (None: keep its
-    own), once it renders a two-message chat; else a one-line ConfigError."""
-    if path is None:
-        return
-    if tokenizer is None:
-        raise ConfigError(f"chat_template {path}: this model has no tokenizer")
-    try:
-        with open(path, "rb") as file:
-            data = file.read(MAX_CHAT_TEMPLATE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"chat_template {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_CHAT_TEMPLATE_BYTES:
-        raise ConfigError(f"chat_template {path}: larger than {MAX_CHAT_TEMPLATE_BYTES} bytes")
-    try:
-        template = data.decode()
-        text = tokenizer.apply_chat_template(
-            _PROBE_CHAT, chat_template=template, tokenize=False, add_generation_prompt=True
-        )
-    except Exception as exc:  # not UTF-8, or jinja's errors
-        why = describe(exc)
-        raise ConfigError(f"chat_template {path}: does not render a chat: {why}") from None
-    if not isinstance(text, str) or "Hi" not in text:
-        raise ConfigError(f"chat_template {path}: its rendering of a chat leaves the messages out")
-    tokenizer.chat_template = template
 
 
 def check_request_id(request_id: object) -> str:
@@ -352,95 +325,6 @@ def check_request_id(request_id: object) -> str:
     if not is_utf8(request_id):
         raise InvalidRequestError(f"request_id {shown(request_id)} is not valid UTF-8")
     return request_id
-
-
-def _check_chat_message(index: int, message: Mapping[str, Any]) -> int:
-    """A chat message: a string ``role``; a string ``content``, which an
-    assistant's message with ``tool_calls`` may leave out (or null); each
-    tool call a ``function`` with a string ``name`` and ``arguments`` (a
-    JSON string or object); a string ``tool_call_id`` where given; all in
-    UTF-8. Returns the UTF-8 bytes the template renders of it."""
-    role = message.get("role")
-    _check_string(index, "role", role)
-    if not role:
-        raise InvalidRequestError(f"chat message {index}: 'role' is empty")
-    calls = message.get("tool_calls")
-    content = message.get("content")
-    if content is not None or not calls:
-        _check_string(index, "content", content)
-    size = utf8_size(content or "")
-    if calls is not None:
-        size += _check_tool_calls(index, calls)
-    if (call_id := message.get("tool_call_id")) is not None:
-        _check_string(index, "tool_call_id", call_id)
-        size += utf8_size(call_id)
-    return size
-
-
-def _check_string(index: int, key: str, value: object) -> None:
-    if not isinstance(value, str):
-        raise InvalidRequestError(
-            f"chat message {index}: {key!r} must be a string, got {shown(value)}"
-        )
-    if not is_utf8(value):
-        raise InvalidRequestError(f"chat message {index}: {key!r} is not valid UTF-8")
-
-
-def _check_tool_calls(index: int, calls: object) -> int:
-    if not isinstance(calls, Sequence) or isinstance(calls, str | bytes) or not calls:
-        raise InvalidRequestError(f"chat message {index}: 'tool_calls' must be a non-empty list")
-    size = 0
-    for call in calls:
-        function = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping):
-            raise InvalidRequestError(
-                f"chat message {index}: each tool call must hold a 'function' object"
-            )
-        _check_string(index, "tool_calls[].function.name", function.get("name"))
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            _check_string(index, "tool_calls[].function.arguments", arguments)
-            size += utf8_size(arguments)
-        else:
-            size += _json_size(arguments, f"chat message {index}: tool call arguments")
-        size += utf8_size(function["name"])
-    return size
-
-
-def _json_size(value: object, what: str) -> int:
-    """The UTF-8 bytes of ``value`` as JSON (InvalidRequestError if it is not JSON)."""
-    try:
-        return len(msgspec.json.encode(value))
-    except (TypeError, msgspec.EncodeError, UnicodeEncodeError) as exc:
-        raise InvalidRequestError(f"{what} must be JSON: {exc}") from None
-
-
-def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A checked message as chat templates take it: tool calls' arguments
-    as objects (they render them with ``tojson``), a missing content empty."""
-    out = dict(message)
-    if out.get("content") is None:
-        out["content"] = ""
-    if out.get("tool_calls"):
-        out["tool_calls"] = [_template_call(call) for call in out["tool_calls"]]
-    return out
-
-
-def _template_call(call: Mapping[str, Any]) -> dict[str, Any]:
-    function = dict(call["function"])
-    if isinstance(function.get("arguments"), str):
-        with contextlib.suppress(msgspec.DecodeError):  # not JSON: the template gets the string
-            function["arguments"] = msgspec.json.decode(function["arguments"])
-    return {**call, "type": call.get("type", "function"), "function": function}
-
-
-def _is_chat(prompt: object) -> bool:
-    return (
-        isinstance(prompt, Sequence)
-        and not isinstance(prompt, str | bytes)
-        and bool(prompt)
-        and all(isinstance(m, Mapping) for m in prompt)
-    )
 
 
 def _kinds(items: list[Any]) -> str:
