@@ -534,7 +534,7 @@ class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
 
 
 #: Speculative decoding methods (vLLM's names) that asyncstep implements.
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 #: Most draft tokens per step: a verify step of ``1 + k`` tokens stays within the
 #: CPU's packed one-call path (16 tokens) and the rejection sampler's small tensors.
 MAX_SPECULATIVE_TOKENS = 15
@@ -544,6 +544,12 @@ DEFAULT_PROMPT_LOOKUP = 5
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Speculative decoding, vLLM's ``speculative_config`` names.
+
+    ``method`` ``"draft_model"``: a smaller checkpoint ``model`` of the same
+    vocabulary proposes ``num_speculative_tokens`` tokens greedily after each
+    step, on the same rank with a KV cache of its own (one tensor-parallel
+    rank; see :mod:`asyncstep.runner.draft_model`); the lookup bounds are
+    unused.
 
     ``method`` ``"ngram"``: prompt lookup (no draft model): the drafts are the
     up to ``num_speculative_tokens`` tokens that followed an earlier
@@ -563,12 +569,20 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
+    #: ``"draft_model"``: the draft checkpoint (a path; a shape name with
+    #: dummy weights), with the target's tokenizer.
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(
                 f"speculative_config method must be one of {SPECULATIVE_METHODS}, "
                 f"got {self.method!r}"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError(
+                'speculative_config needs "model" (the draft checkpoint) with method '
+                '"draft_model", and only then'
             )
         k = self.num_speculative_tokens
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -603,7 +617,8 @@ class SpeculativeSection(msgspec.Struct, kw_only=True):
         SpeculativeConfig | None,
         _doc(
             'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": k, '
-            '"prompt_lookup_min": m, "prompt_lookup_max": M}; none: off'
+            '"prompt_lookup_min": m, "prompt_lookup_max": M} or {"method": "draft_model", '
+            '"model": PATH, "num_speculative_tokens": k}; none: off'
         ),
     ] = None
 
@@ -631,6 +646,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(
                 "speculative_config does not work with pipeline parallelism yet "
                 "(pipeline_parallel_size must be 1)"
+            )
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.parallel.world_size > 1:
+            raise ConfigError(
+                'speculative_config method "draft_model" runs on one rank only '
+                "(tensor_parallel_size must be 1)"
             )
 
     @property

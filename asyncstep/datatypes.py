@@ -164,6 +164,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         )
 
     @property
+    def speculates(self) -> bool:
+        """Whether a step may verify draft tokens for this request (no
+        logits processing, no prompt log-probs)."""
+        return not self.processes_logits and self.prompt_logprobs is None
+
+    @property
     def processes_logits(self) -> bool:
         """Whether the sampler changes this request's logits before sampling
         (penalties, logit bias, min_tokens, bad words)."""
@@ -461,6 +467,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True):
     #: Request id -> the prompt log-probs of the prompt positions this step
     #: computed, in order (positions >= 1 not returned before); None: none asked.
     prompt_logprobs: dict[str, list[Logprobs]] | None = None
+    #: ``draft_model`` speculation: request id -> the draft tokens the draft
+    #: model proposes to follow this step's tokens (None: none proposed).
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -100,7 +100,7 @@ async def serve(
     path: Path,
     params: list[SamplingParams],
     *,
-    spec: bool,
+    spec: bool | dict[str, Any],
     prompts: list[str] = PROMPTS,
     abort_after: dict[int, int] | None = None,
     check_accepted: bool = True,
@@ -110,11 +110,12 @@ async def serve(
     """Every prompt at once; a prompt in ``abort_after`` is cut by its caller
     after that many tokens. Checks every block came back, that requests were
     preempted if and only if ``preempts`` (None: either) and, with
-    speculation, that drafts were accepted."""
+    speculation (True: :data:`NGRAM`, or a ``speculative_config``), that
+    drafts were accepted."""
     abort_after = abort_after or {}
     results: list[Result | None] = [None] * len(prompts)
     if spec:
-        options["speculative_config"] = NGRAM
+        options["speculative_config"] = NGRAM if spec is True else spec
     async with asyncstep.open_engine(path, **(ENGINE | options)) as engine:
 
         async def one(i: int) -> None:
@@ -143,7 +144,8 @@ async def serve(
             assert stats.spec_decode_num_accepted_tokens > 0
             assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
             per_pos = stats.spec_decode_num_accepted_tokens_per_pos
-            assert len(per_pos) == 4 and sum(per_pos) == stats.spec_decode_num_accepted_tokens
+            k = options["speculative_config"]["num_speculative_tokens"]
+            assert len(per_pos) == k and sum(per_pos) == stats.spec_decode_num_accepted_tokens
         elif not spec:
             assert stats.spec_decode_num_draft_tokens == 0
     assert all(r is not None for r in results)

@@ -72,6 +72,8 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.num_speculative_tokens = config.num_speculative_tokens
+        #: No slots past a step's tokens: the drafts are proposed on the host.
+        self.num_lookahead_tokens = 0
         #: Request id -> (a buffer holding its tokens, how many it holds).
         self._arrays: dict[str, tuple[np.ndarray, int]] = {}
 
@@ -87,6 +89,10 @@ class NgramProposer:
         ids = self._token_array(request_id, token_ids)
         drafts: list[int] = propose_ngram(ids, self.min_n, self.max_n, k).tolist()
         return drafts
+
+    def may_propose(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        """Whether :meth:`propose` finds drafts after ``token_ids``."""
+        return bool(self.propose(request_id, token_ids, 1))
 
     def forget(self, request_id: str) -> None:
         """The request ended: drop its array."""

@@ -148,7 +148,7 @@ class Request:
         self.min_tokens = params.min_tokens
         stop_ids = frozenset(params.stop_token_ids)
         self.stop_ids = stop_ids if params.ignore_eos else stop_ids | self._eos_token_ids
-        self.speculates = not params.processes_logits and params.prompt_logprobs is None
+        self.speculates = params.speculates
 
     @property
     def sampling_params(self) -> SamplingParams:

@@ -8,7 +8,8 @@ the per-request results of a step's output, with the stop rules, in
 Python; may import only the standard library and ``asyncstep.datatypes`` /
 ``asyncstep.config`` / ``asyncstep.errors`` (plus its siblings
 ``asyncstep.engine.request``, ``kv_cache_manager``, ``step_plan``,
-``step_results``, ``ngram_proposer`` and ``spec_decode_stats``).
+``step_results``, ``ngram_proposer``, ``draft_model_drafts`` and
+``spec_decode_stats``).
 
 One loop, no prefill/decode phases: every step hands each request the tokens
 it lacks (``num_tokens - num_computed_tokens``: a prompt chunk, a whole prompt,
@@ -74,6 +75,7 @@ from dataclasses import dataclass
 
 from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.engine.draft_model_drafts import DraftModelDrafts
 from asyncstep.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from asyncstep.engine.ngram_proposer import NgramProposer
 from asyncstep.engine.request import Request, RequestStatus
@@ -147,7 +149,13 @@ class Scheduler:
                 "the scheduler"
             )
         self.scheduler_config = scheduler_config
-        self.proposer = NgramProposer(speculative_config) if speculative_config else None
+        self.proposer: NgramProposer | DraftModelDrafts | None = None
+        if speculative_config is not None:
+            self.proposer = (
+                DraftModelDrafts(speculative_config)
+                if speculative_config.method == "draft_model"
+                else NgramProposer(speculative_config)
+            )
         #: (request id, drafts) -> the prefix of them its grammar accepts; set
         #: by the engine core (the structured outputs' matchers), None: all.
         self.draft_filter: Callable[[str, list[int]], list[int]] | None = None
@@ -367,30 +375,54 @@ class Scheduler:
         (a decode without room for its drafts goes without). ``candidates``:
         (the request's index in the plan's running columns, the request),
         each already scheduled for its one token."""
-        kv = self.kv_cache_manager
+        assert self.proposer is not None
+        lookahead = self.proposer.num_lookahead_tokens
         for column, request in candidates:
-            if plan.token_budget <= 0:
-                return
-            drafts = self._propose_drafts(request, plan.token_budget + 1)
-            grammar = request.sampling_params.structured_outputs is not None
-            if drafts and grammar and self.draft_filter is not None:
-                drafts = self.draft_filter(request.request_id, drafts)
-            if not drafts:
-                continue
-            # The slots of 1 + drafts tokens from the count before this step
-            # (so that only computed blocks are registered in the prefix cache).
-            computed = request.num_computed_tokens - 1
-            request.num_computed_tokens = computed
-            new_block_ids = kv.allocate_slots(request, 1 + len(drafts))
-            request.num_computed_tokens = computed + 1
-            if new_block_ids is None:
-                continue
-            num_drafts = len(drafts)
-            request.num_computed_tokens += num_drafts
+            if plan.token_budget > 0:
+                self._schedule_request_drafts(column, request, plan)
+            if lookahead:
+                self._allocate_lookahead(column, request, plan, lookahead)
+
+    def _schedule_request_drafts(self, column: int, request: Request, plan: StepPlan) -> None:
+        """One candidate's drafts (see :meth:`_schedule_drafts`)."""
+        drafts = self._propose_drafts(request, plan.token_budget + 1)
+        grammar = request.sampling_params.structured_outputs is not None
+        if drafts and grammar and self.draft_filter is not None:
+            drafts = self.draft_filter(request.request_id, drafts)
+        if not drafts:
+            return
+        # The slots of 1 + drafts tokens from the count before this step
+        # (so that only computed blocks are registered in the prefix cache).
+        computed = request.num_computed_tokens - 1
+        request.num_computed_tokens = computed
+        new_block_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
+        request.num_computed_tokens = computed + 1
+        if new_block_ids is None:
+            return
+        num_drafts = len(drafts)
+        request.num_computed_tokens += num_drafts
+        plan.running_new_block_ids[column] = plan.running_new_block_ids[column] + new_block_ids
+        plan.num_scheduled_tokens[request.request_id] += num_drafts
+        plan.token_budget -= num_drafts
+        plan.spec_token_ids[request.request_id] = drafts
+
+    def _allocate_lookahead(
+        self, column: int, request: Request, plan: StepPlan, lookahead: int
+    ) -> None:
+        """Slots for ``lookahead`` tokens past the request's tokens of this
+        step, where the draft model writes its proposals' keys and values
+        after the step (within the context; only from free blocks: without
+        room the runner proposes fewer drafts, or none)."""
+        num_new = plan.num_scheduled_tokens[request.request_id]
+        computed = request.num_computed_tokens - num_new
+        num_slots = min(num_new + lookahead, self.max_seq_len - computed)
+        if num_slots <= num_new:
+            return
+        request.num_computed_tokens = computed  # (registers only computed blocks)
+        new_block_ids = self.kv_cache_manager.allocate_slots(request, num_slots)
+        request.num_computed_tokens = computed + num_new
+        if new_block_ids:
             plan.running_new_block_ids[column] = plan.running_new_block_ids[column] + new_block_ids
-            plan.num_scheduled_tokens[request.request_id] += num_drafts
-            plan.token_budget -= num_drafts
-            plan.spec_token_ids[request.request_id] = drafts
 
     def _waits_to_speculate(self, request: Request) -> bool:
         """Async scheduling: whether a request with tokens in flight should
@@ -407,7 +439,7 @@ class Scheduler:
         num_tokens = request.num_tokens + request.num_output_placeholders
         if min(request.max_num_tokens, self.max_seq_len) - num_tokens - 1 <= 0:
             return False
-        return bool(self.proposer.propose(request.request_id, request.all_token_ids, 1))
+        return self.proposer.may_propose(request.request_id, request.all_token_ids)
 
     def _propose_drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decode of ``request`` within ``budget`` tokens
@@ -526,6 +558,8 @@ class Scheduler:
         )
         for request in freed:
             self._free_finished(request)
+        if model_runner_output.draft_token_ids and isinstance(self.proposer, DraftModelDrafts):
+            self._keep_drafts(model_runner_output.draft_token_ids)
         if stopped:
             # A request preempted with a step in flight may stop from that step's
             # token: it waits in the queue, not among the running ones.
@@ -535,6 +569,15 @@ class Scheduler:
         if model_runner_output.prompt_logprobs:
             add_prompt_logprobs(outputs, model_runner_output.prompt_logprobs, self.requests)
         return outputs
+
+    def _keep_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Keep the draft model's proposals of the requests still running,
+        for the token count they follow."""
+        assert isinstance(self.proposer, DraftModelDrafts)
+        for req_id, tokens in drafts.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.proposer.update(req_id, request.num_tokens, tokens)
 
     # -- helpers ---------------------------------------------------------------
 

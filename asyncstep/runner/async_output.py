@@ -67,6 +67,8 @@ class AsyncModelRunnerOutput:
         self.copy_event = copy_event
         #: The step's prompt log-probs (their own copy), when a request asked.
         self.prompt_logprobs: HostPromptLogprobs | None = None
+        #: ``draft_model`` speculation: the draft tokens per request id.
+        self.draft_token_ids: dict[str, list[int]] | None = None
 
     async def wait(self) -> None:
         """Until the copy landed (shielded: the copy cannot be cancelled)."""
@@ -132,6 +134,7 @@ class AsyncModelRunnerOutput:
             prompt_logprobs=(
                 self.prompt_logprobs.to_lists() if self.prompt_logprobs is not None else None
             ),
+            draft_token_ids=self.draft_token_ids,
         )
 
     def _logprobs_lists(self) -> list[list[Logprobs]] | None:

@@ -4,11 +4,13 @@ in every rank process)."""
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from asyncstep.config import EngineConfig
 from asyncstep.errors import ConfigError
-from asyncstep.models.model_loader import LoadedModel, cpu_threads
+from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.models.model_loader import LoadedModel, cpu_threads, load_model
 from asyncstep.runner.cpu_threads import CpuThreads
 from asyncstep.runner.kv_sizing import num_kv_blocks
 from asyncstep.runner.model_runner import ModelRunner
@@ -28,6 +30,10 @@ def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
     yet. On the CPU, torch's threads become
     :func:`~asyncstep.models.model_loader.cpu_threads`' (every thread takes
     that count on its first torch op)."""
+    spec = config.speculative_config
+    draft = None
+    if spec is not None and spec.method == "draft_model":
+        draft = load_draft_model(config, loaded)
     threads = None
     if loaded.device.type == "cpu":
         threads = CpuThreads(cpu_threads(config.parallel))
@@ -45,7 +51,31 @@ def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         graph_stand_in=config.compilation.cudagraph_stand_in,
         num_input_batches=config.num_input_batches,
         cpu_threads=threads,
+        draft_model=draft,
+        speculative_config=spec,
     )
+
+
+def load_draft_model(config: EngineConfig, target: LoadedModel) -> LlamaForCausalLM:
+    """``speculative_config``'s draft model, loaded as the target was (its
+    device, dtype, load format and packing) for the target's context; a
+    ConfigError unless its vocabulary is the target's size."""
+    spec = config.speculative_config
+    assert spec is not None and spec.model is not None
+    draft_config = msgspec.structs.replace(
+        config.model,
+        model=spec.model,
+        max_model_len=resolved_max_model_len(config),
+        chat_template=None,
+    )
+    draft = load_model(draft_config, with_tokenizer=False)
+    vocab, target_vocab = draft.arch_config.vocab_size, target.arch_config.vocab_size
+    if vocab != target_vocab:
+        raise ConfigError(
+            f"the draft model's vocabulary has {vocab} tokens, the target's {target_vocab}: "
+            "a draft model must share the target's tokenizer"
+        )
+    return draft.model
 
 
 def kv_cache_blocks(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel) -> int:

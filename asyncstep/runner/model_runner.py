@@ -45,7 +45,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from asyncstep.config import CompilationConfig
+from asyncstep.config import CompilationConfig, SpeculativeConfig
 from asyncstep.datatypes import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     GrammarOutput,
@@ -76,6 +76,7 @@ from asyncstep.runner.cudagraph_dispatcher import (
     CUDAGraphMode,
 )
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner
+from asyncstep.runner.draft_model import DraftModel
 from asyncstep.runner.grammar_bitmask import GrammarBitmask
 from asyncstep.runner.host_copy import copy_to_host
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
@@ -111,6 +112,8 @@ class ModelRunner:
         graph_stand_in: bool = False,
         num_input_batches: int = 1,
         cpu_threads: CpuThreads | None = None,
+        draft_model: LlamaForCausalLM | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """``graph_stand_in``: run CUDA-graph modes without CUDA (graphs
         replayed by calling the captured function again), to test the
@@ -118,7 +121,11 @@ class ModelRunner:
 
         ``num_input_batches``: persistent batches kept (pipeline parallelism:
         one per step in flight, whose requests differ, so alternating steps
-        do not rebuild every row each step)."""
+        do not rebuild every row each step).
+
+        ``draft_model``: ``speculative_config``'s draft model (method
+        ``draft_model``), run beside ``model`` on the same device (see
+        :mod:`asyncstep.runner.draft_model`)."""
         self.model = model
         self.device, self.dtype = device, dtype
         #: On the CPU: the steps' torch threads, fewer while other processes
@@ -161,25 +168,27 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(
             compilation.attention_backend, device, dtype
         )
-        for attn in model.attention_layers():
-            attn.backend = self.attention_backend
         self.fused_kernels = compilation.fused_kernels and self.attention_backend == "triton"
         #: The CPU library's layer ops: residual add + RMSNorm (float32
         #: residual stream), silu * up.
         self.cpu_layer_kernels = (
             compilation.fused_kernels and device.type == "cpu" and load_cpu_kernels() is not None
         )
-        _use_fused_kernels(model, self.fused_kernels, cpu=self.cpu_layer_kernels)
-        model.model.use_fused_decode(self.fused_kernels and compilation.fused_decode)
-        for attn in model.attention_layers():
-            attn.fused_decode = model.model.fused_decode
-        if self.attention_backend == "cpu":  # the CPU kernel rotates q and k as it reads them
-            for attn in model.attention_layers():
-                attn.fused_rotary = model.model.rotary
-        kernels = load_cpu_kernels() if self.cpu_layer_kernels else None
-        model.model.decode_stack = (
-            None if kernels is None else CpuDecodeStack.build(kernels, model.model.stage_layers())
-        )
+        self._configure_model(model, fused_decode=compilation.fused_decode)
+        #: ``draft_model`` speculation's draft model (None: not that method).
+        self.drafter: DraftModel | None = None
+        if draft_model is not None:
+            assert speculative_config is not None
+            self._configure_model(draft_model, fused_decode=False)
+            self.drafter = DraftModel(
+                draft_model,
+                device=device,
+                num_speculative_tokens=speculative_config.num_speculative_tokens,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                attention_backend=self.attention_backend,
+                disable_by_batch_size=speculative_config.disable_by_batch_size,
+            )
         mode = resolve_cudagraph_mode(
             compilation.cudagraph_mode, device, self.attention_backend, graph_stand_in
         )
@@ -203,6 +212,22 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             num_tokens_multiple=self.num_tokens_multiple,
             sequence_parallel=model.sequence_parallel,
+        )
+
+    def _configure_model(self, model: LlamaForCausalLM, *, fused_decode: bool) -> None:
+        """Set ``model``'s layers to this runner's attention backend and kernels."""
+        for attn in model.attention_layers():
+            attn.backend = self.attention_backend
+        _use_fused_kernels(model, self.fused_kernels, cpu=self.cpu_layer_kernels)
+        model.model.use_fused_decode(self.fused_kernels and fused_decode)
+        for attn in model.attention_layers():
+            attn.fused_decode = model.model.fused_decode
+        if self.attention_backend == "cpu":  # the CPU kernel rotates q and k as it reads them
+            for attn in model.attention_layers():
+                attn.fused_rotary = model.model.rotary
+        kernels = load_cpu_kernels() if self.cpu_layer_kernels else None
+        model.model.decode_stack = (
+            None if kernels is None else CpuDecodeStack.build(kernels, model.model.stage_layers())
         )
 
     @property
@@ -242,7 +267,9 @@ class ModelRunner:
         """Bytes one KV block takes over all of this rank's layers."""
         layers = self.model.attention_layers()
         per_layer = sum(2 * a.num_kv_heads * a.head_dim for a in layers[:1])
-        return per_layer * len(layers) * self.block_size * self.dtype.itemsize
+        target = per_layer * len(layers) * self.block_size * self.dtype.itemsize
+        draft = self.drafter.kv_cache_block_bytes(self.dtype) if self.drafter else 0
+        return target + draft
 
     def capture_model(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Capture the CUDA graphs the dispatcher lists (after the KV cache
@@ -270,25 +297,35 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.release()
             self.graph_runner = self.step_inputs.graph_runner = None
-        for attn in self.model.attention_layers():
+        models = [self.model] + ([self.drafter.model] if self.drafter else [])
+        for attn in (a for m in models for a in m.attention_layers()):
             attn.kv_cache = torch.empty(0)
         self.kv_caches = []
+        if self.drafter is not None:
+            self.drafter.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate each layer's paged cache and bind it to its attention layer."""
-        layers = self.model.attention_layers()
+        """Allocate each layer's paged cache and bind it to its attention
+        layer (the draft model's too: the same blocks, a cache of its own)."""
+        self.kv_caches = self._bind_kv_caches(self.model, num_blocks)
+        if self.drafter is not None:
+            self.drafter.kv_caches = self._bind_kv_caches(self.drafter.model, num_blocks)
+
+    def _bind_kv_caches(self, model: LlamaForCausalLM, num_blocks: int) -> list[torch.Tensor]:
+        layers = model.attention_layers()
         shapes = [
             kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             for attn in layers
         ]
         if self.device.type == "cpu":
-            self.kv_caches = zeroed_host_tensors(shapes, self.dtype)
+            caches = zeroed_host_tensors(shapes, self.dtype)
         else:
-            self.kv_caches = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes]
-        for attn, cache in zip(layers, self.kv_caches, strict=True):
+            caches = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes]
+        for attn, cache in zip(layers, caches, strict=True):
             attn.kv_cache = cache
+        return caches
 
     # -- the step ---------------------------------------------------------
 
@@ -326,8 +363,12 @@ class ModelRunner:
         if self.attention_backend == "torch":
             with reference_attention_backends():
                 out = self._forward(inputs, intermediate_tensors)
+                if self.drafter is not None:
+                    self.drafter.mirror(inputs)
         else:
             out = self._forward(inputs, intermediate_tensors)
+            if self.drafter is not None:
+                self.drafter.mirror(inputs)
         replay = time.perf_counter() - t2
         prompt_lp = None
         if self.prompt_logprobs.owed and not isinstance(out, IntermediateTensors):
@@ -425,6 +466,8 @@ class ModelRunner:
             state.logits = state.logits[spec.bonus_logits_indices]
         output = self._sample(state)
         output.prompt_logprobs = state.prompt_logprobs
+        if self.drafter is not None and state.sample_rows:
+            output.draft_token_ids = self._propose_drafts(state, output)
         if state.events is not None:
             state.events.copy_end = output.copy_event
         self.timings.sample = time.perf_counter() - t0
@@ -433,6 +476,17 @@ class ModelRunner:
             return output
         self.sampled.apply(output)
         return output.get_output()
+
+    def _propose_drafts(
+        self, state: ExecuteModelState, output: AsyncModelRunnerOutput
+    ) -> dict[str, list[int]]:
+        """The draft model's drafts after this step's output (waits for its tokens)."""
+        assert self.drafter is not None
+        tokens = output.sampled_token_lists()
+        if self.attention_backend == "torch":
+            with reference_attention_backends():
+                return self.drafter.propose(self.input_batch, state, tokens)
+        return self.drafter.propose(self.input_batch, state, tokens)
 
     def _sample(self, state: ExecuteModelState) -> AsyncModelRunnerOutput:
         """Enqueue sampling and the copy of its result to the host."""
