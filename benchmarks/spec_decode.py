@@ -19,6 +19,8 @@ average before and after is printed with the figures (``uptime``).
 
     python benchmarks/spec_decode.py                       # embedded SmolLM2, k = 4
     python benchmarks/spec_decode.py --max-tokens 64 --rounds 1 --out result.json
+    python benchmarks/spec_decode.py --draft-layers 26 --k 3   # a draft model: the first
+                                                               # 26 layers of the GGUF
 """
 
 from __future__ import annotations
@@ -62,14 +64,32 @@ async def one_request(
     return end - (first or end), end - t0, ids
 
 
+def truncated_draft(model: str | None, num_layers: int) -> Path:
+    """The first ``num_layers`` layers of the GGUF ``model`` (None: the
+    embedded one), written once under ``~/.cache/asyncstep/drafts``."""
+    from asyncstep.models.loader import default_model_path
+    from asyncstep.models.loader.gguf_truncate import write_truncated_gguf
+
+    source = Path(model) if model else default_model_path()
+    path = Path.home() / ".cache/asyncstep/drafts" / f"{source.stem}.layers{num_layers}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_truncated_gguf(source, path, num_layers)
+    return path
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts: dict[str, list[str]] = json.loads(PROMPTS.read_text())
-    spec = {
+    spec: dict[str, Any] = {
         "method": "ngram",
         "num_speculative_tokens": args.k,
         "prompt_lookup_min": args.lookup_min,
         "prompt_lookup_max": args.lookup_max,
     }
+    if args.draft or args.draft_layers:
+        spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
+        if args.draft_layers:
+            spec["model"] = str(truncated_draft(args.model, args.draft_layers))
     options: dict[str, Any] = {}
     if args.model:
         options["model"] = args.model
@@ -132,6 +152,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
+    parser.add_argument("--draft", help="method draft_model with this draft checkpoint")
+    parser.add_argument(
+        "--draft-layers", type=int, help="method draft_model: the model's first N layers"
+    )
     parser.add_argument("--cpu-threads", type=int, help="torch threads of each engine's forward")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args()

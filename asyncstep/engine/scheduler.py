@@ -60,6 +60,12 @@ engine's batch queue):
   whose known tokens end with a recurring n-gram waits for that step rather
   than being scheduled over its placeholder (:meth:`_waits_to_speculate`),
   so its next step can verify drafts; the other requests keep overlapping.
+  With a draft model (``"method": "draft_model"``) the drafts come from the
+  runner with each step's output (:class:`DraftModelDrafts` keeps them for
+  the token count they follow), a speculating request always waits for its
+  step in flight, and a decode also gets ``num_speculative_tokens``
+  *lookahead* slots past its step's tokens (from free blocks only), where the
+  draft model writes its proposals' keys and values.
 
 The conventions of the output, which the runner relies on, are listed in
 :mod:`asyncstep.engine.step_plan`. Preemption is by recompute: the victim's
