@@ -2,7 +2,7 @@
 a value into its normalized form or raises
 :class:`~asyncstep.errors.InvalidRequestError` with a one-line message naming
 the field. Imports nothing but ``asyncstep.errors`` (and numpy, when a
-JSON text's depth must be measured)."""
+JSON text's depth must be counted)."""
 
 from __future__ import annotations
 

@@ -270,8 +270,8 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     ``1 / tp_size`` of every replicated tensor to its peer and the receiving
     stage all-gathers (vLLM's way; pays where the stage-to-stage link is slower
     than the links inside a stage, e.g. stages on different hosts). False: each
-    TP rank sends its whole tensors, no gather (measured faster on one NVLink
-    host: ``benchmarks/results/layout/``).
+    TP rank sends its whole tensors, no gather (faster on one NVLink host:
+    ``benchmarks/results/layout/``).
     """
 
     tensor_parallel_size: Annotated[int, _doc("tensor-parallel ranks per pipeline stage")] = 1
@@ -455,7 +455,7 @@ class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
     ``grammar_compile_timeout_s`` or ``grammar_compile_memory_mib``, and when
     every request waiting for it went away. The defaults pass real-world
     grammars (tool-call and form schemas of hundreds of properties, nesting
-    to 32 levels) and refuse the sizes of the attacks measured in
+    to 32 levels) and refuse the sizes of the attacks in
     ``benchmarks/results/grammar/``.
     """
 

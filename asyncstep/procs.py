@@ -52,8 +52,8 @@ def exit_reason(code: int) -> str:
 
 def exit_now(status: int) -> NoReturn:
     """End this process with ``status`` once its output is flushed, without
-    the interpreter's teardown (with torch and transformers loaded, 0.3-0.6 s
-    of unloading that nobody waits for). Only for an entry point's last
+    the interpreter's teardown (with torch and transformers loaded, an
+    unloading that nobody waits for). Only for an entry point's last
     line, after its own orderly shutdown: atexit handlers do not run."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

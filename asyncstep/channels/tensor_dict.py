@@ -11,8 +11,8 @@ TP rank ``j`` (the PP group's ``next_rank``: one "lane" per TP rank):
 2. The tensors, over the PP group's **device group** (gloo on CPU, NCCL on
    CUDA), packed into ONE uint8 buffer that travels with one ``isend`` /
    ``irecv`` (none when every tensor is empty): a hop pays one device
-   operation per direction whatever the number of keys (each costs 0.1 to
-   0.35 ms of host time in torch's wrappers, measured on H200s). The layout
+   operation per direction whatever the number of keys (each one's host time
+   in torch's wrappers is paid per operation, not per byte). The layout
    is :func:`~asyncstep.channels.tensor_wire.pack_layout`, a pure function
    of the metadata (and the stage's TP size) that both sides compute, so it
    never travels: the entries in metadata order, each one's bytes (its lane
@@ -124,7 +124,7 @@ class PendingSend:
     (:meth:`wait`); until then they stay out of the pool, whatever happens.
     Keep the object until it is :attr:`done`: a gloo send whose handle is
     garbage-collected before it completed is cancelled, and the receiver then
-    waits forever (measured). :func:`drain` keeps the sends it gives up on.
+    waits forever. :func:`drain` keeps the sends it gives up on.
     """
 
     def __init__(

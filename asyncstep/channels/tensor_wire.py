@@ -179,7 +179,7 @@ def warm_up(
 
     NCCL creates the communicator of a pair of ranks lazily, at their first
     unbatched send/recv, and that first call blocks until the peer makes its
-    own (137 ms measured): without a warm-up the first step pays it, and a
+    own: without a warm-up the first step pays it, and a
     first ``send_tensor_dict`` whose receiver waits on something else first
     deadlocks. One element goes down the chain of stages (stage ``i``
     receives from ``i - 1``, then sends to ``i + 1``), so no pair waits on

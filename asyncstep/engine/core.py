@@ -390,8 +390,8 @@ class EngineCore:
 def freeze_gc_heap() -> None:
     """Collect, then move every object alive (the model, its CUDA graphs, the
     loop's machinery) into the garbage collector's permanent generation, so
-    a full collection no longer walks them (vLLM's ``freeze_gc_heap``).
-    Measured on an H200 before: two collections held the step loop 107 and
-    124 ms in one 256-request run (``benchmarks/results/host/session2/``)."""
+    a full collection no longer walks them (vLLM's ``freeze_gc_heap``): one
+    over a served model's objects holds the step loop for many steps
+    (``benchmarks/results/host/session2/``)."""
     gc.collect()
     gc.freeze()

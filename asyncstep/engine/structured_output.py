@@ -226,8 +226,8 @@ class StructuredOutputManager:
 
         From ``POOL_MIN_ROWS`` requests on, shards of them are advanced and
         filled by a pool of threads, each request's accept before its fill
-        (measured on the H200 host, 32 requests in a JSON string:
-        1.68 ms serial, 1.24 ms with 4 threads; ``benchmarks/grammar_host.py``).
+        (a large batch's host time falls with the threads:
+        ``benchmarks/grammar_host.py``, ``docs/performance.md``).
         """
         start = time.perf_counter()
         outputs = list(outputs)

@@ -1,6 +1,6 @@
 """The Triton kernel that applies grammar bitmasks to logits in place: one
 launch for every constrained row of a step (the torch formulation took ten
-launches, ~0.26 ms of host time at batch 32; ``benchmarks/grammar_apply.py``).
+launches, each paid in host time; ``benchmarks/grammar_apply.py``).
 
 May import torch and triton only.
 """

@@ -35,9 +35,9 @@ def switch_interval(seconds: float | None) -> Iterator[None]:
     """Set the interpreter's thread switch interval (``sys.setswitchinterval``)
     for the block; None leaves it. The launch thread and the event loop share
     the GIL: a thread that wants it waits up to this interval for the other
-    to let go, so Python's 5 ms default stalls hand-offs between them
-    (llama-1b decode on an H200, 3 steps in flight: 1.38 -> 1.16 ms a step at
-    0.5 ms; the gain varies between machines, see the fast-path results)."""
+    to let go, so Python's 5 ms default stalls hand-offs between them (the
+    gain of a shorter one varies between machines:
+    ``benchmarks/results/fastpath/README.md``)."""
     if seconds is None:
         yield
         return

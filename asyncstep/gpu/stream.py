@@ -14,10 +14,11 @@ What it holds:
   (:class:`DeviceClock` maps CUDA event times onto the host clock);
   :func:`record_event` makes the right one for a device.
 
-Measured facts this is built on (see ``shared/design.md``): ``trio.sleep`` below
-1 ms sleeps ~1.1 ms, so nothing here polls; waking Trio from another thread with
-``TrioToken.run_sync_soon`` costs 35–60 µs, a ``trio.to_thread.run_sync`` round
-trip 90–140 µs, so completion is signalled by a done-callback into the loop
+Facts this is built on (see ``shared/design.md``; their figures in
+``docs/performance.md``): ``trio.sleep`` cannot sleep much less than a
+millisecond, so nothing here polls; waking Trio from another thread with
+``TrioToken.run_sync_soon`` costs less than a ``trio.to_thread.run_sync`` round
+trip, so completion is signalled by a done-callback into the loop
 rather than by a thread per wait; ``torch.cuda.Event(blocking=True).synchronize()``
 releases the GIL and sleeps, so a long-lived waiter thread per stream costs
 nothing while it waits; Python CUDA host callbacks can deadlock against a thread

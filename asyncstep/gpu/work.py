@@ -1,8 +1,8 @@
 """Awaiting ``torch.distributed`` Work handles and CUDA events without blocking
 the event loop.
 
-Measured facts this module is built on (torch 2.13 gloo on CPU, torch 2.11 +
-NCCL 2.28 on H200s; see also ``shared/design.md``):
+Facts this module is built on, found by experiment (torch 2.13 gloo on CPU,
+torch 2.11 + NCCL 2.28 on CUDA; see also ``shared/design.md``):
 
 - gloo: ``isend``/``irecv`` handles have no useful future and never report
   ``is_completed()`` until ``wait()`` is called, so the only way to learn that
@@ -21,7 +21,7 @@ NCCL 2.28 on H200s; see also ``shared/design.md``):
 - NCCL: ``get_future()`` is done at enqueue, and ``wait()`` returns at once
   (``is_completed()`` still false): it only makes the calling thread's
   *current stream* wait for the operation's end event. A buffer overwritten
-  on another stream right after it showed NaN in 86% of a 64 MiB send. NCCL
+  on another stream right after it reaches the receiver corrupted (NaNs). NCCL
   also completes sends of up to 32 MiB before the receiver posted (it buffers
   them); 256 MiB ones wait for the receiver. To learn on the host that an
   operation finished (so its buffer may be reused on any stream) we make a

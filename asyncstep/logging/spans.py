@@ -16,9 +16,9 @@ spans of several processes on one machine line up; ``dur_us`` the length.
 unless given. ``asyncstep trace`` turns these lines into a Chrome/Perfetto
 trace or a picture.
 
-Spans bypass structlog's processor chain (about 40 µs an event): a span is
-one ``json.dumps`` and one locked, buffered write to the JSON file's
-handler, about 5 µs, because spans are recorded on the hot path of every step (and
+Spans bypass structlog's processor chain (an event through it costs several
+spans): a span is one ``json.dumps`` and one locked, buffered write to the
+JSON file's handler, because spans are recorded on the hot path of every step (and
 the event loop's Python time is taken from the launch thread, through the
 GIL). Tracing is off unless a JSON file is configured: :func:`tracing` is
 then one global check and :func:`span` records nothing.

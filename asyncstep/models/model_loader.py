@@ -260,8 +260,7 @@ def _cache_options(
 
 def return_freed_memory() -> None:
     """Give the heap's free pages back to the OS (glibc keeps what the load's
-    temporaries freed: ~64 MiB of the embedded model's packing); a no-op
-    elsewhere."""
+    temporaries freed, e.g. the packing's); a no-op elsewhere."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         trim = libc.malloc_trim

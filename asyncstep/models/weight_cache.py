@@ -163,9 +163,8 @@ class PackedCache:
 
 
 def _touch_pages(tensors: Iterable[torch.Tensor]) -> None:
-    """Read a byte of every page of the mapping now, while loading (~0.1 s
-    for the embedded model from the page cache), rather than in the first
-    step, which would fault them in one by one."""
+    """Read a byte of every page of the mapping now, while loading, rather
+    than in the first step, which would fault them in one by one."""
     for tensor in tensors:
         raw = tensor.reshape(-1).view(torch.uint8)
         raw[:: mmap.PAGESIZE].sum()

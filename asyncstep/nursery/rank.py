@@ -14,14 +14,14 @@
   runner prepares the step while the previous stage still computes, and the
   first use of the tensors waits for the post (then, lazily, for the
   tensors: on CUDA the stream waits, not the host). The receiving thread's
-  hand-back to the event loop alone measured ~0.1 ms a hop on two H200s
-  (``benchmarks/pp_transfer.py``); PP = 2 throughput rose 5.6 % (one run,
-  ``benchmarks/results/layout/``).
+  hand-back to the event loop costs host time on every hop
+  (``benchmarks/pp_transfer.py``), which the step does not wait for
+  (``benchmarks/results/layout/``).
 * **step task** owns the runner (``GPUWorker.execute_model`` semantics): it
   orders the step after the previous step's sends (``_pp_send_work``: on
   CUDA the stream waits for them, as NCCL's ``wait()`` does in vLLM, so the
-  host enqueues the step at once — measured at PP = 2, a host wait cost each
-  stage the hand-over latency every step; gloo sends on the CPU are waited
+  host enqueues the step at once — a host wait would cost each stage the
+  hand-over latency every step; gloo sends on the CPU are waited
   by the task), then,
   in one call on the launch thread, runs ``execute_model`` and, on the last
   stage, ``sample_tokens`` right after it (the runner's two-phase contract
@@ -138,8 +138,8 @@ class RankActor:
         the CPU the thread is the device, and the overlap real; a later
         pipeline stage's step waits for the previous stage's metadata, which
         a launch thread waits for while the runner prepares the step).
-        Measured on an H200, llama-1b, 256 random requests: 27.9k -> 35.4k
-        output tok/s inline (``benchmarks/results/host/``)."""
+        Inline, no hand-off to a thread is paid per call
+        (``benchmarks/results/host/``)."""
         tp = groups.tp if groups is not None else GroupCoordinator.single()
         pp = groups.pp if groups is not None else GroupCoordinator.single()
         if launch_inline is None:

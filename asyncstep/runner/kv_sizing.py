@@ -71,7 +71,8 @@ def zeroed_host_tensors(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> li
     """Zeroed host tensors of ``shapes`` in one anonymous memory mapping: the
     kernel hands its pages out zeroed as they are first touched, so a KV
     cache sized for many sequences costs no time to clear and no memory
-    until used (``torch.zeros`` writes every byte: 0.2 s a GiB)."""
+    until used (``torch.zeros`` writes every byte, in time proportional to
+    the size)."""
     sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
     mapping = mmap.mmap(-1, max(sum(sizes), 1))
     flat = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping alive

@@ -15,8 +15,8 @@ On the CPU a device tensor is the array itself (``torch.from_numpy``).
 :class:`StagedArena` serves static inputs (the CUDA-graph runner's): its
 device tensors are views of one device allocation, mirrored by one pinned
 host allocation, so a step writes its arrays into the host views with numpy
-and moves them all with one copy (a copy costs ~10 µs of host time; a decode
-step has six such inputs).
+and moves them all with one copy (each copy costs host time, whatever its
+size; a decode step has six such inputs).
 
 May import torch and numpy only.
 """

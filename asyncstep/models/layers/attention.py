@@ -163,8 +163,8 @@ def _gather_kv(
     """Keys and values of ``block_ids`` (``rows`` requests' blocks, row-major):
     ``[rows, kv_heads, length, dim]``, each head's keys contiguous.
 
-    ``index_select`` on whole blocks: on the CPU about 5x faster than the
-    equivalent advanced indexing."""
+    ``index_select`` on whole blocks: on the CPU faster than the equivalent
+    advanced indexing."""
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
@@ -196,9 +196,8 @@ def _decode_attention_matmul(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """Decode attention as two batched matmuls: on the CPU, for one-token
-    queries over short keys, ~5x faster than ``scaled_dot_product_attention``
-    with a mask (batch 256, 112 keys, head_dim 16: 1.6 vs 8 ms a layer on
-    this 2-core machine)."""
+    queries over short keys, faster than ``scaled_dot_product_attention``
+    with a mask (``docs/performance.md``)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
@@ -238,10 +237,10 @@ def _prefill_attention(
 
 def reference_attention_backends() -> AbstractContextManager[None]:
     """The SDPA backends the reference path may use (enter once per forward:
-    the context manager itself costs ~0.1 ms). Not cuDNN: it builds an
+    the context manager itself costs host time). Not cuDNN: it builds an
     execution plan for every new shape, and decode shapes change every step
-    (the keys grow by one); measured on an H200, 5 ms of host time per call,
-    ~190 ms per llama-1b step at batch 32 (``benchmarks/profile_decode.py``)."""
+    (the keys grow by one), so every layer of every step would pay a plan's
+    host time (``benchmarks/profile_decode.py``)."""
     return sdpa_kernel(
         [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     )

@@ -74,8 +74,8 @@ PLAIN_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 def _load_cached(cache_dir: Path) -> PreTrainedTokenizerBase:
     """The cached tokenizer: a plain one through ``PreTrainedTokenizerFast``
-    (importing it takes 0.6 s; ``AutoTokenizer``'s model registry imports
-    torch, 2 s more in a front end that needs no torch), else as saved."""
+    (``AutoTokenizer``'s model registry imports torch, which a front end
+    that needs no torch would pay at start-up), else as saved."""
     if _saved_class(cache_dir) in PLAIN_CLASSES:
         from transformers import PreTrainedTokenizerFast
 
