@@ -273,7 +273,7 @@ def _start_rank(port: int, rank: int, world: int, master_port: int) -> subproces
 async def test_ranks_started_by_torchrun_join_the_engine(
     peaked_llama: Path, single_rank_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The README's multi-machine recipe, on one machine: torchrun starts the
+    """docs/parallelism.md's multi-machine recipe, on one machine: torchrun starts the
     ranks (``-m asyncstep.rank``), the engine waits for them; both sides
     have the secret in their environment."""
     monkeypatch.setenv(SECRET_ENV, "the secret of this test")

@@ -1,0 +1,397 @@
+"""Every command in the README and ``docs/`` is run here, or checked, cheaply.
+
+The convention, for whoever writes the docs:
+
+* A command is a line that starts with ``$ `` inside a fenced ```` ```console ````
+  block (a line ending with ``\\`` goes on on the next one). Other lines of
+  the block (``# comments``, output) are not run. Indented blocks are
+  synopses (``asyncstep generate [PROMPT ...]``), not commands.
+* A console block whose first line is ``# (not run by tests/test_docs.py:
+  REASON)`` is not run: REASON is one of :data:`REASONS`, and its commands
+  are exactly :data:`NOT_RUN` (kept small and explicit).
+* Every ```` ```python ```` block is executed: a page's blocks in order, in
+  one namespace (an example may use what the one before it built).
+* A command quoted inline (```asyncstep ...``, ```python3 benchmarks/...```)
+  is checked: every flag it names exists.
+
+How each kind runs here:
+
+* ``asyncstep ... --help``: in full.
+* ``asyncstep generate``: in this process (``asyncstep.cli.main``), with
+  ``--max-tokens 8`` unless the command gives its own, and the engine core
+  in this process too (``--no-engine-process``) unless it writes
+  ``--log-json`` files (a trace reads the core's). The README's main job
+  (:data:`MAIN_JOB`) runs as written, in a child, on the embedded model;
+  every other command that names no model, or names the placeholder
+  ``/path/to/hf-checkpoint``, runs on the tests' tiny random checkpoint with
+  SmolLM2's tokenizer (``tiny_hf_dir``): it loads in a second.
+* ``asyncstep serve``: started in a child on any free port (``--port 0``),
+  asked for ``/health``, stopped with SIGTERM (exit 0). The plain
+  ``asyncstep serve`` (the embedded model) stays up for the pages' ``curl``
+  commands and Python clients, which reach it through its URL in place of
+  ``http://127.0.0.1:8000``.
+* ``asyncstep trace``: in the page's working directory, after the commands
+  before it (which wrote its logs).
+* ``python3 benchmarks/...`` and ``bash benchmarks/...``: a benchmark takes
+  minutes or a GPU; the script must exist and take every flag given (its
+  ``add_argument`` strings, and the engine's flags where it passes unknown
+  ones on).
+* Python examples: ``asyncstep.open_engine`` opens the tiny checkpoint when
+  given no model, with the engine core in this process.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import glob
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from processes import serving_url
+
+import asyncstep
+from asyncstep.cli import build_parser, main
+
+ROOT = Path(__file__).parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+#: Why a command may be left unrun.
+REASONS = {
+    "needs several machines",
+    "needs a GPU",
+    "takes minutes",
+    ".ci/run runs it",
+}
+#: Every command left unrun, and why.
+NOT_RUN = {
+    "bash scripts/setup.sh": ".ci/run runs it",
+    "python3 -m pytest -q": ".ci/run runs it",
+    'export ASYNCSTEP_SECRET=$(python -c "import secrets; print(secrets.token_hex(32))")': (
+        "needs several machines"
+    ),
+    "asyncstep generate --tp 2 --pp 2 --external-ranks --listen 0.0.0.0:5555"
+    ' --model /shared/model "Hello"': "needs several machines",
+    "torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE --master-addr A"
+    " --master-port 29500 -m asyncstep.rank --engine A:5555": "needs several machines",
+}
+MAIN_JOB = 'asyncstep generate "What is the capital of France?"'
+PLACEHOLDER = "/path/to/hf-checkpoint"
+DOCS_URL = "http://127.0.0.1:8000"
+MARK = re.compile(r"# \(not run by tests/test_docs\.py: (.+)\)")
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+INLINE = re.compile(r"`((?:asyncstep|python3? benchmarks/|bash benchmarks/)[^`]*)`")
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+@dataclass(frozen=True)
+class Command:
+    page: str
+    text: str
+    reason: str | None  # not run, and why
+
+    @property
+    def argv(self) -> list[str]:
+        return shlex.split(self.text)
+
+
+def name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def blocks(page: Path) -> list[tuple[str, str]]:
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer(page.read_text())]
+
+
+def commands(page: Path) -> list[Command]:
+    found = []
+    for lang, body in blocks(page):
+        if lang != "console":
+            continue
+        lines = body.splitlines()
+        mark = MARK.fullmatch(lines[0]) if lines else None
+        reason = mark.group(1) if mark else None
+        pending: str | None = None
+        for line in lines:
+            if pending is not None:  # a continued command
+                pending += " " + line.strip()
+            elif line.startswith("$ "):
+                pending = line[2:].strip()
+            else:
+                continue
+            if pending.endswith("\\"):
+                pending = pending[:-1].rstrip()
+                continue
+            found.append(Command(name(page), pending, reason))
+            pending = None
+    return found
+
+
+def all_commands() -> list[Command]:
+    return [command for page in PAGES for command in commands(page)]
+
+
+def run_in_order(kind: str) -> dict[str, list[Command]]:
+    """Each page's runnable commands of a kind (the program and subcommand)."""
+    pages: dict[str, list[Command]] = {}
+    for command in all_commands():
+        runs = command.reason is None and command.argv[-1] != "--help"
+        if runs and " ".join(command.argv[:2]).startswith(kind):
+            pages.setdefault(command.page, []).append(command)
+    return pages
+
+
+def is_client_page(page: Path) -> bool:
+    """A page whose Python examples are clients of a server (run in
+    :func:`test_serve_commands_and_their_clients`)."""
+    return any(lang == "python" and DOCS_URL in code for lang, code in blocks(page))
+
+
+def outside_fences(page: Path) -> str:
+    return FENCE.sub("", page.read_text())
+
+
+# -- the convention ------------------------------------------------------------
+
+
+def test_the_convention_holds() -> None:
+    """Commands are marked as the docstring says; the unrun ones are exactly
+    those listed, each for a reason stated on its block."""
+    for page in PAGES:
+        for lang, body in blocks(page):
+            assert lang in {"console", "python", "text"}, (name(page), lang)
+            if lang == "console":
+                first = body.splitlines()[0]
+                assert first.startswith("$ ") or MARK.fullmatch(first), (name(page), first)
+        assert not re.search(r"^\$ ", outside_fences(page), re.M), f"{name(page)}: $ outside"
+    unrun = {c.text: c.reason for c in all_commands() if c.reason is not None}
+    assert unrun == NOT_RUN
+    assert set(unrun.values()) <= REASONS
+
+
+def test_links_between_pages_lead_somewhere() -> None:
+    def slug(heading: str) -> str:
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?(?:#([\w-]+))?\)", page.read_text()):
+            path = (page.parent / target) if target else page
+            assert path.exists(), (name(page), target)
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", outside_fences(path), re.M)
+                assert anchor in {slug(h) for h in headings}, (name(page), target, anchor)
+
+
+def test_the_readme_stays_short_and_ci_runs_its_commands() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for command in ("bash scripts/setup.sh", "python3 -m pytest -q"):
+        assert f"$ {command}" in readme.splitlines()
+        assert command in ci
+
+
+# -- checked, not run ------------------------------------------------------------
+
+
+@functools.cache
+def engine_flags(subcommand: str = "generate") -> set[str]:
+    parser = build_parser()._subparsers._group_actions[0].choices[subcommand]  # type: ignore[union-attr,index]
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+def script_flags(script: Path) -> set[str]:
+    """The flags a benchmark script takes: its ``add_argument`` strings (of
+    every module of ``benchmarks/`` it imports), and the engine's where it
+    passes unknown ones on."""
+    flags: set[str] = set()
+    sources = [script]
+    tree = ast.parse(script.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            local = ROOT / "benchmarks" / f"{node.module.split('.')[-1]}.py"
+            if local.exists() and local != script:
+                sources.append(local)
+    for source in sources:
+        text = source.read_text()
+        flags |= set(re.findall(r"""["'](--[a-z][a-z0-9-]*)["']""", text))
+        if "parse_known_args" in text or "engine_flags" in text or "add_engine" in text:
+            flags |= engine_flags()
+    return flags
+
+
+def benchmark_commands() -> list[tuple[str, str]]:
+    def runs_a_benchmark(text: str) -> bool:
+        words = text.split()
+        return len(words) > 1 and words[1].startswith("benchmarks/")
+
+    found = [(c.page, c.text) for c in all_commands() if runs_a_benchmark(c.text)]
+    for page in PAGES:
+        for text in INLINE.findall(outside_fences(page)):
+            if runs_a_benchmark(text):
+                found.append((name(page), text))
+    return found
+
+
+def test_every_benchmark_command_names_a_script_and_flags_it_takes() -> None:
+    found = benchmark_commands()
+    assert len(found) >= 10
+    for page, text in found:
+        script = ROOT / text.split()[1]
+        assert script.exists(), (page, text)
+        if script.suffix == ".py":
+            unknown = set(FLAG.findall(text)) - script_flags(script)
+            assert unknown == set(), (page, text)
+
+
+def test_every_asyncstep_command_quoted_inline_names_flags_that_exist() -> None:
+    for page in PAGES:
+        for text in INLINE.findall(outside_fences(page)):
+            words = text.split()
+            if words[0] != "asyncstep" or len(words) < 2 or words[1].startswith("-"):
+                continue
+            assert words[1] in {"generate", "serve", "trace", "bench"}, (name(page), text)
+            flags = set(FLAG.findall(text)) - {"--help"}
+            assert flags <= engine_flags(words[1]), (name(page), text)
+
+
+# -- run ----------------------------------------------------------------------------
+
+
+def test_help_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    helps = [c for c in all_commands() if c.argv[-1] == "--help" and c.argv[0] == "asyncstep"]
+    assert len(helps) >= 4
+    for command in helps:
+        with pytest.raises(SystemExit) as exited:
+            main(command.argv[1:])
+        assert exited.value.code == 0, command
+        assert "usage: asyncstep" in capsys.readouterr().out, command
+
+
+def local_argv(command: Command, tiny: Path) -> list[str]:
+    """The command's arguments as run here (see the module's docstring)."""
+    argv = [str(tiny) if word == PLACEHOLDER else word for word in command.argv[1:]]
+    if argv[0] == "generate":
+        argv[1:1] = ["--max-tokens", "8"]
+        if "--log-json" not in argv:  # (whose ``.core`` file a trace reads)
+            argv[1:1] = ["--no-engine-process"]
+    if "--model" not in argv and argv[0] in {"generate", "serve"}:
+        argv[1:1] = ["--model", str(tiny)]
+    return argv
+
+
+def test_generate_and_trace_commands(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_hf_dir: Path,
+) -> None:
+    pages: dict[str, list[Command]] = {}
+    for kind in ("asyncstep generate", "asyncstep trace"):
+        for page, found in run_in_order(kind).items():
+            pages.setdefault(page, []).extend(found)
+    ran = 0
+    for page, found in pages.items():
+        cwd = tmp_path / page.replace("/", "_")
+        cwd.mkdir()
+        monkeypatch.chdir(cwd)
+        order = [c for c in all_commands() if c in found]  # the page's order
+        for command in order:
+            if command.text == MAIN_JOB:
+                continue  # test_the_main_job runs it as written
+            argv = local_argv(command, tiny_hf_dir)
+            argv = [w for word in argv for w in (sorted(glob.glob(word)) or [word])]
+            code = main(argv)
+            out, err = capsys.readouterr()
+            assert code == 0, (command, err)
+            assert out, command
+            ran += 1
+    assert ran >= 5
+
+
+def test_the_main_job(tmp_path: Path) -> None:
+    """The README's main job, in a child as a user runs it, on the embedded model."""
+    assert any(c.text == MAIN_JOB and c.page == "README.md" for c in all_commands())
+    argv = [sys.executable, "-m", "asyncstep", *shlex.split(MAIN_JOB)[1:], "--max-tokens", "8"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+
+
+@contextlib.contextmanager
+def serving(argv: list[str]) -> Iterator[str]:
+    """``python -m asyncstep serve ARGS --port 0`` while the block runs: its URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncstep", *argv, "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    output: list[str] = []
+    try:
+        url = serving_url(proc, output, timeout_s=300)
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as health:
+            assert health.status == 200
+        yield url
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(output)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_commands_and_their_clients(tiny_hf_dir: Path, tmp_path: Path) -> None:
+    serves = {c.text: c for cs in run_in_order("asyncstep serve").values() for c in cs}
+    clients = [c for c in all_commands() if c.reason is None and c.argv[0] == "curl"]
+    examples = [
+        (name(page), code)
+        for page in PAGES
+        for lang, code in blocks(page)
+        if lang == "python" and is_client_page(page)
+    ]
+    assert "asyncstep serve" in serves and clients and examples
+    with serving(["serve"]) as url:  # the embedded model, as the docs say
+        for command in clients:
+            argv = [word.replace(DOCS_URL, url) for word in command.argv]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0 and '"choices"' in done.stdout, (command, done)
+        namespaces: dict[str, dict[str, object]] = {}
+        for page, code in examples:
+            exec(code.replace(DOCS_URL, url), namespaces.setdefault(page, {}))
+    for text, command in serves.items():
+        if text != "asyncstep serve":
+            argv = [w for w in local_argv(command, tiny_hf_dir) if w != "--port"]
+            if "--port" in command.argv:  # its port: any free one here
+                at = command.argv.index("--port")
+                argv.remove(command.argv[at + 1])
+            with serving(argv):
+                pass
+
+
+def test_python_examples(monkeypatch: pytest.MonkeyPatch, tiny_hf_dir: Path) -> None:
+    opened: list[object] = []
+    real = asyncstep.open_engine
+
+    def open_engine(model: object = None, **options: object) -> object:
+        opened.append(model)
+        options.setdefault("engine_process", False)
+        return real(tiny_hf_dir if model is None else model, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(asyncstep, "open_engine", open_engine)
+    seen: set[str] = set()
+    for page in PAGES:
+        namespace: dict[str, object] = {}
+        for lang, code in blocks(page):
+            if lang == "python" and not is_client_page(page) and code not in seen:
+                seen.add(code)
+                exec(code, namespace)
+    assert len(opened) >= 2
