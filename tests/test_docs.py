@@ -328,28 +328,37 @@ def test_the_main_job(tmp_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def serving(argv: list[str]) -> Iterator[str]:
-    """``python -m asyncstep serve ARGS --port 0`` while the block runs: its URL."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncstep", *argv, "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    output: list[str] = []
+def serving(*argvs: list[str]) -> Iterator[list[str]]:
+    """``python -m asyncstep ARGS --port 0`` for each ARGS, started at once,
+    while the block runs: their URLs, each answering ``/health``; each must
+    then stop on SIGTERM with status 0."""
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-m", "asyncstep", *argv, "--port", "0"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for argv in argvs
+    ]
+    outputs: list[list[str]] = [[] for _ in started]
     try:
-        url = serving_url(proc, output, timeout_s=300)
-        with urllib.request.urlopen(f"{url}/health", timeout=30) as health:
-            assert health.status == 200
-        yield url
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, "".join(output)
+        urls = [serving_url(p, out, timeout_s=300) for p, out in zip(started, outputs, strict=True)]
+        for url in urls:
+            with urllib.request.urlopen(f"{url}/health", timeout=30) as health:
+                assert health.status == 200
+        yield urls
+        for proc in started:
+            proc.send_signal(signal.SIGTERM)
+        for proc, output in zip(started, outputs, strict=True):
+            assert proc.wait(timeout=60) == 0, "".join(output)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
-def test_serve_commands_and_their_clients(tiny_hf_dir: Path, tmp_path: Path) -> None:
+def test_serve_commands_and_their_clients(tiny_hf_dir: Path) -> None:
     serves = {c.text: c for cs in run_in_order("asyncstep serve").values() for c in cs}
     clients = [c for c in all_commands() if c.reason is None and c.argv[0] == "curl"]
     examples = [
@@ -359,7 +368,16 @@ def test_serve_commands_and_their_clients(tiny_hf_dir: Path, tmp_path: Path) -> 
         if lang == "python" and is_client_page(page)
     ]
     assert "asyncstep serve" in serves and clients and examples
-    with serving(["serve"]) as url:  # the embedded model, as the docs say
+    others = []
+    for text, command in serves.items():
+        if text != "asyncstep serve":
+            argv = local_argv(command, tiny_hf_dir)
+            if "--port" in argv:  # its port: any free one here
+                at = argv.index("--port")
+                del argv[at : at + 2]
+            others.append(argv)
+    assert others
+    with serving(["serve"], *others) as (url, *_):  # the first: the embedded model
         for command in clients:
             argv = [word.replace(DOCS_URL, url) for word in command.argv]
             done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
@@ -367,14 +385,6 @@ def test_serve_commands_and_their_clients(tiny_hf_dir: Path, tmp_path: Path) -> 
         namespaces: dict[str, dict[str, object]] = {}
         for page, code in examples:
             exec(code.replace(DOCS_URL, url), namespaces.setdefault(page, {}))
-    for text, command in serves.items():
-        if text != "asyncstep serve":
-            argv = [w for w in local_argv(command, tiny_hf_dir) if w != "--port"]
-            if "--port" in command.argv:  # its port: any free one here
-                at = command.argv.index("--port")
-                argv.remove(command.argv[at + 1])
-            with serving(argv):
-                pass
 
 
 def test_python_examples(monkeypatch: pytest.MonkeyPatch, tiny_hf_dir: Path) -> None:
