@@ -21,9 +21,10 @@ How each kind runs here:
   ``--max-tokens 8`` unless the command gives its own, and the engine core
   in this process too (``--no-engine-process``) unless it writes
   ``--log-json`` files (a trace reads the core's). The README's main job
-  (:data:`MAIN_JOB`) runs as written, in a child, on the embedded model;
-  every other command that names no model, or names the placeholder
-  ``/path/to/hf-checkpoint``, runs on the tests' tiny random checkpoint with
+  (:data:`MAIN_JOB`) is run on the embedded model by
+  ``tests/test_cli.py::test_main_job_answers_paris``; every other command
+  that names no model, or names the placeholder ``/path/to/hf-checkpoint``,
+  runs on the tests' tiny random checkpoint with
   SmolLM2's tokenizer (``tiny_hf_dir``): it loads in a second.
 * ``asyncstep serve``: started in a child on any free port (``--port 0``),
   asked for ``/health``, stopped with SIGTERM (exit 0). The plain
@@ -307,7 +308,7 @@ def test_generate_and_trace_commands(
         order = [c for c in all_commands() if c in found]  # the page's order
         for command in order:
             if command.text == MAIN_JOB:
-                continue  # test_the_main_job runs it as written
+                continue  # tests/test_cli.py runs it
             argv = local_argv(command, tiny_hf_dir)
             argv = [w for word in argv for w in (sorted(glob.glob(word)) or [word])]
             code = main(argv)
@@ -318,13 +319,13 @@ def test_generate_and_trace_commands(
     assert ran >= 5
 
 
-def test_the_main_job(tmp_path: Path) -> None:
-    """The README's main job, in a child as a user runs it, on the embedded model."""
+def test_the_main_job_is_run_on_the_embedded_model() -> None:
+    """The README's main job loads the embedded model, the costliest load of
+    these commands: tests/test_cli.py runs it (and finds Paris in the answer)."""
     assert any(c.text == MAIN_JOB and c.page == "README.md" for c in all_commands())
-    argv = [sys.executable, "-m", "asyncstep", *shlex.split(MAIN_JOB)[1:], "--max-tokens", "8"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip()
+    argv = ", ".join(f'"{word}"' for word in shlex.split(MAIN_JOB)[1:])
+    source = (ROOT / "tests" / "test_cli.py").read_text()
+    assert "def test_main_job_answers_paris(" in source and f"run(capsys, {argv}," in source
 
 
 @contextlib.contextmanager
@@ -405,3 +406,15 @@ def test_python_examples(monkeypatch: pytest.MonkeyPatch, tiny_hf_dir: Path) -> 
                 seen.add(code)
                 exec(code, namespace)
     assert len(opened) >= 2
+
+
+def test_the_layers_drawn_are_those_kept() -> None:
+    """docs/architecture.md's table of layers is tests/test_layers.py's."""
+    from test_layers import LAYERS
+
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    drawn: dict[str, int] = {}
+    for layer, units in re.findall(r"^\| (\d+) \| (.+) \|$", page, re.M):
+        for unit in re.findall(r"^`(\w+)`|, `(\w+)`", units):
+            drawn[next(u for u in unit if u)] = int(layer)
+    assert drawn == LAYERS
