@@ -179,6 +179,26 @@ def test_the_convention_holds() -> None:
     assert set(unrun.values()) <= REASONS
 
 
+def kind(command: Command) -> str | None:
+    """How a command is run or checked here (see the module's docstring)."""
+    argv = command.argv
+    if command.reason is not None:
+        return "not run"
+    if argv[0] == "asyncstep" and argv[-1] == "--help":
+        return "help"
+    if argv[0] == "asyncstep" and argv[1] in {"generate", "serve", "trace"}:
+        return argv[1]
+    if argv[0] == "curl":
+        return "curl"
+    if len(argv) > 1 and argv[1].startswith("benchmarks/"):
+        return "benchmark"
+    return None
+
+
+def test_every_command_is_run_or_checked() -> None:
+    assert [c for c in all_commands() if kind(c) is None] == []
+
+
 def test_links_between_pages_lead_somewhere() -> None:
     def slug(heading: str) -> str:
         return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
