@@ -125,16 +125,21 @@ def parse_bench_args(argv: Sequence[str], cli: CliFlags) -> BenchArgs:
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Values argparse's types cannot refuse alone."""
     positive = ("num_iters", "num_prompts", "output_len", "repeats", "client_processes")
+    positive += ("copy_repeats", "hf_repeats", "hf_batch", "max_concurrency", "min_len")
     for name in positive:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("batch_size", "input_len"):
+    for name in ("batch_size", "input_len", "api_server_counts"):
         values = getattr(args, name, None)
         if isinstance(values, list) and any(v < 1 for v in values):
             parser.error(f"--{name.replace('_', '-')} values must be >= 1, got {values}")
     if getattr(args, "min_len", 1) > getattr(args, "max_len", 1):
         parser.error(f"--min-len {args.min_len} is above --max-len {args.max_len}")
+    if getattr(args, "request_rate", 1.0) <= 0:
+        parser.error(f"--request-rate must be > 0, got {args.request_rate}")
+    if isinstance(getattr(args, "input_len", None), int) and args.input_len < 1:
+        parser.error(f"--input-len must be >= 1, got {args.input_len}")
     ratio = getattr(args, "range_ratio", 0.0)
     if not 0 <= ratio < 1:
         parser.error(f"--range-ratio must be in [0, 1), got {ratio}")
@@ -221,8 +226,12 @@ def _add_hf_and_floor(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="let generate compile its decode step (default: on CUDA)",
     )
-    group.add_argument("--hf-warmups", type=int, default=2, help="HF warm-ups per shape")
-    group.add_argument("--hf-repeats", type=int, default=3, help="HF timed runs (median)")
+    group.add_argument(
+        "--hf-warmups", type=int, metavar="N", default=2, help="HF warm-ups per shape"
+    )
+    group.add_argument(
+        "--hf-repeats", type=int, metavar="N", default=3, help="HF timed runs (median)"
+    )
     group.add_argument(
         "--floor",
         action=argparse.BooleanOptionalAction,
@@ -230,9 +239,14 @@ def _add_hf_and_floor(group: argparse._ArgumentGroup) -> None:
         help="measure the device's copy bandwidth and compute the HBM floor (default: on)",
     )
     group.add_argument(
-        "--copy-gib", type=float, help="bandwidth copy size in GiB (default: 1; CPU: 1/16)"
+        "--copy-gib",
+        type=float,
+        metavar="X",
+        help="bandwidth copy size in GiB (default: 1; CPU: 1/16)",
     )
-    group.add_argument("--copy-repeats", type=int, default=20, help="bandwidth copies (median)")
+    group.add_argument(
+        "--copy-repeats", type=int, metavar="N", default=20, help="bandwidth copies (median)"
+    )
     group.add_argument(
         "--rank-gpus",
         type=int,
@@ -248,12 +262,14 @@ def _add_lengths(
     group.add_argument(
         "--input-len",
         type=int,
+        metavar="N",
         default=input_len,
         help=f"prompt tokens (default: {input_len or uniform})",
     )
     group.add_argument(
         "--output-len",
         type=int,
+        metavar="N",
         default=output_len,
         help=f"output tokens (default: {output_len or uniform})",
     )
@@ -261,31 +277,53 @@ def _add_lengths(
         "--range-ratio",
         "--random-range-ratio",
         type=float,
+        metavar="X",
         default=0.0,
         help="lengths uniform within this ratio of --input-len / --output-len (default: 0)",
     )
-    group.add_argument("--seed", type=int, default=0, help="of the prompts (default: 0)")
+    group.add_argument(
+        "--seed", type=int, metavar="N", default=0, help="of the prompts (default: 0)"
+    )
 
 
 def _add_latency(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("latency")
     group.add_argument(
-        "--batch-size", "--batch", type=int, nargs="+", default=[8], help="(default: 8)"
+        "--batch-size",
+        "--batch",
+        type=int,
+        metavar="N",
+        nargs="+",
+        default=[8],
+        help="(default: 8)",
     )
     group.add_argument(
-        "--input-len", "--prompt-len", type=int, nargs="+", default=[32], help="(default: 32)"
+        "--input-len",
+        "--prompt-len",
+        type=int,
+        metavar="N",
+        nargs="+",
+        default=[32],
+        help="(default: 32)",
     )
-    group.add_argument("--output-len", type=int, default=128, help="(default: 128)")
+    group.add_argument("--output-len", type=int, metavar="N", default=128, help="(default: 128)")
     group.add_argument(
         "--num-iters-warmup",
         type=int,
+        metavar="N",
         default=1,
         help="warm-up runs of each batch, 4 tokens each (default: 1)",
     )
     group.add_argument(
-        "--num-iters", type=int, default=5, help="timed runs of each batch (default: 5)"
+        "--num-iters",
+        type=int,
+        metavar="N",
+        default=5,
+        help="timed runs of each batch (default: 5)",
     )
-    group.add_argument("--seed", type=int, default=0, help="of the prompts (default: 0)")
+    group.add_argument(
+        "--seed", type=int, metavar="N", default=0, help="of the prompts (default: 0)"
+    )
     group.add_argument("--floor-only", action="store_true", help="only the floor: no engine, no HF")
     _add_hf_and_floor(group)
 
@@ -293,11 +331,11 @@ def _add_latency(parser: argparse.ArgumentParser) -> None:
 def _add_throughput(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("throughput")
     group.add_argument(
-        "--num-prompts", "--num-requests", type=int, default=256, help="(default: 256)"
+        "--num-prompts", "--num-requests", type=int, metavar="N", default=256, help="(default: 256)"
     )
     _add_lengths(group, None, None)
-    group.add_argument("--min-len", type=int, default=100, help="(default: 100)")
-    group.add_argument("--max-len", type=int, default=1024, help="(default: 1024)")
+    group.add_argument("--min-len", type=int, metavar="N", default=100, help="(default: 100)")
+    group.add_argument("--max-len", type=int, metavar="N", default=1024, help="(default: 1024)")
     group.add_argument(
         "--gpu-busy",
         action=argparse.BooleanOptionalAction,
@@ -305,23 +343,30 @@ def _add_throughput(parser: argparse.ArgumentParser) -> None:
         help="trace the run for the GPU busy fraction (default: on)",
     )
     group.add_argument("--trace-dir", metavar="DIR", help="keep the span logs here")
-    group.add_argument("--hf-batch", type=int, default=64, help="HF's static batch (default: 64)")
+    group.add_argument(
+        "--hf-batch", type=int, metavar="N", default=64, help="HF's static batch (default: 64)"
+    )
     _add_hf_and_floor(group)
 
 
 def _add_serve(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("serve")
-    group.add_argument("--num-prompts", type=int, default=200, help="(default: 200)")
+    group.add_argument("--num-prompts", type=int, metavar="N", default=200, help="(default: 200)")
     _add_lengths(group, 256, 128)
     group.add_argument(
         "--request-rate",
         type=float,
+        metavar="X",
         default=math.inf,
         help="requests/s, Poisson arrivals; inf: all at once (default: inf)",
     )
-    group.add_argument("--max-concurrency", type=int, help="most requests in flight")
+    group.add_argument("--max-concurrency", type=int, metavar="N", help="most requests in flight")
     group.add_argument(
-        "--num-warmups", type=int, default=2, help="requests sent first, not counted (default: 2)"
+        "--num-warmups",
+        type=int,
+        metavar="N",
+        default=2,
+        help="requests sent first, not counted (default: 2)",
     )
     group.add_argument(
         "--goodput",
@@ -330,11 +375,17 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
         metavar="KEY:MS",
         help="SLOs in ms, KEY one of ttft, tpot, e2el (e.g. ttft:500 tpot:50)",
     )
-    group.add_argument("--base-url", help="a server already running (e.g. http://127.0.0.1:8000)")
+    group.add_argument(
+        "--base-url",
+        metavar="URL",
+        help="a server already running, e.g. http://127.0.0.1:8000 (give its engine flags too: "
+        "the prompts are drawn from its model's vocabulary)",
+    )
     group.add_argument("--served-model", help="the model name to send (default: the server's)")
     group.add_argument(
         "--client-processes",
         type=int,
+        metavar="N",
         default=1,
         help="client processes sharing the load (one Python client saturates a core first)",
     )
@@ -356,7 +407,9 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
 
 def _add_startup(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("startup")
-    group.add_argument("--repeats", type=int, default=5, help="timed runs per case (median)")
+    group.add_argument(
+        "--repeats", type=int, metavar="N", default=5, help="timed runs per case (median)"
+    )
     group.add_argument(
         "--cases",
         nargs="+",
@@ -364,7 +417,12 @@ def _add_startup(parser: argparse.ArgumentParser) -> None:
         help="a subset: import, help, generate, first-token, serve-N (default: all)",
     )
     group.add_argument(
-        "--api-server-counts", type=int, nargs="+", default=[1, 2], help="(default: 1 2)"
+        "--api-server-counts",
+        type=int,
+        metavar="N",
+        nargs="+",
+        default=[1, 2],
+        help="(default: 1 2)",
     )
     group.add_argument(
         "--timeline",
