@@ -124,8 +124,8 @@ def parse_bench_args(argv: Sequence[str], cli: CliFlags) -> BenchArgs:
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Values argparse's types cannot refuse alone."""
-    positive = ("num_iters", "num_prompts", "output_len", "repeats", "client_processes")
-    positive += ("copy_repeats", "hf_repeats", "hf_batch", "max_concurrency", "min_len")
+    positive = ["num_iters", "num_prompts", "output_len", "repeats", "client_processes"]
+    positive += ["copy_repeats", "hf_repeats", "hf_batch", "max_concurrency", "min_len"]
     for name in positive:
         value = getattr(args, name, None)
         if value is not None and value < 1:
