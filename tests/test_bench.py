@@ -20,7 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import msgspec
 import pytest
+from processes import serving_url
 
 from asyncstep.bench.args import CliFlags, parse_bench_args
 from asyncstep.bench.floor import step_floor, weight_bytes
@@ -71,7 +74,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[R
     for mode, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=280)
         assert proc.returncode == 0, f"{mode} failed:\n{stdout}\n{stderr}"
-        out[mode] = (decode((tmp / f"{mode}.json").read_bytes()), stdout)
+        data = (tmp / f"{mode}.json").read_bytes()
+        jsonschema.validate(json.loads(data), msgspec.json.schema(Result))
+        out[mode] = (decode(data), stdout)
     yield out
 
 
@@ -158,6 +163,33 @@ def test_startup_figures(runs: dict[str, tuple[Result, str]]) -> None:
         ("core_startup", "load_model"),
         ("device", "first step"),
     } <= phases
+
+
+def test_serve_against_a_server_running_elsewhere(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--base-url``: the load goes to that server (its name sent with
+    ``--served-model``); nothing is started."""
+    engine = ["--load-format", "dummy", "--model", "tiny-llama", "--no-engine-process"]
+    argv = [sys.executable, "-m", "asyncstep", "serve", *engine, "--port", "0"]
+    proc = subprocess.Popen(
+        [*argv, "--served-model-name", "tiny"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        url = serving_url(proc, [])
+        out = tmp_path / "serve.json"
+        load = ["--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--num-warmups", "0"]
+        load += ["--output-json", str(out)]
+        code = main(["bench", "serve", "--base-url", url, "--served-model", "tiny", *engine, *load])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert code == 0, capsys.readouterr().err
+    result = decode(out.read_bytes())
+    (case,) = result.cases
+    assert case.figures["completed"] == 3 and case.figures["output_throughput"]
+    assert result.extra["base_url"] == url
+    assert "asyncstep serve ready" not in capsys.readouterr().err  # none started here
 
 
 @pytest.mark.parametrize("mode", ["latency", "throughput", "serve", "startup"])
