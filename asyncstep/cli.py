@@ -394,10 +394,11 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_bench(argv: Sequence[str]) -> int:
     """``asyncstep bench ARGV`` (:mod:`asyncstep.bench`, imported here only),
     with this command line's engine flags."""
-    from asyncstep.bench import CliFlags, main
+    from asyncstep.bench import CliFlags
+    from asyncstep.bench import main as bench_main
 
     flags = CliFlags(_add_engine_flags, _add_engine_flag, config_from_args, server_config_from_args)
-    return main(argv, flags)
+    return bench_main(argv, flags)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
