@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
         "is a flag; options that may be unset take 'none'.",
     )
     add_trace_parser(commands)
+    commands.add_parser(
+        "bench",
+        help="benchmarks: asyncstep bench latency|throughput|serve|startup (each with --help)",
+        add_help=False,
+    )
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts (default: stdin lines)")
     _add_engine_flags(gen, before_sections=_add_sampling_flags)
     _add_output_flags(gen, json_flag=True)
@@ -332,6 +337,9 @@ def run() -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     if (handler := getattr(args, "handler", None)) is not None:
         return int(handler(args))  # a subcommand with its own handler (trace)
@@ -381,6 +389,16 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     except BaseException as exc:
         return exit_status(exc)
+
+
+def run_bench(argv: Sequence[str]) -> int:
+    """``asyncstep bench ARGV`` (:mod:`asyncstep.bench`, imported here only),
+    with this command line's engine flags."""
+    from asyncstep.bench import CliFlags
+    from asyncstep.bench import main as bench_main
+
+    flags = CliFlags(_add_engine_flags, _add_engine_flag, config_from_args, server_config_from_args)
+    return bench_main(argv, flags)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -63,13 +63,13 @@ from pathlib import Path
 from typing import Any
 
 import bench
-import bench_hf
 import torch
 import trio
 import trio.lowlevel
 
 import asyncstep
 from asyncstep import SamplingParams
+from asyncstep.bench import hf as bench_hf
 from asyncstep.logging import configure_logging
 from asyncstep.logging.spans import now_us
 from asyncstep.logging.trace import TASK_ORDER, Span, load_spans

@@ -15,8 +15,9 @@
 set -u
 OUT=${OUT:-benchmarks/results/fused_decode}
 mkdir -p "$OUT"
-LATENCY="python3 benchmarks/bench.py latency --no-record --no-hf --shape llama-8b --batch 1"
-LATENCY="$LATENCY --prompt-len 128 --output-len 64"
+LATENCY="python3 -m asyncstep bench latency --no-hf --load-format dummy --model llama-8b --batch-size 1"
+LATENCY="$LATENCY --input-len 128 --output-len 64 --num-iters 1"
+fused_flag() { [ "$1" = true ] && echo --fused-decode || echo --no-fused-decode; }
 run_tests() {
     ASYNCSTEP_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
         tests/test_fused_decode.py tests/test_triton_quant.py > "$OUT/gpu_tests_h200.txt" 2>&1
@@ -25,16 +26,16 @@ run_tests() {
 run_latency() {
     for case in q4_fused:q4:true q4_unfused:q4:false bf16:none:true bf16_unfused:none:false; do
         IFS=: read -r name packing fused <<< "$case"
-        timeout 170 $LATENCY --engine-opt weight_packing="$packing" \
-            --engine-opt fused_decode="$fused" \
-            --out "/tmp/latency_$name.json" \
+        timeout 170 $LATENCY --weight-packing "$packing" \
+            $(fused_flag "$fused") \
+            --output-json "/tmp/latency_$name.json" \
             > "$OUT/latency_$name.txt" 2>&1
         grep -E "ours b|│ +[0-9]|bandwidth" "$OUT/latency_$name.txt"
     done
     for fused in true false; do
         echo "llama-1b bf16 fused_decode=$fused"
-        timeout 120 ${LATENCY/llama-8b/llama-1b} --engine-opt fused_decode="$fused" \
-            --out "/tmp/latency_llama-1b_$fused.json" 2>&1
+        timeout 120 ${LATENCY/llama-8b/llama-1b} $(fused_flag "$fused") \
+            --output-json "/tmp/latency_llama-1b_$fused.json" 2>&1
     done > "$OUT/latency_llama-1b.txt"
     grep -E "fused_decode|ours b|│ +[0-9]" "$OUT/latency_llama-1b.txt"
 }

@@ -9,7 +9,7 @@ set -u
 OUT=${OUT:-benchmarks/results/fastpath}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-BENCH="python3 benchmarks/bench.py"
+BENCH="python3 -m asyncstep bench"
 case "$1" in
 tests)
     ASYNCSTEP_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
@@ -23,32 +23,32 @@ kernels)
     timeout 150 python3 benchmarks/fused_kernels.py --out "$OUT/fused_kernels.json" \
         2>&1 | tee "$OUT/fused_kernels.txt" ;;
 latency8b)
-    timeout 280 $BENCH latency --no-record --shape llama-8b --batch 1 32 --prompt-len 128 --output-len 64 \
-        --out "$OUT/latency_llama-8b_p128.json" 2>&1 | tail -12
-    timeout 280 $BENCH latency --no-record --shape llama-8b --batch 32 --prompt-len 1024 --output-len 64 \
-        --out "$OUT/latency_llama-8b_p1024.json" 2>&1 | tail -10 ;;
+    timeout 280 $BENCH latency --hf --num-iters 1 --load-format dummy --model llama-8b --batch-size 1 32 --input-len 128 --output-len 64 \
+        --output-json "$OUT/latency_llama-8b_p128.json" 2>&1 | tail -12
+    timeout 280 $BENCH latency --hf --num-iters 1 --load-format dummy --model llama-8b --batch-size 32 --input-len 1024 --output-len 64 \
+        --output-json "$OUT/latency_llama-8b_p1024.json" 2>&1 | tail -10 ;;
 latency8b-steady)  # steady-decode ITL; HF quoted from the latency8b run
-    timeout 200 $BENCH latency --no-record --shape llama-8b --batch 32 --prompt-len 1024 \
+    timeout 200 $BENCH latency --num-iters 1 --load-format dummy --model llama-8b --batch-size 32 --input-len 1024 \
         --output-len 64 --hf-from benchmarks/results/fastpath/latency_llama-8b_p1024_whole-output-itl.json \
-        --out "$OUT/latency_llama-8b_p1024.json" 2>&1 | tail -8 ;;
+        --output-json "$OUT/latency_llama-8b_p1024.json" 2>&1 | tail -8 ;;
 latency1b)
-    timeout 280 $BENCH latency --no-record --shape llama-1b --batch 1 32 --prompt-len 128 \
-        --output-len 64 --out "$OUT/latency_llama-1b_p128.json" 2>&1 | tail -10 ;;
+    timeout 280 $BENCH latency --hf --num-iters 1 --load-format dummy --model llama-1b --batch-size 1 32 --input-len 128 \
+        --output-len 64 --output-json "$OUT/latency_llama-1b_p128.json" 2>&1 | tail -10 ;;
 host1b)  # the host-bound shape: steps in flight (2, 3), GIL switch interval 0.5 ms or Python's
-    for variant in "d2:" "d3:--engine-opt max_concurrent_batches=3" \
-        "d2py:--engine-opt gil_switch_interval_s=None" \
-        "d3py:--engine-opt max_concurrent_batches=3 --engine-opt gil_switch_interval_s=None"; do
+    for variant in "d2:" "d3:--max-concurrent-batches 3" \
+        "d2py:--gil-switch-interval-s none" \
+        "d3py:--max-concurrent-batches 3 --gil-switch-interval-s none"; do
         name=${variant%%:*}
-        timeout 100 $BENCH latency --no-record --no-hf --shape llama-1b --batch 1 --prompt-len 128 \
-            --output-len 64 --ours-repeats 3 ${variant#*:} \
-            --out "$OUT/host1b/latency_llama-1b_b1_x3_$name.json" 2>&1 | grep "ours b1"
+        timeout 100 $BENCH latency --no-hf --load-format dummy --model llama-1b --batch-size 1 --input-len 128 \
+            --output-len 64 --num-iters 3 ${variant#*:} \
+            --output-json "$OUT/host1b/latency_llama-1b_b1_x3_$name.json" 2>&1 | grep "ours b1"
     done ;;
 qwen)
-    timeout 250 $BENCH latency --no-record --shape qwen3-0.6b --batch 1 32 --prompt-len 128 \
-        --output-len 64 --out "$OUT/latency_qwen3-0.6b_p128.json" 2>&1 | tail -10 ;;
+    timeout 250 $BENCH latency --hf --num-iters 1 --load-format dummy --model qwen3-0.6b --batch-size 1 32 --input-len 128 \
+        --output-len 64 --output-json "$OUT/latency_qwen3-0.6b_p128.json" 2>&1 | tail -10 ;;
 throughput)
-    timeout 550 $BENCH throughput --no-record --shape llama-1b --no-hf \
-        --out "$OUT/throughput_llama-1b.json" 2>&1 | tail -12 ;;
+    timeout 550 $BENCH throughput --load-format dummy --model llama-1b --no-hf \
+        --output-json "$OUT/throughput_llama-1b.json" 2>&1 | tail -12 ;;
 overlap)
     for shape in llama-8b llama-1b; do
         timeout 250 python3 benchmarks/overlap_decode.py --shape "$shape" --batch 1 32 \
@@ -64,24 +64,24 @@ allreduce)
     timeout 200 python3 benchmarks/allreduce.py --out "$OUT/allreduce.json" 2>&1 \
         | tee "$OUT/allreduce.txt" ;;
 tp2)
-    timeout 400 $BENCH latency --no-record --shape llama-8b --batch 1 32 --prompt-len 128 --output-len 64 \
-        --tp 2 --no-hf --out "$OUT/latency_llama-8b_tp2.json" 2>&1 | tail -10 ;;
+    timeout 400 $BENCH latency --num-iters 1 --load-format dummy --model llama-8b --batch-size 1 32 --input-len 128 --output-len 64 \
+        --tp 2 --no-hf --output-json "$OUT/latency_llama-8b_tp2.json" 2>&1 | tail -10 ;;
 pp2)  # batch 64 a step; with PP = 2 each step in flight holds its own 64 requests
-    B="$BENCH throughput --no-record --shape llama-8b --no-hf --engine-opt max_num_seqs=64"
-    timeout 150 $B --num-requests 256 --pp 1 --out "$OUT/throughput_llama-8b_n256_pp1.json" \
+    B="$BENCH throughput --load-format dummy --model llama-8b --no-hf --max-num-seqs 64"
+    timeout 150 $B --num-prompts 256 --pp 1 --output-json "$OUT/throughput_llama-8b_n256_pp1.json" \
         2>&1 | grep "│ *256"
-    timeout 150 $B --num-requests 256 --pp 2 --out "$OUT/throughput_llama-8b_n256_pp2.json" \
+    timeout 150 $B --num-prompts 256 --pp 2 --output-json "$OUT/throughput_llama-8b_n256_pp2.json" \
         2>&1 | grep "│ *256"
     for d in 3 4; do
-        timeout 140 $B --num-requests 256 --pp 2 --engine-opt max_concurrent_batches=$d \
-            --out "$OUT/throughput_llama-8b_n256_pp2_d$d.json" 2>&1 | grep "│ *256"
+        timeout 140 $B --num-prompts 256 --pp 2 --max-concurrent-batches $d \
+            --output-json "$OUT/throughput_llama-8b_n256_pp2_d$d.json" 2>&1 | grep "│ *256"
     done ;;
 pp2-steady)  # every request 256 in / 256 out: full steps, no long tail
-    B="$BENCH throughput --no-record --shape llama-8b --no-hf --engine-opt max_num_seqs=64"
-    B="$B --num-requests 512 --min-len 256 --max-len 256"
-    timeout 100 $B --pp 1 --out "$OUT/throughput_llama-8b_n512_len256_pp1.json" 2>&1 | grep "│ *512"
+    B="$BENCH throughput --load-format dummy --model llama-8b --no-hf --max-num-seqs 64"
+    B="$B --num-prompts 512 --min-len 256 --max-len 256"
+    timeout 100 $B --pp 1 --output-json "$OUT/throughput_llama-8b_n512_len256_pp1.json" 2>&1 | grep "│ *512"
     for d in 2 3; do
-        timeout 100 $B --pp 2 --engine-opt max_concurrent_batches=$d \
-            --out "$OUT/throughput_llama-8b_n512_len256_pp2_d$d.json" 2>&1 | grep "│ *512"
+        timeout 100 $B --pp 2 --max-concurrent-batches $d \
+            --output-json "$OUT/throughput_llama-8b_n512_len256_pp2_d$d.json" 2>&1 | grep "│ *512"
     done ;;
 esac

@@ -9,14 +9,14 @@
 set -u
 OUT=${OUT:-benchmarks/results/host}
 mkdir -p "$OUT"
-BENCH="python3 benchmarks/bench.py"
-VARIANTS=("proc:--engine-opt launch_inline=False" "inproc:--engine-opt engine_process=False --engine-opt launch_inline=False" "inline:--engine-opt launch_inline=True")
+BENCH="python3 -m asyncstep bench"
+VARIANTS=("proc:--no-launch-inline" "inproc:--no-engine-process --no-launch-inline" "inline:--launch-inline")
 case "$1" in
 throughput)  # llama-1b, 256 random requests (100-1024 in / out), GPU busy from the spans
     for v in "${VARIANTS[@]}"; do
         name=${v%%:*}
-        timeout 170 $BENCH throughput --no-record --shape llama-1b --no-hf ${v#*:} \
-            --out "$OUT/throughput_llama-1b_$name.json" 2>&1 | grep -E "tok/s|busy|256" | tail -4
+        timeout 170 $BENCH throughput --load-format dummy --model llama-1b --no-hf ${v#*:} \
+            --output-json "$OUT/throughput_llama-1b_$name.json" 2>&1 | grep -E "tok/s|busy|256" | tail -4
     done ;;
 decode)  # steady decode at batch 1, 32 and 256: device vs wall ITL, busy, spans per step
     for v in "${VARIANTS[0]}" "${VARIANTS[2]}"; do
@@ -29,8 +29,8 @@ decode)  # steady decode at batch 1, 32 and 256: device vs wall ITL, busy, spans
 latency8b)  # no slower than before (4.70 / 5.41 ms); HF quoted from the fast-path run
     for v in "${VARIANTS[2]}" "${VARIANTS[1]}"; do
         name=${v%%:*}
-        timeout 240 $BENCH latency --no-record --shape llama-8b --batch 1 32 --prompt-len 128 \
-            --output-len 64 --no-hf ${v#*:} --out "$OUT/latency_llama-8b_$name.json" 2>&1 | tail -6
+        timeout 240 $BENCH latency --num-iters 1 --load-format dummy --model llama-8b --batch-size 1 32 --input-len 128 \
+            --output-len 64 --no-hf ${v#*:} --output-json "$OUT/latency_llama-8b_$name.json" 2>&1 | tail -6
     done ;;
 tests)
     ASYNCSTEP_TEST_DEVICE=cuda timeout 280 python3 -m pytest -q -p no:cacheprovider -x \

@@ -11,15 +11,15 @@ OUT=${OUT:-benchmarks/results/pp}
 TAG=${2:-run}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-BENCH="python3 benchmarks/bench.py throughput --no-record --shape llama-8b --no-hf
-    --engine-opt max_num_seqs=64 --num-requests 256"
+BENCH="python3 -m asyncstep bench throughput --load-format dummy --model llama-8b --no-hf
+    --max-num-seqs 64 --num-prompts 256"
 case "$1" in
 throughput)
     for pp in 1 2; do
         dev=""; [ "$pp" = 1 ] && dev="env CUDA_VISIBLE_DEVICES=0"
         rm -rf "/tmp/tr_$pp"
         timeout 200 $dev $BENCH --pp $pp --trace-dir "/tmp/tr_$pp" \
-            --out "$OUT/throughput_llama-8b_pp${pp}_$TAG.json" 2>&1 | grep -E "tok/s|busy|│ *256" | tail -3
+            --output-json "$OUT/throughput_llama-8b_pp${pp}_$TAG.json" 2>&1 | grep -E "tok/s|busy|│ *256" | tail -3
         timeout 60 python3 benchmarks/span_table.py /tmp/tr_$pp/*.jsonl* --from-step 40 \
             > "$OUT/spans_llama-8b_pp${pp}_$TAG.txt" 2>&1
         cat "$OUT/spans_llama-8b_pp${pp}_$TAG.txt"

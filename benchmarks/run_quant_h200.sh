@@ -12,8 +12,8 @@
 set -u
 OUT=${OUT:-benchmarks/results/quant_gpu}
 mkdir -p "$OUT"
-LATENCY="python3 benchmarks/bench.py latency --no-record --no-hf --shape llama-8b --batch 1 32"
-LATENCY="$LATENCY --prompt-len 128 --output-len 64"
+LATENCY="python3 -m asyncstep bench latency --no-hf --load-format dummy --model llama-8b --batch-size 1 32"
+LATENCY="$LATENCY --input-len 128 --output-len 64 --num-iters 1"
 case "$1" in
 tests)
     ASYNCSTEP_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider \
@@ -24,8 +24,8 @@ kernels)
         --out "$OUT/kernels_llama-8b.json" 2>&1 | tee "$OUT/kernels_llama-8b.txt" | tail -12 ;;
 latency)
     for packing in none q4; do
-        timeout 250 $LATENCY --engine-opt weight_packing=$packing \
-            --out "$OUT/latency_llama-8b_$packing.json" > "$OUT/latency_llama-8b_$packing.txt" 2>&1
+        timeout 250 $LATENCY --weight-packing $packing \
+            --output-json "$OUT/latency_llama-8b_$packing.json" > "$OUT/latency_llama-8b_$packing.txt" 2>&1
         grep -E "ours b|│ +[0-9]|bandwidth" "$OUT/latency_llama-8b_$packing.txt"
     done ;;
 esac

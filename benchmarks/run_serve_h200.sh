@@ -12,9 +12,9 @@ for run in "$@"; do
     IFS=: read -r model conc rate clients flags <<< "$run"
     name="${model}_c${conc}_r${rate}_p${clients}${flags:+_${flags//[^a-z0-9]/}}"
     echo "== $name"
-    timeout 280 python3 benchmarks/serve.py --load-format dummy --num-prompts 256 \
+    timeout 280 python3 -m asyncstep bench serve --in-process --load-format dummy --num-prompts 256 \
         --input-len 256 --output-len 128 --goodput ttft:500 tpot:50 --model "$model" \
         --max-concurrency "$conc" --request-rate "$rate" --client-processes "$clients" \
-        ${flags//=/ } --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
-    echo "rc $?"; grep -E "output_throughput|p50_ttft|p50_itl|failed" "$OUT/$name.txt"
+        ${flags//=/ } --output-json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+    echo "rc $?"; grep -E "│|┃|error" "$OUT/$name.txt"
 done

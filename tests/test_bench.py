@@ -1,9 +1,9 @@
-"""CPU smoke test of ``benchmarks/bench.py``: both modes run end to end on the
-tiny shape (ours and HF in one run), and their JSON holds every field with
-sane numbers; the floor arithmetic matches ``../shared/anchors.md``.
-
-The two runs start together (one core each: ``OMP_NUM_THREADS=1`` keeps
-torch's thread pools from stalling each other on a small machine).
+"""``asyncstep bench``: the README's commands (one per mode, tiny: random
+weights of tiny-llama) run end to end, started together, one core each,
+and write the one results format (decoded against its schema) with sane
+figures; ``--help`` lists the engine flags; a bad flag or value is one line;
+the floor arithmetic matches the anchors; the old ``benchmarks/bench.py``
+command lines still run (translated); and the benchmark scripts that stay.
 """
 
 from __future__ import annotations
@@ -12,44 +12,73 @@ import argparse
 import json
 import math
 import os
+import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import msgspec
 import pytest
+from processes import serving_url
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-BENCH = BENCH_DIR / "bench.py"
+from asyncstep.bench.args import CliFlags, parse_bench_args
+from asyncstep.bench.floor import step_floor, weight_bytes
+from asyncstep.bench.rank_gpus import rank_gpus
+from asyncstep.bench.results import FORMAT, Result, decode
+from asyncstep.cli import (
+    DERIVED_OPTIONS,
+    _add_engine_flag,
+    _add_engine_flags,
+    config_from_args,
+    engine_flag,
+    main,
+    server_config_from_args,
+)
+from asyncstep.config import engine_options
+from asyncstep.models.dummy import get_shape
+from asyncstep.server.config import server_options
 
-LATENCY = ["latency", "--batch", "1", "2", "--prompt-len", "8", "--output-len", "4"]
-LATENCY += ["--repeats", "5"]  # median of 5: a noisy CPU cannot turn HF's ITL negative
-THROUGHPUT = ["throughput", "--num-requests", "4", "--min-len", "4", "--max-len", "12"]
-COMMON = ["--shape", "tiny-llama", "--device", "cpu", "--no-record"]
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = ROOT / "benchmarks"
+FLAGS = CliFlags(_add_engine_flags, _add_engine_flag, config_from_args, server_config_from_args)
+
+
+def readme_commands() -> dict[str, list[str]]:
+    """docs/performance.md's small ``asyncstep bench`` runs, by mode."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    section = text.split("\n## Measuring: `asyncstep bench`\n", 1)[1].split("\n## ", 1)[0]
+    found = [
+        shlex.split(line[2:]) for line in section.splitlines() if line.startswith("$ asyncstep")
+    ]
+    return {argv[2]: argv for argv in found}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, Any]]]:
-    """Both modes' JSON, from two runs started at once."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Result, str]]]:
+    """Each README command's record and stdout, from runs started together."""
     tmp = tmp_path_factory.mktemp("bench")
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = {
         mode: subprocess.Popen(
-            [sys.executable, str(BENCH), *argv, *COMMON, "--out", str(tmp / f"{mode}.json")],
+            [sys.executable, "-m", *argv, "--output-json", str(tmp / f"{mode}.json")],
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
-        for mode, argv in (("latency", LATENCY), ("throughput", THROUGHPUT))
+        for mode, argv in readme_commands().items()
     }
     out = {}
     for mode, proc in procs.items():
-        log, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, f"{mode} run failed:\n{log}"
-        assert "copy bandwidth" in log and "ours/HF" in log, log
-        out[mode] = json.loads((tmp / f"{mode}.json").read_text())
+        stdout, stderr = proc.communicate(timeout=280)
+        assert proc.returncode == 0, f"{mode} failed:\n{stdout}\n{stderr}"
+        data = (tmp / f"{mode}.json").read_bytes()
+        jsonschema.validate(json.loads(data), msgspec.json.schema(Result))
+        out[mode] = (decode(data), stdout)
     yield out
 
 
@@ -57,87 +86,214 @@ def positive(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
-def check_header(result: dict[str, Any], mode: str) -> None:
-    assert result["mode"] == mode and result["shape"] == "tiny-llama"
-    assert result["command"][0].endswith("bench.py") and mode in result["command"]
-    machine = result["machine"]
-    assert {"gpu", "cpu_count", "torch", "transformers", "triton"} <= machine.keys()
-    assert machine["cpu_count"] >= 1 and machine["torch"] and machine["transformers"]
-    assert result["date"].endswith("+00:00")
-    assert result["options"]["device"] == "cpu"
-    assert positive(result["bandwidth_tb_s"])
+def test_the_readme_runs_every_mode() -> None:
+    assert set(readme_commands()) == {"latency", "throughput", "serve", "startup"}
 
 
-def test_latency(results: dict[str, dict[str, Any]]) -> None:
-    result = results["latency"]
-    check_header(result, "latency")
-    rows = {row["key"]: row for row in result["rows"]}
-    assert set(rows) == {"b1_p8_o4", "b2_p8_o4"}
-    for row in rows.values():
-        ours, hf, floor = row["ours"], row["hf"], row["floor"]
-        assert positive(ours["itl_ms"]) and positive(ours["ttft_ms"])
-        assert "error" not in hf, hf
-        assert positive(hf["itl_ms"]) and hf["source"] == "static cache, eager"
-        assert len(hf["full_s"]) == 5 and all(positive(t) for t in hf["one_token_s"])
-        assert positive(floor["floor_ms"]) and positive(floor["strict_floor_ms"])
-        assert floor["strict_floor_ms"] <= floor["floor_ms"]
-        assert floor["mean_context"] == 8 + 4 / 2
-        assert all(positive(v) for v in row["ratios"].values()), row["ratios"]
-
-
-def test_throughput(results: dict[str, dict[str, Any]]) -> None:
-    result = results["throughput"]
-    check_header(result, "throughput")
-    (row,) = result["rows"]
-    ours, hf, floor, config = row["ours"], row["hf"], row["floor"], row["config"]
-    assert config["num_requests"] == 4
-    assert 4 * 4 <= config["output_tokens"] <= 4 * 12
-    assert positive(ours["wall_s"]) and positive(ours["output_tok_s"])
-    assert ours["total_tok_s"] > ours["output_tok_s"]
-    assert ours["traced"] and 0 < ours["gpu_busy"] <= 1
-    assert "error" not in hf, hf
-    assert positive(hf["output_tok_s"]) and positive(hf["wall_s"])
-    assert hf["useful_output_tokens"] == config["output_tokens"]
-    assert hf["computed_output_tokens"] >= hf["useful_output_tokens"]
-    assert positive(floor["floor_s"]) and floor["output_tok_s"] > ours["output_tok_s"]
-    assert all(positive(v) for v in row["ratios"].values()), row["ratios"]
-
-
-def test_results_md(
-    results: dict[str, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("mode", ["latency", "throughput", "serve", "startup"])
+def test_each_mode_writes_the_results_format(
+    runs: dict[str, tuple[Result, str]], mode: str
 ) -> None:
-    """The rows appended to RESULTS.md (written here to a temporary directory)."""
-    bench = _import_bench(monkeypatch)
-    monkeypatch.setattr(bench, "RESULTS_DIR", tmp_path)
-    for mode, result in results.items():
-        args = argparse.Namespace(mode=mode, shape="tiny-llama", tp=1, pp=1)
-        bench.record_results(args, result, tmp_path / f"{mode}.json")
-    lines = (tmp_path / "RESULTS.md").read_text().splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("| date"))
-    rows = lines[header + 2 :]
-    assert len(rows) == 3  # two latency configurations, one throughput
-    assert all(row.count("|") == lines[header].count("|") for row in rows)
-    assert "b1 p8 o4" in rows[0] and "n4 len4-12" in rows[2]
+    result, stdout = runs[mode]
+    assert result.format == FORMAT and result.mode == mode
+    assert result.command[:3] == ["asyncstep", "bench", mode]
+    assert result.git is not None and re.fullmatch("[0-9a-f]{40}", result.git.revision)
+    machine = result.machine
+    assert machine.cpu and machine.cpu_count >= 1 and machine.torch and machine.python
+    assert result.started.endswith("+00:00") and result.finished >= result.started
+    assert result.engine is not None and result.engine["model"]["model"] == "tiny-llama"
+    assert result.cases and all(case.figures for case in result.cases)
+    assert f"asyncstep bench {mode}" in stdout  # the table's title
 
 
-def test_floor_matches_anchors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_latency_figures(runs: dict[str, tuple[Result, str]]) -> None:
+    result, _ = runs["latency"]
+    cases = {case.name: case for case in result.cases}
+    assert set(cases) == {"b1_p8_o4", "b2_p8_o4"}
+    for case in cases.values():
+        f = case.figures
+        for name in ("latency_avg_s", "latency_p99_s", "ttft_ms", "itl_ms", "hf_itl_ms"):
+            assert positive(f[name]), (name, f)
+        assert f["latency_p10_s"] <= f["latency_p50_s"] <= f["latency_p99_s"]  # type: ignore[operator]
+        assert positive(f["floor_ms"]) and f["strict_floor_ms"] <= f["floor_ms"]  # type: ignore[operator]
+        assert positive(f["itl_over_floor"]) and positive(f["itl_over_hf"])
+        assert len(case.detail["runs"]) == 2
+        assert case.detail["hf"]["source"] == "static cache, eager"
+        assert case.detail["floor"]["mean_context"] == 8 + 4 / 2
+    assert cases["b2_p8_o4"].params == {"batch_size": 2, "input_len": 8, "output_len": 4}
+
+
+def test_throughput_figures(runs: dict[str, tuple[Result, str]]) -> None:
+    result, _ = runs["throughput"]
+    (case,) = result.cases
+    f, params = case.figures, case.params
+    assert params["num_prompts"] == 4 and 4 * 4 <= params["output_tokens"] <= 4 * 12
+    assert positive(f["requests_per_s"]) and positive(f["output_tok_s"])
+    assert f["total_tok_s"] > f["output_tok_s"]  # type: ignore[operator]
+    assert f["gpu_busy"] is not None and 0 < f["gpu_busy"] <= 1
+    assert positive(f["hf_output_tok_s"])
+    assert case.detail["hf"]["useful_output_tokens"] == params["output_tokens"]
+    assert f["floor_output_tok_s"] > f["output_tok_s"]  # type: ignore[operator]
+
+
+def test_serve_figures(runs: dict[str, tuple[Result, str]]) -> None:
+    result, _ = runs["serve"]
+    cases = {case.name: case for case in result.cases}
+    assert set(cases) == {"http", "in_process"}
+    for case in cases.values():
+        f = case.figures
+        assert f["completed"] == 6 and f["failed"] == 0
+        assert f["goodput"] == f["request_throughput"]
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            values = [f[f"{stat}_{name}_ms"] for stat in ("mean", "p50", "p90", "p99")]
+            assert all(v is not None and v >= 0 for v in values), (name, values)
+            assert values[1] <= values[2] <= values[3]  # type: ignore[operator]
+        # 6 requests of 5 tokens each: throughput and duration agree.
+        assert math.isclose(f["output_throughput"] * f["duration_s"], 30)  # type: ignore[operator]
+    http = cases["http"].figures
+    assert positive(http["client_cpu_s"]) and positive(http["server_cpu_s"])
+    assert result.extra["http_over_in_process"]["mean_e2el_ms"] > 0
+
+
+def test_startup_figures(runs: dict[str, tuple[Result, str]]) -> None:
+    result, _ = runs["startup"]
+    assert [case.name for case in result.cases] == ["help", "generate"]
+    assert all(positive(case.figures["median_s"]) for case in result.cases)
+    phases = {(row["track"], row["phase"]) for row in result.extra["timeline"]}
+    assert {
+        ("startup", "imports"),
+        ("core_startup", "load_model"),
+        ("device", "first step"),
+    } <= phases
+
+
+def test_serve_against_a_server_running_elsewhere(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--base-url``: the load goes to that server (its name sent with
+    ``--served-model``); nothing is started."""
+    engine = ["--load-format", "dummy", "--model", "tiny-llama", "--no-engine-process"]
+    argv = [sys.executable, "-m", "asyncstep", "serve", *engine, "--port", "0"]
+    proc = subprocess.Popen(
+        [*argv, "--served-model-name", "tiny"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        url = serving_url(proc, [])
+        out = tmp_path / "serve.json"
+        load = ["--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--num-warmups", "0"]
+        load += ["--output-json", str(out)]
+        code = main(["bench", "serve", "--base-url", url, "--served-model", "tiny", *engine, *load])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert code == 0, capsys.readouterr().err
+    result = decode(out.read_bytes())
+    (case,) = result.cases
+    assert case.figures["completed"] == 3 and case.figures["output_throughput"]
+    assert result.extra["base_url"] == url
+    assert "asyncstep serve ready" not in capsys.readouterr().err  # none started here
+
+
+@pytest.mark.parametrize("mode", ["latency", "throughput", "serve", "startup"])
+def test_help_lists_every_engine_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", mode, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    flags = [engine_flag(name) for name in engine_options() if name not in DERIVED_OPTIONS]
+    if mode == "serve":
+        flags += [engine_flag(name) for name in server_options()]
+    missing = [flag for flag in flags if not re.search(rf"^\s+{flag}[ ,]", text, re.M)]
+    assert missing == []
+    assert "--output-json" in text and text.startswith(f"usage: asyncstep bench {mode}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "message"),
+    [
+        (["latency", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["nosuch"], 2, "invalid choice: 'nosuch'"),
+        (["latency", "--batch-size", "0"], 2, "--batch-size values must be >= 1"),
+        (["latency", "--num-iters", "x"], 2, "invalid int value: 'x'"),
+        (["latency", "--block-size", "3"], 1, "block_size must be a power of two"),
+        (["latency", "--load-format", "dummy", "--model", "nope"], 1, "known: tiny-llama"),
+        (["serve", "--goodput", "ttft=5"], 1, "--goodput takes KEY:MS"),
+        (["startup", "--load-format", "dummy", "--model", "tiny-llama", "--cases", "x"], 1, "x"),
+    ],
+)
+def test_a_bad_flag_is_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], status: int, message: str
+) -> None:
+    try:
+        code = main(["bench", *argv])
+    except SystemExit as exit_:
+        code = int(exit_.code or 0)
+    out, err = capsys.readouterr()
+    assert code == status and out == ""
+    assert err.startswith("asyncstep") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_engine_flags_given_win_over_the_sizing() -> None:
+    argv = ["latency", "--load-format", "dummy", "--model", "tiny-llama", "--max-num-seqs", "3"]
+    bench = parse_bench_args([*argv, "--batch-size", "8", "--tp", "1"], FLAGS)
+    assert bench.given == {"max_num_seqs", "load_format", "model", "tensor_parallel_size"}
+    config = bench.engine_config(max_num_seqs=8, max_model_len=64)
+    assert config.scheduler.max_num_seqs == 3 and config.model.max_model_len == 64
+    assert bench.engine_argv == [*argv[1:], "--tp", "1"]
+    assert "batch_size" in bench.options() and "max_num_seqs" not in bench.options()
+
+
+def test_floor_matches_anchors() -> None:
     """Weight bytes (bf16) as in anchors.md: llama-1b 2.47 GB, llama-8b 16.06 GB;
     the floor at batch 1 at 4.15 TB/s about 0.59 / 3.85 ms (KV term included)."""
-    bench = _import_bench(monkeypatch)
-    from asyncstep.models.dummy import get_shape
-
     for shape, gb, floor_ms in (("llama-1b", 2.47, 0.59), ("llama-8b", 16.06, 3.85)):
         arch = get_shape(shape)
-        weights, embed = bench.weight_bytes(arch, 2)
+        weights, embed = weight_bytes(arch, 2)
         assert round(weights / 1e9, 2) == gb
         assert (embed == 0) == arch.tie_word_embeddings
-        floor = bench.step_floor(arch, 2, 4.15e12, 1, 128 + 64)
+        floor = step_floor(arch, 2, 4.15e12, 1, 128 + 64)
         assert floor["floor_ms"] == pytest.approx(floor_ms, rel=0.02)
         assert floor["strict_floor_ms"] <= floor["floor_ms"]
 
 
+def _import_old_bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    import bench  # type: ignore[import-not-found]
+
+    return bench
+
+
+def test_old_bench_py_command_lines_translate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device script's old line, as ``asyncstep bench`` flags that parse
+    to the same engine config."""
+    bench = _import_old_bench(monkeypatch)
+    old = ["latency", "--no-record", "--no-hf", "--shape", "llama-8b", "--batch", "1"]
+    old += ["--prompt-len", "128", "--output-len", "64", "--engine-opt", "weight_packing=q4"]
+    old += ["--engine-opt", "fused_decode=false", "--engine-opt", "gil_switch_interval_s=None"]
+    new = bench.translate(bench.parse_args(old))
+    assert new[:5] == ["latency", "--load-format", "dummy", "--model", "llama-8b"]
+    assert new[-5:] == [
+        "--weight-packing",
+        "q4",
+        "--no-fused-decode",
+        "--gil-switch-interval-s",
+        "none",
+    ]
+    parsed = parse_bench_args(new, FLAGS)
+    assert (parsed.args.batch_size, parsed.args.input_len, parsed.args.num_iters) == ([1], [128], 1)
+    assert not parsed.args.hf
+    config = parsed.engine_config()
+    assert config.model.weight_packing == "q4" and config.compilation.fused_decode is False
+    with pytest.raises(SystemExit, match="not an engine option"):
+        bench.translate(bench.parse_args(["latency", "--engine-opt", "nope=1"]))
+
+
 def test_engine_opt_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
-    bench = _import_bench(monkeypatch)
+    bench = _import_old_bench(monkeypatch)
     assert bench.engine_opt("max_num_seqs=8") == ("max_num_seqs", 8)
     assert bench.engine_opt("enable_prefix_caching=false") == ("enable_prefix_caching", False)
     assert bench.engine_opt("x=True") == ("x", True)
@@ -147,19 +303,7 @@ def test_engine_opt_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
         bench.engine_opt("novalue")
 
 
-def _import_bench(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
-    import bench  # type: ignore[import-not-found]
-
-    return bench
-
-
-def test_rank_gpus_keep_every_communicator_on_distinct_gpus(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
-    from rank_gpus import rank_gpus  # type: ignore[import-not-found]
-
+def test_rank_gpus_keep_every_communicator_on_distinct_gpus() -> None:
     assert rank_gpus(2, 2, 4) == [0, 1, 2, 3]  # enough GPUs: one each
     assert rank_gpus(2, 2, 2) == [0, 1, 1, 0]  # TP groups {0,1} {2,3}, PP groups {0,2} {1,3}
     eight_on_four = rank_gpus(4, 2, 4)

@@ -33,6 +33,9 @@ How each kind runs here:
   ``http://127.0.0.1:8000``.
 * ``asyncstep trace``: in the page's working directory, after the commands
   before it (which wrote its logs).
+* ``asyncstep bench MODE ...`` at full size takes minutes or a GPU: every
+  flag it names must be one its mode takes. The small runs are
+  ``tests/test_bench.py``'s (marked so, and checked to be the same).
 * ``python3 benchmarks/...`` and ``bash benchmarks/...``: a benchmark takes
   minutes or a GPU; the script must exist and take every flag given (its
   ``add_argument`` strings, and the engine's flags where it passes unknown
@@ -72,6 +75,7 @@ REASONS = {
     "needs a GPU",
     "takes minutes",
     ".ci/run runs it",
+    "tests/test_bench.py runs them",
 }
 #: Every command left unrun, and why.
 NOT_RUN = {
@@ -175,8 +179,14 @@ def test_the_convention_holds() -> None:
                 assert first.startswith("$ ") or MARK.fullmatch(first), (name(page), first)
         assert not re.search(r"^\$ ", outside_fences(page), re.M), f"{name(page)}: $ outside"
     unrun = {c.text: c.reason for c in all_commands() if c.reason is not None}
-    assert unrun == NOT_RUN
     assert set(unrun.values()) <= REASONS
+    by_test_bench = {
+        text for text, reason in unrun.items() if reason == "tests/test_bench.py runs them"
+    }
+    assert {t: r for t, r in unrun.items() if t not in by_test_bench} == NOT_RUN
+    from test_bench import readme_commands
+
+    assert by_test_bench == {shlex.join(argv) for argv in readme_commands().values()}
 
 
 def kind(command: Command) -> str | None:
@@ -192,6 +202,8 @@ def kind(command: Command) -> str | None:
         return "curl"
     if len(argv) > 1 and argv[1].startswith("benchmarks/"):
         return "benchmark"
+    if argv[:2] == ["asyncstep", "bench"]:
+        return "bench"
     return None
 
 
@@ -265,13 +277,37 @@ def benchmark_commands() -> list[tuple[str, str]]:
 
 def test_every_benchmark_command_names_a_script_and_flags_it_takes() -> None:
     found = benchmark_commands()
-    assert len(found) >= 10
+    assert len(found) >= 5
     for page, text in found:
         script = ROOT / text.split()[1]
         assert script.exists(), (page, text)
         if script.suffix == ".py":
             unknown = set(FLAG.findall(text)) - script_flags(script)
             assert unknown == set(), (page, text)
+
+
+def bench_flags(mode: str) -> set[str]:
+    from asyncstep.bench.args import CliFlags, _subparser
+    from asyncstep.bench.args import build_parser as bench_parser
+    from asyncstep.cli import (
+        _add_engine_flag,
+        _add_engine_flags,
+        config_from_args,
+        server_config_from_args,
+    )
+
+    cli = CliFlags(_add_engine_flags, _add_engine_flag, config_from_args, server_config_from_args)
+    parser = _subparser(bench_parser(cli), mode)
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+def test_every_bench_command_names_flags_its_mode_takes() -> None:
+    """``asyncstep bench`` runs at full size take minutes or a GPU: checked."""
+    found = [c for c in all_commands() if kind(c) == "bench"]
+    assert found
+    for command in found:
+        unknown = set(FLAG.findall(command.text)) - bench_flags(command.argv[2])
+        assert unknown == set(), command
 
 
 def test_every_asyncstep_command_quoted_inline_names_flags_that_exist() -> None:
@@ -282,7 +318,11 @@ def test_every_asyncstep_command_quoted_inline_names_flags_that_exist() -> None:
                 continue
             assert words[1] in {"generate", "serve", "trace", "bench"}, (name(page), text)
             flags = set(FLAG.findall(text)) - {"--help"}
-            assert flags <= engine_flags(words[1]), (name(page), text)
+            if words[1] == "bench":
+                if len(words) > 2 and words[2] in {"latency", "throughput", "serve", "startup"}:
+                    assert flags <= bench_flags(words[2]), (name(page), text)
+            else:
+                assert flags <= engine_flags(words[1]), (name(page), text)
 
 
 # -- run ----------------------------------------------------------------------------

@@ -21,9 +21,12 @@ MEASUREMENT = re.compile(
     r"|\btok/s\b|\b[GT]i?B/s\b"  # throughput, bandwidth
     r"|\d(?:\.\d+)?\s*x\s+(?:faster|slower)\b"  # 5x faster
     r"|\d[\d.]*k?\s*->\s*\d[\d.]*k?\s+(?:ms|tok|output)"  # 27.9k -> 35.4k output tok/s
-    r"|\b[Mm]easured\b"
+    r"|(?P<word>\b[Mm]easured\b)"
     r"|\b(?:H100|H200|A100)s?\b"
 )
+
+#: Where "measured" names what the code measures, not a figure it quotes.
+MEASURING = ("asyncstep/bench/",)
 
 #: Figures that are contracts or constants, not measurements: (module, text).
 ALLOWED: set[tuple[str, str]] = {
@@ -36,6 +39,8 @@ ALLOWED: set[tuple[str, str]] = {
     ("asyncstep/gpu/stream.py", "~0.25 ms after an"),
     # the kernel's clock tick (USER_HZ = 100)
     ("asyncstep/logging/spans.py", "tick, ~10 ms"),
+    # the KV cache a latency run sizes: a margin, not a result
+    ("asyncstep/bench/latency.py", "10 % headroom"),
 }
 
 
@@ -53,6 +58,8 @@ def docstrings() -> list[tuple[str, int, str]]:
 
 def allowed(name: str, doc: str, match: re.Match[str]) -> bool:
     """The match lies inside an allowed text of its module."""
+    if match.group("word") and name.startswith(MEASURING):
+        return True
     for where, text in ALLOWED:
         at = doc.find(text)
         if name == where and at >= 0 and at <= match.start() < at + len(text):

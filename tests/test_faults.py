@@ -1,4 +1,4 @@
-"""The fault campaign of issue 14, cut to CI's size (``benchmarks/faults.py``
+"""The fault campaign of issue 14, cut to CI's size (``tests/faults.py``
 runs it whole): random aborts of every kind mixed with preemption leave the
 survivors' greedy tokens as they are alone, give every KV block back and
 keep the engine serving; the engine core or a rank SIGKILLed under load
@@ -8,19 +8,15 @@ behind (more kills: tests/test_engine_process.py, tests/test_parallel.py)."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from asyncstep.models.model_loader import LoadedModel
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-
 
 @pytest.fixture
-def faults(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
+def faults() -> Any:
     import faults  # type: ignore[import-not-found]
 
     return faults

@@ -11,8 +11,9 @@ PACKAGE = Path(__file__).parents[1] / "asyncstep"
 
 #: Each top-level unit's layer: a unit imports only units of its layer or below.
 LAYERS: dict[str, int] = {
-    "__main__": 12,
-    "cli": 11,
+    "__main__": 13,
+    "cli": 12,
+    "bench": 11,  # ``asyncstep bench``: the CLI lends it its flag builder (no import up)
     "server": 10,
     "__init__": 9,  # the package's face: what users import
     "rank": 9,  # ``python -m asyncstep.rank``

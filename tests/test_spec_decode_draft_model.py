@@ -284,3 +284,29 @@ def test_a_layer_truncated_gguf_keeps_its_sources_tensors_and_tokenizer(tmp_path
         assert np.array_equal(tensor.data, kept[tensor.name].data)
     with pytest.raises(ValueError, match="num_layers"):
         write_truncated_gguf(default_model_path(), tmp_path / "bad.gguf", 30)
+
+
+@pytest.mark.skipif(ENGINE["device"] != "cpu", reason="the stand-in graphs are the CPU's")
+def test_a_draft_model_through_the_graph_wiring(
+    looping_hf_dir: Path,  # noqa: F811
+    one_layer_dir: Path,
+) -> None:
+    """Stand-in CUDA graphs asked for FULL_AND_PIECEWISE with the Triton
+    attention (interpreted): with a draft model the steps run PIECEWISE
+    (the draft reads the step's attention metadata, which a FULL graph's
+    step lacks), and the tokens are the target's."""
+    params = [greedy(max_tokens=12)] * 2
+    graphs = {
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "cudagraph_stand_in": True,
+        "attention_backend": "triton",
+        "max_num_seqs": 8,
+    }
+    prompts = PROMPTS[:2]
+    plain = trio.run(lambda: serve(looping_hf_dir, params, spec=False, prompts=prompts))
+    spec = trio.run(
+        lambda: serve(
+            looping_hf_dir, params, spec=draft_config(one_layer_dir), prompts=prompts, **graphs
+        )
+    )
+    assert spec == plain

@@ -192,6 +192,11 @@ class ModelRunner:
         mode = resolve_cudagraph_mode(
             compilation.cudagraph_mode, device, self.attention_backend, graph_stand_in
         )
+        if self.drafter is not None and mode.has_full_cudagraphs():
+            # The draft model runs eagerly on the step's attention metadata,
+            # which a FULL graph's step does not build.
+            none = mode.mixed_mode() is CUDAGraphMode.NONE
+            mode = CUDAGraphMode.NONE if none else CUDAGraphMode.PIECEWISE
         self.dispatcher = CudagraphDispatcher(
             mode,
             max_num_seqs=max_num_reqs,

@@ -1,4 +1,7 @@
-"""The fault campaign of issue 14 ("no request can kill the engine").
+"""The fault campaign of issue 14 ("no request can kill the engine"): a
+check of correctness under faults, not a measurement, so it lives with the
+tests (``tests/test_faults.py`` runs it at CI's size; run it whole from
+here).
 
 Three campaigns, each a subcommand:
 
@@ -37,9 +40,9 @@ Each run prints a table and writes JSON (``--out``, default under
 headed by the command line, the machine and the date. Exit status 1 when a
 check failed. On this CPU machine::
 
-    python benchmarks/faults.py kill-core --rounds 5 --callers 32
-    python benchmarks/faults.py kill-rank --rounds 3 --callers 16
-    python benchmarks/faults.py aborts --aborts 1000
+    python3 tests/faults.py kill-core --rounds 5 --callers 32
+    python3 tests/faults.py kill-rank --rounds 3 --callers 16
+    python3 tests/faults.py aborts --aborts 1000
 
 On a GPU the same commands run on CUDA (``--device auto``); ``--model``
 takes a shape name (dummy weights), a GGUF file or an HF directory.
@@ -82,7 +85,7 @@ try:  # optional: without it, processes are read from /proc
 except ImportError:
     psutil = None
 
-RESULTS_DIR = Path(__file__).parent / "results" / "faults"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "faults"
 KINDS = ("cancel_stream", "cancel_generate", "break_stream", "abort_stream", "abort_generate")
 #: Every caller must see EngineDeadError this soon after a kill (issue 14).
 DEADLINE_S = 10.0
@@ -953,7 +956,7 @@ def header(argv: Sequence[str], note: str | None) -> list[str]:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     lines = [
-        f"# python benchmarks/faults.py {shlex.join(argv)}",
+        f"# python3 tests/faults.py {shlex.join(argv)}",
         f"# {platform.node()}: {cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}; "
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
     ]

@@ -1,17 +1,18 @@
-"""The HF transformers baseline of ``benchmarks/bench.py``: ``generate`` with a
-static KV cache on a random-weight model of one of our named shapes.
+"""The HF transformers baseline of ``asyncstep bench latency|throughput --hf``:
+``generate`` with a static KV cache on a random-weight model of the
+benchmarked model's shape.
 
 The model is built directly on the device in the benchmark's dtype from a
 transformers config of the shape (:func:`asyncstep.models.hf_reference.hf_config`).
 Compiled: ``generate`` auto-compiles its decode step with
 ``CompileConfig(mode="reduce-overhead", fullgraph=True)`` (HF's static-cache
-recipe; what ``../shared/anchors.md`` calls "HF static cache (compiled)");
+recipe);
 prefill runs eagerly. Greedy; ``min_new_tokens = max_new_tokens``, so no
 request stops early on EOS.
 
 Runs that should share compiled graphs share one static-cache shape: the cache
 is sized by ``max_new_tokens``, and a shorter run keeps that size and stops
-early through a stopping criterion (:func:`stop_after`).
+early through a stopping criterion (:func:`stop_after`). Imports torch.
 
 HF never fails the benchmark: an error is recorded in place of its figures.
 """
@@ -129,11 +130,16 @@ def guarded(label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> An
 
 
 def quoted(path: Path, key: str) -> Row | None:
-    """The HF figures of configuration ``key`` in an earlier run's JSON."""
+    """The HF figures of configuration ``key`` in an earlier run's JSON: an
+    ``asyncstep bench`` record (a case's ``detail.hf``) or an older
+    ``benchmarks/bench.py`` one (a row's ``hf``)."""
     earlier = json.loads(path.read_text())
-    for row in earlier.get("rows", []):
-        if row.get("key") == key and row.get("hf") and "error" not in row["hf"]:
-            return {**row["hf"], "source": f"quoted from {path} ({earlier.get('date')})"}
+    found = [(c.get("name"), c.get("detail", {}).get("hf")) for c in earlier.get("cases", [])]
+    found += [(r.get("key"), r.get("hf")) for r in earlier.get("rows", [])]
+    date = earlier.get("started") or earlier.get("date")
+    for name, hf in found:
+        if name == key and hf and "error" not in hf:
+            return {**hf, "source": f"quoted from {path} ({date})"}
     return None
 
 
@@ -237,7 +243,11 @@ def latency_all(
         for key, prompts in batches.items():
             row = guarded(key, latency, model, prompts, output_len, options)
             out[key] = row | {"source": options.label}
-            print(f"  HF   {key}: ITL {row.get('itl_ms', float('nan')):.3f} ms", flush=True)
+            print(
+                f"  HF   {key}: ITL {row.get('itl_ms', float('nan')):.3f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
         return out
 
     error = {"error": "the HF model could not be built", "source": options.label}
@@ -310,5 +320,9 @@ def throughput_run(
 
     row: Row = guarded("model", with_model, arch, options, work)
     row["source"] = options.label
-    print(f"  HF   {key}: {row.get('output_tok_s', float('nan')):.1f} output tok/s", flush=True)
+    print(
+        f"  HF   {key}: {row.get('output_tok_s', float('nan')):.1f} output tok/s",
+        file=sys.stderr,
+        flush=True,
+    )
     return row
