@@ -478,3 +478,14 @@ def test_the_layers_drawn_are_those_kept() -> None:
         for unit in re.findall(r"^`(\w+)`|, `(\w+)`", units):
             drawn[next(u for u in unit if u)] = int(layer)
     assert drawn == LAYERS
+
+
+def test_the_multi_machine_recipe_is_the_one_test_parallel_runs() -> None:
+    """Its commands need several machines; tests/test_parallel.py runs the
+    same recipe on one (torchrun's ranks, ``-m asyncstep.rank --engine``)."""
+    recipe = [c.text for c in all_commands() if c.page == "docs/parallelism.md" and c.reason]
+    (torchrun,) = [text for text in recipe if text.startswith("torchrun")]
+    assert torchrun.endswith("-m asyncstep.rank --engine A:5555")
+    source = (ROOT / "tests" / "test_parallel.py").read_text()
+    assert '"-m", "asyncstep.rank", "--engine"' in source
+    assert "docs/parallelism.md's multi-machine recipe" in source
