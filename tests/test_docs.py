@@ -489,3 +489,14 @@ def test_the_multi_machine_recipe_is_the_one_test_parallel_runs() -> None:
     source = (ROOT / "tests" / "test_parallel.py").read_text()
     assert '"-m", "asyncstep.rank", "--engine"' in source
     assert "docs/parallelism.md's multi-machine recipe" in source
+
+
+def test_every_results_file_a_page_names_exists() -> None:
+    """A figure's source is a file that is there (``_k4.json``-style
+    shorthands name a sibling of the file before them)."""
+    for page in PAGES:
+        for path in re.findall(r"`(benchmarks/[\w./*-]+)`", page.read_text()):
+            if "*" in path:
+                assert glob.glob(str(ROOT / path)), (name(page), path)
+            else:
+                assert (ROOT / path.rstrip("/")).exists(), (name(page), path)
