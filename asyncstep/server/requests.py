@@ -30,17 +30,18 @@ import msgspec
 from asyncstep.checks import shown
 from asyncstep.datatypes import MAX_LOGPROBS, SamplingParams
 from asyncstep.engine.engine import Engine
+from asyncstep.engine.tool_parsers import ToolParser
+from asyncstep.engine.tools import ForcedCalls, ToolMode, check_tools
 from asyncstep.errors import InvalidRequestError
 from asyncstep.server.errors import bad_request
 from asyncstep.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ChatTool,
     CompletionRequest,
     GenerationRequest,
     ResponseFormat,
 )
-from asyncstep.server.tool_parsers import ToolParser
-from asyncstep.server.tools import ForcedCalls, check_tools, template_tools
 from asyncstep.structured_params import StructuredOutputsParams, check_structured_outputs
 
 #: A completion's ``max_tokens`` when none is given (OpenAI's).
@@ -73,7 +74,7 @@ class GenerationJob:
     #: ``echo`` with ``max_tokens`` 0: the prompt alone (one token is made, not shown).
     hide_output: bool = False
     #: A chat's tool calls: forced ones, or the parser of ``auto``'s.
-    tool_calls: ForcedCalls | ToolParser | None = None
+    tool_calls: ToolMode = None
 
     @property
     def n(self) -> int:
@@ -122,14 +123,19 @@ async def chat_job(
         raise bad_request("messages must not be empty", "messages")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    messages = chat_messages(request.messages)
+    tools = template_tools(request.tools)
     mode = check_tools(
-        request.tools, request.tool_choice, request.parallel_tool_calls, request.messages, parser
+        tools,
+        msgspec.to_builtins(request.tool_choice),
+        request.parallel_tool_calls,
+        messages,
+        parser,
+        auto_needs="--enable-auto-tool-choice and --tool-call-parser to be set",
     )
     forced = mode if isinstance(mode, ForcedCalls) else None
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    ids = await _encoded(
-        engine, chat_messages(request.messages), "messages", tools=template_tools(request.tools)
-    )
+    ids = await _encoded(engine, messages, "messages", tools=tools)
     given = request.max_completion_tokens
     name = "max_completion_tokens"
     if given is None and request.max_tokens is not None:
@@ -138,6 +144,13 @@ async def chat_job(
     params = [_sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, forced)]
     job = _job(request, [ids], [None], params, logprobs)
     return dataclasses.replace(job, tool_calls=mode)
+
+
+def template_tools(tools: Sequence[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """The tools as JSON values (OpenAI's shape), as the engine takes them."""
+    if not tools:
+        return None
+    return [msgspec.to_builtins(tool) for tool in tools]
 
 
 def completion_prompts(prompt: str | list[Any], max_model_len: int) -> list[str | list[int]]:
@@ -327,8 +340,7 @@ def structured_outputs(
                 "combined with response_format or structured_outputs",
                 "tool_choice",
             )
-        schema = {"json": forced.schema(), "disable_any_whitespace": True}
-        return check_structured_outputs("tools", schema)
+        return forced.structured_outputs()
     if given is not None:
         return check_structured_outputs("structured_outputs", given)
     return from_format
