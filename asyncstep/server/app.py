@@ -170,7 +170,12 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self._body(request), ChatCompletionRequest)
         self._check_model(body.model)
-        job = await chat_job(self.engine, body, self.tool_parser)
+        job = await chat_job(
+            self.engine,
+            body,
+            self.tool_parser,
+            trust_chat_template=self.config.trust_request_chat_template,
+        )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(
             rid,

@@ -100,6 +100,14 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         str | None,
         _doc("how calls are written in the model's text: hermes or llama3_json"),
     ] = None
+    trust_request_chat_template: Annotated[
+        bool,
+        _doc(
+            "take a chat request's own chat_template (code from a client: rendered in "
+            "transformers' sandboxed Jinja, bounded in size, but its rendering time is not "
+            "bounded); off: such a request is refused (400)"
+        ),
+    ] = False
     api_server_count: Annotated[
         int,
         _doc(

@@ -171,6 +171,11 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     #: with tools, else ``none``).
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    #: vLLM's: a Jinja chat template for this request (taken only by a server
+    #: started with ``--trust-request-chat-template``).
+    chat_template: str | None = None
+    #: vLLM's: the chat template's variables (e.g. ``{"enable_thinking": false}``).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -116,13 +116,25 @@ async def completion_job(engine: Engine, request: CompletionRequest) -> Generati
 
 
 async def chat_job(
-    engine: Engine, request: ChatCompletionRequest, parser: ToolParser | None = None
+    engine: Engine,
+    request: ChatCompletionRequest,
+    parser: ToolParser | None = None,
+    *,
+    trust_chat_template: bool = False,
 ) -> GenerationJob:
-    """``parser``: the server's tool-call parser (``tool_choice`` ``auto``)."""
+    """``parser``: the server's tool-call parser (``tool_choice`` ``auto``);
+    ``trust_chat_template``: a request's own ``chat_template`` is taken
+    (else refused)."""
     if not request.messages:
         raise bad_request("messages must not be empty", "messages")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    if request.chat_template is not None and not trust_chat_template:
+        raise bad_request(
+            "chat_template: this server does not take a request's chat template (start it "
+            "with --trust-request-chat-template)",
+            "chat_template",
+        )
     messages = chat_messages(request.messages)
     tools = template_tools(request.tools)
     mode = check_tools(
@@ -135,7 +147,14 @@ async def chat_job(
     )
     forced = mode if isinstance(mode, ForcedCalls) else None
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    ids = await _encoded(engine, messages, "messages", tools=tools)
+    ids = await _encoded(
+        engine,
+        messages,
+        "messages",
+        tools=tools,
+        chat_template=request.chat_template,
+        chat_template_kwargs=request.chat_template_kwargs,
+    )
     given = request.max_completion_tokens
     name = "max_completion_tokens"
     if given is None and request.max_tokens is not None:
@@ -247,12 +266,25 @@ def _is_token_ids(value: object) -> bool:
 
 
 async def _encoded(
-    engine: Engine, prompt: Any, param: str = "prompt", tools: list[dict[str, Any]] | None = None
+    engine: Engine,
+    prompt: Any,
+    param: str = "prompt",
+    tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     try:
-        return await engine.encode_prompt(prompt, tools=tools)
+        return await engine.encode_prompt(
+            prompt,
+            tools=tools,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), param) from None
+        message = str(exc)
+        field = message.split(" ", 1)[0].rstrip(":")
+        given = field if field in ("chat_template", "chat_template_kwargs") else param
+        raise bad_request(message, given) from None
 
 
 def _max_tokens(
