@@ -520,7 +520,8 @@ class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
         _doc(
             "the model thinks first (<think>...</think>): a chat's thinking goes to "
             "reasoning_content, apart from its content, and a grammar (structured outputs, "
-            "forced tool calls) applies from the end of the thinking on: qwen3 or deepseek_r1"
+            "forced tool calls) applies from the end of the thinking on: qwen3 or deepseek_r1 "
+            "(none: no thinking apart)"
         ),
     ] = None
 
