@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -334,3 +335,15 @@ async def test_over_http_a_request_s_template_needs_the_server_s_trust(
                 )
                 assert reserved.status_code == 400
                 assert reserved.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_the_readme_s_chat_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's ``engine.chat`` example, as written (the embedded model,
+    its own engine-core process): it prints the forced call it shows."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+    [example] = [b for b in blocks if "engine.chat(" in b]
+    exec(compile("import trio\nimport asyncstep\n" + example, "README.md", "exec"), {})
+    shown = re.search(r"# (tool_calls get_weather .*)", example)
+    assert shown is not None
+    assert capsys.readouterr().out.splitlines()[-1] == shown.group(1)
