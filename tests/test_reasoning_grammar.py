@@ -18,7 +18,7 @@ import pytest
 import asyncstep
 from asyncstep import SamplingParams, StructuredOutputsParams
 from asyncstep.engine.core import EngineCore
-from asyncstep.engine.reasoning_gate import THINKING, ReasoningMarkers
+from asyncstep.engine.reasoning_gate import THINKING, ReasoningGate, ReasoningMarkers
 from asyncstep.models.model_loader import LoadedModel
 
 #: A made-up vocabulary: ``<think>`` and ``</think>`` whole (0, 1), and in pieces.
@@ -159,3 +159,48 @@ async def test_a_forced_call_after_the_thinking_through_engine_chat(
     assert arguments == call.function.arguments
     assert not any(c.content for c in chunks)
     assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_a_thinking_row_allows_everything_and_an_opening_row_its_think_token(
+    smollm2: LoadedModel,
+) -> None:
+    """The bitmask rows: all-allowed while thinking; before the reply opens
+    (qwen3), the grammar's tokens and the ``<think>`` token (here a made-up
+    id: SmolLM2's ``<think>`` is three tokens); the thinking's tokens never
+    reach the matcher, the bytes after its end do."""
+    import numpy as np
+    import xgrammar as xgr
+
+    from asyncstep.engine.structured_output import _advance_and_fill
+
+    tokenizer = smollm2.tokenizer
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=smollm2.arch_config.vocab_size)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(ANSWER))
+    markers = ReasoningMarkers("qwen3", info.decoded_vocab)
+    think = 63  # bit 31 of its word
+    width = (smollm2.arch_config.vocab_size + 31) // 32
+
+    def row_of(gate: Any, tokens: list[int], matcher: Any) -> np.ndarray:
+        bitmask = np.full((1, width), -1, dtype=np.int32)  # as the manager starts a step's
+        assert _advance_and_fill([("r", matcher, tokens, 0, [], gate)], bitmask) == []
+        return bitmask[0]
+
+    def allowed(row: np.ndarray) -> set[int]:
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+        return set(np.flatnonzero(bits).tolist())
+
+    grammar_first = allowed(row_of(None, [], xgr.GrammarMatcher(compiled)))
+    assert think not in grammar_first
+    opening = allowed(
+        row_of(ReasoningGate(markers, opening=think), [], xgr.GrammarMatcher(compiled))
+    )
+    assert opening == grammar_first | {think}
+
+    matcher = xgr.GrammarMatcher(compiled)
+    gate = ReasoningGate(markers)
+    thinking = tokenizer.encode("hm, 5+1 is six", add_special_tokens=False)
+    assert (row_of(gate, thinking, matcher) == -1).all()  # every token allowed
+    ended = tokenizer.encode("</think>{", add_special_tokens=False)  # "</", "think", ">", "{"
+    after = allowed(row_of(gate, ended, matcher))
+    assert gate.ended and after != grammar_first  # the matcher took "{"
+    assert tokenizer.encode('"', add_special_tokens=False)[0] in after
