@@ -21,9 +21,10 @@ requests with stop strings, whose new tokens are decoded as they arrive.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -301,8 +302,11 @@ class Engine:
             chat_template_kwargs,
         )
         streams: dict[int, ReplyStream] = {}
-        chunks = self.stream(ids, params, request_id=request_id, client=client)
-        try:
+        chunks = cast(
+            AsyncGenerator[CompletionChunk, None],
+            self.stream(ids, params, request_id=request_id, client=client),
+        )
+        async with contextlib.aclosing(chunks):  # leaving early aborts the request
             async for chunk in chunks:
                 stream = streams.setdefault(chunk.index, reader.stream())
                 finished = chunk.finish_reason is not None
@@ -319,8 +323,6 @@ class Engine:
                     stop_reason=chunk.stop_reason,
                     logprobs=chunk.logprobs,
                 )
-        finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
 
     async def _chat_request(
         self,
