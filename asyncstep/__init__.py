@@ -26,7 +26,16 @@ from asyncstep.config import (
 from asyncstep.datatypes import FinishReason, Logprobs, SamplingParams
 from asyncstep.engine.api import make_config, open_engine
 from asyncstep.engine.engine import Engine, EngineStatistics
-from asyncstep.engine.outputs import Completion, CompletionChunk, CompletionOutput
+from asyncstep.engine.outputs import (
+    ChatChunk,
+    ChatCompletion,
+    ChatOutput,
+    Completion,
+    CompletionChunk,
+    CompletionOutput,
+    DeltaToolCall,
+    ToolCall,
+)
 from asyncstep.errors import (
     AsyncstepError,
     ConfigError,
@@ -42,11 +51,15 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncstepError",
     "CacheConfig",
+    "ChatChunk",
+    "ChatCompletion",
+    "ChatOutput",
     "CompilationConfig",
     "Completion",
     "CompletionChunk",
     "CompletionOutput",
     "ConfigError",
+    "DeltaToolCall",
     "Engine",
     "EngineConfig",
     "EngineDeadError",
@@ -60,6 +73,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "StructuredOutputsParams",
+    "ToolCall",
     "UnsupportedModelError",
     "make_config",
     "open_engine",

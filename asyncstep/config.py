@@ -441,6 +441,10 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
             raise ConfigError("ubatch thresholds must be at least 2 tokens")
 
 
+#: ``reasoning_parser`` names (:class:`asyncstep.engine.reasoning.ReasoningParser`).
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
 class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
     """Grammars of structured outputs: the budget each is checked against at
     the door, before anything builds or compiles it, and the bounds of their
@@ -511,6 +515,15 @@ class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
     grammar_cache_mib: Annotated[
         int, _doc("compiled grammars kept for reuse (MiB, as xgrammar counts their memory)")
     ] = 64
+    reasoning_parser: Annotated[
+        str | None,
+        _doc(
+            "the model thinks first (<think>...</think>): a chat's thinking goes to "
+            "reasoning_content, apart from its content, and a grammar (structured outputs, "
+            "forced tool calls) applies from the end of the thinking on: qwen3 or deepseek_r1 "
+            "(none: no thinking apart)"
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -530,6 +543,11 @@ class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
         if self.grammar_cache_mib < 0:
             raise ConfigError(
                 f"grammar_cache_mib must be 0 (no cache) or positive, got {self.grammar_cache_mib}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
             )
 
 

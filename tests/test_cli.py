@@ -353,6 +353,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "grammar_compile_timeout_s": (["2.5"], 2.5),
     "grammar_compile_memory_mib": (["512"], 512),
     "grammar_cache_mib": (["0"], 0),
+    "reasoning_parser": (["deepseek_r1"], "deepseek_r1"),
     "speculative_config": (['{"num_speculative_tokens": 3}'], {"num_speculative_tokens": 3}),
 }
 

@@ -41,7 +41,9 @@ How each kind runs here:
   ``add_argument`` strings, and the engine's flags where it passes unknown
   ones on).
 * Python examples: ``asyncstep.open_engine`` opens the tiny checkpoint when
-  given no model, with the engine core in this process.
+  given no model, with the engine core in this process. The ``engine.chat``
+  example forces a tool call, which needs a model that answers:
+  ``tests/test_chat_api.py`` runs it on the embedded model (checked here).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ NOT_RUN = {
     " --master-port 29500 -m asyncstep.rank --engine A:5555": "needs several machines",
 }
 MAIN_JOB = 'asyncstep generate "What is the capital of France?"'
+CHAT_EXAMPLE = "engine.chat("
 PLACEHOLDER = "/path/to/hf-checkpoint"
 DOCS_URL = "http://127.0.0.1:8000"
 MARK = re.compile(r"# \(not run by tests/test_docs\.py: (.+)\)")
@@ -463,9 +466,24 @@ def test_python_examples(monkeypatch: pytest.MonkeyPatch, tiny_hf_dir: Path) -> 
         namespace: dict[str, object] = {}
         for lang, code in blocks(page):
             if lang == "python" and not is_client_page(page) and code not in seen:
+                if CHAT_EXAMPLE in code:
+                    continue  # tests/test_chat_api.py runs it
                 seen.add(code)
                 exec(code, namespace)
     assert len(opened) >= 2
+
+
+def test_the_chat_example_is_run_on_the_embedded_model() -> None:
+    examples = [
+        code
+        for page in PAGES
+        for lang, code in blocks(page)
+        if lang == "python" and CHAT_EXAMPLE in code
+    ]
+    assert len(examples) == 1
+    source = (ROOT / "tests" / "test_chat_api.py").read_text()
+    assert "read_text()" in source and '"docs" / "python-api.md"' in source
+    assert 'if "engine.chat(" in b' in source
 
 
 def test_the_layers_drawn_are_those_kept() -> None:

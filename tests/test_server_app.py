@@ -229,6 +229,11 @@ FRONT_END = {
     "asyncstep.engine.api",
     "asyncstep.engine.engine",
     "asyncstep.engine.outputs",
+    # the chat's front end: tools, their parsers, the thinking apart
+    "asyncstep.engine.chat_replies",
+    "asyncstep.engine.reasoning",
+    "asyncstep.engine.tool_parsers",
+    "asyncstep.engine.tools",
 }
 
 

@@ -1,4 +1,4 @@
-"""Forced tool calls (:mod:`asyncstep.server.tools`) without a server: the
+"""Forced tool calls (:mod:`asyncstep.engine.tools`) without a server: the
 schema each ``tool_choice`` forces, the output read back as calls, the
 stream's deltas; and the engine's door for chat messages that carry calls."""
 
@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import itertools
 import json
+from typing import Any
 
-import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncstep.config import ModelConfig
+from asyncstep.config import REASONING_PARSERS, ModelConfig, StructuredOutputsConfig
 from asyncstep.engine.input_processor import InputProcessor
-from asyncstep.errors import ConfigError, InvalidRequestError
-from asyncstep.models.model_info import describe_model
-from asyncstep.server.config import REASONING_PARSERS, TOOL_PARSER_NAMES, ServerConfig
-from asyncstep.server.errors import APIError
-from asyncstep.server.protocol import ChatMessage, ChatTool, NamedToolChoice
-from asyncstep.server.reasoning import ReasoningParser
-from asyncstep.server.tool_parsers import (
+from asyncstep.engine.reasoning import ReasoningParser
+from asyncstep.engine.tool_parsers import (
     TOOL_PARSERS,
     HermesParser,
     Llama3JsonParser,
@@ -28,20 +23,31 @@ from asyncstep.server.tool_parsers import (
     ToolParser,
     make_call,
 )
-from asyncstep.server.tools import ForcedCalls, ToolCallStream, check_tools
+from asyncstep.engine.tools import ForcedCalls, ToolCallStream, check_tools
+from asyncstep.errors import ConfigError, InvalidRequestError
+from asyncstep.models.model_info import describe_model
+from asyncstep.server.config import TOOL_PARSER_NAMES, ServerConfig
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-TOOLS = [
-    msgspec.convert(
-        {"type": "function", "function": {"name": "weather", "parameters": CITY}}, ChatTool
-    ),
-    msgspec.convert({"type": "function", "function": {"name": "clock"}}, ChatTool),
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "weather", "parameters": CITY}},
+    {"type": "function", "function": {"name": "clock"}},
 ]
-USER = [ChatMessage(role="user", content="hi")]
+USER: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
 
 
-def named(name: str) -> NamedToolChoice:
-    return msgspec.convert({"type": "function", "function": {"name": name}}, NamedToolChoice)
+def named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+def _deep(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+DEEP = _deep(100)
 
 
 def test_each_tool_choice_forces_its_schema() -> None:
@@ -62,7 +68,7 @@ def test_each_tool_choice_forces_its_schema() -> None:
 @pytest.mark.parametrize(
     "tools,choice,messages,message",
     [
-        (TOOLS, None, USER, "requires --enable-auto-tool-choice"),
+        (TOOLS, None, USER, 'tool_choice "auto" requires a tool_call_parser'),
         (TOOLS, "sometimes", USER, "tool_choice must be one of none, auto, required"),
         (None, "required", USER, "needs tools"),
         (TOOLS, named("nothing"), USER, "not among the tools"),
@@ -70,21 +76,38 @@ def test_each_tool_choice_forces_its_schema() -> None:
         (
             TOOLS,
             "required",
-            [*USER, ChatMessage(role="tool", content="22 C", tool_call_id="c9")],
+            [*USER, {"role": "tool", "content": "22 C", "tool_call_id": "c9"}],
             "answers no earlier tool call",
         ),
-        (TOOLS, "required", [*USER, ChatMessage(role="tool", content="x")], "needs tool_call_id"),
+        (TOOLS, "required", [*USER, {"role": "tool", "content": "x"}], "needs tool_call_id"),
+        (
+            [{"type": "function", "function": {"name": "deep", "parameters": DEEP}}],
+            "required",
+            USER,
+            "nests more than 128 levels deep",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+            "required",
+            USER,
+            "must be the schema of an object",
+        ),
+        ([{"type": "retrieval"}], "required", USER, "tools[0].type must be 'function'"),
+        (TOOLS, "required", USER, None),  # the healthy request beside them
     ],
 )
 def test_bad_tools_are_refused_in_one_line(
-    tools: list[ChatTool] | None,
-    choice: str | NamedToolChoice | None,
-    messages: list[ChatMessage],
-    message: str,
+    tools: list[dict[str, Any]] | None,
+    choice: str | dict[str, Any] | None,
+    messages: list[dict[str, Any]],
+    message: str | None,
 ) -> None:
-    with pytest.raises(APIError) as refused:
+    if message is None:
+        assert isinstance(check_tools(tools, choice, None, messages), ForcedCalls)
+        return
+    with pytest.raises(InvalidRequestError) as refused:
         check_tools(tools, choice, None, messages)
-    assert message in refused.value.message and "\n" not in refused.value.message
+    assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_outputs_read_back_as_calls() -> None:
@@ -280,4 +303,4 @@ def test_thinking_is_read_apart_whole_and_in_any_pieces(
 def test_the_reasoning_parsers_are_the_server_options() -> None:
     assert {ReasoningParser.named(n).name for n in REASONING_PARSERS} == {"qwen3", "deepseek_r1"}
     with pytest.raises(ConfigError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
-        ServerConfig(reasoning_parser="o1")
+        StructuredOutputsConfig(reasoning_parser="o1")

@@ -6,7 +6,17 @@ leave out; each call's function name and arguments; a tool message's
 ``tool_call_id``; all in UTF-8) and counts the bytes it renders;
 :func:`template_message` gives it the shape templates take (arguments as
 objects); :func:`use_chat_template` replaces a tokenizer's template with a
-file's, once it renders a chat. May import msgspec, ``asyncstep.checks`` and
+file's, once it renders a chat.
+
+A request may bring its own template (``chat_template``: code from a
+client, which the HTTP server takes only with ``--trust-request-chat-template``;
+rendered, as every template, in the sandboxed Jinja environment of
+transformers' ``apply_chat_template``; :func:`check_chat_template`: at most
+:data:`MAX_REQUEST_CHAT_TEMPLATE_BYTES`) and its template's variables
+(``chat_template_kwargs``, e.g. ``{"enable_thinking": false}``;
+:func:`check_chat_template_kwargs`: a JSON object of at most
+:data:`MAX_CHAT_TEMPLATE_KWARGS_BYTES`, none of the names the template's
+caller sets itself). May import msgspec, ``asyncstep.checks`` and
 ``asyncstep.errors``.
 """
 
@@ -18,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from asyncstep.checks import is_utf8, shown, utf8_size
+from asyncstep.checks import check_json_depth, is_utf8, shown, utf8_size
 from asyncstep.errors import ConfigError, InvalidRequestError, describe
 
 if TYPE_CHECKING:
@@ -27,6 +37,33 @@ if TYPE_CHECKING:
 
 #: Largest chat template file taken (``ModelConfig.chat_template``).
 MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+#: Largest chat template a request may bring (``chat_template``).
+MAX_REQUEST_CHAT_TEMPLATE_BYTES = 64 << 10
+#: Largest ``chat_template_kwargs`` (as JSON).
+MAX_CHAT_TEMPLATE_KWARGS_BYTES = 16 << 10
+#: Template variables a request may not set: what the renderer sets itself
+#: (``apply_chat_template``'s own parameters and the messages), beside the
+#: tokenizer's special tokens (``bos_token``, ...).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 #: What a chat template must render at start-up.
 _PROBE_CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 
@@ -56,6 +93,62 @@ def use_chat_template(tokenizer: PreTrainedTokenizerBase | None, path: str | Non
     if not isinstance(text, str) or "Hi" not in text:
         raise ConfigError(f"chat_template {path}: its rendering of a chat leaves the messages out")
     tokenizer.chat_template = template
+
+
+def check_chat_template(template: object) -> str | None:
+    """A request's ``chat_template``: None, or the text of a Jinja template
+    (UTF-8, not empty, at most :data:`MAX_REQUEST_CHAT_TEMPLATE_BYTES`)."""
+    if template is None:
+        return None
+    if not isinstance(template, str):
+        raise InvalidRequestError(f"chat_template must be a string, got {shown(template)}")
+    if not template.strip():
+        raise InvalidRequestError("chat_template must not be empty")
+    if not is_utf8(template):
+        raise InvalidRequestError("chat_template is not valid UTF-8")
+    size = utf8_size(template)
+    if size > MAX_REQUEST_CHAT_TEMPLATE_BYTES:
+        raise InvalidRequestError(
+            f"chat_template has {size} bytes, more than {MAX_REQUEST_CHAT_TEMPLATE_BYTES}"
+        )
+    return template
+
+
+def check_chat_template_kwargs(
+    kwargs: object, reserved: frozenset[str] = RESERVED_TEMPLATE_KWARGS
+) -> tuple[dict[str, Any], int]:
+    """A request's ``chat_template_kwargs`` (None: none): a JSON object of
+    at most :data:`MAX_CHAT_TEMPLATE_KWARGS_BYTES`, nested at most
+    :data:`~asyncstep.checks.MAX_JSON_DEPTH` deep, whose names are
+    identifiers outside ``reserved``. Returns it (as plain JSON values) and
+    its size in bytes."""
+    if kwargs is None:
+        return {}, 0
+    if not isinstance(kwargs, Mapping):
+        raise InvalidRequestError(
+            f"chat_template_kwargs must be a JSON object, got {shown(kwargs)}"
+        )
+    for key in kwargs:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InvalidRequestError(
+                f"chat_template_kwargs: each name must be an identifier, got {shown(key)}"
+            )
+        if key in reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {key!r} (the template's caller sets it)"
+            )
+    try:
+        text = msgspec.json.encode(kwargs)
+    except (TypeError, msgspec.EncodeError, UnicodeEncodeError, RecursionError) as exc:
+        raise InvalidRequestError(f"chat_template_kwargs must be JSON: {exc}") from None
+    if len(text) > MAX_CHAT_TEMPLATE_KWARGS_BYTES:
+        raise InvalidRequestError(
+            f"chat_template_kwargs has {len(text)} bytes of JSON, more than "
+            f"{MAX_CHAT_TEMPLATE_KWARGS_BYTES}"
+        )
+    check_json_depth("chat_template_kwargs", text)
+    decoded: dict[str, Any] = msgspec.json.decode(text)
+    return decoded, len(text)
 
 
 def check_chat_message(index: int, message: Mapping[str, Any]) -> int:

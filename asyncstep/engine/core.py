@@ -286,7 +286,7 @@ class EngineCore:
                     self._rejected.append(RejectedRequest(req_id, str(exc)))
             else:
                 if self._compiling.pop(req_id, None) is not None:
-                    self.structured_output.add(req_id, compiled)
+                    self.structured_output.add(req_id, compiled, request.prompt_token_ids)
                     self._schedule_request(request)
         if self._compile_scopes.get(req_id) is scope:
             del self._compile_scopes[req_id]

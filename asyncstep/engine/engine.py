@@ -21,11 +21,12 @@ requests with stop strings, whose new tokens are decoded as they arrive.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import msgspec
@@ -35,6 +36,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from asyncstep.checks import shown
 from asyncstep.config import EngineConfig
 from asyncstep.datatypes import MAX_SEED, SamplingParams
+from asyncstep.engine.chat_messages import is_chat
+from asyncstep.engine.chat_replies import ReplyReader, ReplyStream, finish_reason
 from asyncstep.engine.core_client import CoreClient
 from asyncstep.engine.core_messages import (
     CoreFailed,
@@ -50,8 +53,17 @@ from asyncstep.engine.core_messages import (
     WaitIdle,
 )
 from asyncstep.engine.input_processor import InputProcessor, Prompt, check_request_id
-from asyncstep.engine.outputs import Completion, CompletionChunk
+from asyncstep.engine.outputs import (
+    ChatChunk,
+    ChatCompletion,
+    ChatOutput,
+    Completion,
+    CompletionChunk,
+)
+from asyncstep.engine.reasoning import ReasoningParser
 from asyncstep.engine.request_state import RequestGroup, RequestState
+from asyncstep.engine.tool_parsers import tool_parser
+from asyncstep.engine.tools import ForcedCalls, check_tools
 from asyncstep.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -194,6 +206,162 @@ class Engine:
         for state in group.states:
             self._raise_if_failed(state)
 
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_call_parser: str | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        client: str = "",
+    ) -> ChatCompletion:
+        """Answer a chat whole: its choices read apart into thinking
+        (``reasoning_content``, with the engine's ``reasoning_parser``),
+        answer (``content``) and calls (``tool_calls``: ids, names, JSON
+        arguments; finish reason ``tool_calls``).
+
+        ``tools`` and ``tool_choice`` are OpenAI's (JSON values):
+        ``required`` or ``{"type": "function", "function": {"name": ...}}``
+        force the calls through a grammar built from the tools' parameters
+        (every call parses and validates; ``parallel_tool_calls=False``: at
+        most one); ``auto`` (the default with tools) needs
+        ``tool_call_parser`` (``hermes``, ``llama3_json``) to read the calls
+        the model writes; ``none`` reads none. ``chat_template`` replaces the
+        tokenizer's template for this request (code: the caller's own,
+        rendered sandboxed) and ``chat_template_kwargs`` are its variables.
+        Every field is checked before anything is sent (one-line
+        :class:`InvalidRequestError`); ``request_id``, ``client`` and
+        cancelling as for :meth:`generate`."""
+        ids, params, reader = await self._chat_request(
+            messages,
+            sampling_params,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            tool_call_parser,
+            chat_template,
+            chat_template_kwargs,
+        )
+        completion = await self.generate(ids, params, request_id=request_id, client=client)
+        outputs = []
+        for output in completion.outputs:
+            reply = reader.whole(output.text)
+            outputs.append(
+                ChatOutput(
+                    index=output.index,
+                    content=reply.content,
+                    reasoning_content=reply.reasoning,
+                    tool_calls=reply.calls or [],
+                    finish_reason=str(
+                        finish_reason(str(output.finish_reason), reply.calls is not None)
+                    ),
+                    stop_reason=output.stop_reason,
+                    text=output.text,
+                    token_ids=output.token_ids,
+                    logprobs=output.logprobs,
+                )
+            )
+        return ChatCompletion(
+            request_id=completion.request_id,
+            prompt_token_ids=completion.prompt_token_ids,
+            outputs=outputs,
+        )
+
+    async def chat_stream(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_call_parser: str | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        client: str = "",
+    ) -> AsyncIterator[ChatChunk]:
+        """:meth:`chat`, chunk by chunk as OpenAI streams it: each chunk one
+        choice's new thinking, answer and call deltas (a call's id and name
+        first, then its arguments; ``required``'s calls whole once their
+        list is complete; ``auto``'s each once it is whole). The arguments
+        as :meth:`chat`; leaving the iteration early aborts the request."""
+        ids, params, reader = await self._chat_request(
+            messages,
+            sampling_params,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            tool_call_parser,
+            chat_template,
+            chat_template_kwargs,
+        )
+        streams: dict[int, ReplyStream] = {}
+        chunks = cast(
+            AsyncGenerator[CompletionChunk, None],
+            self.stream(ids, params, request_id=request_id, client=client),
+        )
+        async with contextlib.aclosing(chunks):  # leaving early aborts the request
+            async for chunk in chunks:
+                stream = streams.setdefault(chunk.index, reader.stream())
+                finished = chunk.finish_reason is not None
+                reasoning, content, calls = stream.feed(chunk.text, finished)
+                reason = None if chunk.finish_reason is None else str(chunk.finish_reason)
+                yield ChatChunk(
+                    request_id=chunk.request_id,
+                    index=chunk.index,
+                    content=content,
+                    reasoning_content=reasoning,
+                    tool_calls=calls,
+                    token_ids=chunk.token_ids,
+                    finish_reason=finish_reason(reason, stream.called),
+                    stop_reason=chunk.stop_reason,
+                    logprobs=chunk.logprobs,
+                )
+
+    async def _chat_request(
+        self,
+        messages: object,
+        params: SamplingParams | None,
+        tools: object,
+        tool_choice: object,
+        parallel_tool_calls: object,
+        tool_call_parser: str | None,
+        chat_template: str | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[int], SamplingParams, ReplyReader]:
+        """A chat checked whole (the door's checks of the HTTP API's too):
+        its prompt's ids, its sampling parameters (a forced call's grammar
+        in them), and how its replies are read."""
+        if not is_chat(messages):
+            raise InvalidRequestError(
+                f"messages must be a non-empty list of chat messages (dicts), got {shown(messages)}"
+            )
+        chat = cast(Sequence[Mapping[str, Any]], messages)
+        checked = self.input_processor.check_params(params)
+        mode = check_tools(
+            tools, tool_choice, parallel_tool_calls, chat, tool_parser(tool_call_parser)
+        )
+        if isinstance(mode, ForcedCalls):
+            if checked.structured_outputs is not None:
+                raise InvalidRequestError(
+                    "a forced tool call (tool_choice required or a named function) cannot be "
+                    "combined with structured_outputs"
+                )
+            checked = msgspec.structs.replace(checked, structured_outputs=mode.structured_outputs())
+        ids = await self.input_processor.encode_prompt(
+            chat,
+            tools=cast(Sequence[Mapping[str, Any]] | None, tools),
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return ids, checked, ReplyReader(mode, ReasoningParser.of(self.config))
+
     def abort(self, request_id: str) -> None:
         """Abort a request in flight, every choice of it (no-op when it
         already ended)."""
@@ -215,15 +383,26 @@ class Engine:
         self._check_alive()
 
     async def encode_prompt(
-        self, prompt: Prompt, *, tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a prompt: text as ``tokenizer(text).input_ids``, chat
-        messages through the tokenizer's chat template (``tools``: function
-        schemas, its ``tools``), token ids as they are. A prompt that cannot
-        fit the context is refused by its size before it is tokenized; long
-        text is tokenized in a worker thread. Anything else, or ids the model
-        cannot take, raise :class:`InvalidRequestError`."""
-        return await self.input_processor.encode_prompt(prompt, tools=tools)
+        messages through the chat template (the tokenizer's, or
+        ``chat_template``; ``tools``: function schemas, its ``tools``;
+        ``chat_template_kwargs``: its variables), token ids as they are. A
+        prompt that cannot fit the context is refused by its size before it
+        is tokenized; long text is tokenized in a worker thread. Anything
+        else, or ids the model cannot take, raise :class:`InvalidRequestError`."""
+        return await self.input_processor.encode_prompt(
+            prompt,
+            tools=tools,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
     def encode_prompt_nowait(self, prompt: Prompt) -> list[int]:
         """:meth:`encode_prompt` on the caller's thread (long text blocks

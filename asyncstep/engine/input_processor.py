@@ -36,7 +36,10 @@ from asyncstep.checks import is_utf8, shown, utf8_size
 from asyncstep.config import StructuredOutputsConfig
 from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.chat_messages import (
+    RESERVED_TEMPLATE_KWARGS,
     check_chat_message,
+    check_chat_template,
+    check_chat_template_kwargs,
     is_chat,
     json_size,
     template_message,
@@ -91,28 +94,40 @@ class InputProcessor:
         self._tokenize_limiter: anyio.CapacityLimiter | None = None
 
     async def encode_prompt(
-        self, prompt: Prompt, *, tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a prompt: text as ``tokenizer(text).input_ids``, chat
-        messages through the tokenizer's chat template (with ``tools``, the
-        function schemas, as its ``tools``), token ids as they are.
+        messages through the chat template (the tokenizer's, or
+        ``chat_template``: see :func:`~asyncstep.engine.chat_messages.check_chat_template`;
+        with ``tools``, the function schemas, as its ``tools``, and
+        ``chat_template_kwargs`` as its variables), token ids as they are.
         A prompt that cannot fit the context is refused before it is
         tokenized (see the module doc); text of more than
         :data:`INLINE_TOKENIZE_BYTES` is tokenized in a worker thread (a
         cancelled caller waits for it to finish). Anything else, or ids the
         model cannot take, raise :class:`InvalidRequestError`."""
-        work, size = self._prepare(prompt, tools)
+        work, size = self._prepare(prompt, tools, chat_template, chat_template_kwargs)
         ids = await self._in_thread(work) if size > INLINE_TOKENIZE_BYTES else work()
         self._check_prompt(ids)
         return ids
 
     def encode_prompt_nowait(
-        self, prompt: Prompt, *, tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """:meth:`encode_prompt` on the caller's thread, whatever the size
         of the text (it never yields: long text blocks the caller's event
         loop while it is tokenized)."""
-        work, _ = self._prepare(prompt, tools)
+        work, _ = self._prepare(prompt, tools, chat_template, chat_template_kwargs)
         ids = work()
         self._check_prompt(ids)
         return ids
@@ -196,12 +211,22 @@ class InputProcessor:
         return tuple(sequences)
 
     def _prepare(
-        self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        prompt: Prompt,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[Callable[[], list[int]], int]:
         """Check a prompt's kind and size: the work that gives its token ids,
         and the UTF-8 bytes of text that work tokenizes (0: none)."""
-        if tools is not None and (isinstance(prompt, str) or not is_chat(prompt)):
-            raise InvalidRequestError("tools go with chat messages only")
+        chat_options = {
+            "tools": tools,
+            "chat_template": chat_template,
+            "chat_template_kwargs": chat_template_kwargs,
+        }
+        given = [name for name, value in chat_options.items() if value is not None]
+        if given and (isinstance(prompt, str) or not is_chat(prompt)):
+            raise InvalidRequestError(f"{given[0]} go with chat messages only")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
@@ -213,8 +238,13 @@ class InputProcessor:
                 raise self._too_long(len(items))
             if items and all(isinstance(m, Mapping) for m in items):
                 messages = cast(list[Mapping[str, Any]], items)
-                size = self._check_chat(messages, tools)
-                return partial(self._apply_chat_template, messages, tools), size
+                template = check_chat_template(chat_template)
+                variables, variables_size = check_chat_template_kwargs(
+                    chat_template_kwargs, self._reserved_template_kwargs()
+                )
+                size = self._check_chat(messages, tools, variables_size)
+                render = partial(self._apply_chat_template, messages, tools, template, variables)
+                return render, size
             if all(type(t) is int for t in items):
                 return lambda: cast(list[int], items), 0
             raise InvalidRequestError(
@@ -235,15 +265,19 @@ class InputProcessor:
         return size
 
     def _check_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        extra: int = 0,
     ) -> int:
         """Check chat messages
         (:func:`~asyncstep.engine.chat_messages.check_chat_message`) and
         ``tools`` (JSON objects): the UTF-8 bytes of their contents, tool calls and
-        tool schemas, refused past :attr:`max_prompt_bytes` (the chat
-        template renders each of them: the text is longer still; a template
-        that strips whitespace may shorten it)."""
-        size = sum(check_chat_message(i, message) for i, message in enumerate(messages))
+        tool schemas (and ``extra`` more: the template's variables), refused
+        past :attr:`max_prompt_bytes` (the chat template renders each of
+        them: the text is longer still; a template that strips whitespace
+        may shorten it)."""
+        size = extra + sum(check_chat_message(i, message) for i, message in enumerate(messages))
         if tools is not None:
             size += json_size(tools, "tools")
         return self._check_size(size, "the chat messages' content")
@@ -292,23 +326,34 @@ class InputProcessor:
             raise InvalidRequestError("prompt is empty")
         return self._tokenize(text, add_special_tokens=add_special_tokens)
 
+    def _reserved_template_kwargs(self) -> frozenset[str]:
+        """Template variables a request may not set: the renderer's own and
+        the tokenizer's special tokens."""
+        special = getattr(self.tokenizer, "special_tokens_map", None) or {}
+        return RESERVED_TEMPLATE_KWARGS | frozenset(special)
+
     def _apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Checked messages and tools (:meth:`_check_chat`) through the chat
-        template."""
+        template (the tokenizer's, or ``chat_template``), with the template
+        ``variables`` (checked)."""
         tokenizer = self._need_tokenizer()
-        if not getattr(tokenizer, "chat_template", None):
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template")
         try:
             conversation: list[dict[str, Any]] = [template_message(m) for m in messages]
             text = tokenizer.apply_chat_template(
                 conversation,
                 tools=None if tools is None else [dict(t) for t in tools],
+                chat_template=chat_template,
                 add_generation_prompt=True,
                 tokenize=False,
+                **(variables or {}),
             )
         except Exception as exc:  # jinja errors: a malformed conversation
             raise InvalidRequestError(f"chat template failed: {describe(exc)}") from None

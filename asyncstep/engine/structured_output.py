@@ -17,8 +17,11 @@ the step's bitmask, while the ranks run its forward; the last stage applies
 it in ``sample_tokens``. Matchers advance only on tokens the scheduler
 accepted (those in its :class:`~asyncstep.engine.step_results.EngineCoreOutput`),
 so preemptions need no rollback, and a late token dropped after a stop never
-reaches a matcher. May import numpy, anyio, the grammar modules of
-``asyncstep.engine``, the config and the data types.
+reaches a matcher. With a ``reasoning_parser``, a request's grammar
+applies from the end of its thinking on: its :class:`ReasoningGate` takes
+its tokens until then, and its rows allow every token
+(:mod:`asyncstep.engine.reasoning_gate`). May import numpy, anyio, the
+grammar modules of ``asyncstep.engine``, the config and the data types.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +44,7 @@ from asyncstep.engine.grammar import GrammarCompiler
 from asyncstep.engine.grammar_cache import GrammarCache, GrammarKey
 from asyncstep.engine.grammar_messages import NICENESS
 from asyncstep.engine.grammar_pool import CompilePool
+from asyncstep.engine.reasoning_gate import ReasoningGate, ReasoningMarkers
 from asyncstep.errors import InvalidRequestError
 from asyncstep.logging import get_logger
 from asyncstep.structured_params import StructuredOutputsParams
@@ -104,6 +108,9 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = anyio.Lock()  # one compiler build
         self.matchers: dict[str, Any] = {}  # req_id -> xgrammar.GrammarMatcher
+        #: Requests still thinking (their grammar waits for the end of it).
+        self.gates: dict[str, ReasoningGate] = {}
+        self._markers: ReasoningMarkers | None = None
         self._stats = StructuredOutputStats()
 
     def statistics(self) -> StructuredOutputStats:
@@ -168,16 +175,35 @@ class StructuredOutputManager:
             )
         return self._builder
 
-    def add(self, req_id: str, compiled: Any) -> None:
-        """Start ``req_id``'s matcher at the beginning of its grammar."""
+    def add(self, req_id: str, compiled: Any, prompt_token_ids: Sequence[int] = ()) -> None:
+        """Start ``req_id``'s matcher at the beginning of its grammar (with
+        a ``reasoning_parser``: once the thinking its prompt leaves it in
+        ends; see :meth:`ReasoningMarkers.gate`)."""
         import xgrammar as xgr
 
         self.matchers[req_id] = xgr.GrammarMatcher(compiled)
+        markers = self._reasoning_markers()
+        gate = None if markers is None else markers.gate(prompt_token_ids)
+        if gate is not None:
+            self.gates[req_id] = gate
+
+    def _reasoning_markers(self) -> ReasoningMarkers | None:
+        """The thinking's markers in the vocabulary (None: no reasoning
+        parser); the compiler is built by then (it compiled the grammar)."""
+        parser = self.config.reasoning_parser
+        if parser is None:
+            return None
+        if self._markers is None:
+            assert self._compiler is not None
+            vocabulary = self._compiler.tokenizer_info.decoded_vocab
+            self._markers = ReasoningMarkers(parser, vocabulary)
+        return self._markers
 
     def remove(self, req_ids: Iterable[str]) -> None:
         matchers = self.matchers
         for req_id in req_ids:
             matchers.pop(req_id, None)
+            self.gates.pop(req_id, None)
 
     # -- steps --------------------------------------------------------------
 
@@ -189,6 +215,9 @@ class StructuredOutputManager:
         matcher = self.matchers.get(req_id)
         if matcher is None:
             return drafts
+        gate = self.gates.get(req_id)
+        if gate is not None and not gate.ended:
+            return gate.valid_drafts(drafts)
         num_accepted = num_valid = 0
         for token_id in drafts:
             if matcher.is_terminated() or not matcher.accept_token(token_id):
@@ -232,6 +261,7 @@ class StructuredOutputManager:
         start = time.perf_counter()
         outputs = list(outputs)
         matchers = self.matchers
+        gates = self.gates
         accepted = [
             (output.request_id, matchers[output.request_id], output.new_token_ids)
             for output in outputs
@@ -249,7 +279,7 @@ class StructuredOutputManager:
         rows = [r for r in req_ids for _ in range(len(drafts.get(r, ())) + 1)]
         width = (self.vocab_size + 31) // 32
         bitmask = np.full((len(rows), width), -1, dtype=np.int32)
-        work = _work_items(accepted, req_ids, matchers, drafts)
+        work = _work_items(accepted, req_ids, matchers, drafts, gates)
         if len(work) >= POOL_MIN_ROWS and self.num_pool_threads > 1:
             shard = -(-len(work) // self.num_pool_threads)
             futures = [
@@ -263,6 +293,9 @@ class StructuredOutputManager:
         for output in outputs:
             if output.finished:
                 matchers.pop(output.request_id, None)
+                gates.pop(output.request_id, None)
+        for req_id in [r for r, gate in gates.items() if gate.ended]:
+            del gates[req_id]
         if next_step is None:
             return None
         stats = self._stats
@@ -301,8 +334,8 @@ def _lower_priority() -> None:
 
 
 #: (request id, matcher, tokens to accept first, its first bitmask row or -1
-#: for none, its draft tokens: a row after each).
-_WorkItem = tuple[str, Any, list[int], int, list[int]]
+#: for none, its draft tokens: a row after each, its reasoning gate or None).
+_WorkItem = tuple[str, Any, list[int], int, list[int], ReasoningGate | None]
 
 
 def _work_items(
@@ -310,6 +343,7 @@ def _work_items(
     req_ids: list[str],
     matchers: dict[str, Any],
     drafts: dict[str, list[int]],
+    gates: dict[str, ReasoningGate],
 ) -> list[_WorkItem]:
     """One item per request: the tokens it accepts, then the rows it fills
     (``1 + drafts``, from its first row in ``req_ids`` order)."""
@@ -319,23 +353,64 @@ def _work_items(
         row_of[req_id] = row
         row += 1 + len(drafts.get(req_id, ()))
     items: list[_WorkItem] = [
-        (req_id, matcher, tokens, row_of.pop(req_id, -1), drafts.get(req_id, []))
+        (
+            req_id,
+            matcher,
+            tokens,
+            row_of.pop(req_id, -1),
+            drafts.get(req_id, []),
+            gates.get(req_id),
+        )
         for req_id, matcher, tokens in accepted
     ]
-    items += [(r, matchers[r], [], row, drafts.get(r, [])) for r, row in row_of.items()]
+    items += [
+        (r, matchers[r], [], row, drafts.get(r, []), gates.get(r)) for r, row in row_of.items()
+    ]
     return items
+
+
+def _accept(
+    req_id: str, matcher: Any, tokens: list[int], gate: ReasoningGate | None
+) -> list[tuple[str, int]]:
+    """Accept a step's tokens: those of the thinking go to its gate, the
+    rest (and the bytes after the end marker) to the matcher; the tokens
+    refused."""
+    rejected = []
+    for token_id in tokens:
+        if gate is not None and not gate.ended:
+            taken = gate.feed(token_id)
+            if isinstance(taken, bytes):  # the thinking ended inside this token
+                if taken and not matcher.accept_string(taken):
+                    rejected.append((req_id, token_id))
+                continue
+            if taken is None:  # still thinking
+                continue
+        if not matcher.accept_token(token_id) and not matcher.is_terminated():
+            rejected.append((req_id, token_id))
+    return rejected
+
+
+def _allow(bitmask: np.ndarray, row: int, token_id: int) -> None:
+    """Allow ``token_id`` in bitmask row ``row`` too."""
+    words = bitmask.view(np.uint32)
+    words[row, token_id >> 5] |= np.uint32(1 << (token_id & 31))
 
 
 def _advance_and_fill(items: list[_WorkItem], bitmask: np.ndarray) -> list[tuple[str, int]]:
     """Accept each item's tokens, then fill its rows (one, then one after
-    each draft, rolled back after); the tokens refused."""
+    each draft, rolled back after; a thinking request's stay all-allowed;
+    one whose reply may open the thinking also allows its ``<think>``);
+    the tokens refused."""
     rejected = []
-    for req_id, matcher, tokens, row, drafts in items:
-        for token_id in tokens:
-            if not matcher.accept_token(token_id) and not matcher.is_terminated():
-                rejected.append((req_id, token_id))
+    for req_id, matcher, tokens, row, drafts, gate in items:
+        rejected += _accept(req_id, matcher, tokens, gate)
         if row < 0:
             continue
+        if gate is not None and not gate.ended:
+            if gate.opening is not None:  # (no drafts: see ReasoningGate.valid_drafts)
+                matcher.fill_next_token_bitmask(bitmask, row)
+                _allow(bitmask, row, gate.opening)
+            continue  # thinking: every row allows every token
         matcher.fill_next_token_bitmask(bitmask, row)
         num_accepted = 0
         for offset, token_id in enumerate(drafts, start=1):

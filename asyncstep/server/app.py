@@ -42,7 +42,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from asyncstep.engine.chat_replies import ReplyReader
 from asyncstep.engine.engine import Engine
+from asyncstep.engine.reasoning import ReasoningParser
+from asyncstep.engine.tool_parsers import ToolParser, tool_parser
 from asyncstep.errors import InvalidRequestError, describe
 from asyncstep.logging import get_logger
 from asyncstep.server import sse
@@ -62,7 +65,6 @@ from asyncstep.server.protocol import (
     TokenizeResponse,
     decode_body,
 )
-from asyncstep.server.reasoning import ReasoningParser
 from asyncstep.server.requests import (
     GenerationJob,
     chat_job,
@@ -74,7 +76,6 @@ from asyncstep.server.responses import (
     CompletionFormatter,
     TokenTexts,
 )
-from asyncstep.server.tool_parsers import TOOL_PARSERS, ToolParser
 
 log = get_logger("server")
 
@@ -107,12 +108,10 @@ class OpenAIServer:
         self.generations = Generations(engine, self.metrics, self.config)
         #: ``tool_choice: auto``'s parser (None: auto is refused).
         self.tool_parser: ToolParser | None = None
-        if self.config.enable_auto_tool_choice and self.config.tool_call_parser is not None:
-            self.tool_parser = TOOL_PARSERS[self.config.tool_call_parser]()
-        #: ``--reasoning-parser``'s (None: the thinking stays in the content).
-        self.reasoning: ReasoningParser | None = None
-        if self.config.reasoning_parser is not None:
-            self.reasoning = ReasoningParser.named(self.config.reasoning_parser)
+        if self.config.enable_auto_tool_choice:
+            self.tool_parser = tool_parser(self.config.tool_call_parser)
+        #: The engine's ``--reasoning-parser`` (None: the thinking stays in the content).
+        self.reasoning = ReasoningParser.of(engine.config)
         self._created = int(time.time())
         routes = [
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
@@ -171,7 +170,12 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self._body(request), ChatCompletionRequest)
         self._check_model(body.model)
-        job = await chat_job(self.engine, body, self.tool_parser)
+        job = await chat_job(
+            self.engine,
+            body,
+            self.tool_parser,
+            trust_chat_template=self.config.trust_request_chat_template,
+        )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(
             rid,
@@ -180,8 +184,7 @@ class OpenAIServer:
             self.texts,
             job.logprobs is not None,
             job.prompt_logprobs,
-            job.tool_calls,
-            self.reasoning,
+            ReplyReader(job.tool_calls, self.reasoning),
         )
         return GenerationResponse(self.generations, job, fmt, rid)
 

@@ -25,10 +25,8 @@ API_KEY_ENV = "ASYNCSTEP_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 #: Seconds a request's body may take to arrive unless configured otherwise.
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
-#: ``tool_call_parser`` names (:data:`asyncstep.server.tool_parsers.TOOL_PARSERS`).
+#: ``tool_call_parser`` names (:data:`asyncstep.engine.tool_parsers.TOOL_PARSERS`).
 TOOL_PARSER_NAMES = ("hermes", "llama3_json")
-#: ``reasoning_parser`` names (:class:`asyncstep.server.reasoning.ReasoningParser`).
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
 #: Most API server processes (``api_server_count``).
 MAX_API_SERVERS = 64
 #: ``max_waiting_requests`` by default: this many times the server's share of
@@ -102,13 +100,14 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         str | None,
         _doc("how calls are written in the model's text: hermes or llama3_json"),
     ] = None
-    reasoning_parser: Annotated[
-        str | None,
+    trust_request_chat_template: Annotated[
+        bool,
         _doc(
-            "put a reply's thinking (<think>...</think>) in reasoning_content, apart from "
-            "its content: qwen3 or deepseek_r1"
+            "take a chat request's own chat_template (code from a client: rendered in "
+            "transformers' sandboxed Jinja, bounded in size, but its rendering time is not "
+            "bounded); off: such a request is refused (400)"
         ),
-    ] = None
+    ] = False
     api_server_count: Annotated[
         int,
         _doc(
@@ -147,11 +146,6 @@ class ServerConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(
                 f"tool_call_parser must be one of {', '.join(TOOL_PARSER_NAMES)}, "
                 f"got {self.tool_call_parser!r}"
-            )
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ConfigError(
-                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
-                f"got {self.reasoning_parser!r}"
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("enable_auto_tool_choice needs a tool_call_parser")

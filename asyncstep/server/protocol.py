@@ -7,7 +7,8 @@ so that one rule holds for the Python API and the HTTP API alike.
 
 Unknown request fields are ignored, as OpenAI and vLLM do. A body nested
 deeper than :data:`~asyncstep.checks.MAX_JSON_DEPTH` is refused before it is
-parsed. Imports msgspec and :mod:`asyncstep.checks`.
+parsed. Imports msgspec, :mod:`asyncstep.checks` and the engine's call types
+(:class:`~asyncstep.engine.outputs.ToolCall`, :class:`~asyncstep.engine.outputs.DeltaToolCall`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from asyncstep.checks import check_json_depth
+from asyncstep.engine.outputs import DeltaToolCall, ToolCall
 from asyncstep.errors import InvalidRequestError
 
 T = TypeVar("T")
@@ -119,20 +121,6 @@ class CompletionRequest(GenerationRequest, kw_only=True):
     best_of: int | None = None
 
 
-class FunctionCall(msgspec.Struct):
-    name: str
-    #: The arguments as a JSON text (OpenAI's).
-    arguments: str
-
-
-class ToolCall(msgspec.Struct, kw_only=True):
-    """A call an assistant made (a response's, or one in the history)."""
-
-    id: str
-    type: str = "function"
-    function: FunctionCall
-
-
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     #: A string, or a list of content parts (only ``{"type": "text", "text": ...}``).
@@ -177,12 +165,17 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     max_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    #: Functions the model may call (:mod:`asyncstep.server.tools`).
+    #: Functions the model may call (:mod:`asyncstep.engine.tools`).
     tools: list[ChatTool] | None = None
     #: ``none``, ``auto``, ``required`` or a named function (default: ``auto``
     #: with tools, else ``none``).
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    #: vLLM's: a Jinja chat template for this request (taken only by a server
+    #: started with ``--trust-request-chat-template``).
+    chat_template: str | None = None
+    #: vLLM's: the chat template's variables (e.g. ``{"enable_thinking": false}``).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -290,21 +283,6 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
-
-
-class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(msgspec.Struct, omit_defaults=True):
-    """A piece of a streamed call: its ``index`` among the choice's calls;
-    ``id``, ``type`` and the name first, then pieces of the arguments."""
-
-    index: int
-    id: str | None = None
-    type: str | None = None
-    function: DeltaFunctionCall | None = None
 
 
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -30,17 +30,18 @@ import msgspec
 from asyncstep.checks import shown
 from asyncstep.datatypes import MAX_LOGPROBS, SamplingParams
 from asyncstep.engine.engine import Engine
+from asyncstep.engine.tool_parsers import ToolParser
+from asyncstep.engine.tools import ForcedCalls, ToolMode, check_tools
 from asyncstep.errors import InvalidRequestError
 from asyncstep.server.errors import bad_request
 from asyncstep.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ChatTool,
     CompletionRequest,
     GenerationRequest,
     ResponseFormat,
 )
-from asyncstep.server.tool_parsers import ToolParser
-from asyncstep.server.tools import ForcedCalls, check_tools, template_tools
 from asyncstep.structured_params import StructuredOutputsParams, check_structured_outputs
 
 #: A completion's ``max_tokens`` when none is given (OpenAI's).
@@ -73,7 +74,7 @@ class GenerationJob:
     #: ``echo`` with ``max_tokens`` 0: the prompt alone (one token is made, not shown).
     hide_output: bool = False
     #: A chat's tool calls: forced ones, or the parser of ``auto``'s.
-    tool_calls: ForcedCalls | ToolParser | None = None
+    tool_calls: ToolMode = None
 
     @property
     def n(self) -> int:
@@ -115,20 +116,44 @@ async def completion_job(engine: Engine, request: CompletionRequest) -> Generati
 
 
 async def chat_job(
-    engine: Engine, request: ChatCompletionRequest, parser: ToolParser | None = None
+    engine: Engine,
+    request: ChatCompletionRequest,
+    parser: ToolParser | None = None,
+    *,
+    trust_chat_template: bool = False,
 ) -> GenerationJob:
-    """``parser``: the server's tool-call parser (``tool_choice`` ``auto``)."""
+    """``parser``: the server's tool-call parser (``tool_choice`` ``auto``);
+    ``trust_chat_template``: a request's own ``chat_template`` is taken
+    (else refused)."""
     if not request.messages:
         raise bad_request("messages must not be empty", "messages")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    if request.chat_template is not None and not trust_chat_template:
+        raise bad_request(
+            "chat_template: this server does not take a request's chat template (start it "
+            "with --trust-request-chat-template)",
+            "chat_template",
+        )
+    messages = chat_messages(request.messages)
+    tools = template_tools(request.tools)
     mode = check_tools(
-        request.tools, request.tool_choice, request.parallel_tool_calls, request.messages, parser
+        tools,
+        msgspec.to_builtins(request.tool_choice),
+        request.parallel_tool_calls,
+        messages,
+        parser,
+        auto_needs="--enable-auto-tool-choice and --tool-call-parser to be set",
     )
     forced = mode if isinstance(mode, ForcedCalls) else None
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     ids = await _encoded(
-        engine, chat_messages(request.messages), "messages", tools=template_tools(request.tools)
+        engine,
+        messages,
+        "messages",
+        tools=tools,
+        chat_template=request.chat_template,
+        chat_template_kwargs=request.chat_template_kwargs,
     )
     given = request.max_completion_tokens
     name = "max_completion_tokens"
@@ -138,6 +163,13 @@ async def chat_job(
     params = [_sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, forced)]
     job = _job(request, [ids], [None], params, logprobs)
     return dataclasses.replace(job, tool_calls=mode)
+
+
+def template_tools(tools: Sequence[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """The tools as JSON values (OpenAI's shape), as the engine takes them."""
+    if not tools:
+        return None
+    return [msgspec.to_builtins(tool) for tool in tools]
 
 
 def completion_prompts(prompt: str | list[Any], max_model_len: int) -> list[str | list[int]]:
@@ -234,12 +266,25 @@ def _is_token_ids(value: object) -> bool:
 
 
 async def _encoded(
-    engine: Engine, prompt: Any, param: str = "prompt", tools: list[dict[str, Any]] | None = None
+    engine: Engine,
+    prompt: Any,
+    param: str = "prompt",
+    tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     try:
-        return await engine.encode_prompt(prompt, tools=tools)
+        return await engine.encode_prompt(
+            prompt,
+            tools=tools,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), param) from None
+        message = str(exc)
+        field = message.split(" ", 1)[0].rstrip(":")
+        given = field if field in ("chat_template", "chat_template_kwargs") else param
+        raise bad_request(message, given) from None
 
 
 def _max_tokens(
@@ -327,8 +372,7 @@ def structured_outputs(
                 "combined with response_format or structured_outputs",
                 "tool_choice",
             )
-        schema = {"json": forced.schema(), "disable_any_whitespace": True}
-        return check_structured_outputs("tools", schema)
+        return forced.structured_outputs()
     if given is not None:
         return check_structured_outputs("structured_outputs", given)
     return from_format

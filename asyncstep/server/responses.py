@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 from asyncstep.datatypes import Logprobs
+from asyncstep.engine.chat_replies import ReplyReader, ReplyStream, finish_reason
 from asyncstep.engine.outputs import CompletionChunk
 from asyncstep.server.protocol import (
     ChatChoice,
@@ -35,9 +36,6 @@ from asyncstep.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from asyncstep.server.reasoning import ReasoningParser, ReasoningStream
-from asyncstep.server.tool_parsers import ParserStream, ToolParser
-from asyncstep.server.tools import ForcedCalls, ToolCallStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -94,12 +92,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
-
-
-def _called(finish_reason: str | None, called: bool) -> str | None:
-    """A forced call's finish reason: ``tool_calls`` where the output ended
-    as a whole call (a stop), else as it was (``length``: cut short)."""
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def _logprob(value: float) -> float:
@@ -303,13 +295,10 @@ class ChatFormatter:
     texts: TokenTexts
     logprobs: bool
     prompt_logprobs: int | None = None
-    #: The output is read as calls: forced ones (:mod:`asyncstep.server.tools`),
-    #: or those ``auto``'s parser finds (:mod:`asyncstep.server.tool_parsers`).
-    tool_calls: ForcedCalls | ToolParser | None = None
-    #: The thinking apart (``--reasoning-parser``; not for forced calls).
-    reasoning: ReasoningParser | None = None
-    _streams: dict[int, ToolCallStream | ParserStream] = field(default_factory=dict)
-    _thinking: dict[int, ReasoningStream] = field(default_factory=dict)
+    #: How replies are read: their thinking apart, their calls
+    #: (:mod:`asyncstep.engine.chat_replies`).
+    reader: ReplyReader = field(default_factory=ReplyReader)
+    _streams: dict[int, ReplyStream] = field(default_factory=dict)
 
     def whole(
         self,
@@ -327,25 +316,15 @@ class ChatFormatter:
         )
 
     def _choice(self, index: int, choice: ChoiceOutput) -> ChatChoice:
-        mode, calls, reasoning = self.tool_calls, None, None
-        content: str | None = choice.text
-        if isinstance(mode, ForcedCalls):  # the reply is the call alone
-            calls = mode.calls(choice.text)
-            content = None if calls is not None else choice.text
-        else:
-            if self.reasoning is not None:
-                reasoning, content = self.reasoning.split(choice.text)
-            if mode is not None:
-                parsed = mode.parse(content or "")
-                content, calls = parsed.content, parsed.calls or None
+        reply = self.reader.whole(choice.text)
         message = ChatMessageOut(
-            content=content, reasoning_content=reasoning, tool_calls=calls or []
+            content=reply.content, reasoning_content=reply.reasoning, tool_calls=reply.calls or []
         )
         return ChatChoice(
             index=index,
             message=message,
             logprobs=self._logprobs(choice.logprobs),
-            finish_reason=_called(choice.finish_reason, calls is not None),
+            finish_reason=finish_reason(choice.finish_reason, reply.calls is not None),
             stop_reason=choice.stop_reason,
         )
 
@@ -354,42 +333,24 @@ class ChatFormatter:
     ) -> ChatCompletionChunk:
         finished = chunk.finish_reason is not None
         reason = None if chunk.finish_reason is None else str(chunk.finish_reason)
-        delta, called = self._delta(index, chunk.text, finished)
-        delta.role = "assistant" if first else None
+        stream = self._streams.setdefault(index, self.reader.stream())
+        reasoning, content, calls = stream.feed(chunk.text, finished)
+        delta = DeltaMessage(
+            role="assistant" if first else None,
+            content=content,
+            reasoning_content=reasoning,
+            tool_calls=calls,
+        )
         choice = ChatStreamChoice(
             index=index,
             delta=delta,
             logprobs=self._logprobs(chunk.logprobs or []),
-            finish_reason=_called(reason, called),
+            finish_reason=finish_reason(reason, stream.called),
             stop_reason=chunk.stop_reason,
         )
         body = self._chunk([choice], usage)
         body.prompt_logprobs = self._prompt_entries(chunk.prompt_logprobs)
         return body
-
-    def _delta(self, index: int, text: str, finished: bool) -> tuple[DeltaMessage, bool]:
-        """The delta of choice ``index``'s next piece of text (its thinking
-        apart, its calls read), and whether the choice called a tool."""
-        mode = self.tool_calls
-        if isinstance(mode, ForcedCalls):
-            forced = self._streams.setdefault(index, ToolCallStream(mode))
-            assert isinstance(forced, ToolCallStream)
-            calls, left = forced.delta(text, finished)
-            return DeltaMessage(content=left, tool_calls=calls), left is None
-        reasoning: str | None = None
-        content: str | None = text
-        if self.reasoning is not None:
-            thinking = self._thinking.setdefault(index, self.reasoning.stream())
-            reasoning, content = thinking.feed(text, finished)
-        if mode is None:
-            return DeltaMessage(content=content, reasoning_content=reasoning), False
-        if index not in self._streams:
-            self._streams[index] = mode.stream()
-        parsing = self._streams[index]
-        assert isinstance(parsing, ParserStream)
-        content, calls = parsing.feed(content or "", finished)
-        delta = DeltaMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
-        return delta, parsing.num_calls > 0
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk([], usage)

@@ -1,4 +1,5 @@
-"""Reasoning parsers (``--reasoning-parser``): a reply's thinking, between
+"""Reasoning parsers (the engine's ``reasoning_parser``, ``--reasoning-parser``):
+a reply's thinking, between
 ``<think>`` and ``</think>``, goes to ``reasoning_content``, apart from its
 ``content``, whole (:meth:`ReasoningParser.split`) and streamed
 (:class:`ReasoningStream`: text that may be the start of ``</think>`` is held
@@ -11,15 +12,21 @@ back until it is known).
 
 Thinking that was opened and not ended (cut short) is all reasoning.
 
-A forced tool call's reply is the call alone (its grammar holds from the
-first token): the parser is not applied to it.
+A request's grammar (structured outputs, forced tool calls) applies to the
+answer only, from the end of the thinking on
+(:mod:`asyncstep.engine.reasoning_gate`, in the engine core).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from asyncstep.server.markers import held_back
+from asyncstep.config import REASONING_PARSERS
+from asyncstep.engine.markers import held_back
+
+if TYPE_CHECKING:
+    from asyncstep.config import EngineConfig
 
 START, END = "<think>", "</think>"
 
@@ -34,7 +41,14 @@ class ReasoningParser:
     @classmethod
     def named(cls, name: str) -> ReasoningParser:
         """The parser ``--reasoning-parser name`` names (qwen3, deepseek_r1)."""
+        assert name in REASONING_PARSERS, name
         return cls(name, unended_is_reasoning=name == "deepseek_r1")
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> ReasoningParser | None:
+        """The engine's parser (``structured_outputs.reasoning_parser``; None: none)."""
+        name = config.structured_outputs.reasoning_parser
+        return None if name is None else cls.named(name)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """A whole reply's (reasoning, content); None where empty."""

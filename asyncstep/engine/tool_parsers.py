@@ -1,5 +1,7 @@
 """Tool-call parsers for ``tool_choice: auto`` (``--tool-call-parser``):
-the model chooses whether to call, and its calls are read from its text.
+the model chooses whether to call, and its calls are read from its text
+(served by ``asyncstep serve --tool-call-parser`` and ``Engine.chat``'s
+``tool_call_parser``).
 
 A parser is a small class with a whole-text method (:meth:`ToolParser.parse`)
 and a streaming one (:meth:`ToolParser.stream`, a :class:`ParserStream` fed
@@ -24,8 +26,10 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from asyncstep.server.markers import held_back
-from asyncstep.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from asyncstep.checks import shown
+from asyncstep.engine.markers import held_back
+from asyncstep.engine.outputs import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from asyncstep.errors import InvalidRequestError
 
 
 @dataclass
@@ -219,7 +223,19 @@ def _json_call(body: str, arguments_key: str) -> ToolCall | None:
         return None
 
 
-#: The parsers by their ``--tool-call-parser`` name.
+#: The parsers by their name (``--tool-call-parser``, ``Engine.chat``'s ``tool_call_parser``).
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesParser, Llama3JsonParser)
 }
+
+
+def tool_parser(name: str | None) -> ToolParser | None:
+    """The parser named ``name`` (None: none); an unknown name is a one-line
+    :class:`InvalidRequestError`."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or name not in TOOL_PARSERS:
+        raise InvalidRequestError(
+            f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {shown(name)}"
+        )
+    return TOOL_PARSERS[name]()

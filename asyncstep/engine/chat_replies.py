@@ -1,0 +1,108 @@
+"""A chat reply read apart: its thinking (a reasoning parser's), its answer,
+and its tool calls (forced by a grammar, or found by ``auto``'s parser),
+whole (:meth:`ReplyReader.whole`) or piece by piece as it streams
+(:class:`ReplyStream`). ``Engine.chat`` and the HTTP server's chat
+responses both read replies through it.
+
+The thinking comes first: with a reasoning parser, the calls are read from
+the answer after it (a forced call's grammar holds from the end of the
+thinking on: :mod:`asyncstep.engine.reasoning_gate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncstep.engine.outputs import DeltaToolCall, ToolCall
+from asyncstep.engine.reasoning import ReasoningParser, ReasoningStream
+from asyncstep.engine.tool_parsers import ParserStream, ToolParser
+from asyncstep.engine.tools import ForcedCalls, ToolCallStream, ToolMode
+
+#: The finish reason of a reply that ended as calls.
+TOOL_CALLS = "tool_calls"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A whole reply read apart (None where empty)."""
+
+    reasoning: str | None
+    content: str | None
+    #: None: the reply holds no call.
+    calls: list[ToolCall] | None
+
+
+@dataclass(frozen=True)
+class ReplyReader:
+    """How one request's replies are read: as calls (``tools``: forced, or
+    ``auto``'s parser; None: no calls), after the thinking (``reasoning``:
+    None, no thinking apart)."""
+
+    tools: ToolMode = None
+    reasoning: ReasoningParser | None = None
+
+    def whole(self, text: str) -> Reply:
+        """A whole reply's thinking, answer and calls."""
+        reasoning: str | None = None
+        content: str | None = text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.split(text)
+        mode, calls = self.tools, None
+        if isinstance(mode, ForcedCalls):  # the answer is the calls alone
+            calls = mode.calls(content or "")
+            content = None if calls is not None else content
+        elif mode is not None:
+            parsed = mode.parse(content or "")
+            content, calls = parsed.content, parsed.calls or None
+        return Reply(reasoning, content, calls)
+
+    def stream(self) -> ReplyStream:
+        """A stream for one choice."""
+        return ReplyStream(self)
+
+
+@dataclass
+class ReplyStream:
+    """One choice's reply, piece by piece: each piece's thinking, answer
+    and call deltas (text that may be the start of a marker is held back)."""
+
+    reader: ReplyReader
+    #: Whether a call was seen (its finish reason is then ``tool_calls``).
+    called: bool = False
+    _thinking: ReasoningStream | None = None
+    _calls: ToolCallStream | ParserStream | None = None
+
+    def __post_init__(self) -> None:
+        reader = self.reader
+        if reader.reasoning is not None:
+            self._thinking = reader.reasoning.stream()
+        if isinstance(reader.tools, ForcedCalls):
+            self._calls = ToolCallStream(reader.tools)
+        elif isinstance(reader.tools, ToolParser):
+            self._calls = reader.tools.stream()
+
+    def feed(
+        self, text: str, finished: bool
+    ) -> tuple[str | None, str | None, list[DeltaToolCall] | None]:
+        """The (thinking, answer, call deltas) of the next piece of the
+        reply (``finished``: it is the last)."""
+        reasoning: str | None = None
+        content: str | None = text
+        if self._thinking is not None:
+            reasoning, content = self._thinking.feed(text, finished)
+        calls: list[DeltaToolCall] | None = None
+        if isinstance(self._calls, ToolCallStream):
+            if content is None and not finished:
+                return reasoning, None, None  # the answer has not started
+            calls, content = self._calls.delta(content or "", finished)
+            self.called = content is None
+        elif self._calls is not None:
+            content, calls = self._calls.feed(content or "", finished)
+            self.called = self._calls.num_calls > 0
+        return reasoning, content, calls
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """A reply's finish reason: ``tool_calls`` where it ended as calls (a
+    stop), else the engine's (``length``: cut short)."""
+    return TOOL_CALLS if called and reason == "stop" else reason
