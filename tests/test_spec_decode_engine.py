@@ -70,12 +70,19 @@ def looping_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from asyncstep.errors import ModelLoadError
     from asyncstep.models.loader import open_checkpoint
 
+    saved = os.environ.get("ASYNCSTEP_TEST_TOKENIZER")
     try:
         tokenizer = open_checkpoint(None).load_tokenizer()
     except ModelLoadError as exc:  # the GPU machine has no embedded model; CPU runs must
         if os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu") == "cpu":
             raise
-        pytest.skip(f"needs SmolLM2's tokenizer: {exc}")
+        if not saved:
+            pytest.skip(f"needs SmolLM2's tokenizer (or ASYNCSTEP_TEST_TOKENIZER): {exc}")
+        # SmolLM2's tokenizer saved by ``save_pretrained`` (a few MB, carried to
+        # the GPU machine in place of the embedded model).
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(saved)
     torch.manual_seed(2)
     config = LlamaConfig(
         vocab_size=49152,
@@ -114,7 +121,7 @@ async def serve(
     abort_after = abort_after or {}
     results: list[Result | None] = [None] * len(prompts)
     if spec:
-        options["speculative_config"] = NGRAM
+        options.setdefault("speculative_config", NGRAM)
     async with asyncstep.open_engine(path, **(ENGINE | options)) as engine:
 
         async def one(i: int) -> None:
@@ -143,7 +150,8 @@ async def serve(
             assert stats.spec_decode_num_accepted_tokens > 0
             assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
             per_pos = stats.spec_decode_num_accepted_tokens_per_pos
-            assert len(per_pos) == 4 and sum(per_pos) == stats.spec_decode_num_accepted_tokens
+            k = options["speculative_config"]["num_speculative_tokens"]
+            assert len(per_pos) == k and sum(per_pos) == stats.spec_decode_num_accepted_tokens
         elif not spec:
             assert stats.spec_decode_num_draft_tokens == 0
     assert all(r is not None for r in results)
@@ -318,21 +326,66 @@ def test_n_choices_speculate_each(looping_hf_dir: Path) -> None:
     assert trio.run(choices) == [plain[0].token_ids] * 3
 
 
-@pytest.mark.skipif(ENGINE["device"] != "cpu", reason="the stand-in graphs are the CPU's")
-def test_verify_steps_through_the_graph_wiring(looping_hf_dir: Path) -> None:
-    """The Triton attention kernels (interpreted) and stand-in CUDA graphs
-    (FULL for uniform decodes, PIECEWISE for the rest, verify steps
-    included), as on CUDA: the same greedy tokens as without speculation."""
-    params = [greedy()] * len(PROMPTS)
+@pytest.mark.parametrize("k", [4, 2])
+def test_verify_steps_through_the_graph_wiring(
+    looping_hf_dir: Path, monkeypatch: pytest.MonkeyPatch, k: int
+) -> None:
+    """The Triton attention kernels and CUDA graphs (on the CPU the kernels
+    interpreted and stand-in graphs), as on CUDA: FULL for uniform decodes,
+    PIECEWISE for the rest: the same greedy tokens as without speculation.
+    Verify steps where every request has all its ``k`` drafts run the FULL
+    graph of ``1 + k`` tokens a request, their logits computed inside it;
+    one-token decodes their own FULL graphs; the rest (a request with fewer
+    drafts, prefills) PIECEWISE."""
+    from asyncstep.runner.cudagraph_dispatcher import CUDAGraphMode
+    from asyncstep.runner.cudagraph_runner import CudaGraphRunner
+
+    pytest.importorskip("triton")
+    replays: list[tuple[CUDAGraphMode, int, int | None, bool, bool]] = []
+    run = CudaGraphRunner.run
+
+    def spy(self: CudaGraphRunner, mode: CUDAGraphMode, desc: Any, meta: Any) -> Any:
+        logits = self.computes_logits(mode, desc)
+        replays.append((mode, desc.num_tokens, desc.num_reqs, desc.uniform_decode, logits))
+        return run(self, mode, desc, meta)
+
+    monkeypatch.setattr(CudaGraphRunner, "run", spy)
+    # The two prompts that repeat their context and one that does not: verify
+    # steps where both repeating ones have all their drafts, or one alone.
+    prompts = PROMPTS[:2] + PROMPTS[-1:]
+    params = [greedy(40)] * len(prompts)
     graphs = {
         "cudagraph_mode": "FULL_AND_PIECEWISE",
-        "cudagraph_stand_in": True,
+        "cudagraph_stand_in": ENGINE["device"] != "cuda",
         "attention_backend": "triton",
         "max_num_seqs": 8,
+        "engine_process": False,  # the spy sees the runner's replays
     }
-    plain = trio.run(lambda: serve(looping_hf_dir, params, spec=False))
-    spec = trio.run(lambda: serve(looping_hf_dir, params, spec=True, **graphs))
+    spec_config = NGRAM | {"num_speculative_tokens": k}
+    plain = trio.run(lambda: serve(looping_hf_dir, params, spec=False, prompts=prompts))
+    spec = trio.run(
+        lambda: serve(
+            looping_hf_dir,
+            params,
+            spec=True,
+            prompts=prompts,
+            speculative_config=spec_config,
+            **graphs,
+        )
+    )
     assert spec == plain
+    q = 1 + k
+    verify = [r for r in replays if r[0] is CUDAGraphMode.FULL and r[1] == q * (r[2] or 0)]
+    from collections import Counter
+
+    assert verify, Counter((r[0].name, r[1], r[2]) for r in replays)
+    assert all(uniform and logits for _, _, _, uniform, logits in verify)
+    decode = [r for r in replays if r[0] is CUDAGraphMode.FULL and r[1] == r[2]]
+    assert decode and all(r[3] and r[4] for r in decode)
+    assert any(r[0] is CUDAGraphMode.PIECEWISE for r in replays)
+    assert len(verify) + len(decode) + sum(r[0] is CUDAGraphMode.PIECEWISE for r in replays) == (
+        len(replays)
+    )
 
 
 def test_logprobs_of_every_accepted_token(looping_hf_dir: Path) -> None:

@@ -45,6 +45,9 @@ def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         graph_stand_in=config.compilation.cudagraph_stand_in,
         num_input_batches=config.num_input_batches,
         cpu_threads=threads,
+        num_speculative_tokens=(
+            config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        ),
     )
 
 

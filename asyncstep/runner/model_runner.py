@@ -111,6 +111,7 @@ class ModelRunner:
         graph_stand_in: bool = False,
         num_input_batches: int = 1,
         cpu_threads: CpuThreads | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         """``graph_stand_in``: run CUDA-graph modes without CUDA (graphs
         replayed by calling the captured function again), to test the
@@ -118,7 +119,11 @@ class ModelRunner:
 
         ``num_input_batches``: persistent batches kept (pipeline parallelism:
         one per step in flight, whose requests differ, so alternating steps
-        do not rebuild every row each step)."""
+        do not rebuild every row each step).
+
+        ``num_speculative_tokens``: the most draft tokens a request verifies
+        in a step (speculative decoding; 0: off): verify steps of ``1 + k``
+        tokens a request get uniform decode graphs of their own."""
         self.model = model
         self.device, self.dtype = device, dtype
         #: On the CPU: the steps' torch threads, fewer while other processes
@@ -190,6 +195,7 @@ class ModelRunner:
             capture_sizes=compilation.cudagraph_capture_sizes,
             max_capture_size=compilation.max_cudagraph_capture_size,
             num_tokens_multiple=self.num_tokens_multiple,
+            uniform_decode_query_len=1 + num_speculative_tokens,
         )
         self._graph_stand_in = graph_stand_in
         self._ubatch_stream: torch.cuda.Stream | None = None
