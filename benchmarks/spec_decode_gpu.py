@@ -15,7 +15,15 @@ proposer; every variant alike), one after another:
   what the n-gram proposer would have proposed, so (the greedy output of
   dummy weights loops) nearly none is accepted; the acceptance rate is
   measured and printed with it;
-- ``off`` again (``off_again``): the drift of the machine over the run.
+- ``off`` again (``off_again``): the drift of the machine over the run;
+- with ``--sync``: ``off_sync``, no speculation and ``async_scheduling``
+  off (a speculative step runs alone in flight, without overlap: what the
+  host's time between steps costs a step).
+
+With ``--profile``, each variant also decodes one more request under
+torch's profiler (CUPTI: the kernels of graph replays too), after its
+timed ones: each kernel's device time a step, the sum, and the step's
+wall time it did not fill (host time the device waited for).
 
 The workload: prompts of ``--prompt-len`` token ids, a random block of
 ``--block`` tokens repeated (a prompt that repeats its context); greedy,
@@ -31,6 +39,7 @@ input embedding's rows read, not the table) plus the mean context's KV,
 read once a step, over the measured copy bandwidth.
 
     python3 benchmarks/spec_decode_gpu.py --shape llama-8b --k 3 4 --out /tmp/spec.json
+    python3 benchmarks/spec_decode_gpu.py --k 3 --sync --profile   # where a verify step's time goes
     python3 benchmarks/spec_decode_gpu.py --shape tiny-llama --device cpu --output-len 16  # smoke
 """
 
@@ -146,6 +155,39 @@ def floor_ms(args: argparse.Namespace, bandwidth: float) -> dict[str, float]:
     }
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two outputs differ (None: the same)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+async def profile_request(
+    engine: asyncstep.Engine, runner: Any, prompt: list[int], output_len: int
+) -> dict[str, Any]:
+    """One request under the profiler: device us a step per kernel name."""
+    steps_before = sum(runner.step_inputs.cudagraph_steps.values())
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t, _ = await one_request(engine, prompt, output_len)
+        torch.cuda.synchronize()
+    steps = sum(runner.step_inputs.cudagraph_steps.values()) - steps_before - 1  # the prefill
+    per_kernel: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.device_time
+    # Spread over the decode steps (the prefill's kernels are a small part).
+    per_step = {k: v / max(steps, 1) for k, v in per_kernel.items()}
+    top = sorted(per_step.items(), key=lambda kv: -kv[1])[:16]
+    return {
+        "decode_steps": steps,
+        "wall_us_per_step": t / max(steps, 1) * 1e6,
+        "device_us_per_step": sum(per_step.values()),
+        "top_kernels_us_per_step": {k[:100]: round(v, 1) for k, v in top},
+    }
+
+
 async def run_variant(
     args: argparse.Namespace, name: str, spec: dict[str, Any] | None, wrong: bool
 ) -> dict[str, Any]:
@@ -163,6 +205,8 @@ async def run_variant(
     }
     if spec is not None:
         options["speculative_config"] = spec
+    if name.endswith("_sync"):
+        options["async_scheduling"] = False
     for key, value in args.engine_opt:
         options[key] = value
     async with asyncstep.open_engine(args.shape, **options) as engine:
@@ -191,6 +235,9 @@ async def run_variant(
             mode: count - steps_before.get(mode, 0)
             for mode, count in runner.step_inputs.cudagraph_steps.items()
         }
+        profile = None
+        if args.profile:
+            profile = await profile_request(engine, runner, prompts[0], args.output_len)
     drafts = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     num_steps = sum(steps.values())
@@ -204,6 +251,7 @@ async def run_variant(
         "tokens_per_step": args.repeats * args.output_len / max(num_steps, 1),
         "steps_by_graph_mode": steps,
         "outputs": outputs,
+        "profile": profile,
     }
 
 
@@ -221,6 +269,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         spec = {"method": "ngram", "num_speculative_tokens": k}
         variants.append((f"wrong_k{k}", spec, True))
     variants.append(("off_again", None, False))
+    if args.sync:
+        variants.append(("off_sync", None, False))
     results: dict[str, Any] = {}
     for name, spec, wrong in variants:
         results[name] = await run_variant(args, name, spec, wrong)
@@ -231,12 +281,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{r['tokens_per_step']:.2f} tokens/step  steps {r['steps_by_graph_mode']}",
             flush=True,
         )
+        if r["profile"] is not None:
+            p = r["profile"]
+            print(
+                f"{'':>12}profile: {p['decode_steps']} steps, wall {p['wall_us_per_step']:.0f} us,"
+                f" device {p['device_us_per_step']:.0f} us a step; top kernels:",
+                flush=True,
+            )
+            for kernel, us in p["top_kernels_us_per_step"].items():
+                print(f"{'':>14}{us:8.1f}  {kernel}", flush=True)
     off = statistics.mean([results["off"]["decode_tok_s"], results["off_again"]["decode_tok_s"]])
     reference = results["off"]["outputs"]
     for r in results.values():
         r["ratio_to_off"] = r["decode_tok_s"] / off
         same = sum(a == b for a, b in zip(r["outputs"], reference, strict=True))
         r["same_outputs_as_off"] = f"{same}/{len(reference)}"
+        r["first_difference_from_off"] = [
+            first_difference(a, b) for a, b in zip(r["outputs"], reference, strict=True)
+        ]
         del r["outputs"]
     return results
 
@@ -260,6 +322,8 @@ def main() -> None:
         type=lambda s: (s.split("=", 1)[0], json.loads(s.split("=", 1)[1])),
         help="extra open_engine keyword KEY=JSON (repeatable)",
     )
+    parser.add_argument("--sync", action="store_true", help="also off without async scheduling")
+    parser.add_argument("--profile", action="store_true", help="profile one request a variant")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -274,7 +338,8 @@ def main() -> None:
         print(
             f"{name:>10}: x{r['ratio_to_off']:.3f} of off  {r['decode_tok_s']:.1f} tok/s  "
             f"floor at its tokens/step {r['floor_tok_s_at_this_acceptance']:.1f} tok/s  "
-            f"same outputs {r['same_outputs_as_off']}"
+            f"same outputs {r['same_outputs_as_off']} "
+            f"(first difference at {r['first_difference_from_off']})"
         )
     if args.out is not None:
         record = {
