@@ -3,9 +3,13 @@ model shape (default llama-8b, bf16), one request at a time, greedy, with
 and without n-gram speculation, and with speculation whose drafts are
 always wrong (the acceptance-free overhead), in one run.
 
-Variants, each a fresh engine of the same options (in the caller's process,
-``engine_process=False``, so the benchmark can swap the scheduler's
-proposer; every variant alike), one after another:
+Variants, each a fresh engine of the same options, one after another; by
+default in the caller's process (``engine_process=False``: the benchmark
+swaps the scheduler's proposer, counts the steps per graph mode and can
+profile), with ``--engine-process`` the engine core in its own process as
+in production (the wrong proposer then goes in through a ``sitecustomize``
+module that the core process, started with it on its ``PYTHONPATH``, runs
+at its start; no step counts, no profile):
 
 - ``off``: no ``speculative_config``;
 - ``ngram_k{K}``: ``{"method": "ngram", "num_speculative_tokens": K,
@@ -48,9 +52,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -63,6 +69,45 @@ import trio
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.models.dummy import dummy_weight_shapes, get_shape
+
+#: The core process's ``sitecustomize`` (``--engine-process``): swaps in the
+#: wrong-draft proposer where the variable says so, then runs any other
+#: ``sitecustomize`` of the path.
+_HOOK = """
+import importlib.machinery, importlib.util, os, sys
+_here = os.path.dirname(os.path.abspath(__file__))
+_wrong = os.environ.get("ASYNCSTEP_BENCH_WRONG_DRAFTS")
+if _wrong:
+    from asyncstep.engine import ngram_proposer
+
+    _k, _vocab = map(int, _wrong.split(":"))
+
+    def _propose(self, request_id, token_ids, max_num_draft_tokens):
+        last = int(token_ids[-1])
+        return [(last + 1 + j) % _vocab for j in range(min(_k, max_num_draft_tokens))]
+
+    ngram_proposer.NgramProposer.propose = _propose
+_path = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+_spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _path)
+if _spec is not None and _spec.loader is not None:
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+"""
+
+
+_WRONG_VAR = "ASYNCSTEP_BENCH_WRONG_DRAFTS"
+
+
+class _Entered:
+    """Exits an already entered async context manager."""
+
+    def __init__(self, manager: Any, value: Any) -> None:
+        self.manager, self.value = manager, value
+
+    async def __aenter__(self) -> Any:
+        return self.value
+
+    async def __aexit__(self, *exc: object) -> Any:
+        return await self.manager.__aexit__(*exc)
 
 
 class WrongDrafts:
@@ -207,18 +252,37 @@ async def run_variant(
         options["speculative_config"] = spec
     if name.endswith("_sync"):
         options["async_scheduling"] = False
+    if args.engine_process:
+        options["engine_process"] = True
     for key, value in args.engine_opt:
         options[key] = value
-    async with asyncstep.open_engine(args.shape, **options) as engine:
+    saved = {key: os.environ.get(key) for key in ("PYTHONPATH", _WRONG_VAR)}
+    if wrong and args.engine_process:
+        assert spec is not None
+        hook = Path(tempfile.mkdtemp(prefix="spec_bench_hook"))
+        (hook / "sitecustomize.py").write_text(_HOOK)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), saved["PYTHONPATH"]]))
+        vocab_size = get_shape(args.shape).vocab_size
+        os.environ[_WRONG_VAR] = f"{spec['num_speculative_tokens']}:{vocab_size}"
+    try:
+        engine_cm = asyncstep.open_engine(args.shape, **options)
+        engine = await engine_cm.__aenter__()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    async with _Entered(engine_cm, engine):
         vocab = engine.arch_config.vocab_size
         core: Any = engine.core
-        if wrong:
+        if wrong and not args.engine_process:
             assert spec is not None
             core.scheduler.proposer = WrongDrafts(spec["num_speculative_tokens"], vocab)
         warm = repeating_prompts(vocab, args.prompt_len, args.block, 1, args.seed + 99)[0]
         await one_request(engine, warm, min(32, args.output_len))  # kernels, graphs
-        runner = core.executor.runner
-        steps_before = dict(runner.step_inputs.cudagraph_steps)
+        runner = None if args.engine_process else core.executor.runner
+        steps_before = {} if runner is None else dict(runner.step_inputs.cudagraph_steps)
         before = engine.statistics()
         prompts = repeating_prompts(vocab, args.prompt_len, args.block, args.repeats, args.seed)
         seconds, tokens, outputs = 0.0, 0, []
@@ -231,16 +295,19 @@ async def run_variant(
             tokens += len(ids) - 1
             outputs.append(ids)
         after = engine.statistics()
-        steps = {
-            mode: count - steps_before.get(mode, 0)
-            for mode, count in runner.step_inputs.cudagraph_steps.items()
-        }
+        steps = {}
+        if runner is not None:
+            steps = {
+                mode: count - steps_before.get(mode, 0)
+                for mode, count in runner.step_inputs.cudagraph_steps.items()
+            }
         profile = None
-        if args.profile:
+        if args.profile and runner is not None:
             profile = await profile_request(engine, runner, prompts[0], args.output_len)
     drafts = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    num_steps = sum(steps.values())
+    # Steps from the engine's count where the runner is out of reach.
+    num_steps = sum(steps.values()) or after.num_steps - before.num_steps
     return {
         "decode_tok_s": tokens / seconds,
         "ms_per_token": seconds / tokens * 1e3,
@@ -321,6 +388,9 @@ def main() -> None:
         default=[],
         type=lambda s: (s.split("=", 1)[0], json.loads(s.split("=", 1)[1])),
         help="extra open_engine keyword KEY=JSON (repeatable)",
+    )
+    parser.add_argument(
+        "--engine-process", action="store_true", help="the engine core in its own process"
     )
     parser.add_argument("--sync", action="store_true", help="also off without async scheduling")
     parser.add_argument("--profile", action="store_true", help="profile one request a variant")
