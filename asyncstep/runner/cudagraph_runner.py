@@ -105,7 +105,8 @@ class CudaGraphRunner:
         self.dispatcher = dispatcher
         self.device, self.dtype = device, dtype
         self.pool = GraphPool(device, stand_in)
-        n, r = max(dispatcher.max_graph_tokens, 1), max(max_num_reqs, 1)
+        n = max(dispatcher.max_graph_tokens, dispatcher.max_capture_size, 1)
+        r = max(max_num_reqs, 1)
         self.max_num_tokens, self.max_num_reqs = n, r
 
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
