@@ -317,7 +317,7 @@ def test_n_choices_speculate_each(looping_hf_dir: Path, overlap: bool) -> None:
     the default on CUDA, this 24-token prompt gets few drafts: a request
     whose tokens are in flight is scheduled without drafts unless its known
     tokens already end with a recurring n-gram; on the CPU and on the H200
-    2 drafts each time, none accepted: only the tokens are asserted.)"""
+    2 drafts a choice, none accepted: only the tokens are asserted.)"""
     plain = trio.run(lambda: serve(looping_hf_dir, [greedy()], spec=False, prompts=PROMPTS[:1]))
     options = ENGINE | {"async_scheduling": overlap}
 
