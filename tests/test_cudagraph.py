@@ -87,6 +87,65 @@ def test_dispatch_order_full_exact_then_relaxed_then_piecewise() -> None:
     assert not dispatcher("NONE").keys_to_capture()
 
 
+def test_speculative_verify_batches_get_uniform_graphs_of_their_own() -> None:
+    """With k = 3 drafts a request (``uniform_decode_query_len`` 4), FULL
+    graphs of 4 tokens a request beside the one-token ones, for every
+    capture size up to max_num_seqs requests; a verify batch where each
+    request has all its drafts is padded in requests to one; one where some
+    request has fewer drafts is a mixed batch (as vLLM: the relaxed FULL
+    graph, else PIECEWISE); a step without drafts is a plain decode."""
+    d = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8, uniform_decode_query_len=4)
+    spec_keys = {k for k in d.full_keys if k.uniform_decode and k.num_tokens != k.num_reqs}
+    assert spec_keys == {BatchDescriptor(4 * s, s, True) for s in (1, 2, 4, 8)}
+    assert {k for k in d.full_keys if k.num_tokens == k.num_reqs} == {
+        BatchDescriptor(s, s, True) for s in (1, 2, 4, 8)
+    }
+    small = dispatcher(
+        "FULL_AND_PIECEWISE",
+        max_num_seqs=8,
+        capture_sizes=[1, 2, 4, 8, 16],
+        uniform_decode_query_len=4,
+    )
+    # The static buffers must hold the largest graph: 8 requests of 4 tokens.
+    assert small.max_capture_size == 16 and small.max_graph_tokens == 32
+    assert small.dispatch(4, 1, True) == (FULL, BatchDescriptor(4, 1, True))
+    assert small.dispatch(12, 3, True) == (FULL, BatchDescriptor(16, 4, True))
+    assert small.dispatch(32, 8, True) == (FULL, BatchDescriptor(32, 8, True))
+    assert small.dispatch(1, 1, True) == (FULL, BatchDescriptor(1, 1, True))
+    assert small.dispatch(3, 3, True) == (FULL, BatchDescriptor(4, 4, True))
+    # Fewer drafts somewhere: a mixed batch.
+    assert small.dispatch(3, 1, False) == (PIECEWISE, BatchDescriptor(4))
+    assert small.dispatch(11, 3, False) == (PIECEWISE, BatchDescriptor(16))
+    relaxed = dispatcher("FULL", max_num_seqs=8, uniform_decode_query_len=4)
+    assert relaxed.dispatch(3, 1, False) == (FULL, BatchDescriptor(4, 4, False))
+    # FULL alone has no separate decode routine: no uniform graphs at all.
+    assert relaxed.dispatch(4, 1, True) == (FULL, BatchDescriptor(4, 4, False))
+    # The token budget bounds the graphs: 4 requests of 4 tokens at most.
+    budget = dispatcher(
+        "FULL_AND_PIECEWISE", max_num_seqs=8, max_num_batched_tokens=16, uniform_decode_query_len=4
+    )
+    spec_sizes = [k.num_reqs for k in budget.full_keys if k.num_tokens == 4 * (k.num_reqs or 0)]
+    assert sorted(spec_sizes) == [1, 2, 4]  # type: ignore[type-var]
+    assert budget.dispatch(12, 3, True) == (FULL, BatchDescriptor(16, 4, True))
+    # Sequence parallelism: only sizes whose tokens are a multiple of the TP size.
+    sp = dispatcher(
+        "FULL_AND_PIECEWISE",
+        max_num_seqs=8,
+        capture_sizes=[2, 4, 8],
+        num_tokens_multiple=2,
+        uniform_decode_query_len=3,
+    )
+    assert {k for k in sp.full_keys if k.num_tokens == 3 * (k.num_reqs or 0)} == {
+        BatchDescriptor(6, 2, True),
+        BatchDescriptor(12, 4, True),
+        BatchDescriptor(24, 8, True),
+    }
+    # Uniform decode keys exist only with a separate decode routine.
+    assert not dispatcher("PIECEWISE", uniform_decode_query_len=4).full_keys
+    with pytest.raises(ConfigError, match="uniform_decode_query_len"):
+        dispatcher("FULL_AND_PIECEWISE", uniform_decode_query_len=0)
+
+
 def test_keys_are_captured_largest_first() -> None:
     keys = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8).keys_to_capture()
     sizes = [desc.num_tokens for _, desc in keys]

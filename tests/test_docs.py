@@ -67,6 +67,7 @@ from processes import serving_url
 
 import asyncstep
 from asyncstep.cli import build_parser, main
+from asyncstep.logging import configure_logging
 
 ROOT = Path(__file__).parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -363,6 +364,20 @@ def test_generate_and_trace_commands(
     for kind in ("asyncstep generate", "asyncstep trace"):
         for page, found in run_in_order(kind).items():
             pages.setdefault(page, []).extend(found)
+    try:
+        ran = run_pages(pages, tmp_path, tiny_hf_dir, capsys, monkeypatch)
+    finally:  # the commands' --log-json set-up must not outlive them
+        configure_logging("warning", None, console=False)
+    assert ran >= 5
+
+
+def run_pages(
+    pages: dict[str, list[Command]],
+    tmp_path: Path,
+    tiny_hf_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> int:
     ran = 0
     for page, found in pages.items():
         cwd = tmp_path / page.replace("/", "_")
@@ -379,7 +394,7 @@ def test_generate_and_trace_commands(
             assert code == 0, (command, err)
             assert out, command
             ran += 1
-    assert ran >= 5
+    return ran
 
 
 def test_the_main_job_is_run_on_the_embedded_model() -> None:

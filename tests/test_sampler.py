@@ -432,3 +432,31 @@ def test_cuda_mixed_batch() -> None:
     greedy = logits.float().argmax(dim=-1)
     assert torch.equal(first[[0, 3]], greedy[[0, 3]])
     assert first[1] == second[1]
+
+
+@pytest.mark.parametrize("vocab", [128256, 1000, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_argmax_is_argmax_with_the_lowest_id_on_ties(
+    vocab: int, dtype: torch.dtype
+) -> None:
+    """The two-stage argmax of the CUDA greedy path gives ``argmax``'s ids,
+    the lowest on ties (inside a chunk and across chunks), with a padded
+    last chunk, -inf and +inf logits, one row and several (on the test
+    device: CUDA's reductions there)."""
+    from asyncstep.runner.sampler import argmax_rows, chunked_argmax
+    from tests.conftest import TEST_DEVICE
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen).to(dtype).to(TEST_DEVICE)
+    top = float(logits.float().max()) + 1
+    logits[1, [5, 300, vocab - 1]] = top  # ties across chunks: 5 wins
+    logits[2, [vocab - 2, vocab - 1]] = top  # a tie in the (padded) last chunk
+    logits[3] = float("-inf")  # every logit -inf: index 0, as argmax
+    logits[4, [7, 700]] = float("inf")
+    logits[5, :] = top  # all tied: 0
+    expected = logits.argmax(dim=-1)
+    assert expected[1] == 5 and expected[3] == 0 and expected[5] == 0
+    for chunk in (256, 100, 7):
+        assert torch.equal(chunked_argmax(logits, chunk), expected)
+        assert torch.equal(chunked_argmax(logits[:1], chunk), expected[:1])
+    assert torch.equal(argmax_rows(logits), expected)

@@ -70,12 +70,19 @@ def looping_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from asyncstep.errors import ModelLoadError
     from asyncstep.models.loader import open_checkpoint
 
+    saved = os.environ.get("ASYNCSTEP_TEST_TOKENIZER")
     try:
         tokenizer = open_checkpoint(None).load_tokenizer()
     except ModelLoadError as exc:  # the GPU machine has no embedded model; CPU runs must
         if os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu") == "cpu":
             raise
-        pytest.skip(f"needs SmolLM2's tokenizer: {exc}")
+        if not saved:
+            pytest.skip(f"needs SmolLM2's tokenizer (or ASYNCSTEP_TEST_TOKENIZER): {exc}")
+        # SmolLM2's tokenizer saved by ``save_pretrained`` (a few MB, carried to
+        # the GPU machine in place of the embedded model).
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(saved)
     torch.manual_seed(2)
     config = LlamaConfig(
         vocab_size=49152,
@@ -115,7 +122,10 @@ async def serve(
     abort_after = abort_after or {}
     results: list[Result | None] = [None] * len(prompts)
     if spec:
-        options["speculative_config"] = NGRAM if spec is True else spec
+        if spec is True:
+            options.setdefault("speculative_config", NGRAM)
+        else:
+            options["speculative_config"] = spec
     async with asyncstep.open_engine(path, **(ENGINE | options)) as engine:
 
         async def one(i: int) -> None:
@@ -303,38 +313,92 @@ def test_structured_outputs_verify_drafts_the_grammar_accepts(looping_hf_dir: Pa
     assert spec == plain
 
 
-def test_n_choices_speculate_each(looping_hf_dir: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_n_choices_speculate_each(looping_hf_dir: Path, overlap: bool) -> None:
     """``n = 3`` greedy choices of a prompt: each is a request of its own in
-    the core (their prompt cached once), each speculates, each gives the
-    greedy tokens."""
+    the core (their prompt cached once), each gives the greedy tokens;
+    without overlap each speculates and drafts are accepted. (With overlap,
+    the default on CUDA, this 24-token prompt gets few drafts: a request
+    whose tokens are in flight is scheduled without drafts unless its known
+    tokens already end with a recurring n-gram; on the CPU and on the H200
+    2 drafts a choice, none accepted: only the tokens are asserted.)"""
     plain = trio.run(lambda: serve(looping_hf_dir, [greedy()], spec=False, prompts=PROMPTS[:1]))
+    options = ENGINE | {"async_scheduling": overlap}
 
     async def choices() -> list[tuple[int, ...]]:
         async with asyncstep.open_engine(
-            looping_hf_dir, speculative_config=NGRAM, **ENGINE
+            looping_hf_dir, speculative_config=NGRAM, **options
         ) as engine:
             out = await engine.generate(PROMPTS[0], greedy(n=3))
-            assert engine.statistics().spec_decode_num_accepted_tokens > 0
+            stats = engine.statistics()
+            assert stats.spec_decode_num_draft_tokens > 0
+            if not overlap:
+                assert stats.spec_decode_num_accepted_tokens > 0
             return [tuple(choice.token_ids) for choice in out.outputs]
 
     assert trio.run(choices) == [plain[0].token_ids] * 3
 
 
-@pytest.mark.skipif(ENGINE["device"] != "cpu", reason="the stand-in graphs are the CPU's")
-def test_verify_steps_through_the_graph_wiring(looping_hf_dir: Path) -> None:
-    """The Triton attention kernels (interpreted) and stand-in CUDA graphs
-    (FULL for uniform decodes, PIECEWISE for the rest, verify steps
-    included), as on CUDA: the same greedy tokens as without speculation."""
-    params = [greedy()] * len(PROMPTS)
+@pytest.mark.parametrize("k", [4, 2])
+def test_verify_steps_through_the_graph_wiring(
+    looping_hf_dir: Path, monkeypatch: pytest.MonkeyPatch, k: int
+) -> None:
+    """The Triton attention kernels and CUDA graphs (on the CPU the kernels
+    interpreted and stand-in graphs), as on CUDA: FULL for uniform decodes,
+    PIECEWISE for the rest: the same greedy tokens as without speculation.
+    Verify steps where every request has all its ``k`` drafts run the FULL
+    graph of ``1 + k`` tokens a request, their logits computed inside it;
+    one-token decodes their own FULL graphs; the rest (a request with fewer
+    drafts, prefills) PIECEWISE."""
+    from asyncstep.runner.cudagraph_dispatcher import CUDAGraphMode
+    from asyncstep.runner.cudagraph_runner import CudaGraphRunner
+
+    pytest.importorskip("triton")
+    replays: list[tuple[CUDAGraphMode, int, int | None, bool, bool]] = []
+    run = CudaGraphRunner.run
+
+    def spy(self: CudaGraphRunner, mode: CUDAGraphMode, desc: Any, meta: Any) -> Any:
+        logits = self.computes_logits(mode, desc)
+        replays.append((mode, desc.num_tokens, desc.num_reqs, desc.uniform_decode, logits))
+        return run(self, mode, desc, meta)
+
+    monkeypatch.setattr(CudaGraphRunner, "run", spy)
+    # The two prompts that repeat their context and one that does not: verify
+    # steps where both repeating ones have all their drafts, or one alone.
+    prompts = PROMPTS[:2] + PROMPTS[-1:]
+    params = [greedy(40)] * len(prompts)
     graphs = {
         "cudagraph_mode": "FULL_AND_PIECEWISE",
-        "cudagraph_stand_in": True,
+        "cudagraph_stand_in": ENGINE["device"] != "cuda",
         "attention_backend": "triton",
         "max_num_seqs": 8,
+        "engine_process": False,  # the spy sees the runner's replays
     }
-    plain = trio.run(lambda: serve(looping_hf_dir, params, spec=False))
-    spec = trio.run(lambda: serve(looping_hf_dir, params, spec=True, **graphs))
+    spec_config = NGRAM | {"num_speculative_tokens": k}
+    plain = trio.run(lambda: serve(looping_hf_dir, params, spec=False, prompts=prompts))
+    spec = trio.run(
+        lambda: serve(
+            looping_hf_dir,
+            params,
+            spec=True,
+            prompts=prompts,
+            speculative_config=spec_config,
+            **graphs,
+        )
+    )
     assert spec == plain
+    q = 1 + k
+    verify = [r for r in replays if r[0] is CUDAGraphMode.FULL and r[1] == q * (r[2] or 0)]
+    from collections import Counter
+
+    assert verify, Counter((r[0].name, r[1], r[2]) for r in replays)
+    assert all(uniform and logits for _, _, _, uniform, logits in verify)
+    decode = [r for r in replays if r[0] is CUDAGraphMode.FULL and r[1] == r[2]]
+    assert decode and all(r[3] and r[4] for r in decode)
+    assert any(r[0] is CUDAGraphMode.PIECEWISE for r in replays)
+    assert len(verify) + len(decode) + sum(r[0] is CUDAGraphMode.PIECEWISE for r in replays) == (
+        len(replays)
+    )
 
 
 def test_logprobs_of_every_accepted_token(looping_hf_dir: Path) -> None:

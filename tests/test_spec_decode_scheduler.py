@@ -16,6 +16,7 @@ prefill and aborts.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import deque
 from collections.abc import Sequence
@@ -481,3 +482,84 @@ def test_random_traffic_with_speculation_matches_the_reference(
         else:
             assert (got, run.finish[req.request_id]) == (want, reason)
             assert run.stop_reason[req.request_id] == stop_reason
+
+
+def test_a_request_whose_drafts_never_pass_backs_off() -> None:
+    """Drafts the target never takes: after ``m`` verify steps in a row
+    with no draft accepted the next ``2**m - 1`` decodes (at most
+    ``MAX_SPEC_BACKOFF``) go without drafts, and overlap again with async
+    scheduling."""
+    from asyncstep.engine.step_results import MAX_SPEC_BACKOFF
+
+    class WrongDrafts:
+        num_lookahead_tokens = 0
+
+        def propose(self, request_id: str, token_ids: Sequence[int], room: int) -> list[int]:
+            return [VOCAB - 1] * min(3, room)
+
+        def may_propose(self, request_id: str, token_ids: Sequence[int]) -> bool:
+            return True
+
+        def forget(self, request_id: str) -> None:
+            pass
+
+    def never_the_draft(tokens: Sequence[int]) -> int:
+        return (tokens[-1] * 7 + len(tokens)) % (VOCAB - 1)
+
+    for async_scheduling in (False, True):
+        sched = make_spec_scheduler(
+            k=3, max_model_len=512, num_blocks=160, async_scheduling=async_scheduling
+        )
+        sched.proposer = WrongDrafts()  # type: ignore[assignment]
+        runner = SpecFakeRunner(4)
+        runner.token_fn = never_the_draft
+        request = make_request("a", [1, 2, 3] * 6, max_tokens=300, ignore_eos=True)
+        run = drive_spec(sched, runner, {0: [request]}, depth=2 if async_scheduling else 1)
+        verify_steps = [i for i, o in enumerate(run.outputs) if o.scheduled_spec_decode_tokens]
+        assert runner.num_accepted == 0
+        gaps = [b - a - 1 for a, b in itertools.pairwise(verify_steps)]
+        expected = [min(2**m - 1, MAX_SPEC_BACKOFF) for m in range(1, len(gaps) + 1)]
+        assert gaps == expected
+        assert len(verify_steps) <= 10  # of ~300 decodes
+        check_against_reference(run, [request], max_seq_len=512, token_fn=never_the_draft)
+
+
+def test_a_draft_models_decodes_get_lookahead_slots() -> None:
+    """With ``draft_model`` the drafts come with the output (kept for the
+    token count they follow) and a decode gets ``k`` slots past its tokens
+    for the draft's proposals."""
+    k = 3
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+        CacheConfig(block_size=4, enable_prefix_caching=True),
+        32,
+        max_model_len=128,
+        speculative_config=SpeculativeConfig(
+            method="draft_model", model="d", num_speculative_tokens=k
+        ),
+    )
+    request = make_request("a", [1, 2, 3, 4, 5, 6], max_tokens=20, ignore_eos=True)
+    sched.add_request(request)
+    prefill = sched.schedule()
+    assert prefill.num_scheduled_tokens == {"a": 6}
+    out = ModelRunnerOutput(
+        req_ids=["a"],
+        req_id_to_index={"a": 0},
+        sampled_token_ids=[[7]],
+        draft_token_ids={"a": [8, 9, 10]},
+    )
+    sched.update_from_output(prefill, out)
+    verify = sched.schedule()
+    assert verify.scheduled_spec_decode_tokens == {"a": [8, 9, 10]}
+    # 7 known tokens, 1 + 3 computed now, 3 lookahead: 13 slots, 4 blocks.
+    assert len(sched.kv_cache_manager.get_block_ids("a")) == cdiv(7 + k + k, 4)
+    out = ModelRunnerOutput(
+        req_ids=["a"],
+        req_id_to_index={"a": 0},
+        sampled_token_ids=[[8, 11]],
+        draft_token_ids={"a": [12, 13, 14]},
+    )
+    sched.update_from_output(verify, out)
+    assert request.num_computed_tokens == 8 and request.num_tokens == 9
+    nxt = sched.schedule()
+    assert nxt.scheduled_spec_decode_tokens == {"a": [12, 13, 14]}

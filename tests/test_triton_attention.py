@@ -408,6 +408,49 @@ def test_decode_split_kv_padding_and_multi_token_request(
     assert_matches_dense(batch, out)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_short_queries_take_the_split_kv_kernels(
+    num_splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A speculative verify step's queries (``1 + k`` tokens a request, some
+    fewer, a padded request, padding rows), given ``max_query_len``, run the
+    split-KV kernels: each token attends its request's keys up to its own
+    position, as dense attention does; padding rows zeros. Without the
+    bound, or past :data:`MAX_SPLIT_KV_QUERY_LEN`, the query-tiled kernel."""
+    force_decode_splits(monkeypatch, num_splits)
+    decode_calls: list[int] = []
+    paged_decode = triton_attention._paged_decode
+
+    def spy(q: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        decode_calls.append(q.shape[0])
+        paged_decode(q, *args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "_paged_decode", spy)
+    batch = make_batch(
+        [4, 2, 0, 4],
+        [37, 70, 0, 1],
+        num_padding=3,
+        heads=8,
+        kv_heads=2,
+        block_size=16,
+        num_blocks=64,
+        table_width=24,
+        seed=num_splits,
+    )
+    dim = batch.q.shape[-1]
+    args = (batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table)
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention(*args, dim**-0.5, out=out, max_query_len=4)
+    assert decode_calls == [batch.q.shape[0]]
+    assert_matches_dense(batch, out)
+    limit = triton_attention.MAX_SPLIT_KV_QUERY_LEN
+    tiled = paged_attention(*args, dim**-0.5, max_query_len=limit + 1)
+    untold = paged_attention(*args, dim**-0.5)
+    assert decode_calls == [batch.q.shape[0]]  # neither took the split kernels
+    assert_matches_dense(batch, tiled)
+    assert_matches_dense(batch, untold)
+
+
 def test_decode_split_count_follows_the_shape_only() -> None:
     """Enough programs for about 4 per SM, 1 .. 16 splits; no seq_lens argument."""
 

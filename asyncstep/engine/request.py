@@ -84,6 +84,8 @@ class Request:
         "output_token_ids",
         "prompt_token_ids",
         "request_id",
+        "spec_backoff",
+        "spec_misses",
         "speculates",
         "status",
         "stop_ids",
@@ -104,6 +106,9 @@ class Request:
     #: logit bias, ``min_tokens``, bad words) or the request asks for prompt
     #: log-probs. (A grammar's drafts are checked by its matcher.)
     speculates: bool
+    #: Speculation's back-off (see :func:`asyncstep.engine.step_results.settle_drafts`).
+    spec_misses: int
+    spec_backoff: int
 
     def __init__(
         self,
@@ -131,6 +136,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        #: Speculation: verify steps in a row that accepted no draft, and
+        #: decode steps still to go without drafts because of them.
+        self.spec_misses = 0
+        self.spec_backoff = 0
         # Typed loosely on purpose: the KV cache manager owns the hash type.
         self.block_hashes: list[bytes] = []
         self._derive_stop_rules()

@@ -60,6 +60,9 @@ engine's batch queue):
   whose known tokens end with a recurring n-gram waits for that step rather
   than being scheduled over its placeholder (:meth:`_waits_to_speculate`),
   so its next step can verify drafts; the other requests keep overlapping.
+  A request whose verify steps accept nothing backs off (its next decodes
+  go without drafts, and overlap: ``settle_drafts``), so drafts that never
+  pass cost little.
   With a draft model (``"method": "draft_model"``) the drafts come from the
   runner with each step's output (:class:`DraftModelDrafts` keeps them for
   the token count they follow), a speculating request always waits for its
@@ -358,8 +361,11 @@ class Scheduler:
                 new_block_ids = self._allocate_or_preempt(request, num_new, plan)
                 if new_block_ids is None:
                     break  # the request preempted itself: nothing after it is running
-            if proposer is not None and num_new == 1 and not placeholders and request.speculates:
-                draft_candidates.append((len(req_ids), request))
+            if proposer is not None and num_new == 1 and request.speculates:
+                if request.spec_backoff:
+                    request.spec_backoff -= 1  # (a decode without drafts)
+                elif not placeholders:
+                    draft_candidates.append((len(req_ids), request))
             num_scheduled[req_id] = num_new
             budget -= num_new
             req_ids.append(req_id)
@@ -437,7 +443,7 @@ class Scheduler:
         n-gram that recurs (the proposer would find drafts, and drafts need
         every token's id). Its verify steps then run alone in flight for it;
         the others keep overlapping."""
-        if self.proposer is None or not request.speculates:
+        if self.proposer is None or not request.speculates or request.spec_backoff:
             return False
         disable = self.spec_disable_by_batch_size
         if disable is not None and len(self.running) >= disable:

@@ -122,6 +122,11 @@ def collect_step_results(
     return outputs, stopped, freed
 
 
+#: The most decodes a request goes without drafts after verify steps that
+#: accepted none (see :func:`settle_drafts`).
+MAX_SPEC_BACKOFF = 64
+
+
 def settle_drafts(
     request: Request,
     num_draft_tokens: int,
@@ -132,9 +137,19 @@ def settle_drafts(
     ``1 + num_draft_tokens`` tokens, of which the last token before the
     drafts and the ``num_accepted`` accepted drafts stay computed (the
     rejected drafts' KV slots are written again by the next step). A
-    preempted request (its count already 0) is left alone."""
+    preempted request (its count already 0) is left alone.
+
+    Back-off: after ``m`` verify steps in a row that accepted no draft, the
+    request's next ``min(2**m - 1, MAX_SPEC_BACKOFF)`` decodes go without
+    drafts (and overlap like any decode); an accepted draft ends it. Drafts
+    that never pass then cost one verify step in ``MAX_SPEC_BACKOFF + 1``."""
     if request.status != RequestStatus.PREEMPTED:
         request.num_computed_tokens -= num_draft_tokens - num_accepted
+    if num_accepted:
+        request.spec_misses = 0
+    elif num_draft_tokens:
+        request.spec_misses += 1
+        request.spec_backoff = min(2**request.spec_misses - 1, MAX_SPEC_BACKOFF)
     if spec_stats is not None:
         spec_stats.observe(num_draft_tokens, num_accepted)
 

@@ -25,10 +25,13 @@ def _decode_token(
     token: tl.tensor,
 ) -> tuple[tl.tensor, tl.tensor]:
     """The request of query token ``token`` (``< qsl[num_reqs]``) and the number
-    of keys it sees (causal: up to and including its own position)."""
+    of keys it sees (causal: up to and including its own position). Any
+    query lengths; found at once where request ``token`` owns just token
+    ``token`` (a decode batch), else by a binary search."""
     req = token
-    q_start = tl.load(qsl_ptr + token)
-    q_end = tl.load(qsl_ptr + token + 1)
+    own = token < num_reqs  # (past it, qsl has no entry token + 1)
+    q_start = tl.load(qsl_ptr + token, mask=own, other=-1)
+    q_end = tl.load(qsl_ptr + token + 1, mask=own, other=-1)
     # Fast path, every request one token: request `token` owns token `token`.
     if (q_start != token) | (q_end != token + 1):
         req = _find_request(qsl_ptr, num_reqs, token, 1)
@@ -151,14 +154,18 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     ROTARY: tl.constexpr = False,
 ) -> None:
-    """Grid ``(num_tokens == num_reqs, num_kv_heads, NUM_SPLITS)``: token ``t``'s GROUP
-    query heads of one KV head against key segment ``split``. NUM_SPLITS > 1:
+    """Grid ``(num_tokens, num_kv_heads, NUM_SPLITS)``: token ``t``'s GROUP
+    query heads of one KV head against key segment ``split`` of the keys it
+    sees (requests of any query length: a decode batch, a verify step's
+    ``1 + k`` tokens a request; each token's programs read the keys of its
+    own causal range). NUM_SPLITS > 1:
     the normalised fp32 output and the log2-sum-exp go to ``part[t, head,
     split]`` / ``lse[t, head, split]`` (an empty segment writes lse -inf only,
     padding rows nothing); NUM_SPLITS == 1: the output goes to ``out``,
     padding rows zeros.
 
-    ROTARY (the fused decode): q and the token's own key come in unrotated
+    ROTARY (the fused decode; one query token a request only: a token's key
+    must be read by its own programs alone): q and the token's own key come in unrotated
     (``k_new`` / ``v_new`` rows, not yet in the cache): each program rotates
     its q rows as it loads them (neox style, cos/sin of the token's position,
     its key's index ``keys_end - 1``, in float32, rounded to q's dtype as

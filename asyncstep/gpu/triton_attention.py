@@ -32,6 +32,10 @@ DECODE_PROGRAMS_PER_SM = 4
 MAX_DECODE_SPLITS = 16
 #: SMs assumed off CUDA (the Triton interpreter): small test batches take a few splits.
 _DEFAULT_NUM_SMS = 8
+#: Batches whose queries are at most this long (a speculative verify step's
+#: ``1 + k`` tokens a request) take the split-KV decode kernels too: each
+#: token's programs read its request's keys up to its own causal end.
+MAX_SPLIT_KV_QUERY_LEN = 8
 
 
 # --------------------------------------------------------------------------
@@ -167,6 +171,7 @@ def paged_attention(
     block_table: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's queries over its keys in the paged cache.
 
@@ -182,6 +187,13 @@ def paged_attention(
     Returns out ``[num_tokens, num_heads, head_dim]`` (q's dtype); rows past
     ``qsl[num_reqs]`` (padding tokens) are zeros. Padded requests (seq_len 0,
     empty query range) produce nothing.
+
+    ``max_query_len``: a bound on every request's query length (None:
+    unknown). A decode-shaped batch (as many tokens as requests) or one
+    whose queries are at most :data:`MAX_SPLIT_KV_QUERY_LEN` long (a
+    speculative verify step) runs the split-KV kernels, one program row
+    block per token; other batches the query-tiled kernel. Only the shapes
+    decide (a CUDA graph replays its kernels for any values).
     """
     _check_attention_args(q, kv_cache, query_start_loc, seq_lens, block_table, out)
     num_tokens, num_heads, head_dim = q.shape
@@ -195,7 +207,8 @@ def paged_attention(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     # fp32 stays exact (the default would be tf32); 16-bit inputs ignore it.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if num_tokens == num_reqs:
+    short = max_query_len is not None and max_query_len <= MAX_SPLIT_KV_QUERY_LEN
+    if num_tokens == num_reqs or short:
         _paged_decode(q, kv_cache, query_start_loc, seq_lens, block_table, scale, out, precision)
         return out
     launch = _attention_launch(group, head_dim_pad, q.dtype)
@@ -241,6 +254,7 @@ def rotary_store_and_attend(
     scale: float,
     *,
     uniform_decode: bool,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """:func:`~asyncstep.gpu.triton_fused.rotary_and_store_kv` (q, k, v:
     ``[tokens, heads * head_dim]`` column slices, unrotated) then
@@ -251,7 +265,8 @@ def rotary_store_and_attend(
     and stores the rotated key and the value of each token (``ROTARY`` in
     :mod:`asyncstep.gpu.decode_kernels`: a token's own key is read by its
     own programs only); q and k are then left unrotated (other batches: the
-    two calls, which rotate them in place). A decode token's position must
+    two calls, which rotate them in place; ``max_query_len`` as
+    :func:`paged_attention` takes it). A decode token's position must
     be its key's index (``seq_len - 1``): the kernel takes it from there,
     ``positions`` only where it runs the two calls."""
     from asyncstep.gpu.triton_fused import rotary_and_store_kv
@@ -267,6 +282,7 @@ def rotary_store_and_attend(
             seq_lens,
             block_table,
             scale,
+            max_query_len=max_query_len,
         )
     from asyncstep.gpu.triton_fused import _check_rotary_args
     from asyncstep.gpu.triton_fused import _check_store_args as _check_kv_args
@@ -342,7 +358,7 @@ def _paged_decode(
         seq_lens,
         block_table,
         scale * _LOG2E,
-        num_tokens,  # num_reqs
+        seq_lens.shape[0],  # num_reqs
         *q.stride(),
         *out.stride(),
         *part_strides,
@@ -368,7 +384,7 @@ def _paged_decode(
             part,
             lse,
             query_start_loc,
-            num_tokens,  # num_reqs
+            seq_lens.shape[0],  # num_reqs
             *out.stride(),
             *part_strides,
             *lse_strides,

@@ -8,6 +8,18 @@ picks how to run it, in this order: a FULL graph of exactly this uniform
 decode shape, a FULL graph of any batch of that many tokens ("relaxed"), a
 PIECEWISE graph (attention eager, between graphs), else NONE (eager, unpadded).
 
+Uniform decode batches are those whose requests each have the same number
+of query tokens ``q``: one (plain decode), or, with speculative decoding,
+``uniform_decode_query_len = 1 + k`` (the request's newest token and ``k``
+draft tokens: a verify step where every request got all ``k`` drafts). Their
+FULL graphs are keyed ``(q * s, s, uniform_decode=True)`` for each capture
+size ``s`` (a request count here); a batch of ``r`` such requests is padded
+to the smallest ``s >= r``. As vLLM does, a verify step where some request
+got fewer than ``k`` drafts (the n-gram proposer found fewer, or the request
+is near its ``max_tokens``) is not uniform: it takes the relaxed FULL graph,
+else PIECEWISE, like any mixed batch; a step where no request got drafts is
+a plain (``q = 1``) uniform decode.
+
 Padding conventions (the runner applies them): padding tokens have id 0,
 position 0 and slot -1 (nothing stored); padding requests have seq_len 0 and
 an empty query range, so ``query_start_loc`` stays non-decreasing.
@@ -73,10 +85,11 @@ class CUDAGraphMode(enum.Enum):
 class BatchDescriptor:
     """The shape a graph was captured for (and a batch is padded to).
 
-    ``num_reqs`` is the captured request count: equal to ``num_tokens`` for a
-    uniform decode graph; for a relaxed (mixed) FULL graph the most requests
-    that many tokens can hold; None for PIECEWISE graphs (attention, the only
-    part that depends on requests, runs outside them)."""
+    ``num_reqs`` is the captured request count: ``num_tokens / q`` for a
+    uniform decode graph of ``q`` query tokens per request; for a relaxed
+    (mixed) FULL graph the most requests that many tokens can hold; None for
+    PIECEWISE graphs (attention, the only part that depends on requests, runs
+    outside them)."""
 
     num_tokens: int
     num_reqs: int | None = None
@@ -111,7 +124,11 @@ class CudagraphDispatcher:
     capped at 4096); sizes are rounded to ``num_tokens_multiple`` (sequence
     parallelism pads steps to a multiple of the TP size) and capped at
     ``max_num_batched_tokens``. Uniform decode graphs go up to
-    ``max_num_seqs`` requests.
+    ``max_num_seqs`` requests; with ``uniform_decode_query_len`` ``q > 1``
+    (speculative decoding, ``q = 1 + k``) and a separate decode routine,
+    uniform graphs of ``q`` tokens a request are captured beside the
+    one-token ones, for the capture sizes ``s <= max_num_seqs`` with ``q * s``
+    within ``max_num_batched_tokens`` (and a multiple of ``num_tokens_multiple``).
     """
 
     def __init__(
@@ -123,9 +140,18 @@ class CudagraphDispatcher:
         capture_sizes: Iterable[int] | None = None,
         max_capture_size: int | None = None,
         num_tokens_multiple: int = 1,
+        uniform_decode_query_len: int = 1,
     ) -> None:
+        if uniform_decode_query_len < 1:
+            raise ConfigError(
+                f"uniform_decode_query_len must be >= 1, got {uniform_decode_query_len}"
+            )
         self.mode = mode
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_tokens_multiple = num_tokens_multiple
+        #: Query tokens per request of a speculative uniform decode batch (1: none).
+        self.uniform_decode_query_len = uniform_decode_query_len
         if max_capture_size is None:
             max_capture_size = MAX_DEFAULT_CAPTURE_SIZE
         max_capture_size = min(max_capture_size, max_num_batched_tokens)
@@ -155,10 +181,31 @@ class CudagraphDispatcher:
             for size in self.capture_sizes:
                 if size <= self.max_num_seqs:
                     self.full_keys.add(BatchDescriptor(size, size, uniform_decode=True))
+            q = self.uniform_decode_query_len
+            if q > 1:
+                for size in self._spec_decode_sizes():
+                    self.full_keys.add(BatchDescriptor(q * size, size, uniform_decode=True))
+
+    def _spec_decode_sizes(self) -> list[int]:
+        """Request counts of the uniform graphs of ``uniform_decode_query_len``
+        (> 1) tokens a request, ascending."""
+        q, m = self.uniform_decode_query_len, self.num_tokens_multiple
+        return [
+            s
+            for s in self.capture_sizes
+            if s <= self.max_num_seqs and q * s <= self.max_num_batched_tokens and q * s % m == 0
+        ]
 
     @property
     def max_capture_size(self) -> int:
         return self.capture_sizes[-1] if self.capture_sizes else 0
+
+    @property
+    def max_graph_tokens(self) -> int:
+        """The most tokens any graph to capture holds (a uniform graph of
+        several tokens a request may hold more than :attr:`max_capture_size`)."""
+        keys = self.full_keys | self.piecewise_keys
+        return max((k.num_tokens for k in keys), default=self.max_capture_size)
 
     def padded_num_tokens(self, num_tokens: int) -> int | None:
         """The smallest capture size holding ``num_tokens`` (None: too many)."""
@@ -170,18 +217,22 @@ class CudagraphDispatcher:
     ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """The runtime mode and the (padded) descriptor to run this batch with.
 
-        ``uniform_decode``: every request has exactly one query token (then
-        ``num_tokens == num_reqs``)."""
+        ``uniform_decode``: every request has exactly one query token
+        (``num_tokens`` is ``num_reqs``, or that rounded up to
+        ``num_tokens_multiple``), or exactly ``uniform_decode_query_len``
+        (then ``num_tokens == uniform_decode_query_len * num_reqs``). A
+        uniform batch of any other count must come as a mixed one
+        (``uniform_decode`` False): its graph would be a one-token decode's."""
         unpadded = BatchDescriptor(num_tokens, num_reqs, uniform_decode)
         if self.mode is CUDAGraphMode.NONE:
             return CUDAGraphMode.NONE, unpadded
+        if uniform_decode and num_reqs > 0:
+            exact = self._uniform_key(num_tokens, num_reqs)
+            if exact is not None and exact in self.full_keys:
+                return CUDAGraphMode.FULL, exact
         padded = self.padded_num_tokens(num_tokens)
         if padded is None:
             return CUDAGraphMode.NONE, unpadded
-        if uniform_decode:
-            exact = BatchDescriptor(padded, padded, uniform_decode=True)
-            if exact in self.full_keys:
-                return CUDAGraphMode.FULL, exact
         relaxed = BatchDescriptor(padded, min(padded, self.max_num_seqs), uniform_decode=False)
         if relaxed in self.full_keys and num_reqs <= (relaxed.num_reqs or 0):
             return CUDAGraphMode.FULL, relaxed
@@ -189,6 +240,19 @@ class CudagraphDispatcher:
         if piecewise in self.piecewise_keys:
             return CUDAGraphMode.PIECEWISE, piecewise
         return CUDAGraphMode.NONE, unpadded
+
+    def _uniform_key(self, num_tokens: int, num_reqs: int) -> BatchDescriptor | None:
+        """The uniform decode graph for ``num_reqs`` requests of ``num_tokens``
+        tokens in all: of ``uniform_decode_query_len`` (> 1) tokens a request
+        when ``num_tokens`` is exactly that many per request, padded in
+        requests; else of one token a request (``num_tokens`` may be rounded
+        up to ``num_tokens_multiple``), padded in tokens. None: too large."""
+        q = self.uniform_decode_query_len
+        if q > 1 and num_tokens == q * num_reqs:
+            padded = self.padded_num_tokens(num_reqs)  # capture sizes count requests here
+            return None if padded is None else BatchDescriptor(q * padded, padded, True)
+        padded = self.padded_num_tokens(num_tokens)
+        return None if padded is None else BatchDescriptor(padded, padded, True)
 
     def keys_to_capture(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
         """Every graph to capture, largest first (the shared memory pool

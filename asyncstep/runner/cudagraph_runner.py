@@ -9,9 +9,12 @@ requests seq_len 0 with an empty query range), and the graph replays.
 
 * FULL: the whole stage forward is one graph; attention reads only device
   metadata (the Triton backend), so one graph serves every batch of its shape.
-  A uniform decode graph of the last stage also computes the logits (row i
-  is request i's; padding rows' logits are garbage): the LM head is then no
-  eager launch of its own.
+  A uniform decode graph of the last stage also computes the logits of
+  every row (a one-token decode: row i is request i's; a speculative
+  verify of ``1 + k`` tokens a request: every row is a draft's or a bonus
+  position's; padding rows' logits are garbage): the LM head is then no
+  eager launch of its own. Its attention runs on the step's device
+  metadata: any batch of at most its tokens and requests runs right in it.
 * PIECEWISE: the forward is cut at each attention: graph 0 runs up to the
   first layer's q/k/v, graph i from layer i-1's attention output to layer i's
   q/k/v, the last graph to the stage's output. Attention runs eagerly in
@@ -102,7 +105,8 @@ class CudaGraphRunner:
         self.dispatcher = dispatcher
         self.device, self.dtype = device, dtype
         self.pool = GraphPool(device, stand_in)
-        n, r = max(dispatcher.max_capture_size, 1), max(max_num_reqs, 1)
+        n = max(dispatcher.max_graph_tokens, dispatcher.max_capture_size, 1)
+        r = max(max_num_reqs, 1)
         self.max_num_tokens, self.max_num_reqs = n, r
 
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -165,7 +169,8 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:num_reqs],
             block_table=self.block_table[:num_reqs],
             slot_mapping=self.slot_mapping[:n],
-            max_query_len=1 if desc.uniform_decode else n,
+            # A uniform graph's query length (1: the fused decode attention).
+            max_query_len=n // max(num_reqs, 1) if desc.uniform_decode else n,
             max_seq_len=0,
             query_start_loc_cpu=np.zeros(num_reqs + 1, dtype=np.int32),
             seq_lens_cpu=np.zeros(num_reqs, dtype=np.int32),

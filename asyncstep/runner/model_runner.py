@@ -123,7 +123,9 @@ class ModelRunner:
         one per step in flight, whose requests differ, so alternating steps
         do not rebuild every row each step).
 
-        ``draft_model``: ``speculative_config``'s draft model (method
+        ``speculative_config``: speculative decoding (None: off): verify
+        steps of ``1 + num_speculative_tokens`` tokens a request get uniform
+        decode graphs of their own. ``draft_model``: its draft model (method
         ``draft_model``), run beside ``model`` on the same device (see
         :mod:`asyncstep.runner.draft_model`)."""
         self.model = model
@@ -204,6 +206,8 @@ class ModelRunner:
             capture_sizes=compilation.cudagraph_capture_sizes,
             max_capture_size=compilation.max_cudagraph_capture_size,
             num_tokens_multiple=self.num_tokens_multiple,
+            uniform_decode_query_len=1
+            + (speculative_config.num_speculative_tokens if speculative_config else 0),
         )
         self._graph_stand_in = graph_stand_in
         self._ubatch_stream: torch.cuda.Stream | None = None

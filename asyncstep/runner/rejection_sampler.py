@@ -35,6 +35,7 @@ from asyncstep.runner.sampler import (
     apply_min_p,
     apply_temperature,
     apply_top_k_top_p,
+    argmax_rows,
     random_sample,
 )
 from asyncstep.runner.spec_decode_metadata import to_device
@@ -153,7 +154,7 @@ class RejectionSampler:
         if draft_token_ids.numel() == 0:
             return bonus_token_ids.unsqueeze(1)
         logits = target_logits.float()
-        argmax = logits.argmax(dim=-1)
+        argmax = argmax_rows(logits)
         if metadata.all_greedy and logits.device.type == "cpu":
             return _greedy_on_host(draft_token_ids, num_draft_tokens, argmax, bonus_token_ids)
         if metadata.all_greedy:

@@ -242,6 +242,44 @@ def gather_logprobs(
     )
 
 
+#: Logits per chunk of :func:`chunked_argmax`'s first stage.
+ARGMAX_CHUNK = 256
+#: Rows up to which a CUDA argmax takes the two stages (a few rows' single
+#: reductions each run on few blocks; many rows fill the device anyway).
+CHUNKED_ARGMAX_MAX_ROWS = 64
+
+
+def chunked_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of a 2-D tensor in two stages: the maximum
+    and its first index in each chunk of ``chunk`` columns (the last chunk
+    padded with -inf), then the first chunk holding the row's maximum. The
+    same index as ``argmax``, the lowest on ties, for any finite or
+    infinite values (NaN: undefined)."""
+    rows, vocab = logits.shape
+    chunks = -(-vocab // chunk)
+    pad = chunks * chunk - vocab
+    if pad:
+        logits = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
+    values, index = logits.reshape(rows, chunks, chunk).max(dim=-1)
+    best = values.argmax(dim=-1, keepdim=True)  # the first chunk holding the maximum
+    return (best * chunk + index.gather(1, best)).squeeze(1)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (lowest id on ties): on CUDA, for up to
+    :data:`CHUNKED_ARGMAX_MAX_ROWS` rows of a long vocabulary,
+    :func:`chunked_argmax` (torch's one reduction a row runs on one block
+    a row, so one SM reads a whole long row); else ``argmax``."""
+    rows, vocab = logits.shape
+    if (
+        logits.device.type == "cuda"
+        and rows <= CHUNKED_ARGMAX_MAX_ROWS
+        and vocab >= 4 * ARGMAX_CHUNK
+    ):
+        return chunked_argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Samples one token per row of a ``[num_reqs, vocab]`` logits tensor.
 
@@ -264,7 +302,7 @@ class Sampler:
             # the CPU's argmax of bf16/fp16 is not vectorized: float32 is faster there.
             if logits.device.type == "cpu":
                 logits = logits.float()
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs_tensors=None)
+            return SamplerOutput(sampled_token_ids=argmax_rows(logits), logprobs_tensors=None)
         # float() returns the same tensor when it is float32 already: no in-place ops on it.
         logits = logits.float()
         processed = logits
@@ -281,8 +319,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Token ids ``[num_reqs]`` int64 for float32 ``logits`` (left unmodified)."""
         if metadata.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy_sampled = None if metadata.all_random else logits.argmax(dim=-1)
+            return argmax_rows(logits)
+        greedy_sampled = None if metadata.all_random else argmax_rows(logits)
 
         temperature = metadata.temperature
         assert temperature is not None, "temperature is None only when all rows are greedy"

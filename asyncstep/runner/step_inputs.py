@@ -255,6 +255,11 @@ class StepInputBuilder:
         graphs, or when the step runs as two micro-batches."""
         num_reqs = len(num_sched)
         uniform = num_decodes == num_reqs
+        q = self.dispatcher.uniform_decode_query_len
+        if not uniform and q > 1 and num_input_tokens == q * num_reqs:
+            # A verify step where every request has all its k drafts (or any
+            # batch of exactly q tokens a request: its graph runs any such).
+            uniform = bool((num_sched == q).all())
         if uniform and num_input_tokens == num_reqs and self.fast_paths:
             cached = self._decode_dispatch.get(num_reqs)
             if cached is None:
@@ -263,7 +268,7 @@ class StepInputBuilder:
             mode, desc = cached
         else:
             mode, desc = self.dispatcher.dispatch(num_input_tokens, num_reqs, uniform)
-        ubatch_slices = self._ubatch_slices(num_sched, num_input_tokens, uniform)
+        ubatch_slices = self._ubatch_slices(num_sched, num_input_tokens, num_decodes == num_reqs)
         if ubatch_slices is not None:
             self.num_ubatched_steps += 1
         if self.graph_runner is None or ubatch_slices is not None:

@@ -358,6 +358,7 @@ class Attention(nn.Module):
                 meta.block_table,
                 self.scale,
                 uniform_decode=meta.max_query_len == 1,
+                max_query_len=meta.max_query_len,
             )
             return out.view(n, self.num_heads * self.head_dim)
         if self.fused_rotary is not None:
@@ -385,6 +386,7 @@ class Attention(nn.Module):
             meta.seq_lens,
             meta.block_table,
             self.scale,
+            max_query_len=meta.max_query_len,
         )
         return out.view(n, self.num_heads * self.head_dim)
 
