@@ -125,7 +125,10 @@ class CpuQuantWeight(PackedWeight):
         return super().applies(x) and _fast_library() is not None
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        matmul = _fast_library()
+        """The product, by the library (its plain C path where the CPU has
+        no VNNI: correct, slower than the dense weight, which
+        :meth:`applies` then prefers)."""
+        matmul = quant_matmul()
         assert matmul is not None, "a CPU-quantized weight needs the CPU library"
         return matmul(self, x)
 
