@@ -306,7 +306,12 @@ def test_a_draft_model_through_the_graph_wiring(
     plain = trio.run(lambda: serve(looping_hf_dir, params, spec=False, prompts=prompts))
     spec = trio.run(
         lambda: serve(
-            looping_hf_dir, params, spec=draft_config(one_layer_dir), prompts=prompts, **graphs
+            looping_hf_dir,
+            params,
+            spec=draft_config(one_layer_dir),
+            prompts=prompts,
+            check_accepted=False,  # (12 tokens: the one-layer draft may hit none)
+            **graphs,
         )
     )
     assert spec == plain
