@@ -456,7 +456,15 @@ def test_q4_rounding_on_the_cpu_packs_the_cpu_way() -> None:
     from asyncstep.models.model_loader import load_model
 
     loaded = load_model(
-        ModelConfig(model="tiny-llama", load_format="dummy", device="cpu", weight_packing="q4")
+        # (bfloat16 named: the CPU packs bf16 models only, and ``auto`` is
+        # float32 on a CPU without bf16 dot products)
+        ModelConfig(
+            model="tiny-llama",
+            load_format="dummy",
+            device="cpu",
+            dtype="bfloat16",
+            weight_packing="q4",
+        )
     )
     layer = loaded.model.model.stage_layers()[0]
     for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
