@@ -73,9 +73,6 @@ class DraftModel:
         self.attention_backend = attention_backend
         self.disable_by_batch_size = disable_by_batch_size
         self.kv_caches: list[torch.Tensor] = []
-        #: Passes run and drafts proposed since start (``statistics``-style counters).
-        self.num_passes = 0
-        self.num_proposed_tokens = 0
 
     def kv_cache_block_bytes(self, dtype: torch.dtype) -> int:
         """Bytes one KV block of the draft takes over its layers."""
@@ -120,7 +117,6 @@ class DraftModel:
             )
             drafts[alive, j] = picks
             tokens = drafts[:, j].copy()
-        self.num_proposed_tokens += int(proposing.num_drafts.sum())
         return {
             req_id: drafts[i, : proposing.num_drafts[i]].tolist()
             for i, req_id in enumerate(proposing.req_ids)
@@ -183,7 +179,6 @@ class DraftModel:
         hidden = self.model(input_ids, meta.positions, meta, None)
         assert isinstance(hidden, torch.Tensor)
         logits = self.model.compute_logits(hidden)
-        self.num_passes += 1
         picks: np.ndarray = logits.argmax(dim=-1).cpu().numpy()
         return picks
 
