@@ -84,10 +84,11 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     weight_packing: Annotated[
         str,
         _doc(
-            "CPU, bfloat16 models: also keep 4-bit weights (a GGUF's Q4_0/Q4_1) and an 8-bit "
-            "LM head (Q8_0) packed (in their blocks for the CPU library where the CPU has "
-            "AVX512-VNNI, else as torch's int4/int8) for steps of at most packed_max_tokens "
-            "tokens; "
+            "CPU, bfloat16 models (and float32 ones at dtype auto where the CPU library's "
+            "quantized matmuls run: AVX512-VNNI or AVX2): also keep 4-bit weights (a GGUF's "
+            "Q4_0/Q4_1) and an 8-bit LM head (Q8_0) packed (in their blocks for the CPU "
+            "library where it runs, else as torch's int4/int8) for steps of at most "
+            "packed_max_tokens tokens; "
             "CUDA: also keep 4-bit weights packed as Q4 and an 8-bit LM head (Q8_0) as Q8, "
             "for steps of one token; "
             "q4: first round the decoder's linear weights to 4 bits (Q4_1's grid) and, on CUDA, "
@@ -100,7 +101,8 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         int | None,
         _doc(
             "CPU: steps of at most this many tokens use the packed weights; none: 16 where "
-            "the CPU library's quantized matmuls run (AVX512-VNNI), else 8 (torch's int4/int8)"
+            "the CPU library's quantized matmuls run (AVX512-VNNI or AVX2), else 8 "
+            "(torch's int4/int8)"
         ),
     ] = None
     packed_weight_cache: Annotated[

@@ -75,7 +75,9 @@ def main() -> int:
     args = ap.parse_args()
     matmul = quant_matmul()
     if matmul is None or not matmul.fast:
-        raise SystemExit("the CPU library's quantized matmuls do not run here (no AVX512-VNNI)")
+        raise SystemExit(
+            "the CPU library's quantized matmuls do not run here (no AVX512-VNNI, no AVX2)"
+        )
     gen = torch.Generator().manual_seed(0)
     dense = [q4_weight(*SHAPES[name], gen) for _ in range(LAYERS) for name in SHAPES]
     head = q8_weight(VOCAB, HIDDEN, gen)

@@ -2,7 +2,8 @@
 (``cpu_decode.c``): the packers keep exactly what a GGUF's Q4_0 / Q4_1 /
 Q8_0 tensor holds (and refuse anything else); the matmul computes what its
 contract says (activations quantized per block of 32, one or two levels)
-for every tile height and output width, on AVX512-VNNI and in the plain C
+for every tile height and output width, in the vector build (AVX512-VNNI or
+AVX2) and in the plain C
 build alike; the stack gives the layer-by-layer forward's tokens."""
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def test_bad_inputs_are_refused_in_one_line() -> None:
 
 
 def plain_c_build(tmp_path: Path) -> CpuQuantMatmul:
-    """cpu_quant.c alone, built without AVX512-VNNI (its plain C path)."""
+    """cpu_quant.c alone, built for the baseline x86-64 (its plain C path)."""
     compiler = shutil.which("cc")
     if compiler is None:
         pytest.skip("no C compiler")
@@ -181,7 +182,7 @@ def test_the_plain_c_build_gives_what_the_vector_build_gives(kind: str, tmp_path
 @pytest.fixture(scope="module")
 def stacked_smollm2() -> LoadedModel:
     """The embedded model in fp32 with its weights packed by hand (the
-    loader packs bfloat16 models only)."""
+    loader keeps an explicit float32 model dense)."""
     loaded = load_model(ModelConfig(device="cpu", dtype="float32"))
     pack_weights(loaded.model, torch.float32, max_tokens=8)
     return loaded
@@ -218,7 +219,7 @@ async def test_the_stack_gives_the_layer_by_layer_tokens(
     stacked_smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if MATMUL is None or not MATMUL.fast:
-        pytest.skip("the stack runs on AVX512-VNNI only")
+        pytest.skip("the stack runs on the vector build only (AVX512-VNNI or AVX2)")
     calls: list[int] = []
     original = CpuDecodeStack.__call__
 

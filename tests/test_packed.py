@@ -13,7 +13,6 @@ from gguf_weights import q4_0_weight, q4_1_weight
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.config import ModelConfig
-from asyncstep.models.layers.cpu_kernels import cpu_has_vnni, cpu_kernels_off
 from asyncstep.models.layers.linear import packed_linear
 from asyncstep.models.layers.packed import (
     GROUP_SIZE,
@@ -21,7 +20,7 @@ from asyncstep.models.layers.packed import (
     pack_int4,
     pack_int8_rows,
 )
-from asyncstep.models.model_loader import LoadedModel, load_model, pack_weights
+from asyncstep.models.model_loader import LoadedModel, cpu_blocks, load_model, pack_weights
 
 
 @pytest.mark.parametrize("make", [q4_1_weight, q4_0_weight], ids=["q4_1", "q4_0"])
@@ -104,9 +103,9 @@ def test_layers_use_the_packed_weight_up_to_max_tokens_only() -> None:
 
 @pytest.fixture(scope="module")
 def packed_smollm2() -> LoadedModel:
-    """The embedded model in fp32 with its packed weights (int4 layers, int8
-    LM head), packed by hand: the loader packs bfloat16 models only, and fp32
-    scales keep the packed product comparable with the dense one."""
+    """The embedded model in fp32 with its packed weights, packed by hand:
+    the loader keeps an explicit float32 model dense, and fp32 scales keep
+    the packed product comparable with the dense one."""
     loaded = load_model(ModelConfig(device="cpu", dtype="float32"))
     assert all(getattr(m, "packed", None) is None for m in loaded.model.modules())
     pack_weights(loaded.model, torch.float32, max_tokens=8)
@@ -127,8 +126,8 @@ def test_the_embedded_model_packs_every_linear_and_its_lm_head(
             layer.mlp.down_proj,
         )
     ]
-    # The CPU library's Q4 / Q8 blocks where the CPU has AVX512-VNNI, else torch's.
-    blocks = cpu_has_vnni() and not cpu_kernels_off()
+    # The CPU library's Q4 / Q8 blocks where its vector build runs, else torch's.
+    blocks = cpu_blocks()
     layer_kind, head_kind = ("q4_cpu", "q8_cpu") if blocks else ("int4", "int8")
     assert all(m.packed is not None and m.packed.kind == layer_kind for m in linears)
     lm_head = packed_smollm2.model.lm_head

@@ -28,7 +28,7 @@ from asyncstep.logging import get_logger
 from asyncstep.logging.spans import CORE_STARTUP, now_us, record_startup, span
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
-from asyncstep.models.layers.cpu_kernels import cpu_has_vnni, cpu_kernels_off
+from asyncstep.models.layers.cpu_kernels import cpu_has_quant_vectors, cpu_kernels_off
 from asyncstep.models.layers.cpu_quant import pack_q4_cpu, pack_q8_cpu
 from asyncstep.models.layers.embedding import ParallelLMHead
 from asyncstep.models.layers.gpu_quant import packing_on_load, round_decoder_weights
@@ -162,11 +162,9 @@ def load_model(
         pp_size=pp.world_size,
     )
     tokenizer = maybe_tokenizer(checkpoint) if checkpoint is not None and with_tokenizer else None
-    # torch's packed CPU matmuls are fast with bfloat16 rows only (one row of
-    # SmolLM2's gate_up in fp32: int4 1.7 ms against 0.15 ms dense).
     packs_cpu = weights is not None or config.weight_packing == "q4"
-    packs_cpu = packs_cpu and device.type == "cpu" and dtype == torch.bfloat16
-    packs_cpu = packs_cpu and config.weight_packing != "none"
+    packs_cpu = packs_cpu and device.type == "cpu" and config.weight_packing != "none"
+    packs_cpu = packs_cpu and packs_cpu_dtype(dtype, explicit=config.dtype != "auto")
     cache = None
     if packs_cpu and weights is not None and config.packed_weight_cache:
         options = _cache_options(config, dtype, sequence_parallel)
@@ -252,7 +250,7 @@ def _cache_options(
         "load_format": config.load_format,
         "weight_packing": config.weight_packing,
         "packed_max_tokens": config.packed_max_tokens,
-        "cpu_blocks": cpu_has_vnni() and not cpu_kernels_off(),
+        "cpu_blocks": cpu_blocks(),
         "rank": [tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size],
         "sequence_parallel": sequence_parallel,
     }
@@ -268,6 +266,21 @@ def return_freed_memory() -> None:
         return
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
+
+
+def cpu_blocks() -> bool:
+    """Whether CPU packing takes the library's blocks (its vector build runs
+    here and is not switched off), else torch's int4 / int8."""
+    return cpu_has_quant_vectors() and not cpu_kernels_off()
+
+
+def packs_cpu_dtype(dtype: torch.dtype, *, explicit: bool) -> bool:
+    """Whether a CPU model of ``dtype`` packs its weights: a bfloat16 one
+    always; a float32 one where the library's blocks run and float32 is the
+    machine's default (``dtype`` auto), not asked for (full precision).
+    torch's packed matmuls are fast with bfloat16 rows only (one row of
+    SmolLM2's gate_up in float32: int4 1.7 ms against 0.15 ms dense)."""
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and not explicit and cpu_blocks())
 
 
 def settle_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
@@ -287,7 +300,7 @@ def pack_weights(
 ) -> dict[str, int]:
     """Give each linear layer whose float32 weight is exactly 4-bit a packed
     copy, and an 8-bit LM head one too, for steps of at most ``max_tokens``
-    tokens: the CPU library's Q4 / Q8 blocks where it runs on AVX512-VNNI
+    tokens: the CPU library's Q4 / Q8 blocks where its vector build runs (AVX512-VNNI or AVX2)
     (:mod:`~asyncstep.models.layers.cpu_quant`), else torch's int4 / int8
     (:mod:`~asyncstep.models.layers.packed`, scales in ``dtype``). Returns
     how many of each kind, and their bytes. ``max_tokens`` None: 16 with the
@@ -296,7 +309,7 @@ def pack_weights(
     counts = {"dense": 0, "bytes": 0}
     # Decided from the CPU's flags: the library itself is built (once per
     # machine, seconds) when a step first needs it, not while loading.
-    blocks = cpu_has_vnni() and not cpu_kernels_off()
+    blocks = cpu_blocks()
     if max_tokens is None:
         max_tokens = 16 if blocks else 8
     if max_tokens == 0:

@@ -38,7 +38,7 @@ from asyncstep.models.layers.cpu_layer_ops import CpuLayerOps
 __all__ = [
     "CpuKernels",
     "cpu_attention_supported",
-    "cpu_has_vnni",
+    "cpu_has_quant_vectors",
     "cpu_kernels_off",
     "load_cpu_kernels",
 ]
@@ -136,12 +136,12 @@ def cpu_kernels_off() -> bool:
     return any(os.environ.get(name) == "torch" for name in SWITCH_ENVS)
 
 
-def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX512-VNNI (and AVX512-BW), which the library's
-    quantized matmuls are built for, read from its feature flags without
-    building the library."""
+def cpu_has_quant_vectors() -> bool:
+    """Whether this CPU has the vector instructions the library's quantized
+    matmuls are built for (AVX512-VNNI with AVX512-BW, or AVX2 with FMA and
+    F16C), read from its feature flags without building the library."""
     flags = set(_cpu_flags().split())
-    return {"avx512_vnni", "avx512bw"} <= flags
+    return {"avx512_vnni", "avx512bw"} <= flags or {"avx2", "fma", "f16c"} <= flags
 
 
 def _cache_dir() -> Path:

@@ -36,10 +36,13 @@
 #include "cpu_quant.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define QMATMUL_VNNI 1
+#define QMATMUL_ISA QMATMUL_ISA_VNNI
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QMATMUL_ISA QMATMUL_ISA_AVX2
 #include <immintrin.h>
 #else
-#define QMATMUL_VNNI 0
+#define QMATMUL_ISA QMATMUL_ISA_PLAIN
 #endif
 
 /* Multiply-adds below which a call runs on one thread. */
@@ -48,7 +51,7 @@
 static inline int64_t code_bytes(int64_t kind) { return kind == QKIND_Q4 ? 256 : 512; }
 static inline int64_t block_bytes(int64_t kind) { return code_bytes(kind) + 4 * QGROUP; }
 
-int asyncstep_qmatmul_fast(void) { return QMATMUL_VNNI; }
+int asyncstep_qmatmul_fast(void) { return QMATMUL_ISA; }
 int asyncstep_qmatmul_block_bytes(int kind) { return (int)block_bytes(kind); }
 
 /* Arguments as one struct (8-byte fields): ctypes converts each argument of
@@ -136,7 +139,7 @@ void asyncstep_q_quantize(const void* x, int64_t dtype, int64_t x_stride, int64_
     }
 }
 
-#if QMATMUL_VNNI
+#if QMATMUL_ISA == QMATMUL_ISA_VNNI
 /* Codes of one block as eight vectors of unsigned bytes (see the layout). */
 static inline __attribute__((always_inline)) void unpack_codes(const uint8_t* p, int64_t kind,
                                                                __m512i v[8]) {
@@ -193,6 +196,86 @@ static inline __attribute__((always_inline)) void group_tile(
         __m512 sum = acc[e];
         for (int level = 1; level < levels; level++) sum = _mm512_add_ps(sum, acc[e + level]);
         _mm512_storeu_ps(out + e / levels * QGROUP, sum);
+    }
+}
+#elif QMATMUL_ISA == QMATMUL_ISA_AVX2
+/* Half h of a block's codes (rows 8 h .. 8 h + 7) as eight vectors of bytes:
+ * Q4's codes as they are (0..15), Q8's less 128 (signed). */
+static inline __attribute__((always_inline)) void unpack_half(const uint8_t* p, int64_t kind,
+                                                              int h, __m256i v[8]) {
+    if (kind == QKIND_Q4) {
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        for (int c = 0; c < 4; c++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i*)(p + 64 * c + 32 * h));
+            v[c] = _mm256_and_si256(packed, low);
+            v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        }
+    } else {
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int j = 0; j < 8; j++)
+            v[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 64 * j + 32 * h)), flip);
+    }
+}
+
+/* sum(q_w * q_x) of one level of a row's codes for 8 weight rows, exact.
+ * vpmaddubsw multiplies unsigned by signed bytes into pairs of int16 with
+ * saturation: Q4's pairs (|.| <= 2 * 15 * 127) add up in int16 over the
+ * whole block (<= 30480); Q8's signed codes go in as |q| with x's sign
+ * moved over (pairs <= 2 * 128 * 127), widened at once, and the 128 taken
+ * off the codes is added back as 128 * sum(q_x). */
+static inline __attribute__((always_inline)) __m256i half_dot(const __m256i v[8],
+                                                              const int8_t* codes,
+                                                              int64_t kind) {
+    int32_t a[8];
+    memcpy(a, codes, sizeof(a));
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (kind == QKIND_Q4) {
+        __m256i s = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(a[0]));
+        for (int j = 1; j < 8; j++)
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(v[j], _mm256_set1_epi32(a[j])));
+        return _mm256_madd_epi16(s, ones);
+    }
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(a[j]), v[j]);
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(v[j], v[j]), x);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(pairs, ones));
+    }
+    int32_t sum = 0;
+    for (int k = 0; k < QBLOCK; k++) sum += codes[k];
+    return _mm256_add_epi32(s, _mm256_set1_epi32(128 * sum));
+}
+
+/* As the VNNI build's: the same integer sums and float32 operations in the
+ * same order, 8 rows (half a group) at a time. */
+static inline __attribute__((always_inline)) void group_tile(
+    const uint8_t* w, int64_t kind, int64_t blocks, const QuantizedRows* x, int64_t K,
+    float* out, const int entries, const int levels) {
+    const int64_t bytes = block_bytes(kind), codes = code_bytes(kind);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[QTILE];
+        for (int e = 0; e < entries; e++) acc[e] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t* p = w + b * bytes;
+            __m256i v[8];
+            unpack_half(p, kind, h, v);
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + codes + 16 * h)));
+            const __m256 mw =
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + codes + 32 + 16 * h)));
+            for (int e = 0; e < entries; e++) {
+                const __m256 dot = _mm256_cvtepi32_ps(half_dot(v, x->q + e * K + b * QBLOCK, kind));
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x->d[e * blocks + b]));
+                acc[e] = _mm256_fmadd_ps(dot, scale, acc[e]);
+                if (e % levels == 0)
+                    acc[e] =
+                        _mm256_fmadd_ps(mw, _mm256_set1_ps(x->s[e / levels * blocks + b]), acc[e]);
+            }
+        }
+        for (int e = 0; e < entries; e += levels) {
+            __m256 sum = acc[e];
+            for (int level = 1; level < levels; level++) sum = _mm256_add_ps(sum, acc[e + level]);
+            _mm256_storeu_ps(out + e / levels * QGROUP + 8 * h, sum);
+        }
     }
 }
 #else

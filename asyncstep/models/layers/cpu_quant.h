@@ -15,6 +15,10 @@
 
 enum { QKIND_Q4 = 0, QKIND_Q8 = 1 };
 enum { QDTYPE_FLOAT32 = 0, QDTYPE_BFLOAT16 = 1 };
+/* Which build the matmul runs (asyncstep_qmatmul_fast()): 0 is plain C. */
+#define QMATMUL_ISA_PLAIN 0
+#define QMATMUL_ISA_VNNI 1
+#define QMATMUL_ISA_AVX2 2
 
 /* A weight in the packed layout. All fields 8 bytes (structs from ctypes). */
 typedef struct {

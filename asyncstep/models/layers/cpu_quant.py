@@ -62,7 +62,7 @@ class CpuQuantMatmul:
         self._matmul = library.asyncstep_qmatmul
         self._matmul.argtypes = [ctypes.c_char_p]
         self._matmul.restype = ctypes.c_int
-        #: Whether the kernel runs on AVX512-VNNI (else plain C: exact, slow).
+        #: Whether the kernel runs a vector build (AVX512-VNNI or AVX2; else plain C: exact, slow).
         self.fast = bool(library.asyncstep_qmatmul_fast())
         self.block_bytes = {
             kind: int(library.asyncstep_qmatmul_block_bytes(code)) for kind, code in _KINDS.items()
@@ -126,7 +126,7 @@ class CpuQuantWeight(PackedWeight):
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """The product, by the library (its plain C path where the CPU has
-        no VNNI: correct, slower than the dense weight, which
+        no vector build: correct, slower than the dense weight, which
         :meth:`applies` then prefers)."""
         matmul = quant_matmul()
         assert matmul is not None, "a CPU-quantized weight needs the CPU library"
@@ -142,7 +142,7 @@ def quant_matmul() -> CpuQuantMatmul | None:
 
 
 def _fast_library() -> CpuQuantMatmul | None:
-    """:func:`quant_matmul` where it runs its vector (VNNI) build."""
+    """:func:`quant_matmul` where it runs a vector build (AVX512-VNNI or AVX2)."""
     matmul = quant_matmul()
     return matmul if matmul is not None and matmul.fast else None
 
