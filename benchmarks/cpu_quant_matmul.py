@@ -2,9 +2,11 @@
 30 layers of 4-bit weights of its four shapes (distinct, so they stream
 from memory as a step reads them) and its 8-bit LM head, at 1 to 16 rows,
 through the CPU library's Q4 / Q8 blocks (``cpu_quant.c``) with one and two
-activation levels, torch's int4 / int8 packing, and dense bf16
-(``F.linear``). Best of ``--repeats``, milliseconds a step; the packed
-bytes a step reads, and the rate they are read at.
+activation levels, torch's int4 / int8 packing, and the dense weights
+(``F.linear``) in ``--dtype`` (default: the CPU's, bfloat16 where it
+multiplies it natively, else float32; the activations too). Best of
+``--repeats``, milliseconds a step; the packed bytes a step reads, and the
+rate they are read at.
 
     python3 benchmarks/cpu_quant_matmul.py --out benchmarks/results/cpu/cpu_quant_matmul.json
 """
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from asyncstep.models.layers.cpu_quant import pack_q4_cpu, pack_q8_cpu, quant_matmul
 from asyncstep.models.layers.packed import GROUP_SIZE, PackedWeight, pack_int4, pack_int8_rows
+from asyncstep.models.model_loader import resolve_dtype
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
@@ -71,8 +74,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     ap.add_argument("--out")
     args = ap.parse_args()
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
     matmul = quant_matmul()
     if matmul is None or not matmul.fast:
         raise SystemExit(
@@ -82,29 +88,29 @@ def main() -> int:
     dense = [q4_weight(*SHAPES[name], gen) for _ in range(LAYERS) for name in SHAPES]
     head = q8_weight(VOCAB, HIDDEN, gen)
     layers: dict[str, list] = {
-        "blocks, 1 level": [pack_q4_cpu(w, torch.bfloat16, 64, 1) for w in dense],
-        "blocks, 2 levels": [pack_q4_cpu(w, torch.bfloat16, 64, 2) for w in dense],
-        "torch int4": [pack_int4(w, torch.bfloat16, 64) for w in dense],
+        "blocks, 1 level": [pack_q4_cpu(w, dtype, 64, 1) for w in dense],
+        "blocks, 2 levels": [pack_q4_cpu(w, dtype, 64, 2) for w in dense],
+        "torch int4": [pack_int4(w, dtype, 64) for w in dense],
     }
     heads: dict[str, PackedWeight | None] = {
-        "blocks, 1 level": pack_q8_cpu(head, torch.bfloat16, 64, 1),
-        "blocks, 2 levels": pack_q8_cpu(head, torch.bfloat16, 64, 2),
-        "torch int4": pack_int8_rows(head, torch.bfloat16, 64),  # its LM head: int8 rows
+        "blocks, 1 level": pack_q8_cpu(head, dtype, 64, 1),
+        "blocks, 2 levels": pack_q8_cpu(head, dtype, 64, 2),
+        "torch int4": pack_int8_rows(head, dtype, 64),  # its LM head: int8 rows
     }
     assert all(h is not None for h in heads.values()), "the weights are on their grids"
-    bf16 = [w.bfloat16() for w in dense]
-    head_bf16 = head.bfloat16()
+    dense_weights = [w.to(dtype) for w in dense]
+    dense_head = head.to(dtype)
     nbytes = {k: sum(p.nbytes for p in v) for k, v in layers.items()}
     results: list[dict[str, object]] = []
     for rows in args.rows:
-        xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (576, 1536)}
+        xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (576, 1536)}
         row: dict[str, object] = {"rows": rows}
         for kind, packed in layers.items():
             row[f"{kind}: layers ms"] = best_ms(partial(run_packed, packed, xs), args.repeats)
             head_mm = heads[kind].mm  # type: ignore[union-attr]
             row[f"{kind}: head ms"] = best_ms(partial(head_mm, xs[HIDDEN]), args.repeats)
-        row["bf16: layers ms"] = best_ms(partial(run_dense, bf16, xs), args.repeats)
-        row["bf16: head ms"] = best_ms(partial(F.linear, xs[HIDDEN], head_bf16), args.repeats)
+        row[f"{name}: layers ms"] = best_ms(partial(run_dense, dense_weights, xs), args.repeats)
+        row[f"{name}: head ms"] = best_ms(partial(F.linear, xs[HIDDEN], dense_head), args.repeats)
         results.append(row)
         print(
             f"rows {rows:3d}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "rows"),
@@ -125,7 +131,12 @@ def main() -> int:
                 if v is not None
             ),
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": {"cores": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads()},
+            "machine": {
+                "cores": len(os.sched_getaffinity(0)),
+                "threads": torch.get_num_threads(),
+                "isa": matmul.isa,
+                "dtype": str(dtype),
+            },
             "load_avg_after": os.getloadavg(),
             "packed_bytes": nbytes,
             "gb_s_first_rows": rates,

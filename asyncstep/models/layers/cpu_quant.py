@@ -55,6 +55,10 @@ _ARGS = struct.Struct(
 )
 
 
+#: ``asyncstep_qmatmul_fast()``'s answer: which build the matmul runs.
+_ISAS = {0: "plain C", 1: "AVX512-VNNI", 2: "AVX2"}
+
+
 class CpuQuantMatmul:
     """The library's quantized matmul (``asyncstep_qmatmul``)."""
 
@@ -62,8 +66,10 @@ class CpuQuantMatmul:
         self._matmul = library.asyncstep_qmatmul
         self._matmul.argtypes = [ctypes.c_char_p]
         self._matmul.restype = ctypes.c_int
-        #: Whether the kernel runs a vector build (AVX512-VNNI or AVX2; else plain C: exact, slow).
-        self.fast = bool(library.asyncstep_qmatmul_fast())
+        #: The build the kernel runs (``cpu_quant.h``'s ``QMATMUL_ISA_*``).
+        self.isa = _ISAS[int(library.asyncstep_qmatmul_fast())]
+        #: Whether that is a vector build (else plain C: exact, slow).
+        self.fast = self.isa != "plain C"
         self.block_bytes = {
             kind: int(library.asyncstep_qmatmul_block_bytes(code)) for kind, code in _KINDS.items()
         }
