@@ -25,6 +25,7 @@ from typing import Annotated, Any, get_args, get_origin
 
 import msgspec
 
+from asyncstep.cpu_features import cpu_has_bf16
 from asyncstep.errors import ConfigError
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -34,14 +35,22 @@ CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PI
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 #: A step's token budget (``max_num_batched_tokens``) when none is given, on CUDA.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-#: ... and on the CPU, where a step's time grows with its tokens at about a
-#: millisecond each: small enough that a step of the embedded model stays
-#: well under a second, so no stream's next token (nor an abort, which waits for
-#: the step in flight) waits long behind a long prompt's prefill (chunked
-#: over steps). Picked with ``benchmarks/cpu_step_budget.py`` (its results:
-#: ``benchmarks/results/cpu_step_budget.json``); run it again when the CPU
-#: forward changes.
+#: ... and on the CPU, where a step's time grows with its tokens (about a
+#: millisecond each where the CPU multiplies bfloat16, 4 to 5 in float32 on
+#: AVX2): small enough that a step of the embedded model stays under a
+#: second, so no stream's next token (nor an abort, which waits for the step
+#: in flight) waits long behind a long prompt's prefill (chunked over
+#: steps). Picked with ``benchmarks/cpu_step_budget.py`` (its results:
+#: ``benchmarks/results/cpu_step_budget*.json``); run it again when the CPU
+#: forward changes. Where the CPU multiplies bfloat16 (AVX512-BF16, AMX):
 CPU_MAX_NUM_BATCHED_TOKENS = 256
+#: ... elsewhere (the model runs float32).
+CPU_FLOAT32_MAX_NUM_BATCHED_TOKENS = 128
+
+
+def cpu_max_num_batched_tokens() -> int:
+    """The CPU's step budget when none is given: by whether it multiplies bfloat16."""
+    return CPU_MAX_NUM_BATCHED_TOKENS if cpu_has_bf16() else CPU_FLOAT32_MAX_NUM_BATCHED_TOKENS
 
 
 def _doc(description: str, **extra: object) -> msgspec.Meta:
@@ -209,7 +218,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
         int | None,
         _doc(
             "token budget of one step (prompt chunks + decodes); none: "
-            f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} on CUDA, {CPU_MAX_NUM_BATCHED_TOKENS} on the CPU"
+            f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} on CUDA, {CPU_MAX_NUM_BATCHED_TOKENS} on a CPU "
+            f"that multiplies bfloat16, else {CPU_FLOAT32_MAX_NUM_BATCHED_TOKENS}"
         ),
     ] = None
     max_num_seqs: Annotated[int, _doc("most requests in one step")] = 64
@@ -701,7 +711,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def resolve_for_device(self, device_type: str) -> None:
         """Fill in, in place, the defaults that depend on the device
         (``"cpu"``, ``"cuda"``): ``max_num_batched_tokens``
-        (:data:`CPU_MAX_NUM_BATCHED_TOKENS` on the CPU with chunked prefill,
+        (:func:`cpu_max_num_batched_tokens` on the CPU with chunked prefill,
         else :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`: without chunked prefill
         the budget bounds the prompt), and on the CPU with one pipeline
         stage ``max_concurrent_batches`` 1 (see :class:`SchedulerConfig`).
@@ -710,7 +720,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if scheduler.max_num_batched_tokens is None:
             small = cpu and scheduler.enable_chunked_prefill
             scheduler.max_num_batched_tokens = (
-                CPU_MAX_NUM_BATCHED_TOKENS if small else DEFAULT_MAX_NUM_BATCHED_TOKENS
+                cpu_max_num_batched_tokens() if small else DEFAULT_MAX_NUM_BATCHED_TOKENS
             )
         one_stage = self.parallel.pipeline_parallel_size == 1
         if scheduler.max_concurrent_batches == 0 and cpu and one_stage:

@@ -14,12 +14,14 @@ import pytest
 import asyncstep
 from asyncstep.channels.control import ControlMessage, ControlStream, RankSetup
 from asyncstep.config import (
+    CPU_FLOAT32_MAX_NUM_BATCHED_TOKENS,
     CPU_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     config_error,
+    cpu_max_num_batched_tokens,
     decode_config,
     engine_options,
 )
@@ -112,7 +114,7 @@ def test_derived_properties() -> None:
 @pytest.mark.parametrize(
     "device,options,budget",
     [
-        ("cpu", {}, CPU_MAX_NUM_BATCHED_TOKENS),
+        ("cpu", {}, cpu_max_num_batched_tokens()),
         ("cuda", {}, DEFAULT_MAX_NUM_BATCHED_TOKENS),
         # Without chunked prefill the budget bounds the prompt: not the small one.
         ("cpu", {"enable_chunked_prefill": False}, DEFAULT_MAX_NUM_BATCHED_TOKENS),
@@ -132,6 +134,23 @@ def test_the_step_budget_is_resolved_for_the_device(
     assert CPU_MAX_NUM_BATCHED_TOKENS < DEFAULT_MAX_NUM_BATCHED_TOKENS
     # On the CPU one step at a time (with overlap too); a pipeline keeps every stage busy.
     assert config.batch_queue_size == (1 if device == "cpu" else 2)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_cpu_step_budget_follows_the_cpus_bfloat16(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """Where the CPU multiplies bfloat16 a step's tokens cost far less than in
+    float32 (``benchmarks/results/cpu_step_budget*.json``): a larger budget."""
+    from asyncstep import config as config_module
+
+    monkeypatch.setattr(config_module, "cpu_has_bf16", lambda: native)
+    want = CPU_MAX_NUM_BATCHED_TOKENS if native else CPU_FLOAT32_MAX_NUM_BATCHED_TOKENS
+    assert cpu_max_num_batched_tokens() == want
+    config = asyncstep.make_config()
+    config.resolve_for_device("cpu")
+    assert config.max_num_batched_tokens == want
+    assert CPU_FLOAT32_MAX_NUM_BATCHED_TOKENS < CPU_MAX_NUM_BATCHED_TOKENS
 
 
 @pytest.mark.parametrize(
@@ -155,7 +174,7 @@ async def test_an_engine_runs_with_its_device_s_budget() -> None:
     async with asyncstep.open_engine(
         "tiny-llama", load_format="dummy", device="cpu", engine_process=False, num_blocks=16
     ) as engine:
-        assert engine.config.scheduler.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
+        assert engine.config.scheduler.max_num_batched_tokens == cpu_max_num_batched_tokens()
 
 
 @pytest.mark.parametrize(

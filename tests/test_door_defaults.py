@@ -39,7 +39,7 @@ from processes import serving_url, wait_for
 
 import asyncstep
 from asyncstep import SamplingParams, cli
-from asyncstep.config import CPU_MAX_NUM_BATCHED_TOKENS
+from asyncstep.config import cpu_max_num_batched_tokens
 from asyncstep.datatypes import MAX_LOGPROBS, SchedulerOutput
 from asyncstep.engine.engine import Engine
 from asyncstep.errors import ConfigError
@@ -239,7 +239,7 @@ def test_a_step_s_prompt_logprobs_take_little_memory() -> None:
 
 @pytest.mark.trio
 async def test_a_prompt_logprobs_request_grows_the_engine_little(smollm2: LoadedModel) -> None:
-    prompt = [random.Random(3).randrange(3, 49152) for _ in range(2 * CPU_MAX_NUM_BATCHED_TOKENS)]
+    prompt = [random.Random(3).randrange(3, 49152) for _ in range(2 * cpu_max_num_batched_tokens())]
     async with asyncstep.open_engine(smollm2, max_model_len=1024) as engine:
         with PeakRSS() as rss:
             out = await engine.generate(
@@ -288,9 +288,9 @@ async def test_an_abort_waits_for_the_step_in_flight_only(
     queued behind it when two steps are in flight (CUDA's default with
     overlap); a healthy stream runs on."""
     rng = random.Random(1)
-    long = [rng.randrange(3, 49152) for _ in range(12 * CPU_MAX_NUM_BATCHED_TOKENS)]
+    long = [rng.randrange(3, 49152) for _ in range(12 * cpu_max_num_batched_tokens())]
     async with asyncstep.open_engine(smollm2, max_model_len=len(long) + 64, **options) as engine:
-        assert engine.config.scheduler.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
+        assert engine.config.scheduler.max_num_batched_tokens == cpu_max_num_batched_tokens()
         with StepLog() as log:
             healthy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
             async with trio.open_nursery() as nursery:

@@ -23,12 +23,13 @@ import torch
 
 from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.config import ModelConfig, ParallelConfig
+from asyncstep.cpu_features import cpu_has_bf16, cpu_has_quant_vectors
 from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.logging import get_logger
 from asyncstep.logging.spans import CORE_STARTUP, now_us, record_startup, span
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
-from asyncstep.models.layers.cpu_kernels import cpu_has_quant_vectors, cpu_kernels_off
+from asyncstep.models.layers.cpu_kernels import cpu_kernels_off
 from asyncstep.models.layers.cpu_quant import pack_q4_cpu, pack_q8_cpu
 from asyncstep.models.layers.embedding import ParallelLMHead
 from asyncstep.models.layers.gpu_quant import packing_on_load, round_decoder_weights
@@ -101,13 +102,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         native = device.type == "cuda" or cpu_has_bf16()
         return torch.bfloat16 if native else torch.float32
     return _DTYPES[name]
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has bfloat16 dot products (AVX512-BF16 or AMX)."""
-    cpu = torch.cpu
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
 def cpu_threads(parallel: ParallelConfig) -> int:

@@ -32,13 +32,13 @@ from pathlib import Path
 import structlog
 import torch
 
+from asyncstep.cpu_features import cpu_flags
 from asyncstep.models.layers.cpu_attention import CPU_ATTENTION_DTYPES, CpuPagedAttention
 from asyncstep.models.layers.cpu_layer_ops import CpuLayerOps
 
 __all__ = [
     "CpuKernels",
     "cpu_attention_supported",
-    "cpu_has_quant_vectors",
     "cpu_kernels_off",
     "load_cpu_kernels",
 ]
@@ -136,14 +136,6 @@ def cpu_kernels_off() -> bool:
     return any(os.environ.get(name) == "torch" for name in SWITCH_ENVS)
 
 
-def cpu_has_quant_vectors() -> bool:
-    """Whether this CPU has the vector instructions the library's quantized
-    matmuls are built for (AVX512-VNNI with AVX512-BW, or AVX2 with FMA and
-    F16C), read from its feature flags without building the library."""
-    flags = set(_cpu_flags().split())
-    return {"avx512_vnni", "avx512bw"} <= flags or {"avx2", "fma", "f16c"} <= flags
-
-
 def _cache_dir() -> Path:
     root = os.environ.get(CACHE_ENV)
     if root is None:
@@ -161,20 +153,9 @@ def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
-    for part in (compiler, *BASE_FLAGS, *flags, *LIBS, platform.machine(), _cpu_flags()):
+    for part in (compiler, *BASE_FLAGS, *flags, *LIBS, platform.machine(), *sorted(cpu_flags())):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (``-march=native`` builds for them)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _compile(compiler: str, flags: list[str], target: Path) -> None:
