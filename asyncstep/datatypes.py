@@ -330,7 +330,7 @@ def _check_token_ids(name: str, value: object) -> tuple[int, ...]:
 
 
 #: The check of each SamplingParams field, in field order (a new field needs one:
-#: tests/test_validation.py checks that every field has its check).
+#: tests/engine/test_validation.py checks that every field has its check).
 _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "n": _check_n,
     "max_tokens": _check_max_tokens,

@@ -1,7 +1,7 @@
 """Issue 22's attack at full size: long prompts whose clients drop their
 connections while a healthy stream runs, against ``asyncstep serve`` started
 here with its defaults (the embedded SmolLM2 on the CPU unless told otherwise;
-``tests/test_door_defaults.py`` runs it scaled down).
+``tests/server/test_door_defaults.py`` runs it scaled down).
 
 The healthy stream (a greedy completion, ``--healthy-tokens`` long, EOS
 ignored) runs alone first, then again while ``--num-dropped`` streamed

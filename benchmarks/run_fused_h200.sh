@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The fused decode (issue 28) on one H200 (the device tool's nvidia-h200):
 #     bash benchmarks/run_fused_h200.sh tests|latency|profile|all
-#   tests:   tests/test_fused_decode.py and tests/test_triton_quant.py compiled
+#   tests:   tests/models/test_fused_decode.py and tests/gpu/test_triton_quant.py compiled
 #            for the GPU (a whole engine on a 4-bit model, fused decode on and off)
 #   latency: llama-8b ITL at batch 1, Q4 (weight_packing=q4) with the fused
 #            decode on, then off, then bf16 weights on and off: one machine, one
@@ -20,7 +20,7 @@ LATENCY="$LATENCY --input-len 128 --output-len 64 --num-iters 1"
 fused_flag() { [ "$1" = true ] && echo --fused-decode || echo --no-fused-decode; }
 run_tests() {
     ASYNCSTEP_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_fused_decode.py tests/test_triton_quant.py > "$OUT/gpu_tests_h200.txt" 2>&1
+        tests/models/test_fused_decode.py tests/gpu/test_triton_quant.py > "$OUT/gpu_tests_h200.txt" 2>&1
     tail -4 "$OUT/gpu_tests_h200.txt"
 }
 run_latency() {

@@ -13,8 +13,8 @@ BENCH="python3 -m asyncstep bench"
 case "$1" in
 tests)
     ASYNCSTEP_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_triton_attention.py tests/test_triton_fused.py tests/test_cudagraph.py \
-        tests/test_ubatching.py tests/test_gpu.py tests/test_runner.py tests/test_engine.py \
+        tests/gpu/test_triton_attention.py tests/gpu/test_triton_fused.py tests/runner/test_cudagraph.py \
+        tests/runner/test_ubatching.py tests/gpu/test_gpu.py tests/runner/test_runner.py tests/engine/test_engine.py \
         > "$OUT/gpu_tests_h200.txt" 2>&1
     tail -5 "$OUT/gpu_tests_h200.txt" ;;
 kernels)
@@ -58,7 +58,7 @@ overlap)
     rm -f "$OUT"/traces/*.jsonl* ;;
 tests2)
     ASYNCSTEP_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_gpu.py > "$OUT/gpu_tests_x2.txt" 2>&1
+        tests/gpu/test_gpu.py > "$OUT/gpu_tests_x2.txt" 2>&1
     tail -5 "$OUT/gpu_tests_x2.txt" ;;
 allreduce)
     timeout 200 python3 benchmarks/allreduce.py --out "$OUT/allreduce.json" 2>&1 \

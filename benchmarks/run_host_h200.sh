@@ -34,7 +34,7 @@ latency8b)  # no slower than before (4.70 / 5.41 ms); HF quoted from the fast-pa
     done ;;
 tests)
     ASYNCSTEP_TEST_DEVICE=cuda timeout 280 python3 -m pytest -q -p no:cacheprovider -x \
-        tests/test_engine_process.py tests/test_engine.py tests/test_gpu.py tests/test_stream.py \
+        tests/engine/test_engine_process.py tests/engine/test_engine.py tests/gpu/test_gpu.py tests/engine/test_stream.py \
         > "$OUT/gpu_tests_h200.txt" 2>&1
     tail -5 "$OUT/gpu_tests_h200.txt" ;;
 *)

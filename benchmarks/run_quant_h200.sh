@@ -17,7 +17,7 @@ LATENCY="$LATENCY --input-len 128 --output-len 64 --num-iters 1"
 case "$1" in
 tests)
     ASYNCSTEP_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_triton_quant.py > "$OUT/gpu_tests_h200.txt" 2>&1
+        tests/gpu/test_triton_quant.py > "$OUT/gpu_tests_h200.txt" 2>&1
     tail -5 "$OUT/gpu_tests_h200.txt" ;;
 kernels)
     timeout 330 python3 benchmarks/quant_gpu.py --rows 1 --lm-head --replays 20 \

@@ -25,8 +25,8 @@ run_bench() {
 run_tests() {
     ASYNCSTEP_TEST_DEVICE=cuda ASYNCSTEP_TEST_TOKENIZER=${ASYNCSTEP_TEST_TOKENIZER:-$PWD/.tok} \
         timeout -s INT ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs \
-        tests/test_spec_decode.py tests/test_spec_decode_engine.py tests/test_cudagraph.py \
-        tests/test_triton_attention.py tests/test_sampler.py \
+        tests/engine/test_spec_decode.py tests/engine/test_spec_decode_engine.py tests/runner/test_cudagraph.py \
+        tests/gpu/test_triton_attention.py tests/runner/test_sampler.py \
         > "$OUT/gpu_tests_spec_h200.txt" 2>&1
     tail -8 "$OUT/gpu_tests_spec_h200.txt"
 }

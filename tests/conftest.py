@@ -47,7 +47,7 @@ def tiny_model(device: torch.device) -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The embedded SmolLM2-135M-Instruct (GGUF), on the CPU in fp32, dense
-    weights only (the HF-parity reference; packed weights: tests/test_packed.py)."""
+    weights only (the HF-parity reference; packed weights: tests/models/test_packed.py)."""
     return load_model(ModelConfig(device="cpu", dtype="float32", weight_packing="none"))
 
 

@@ -4,7 +4,7 @@ largest gap between its chunks), the server's memory (the peak RSS of its
 processes), raw HTTP/1.x exchanges, and polling with a deadline.
 
 Standard library and httpx only (no asyncstep import: it drives whatever
-``python -m asyncstep`` the environment runs). Used by ``tests/test_door.py``
+``python -m asyncstep`` the environment runs). Used by ``tests/server/test_door.py``
 and ``benchmarks/door.py``.
 """
 

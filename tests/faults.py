@@ -1,6 +1,6 @@
 """The fault campaign of issue 14 ("no request can kill the engine"): a
 check of correctness under faults, not a measurement, so it lives with the
-tests (``tests/test_faults.py`` runs it at CI's size; run it whole from
+tests (``tests/engine/test_faults.py`` runs it at CI's size; run it whole from
 here).
 
 Three campaigns, each a subcommand:

@@ -35,7 +35,7 @@ How each kind runs here:
   before it (which wrote its logs).
 * ``asyncstep bench MODE ...`` at full size takes minutes or a GPU: every
   flag it names must be one its mode takes. The small runs are
-  ``tests/test_bench.py``'s (marked so, and checked to be the same).
+  ``tests/bench/test_bench.py``'s (marked so, and checked to be the same).
 * ``python3 benchmarks/...`` and ``bash benchmarks/...``: a benchmark takes
   minutes or a GPU; the script must exist and take every flag given (its
   ``add_argument`` strings, and the engine's flags where it passes unknown
@@ -43,7 +43,7 @@ How each kind runs here:
 * Python examples: ``asyncstep.open_engine`` opens the tiny checkpoint when
   given no model, with the engine core in this process. The ``engine.chat``
   example forces a tool call, which needs a model that answers:
-  ``tests/test_chat_api.py`` runs it on the embedded model (checked here).
+  ``tests/engine/test_chat_api.py`` runs it on the embedded model (checked here).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ REASONS = {
     "needs a GPU",
     "takes minutes",
     ".ci/run runs it",
-    "tests/test_bench.py runs them",
+    "tests/bench/test_bench.py runs them",
 }
 #: Every command left unrun, and why.
 NOT_RUN = {
@@ -185,7 +185,7 @@ def test_the_convention_holds() -> None:
     unrun = {c.text: c.reason for c in all_commands() if c.reason is not None}
     assert set(unrun.values()) <= REASONS
     by_test_bench = {
-        text for text, reason in unrun.items() if reason == "tests/test_bench.py runs them"
+        text for text, reason in unrun.items() if reason == "tests/bench/test_bench.py runs them"
     }
     assert {t: r for t, r in unrun.items() if t not in by_test_bench} == NOT_RUN
     from test_bench import readme_commands
@@ -482,7 +482,7 @@ def test_python_examples(monkeypatch: pytest.MonkeyPatch, tiny_hf_dir: Path) -> 
         for lang, code in blocks(page):
             if lang == "python" and not is_client_page(page) and code not in seen:
                 if CHAT_EXAMPLE in code:
-                    continue  # tests/test_chat_api.py runs it
+                    continue  # tests/engine/test_chat_api.py runs it
                 seen.add(code)
                 exec(code, namespace)
     assert len(opened) >= 2
@@ -496,7 +496,7 @@ def test_the_chat_example_is_run_on_the_embedded_model() -> None:
         if lang == "python" and CHAT_EXAMPLE in code
     ]
     assert len(examples) == 1
-    source = (ROOT / "tests" / "test_chat_api.py").read_text()
+    source = (ROOT / "tests" / "engine" / "test_chat_api.py").read_text()
     assert "read_text()" in source and '"docs" / "python-api.md"' in source
     assert 'if "engine.chat(" in b' in source
 
@@ -514,12 +514,12 @@ def test_the_layers_drawn_are_those_kept() -> None:
 
 
 def test_the_multi_machine_recipe_is_the_one_test_parallel_runs() -> None:
-    """Its commands need several machines; tests/test_parallel.py runs the
+    """Its commands need several machines; tests/channels/test_parallel.py runs the
     same recipe on one (torchrun's ranks, ``-m asyncstep.rank --engine``)."""
     recipe = [c.text for c in all_commands() if c.page == "docs/parallelism.md" and c.reason]
     (torchrun,) = [text for text in recipe if text.startswith("torchrun")]
     assert torchrun.endswith("-m asyncstep.rank --engine A:5555")
-    source = (ROOT / "tests" / "test_parallel.py").read_text()
+    source = (ROOT / "tests" / "channels" / "test_parallel.py").read_text()
     assert '"-m", "asyncstep.rank", "--engine"' in source
     assert "docs/parallelism.md's multi-machine recipe" in source
 

@@ -24,9 +24,10 @@
  * Rows of x are taken QTILE / levels at a time: a block's codes, unpacked
  * once, serve every row of the tile. Groups of 16 output rows are spread over OpenMP
  * threads (each computed by one thread, in a fixed order: results do not
- * depend on the thread count). Without AVX512-VNNI the same arithmetic runs
- * in plain C (exact: integer sums, then the same float32 operations in the
- * same order), for tests; asyncstep_qmatmul_fast() says which.
+ * depend on the thread count). On AVX2 (with FMA and F16C) the same
+ * arithmetic runs 8 rows at a time with vpmaddubsw, and elsewhere in plain C
+ * (both exact: integer sums, then the same float32 operations in the same
+ * order); asyncstep_qmatmul_fast() says which build runs (QMATMUL_ISA_*).
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -39,7 +39,7 @@ from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.model_loader import load_model
 from asyncstep.runner.kv_sizing import num_kv_blocks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAX_SECONDS = 5.0
 MAX_PEAK_BYTES = 1 << 30
 

@@ -17,7 +17,7 @@ from asyncstep.runner.ubatching import (
     num_leading_decodes,
     split_host_metadata,
 )
-from tests.test_engine import generate_all
+from tests.engine.test_engine import generate_all
 
 
 def cut(tokens: list[int], padded: int, uniform: bool = False) -> list[UBatchSlice] | None:

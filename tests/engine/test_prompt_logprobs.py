@@ -37,8 +37,8 @@ from asyncstep.errors import InvalidRequestError
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.prompt_logprobs import PromptLogprobsTracker
-from tests.test_penalties import smol_prompt
-from tests.test_scheduler import FakeRunner, drive, make_request, make_scheduler
+from tests.engine.test_penalties import smol_prompt
+from tests.engine.test_scheduler import FakeRunner, drive, make_request, make_scheduler
 
 CPU = torch.device("cpu")
 #: Values against HF (fp32; attention split differently over chunks).

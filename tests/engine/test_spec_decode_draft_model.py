@@ -26,7 +26,7 @@ from asyncstep import SamplingParams
 from asyncstep.config import EngineConfig, SpeculativeConfig
 from asyncstep.engine.draft_model_drafts import DraftModelDrafts
 from asyncstep.errors import ConfigError
-from tests.test_spec_decode_engine import (
+from tests.engine.test_spec_decode_engine import (
     ENGINE,
     MAX_TOKENS,
     PROMPTS,

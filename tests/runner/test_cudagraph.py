@@ -26,7 +26,7 @@ from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.staging import StagedArena
 from asyncstep.runner.step_inputs import is_arange
 from tests.conftest import TEST_DEVICE
-from tests.test_engine import generate_all
+from tests.engine.test_engine import generate_all
 
 NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 

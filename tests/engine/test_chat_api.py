@@ -340,7 +340,7 @@ async def test_over_http_a_request_s_template_needs_the_server_s_trust(
 def test_the_readme_s_chat_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """docs/python-api.md's ``engine.chat`` example, as written (the embedded
     model, its own engine-core process): it prints the forced call it shows."""
-    readme = (Path(__file__).parents[1] / "docs" / "python-api.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "python-api.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
     [example] = [b for b in blocks if "engine.chat(" in b]
     exec(compile("import trio\nimport asyncstep\n" + example, "README.md", "exec"), {})

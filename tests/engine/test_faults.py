@@ -3,7 +3,7 @@ runs it whole): random aborts of every kind mixed with preemption leave the
 survivors' greedy tokens as they are alone, give every KV block back and
 keep the engine serving; the engine core or a rank SIGKILLed under load
 fails every caller with EngineDeadError within 10 s and leaves no process
-behind (more kills: tests/test_engine_process.py, tests/test_parallel.py)."""
+behind (more kills: tests/engine/test_engine_process.py, tests/channels/test_parallel.py)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ async def test_a_kill_under_load_fails_every_caller_within_10_s_and_leaves_no_pr
     faults: Any, rank: int | None
 ) -> None:
     """SIGKILL of the engine core, or of rank 0 (the driver rank, the store's
-    server; tests/test_parallel.py kills rank 1 under one stream), of a TP = 2
+    server; tests/channels/test_parallel.py kills rank 1 under one stream), of a TP = 2
     engine under 8 callers, then one caller more (the late one)."""
     options = {"load_format": "dummy", "device": "cpu", "dtype": "float32"}
     spec = faults.EngineSpec("tiny-llama", {**options, "tensor_parallel_size": 2})

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 ARGV = ["--num-requests", "4", "--output-len", "4", "--prompt-len-range", "4", "12"]
 ARGV += ["--repeats", "1", "--warmup-requests", "2", "--busy-ms", "0.5", "--skip-steps", "1"]

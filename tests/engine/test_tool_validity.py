@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "tool_validity.py"
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "tool_validity.py"
 
 
 def test_200_sampled_forced_calls_all_validate(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner.input_batch import _ALL_GREEDY, CachedRequestState, InputBatch
 from asyncstep.runner.logits_processing import TokenHistory, apply_logits_processing
 from asyncstep.runner.sampler import Sampler, SamplingMetadata
-from tests.test_scheduler import FakeRunner, drive, make_request, make_scheduler, scripted
+from tests.engine.test_scheduler import FakeRunner, drive, make_request, make_scheduler, scripted
 
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")

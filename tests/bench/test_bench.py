@@ -42,7 +42,7 @@ from asyncstep.config import engine_options
 from asyncstep.models.dummy import get_shape
 from asyncstep.server.config import server_options
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = ROOT / "benchmarks"
 FLAGS = CliFlags(_add_engine_flags, _add_engine_flag, config_from_args, server_config_from_args)
 

@@ -1,7 +1,7 @@
 """Speculative decoding in the scheduler, driven by a fake runner that
 verifies drafts exactly as a greedy target model would.
 
-The fake runner (``tests/test_scheduler.py``'s, extended) writes every
+The fake runner (``tests/engine/test_scheduler.py``'s, extended) writes every
 scheduled token, drafts included, to a fake paged KV cache and checks that
 every step reads back the request's tokens at every earlier position: a
 rejected draft's slot left as if computed, a wrong rollback of
@@ -163,7 +163,7 @@ def drive_spec(
     aborts: dict[int, list[str]] | None = None,
     depth: int = 1,
 ) -> Run:
-    """The engine's loop (``tests/test_scheduler.py``'s ``drive``) with
+    """The engine's loop (``tests/engine/test_scheduler.py``'s ``drive``) with
     speculation: ``depth`` steps in flight (2 with async scheduling: the
     runner executes each step at once, in order, as the ranks would)."""
     aborts = dict(aborts or {})
