@@ -6,11 +6,9 @@ RMSNorm, gate_up GEMV, SiLU·mul, down GEMV: seven kernels. Fused: qkv (the
 norm from the parts), o (residual add, the next norm's parts), gate_up (the
 norm from the parts, SiLU·mul of interleaved rows), down (residual add, the
 next norm's parts): four. The attention is left out (its output is a fixed
-tensor). Fused twice: with the default launches (split-K where a weight has
-few rows) and with the same launches unsplit. ``--layers`` distinct layers
-in one CUDA graph (the weights stream from HBM), median of ``--replays``
-replays, µs a layer; each fused variant's output is checked against the
-unfused one's first.
+tensor). ``--layers`` distinct layers in one CUDA graph (the weights stream
+from HBM), median of ``--replays`` replays, µs a layer; each variant's
+output is checked against the other's first.
 
     python3 benchmarks/fused_gemv.py [--shape llama-8b] [--out results.json]
 """
@@ -29,9 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from asyncstep.gpu.triton_fused import fused_add_rms_norm, silu_and_mul
 from asyncstep.gpu.triton_quant import (
     GROUP_SIZE,
-    GemvConfig,
     NormedRows,
-    _gemv_config,
     interleave_pairs,
     pack_q4,
     q4_gemv,
@@ -84,16 +80,7 @@ def main() -> int:
             h = q4_gemv(act, *w["down"])
         outs["unfused"] = h + r
 
-    # The default launches, and the same without split-K (--no-split).
-    unsplit = {
-        name: _gemv_config(n, k // GROUP_SIZE, 4)._replace(split_k=1)
-        for name, (n, k) in shapes.items()
-    }
-
-    def fused(split: bool = True) -> None:
-        def launch(name: str) -> GemvConfig | None:
-            return None if split else unsplit[name]
-
+    def fused() -> None:
         stream: torch.Tensor = s0
         normed: NormedRows | None = None
         for w in layers:
@@ -101,19 +88,10 @@ def main() -> int:
                 q4_gemv_fused(stream, *w["qkv"], rms_norm_weight=norm_w, eps=1e-5)
             else:
                 q4_gemv_fused(
-                    normed.xw,
-                    *w["qkv"],
-                    sq_parts=normed.sq_parts,
-                    eps=1e-5,
-                    out_dtype=dt,
-                    config=launch("qkv"),
+                    normed.xw, *w["qkv"], sq_parts=normed.sq_parts, eps=1e-5, out_dtype=dt
                 )
             stream, normed = q4_gemv_fused(
-                attn_out,
-                *w["o"],
-                residual=stream,
-                next_rms_norm_weight=norm_w,
-                config=launch("o"),
+                attn_out, *w["o"], residual=stream, next_rms_norm_weight=norm_w
             )
             assert normed is not None
             act, _ = q4_gemv_fused(
@@ -123,45 +101,26 @@ def main() -> int:
                 eps=1e-5,
                 silu_pairs=True,
                 out_dtype=dt,
-                config=launch("gate_up"),
             )
             stream, normed = q4_gemv_fused(
-                act,
-                *w["down"],
-                residual=stream,
-                next_rms_norm_weight=norm_w,
-                config=launch("down"),
+                act, *w["down"], residual=stream, next_rms_norm_weight=norm_w
             )
-        outs["fused" if split else "fused_no_split"] = stream
+        outs["fused"] = stream
 
     unfused()
     fused()
-    fused(split=False)
-
-    def rel_error(name: str) -> float:
-        return float(
-            (outs[name].float() - outs["unfused"].float()).norm() / outs["unfused"].float().norm()
-        )
-
+    err = float(
+        (outs["fused"].float() - outs["unfused"].float()).norm() / outs["unfused"].float().norm()
+    )
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else float("nan")
     q4_bytes = sum(n * k * (0.5 + 4 / 32) for n, k in shapes.values())
     results = {
         "shape": args.shape,
-        "rel_error_fused_vs_unfused": rel_error("fused"),
-        "rel_error_fused_no_split_vs_unfused": rel_error("fused_no_split"),
-        "launches": {
-            name: repr(_gemv_config(n, k // GROUP_SIZE, 4)) for name, (n, k) in shapes.items()
-        },
+        "rel_error_fused_vs_unfused": err,
         "copy_bandwidth_tb_s": bandwidth / 1e12,
         "floor_us_a_layer": q4_bytes / bandwidth * 1e6,
     }
-    variants = (
-        ("unfused", unfused),
-        ("fused", fused),
-        ("fused_no_split", lambda: fused(split=False)),
-        ("unfused_again", unfused),
-    )
-    for name, fn in variants:
+    for name, fn in (("unfused", unfused), ("fused", fused), ("unfused_again", unfused)):
         results[f"{name}_us_a_layer"] = time_graph(fn, args.replays) / args.layers * 1e6
     for key, value in results.items():
         print(f"{key:28s} {value}")

@@ -34,9 +34,7 @@ from asyncstep.gpu import triton_quant as tq
 from asyncstep.models.dummy import get_shape
 
 #: Every GEMV launch tried at one row (the best few also at 2 and 4 rows):
-#: (block_n, block_g, num_warps, prefetch, stages[, split_k]); a warp's lanes
-#: go along the blocks; with ``--split-k`` the split-K launches (SPLIT_K_CONFIGS)
-#: and the default (per shape, ``auto``) instead.
+#: (block_n, block_g, num_warps, prefetch, stages); a warp's lanes go along the blocks.
 GEMV_CONFIGS = [
     tq.GemvConfig(*launch)
     for launch in [
@@ -53,31 +51,6 @@ GEMV_CONFIGS = [
         (16, 32, 1, False, 3),
         (4, 64, 2, False, 3),
     ]
-]
-#: The split-K sweep (``--split-k``): the unsplit launch kept before, then
-#: splits of 64- and 32-block steps (llama-8b: o, qkv, gate_up have 128
-#: blocks a row, down 448).
-SPLIT_K_CONFIGS: list[tq.GemvConfig | None] = [
-    None,
-    *(
-        tq.GemvConfig(*launch)
-        for launch in [
-            (8, 64, 2, False, 1, 1),
-            (8, 64, 2, True, 1, 1),
-            (8, 64, 2, False, 1, 2),
-            (8, 64, 2, True, 1, 2),
-            (8, 64, 2, False, 1, 7),
-            (8, 32, 2, False, 1, 2),
-            (8, 32, 2, True, 1, 2),
-            (8, 32, 2, False, 1, 4),
-            (8, 32, 2, True, 1, 4),
-            (8, 32, 2, False, 1, 7),
-            (8, 32, 2, False, 1, 14),
-            (8, 32, 1, False, 1, 2),
-            (8, 32, 1, False, 1, 4),
-            (8, 64, 4, False, 1, 2),
-        ]
-    ),
 ]
 #: GEMV launches tried on the LM head (8-bit codes).
 LM_HEAD_CONFIGS = [
@@ -166,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         "--lm-head", action="store_true", help="also the LM head: bf16 against the Q8 GEMV"
     )
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--split-k", action="store_true", help="the split-K launches instead")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test (TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -197,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{bytes_q4 / bandwidth * 1e6:.1f} us a layer",
         flush=True,
     )
-    all_gemv: list[tq.GemvConfig | None] = [*GEMV_CONFIGS]
-    if args.split_k:
-        all_gemv = SPLIT_K_CONFIGS
-    gemv_configs = all_gemv[:3] if args.quick else all_gemv
+    gemv_configs = GEMV_CONFIGS[:3] if args.quick else GEMV_CONFIGS
     dot_configs = DOT_CONFIGS[:3] if args.quick else DOT_CONFIGS
     rows_out: list[dict[str, Any]] = []
 
@@ -245,11 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    def gemv_label(c: tq.GemvConfig | None) -> str:
-        if c is None:
-            return "auto (the default launch)"
-        label = f"n{c.block_n} g{c.block_g} w{c.num_warps} pf={int(c.prefetch)} s{c.stages}"
-        return label if c.split_k == 1 else f"{label} k{c.split_k}"
+    def gemv_label(c: tq.GemvConfig) -> str:
+        return f"n{c.block_n} g{c.block_g} w{c.num_warps} pf={int(c.prefetch)} s{c.stages}"
 
     lm_head: list[dict[str, Any]] = []
     if args.lm_head:
@@ -293,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         del dense, head_dense, qweight, scales
 
     started = time.monotonic()
-    top_gemv: list[tq.GemvConfig | None] = []
+    top_gemv: list[tq.GemvConfig] = []
     for rows in args.rows:
         variant(rows, "bf16", "F.linear", lambda x, qw, sc, de: F.linear(x, de))
         if rows <= 4:

@@ -10,7 +10,6 @@
 #            the Q4 model, fused decode on, then off
 #   kernels: benchmarks/fused_gemv.py (a layer's linear part, unfused against fused)
 #   all:     tests, latency, profile (fused decode on only)
-# LATENCY_CASES (name:packing:fused ...) picks the latency runs (then no llama-1b).
 # At most 8 files come back from the device tool: the JSON goes to /tmp.
 # Output (text and JSON) goes to $OUT (default benchmarks/results/fused_decode).
 set -u
@@ -25,7 +24,7 @@ run_tests() {
     tail -4 "$OUT/gpu_tests_h200.txt"
 }
 run_latency() {
-    for case in ${LATENCY_CASES:-q4_fused:q4:true q4_unfused:q4:false bf16:none:true bf16_unfused:none:false}; do
+    for case in q4_fused:q4:true q4_unfused:q4:false bf16:none:true bf16_unfused:none:false; do
         IFS=: read -r name packing fused <<< "$case"
         timeout 170 $LATENCY --weight-packing "$packing" \
             $(fused_flag "$fused") \
@@ -33,7 +32,6 @@ run_latency() {
             > "$OUT/latency_$name.txt" 2>&1
         grep -E "ours b|│ +[0-9]|bandwidth" "$OUT/latency_$name.txt"
     done
-    [ -n "${LATENCY_CASES:-}" ] && return
     for fused in true false; do
         echo "llama-1b bf16 fused_decode=$fused"
         timeout 120 ${LATENCY/llama-8b/llama-1b} $(fused_flag "$fused") \

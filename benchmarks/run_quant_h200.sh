@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Q4 weights on the GPU (issue 28), on one H200 (the device tool's nvidia-h200):
-#     bash benchmarks/run_quant_h200.sh tests|kernels|split|latency
+#     bash benchmarks/run_quant_h200.sh tests|kernels|latency
 #   tests:   the Q4 kernels' tests compiled for the GPU, and a whole engine on a
 #            4-bit tiny model against its dense twin
 #   kernels: benchmarks/quant_gpu.py on llama-8b's linear layers at one row (bf16
 #            against every Q4 GEMV launch) and its LM head (bf16 against Q8)
-#   split:   the same at one row, the split-K launches and the default (auto)
 #   latency: llama-8b ITL at batch 1 and 32, bf16 weights then Q4 (dummy
 #            weights rounded to Q4_1's grid, the LM head to Q8_0's:
 #            weight_packing=q4), one machine
@@ -23,9 +22,6 @@ tests)
 kernels)
     timeout 330 python3 benchmarks/quant_gpu.py --rows 1 --lm-head --replays 20 \
         --out "$OUT/kernels_llama-8b.json" 2>&1 | tee "$OUT/kernels_llama-8b.txt" | tail -12 ;;
-split)
-    timeout ${SPLIT_TIMEOUT:-200} python3 benchmarks/quant_gpu.py --rows 1 --split-k --replays 20 \
-        --out "$OUT/split_k_llama-8b.json" 2>&1 | tee "$OUT/split_k_llama-8b.txt" | tail -17 ;;
 latency)
     for packing in none q4; do
         timeout 250 $LATENCY --weight-packing $packing \

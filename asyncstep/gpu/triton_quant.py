@@ -33,9 +33,7 @@ bfloat16), in ``x``'s dtype, by the size of the step:
   dequantized weight is never formed; a code, masked in place, is read as a
   subnormal float32, and ``x`` is scaled by a power of two to match: the
   products are exact for ``|x| < 2**40``, and entries below ``2**-60`` in
-  magnitude may lose bits); a weight of few rows splits each row's blocks
-  over several programs (split-K, :attr:`GemvConfig.split_k`), whose float32
-  shares the last of them adds in a fixed order (deterministic);
+  magnitude may lose bits);
 - up to :data:`DOT_MAX_M` rows, :func:`q4_dot`: a tiled GEMM that
   dequantizes each weight tile in registers to ``x``'s dtype and multiplies
   on the tensor cores (float32 accumulation; a float32 ``x`` multiplies in
@@ -109,19 +107,13 @@ class GemvConfig(NamedTuple):
     features per loop step, warps, whether each loop step loads the next
     step's words before it computes (double buffering in registers), and the
     loop's pipeline depth (Triton's ``num_stages``: above 1, the loads of
-    later steps go to shared memory ahead, by asynchronous copies), and the
-    split of each row's blocks over that many programs (split-K: each
-    program sums its share of the blocks into a float32 workspace, and the
-    last of a tile's programs to finish adds the shares in a fixed order and
-    runs the epilogue, so the result does not depend on which finished
-    last)."""
+    later steps go to shared memory ahead, by asynchronous copies)."""
 
     block_n: int = 8
     block_g: int = 32
     num_warps: int = 4
     prefetch: bool = True
     stages: int = 1
-    split_k: int = 1
 
 
 # -- packing -----------------------------------------------------------------
@@ -328,8 +320,6 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     next_nw_ptr,
     xw_ptr,
     sq_out_ptr,
-    ws_ptr,
-    cnt_ptr,
     M,
     N,
     K_GROUPS,
@@ -353,7 +343,6 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     RESIDUAL: tl.constexpr = False,
     SILU_PAIRS: tl.constexpr = False,
     NEXT_NORM: tl.constexpr = False,
-    SPLIT_K: tl.constexpr = 1,
 ):
     # A block is BITS words; code s (bits BITS s ..) of word t is feature
     # BITS s + t. A code masked in place (for the top byte: in the word shifted
@@ -365,13 +354,8 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     MASK: tl.constexpr = (1 << BITS) - 1
     # Unmasked x: every block inside, and one row a program (a program per row).
     X_EVEN: tl.constexpr = EVEN and BLOCK_M == 1
-    tl.static_assert(SPLIT_K == 1 or PROLOGUE != PROLOGUE_RMS_NORM)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    # Split-K: this program's blocks are [k_lo, k_hi), whole loop steps.
-    split_groups = tl.cdiv(tl.cdiv(K_GROUPS, BLOCK_G), SPLIT_K) * BLOCK_G
-    k_lo = tl.program_id(2) * split_groups
-    k_hi = tl.minimum(k_lo + split_groups, K_GROUPS)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     n64 = n.to(tl.int64)
@@ -392,9 +376,9 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
         )
     if PREFETCH:
         words_next, sm_next = _load_chunk(
-            qw_ptr, sm_ptr, n64, n_mask, k_lo, K_GROUPS, BLOCK_G, BITS, EVEN
+            qw_ptr, sm_ptr, n64, n_mask, 0, K_GROUPS, BLOCK_G, BITS, EVEN
         )
-    for g0 in tl.range(k_lo, k_hi, BLOCK_G, num_stages=STAGES):
+    for g0 in tl.range(0, K_GROUPS, BLOCK_G, num_stages=STAGES):
         gg = g0 + g
         g_mask = gg < K_GROUPS
         if PREFETCH:
@@ -403,7 +387,7 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
             words = words_next
             sm = sm_next
             if EVEN:  # noqa: SIM108 (a compile-time branch)
-                g_next = tl.where(g0 + BLOCK_G < k_hi, g0 + BLOCK_G, k_lo)
+                g_next = tl.where(g0 + BLOCK_G < K_GROUPS, g0 + BLOCK_G, 0)
             else:
                 g_next = g0 + BLOCK_G
             words_next, sm_next = _load_chunk(
@@ -460,73 +444,11 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     out = tl.sum(acc, axis=2)
     if PROLOGUE == PROLOGUE_RMS_NORM:
         inv_rms = tl.rsqrt(tl.sum(sq_acc, axis=1) / (K_GROUPS * 32) + eps)
+        out = out * inv_rms[:, None]
     elif PROLOGUE == PROLOGUE_NORMED:
         inv_rms = tl.rsqrt(tl.sum(sq_parts, axis=1) / (K_GROUPS * 32) + eps)
-    else:
-        inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)  # unused
-    rows64 = rows.to(tl.int64)
-    out_mask = (rows < M)[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        _gemv_epilogue(
-            out, inv_rms, rows, rows64, n64, n_mask, pid_n, M, N, out_ptr, res_ptr, next_nw_ptr,
-            xw_ptr, sq_out_ptr, stride_om, stride_rm, stride_xwm, stride_sqo,
-            BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS, NEXT_NORM,
-        )  # fmt: skip
-    else:
-        # This program's share into the workspace ([SPLIT_K, M, N] float32);
-        # then one thread counts it in (the barrier first: every thread's
-        # stores before the count's release). The last to arrive resets the
-        # count for the next launch, adds the shares in split order (loads
-        # past L1: another SM wrote them) and finishes the tile.
-        ws_at = ws_ptr + rows64[:, None] * N + n64[None, :]
-        share = (tl.zeros([], dtype=tl.int64) + M) * N  # one split's [M, N]
-        tl.store(ws_at + tl.program_id(2) * share, out, mask=out_mask)
-        tl.debug_barrier()
-        tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1:
-            tl.atomic_xchg(tile, 0)
-            total = tl.load(ws_at, mask=out_mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(ws_at + s * share, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _gemv_epilogue(
-                total, inv_rms, rows, rows64, n64, n_mask, pid_n, M, N, out_ptr, res_ptr,
-                next_nw_ptr, xw_ptr, sq_out_ptr, stride_om, stride_rm, stride_xwm, stride_sqo,
-                BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS, NEXT_NORM,
-            )  # fmt: skip
-
-
-@triton.jit
-def _gemv_epilogue(  # type: ignore[no-untyped-def]
-    out,
-    inv_rms,
-    rows,
-    rows64,
-    n64,
-    n_mask,
-    pid_n,
-    M,
-    N,
-    out_ptr,
-    res_ptr,
-    next_nw_ptr,
-    xw_ptr,
-    sq_out_ptr,
-    stride_om,
-    stride_rm,
-    stride_xwm,
-    stride_sqo,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PROLOGUE: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    SILU_PAIRS: tl.constexpr,
-    NEXT_NORM: tl.constexpr,
-):
-    """The GEMV's tile ``out`` (float32 ``[BLOCK_M, BLOCK_N]``, the dot
-    products) scaled by the prologue's ``inv_rms``, through the epilogues,
-    stored."""
-    if PROLOGUE != PROLOGUE_NONE:
         out = out * inv_rms[:, None]
+    rows64 = rows.to(tl.int64)
     out_mask = (rows < M)[:, None] & n_mask[None, :]
     if RESIDUAL:
         # As the unfused layer: the product rounded to the output's dtype,
@@ -686,57 +608,15 @@ def _empty_out(x2: torch.Tensor, n: int) -> torch.Tensor:
     return torch.empty((x2.shape[0], n), dtype=x2.dtype, device=x2.device)
 
 
-#: Split-K brings a 4-bit GEMV's programs up to about this many (one H200
-#: runs ~2000 two-warp programs at once; a 4096-row weight has 512).
-SPLIT_K_PROGRAMS = 2048
-#: The split-K counters a device and stream hold (one int32 a tile of a
-#: launch; a launch with more tiles runs without a split).
-_SPLIT_K_TILES = 1 << 14
-_split_k_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _split_k(programs: int, steps: int) -> int:
-    """The fewest splits of a row's ``steps`` loop steps (a divisor: each
-    program runs whole steps) that bring ``programs`` to
-    :data:`SPLIT_K_PROGRAMS`; else the most (every step its own program)."""
-    for split in range(1, steps + 1):
-        if steps % split == 0 and programs * split >= SPLIT_K_PROGRAMS:
-            return split
-    return steps
-
-
 def _gemv_config(n: int, groups: int, bits: int) -> GemvConfig:
     """The launch for an ``[n, 32 groups]`` weight of ``bits``-bit codes
     (picked by measurement on llama-8b's shapes, ``benchmarks/quant_gpu.py``):
     two warps whose lanes go along a row's blocks, 64 blocks a loop step, 8
     rows a thread (4-bit) or 32 blocks (8-bit); a long row (>= 256 blocks)
-    loads the next step's words ahead; a 4-bit weight of few rows splits
-    its blocks (:func:`_split_k`)."""
+    loads the next step's words ahead."""
     if bits == 8:
         return GemvConfig(block_n=8, block_g=32, num_warps=2, prefetch=False)
-    block_g = 64
-    split = _split_k(triton.cdiv(n, 8), groups // block_g) if groups % block_g == 0 else 1
-    prefetch = groups // split >= 256
-    return GemvConfig(block_n=8, block_g=block_g, num_warps=2, prefetch=prefetch, split_k=split)
-
-
-def _split_k_workspace(
-    device: torch.device, tiles: int, split: int, rows: int, n: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The float32 ``[split, rows, n]`` shares and the counters of a split-K
-    launch of ``tiles`` tiles, or None when the counters are too few. The
-    counters are zero between launches (each tile's last program resets its
-    count) and belong to the current stream: launches on one stream run one
-    after another, on two streams they may overlap. (The first launch on a
-    stream allocates them, inside a graph's capture too: from its pool.)"""
-    if tiles > _SPLIT_K_TILES:
-        return None
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    counters = _split_k_counters.get((device, stream))
-    if counters is None:
-        counters = torch.zeros(_SPLIT_K_TILES, dtype=torch.int32, device=device)
-        _split_k_counters[(device, stream)] = counters
-    return torch.empty((split, rows, n), dtype=torch.float32, device=device), counters
+    return GemvConfig(block_n=8, block_g=64, num_warps=2, prefetch=groups >= 256)
 
 
 class NormedRows(NamedTuple):
@@ -800,12 +680,6 @@ def _gemv(
         if n > 1 and res.stride(1) != 1:
             res = res.contiguous()
     cfg = config or _gemv_config(n, groups, bits)
-    if cfg.split_k < 1:
-        raise ValueError(f"split_k must be at least 1, got {cfg.split_k}")
-    if cfg.split_k > 1 and prologue == PROLOGUE_RMS_NORM.value:
-        if config is not None:
-            raise ValueError("split_k > 1 takes no rms_norm_weight (each split sees part of x)")
-        cfg = cfg._replace(split_k=1)
     normed = None
     next_nw = xw = sq_out = out
     if next_rms_norm_weight is not None:
@@ -818,16 +692,8 @@ def _gemv(
         normed = NormedRows(xw.reshape(*x.shape[:-1], n), sq_out)
     if rows and n:
         block_m = min(triton.next_power_of_2(rows), 4)
-        tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(rows, block_m))
-        split = min(cfg.split_k, triton.cdiv(groups, cfg.block_g))
-        ws = cnt = out
-        if split > 1:
-            shares = _split_k_workspace(x2.device, tiles[0] * tiles[1], split, rows, n)
-            if shares is None:
-                split = 1
-            else:
-                ws, cnt = shares
-        _gemv_kernel[(*tiles, split)](
+        grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(rows, block_m))
+        _gemv_kernel[grid](
             x2,
             qweight.view(torch.int32),
             scales.view(torch.int32),
@@ -838,8 +704,6 @@ def _gemv(
             next_nw,
             xw,
             sq_out,
-            ws,
-            cnt,
             rows,
             n,
             groups,
@@ -856,14 +720,13 @@ def _gemv(
             BLOCK_N=cfg.block_n,
             BLOCK_G=cfg.block_g,
             PREFETCH=cfg.prefetch,
-            EVEN=n % cfg.block_n == 0 and groups % (cfg.block_g * split) == 0,
+            EVEN=n % cfg.block_n == 0 and groups % cfg.block_g == 0,
             STAGES=cfg.stages,
             PROLOGUE=prologue,
             SQ_BLOCK=triton.next_power_of_2(sq.shape[1]) if sq_parts is not None else 1,
             RESIDUAL=residual is not None,
             SILU_PAIRS=silu_pairs,
             NEXT_NORM=next_rms_norm_weight is not None,
-            SPLIT_K=split,
             num_warps=cfg.num_warps,
         )
     return out.reshape(*x.shape[:-1], out.shape[1]), normed

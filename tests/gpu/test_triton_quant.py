@@ -29,7 +29,6 @@ if TEST_DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from asyncstep.gpu import triton_quant as tq  # noqa: E402
 from asyncstep.gpu.triton_quant import (  # noqa: E402
     GROUP_SIZE,
     GemvConfig,
@@ -40,7 +39,6 @@ from asyncstep.gpu.triton_quant import (  # noqa: E402
     pack_q8,
     q4_dot,
     q4_gemv,
-    q4_gemv_fused,
     q4_matmul,
     q8_gemv,
     q8_matmul,
@@ -159,48 +157,6 @@ def test_gemv_float32(rows: int, n: int, k: int, config: GemvConfig) -> None:
     out = q4_gemv(x, qweight, scales, config)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     assert rel_error(out, x, w) < 1e-6
-
-
-# (rows of the weight, K, config): split-K launches, each split's share of
-# the blocks whole loop steps (even) or not (the last share short, masked).
-SPLIT_K_CASES = [
-    (40, 256, GemvConfig(block_n=8, block_g=2, num_warps=1, split_k=2)),  # even
-    (40, 256, GemvConfig(block_n=8, block_g=2, num_warps=1, prefetch=False, split_k=4)),
-    (40, 192, GemvConfig(block_n=16, block_g=4, num_warps=2, split_k=3)),  # 2 steps: 2 splits
-    (24, 320, GemvConfig(block_n=8, block_g=2, num_warps=1, split_k=3)),  # 5 steps: 2, 2, 1
-]
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize(("n", "k", "config"), SPLIT_K_CASES)
-def test_split_k_gemv(bits: int, rows: int, n: int, k: int, config: GemvConfig) -> None:
-    """Split-K sums each tile's shares in split order: the product as
-    without a split, the same bits on every call, the counters zero again."""
-    qweight, scales, w = (random_q4 if bits == 4 else random_q8)(n, k)
-    gemv = q4_gemv if bits == 4 else q8_gemv
-    x = torch.randn(rows, k, device=DEVICE)
-    out = gemv(x, qweight, scales, config)
-    assert rel_error(out, x, w) < 1e-6
-    assert torch.equal(gemv(x, qweight, scales, config), out)
-    assert not any(counters.any() for counters in tq._split_k_counters.values())
-
-
-def test_split_k_is_for_weights_of_few_rows() -> None:
-    """A 4096 x 4096 weight (512 tiles of 8 rows) splits its two loop steps;
-    a 28672-row one has programs enough; x's RMS norm (every program reads
-    the whole row) takes no split."""
-    assert tq._gemv_config(4096, 128, 4).split_k == 2
-    assert tq._gemv_config(4096, 448, 4).split_k == 7
-    assert tq._gemv_config(28672, 128, 4).split_k == 1
-    qweight, scales, w = random_q4(512, 64 * 32 * 2)
-    x, weight = torch.randn(1, 64 * 32 * 2, device=DEVICE), torch.ones(64 * 32 * 2, device=DEVICE)
-    out, _ = q4_gemv_fused(x, qweight, scales, rms_norm_weight=weight)
-    assert rel_error(out, F.rms_norm(x, (x.shape[1],), None, 1e-6), w) < 1e-6
-    with pytest.raises(ValueError, match="split_k"):
-        q4_gemv(x, qweight, scales, GemvConfig(split_k=0))
-    with pytest.raises(ValueError, match="split_k > 1 takes no rms_norm_weight"):
-        q4_gemv_fused(x, qweight, scales, rms_norm_weight=weight, config=GemvConfig(split_k=2))
 
 
 @pytest.mark.parametrize("magnitude", [1e-12, 1e-3, 1e4, 1e9])
