@@ -12,6 +12,7 @@ first the LM head at one row: bf16 against the Q8 GEMV (1 + 4 / 32 bytes a
 weight), several launches.
 
     python3 benchmarks/quant_gpu.py --out results.json [--rows 1 32] [--quick] [--lm-head]
+        [--launch BLOCK_N,BLOCK_G,WARPS,PREFETCH,STAGES ...]  (these GEMV launches instead)
 """
 
 from __future__ import annotations
@@ -136,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="the first 3 configs of each kind")
     parser.add_argument(
+        "--launch",
+        action="append",
+        default=[],
+        help="a GEMV launch BLOCK_N,BLOCK_G,WARPS,PREFETCH(0/1),STAGES to try instead (repeatable)",
+    )
+    parser.add_argument(
         "--lm-head", action="store_true", help="also the LM head: bf16 against the Q8 GEMV"
     )
     parser.add_argument("--out", type=Path)
@@ -170,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     gemv_configs = GEMV_CONFIGS[:3] if args.quick else GEMV_CONFIGS
+    if args.launch:
+        gemv_configs = [
+            tq.GemvConfig(n, g, w, bool(pf), st)
+            for n, g, w, pf, st in (map(int, launch.split(",")) for launch in args.launch)
+        ]
     dot_configs = DOT_CONFIGS[:3] if args.quick else DOT_CONFIGS
     rows_out: list[dict[str, Any]] = []
 
