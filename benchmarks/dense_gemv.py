@@ -1,13 +1,16 @@
-"""Would a Triton GEMV of our own keep cuBLAS's rate on bf16 weights at one
-row (issue 28)? The fused decode folds the norms, SiLU·mul and residual adds
-into the Q4 GEMV; for bf16 weights that needs a GEMV of ours as fast as
-cuBLAS's (its GEMVs move ~3.7 TB/s on llama-8b). This measures the plain
-product first, before any epilogue is built on it.
+"""The one-row GEMV of dense bf16 weights (``asyncstep.gpu.triton_gemv``)
+against cuBLAS (issue 28): the product alone, then a decoder layer's linear
+part three ways.
 
-For a model shape's four linear layers (qkv, o, gate_up, down), ``--layers``
-distinct layers in one CUDA graph (the weights stream from HBM), median of
-``--replays`` replays, µs a layer: ``F.linear`` (cuBLAS) and the kernel
-below under several launches, each checked against ``F.linear`` first.
+1. For a model shape's four linear layers (qkv, o, gate_up, down),
+   ``--layers`` distinct layers in one CUDA graph (the weights stream from
+   HBM), median of ``--replays`` replays, µs a layer: ``F.linear`` (cuBLAS),
+   the default launch (``auto``) and several others, each checked against
+   ``F.linear`` first.
+2. A layer's linear part (the attention left out, its output a fixed
+   tensor): cuBLAS with the unfused kernels (add + RMSNorm, qkv, o, add +
+   RMSNorm, gate_up, SiLU·mul, down: seven kernels), the same with the
+   Triton GEMV, and the fused decode's four GEMVs (``dense_gemv_fused``).
 
     python3 benchmarks/dense_gemv.py [--shape llama-8b] [--out results.json]
 """
@@ -23,72 +26,27 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from asyncstep.gpu.triton_gemv import GemvLaunch, dense_gemv, dense_gemv_fused
 from benchmarks.quant_gpu import copy_bandwidth, layer_shapes, time_graph
 
-#: (BLOCK_N, BLOCK_K, warps, split-free prefetch of the next chunk)
+#: Launches tried beside the default: (rows a program, features a step, warps).
 LAUNCHES = [
-    (n, k, w, pf)
-    for n, k, w, pf in [
-        (4, 256, 2, False),
-        (4, 512, 4, False),
-        (8, 256, 2, False),
-        (8, 256, 4, False),
-        (8, 512, 4, False),
-        (8, 256, 2, True),
-        (8, 512, 4, True),
-        (16, 128, 2, False),
-        (16, 256, 4, False),
-        (2, 512, 2, False),
-        (2, 1024, 4, False),
-        (4, 1024, 4, False),
+    GemvLaunch(*launch)
+    for launch in [
+        (4, 256, 2),
+        (4, 512, 4),
+        (8, 256, 2),
+        (8, 256, 4),
+        (8, 512, 4),
+        (16, 256, 4),
+        (2, 512, 2),
+        (2, 1024, 4),
+        (4, 1024, 4),
     ]
 ]
-
-
-@triton.jit
-def _dense_gemv_kernel(  # type: ignore[no-untyped-def]
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    K,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """``out[n] = sum_k w[n, k] x[k]`` for this program's BLOCK_N rows (every
-    shape divides: no masks), float32 accumulation, one row of x."""
-    n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    k = tl.arange(0, BLOCK_K)
-    rows = w_ptr + n[:, None] * K + k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PREFETCH:
-        w_next = tl.load(rows)
-    for k0 in range(0, K, BLOCK_K):
-        if PREFETCH:
-            w = w_next
-            w_next = tl.load(rows + tl.where(k0 + BLOCK_K < K, k0 + BLOCK_K, 0))
-        else:
-            w = tl.load(rows + k0)
-        x = tl.load(x_ptr + k0 + k).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
-    tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty))
-
-
-def dense_gemv(
-    x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, warps: int, prefetch: bool
-) -> torch.Tensor:
-    n, k = w.shape
-    assert x.shape == (1, k) and n % block_n == 0 and k % block_k == 0
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _dense_gemv_kernel[(n // block_n,)](
-        x, w, out, k, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, num_warps=warps
-    )
-    return out
 
 
 def main() -> int:
@@ -103,7 +61,7 @@ def main() -> int:
     bandwidth = copy_bandwidth(device)
     weights = [
         {
-            name: torch.randn(n, k, device=device).bfloat16() * 0.02
+            name: (torch.randn(n, k, device=device) * 0.02).bfloat16()
             for name, (n, k) in shapes.items()
         }
         for _ in range(args.layers)
@@ -134,32 +92,85 @@ def main() -> int:
         print(f"{label:28s} {total:7.1f} us/layer | {shown}", flush=True)
 
     variant("F.linear (cuBLAS)", lambda x, w: F.linear(x, w))
-    for bn, bk, warps, pf in LAUNCHES:
-        if any(n % bn or k % bk for n, k in shapes.values()):
-            continue  # every tile full: a launch whose tiles divide each shape
-        variant(
-            f"n{bn} k{bk} w{warps} pf={int(pf)}",
-            lambda x, w, c=(bn, bk, warps, pf): dense_gemv(x, w, *c),
-        )
+    variant("auto (the default launch)", lambda x, w: dense_gemv(x, w))
+    for launch in LAUNCHES:
+        fits = all(n % launch.block_n == 0 and k % launch.block_k == 0 for n, k in shapes.values())
+        if fits:
+            label = f"n{launch.block_n} k{launch.block_k} w{launch.num_warps}"
+            variant(label, lambda x, w, c=launch: dense_gemv(x, w, c))
     variant("F.linear (cuBLAS) again", lambda x, w: F.linear(x, w))
-    best = {
-        name: min(
-            (r for r in results if "cuBLAS" not in r["launch"]),
-            key=lambda r: r["us_per_shape"][name],
-        )
-        for name in shapes
-    }
-    print("best launch per shape (us) against cuBLAS (first run):")
-    for name, r in best.items():
-        print(
-            f"  {name:8s} {r['launch']:20s} {r['us_per_shape'][name]:6.1f} "
-            f"(cuBLAS {results[0]['us_per_shape'][name]:6.1f}, floor {floors[name]:6.1f})"
-        )
+    layer = layer_part(shapes, weights, device, args.replays)
     if args.out:
-        args.out.write_text(
-            json.dumps({"shape": args.shape, "floors_us": floors, "results": results})
-        )
+        kept = {"shape": args.shape, "floors_us": floors, "results": results, "layer": layer}
+        args.out.write_text(json.dumps(kept))
     return 0
+
+
+def layer_part(
+    shapes: dict[str, tuple[int, int]],
+    weights: list[dict[str, torch.Tensor]],
+    device: torch.device,
+    replays: int,
+) -> dict[str, float]:
+    """µs a layer of the linear part: cuBLAS unfused, the GEMV unfused, fused."""
+    from asyncstep.gpu.triton_fused import fused_add_rms_norm, silu_and_mul
+
+    hidden = shapes["o"][0]
+    dt = torch.bfloat16
+    norm_w = torch.rand(hidden, device=device, dtype=dt) + 0.5
+    h0, r0 = (
+        torch.randn(1, hidden, device=device, dtype=dt),
+        torch.randn(1, hidden, device=device, dtype=dt),
+    )
+    attn_out = torch.randn(1, shapes["o"][1], device=device, dtype=dt) * 0.1
+    outs: dict[str, torch.Tensor] = {}
+
+    def unfused(gemv: bool) -> None:
+        def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return dense_gemv(x, w) if gemv else F.linear(x, w)
+
+        h, r = h0, r0
+        for w in weights:
+            x, r = fused_add_rms_norm(h, r, norm_w, 1e-5)
+            mm(x, w["qkv"])
+            o = mm(attn_out, w["o"])
+            x, r = fused_add_rms_norm(o, r, norm_w, 1e-5)
+            h = mm(silu_and_mul(mm(x, w["gate_up"])), w["down"])
+        outs["gemv" if gemv else "cublas"] = h + r
+
+    def fused() -> None:
+        stream, normed = h0 + r0, None
+        for w in weights:
+            if normed is None:
+                dense_gemv_fused(stream, w["qkv"], rms_norm_weight=norm_w, eps=1e-5)
+            else:
+                dense_gemv_fused(normed.xw, w["qkv"], sq_parts=normed.sq_parts, eps=1e-5)
+            stream, normed = dense_gemv_fused(
+                attn_out, w["o"], residual=stream, next_rms_norm_weight=norm_w
+            )
+            assert normed is not None
+            act, _ = dense_gemv_fused(
+                normed.xw, w["gate_up"], sq_parts=normed.sq_parts, eps=1e-5, silu_halves=True
+            )
+            stream, normed = dense_gemv_fused(
+                act, w["down"], residual=stream, next_rms_norm_weight=norm_w
+            )
+        outs["fused"] = stream
+
+    runs: dict[str, Callable[[], None]] = {
+        "cublas_unfused": lambda: unfused(False),
+        "gemv_unfused": lambda: unfused(True),
+        "gemv_fused": fused,
+        "cublas_unfused_again": lambda: unfused(False),
+    }
+    times = {name: time_graph(fn, replays) / len(weights) * 1e6 for name, fn in runs.items()}
+    ref = outs["cublas"].float()
+    for name in ("gemv", "fused"):
+        error = float((outs[name].float() - ref).norm() / ref.norm())
+        print(f"layer output, {name} against cuBLAS unfused: rel error {error:.2e}")
+    for name, us in times.items():
+        print(f"layer's linear part {name:22s} {us:7.1f} us")
+    return times
 
 
 if __name__ == "__main__":
