@@ -242,7 +242,7 @@ def dense_gemv_fused(
     the weight's rows are two stacked halves (gate rows, then up rows, as
     the merged layer stores them) and ``out[:, j] = silu(gate_j) * up_j``.
     Returns ``(out, normed)``."""
-    from asyncstep.gpu.triton_quant import NormedRows
+    from asyncstep.gpu.triton_quant import NormedRows, _check_vector
 
     _check(x, weight)
     n, k = weight.shape
@@ -331,9 +331,3 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.device != weight.device:
         raise ValueError(f"x on {x.device}, the weight on {weight.device}")
 
-
-def _check_vector(name: str, v: torch.Tensor, size: int, device: torch.device) -> None:
-    if v.shape != (size,) or v.dtype not in (*_DTYPES, torch.float32):
-        raise ValueError(f"{name} must be a float ({size},), got {v.dtype} {tuple(v.shape)}")
-    if v.device != device:
-        raise ValueError(f"{name} on {v.device}, the weight on {device}")
