@@ -1,6 +1,6 @@
 """The one-row GEMV of dense bf16 weights (``asyncstep.gpu.triton_gemv``)
 against cuBLAS (issue 28): the product alone, then a decoder layer's linear
-part three ways.
+part both ways.
 
 1. For a model shape's four linear layers (qkv, o, gate_up, down),
    ``--layers`` distinct layers in one CUDA graph (the weights stream from
@@ -9,8 +9,8 @@ part three ways.
    ``F.linear`` first.
 2. A layer's linear part (the attention left out, its output a fixed
    tensor): cuBLAS with the unfused kernels (add + RMSNorm, qkv, o, add +
-   RMSNorm, gate_up, SiLU·mul, down: seven kernels), the same with the
-   Triton GEMV, and the fused decode's four GEMVs (``dense_gemv_fused``).
+   RMSNorm, gate_up, SiLU·mul, down: seven kernels), and the same with the
+   Triton GEMV.
 
     python3 benchmarks/dense_gemv.py [--shape llama-8b] [--out results.json]
 """
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncstep.gpu.triton_gemv import GemvLaunch, dense_gemv, dense_gemv_fused
+from asyncstep.gpu.triton_gemv import GemvLaunch, dense_gemv
 from benchmarks.quant_gpu import copy_bandwidth, layer_shapes, time_graph
 
 #: Launches tried beside the default: (rows a program, features a step, warps).
@@ -112,7 +112,7 @@ def layer_part(
     device: torch.device,
     replays: int,
 ) -> dict[str, float]:
-    """µs a layer of the linear part: cuBLAS unfused, the GEMV unfused, fused."""
+    """µs a layer of the linear part: cuBLAS, then the GEMV (unfused kernels)."""
     from asyncstep.gpu.triton_fused import fused_add_rms_norm, silu_and_mul
 
     hidden = shapes["o"][0]
@@ -138,34 +138,14 @@ def layer_part(
             h = mm(silu_and_mul(mm(x, w["gate_up"])), w["down"])
         outs["gemv" if gemv else "cublas"] = h + r
 
-    def fused() -> None:
-        stream, normed = h0 + r0, None
-        for w in weights:
-            if normed is None:
-                dense_gemv_fused(stream, w["qkv"], rms_norm_weight=norm_w, eps=1e-5)
-            else:
-                dense_gemv_fused(normed.xw, w["qkv"], sq_parts=normed.sq_parts, eps=1e-5)
-            stream, normed = dense_gemv_fused(
-                attn_out, w["o"], residual=stream, next_rms_norm_weight=norm_w
-            )
-            assert normed is not None
-            act, _ = dense_gemv_fused(
-                normed.xw, w["gate_up"], sq_parts=normed.sq_parts, eps=1e-5, silu_halves=True
-            )
-            stream, normed = dense_gemv_fused(
-                act, w["down"], residual=stream, next_rms_norm_weight=norm_w
-            )
-        outs["fused"] = stream
-
     runs: dict[str, Callable[[], None]] = {
         "cublas_unfused": lambda: unfused(False),
         "gemv_unfused": lambda: unfused(True),
-        "gemv_fused": fused,
         "cublas_unfused_again": lambda: unfused(False),
     }
     times = {name: time_graph(fn, replays) / len(weights) * 1e6 for name, fn in runs.items()}
     ref = outs["cublas"].float()
-    for name in ("gemv", "fused"):
+    for name in ("gemv",):
         error = float((outs[name].float() - ref).norm() / ref.norm())
         print(f"layer output, {name} against cuBLAS unfused: rel error {error:.2e}")
     for name, us in times.items():

@@ -15,7 +15,6 @@ through it.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 import torch
@@ -27,12 +26,7 @@ if TEST_DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from asyncstep.gpu.triton_gemv import (  # noqa: E402
-    GemvLaunch,
-    dense_gemv,
-    dense_gemv_fused,
-    gemv_launch,
-)
+from asyncstep.gpu.triton_gemv import GemvLaunch, dense_gemv, gemv_launch  # noqa: E402
 from asyncstep.models.layers.linear import packed_linear  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
@@ -42,8 +36,6 @@ if DEVICE.type == "cuda" and not torch.cuda.is_available():
 #: One rounding to the dtype (the interpreter truncates to bfloat16: a whole
 #: ulp), plus float32 noise.
 ROUNDING = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-8 if DEVICE.type == "cuda" else 2.0**-7}
-#: A launch of small tiles: several programs and loop steps on small weights.
-LAUNCH = GemvLaunch(8, 64, 2)
 
 
 def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -140,71 +132,3 @@ def test_the_runner_switches_it_with_the_fused_decode() -> None:
     assert all(linear.dense_gemv for linear in linears) and model.lm_head.dense_gemv
     _use_dense_gemv(model, False)
     assert not any(linear.dense_gemv for linear in linears) and not model.lm_head.dense_gemv
-
-
-# -- the fused decode's prologues and epilogues ---------------------------------------
-
-
-def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    return F.rms_norm(x.double(), (x.shape[-1],), weight.double(), eps)
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, ulps: float = 2) -> None:
-    tol = ulps * ROUNDING[actual.dtype]
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize(("n", "k"), [(32, 256), (30, 200)])
-def test_rms_norm_prologue(n: int, k: int) -> None:
-    w = torch.randn(n, k, device=DEVICE).bfloat16()
-    x = (torch.randn(1, k, device=DEVICE) * 3).bfloat16()
-    norm = torch.randn(k, device=DEVICE).bfloat16()
-    out, normed = dense_gemv_fused(x, w, rms_norm_weight=norm, eps=1e-5, launch=LAUNCH)
-    assert out.shape == (1, n) and normed is None
-    close(out, rms(x, norm) @ w.double().T, ulps=4)
-
-
-@pytest.mark.parametrize(("n", "k"), [(64, 256), (40, 96)])
-def test_residual_and_next_norm_then_the_normed_prologue(n: int, k: int) -> None:
-    """o_proj's epilogue (residual add, the next norm's rows made ready),
-    then gate_up's normed prologue with SiLU·mul of the weight's halves."""
-    w = torch.randn(n, k, device=DEVICE).bfloat16() * 0.1
-    x, residual = torch.randn(1, k, device=DEVICE).bfloat16(), torch.randn(1, n, device=DEVICE)
-    residual = residual.bfloat16()
-    next_weight = torch.randn(n, device=DEVICE).bfloat16()
-    stream, normed = dense_gemv_fused(
-        x, w, residual=residual, next_rms_norm_weight=next_weight, launch=LAUNCH
-    )
-    product = (x.double() @ w.double().T).to(torch.bfloat16)  # rounded, then added
-    close(stream, product.double() + residual.double())
-    assert normed is not None
-    close(normed.xw, stream.double() * next_weight.double(), ulps=1)  # one rounding
-    assert normed.sq_parts.shape == (1, -(-n // LAUNCH.block_n))
-    torch.testing.assert_close(normed.sq_parts.sum(), stream.float().square().sum())
-    gate_up = torch.randn(48, n, device=DEVICE).bfloat16()
-    act, _ = dense_gemv_fused(
-        normed.xw, gate_up, sq_parts=normed.sq_parts, eps=1e-5, silu_halves=True, launch=LAUNCH
-    )
-    gate, up = (rms(stream, next_weight) @ gate_up.double().T).chunk(2, -1)
-    assert act.shape == (1, 24)
-    close(act, F.silu(gate.bfloat16().double()) * up.bfloat16().double(), ulps=8)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"rms_norm_weight": torch.ones(64), "sq_parts": torch.ones(1, 2)}, "one prologue"),
-        ({"rms_norm_weight": torch.ones(32)}, "rms_norm_weight must be"),
-        ({"sq_parts": torch.ones(2, 2)}, "sq_parts must be"),
-        ({"residual": torch.ones(1, 7).bfloat16()}, "residual must be"),
-        ({"residual": torch.ones(1, 16).half()}, "residual must be"),
-        ({"silu_halves": True, "residual": torch.ones(1, 16).bfloat16()}, "silu_halves"),
-        ({"next_rms_norm_weight": torch.ones(8)}, "next_rms_norm_weight must be"),
-        ({"out_dtype": torch.float32}, "out_dtype"),
-    ],
-)
-def test_bad_fused_arguments_raise(kwargs: dict[str, Any], match: str) -> None:
-    w = torch.ones(16, 64, device=DEVICE).bfloat16()
-    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    with pytest.raises(ValueError, match=match):
-        dense_gemv_fused(torch.ones(1, 64, device=DEVICE).bfloat16(), w, **kwargs)
