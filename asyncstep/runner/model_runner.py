@@ -63,6 +63,8 @@ from asyncstep.models.layers.attention import (
     reference_attention_backends,
 )
 from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
+from asyncstep.models.layers.embedding import ParallelLMHead
+from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.llama import LlamaForCausalLM, LlamaMLP
 from asyncstep.runner.async_output import AsyncModelRunnerOutput, host_logprobs
@@ -229,6 +231,7 @@ class ModelRunner:
             attn.backend = self.attention_backend
         _use_fused_kernels(model, self.fused_kernels, cpu=self.cpu_layer_kernels)
         model.model.use_fused_decode(self.fused_kernels and fused_decode)
+        _use_dense_gemv(model, self.fused_kernels and fused_decode)
         for attn in model.attention_layers():
             attn.fused_decode = model.model.fused_decode
         if self.attention_backend == "cpu":  # the CPU kernel rotates q and k as it reads them
@@ -601,6 +604,15 @@ def _spec_grammar_rows(
         if req_id in first_row and j < first_row[req_id][1]:
             pairs.append((first_row[req_id][0] + j, mask_row))
     return pairs
+
+
+def _use_dense_gemv(model: LlamaForCausalLM, on: bool) -> None:
+    """Switch the model's linear layers and LM head to (or off) the Triton
+    GEMV for one-row steps of dense 16-bit weights on CUDA
+    (:func:`asyncstep.gpu.triton_gemv.dense_gemv`)."""
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
+            module.dense_gemv = on
 
 
 def _use_fused_kernels(model: LlamaForCausalLM, fused: bool, *, cpu: bool = False) -> None:

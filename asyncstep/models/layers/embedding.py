@@ -64,9 +64,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     #: The weight packed for small steps on the CPU (set after loading).
     packed: PackedWeight | None = None
+    #: One-row steps of a 16-bit model on CUDA through the Triton GEMV.
+    dense_gemv: bool = False
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = packed_linear(hidden_states, self.weight, self.packed)
+        logits = packed_linear(hidden_states, self.weight, self.packed, dense_gemv=self.dense_gemv)
         if self.tp_size > 1:
             logits = get_tp_group().all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

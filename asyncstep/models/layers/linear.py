@@ -57,13 +57,32 @@ def packed_linear(
     weight: torch.Tensor,
     packed: PackedWeight | None,
     bias: torch.Tensor | None = None,
+    *,
+    dense_gemv: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)``, through the packed copy of ``weight`` when
-    it has one for a step of ``x``'s size (:mod:`~asyncstep.models.layers.packed`)."""
+    it has one for a step of ``x``'s size (:mod:`~asyncstep.models.layers.packed`);
+    else, with ``dense_gemv``, a one-row step of 16-bit ``x`` on CUDA through
+    :func:`asyncstep.gpu.triton_gemv.dense_gemv`."""
     if packed is not None and packed.applies(x):
         y = packed.mm(x)
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+    elif dense_gemv and _one_row_on_cuda(x, weight):
+        from asyncstep.gpu.triton_gemv import dense_gemv as gemv
+
+        y = gemv(x, weight)
+    else:
+        return F.linear(x, weight, bias)
+    return y if bias is None else y + bias
+
+
+def _one_row_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype == weight.dtype
+        and x.dim() > 0
+        and x.numel() == x.shape[-1]
+    )
 
 
 def _make_param(shape: Sequence[int], dtype: torch.dtype, loader: WeightLoader) -> nn.Parameter:
@@ -110,6 +129,9 @@ class ColumnParallelLinear(nn.Module):
         )
         #: The weight packed for small steps on the CPU (set after loading).
         self.packed: PackedWeight | None = None
+        #: One-row steps of a 16-bit model on CUDA through the Triton GEMV
+        #: (set by the runner with its fused kernels).
+        self.dense_gemv = False
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = param.shape[0]
@@ -117,7 +139,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = packed_linear(
-            gather_tokens(x, self.sequence_parallel), self.weight, self.packed, self.bias
+            gather_tokens(x, self.sequence_parallel),
+            self.weight,
+            self.packed,
+            self.bias,
+            dense_gemv=self.dense_gemv,
         )
         if self.gather_output:
             y = get_tp_group().all_gather(y, dim=-1)
@@ -238,6 +264,9 @@ class RowParallelLinear(nn.Module):
         self.bias = _make_param((output_size,), params_dtype, self.weight_loader) if bias else None
         #: The weight packed for small steps on the CPU (set after loading).
         self.packed: PackedWeight | None = None
+        #: One-row steps of a 16-bit model on CUDA through the Triton GEMV
+        #: (set by the runner with its fused kernels).
+        self.dense_gemv = False
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is whole on every rank
@@ -247,7 +276,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param, loaded.narrow(1, self.tp_rank * shard, shard), "row-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_linear(x, self.weight, self.packed)
+        y = packed_linear(x, self.weight, self.packed, dense_gemv=self.dense_gemv)
         if self.reduce_results:
             y = reduce_partial_sums(y, self.sequence_parallel)
         if self.bias is not None:

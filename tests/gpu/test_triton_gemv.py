@@ -1,0 +1,134 @@
+"""The one-row GEMV of dense 16-bit weights (``asyncstep.gpu.triton_gemv``):
+it equals the float64 product within one rounding to x's dtype, for tiles
+that divide the shape and tiles that do not, under every launch it picks
+for llama-8b's and llama-1b's shapes; bad arguments raise; the linear
+layers take it only for a one-row 16-bit step on CUDA with the switch on
+(elsewhere ``F.linear``, bit for bit), and the runner turns it on with the
+fused decode.
+
+On the CPU the kernel runs under the Triton interpreter
+(``TRITON_INTERPRET=1``, set before triton is imported); with
+``ASYNCSTEP_TEST_DEVICE=cuda`` compiled, and a model layer's one-row step
+through it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+TEST_DEVICE = os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from asyncstep.gpu.triton_gemv import GemvLaunch, dense_gemv, gemv_launch  # noqa: E402
+from asyncstep.models.layers.linear import packed_linear  # noqa: E402
+
+DEVICE = torch.device(TEST_DEVICE)
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("ASYNCSTEP_TEST_DEVICE=cuda but CUDA is unavailable", allow_module_level=True)
+
+#: One rounding to the dtype (the interpreter truncates to bfloat16: a whole
+#: ulp), plus float32 noise.
+ROUNDING = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-8 if DEVICE.type == "cuda" else 2.0**-7}
+
+
+def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    exact = x.double().reshape(1, -1) @ w.double().T
+    assert out.dtype == x.dtype
+    torch.testing.assert_close(
+        out.double().reshape(exact.shape), exact, rtol=ROUNDING[x.dtype], atol=1e-3
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("n", "k", "launch"),
+    [
+        (32, 256, GemvLaunch(8, 64, 2)),  # every tile inside
+        (30, 200, GemvLaunch(8, 64, 2)),  # partial tiles both ways
+        (7, 1000, GemvLaunch(2, 256, 4)),
+        (40, 96, None),  # its own launch: one 128-wide step, masked
+    ],
+)
+def test_gemv_equals_the_product(
+    dtype: torch.dtype, n: int, k: int, launch: GemvLaunch | None
+) -> None:
+    w = torch.randn(n, k, device=DEVICE).to(dtype)
+    x = torch.randn(1, 1, k, device=DEVICE).to(dtype)
+    out = dense_gemv(x, w, launch)
+    assert out.shape == (1, 1, n)
+    check(out, x, w)
+
+
+@pytest.mark.parametrize(
+    ("n", "k"),
+    [
+        (6144, 4096),  # llama-8b: qkv, o, gate_up, down
+        (4096, 4096),
+        (28672, 4096),
+        (4096, 14336),
+        (3072, 2048),  # llama-1b
+        (2048, 2048),
+        (16384, 2048),
+        (2048, 8192),
+    ],
+)
+def test_each_picked_launch_computes_the_product(n: int, k: int) -> None:
+    """The launch picked for a full shape, on a weight of a few of its tiles
+    (the interpreter's time): the same tiling, loop and masks."""
+    launch = gemv_launch(n, k)
+    assert k % launch.block_k == 0 and n % launch.block_n == 0
+    rows, cols = 3 * launch.block_n, 2 * launch.block_k
+    w = torch.randn(rows, cols, device=DEVICE).bfloat16()
+    x = torch.randn(1, cols, device=DEVICE).bfloat16()
+    check(dense_gemv(x, w, launch), x, w)
+
+
+@pytest.mark.parametrize(
+    ("x", "w", "match"),
+    [
+        (torch.zeros(1, 64), torch.zeros(8, 64), "bfloat16 or float16"),
+        (torch.zeros(1, 64).half(), torch.zeros(8, 64).bfloat16(), "of its dtype"),
+        (torch.zeros(2, 64).half(), torch.zeros(8, 64).half(), "one row"),
+        (torch.zeros(1, 32).half(), torch.zeros(8, 64).half(), "one row"),
+        (torch.zeros(1, 64).half(), torch.zeros(64, 8).half().T, "unit stride"),
+    ],
+)
+def test_bad_arguments_raise(x: torch.Tensor, w: torch.Tensor, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        dense_gemv(x.to(DEVICE), w.to(DEVICE))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_linear_layers_take_it_for_one_row_16_bit_steps_on_cuda(rows: int) -> None:
+    w = torch.randn(24, 64, device=DEVICE).bfloat16()
+    bias = torch.randn(24, device=DEVICE).bfloat16()
+    x = torch.randn(rows, 64, device=DEVICE).bfloat16()
+    out = packed_linear(x, w, None, bias, dense_gemv=True)
+    if DEVICE.type == "cuda" and rows == 1:
+        torch.testing.assert_close(out, dense_gemv(x, w) + bias, rtol=0, atol=0)
+    else:  # F.linear, bit for bit
+        assert torch.equal(out, F.linear(x, w, bias))
+    assert torch.equal(packed_linear(x, w, None, bias), F.linear(x, w, bias))
+    x32, w32 = x.float(), w.float()  # float32 keeps F.linear on CUDA too
+    assert torch.equal(packed_linear(x32, w32, None, dense_gemv=True), F.linear(x32, w32))
+
+
+def test_the_runner_switches_it_with_the_fused_decode() -> None:
+    from asyncstep.models.dummy import get_shape
+    from asyncstep.models.llama import LlamaForCausalLM
+    from asyncstep.runner.model_runner import _use_dense_gemv
+
+    model = LlamaForCausalLM(get_shape("tiny-llama"), torch.float32)
+    layer = model.model.stage_layers()[0]
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj]
+    _use_dense_gemv(model, True)
+    assert all(linear.dense_gemv for linear in linears) and model.lm_head.dense_gemv
+    _use_dense_gemv(model, False)
+    assert not any(linear.dense_gemv for linear in linears) and not model.lm_head.dense_gemv
