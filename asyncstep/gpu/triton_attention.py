@@ -30,8 +30,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_PROGRAMS_PER_SM = 4
 #: ...with at most this many segments per sequence.
 MAX_DECODE_SPLITS = 16
-#: SMs assumed off CUDA (the Triton interpreter): small test batches take a few splits.
-_DEFAULT_NUM_SMS = 8
+#: SMs assumed off CUDA (the Triton interpreter, which runs the programs one
+#: after another): a small test batch still takes a few splits (one token of
+#: 2 KV heads: 4, two tokens: 2), not 16 segments mostly past its keys.
+_DEFAULT_NUM_SMS = 2
 #: Batches whose queries are at most this long (a speculative verify step's
 #: ``1 + k`` tokens a request) take the split-KV decode kernels too: each
 #: token's programs read its request's keys up to its own causal end.

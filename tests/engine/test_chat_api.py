@@ -24,7 +24,7 @@ from asyncstep.engine.chat_messages import (
     MAX_CHAT_TEMPLATE_KWARGS_BYTES,
     MAX_REQUEST_CHAT_TEMPLATE_BYTES,
 )
-from asyncstep.engine.outputs import ChatCompletion
+from asyncstep.engine.outputs import ChatChunk, ChatCompletion
 from asyncstep.engine.tools import MAX_TOOLS
 from asyncstep.errors import InvalidRequestError
 from asyncstep.models.model_loader import LoadedModel
@@ -63,16 +63,22 @@ async def test_forced_calls_parse_and_validate_whole_and_streamed(
     smollm2: LoadedModel, anyio_backend: str
 ) -> None:
     async with asyncstep.open_engine(smollm2) as engine:
-        named = await engine.chat(
-            ASK, GREEDY, tools=[WEATHER, TIME], tool_choice=named_choice("get_weather")
-        )
-        chunks = [
-            c
+        whole: list[ChatCompletion] = []
+        chunks: list[ChatChunk] = []
+        sampled: dict[int, ChatCompletion] = {}
+
+        async def named_whole() -> None:
+            whole.append(
+                await engine.chat(
+                    ASK, GREEDY, tools=[WEATHER, TIME], tool_choice=named_choice("get_weather")
+                )
+            )
+
+        async def named_streamed() -> None:
             async for c in engine.chat_stream(
                 ASK, GREEDY, tools=[WEATHER, TIME], tool_choice=named_choice("get_weather")
-            )
-        ]
-        sampled: dict[int, ChatCompletion] = {}
+            ):
+                chunks.append(c)
 
         async def sample(seed: int) -> None:
             sampled[seed] = await engine.chat(
@@ -83,9 +89,14 @@ async def test_forced_calls_parse_and_validate_whole_and_streamed(
                 parallel_tool_calls=seed % 2 == 0,
             )
 
-        async with anyio.create_task_group() as tg:  # one batch
+        # One batch: the named call whole and streamed (dense fp32: its greedy
+        # tokens are the same in any batch) and the sampled ones.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(named_whole)
+            tg.start_soon(named_streamed)
             for seed in range(6):
                 tg.start_soon(sample, seed)
+    [named] = whole
     assert named.finish_reason == "tool_calls" and named.content is None
     [call] = named.tool_calls
     assert call.type == "function" and re.fullmatch(r"call_[0-9a-f]{24}", call.id)
@@ -127,13 +138,24 @@ async def test_auto_calls_are_read_by_the_parser_and_a_loop_runs_to_its_answer(
         structured_outputs=StructuredOutputsParams(regex=re.escape(reply)),
     )
     async with asyncstep.open_engine(smollm2) as engine:
-        auto = await engine.chat(ASK, writes_a_call, tools=[WEATHER], tool_call_parser="hermes")
-        streamed = [
-            c
+        whole: list[ChatCompletion] = []
+        streamed: list[ChatChunk] = []
+
+        async def auto_whole() -> None:
+            whole.append(
+                await engine.chat(ASK, writes_a_call, tools=[WEATHER], tool_call_parser="hermes")
+            )
+
+        async def auto_streamed() -> None:
             async for c in engine.chat_stream(
                 ASK, writes_a_call, tools=[WEATHER], tool_call_parser="hermes"
-            )
-        ]
+            ):
+                streamed.append(c)
+
+        async with anyio.create_task_group() as tg:  # whole and streamed in one batch
+            tg.start_soon(auto_whole)
+            tg.start_soon(auto_streamed)
+        [auto] = whole
         [call] = auto.tool_calls
         history: list[dict[str, Any]] = [
             *ASK,

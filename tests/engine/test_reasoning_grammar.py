@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio
 import jsonschema
 import pytest
 
 import asyncstep
 from asyncstep import SamplingParams, StructuredOutputsParams
 from asyncstep.engine.core import EngineCore
+from asyncstep.engine.outputs import ChatChunk, ChatCompletion
 from asyncstep.engine.reasoning_gate import THINKING, ReasoningGate, ReasoningMarkers
 from asyncstep.models.model_loader import LoadedModel
 
@@ -141,8 +143,21 @@ async def test_a_forced_call_after_the_thinking_through_engine_chat(
     }
     params = SamplingParams(temperature=0, max_tokens=40)
     async with asyncstep.open_engine(smollm2, reasoning_parser="deepseek_r1") as engine:
-        whole = await engine.chat(chat, params, **options)
-        chunks = [c async for c in engine.chat_stream(chat, params, **options)]
+        wholes: list[ChatCompletion] = []
+        chunks: list[ChatChunk] = []
+
+        async def chat_whole() -> None:
+            wholes.append(await engine.chat(chat, params, **options))
+
+        async def chat_streamed() -> None:
+            async for c in engine.chat_stream(chat, params, **options):
+                chunks.append(c)
+
+        # Whole and streamed in one batch (dense fp32: the same greedy tokens).
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(chat_whole)
+            tg.start_soon(chat_streamed)
+    [whole] = wholes
     assert whole.finish_reason == "tool_calls" and whole.content is None
     assert whole.reasoning_content and "</think>" not in whole.reasoning_content
     [call] = whole.tool_calls

@@ -229,11 +229,23 @@ def test_stops_prefix_caching_preemption_and_an_abort_with_a_draft_model(
     ]
 
     async def twice() -> tuple[list[list[int]], float]:
+        """The prompts at once, then again at once (each of the second batch's
+        prompts is in the prefix cache)."""
         async with asyncstep.open_engine(
             looping_hf_dir, speculative_config=spec, **(ENGINE | {"block_size": 4})
         ) as engine:
-            outs = [await engine.generate(p, long[0]) for p in prompts + prompts]
-            return [list(o.token_ids) for o in outs], engine.statistics().prefix_cache_hit_rate
+            outs: list[list[int]] = []
+            for _ in range(2):
+                batch: dict[int, list[int]] = {}
+
+                async def one(i: int, prompt: str, batch: dict[int, list[int]] = batch) -> None:
+                    batch[i] = list((await engine.generate(prompt, long[0])).token_ids)
+
+                async with trio.open_nursery() as nursery:
+                    for i, prompt in enumerate(prompts):
+                        nursery.start_soon(one, i, prompt)
+                outs += [batch[i] for i in range(len(prompts))]
+            return outs, engine.statistics().prefix_cache_hit_rate
 
     outs, hit_rate = trio.run(twice)
     assert outs == [list(r.token_ids) for r in plain_long] * 2 and hit_rate > 0.3

@@ -190,21 +190,32 @@ async def test_n_choices_follow_the_grammar_and_their_seeds(smollm2: LoadedModel
     assert [o.token_ids for o in results["n"].outputs] == [o.token_ids for o in alone.outputs]
 
 
+async def constrained_at_once(
+    engine: asyncstep.Engine, kinds: list[str]
+) -> list[asyncstep.Completion]:
+    """A greedy request of each kind, all at once (one batch)."""
+    results: dict[int, asyncstep.Completion] = {}
+
+    async def run(i: int, kind: str) -> None:
+        results[i] = await engine.generate(prompt_for(kind), constrained(kind))
+
+    async with anyio.create_task_group() as tg:
+        for i, kind in enumerate(kinds):
+            tg.start_soon(run, i, kind)
+    return [results[i] for i in range(len(kinds))]
+
+
 async def test_preempted_requests_keep_their_grammar(smollm2: LoadedModel) -> None:
     kinds = ["json", "regex", "json", "choice", "json", "json_object"]
+    # The reference: the same batch in a roomy cache (dense fp32: a request's
+    # greedy tokens do not depend on its batch), never preempted.
     async with asyncstep.open_engine(smollm2) as engine:
-        roomy = [await engine.generate(prompt_for(k), constrained(k)) for k in kinds]
+        roomy = await constrained_at_once(engine, kinds)
+        assert engine.statistics().num_preemptions == 0
     # 8 blocks of 16 tokens for six requests of ~40-token prompts: some wait,
     # others are preempted and recomputed.
     async with asyncstep.open_engine(smollm2, num_blocks=12, block_size=16) as engine:
-        results: dict[int, asyncstep.Completion] = {}
-
-        async def run(i: int, kind: str) -> None:
-            results[i] = await engine.generate(prompt_for(kind), constrained(kind))
-
-        async with anyio.create_task_group() as tg:
-            for i, kind in enumerate(kinds):
-                tg.start_soon(run, i, kind)
+        results = await constrained_at_once(engine, kinds)
         preemptions = engine.statistics().num_preemptions
     assert preemptions > 0
     for i, kind in enumerate(kinds):
@@ -265,7 +276,7 @@ async def test_a_model_without_tokenizer_refuses_structured_outputs(
 async def test_pipeline_stages_follow_the_grammar_as_one_rank(smollm2: LoadedModel) -> None:
     kinds = ["json", "regex", "choice", "json_object"]
     async with asyncstep.open_engine(smollm2, max_num_batched_tokens=32) as engine:
-        expected = [await engine.generate(prompt_for(k), constrained(k)) for k in kinds]
+        expected = await constrained_at_once(engine, kinds)
     async with asyncstep.open_engine(
         None,
         device="cpu",
@@ -274,14 +285,7 @@ async def test_pipeline_stages_follow_the_grammar_as_one_rank(smollm2: LoadedMod
         pipeline_parallel_size=2,
         max_num_batched_tokens=32,
     ) as engine:
-        results: dict[int, asyncstep.Completion] = {}
-
-        async def run(i: int, kind: str) -> None:
-            results[i] = await engine.generate(prompt_for(kind), constrained(kind))
-
-        async with anyio.create_task_group() as tg:
-            for i, kind in enumerate(kinds):
-                tg.start_soon(run, i, kind)
+        results = await constrained_at_once(engine, kinds)
     for i, kind in enumerate(kinds):
         check_output(kind, results[i].text)
         assert results[i].token_ids == expected[i].token_ids

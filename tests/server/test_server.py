@@ -391,11 +391,11 @@ def test_required_tool_calls_validate_whatever_is_sampled(server: Server) -> Non
     """``required``: every call of every sampled reply names a tool and its
     arguments validate against that tool's schema; at most one call without
     parallel_tool_calls; streamed, the calls come whole with the last chunk."""
-    client = server.client()
     schemas = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
     ask = [{"role": "user", "content": "Weather in Oslo, and the time in Tokyo?"}]
-    for seed in range(4):
-        out = client.chat.completions.create(
+
+    async def sampled(client: openai.AsyncOpenAI, seed: int) -> Any:
+        return await client.chat.completions.create(
             model=MODEL,
             messages=ask,  # type: ignore[arg-type]
             tools=[WEATHER, TIME],  # type: ignore[list-item]
@@ -405,17 +405,9 @@ def test_required_tool_calls_validate_whatever_is_sampled(server: Server) -> Non
             temperature=1.0,
             seed=seed,
         )
-        choice = out.choices[0]
-        if choice.finish_reason == "length":
-            continue  # cut short: the text is left as content
-        calls = choice.message.tool_calls or []
-        assert choice.finish_reason == "tool_calls" and calls
-        assert seed % 2 == 0 or len(calls) == 1
-        for call in calls:
-            name = call.function.name  # type: ignore[union-attr]
-            jsonschema.validate(json.loads(call.function.arguments), schemas[name])  # type: ignore[union-attr]
-    pieces = list(
-        client.chat.completions.create(
+
+    async def streamed(client: openai.AsyncOpenAI) -> list[Any]:
+        stream = await client.chat.completions.create(
             model=MODEL,
             messages=ask,  # type: ignore[arg-type]
             tools=[WEATHER, TIME],  # type: ignore[list-item]
@@ -424,7 +416,27 @@ def test_required_tool_calls_validate_whatever_is_sampled(server: Server) -> Non
             temperature=0,
             stream=True,
         )
-    )
+        return [chunk async for chunk in stream]
+
+    async def all_at_once() -> tuple[list[Any], list[Any]]:
+        """The four sampled replies and the streamed one, in one batch."""
+        async with server.async_client() as client:
+            *outs, pieces = await asyncio.gather(
+                *(sampled(client, seed) for seed in range(4)), streamed(client)
+            )
+        return outs, pieces
+
+    outs, pieces = asyncio.run(all_at_once())
+    for seed, out in enumerate(outs):
+        choice = out.choices[0]
+        if choice.finish_reason == "length":
+            continue  # cut short: the text is left as content
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == "tool_calls" and calls
+        assert seed % 2 == 0 or len(calls) == 1
+        for call in calls:
+            name = call.function.name
+            jsonschema.validate(json.loads(call.function.arguments), schemas[name])
     last = pieces[-1].choices[0]
     if last.finish_reason == "tool_calls":
         streamed = last.delta.tool_calls or []
