@@ -130,7 +130,7 @@ class ColumnParallelLinear(nn.Module):
         #: The weight packed for small steps on the CPU (set after loading).
         self.packed: PackedWeight | None = None
         #: One-row steps of a 16-bit model on CUDA through the Triton GEMV
-        #: (set by the runner with its fused kernels).
+        #: (set by the runner with the fused decode).
         self.dense_gemv = False
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -265,7 +265,7 @@ class RowParallelLinear(nn.Module):
         #: The weight packed for small steps on the CPU (set after loading).
         self.packed: PackedWeight | None = None
         #: One-row steps of a 16-bit model on CUDA through the Triton GEMV
-        #: (set by the runner with its fused kernels).
+        #: (set by the runner with the fused decode).
         self.dense_gemv = False
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
