@@ -1,5 +1,6 @@
-"""Where a decode step's device time goes, by kernel: one request (batch 1)
-on dummy weights, ``weight_packing`` as given, the engine in this process;
+"""Where a decode step's device time goes, by kernel: ``--batch`` requests
+(default 1) decoding together on dummy weights, ``weight_packing`` as given,
+the engine in this process;
 torch's profiler (CUPTI: the kernels of CUDA graph replays too) over the
 decode of ``--tokens`` greedy tokens after a warm-up request (greedy as
 ``bench.py latency`` samples; ``--random`` for temperature 1). Prints each kernel
@@ -7,7 +8,7 @@ name's device time per step, grouped (the Q4 / Q8 GEMV, torch's GEMV, the
 rest), and the sum, which is below the ITL by the device's idle time.
 
     python3 benchmarks/quant_step_kernels.py --shape llama-8b --packing q4 \
-        [--no-fused-decode] [--out FILE]
+        [--batch N] [--no-fused-decode] [--out FILE]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         device="cuda",
         dtype="bfloat16",
         max_model_len=256,
-        max_num_seqs=1,
+        max_num_seqs=args.batch,
         weight_packing=args.packing,
         fused_decode=args.fused_decode,
         engine_process=False,
@@ -48,7 +49,9 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         )
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            await engine.generate(prompt, params)
+            async with trio.open_nursery() as nursery:
+                for _ in range(args.batch):
+                    nursery.start_soon(engine.generate, prompt, params)
             torch.cuda.synchronize()
     per_kernel: dict[str, float] = defaultdict(float)
     for event in prof.events():
@@ -71,6 +74,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--shape", default="llama-8b")
     parser.add_argument("--packing", default="q4")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument(
@@ -84,8 +88,8 @@ def main() -> int:
     for name, us in per_kernel.items():
         groups[group(name)] += us
     print(
-        f"{args.shape} batch 1, weight_packing={args.packing}, fused_decode={args.fused_decode}:"
-        " device us a step by group"
+        f"{args.shape} batch {args.batch}, weight_packing={args.packing},"
+        f" fused_decode={args.fused_decode}: device us a step by group"
     )
     for name, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {name:20s} {us:8.1f}")

@@ -27,7 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["GemvLaunch", "dense_gemv", "gemv_launch"]
+__all__ = [
+    "GemvLaunch",
+    "SkinnyLaunch",
+    "dense_gemv",
+    "gemv_launch",
+    "skinny_gemm",
+    "skinny_launch",
+]
+
+#: The most rows :func:`skinny_gemm` takes.
+MAX_SKINNY_ROWS = 64
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -115,6 +125,153 @@ def dense_gemv(
     else:
         out.zero_()
     return out.reshape(*x.shape[:-1], n)
+
+
+class SkinnyLaunch(NamedTuple):
+    """Weight rows a program, features a loop step, warps, pipeline stages,
+    and the programs each row's features are split over."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+
+def skinny_launch(m: int, n: int, k: int) -> SkinnyLaunch:
+    """The launch for ``m`` rows against an ``[n, k]`` weight."""
+    launch = SkinnyLaunch(32, 128, 4, 4, 1)
+    return launch._replace(block_k=min(launch.block_k, max(16, triton.next_power_of_2(k))))
+
+
+@triton.jit
+def _skinny_gemm_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    K_SPLIT,
+    stride_xm,
+    stride_wn,
+    stride_os,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``out[s, m, n] = sum_k w[n, k] x[m, k]`` over split ``s``'s features
+    (``K_SPLIT`` a split) for this program's weight rows, on the tensor cores
+    with the weight rows as the product's tall side (EVEN: every weight tile
+    inside, unmasked; UPCAST: the tiles in float32 first, for the interpreter,
+    whose dot has no bfloat16)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    k = tl.arange(0, BLOCK_K)
+    n_mask = n < N
+    m_mask = m < M
+    k_start = split * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    x_cols = x_ptr + m[None, :] * stride_xm + k[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN:
+            w = tl.load(w_rows + k0)
+            xt = tl.load(x_cols + k0, mask=m_mask[None, :], other=0.0)
+        else:
+            k_mask = k0 + k < k_end
+            w = tl.load(w_rows + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_cols + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if UPCAST:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+    out = out_ptr + split * stride_os + m[None, :] * stride_om + n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(  # type: ignore[no-untyped-def]
+    partial_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr
+):
+    """``out = sum_s partial[s]`` in split order (deterministic), rounded once."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < numel
+    acc = tl.load(partial_ptr + i, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(partial_ptr + s * numel + i, mask=mask, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def skinny_gemm(
+    x: torch.Tensor, weight: torch.Tensor, launch: SkinnyLaunch | None = None
+) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` ``[M, K]`` with ``1 <= M <= MAX_SKINNY_ROWS``
+    (bfloat16 or float16) and ``weight`` ``[N, K]`` of its dtype and device,
+    with unit stride along K; float32 accumulation, one rounding to x's dtype;
+    ``[M, N]`` in x's dtype. Each weight tile is read once for every row."""
+    _check_skinny(x, weight)
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = launch or skinny_launch(m, n, k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if not (m and n and k):
+        return out.zero_()
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_split)
+    target = out if splits == 1 else torch.empty(splits, m, n, device=x.device)
+    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+        x,
+        weight,
+        target,
+        m,
+        n,
+        k,
+        k_split,
+        x.stride(0),
+        weight.stride(0),
+        m * n,
+        n,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        EVEN=n % cfg.block_n == 0 and k % k_split == 0 and k_split % cfg.block_k == 0,
+        UPCAST=not x.is_cuda,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](
+            target, out, m * n, SPLIT_K=splits, BLOCK=block
+        )
+    return out
+
+
+def _check_skinny(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(
+            f"skinny_gemm takes bfloat16 or float16 x and a weight of its dtype, got "
+            f"{x.dtype} and {weight.dtype}"
+        )
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(
+            f"weight must be [N, K] with unit stride along K, got {tuple(weight.shape)}"
+        )
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be [M, {weight.shape[1]}] with unit stride along K, got {tuple(x.shape)}"
+        )
+    if not 1 <= x.shape[0] <= MAX_SKINNY_ROWS:
+        raise ValueError(f"skinny_gemm takes 1 to {MAX_SKINNY_ROWS} rows, got {x.shape[0]}")
+    if x.device != weight.device:
+        raise ValueError(f"x on {x.device}, the weight on {weight.device}")
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
