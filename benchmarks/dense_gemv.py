@@ -12,11 +12,7 @@ part both ways.
    RMSNorm, gate_up, SiLU·mul, down: seven kernels), and the same with the
    Triton GEMV.
 
-With ``--rows M`` (2 to 64) the product is ``skinny_gemm``'s for M rows
-against cuBLAS (its default launch and ``SKINNY_LAUNCHES``; ``--few`` the
-first few of them), and step 2 is left out.
-
-    python3 benchmarks/dense_gemv.py [--shape llama-8b] [--rows M [--few]] [--out results.json]
+    python3 benchmarks/dense_gemv.py [--shape llama-8b] [--out results.json]
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncstep.gpu.triton_gemv import GemvLaunch, SkinnyLaunch, dense_gemv, skinny_gemm
+from asyncstep.gpu.triton_gemv import GemvLaunch, dense_gemv
 from benchmarks.quant_gpu import copy_bandwidth, layer_shapes, time_graph
 
 #: Launches tried beside the default: (rows a program, features a step, warps).
@@ -52,38 +48,12 @@ LAUNCHES = [
     ]
 ]
 
-#: Skinny launches tried beside the default: (weight rows a program, features
-#: a step, warps, stages, splits of K).
-SKINNY_LAUNCHES = [
-    SkinnyLaunch(*launch)
-    for launch in [
-        (32, 128, 4, 4, 1),
-        (64, 128, 4, 4, 1),
-        (16, 128, 4, 4, 1),
-        (64, 128, 4, 4, 2),
-        (16, 256, 4, 3, 1),
-        (32, 256, 4, 3, 1),
-        (32, 128, 4, 4, 2),
-        (64, 256, 8, 3, 1),
-        (64, 64, 4, 5, 2),
-        (128, 64, 4, 4, 1),
-        (128, 128, 8, 3, 2),
-        (32, 64, 2, 5, 1),
-        (16, 64, 2, 6, 1),
-        (64, 128, 4, 4, 4),
-        (32, 128, 4, 4, 4),
-        (16, 128, 4, 4, 2),
-    ]
-]
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--shape", default="llama-8b")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--few", action="store_true", help="the first 3 skinny launches only")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,12 +66,9 @@ def main() -> int:
         }
         for _ in range(args.layers)
     ]
-    xs = {
-        name: torch.randn(args.rows, k, device=device).bfloat16() for name, (_, k) in shapes.items()
-    }
+    xs = {name: torch.randn(1, k, device=device).bfloat16() for name, (_, k) in shapes.items()}
     floors = {name: n * k * 2 / bandwidth * 1e6 for name, (n, k) in shapes.items()}
-    print(f"{args.shape}, {args.rows} rows: copy bandwidth {bandwidth / 1e12:.3f} TB/s")
-    print(f"floors (us) {floors}")
+    print(f"{args.shape}: copy bandwidth {bandwidth / 1e12:.3f} TB/s; floors (us) {floors}")
     results: list[dict[str, Any]] = []
 
     def variant(label: str, product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
@@ -124,12 +91,6 @@ def main() -> int:
         shown = " ".join(f"{k} {v:6.1f}" for k, v in per_shape.items())
         print(f"{label:28s} {total:7.1f} us/layer | {shown}", flush=True)
 
-    if args.rows > 1:
-        skinny(args, shapes, variant)
-        kept = {"shape": args.shape, "rows": args.rows, "floors_us": floors, "results": results}
-        if args.out:
-            args.out.write_text(json.dumps(kept))
-        return 0
     variant("F.linear (cuBLAS)", lambda x, w: F.linear(x, w))
     variant("auto (the default launch)", lambda x, w: dense_gemv(x, w))
     for launch in LAUNCHES:
@@ -143,20 +104,6 @@ def main() -> int:
         kept = {"shape": args.shape, "floors_us": floors, "results": results, "layer": layer}
         args.out.write_text(json.dumps(kept))
     return 0
-
-
-def skinny(
-    args: argparse.Namespace,
-    shapes: dict[str, tuple[int, int]],
-    variant: Callable[[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]], None],
-) -> None:
-    """cuBLAS against ``skinny_gemm``'s launches at ``args.rows`` rows."""
-    variant("F.linear (cuBLAS)", lambda x, w: F.linear(x, w))
-    variant("skinny auto", lambda x, w: skinny_gemm(x, w))
-    for launch in SKINNY_LAUNCHES[: 3 if args.few else None]:
-        label = "skinny n{} k{} w{} s{} split{}".format(*launch)
-        variant(label, lambda x, w, c=launch: skinny_gemm(x, w, c))
-    variant("F.linear (cuBLAS) again", lambda x, w: F.linear(x, w))
 
 
 def layer_part(

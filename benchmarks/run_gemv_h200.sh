@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The one-row GEMV of dense 16-bit weights (issue 28) on one H200 (the device tool's nvidia-h200):
-#     bash benchmarks/run_gemv_h200.sh tests|kernels|latency|all|skinny|profile32|latency32
+#     bash benchmarks/run_gemv_h200.sh tests|kernels|latency|all|profile32|latency32
 #   tests:   tests/gpu/test_triton_gemv.py, tests/models/test_fused_decode.py (whole engines,
 #            fused decode on and off) and tests/runner/test_cudagraph.py compiled for the GPU
 #   kernels: benchmarks/dense_gemv.py (cuBLAS against the Triton GEMV's launches), llama-8b, 1b
 #   latency: bf16 ITL at batch 1, fused decode (the GEMV among it) on, then off: llama-8b, llama-1b
-#   skinny:    benchmarks/dense_gemv.py --rows 32 (cuBLAS against skinny_gemm's launches), 8 16 64 --few
 #   profile32: the bf16 llama-8b batch-32 decode step's kernels (benchmarks/quant_step_kernels.py)
 #   latency32: bf16 llama-8b ITL at batch 32, fused decode on, then off
 # Output (text and JSON) goes to $OUT (default benchmarks/results/fused_decode).
@@ -37,14 +36,6 @@ run_latency() {
         grep -E "│ +[0-9]|bandwidth" "$OUT/latency_gemv_${model}_$fused.txt"
     done
 }
-run_skinny() {
-    for rows in 32 8 16 64; do
-        few=$([ "$rows" = 32 ] || echo --few)
-        timeout 200 python3 benchmarks/dense_gemv.py --shape llama-8b --rows $rows $few \
-            --out "$OUT/skinny_llama-8b_rows$rows.json" 2>&1 | grep -vi warn > "$OUT/skinny_llama-8b_rows$rows.txt"
-        cat "$OUT/skinny_llama-8b_rows$rows.txt"
-    done
-}
 run_profile32() {
     for fused in on off; do
         flag=$([ "$fused" = on ] || echo --no-fused-decode)
@@ -67,7 +58,6 @@ tests) run_tests ;;
 kernels) run_kernels ;;
 latency) run_latency ;;
 all) run_tests; run_latency ;;
-skinny) run_skinny ;;
 profile32) run_profile32 ;;
 latency32) run_latency32 ;;
 esac
