@@ -32,7 +32,7 @@ num_reqs``), the keys are split too ("flash decoding"): the grid is
 its keys: ``cdiv(keys, NUM_SPLITS)`` rounded up to ``TILE_N``, computed in the
 kernel from the loaded ``seq_lens`` (segments past the last key are empty
 programs). NUM_SPLITS comes from the shape only (enough programs to fill the
-GPU about four times over, at most ``MAX_DECODE_SPLITS``): a graph captured
+GPU ``DECODE_PROGRAMS_PER_SM`` times over, at most ``MAX_DECODE_SPLITS``): a graph captured
 with it replays right for any lengths. Each program writes its normalised
 fp32 partial output and log-sum-exp to scratch; a second kernel, one program
 per token and query head, combines the non-empty segments into ``out`` and

@@ -27,13 +27,13 @@ _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 #: Decode batches split the keys until the grid has this many programs per SM...
-DECODE_PROGRAMS_PER_SM = 4
+DECODE_PROGRAMS_PER_SM = 2
 #: ...with at most this many segments per sequence.
 MAX_DECODE_SPLITS = 16
 #: SMs assumed off CUDA (the Triton interpreter, which runs the programs one
 #: after another): a small test batch still takes a few splits (one token of
 #: 2 KV heads: 4, two tokens: 2), not 16 segments mostly past its keys.
-_DEFAULT_NUM_SMS = 2
+_DEFAULT_NUM_SMS = 4
 #: Batches whose queries are at most this long (a speculative verify step's
 #: ``1 + k`` tokens a request) take the split-KV decode kernels too: each
 #: token's programs read its request's keys up to its own causal end.
@@ -155,14 +155,16 @@ def _decode_launch(
     small batches then still keep every SM's memory pipe busy. Never from
     seq_lens values: a captured graph replays its split count for any lengths.
     16-bit inputs read 64-key tiles (two 16 KiB tiles in flight at head_dim
-    128), with three pipeline stages."""
+    128), unpipelined: a segment is a few tiles, and a pipeline's prologue
+    costs more than it hides (picked by measurement, as the programs per SM:
+    ``benchmarks/attention_kernel.py``)."""
     wide = dtype != torch.float32
     tile_n = 64 if wide and head_dim_pad <= 128 else 32
     programs = num_tokens * num_kv_heads
     target = DECODE_PROGRAMS_PER_SM * sms
     num_splits = max(1, min(MAX_DECODE_SPLITS, -(-target // max(programs, 1))))
     block_m = max(16, triton.next_power_of_2(group))
-    return _DecodeLaunch(block_m, tile_n, num_splits, num_warps=4, num_stages=3 if wide else 2)
+    return _DecodeLaunch(block_m, tile_n, num_splits, num_warps=4, num_stages=1 if wide else 2)
 
 
 def paged_attention(
