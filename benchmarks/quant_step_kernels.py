@@ -61,6 +61,8 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
 
 
 def group(name: str) -> str:
+    if "_dense_gemv_kernel" in name:
+        return "dense GEMV (Triton)"
     if "_gemv_kernel" in name:
         return "Q4/Q8 GEMV"
     if "gemv" in name.lower() or "gemm" in name.lower() or "nvjet" in name.lower():
