@@ -1,10 +1,12 @@
 """Awaitables for futures, CUDA events and ``torch.distributed`` Work
 (``stream``, ``work``); a rank's launch thread (``host_stream``); CUDA-graph
 capture and its CPU stand-in (``cuda_graph``); Triton kernels: paged
-attention and the KV-cache store (``triton_attention``), fused add + RMSNorm,
-silu * up, rotary (+ store) (``triton_fused``), the one-row GEMV of dense
-16-bit weights (``triton_gemv``), Q4 / Q8 weights (``triton_quant``) (all
-imported lazily: triton is optional on the CPU).
+attention and the KV-cache store (``triton_attention``; its kernels in
+``attention_kernels``, ``decode_kernels``), fused add + RMSNorm, silu * up,
+rotary (+ store) (``triton_fused``), the one-row GEMV of dense 16-bit
+weights (``triton_gemv``), Q4 / Q8 weights (``triton_quant``; their layouts
+in ``quant_layout``, their kernels in ``quant_kernels``) (all imported
+lazily: triton is optional on the CPU).
 
 May import torch, triton, trio/anyio.
 """
