@@ -21,8 +21,7 @@ per-row Python loop except over seeded rows. A batch in which no row asks for
 processing skips it whole (``SamplingMetadata.processing`` is None).
 
 This module may import torch, numpy, :mod:`asyncstep.datatypes` and
-:mod:`asyncstep.runner.logits_processing` only (and, on CUDA, lazily,
-:mod:`asyncstep.gpu.triton_argmax`).
+:mod:`asyncstep.runner.logits_processing` only.
 """
 
 from __future__ import annotations
@@ -243,22 +242,41 @@ def gather_logprobs(
     )
 
 
-#: Rows up to which a CUDA argmax takes two stages (a few rows' single
+#: Logits per chunk of :func:`chunked_argmax`'s first stage.
+ARGMAX_CHUNK = 256
+#: Rows up to which a CUDA argmax takes the two stages (a few rows' single
 #: reductions each run on few blocks; many rows fill the device anyway).
-TWO_STAGE_ARGMAX_MAX_ROWS = 64
+CHUNKED_ARGMAX_MAX_ROWS = 64
+
+
+def chunked_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of a 2-D tensor in two stages: the maximum
+    and its first index in each chunk of ``chunk`` columns (the last chunk
+    padded with -inf), then the first chunk holding the row's maximum. The
+    same index as ``argmax``, the lowest on ties, for any finite or
+    infinite values (NaN: undefined)."""
+    rows, vocab = logits.shape
+    chunks = -(-vocab // chunk)
+    pad = chunks * chunk - vocab
+    if pad:
+        logits = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
+    values, index = logits.reshape(rows, chunks, chunk).max(dim=-1)
+    best = values.argmax(dim=-1, keepdim=True)  # the first chunk holding the maximum
+    return (best * chunk + index.gather(1, best)).squeeze(1)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (lowest id on ties): on CUDA, for up to
-    :data:`TWO_STAGE_ARGMAX_MAX_ROWS` rows of a long vocabulary,
-    :func:`asyncstep.gpu.triton_argmax.two_stage_argmax` (torch's one
-    reduction a row runs on one block a row, so one SM reads a whole long
-    row); else ``argmax``."""
+    :data:`CHUNKED_ARGMAX_MAX_ROWS` rows of a long vocabulary,
+    :func:`chunked_argmax` (torch's one reduction a row runs on one block
+    a row, so one SM reads a whole long row); else ``argmax``."""
     rows, vocab = logits.shape
-    if logits.device.type == "cuda" and rows <= TWO_STAGE_ARGMAX_MAX_ROWS and vocab >= 4096:
-        from asyncstep.gpu.triton_argmax import two_stage_argmax
-
-        return two_stage_argmax(logits if logits.stride(1) == 1 else logits.contiguous())
+    if (
+        logits.device.type == "cuda"
+        and rows <= CHUNKED_ARGMAX_MAX_ROWS
+        and vocab >= 4 * ARGMAX_CHUNK
+    ):
+        return chunked_argmax(logits)
     return logits.argmax(dim=-1)
 
 
