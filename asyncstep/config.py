@@ -85,8 +85,10 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     dtype: Annotated[
         str,
         _doc(
-            "weights dtype; auto: bfloat16 on CUDA and on CPUs that multiply it natively "
-            "(AVX512-BF16 or AMX), float32 on other CPUs",
+            "weights and activations dtype; auto: bfloat16 on CUDA; on the CPU float32 where "
+            "the decoder's weights stay in the CPU library's 4-bit blocks (a Q4_0/Q4_1 GGUF, "
+            "or weight_packing q4), else bfloat16 on CPUs that multiply it natively "
+            "(AVX512-BF16 or AMX) and float32 on others",
             choices=DTYPES,
         ),
     ] = "auto"
@@ -109,9 +111,10 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     packed_max_tokens: Annotated[
         int | None,
         _doc(
-            "CPU: steps of at most this many tokens use the packed weights; none: 16 where "
-            "the CPU library's quantized matmuls run (AVX512-VNNI or AVX2), else 8 "
-            "(torch's int4/int8)"
+            "CPU: steps of at most this many tokens use the packed weights (larger ones the "
+            "dense weights: a request's greedy tokens may then depend on its batch); none: "
+            "every step where the CPU library's quantized matmuls run (AVX512-VNNI or AVX2), "
+            "else 8 (torch's int4/int8)"
         ),
     ] = None
     packed_weight_cache: Annotated[

@@ -52,6 +52,21 @@ def smollm2() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def smollm2_default() -> LoadedModel:
+    """The embedded model as a user gets it: dtype auto, its 4-bit weights
+    in the CPU library's blocks where they run (float32 activations)."""
+    return load_model(ModelConfig(device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16() -> LoadedModel:
+    """The embedded model with bfloat16 asked for (packed as by default):
+    bfloat16 activations run on every CPU, AVX2 too (slower), so a machine
+    without AVX512-BF16 tests that path as well."""
+    return load_model(ModelConfig(device="cpu", dtype="bfloat16"))
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2(smollm2: LoadedModel) -> Any:
     """transformers' Llama on the same weights (the GGUF's, dequantized; the
     loader tests prove they equal transformers' own GGUF loading)."""

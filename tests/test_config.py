@@ -342,14 +342,32 @@ def test_the_first_cpu_step_knows_the_load_since_the_threads_were_set_up(
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_dtype_is_bfloat16_where_the_cpu_multiplies_it(
-    monkeypatch: pytest.MonkeyPatch, native: bool
-) -> None:
+@pytest.mark.parametrize("fit", [True, False])
+def test_auto_dtype_on_the_cpu(monkeypatch: pytest.MonkeyPatch, native: bool, fit: bool) -> None:
+    """bfloat16 where the CPU multiplies it and the weights are dense; float32
+    where they stay in the library's 4-bit blocks (exact weights: the
+    activations keep float32's precision) and on CPUs without bfloat16."""
     import torch
 
     from asyncstep.models import model_loader
 
     monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: native)
-    expected = torch.bfloat16 if native else torch.float32
-    assert model_loader.resolve_dtype("auto", torch.device("cpu")) == expected
-    assert model_loader.resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    expected = torch.bfloat16 if native and not fit else torch.float32
+    cpu = torch.device("cpu")
+    assert model_loader.resolve_dtype("auto", cpu, cpu_blocks_fit=fit) == expected
+    assert model_loader.resolve_dtype("float32", cpu, cpu_blocks_fit=fit) == torch.float32
+    assert model_loader.resolve_dtype("bfloat16", cpu, cpu_blocks_fit=fit) == torch.bfloat16
+
+
+def test_the_embedded_model_fits_the_cpu_blocks_where_they_run() -> None:
+    """Its decoder is Q4_1: kept in the library's blocks wherever they run."""
+    import torch
+
+    from asyncstep.config import ModelConfig
+    from asyncstep.models.loader import open_checkpoint
+    from asyncstep.models.model_loader import cpu_blocks, cpu_blocks_fit
+
+    cpu, checkpoint = torch.device("cpu"), open_checkpoint(None)
+    assert cpu_blocks_fit(ModelConfig(), checkpoint, cpu) == cpu_blocks()
+    assert not cpu_blocks_fit(ModelConfig(weight_packing="none"), checkpoint, cpu)
+    assert not cpu_blocks_fit(ModelConfig(load_format="dummy"), None, cpu)

@@ -61,10 +61,16 @@ async def warm_up(engine: Engine, seed: int) -> None:
 
 def device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     """The device and dtype the engine resolves ``config``'s to."""
-    from asyncstep.models.model_loader import resolve_device, resolve_dtype
+    from asyncstep.models.loader import open_checkpoint
+    from asyncstep.models.model_loader import cpu_blocks_fit, resolve_device, resolve_dtype
 
-    device = resolve_device(config.model.device)
-    return device, resolve_dtype(config.model.dtype, device)
+    model = config.model
+    device = resolve_device(model.device)
+    checkpoint = None
+    if model.load_format != "dummy" and model.dtype == "auto" and device.type == "cpu":
+        checkpoint = open_checkpoint(model.model, model.load_format)
+    fit = cpu_blocks_fit(model, checkpoint, device)
+    return device, resolve_dtype(model.dtype, device, cpu_blocks_fit=fit)
 
 
 def hf_options(args: argparse.Namespace, config: EngineConfig) -> HfOptions:

@@ -84,6 +84,10 @@ class LoadedModel:
             self._in_use = False
 
 
+#: ``packed_max_tokens`` of packed weights that serve every step.
+EVERY_STEP = 1 << 30
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,13 +99,33 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA and on CPUs that multiply it natively
-    (AVX512-BF16 or AMX, as vLLM's CPU backend decides), else float32."""
+def resolve_dtype(name: str, device: torch.device, *, cpu_blocks_fit: bool = False) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA. On the CPU: float32 where the decoder's
+    weights stay in the CPU library's blocks (``cpu_blocks_fit``: exact
+    weights, whose matmul takes float32 rows at the speed of bfloat16 ones, so
+    the activations keep float32's precision and greedy tokens stay those of
+    a float32 reference), else bfloat16 on CPUs that multiply it natively
+    (AVX512-BF16 or AMX, as vLLM's CPU backend decides), float32 elsewhere."""
     if name == "auto":
-        native = device.type == "cuda" or cpu_has_bf16()
-        return torch.bfloat16 if native else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_bf16() and not cpu_blocks_fit else torch.float32
     return _DTYPES[name]
+
+
+def cpu_blocks_fit(
+    config: ModelConfig, checkpoint: Checkpoint | None, device: torch.device
+) -> bool:
+    """Whether every decoder projection of ``config``'s model will be kept in
+    the CPU library's blocks: on the CPU where they run, packing not switched
+    off, and 4-bit weights (a GGUF's Q4_0 / Q4_1, or any rounded by
+    ``weight_packing="q4"``)."""
+    if device.type != "cpu" or config.weight_packing == "none" or not cpu_blocks():
+        return False
+    if config.weight_packing == "q4":
+        return True
+    four_bit = getattr(checkpoint, "decoder_weights_4bit", None)
+    return config.load_format != "dummy" and four_bit is not None and bool(four_bit())
 
 
 def cpu_threads(parallel: ParallelConfig) -> int:
@@ -128,7 +152,6 @@ def load_model(
     """Build the model described by ``config`` on its device, weights loaded
     (``sequence_parallel``: see :class:`~asyncstep.config.ParallelConfig`)."""
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
     checkpoint: Checkpoint | None = None
     if config.load_format == "dummy" and (config.model is None or str(config.model) in SHAPES):
         source = str(config.model or "smollm2-135m")
@@ -139,6 +162,9 @@ def load_model(
         arch = checkpoint.arch_config()
         source = str(checkpoint.path)
     weights = None if config.load_format == "dummy" else checkpoint
+    dtype = resolve_dtype(
+        config.dtype, device, cpu_blocks_fit=cpu_blocks_fit(config, checkpoint, device)
+    )
     arch.validate()
     max_model_len = resolve_max_model_len(config.max_model_len, arch)
     tp, pp = get_tp_group(), get_pp_group()
@@ -297,15 +323,16 @@ def pack_weights(
     tokens: the CPU library's Q4 / Q8 blocks where its vector build runs (AVX512-VNNI or AVX2)
     (:mod:`~asyncstep.models.layers.cpu_quant`), else torch's int4 / int8
     (:mod:`~asyncstep.models.layers.packed`, scales in ``dtype``). Returns
-    how many of each kind, and their bytes. ``max_tokens`` None: 16 with the
-    library's blocks, 8 with torch's (where each stops paying against the
-    dense weights: ``benchmarks/results/cpu/``)."""
+    how many of each kind, and their bytes. ``max_tokens`` None: every step
+    with the library's blocks (one kernel for every step's size, so a
+    request's greedy tokens do not depend on its neighbours), 8 with torch's
+    (where they stop paying against the dense weights: ``benchmarks/results/cpu/``)."""
     counts = {"dense": 0, "bytes": 0}
     # Decided from the CPU's flags: the library itself is built (once per
     # machine, seconds) when a step first needs it, not while loading.
     blocks = cpu_blocks()
     if max_tokens is None:
-        max_tokens = 16 if blocks else 8
+        max_tokens = EVERY_STEP if blocks else 8
     if max_tokens == 0:
         return counts
     for module in model.modules():

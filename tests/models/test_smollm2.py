@@ -91,6 +91,60 @@ async def test_greedy_equals_transformers_alone_and_batched(
         assert engine.statistics().kv_cache_usage == 0.0
 
 
+@pytest.fixture(params=["default", "bfloat16"])
+def packed_smollm2(request: pytest.FixtureRequest) -> LoadedModel:
+    """The embedded model as a user gets it (dtype auto: float32 activations
+    over the CPU library's 4-bit blocks where they run), and with bfloat16
+    asked for."""
+    name = "smollm2_default" if request.param == "default" else "smollm2_bf16"
+    loaded: LoadedModel = request.getfixturevalue(name)
+    return loaded
+
+
+@pytest.mark.trio
+async def test_the_default_gives_transformers_tokens(
+    packed_smollm2: LoadedModel, hf_tokens: list[list[int]]
+) -> None:
+    """The default path (and bfloat16's: the LM head's logits stay float32)
+    gives transformers' fp32 greedy tokens, alone and batched."""
+    async with asyncstep.open_engine(packed_smollm2) as engine:
+        for q, expected in zip(QUESTIONS, hf_tokens, strict=True):
+            alone = await engine.generate(chat(q), GREEDY)
+            assert alone.token_ids == expected, q
+        batched = await generate_batched(engine, [chat(q) for q in QUESTIONS], GREEDY)
+        assert [c.token_ids for c in batched] == hf_tokens
+
+
+#: Other requests to run beside the questions: prompts of different lengths.
+NEIGHBOURS = [f"Tell me about the number {i} and what it means." * (1 + i % 4) for i in range(30)]
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("chunk", [None, 16])
+async def test_a_request_s_tokens_do_not_depend_on_its_batch(
+    packed_smollm2: LoadedModel, chunk: int | None
+) -> None:
+    """Alone, among 30 other requests, with its prompt chunked over steps or
+    not, its prefix cached or not: the same greedy tokens (one kernel for
+    every step's size; every row computed on its own)."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    options = {} if chunk is None else {"max_num_batched_tokens": chunk, "max_num_seqs": 8}
+    async with asyncstep.open_engine(packed_smollm2, **options) as engine:
+        alone = [(await engine.generate(chat(q), params)).token_ids for q in QUESTIONS]
+        crowd = [chat(q) for q in NEIGHBOURS[:15]] + [chat(q) for q in QUESTIONS]
+        crowd += [chat(q) for q in NEIGHBOURS[15:]]
+        among = await generate_batched(engine, crowd, params)
+        assert [c.token_ids for c in among[15 : 15 + len(QUESTIONS)]] == alone
+        # Alone again: every prompt block but the last now comes from the cache.
+        again = [(await engine.generate(chat(q), params)).token_ids for q in QUESTIONS]
+        assert again == alone and engine.statistics().prefix_cache_hit_rate > 0
+    async with asyncstep.open_engine(
+        packed_smollm2, enable_prefix_caching=False, **options
+    ) as engine:
+        uncached = await generate_batched(engine, [chat(q) for q in QUESTIONS], params)
+        assert [c.token_ids for c in uncached] == alone
+
+
 @pytest.mark.trio
 async def test_chunked_prefill_and_small_batches_give_the_same_tokens(
     smollm2: LoadedModel, hf_tokens: list[list[int]]
@@ -185,17 +239,16 @@ TIE_NATS = 0.25
 
 
 @pytest.mark.trio
-@pytest.mark.parametrize("packing", ["none", "auto"])
-async def test_bfloat16_against_transformers(
-    packing: str, prompt_ids: list[list[int]], hf_tokens: list[list[int]]
+async def test_dense_bfloat16_against_transformers(
+    prompt_ids: list[list[int]], hf_tokens: list[list[int]]
 ) -> None:
-    """bf16 weights with a float32 residual stream (the CPU's ``dtype=auto``
-    where it multiplies bf16), dense or with the packed weights, against
-    transformers' fp32 greedy tokens: walked along them (their tokens as our
-    prompt), each is our top one or within :data:`TIE_NATS` of it; and our
-    own greedy tokens are theirs up to the first place they part, where
+    """Dense bf16 weights with a float32 residual stream (the CPU's ``dtype=auto``
+    for a dense model where it multiplies bf16), whose logits are bf16,
+    against transformers' fp32 greedy tokens: walked along them (their tokens
+    as our prompt), each is our top one or within :data:`TIE_NATS` of it; and
+    our own greedy tokens are theirs up to the first place they part, where
     theirs is within :data:`TIE_NATS` of ours (a decode step's logits)."""
-    loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", weight_packing=packing))
+    loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", weight_packing="none"))
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
     async with asyncstep.open_engine(loaded) as engine:
         for question, ids, theirs in zip(QUESTIONS, prompt_ids, hf_tokens, strict=True):

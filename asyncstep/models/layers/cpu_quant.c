@@ -1,7 +1,7 @@
 /*
- * Weight-only quantized matmuls for small CPU steps (built into the library
- * of cpu_kernels.py beside cpu_kernels.c): out = x @ W.T for rows of x
- * (float32 or bfloat16) and W [N, K] kept in GGUF's blocks of 32 input
+ * Weight-only quantized matmuls for CPU steps of any size (built into the library
+ * of cpu_kernels.py beside cpu_kernels.c): out = x @ W.T for rows of x and out
+ * (each float32 or bfloat16) and W [N, K] kept in GGUF's blocks of 32 input
  * features, every weight w = d * q + m with a float16 scale d and offset m
  * per block (Q4_1: 4-bit q and its own m; Q4_0: m = -8 d; Q8_0: 8-bit
  * q + 128, m = -128 d).
@@ -61,11 +61,12 @@ typedef struct {
     int64_t kind;
     const uint8_t* weight;
     int64_t out_features, in_features;
-    int64_t dtype; /* of x and out */
+    int64_t dtype; /* of x */
     const void* x;
     int64_t x_stride;
     void* out;
     int64_t out_stride;
+    int64_t out_dtype;
     int64_t rows;
     int64_t levels; /* 1 or 2: activation codes per value (asyncstep_q_quantize_block) */
     int64_t num_threads;
@@ -381,7 +382,7 @@ int asyncstep_qmatmul(const QMatmulArgs* a) {
     if (scratch == NULL) return -1;
     const QuantizedRows x = asyncstep_q_rows(scratch, rows, K, levels);
     const QWeight w = {a->kind, a->weight, a->out_features, K};
-    const QOutput out = {a->out, a->dtype, a->out_stride, NULL};
+    const QOutput out = {a->out, a->out_dtype, a->out_stride, NULL};
     const int64_t work = rows * K * a->out_features;
     const int num_threads = work < QMIN_PARALLEL_WORK ? 1 : (int)a->num_threads;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)

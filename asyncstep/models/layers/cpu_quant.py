@@ -46,9 +46,9 @@ _ARGS = struct.Struct(
     "<q"  # kind
     "q"  # packed weight
     "qq"  # out_features, in_features
-    "q"  # dtype of x and out
+    "q"  # dtype of x
     "qq"  # x, row stride
-    "qq"  # out, row stride
+    "qqq"  # out, row stride, dtype
     "q"  # rows
     "q"  # activation levels (1 or 2)
     "q"  # threads
@@ -74,15 +74,17 @@ class CpuQuantMatmul:
             kind: int(library.asyncstep_qmatmul_block_bytes(code)) for kind, code in _KINDS.items()
         }
 
-    def __call__(self, weight: CpuQuantWeight, x: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, weight: CpuQuantWeight, x: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """``x @ w.T`` for ``x`` ``[rows, in_features]`` (float32 or
-        bfloat16, unit stride within a row), in x's dtype."""
+        bfloat16, unit stride within a row), in ``out_dtype`` (None: x's)."""
         if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in QUANT_DTYPES:
             raise ValueError("x must be float32 or bfloat16 rows (unit stride within a row)")
         if x.shape[1] != weight.in_features:
             raise ValueError(f"x has {x.shape[1]} features, the weight {weight.in_features}")
         rows = x.shape[0]
-        out = torch.empty(rows, weight.out_features, dtype=x.dtype)
+        out = torch.empty(rows, weight.out_features, dtype=out_dtype or x.dtype)
         if rows == 0:
             return out
         args = _ARGS.pack(
@@ -95,6 +97,7 @@ class CpuQuantMatmul:
             x.stride(0),
             out.data_ptr(),
             out.stride(0),
+            QUANT_DTYPES[out.dtype],
             rows,
             weight.levels,
             torch.get_num_threads(),
@@ -130,13 +133,13 @@ class CpuQuantWeight(PackedWeight):
         vector build (it is built on the first call); else the dense weight."""
         return super().applies(x) and _fast_library() is not None
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
+    def mm(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The product, by the library (its plain C path where the CPU has
         no vector build: correct, slower than the dense weight, which
-        :meth:`applies` then prefers)."""
+        :meth:`applies` then prefers), in ``out_dtype`` (None: x's)."""
         matmul = quant_matmul()
         assert matmul is not None, "a CPU-quantized weight needs the CPU library"
-        return matmul(self, x)
+        return matmul(self, x, out_dtype)
 
 
 @functools.cache

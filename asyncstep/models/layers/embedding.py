@@ -9,6 +9,7 @@ from torch import nn
 
 from asyncstep.channels import get_tp_group
 from asyncstep.errors import ModelLoadError
+from asyncstep.models.layers.cpu_quant import CpuQuantWeight
 from asyncstep.models.layers.linear import packed_linear, reduce_partial_sums
 from asyncstep.models.layers.packed import PackedWeight
 
@@ -68,7 +69,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     dense_gemv: bool = False
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = packed_linear(hidden_states, self.weight, self.packed, dense_gemv=self.dense_gemv)
+        """The logits of ``hidden_states``' rows: float32 from the CPU
+        library's packed head (its float32 sums, not rounded to the model's
+        dtype: a bfloat16 logit of ~20 moves in steps of 0.125, which ties
+        tokens that float32 separates), else in the model's dtype."""
+        packed = self.packed
+        if isinstance(packed, CpuQuantWeight) and packed.applies(hidden_states):
+            logits = packed.mm(hidden_states, torch.float32)
+        else:
+            logits = packed_linear(hidden_states, self.weight, packed, dense_gemv=self.dense_gemv)
         if self.tp_size > 1:
             logits = get_tp_group().all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -541,6 +541,13 @@ class GGUFCheckpoint:
     def weight_names(self) -> list[str]:
         return [name for _, name in self._tensors]
 
+    def decoder_weights_4bit(self) -> bool:
+        """Whether every decoder projection is stored as Q4_0 or Q4_1 (the
+        4-bit blocks the CPU library keeps as they are)."""
+        four_bit = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1}
+        projections = [t for t, name in self._tensors if name.endswith("_proj.weight")]
+        return bool(projections) and all(t.tensor_type in four_bit for t in projections)
+
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for tensor, name in self._tensors:
             yield name, self._load_tensor(tensor, name)
