@@ -31,12 +31,12 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-@pytest.mark.parametrize("flags", [(), ("--dtype", "bfloat16")])
+@pytest.mark.parametrize("flags", [(), ("--dtype", "bfloat16")], ids=["default", "bfloat16"])
 def test_main_job_answers_paris(capsys: pytest.CaptureFixture[str], flags: tuple[str, ...]) -> None:
     """The README's main job, with no flag, and with bfloat16 (the default of
     AVX512-BF16 / AMX CPUs before; forced here so that every CPU runs it)."""
-    question = "What is the capital of France?"
-    code, out, err = run(capsys, "generate", question, "--max-tokens", "32", *flags)
+    flags = ("--max-tokens", "32", *flags)
+    code, out, err = run(capsys, "generate", "What is the capital of France?", *flags)
     assert code == 0, err
     assert "Paris" in out
 

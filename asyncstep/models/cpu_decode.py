@@ -1,5 +1,7 @@
 """A pipeline stage's decoder layers in one call of the CPU library
-(``cpu_decode.c``) for steps of a few tokens: the layer-by-layer forward's
+(``cpu_decode.c``) for every step the packed weights take (by default
+every step: one path for every step's size, each row computed alone, so a
+request's tokens do not depend on its batch): the layer-by-layer forward's
 work (norms, quantized projections, rotary + KV store + paged attention,
 silu * up) without a Python call per op.
 

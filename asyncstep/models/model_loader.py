@@ -217,7 +217,7 @@ def load_model(
     if packs_cpu:
         with span("pack_weights", CORE_STARTUP):
             packed = pack_weights(model, dtype, config.packed_max_tokens)
-        log.info("weights packed for small steps", **packed)
+        log.info("weights packed for the CPU", **packed)
     if build_dtype != dtype:
         settle_dtype(model, dtype)
     model.eval()

@@ -1,7 +1,7 @@
 """The packed CPU model, cached on disk.
 
 On the CPU a quantized checkpoint is dequantized, loaded in float32, packed
-for small steps (:func:`~asyncstep.models.model_loader.pack_weights`) and
+for the CPU library (:func:`~asyncstep.models.model_loader.pack_weights`) and
 cast to the model's dtype: about a second for the embedded model, at every
 start. :class:`PackedCache` keeps the result, once, as one safetensors file
 under ``${ASYNCSTEP_CACHE_DIR:-~/.cache/asyncstep}/weights/``; a later load of

@@ -1,5 +1,5 @@
 /*
- * A pipeline stage's decoder layers for a small step on the CPU, in one
+ * A pipeline stage's decoder layers for a step on the CPU, in one
  * call (cpu_decode.py builds the arguments): for each layer, residual add +
  * RMSNorm, the QKV projection (+ bias), rotary + KV store + paged attention
  * (cpu_kernels.c's), the output projection, residual add + RMSNorm, gate/up,

@@ -63,7 +63,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, split like the embedding; logits are gathered."""
 
-    #: The weight packed for small steps on the CPU (set after loading).
+    #: The weight packed for the CPU (set after loading).
     packed: PackedWeight | None = None
     #: One-row steps of a 16-bit model on CUDA through the Triton GEMV.
     dense_gemv: bool = False

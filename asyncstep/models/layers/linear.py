@@ -127,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
             if bias
             else None
         )
-        #: The weight packed for small steps on the CPU (set after loading).
+        #: The weight packed for the CPU (set after loading).
         self.packed: PackedWeight | None = None
         #: One-row steps of a 16-bit model on CUDA through the Triton GEMV
         #: (set by the runner with the fused decode).
@@ -262,7 +262,7 @@ class RowParallelLinear(nn.Module):
             (output_size, self.input_size_per_partition), params_dtype, self.weight_loader
         )
         self.bias = _make_param((output_size,), params_dtype, self.weight_loader) if bias else None
-        #: The weight packed for small steps on the CPU (set after loading).
+        #: The weight packed for the CPU (set after loading).
         self.packed: PackedWeight | None = None
         #: One-row steps of a 16-bit model on CUDA through the Triton GEMV
         #: (set by the runner with the fused decode).
