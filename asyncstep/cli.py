@@ -5,7 +5,8 @@ given. The engine flags are derived from the config's fields
 (:func:`asyncstep.config.engine_options`): one per option, its description
 and default as help; ``serve``'s own flags likewise from
 :class:`asyncstep.server.config.ServerConfig`. Errors a user can cause print
-one line on stderr and exit 1, without a traceback.
+one line on stderr and exit 1, without a traceback (a bad flag too:
+:class:`~asyncstep.errors.OneLineParser`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from asyncstep.engine.engine import Engine
 from asyncstep.engine.grammar import check_grammar
 from asyncstep.engine.input_processor import Prompt
 from asyncstep.engine.outputs import Completion
-from asyncstep.errors import AsyncstepError, exit_status
+from asyncstep.errors import AsyncstepError, OneLineParser, exit_status
 from asyncstep.logging import configure_logging
 from asyncstep.logging.spans import process_start_us, record_startup
 from asyncstep.logging.trace import add_trace_parser
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     """``asyncstep generate`` (an engine flag per config option, and the
     sampling and output flags), ``asyncstep serve`` (the engine flags and
     the server's) and ``asyncstep trace``."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser(
         "generate",

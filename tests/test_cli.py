@@ -291,7 +291,63 @@ def test_bad_fast_path_options(
 ) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["generate", *args, "x"])
-    assert exited.value.code == 2 and message in capsys.readouterr().err
+    assert exited.value.code == 1 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (
+            ["generate", "--max-tokens", "abc", "x"],
+            "asyncstep generate: error: argument --max-tokens: invalid int value: 'abc'"
+            " (run 'asyncstep generate --help' for the options)",
+        ),
+        (
+            ["generate", "--bogus", "x"],
+            "asyncstep generate: error: unrecognized arguments: --bogus"
+            " (run 'asyncstep generate --help' for the options)",
+        ),
+        (
+            ["serve", "--attention-backend", "flash"],
+            "asyncstep serve: error: argument --attention-backend: invalid choice: 'flash'"
+            " (choose from 'auto', 'torch', 'triton', 'cpu')"
+            " (run 'asyncstep serve --help' for the options)",
+        ),
+        (
+            ["trace", "log.jsonl"],
+            "asyncstep trace: error: the following arguments are required: -o/--output"
+            " (run 'asyncstep trace --help' for the options)",
+        ),
+        (
+            ["bench", "latency", "--num-iters", "x"],
+            "asyncstep bench latency: error: argument --num-iters: invalid int value: 'x'"
+            " (run 'asyncstep bench latency --help' for the options)",
+        ),
+        (
+            ["nosuch"],
+            "asyncstep: error: argument command: invalid choice: 'nosuch' (choose from"
+            " 'generate', 'trace', 'bench', 'serve') (run 'asyncstep --help' for the commands)",
+        ),
+    ],
+)
+def test_an_argument_error_is_one_line_and_status_1(
+    capsys: pytest.CaptureFixture[str], argv: list[str], line: str
+) -> None:
+    """Not argparse's whole usage and status 2: the error and where the
+    options are, on one line, and status 1, as every other error."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exited.value.code == 1 and out == ""
+    assert err == line + "\n"
+
+
+def test_help_is_still_argparse_s(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--help"])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 0 and err == ""
+    assert out.startswith("usage: asyncstep generate") and "--max-tokens" in out
 
 
 def test_pipeline_tensor_lanes_flag() -> None:
