@@ -363,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     """``asyncstep serve``: serve until SIGTERM or Ctrl-C (exit 0), printing
-    ``asyncstep: serving MODEL on URL`` on stdout once it listens."""
+    ``asyncstep: serving MODEL on URL`` on stdout once it listens, and on
+    stderr, at the first signal, what the stop waits for."""
     try:
         configure_logging(log_level(args), args.log_json)
         record_startup("imports", process_start_us())
@@ -377,6 +378,9 @@ def run_serve(args: argparse.Namespace) -> int:
                 progress.close()
                 print(f"{PROG}: serving {model} on {url}", flush=True)
 
+            def notice(line: str) -> None:
+                print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+
             trio.run(
                 functools.partial(
                     serve,
@@ -385,6 +389,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     ready=ready,
                     progress=progress.update,
                     log_level=log_level(args),
+                    notice=notice,
                 )
             )
         return 0

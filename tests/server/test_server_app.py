@@ -3,7 +3,8 @@ under a prefix of its own Starlette app and served by Hypercorn under
 asyncio; under Trio, requests past ``max_waiting_requests`` get 429 (and the
 server serves again once the queue has room); a model without a tokenizer
 serves token ids; once the engine is dead, ``/health`` and the routes answer
-503."""
+503; ``asyncstep serve``'s first Ctrl-C says what the stop waits for, and
+new requests meanwhile get 503."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ import openai
 import pytest
 import trio
 from hypercorn.config import Config
-from processes import wait_gone
+from processes import serving_url, wait_for, wait_gone
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -257,9 +260,6 @@ def test_asyncstep_serve_exits_when_its_engine_or_an_api_server_dies(
 ) -> None:
     """A supervisor sees a dead engine, or a dead API server: the server
     stops and exits 1 with one line, leaving no process behind."""
-    import subprocess
-    import sys
-
     argv = [sys.executable, "-m", "asyncstep", "serve", "--model", "tiny-llama", "--port", "0"]
     argv += ["--load-format", "dummy", "--device", "cpu", "--dtype", "float32"]
     argv += ["--api-server-count", str(api_servers)]
@@ -289,3 +289,66 @@ def test_asyncstep_serve_exits_when_its_engine_or_an_api_server_dies(
     assert "SIGKILL" in lines[-1]
     for pid in children:
         assert wait_gone(pid, 15), f"process {pid} ({by_kind[pid]}) outlived the server"
+
+
+def read_until(sock: socket.socket, marker: bytes, timeout_s: float = 60) -> bytes:
+    sock.settimeout(timeout_s)
+    got = b""
+    while marker not in got:
+        part = sock.recv(65536)
+        assert part, f"connection closed before {marker!r}: {got!r}"
+        got += part
+    return got
+
+
+def health(url: str) -> int | None:
+    """``/health``'s status on a new connection (None: refused)."""
+    try:
+        return httpx.get(url + "/health").status_code
+    except httpx.ConnectError:
+        return None
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_the_first_ctrl_c_says_what_it_waits_for_and_new_requests_get_503(
+    api_servers: int,
+) -> None:
+    """Random SmolLM2-sized weights in float32: 2000 tokens take far longer
+    than the test's requests during the drain."""
+    argv = [sys.executable, "-m", "asyncstep", "serve", "--port", "0", "--shutdown-timeout", "120"]
+    argv += ["--load-format", "dummy", "--model", "smollm2-135m", "--device", "cpu"]
+    argv += ["--dtype", "float32", "--weight-packing", "none", "--kv-cache-memory-gib", "0.1"]
+    argv += ["--api-server-count", str(api_servers)]
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = serving_url(server, [])
+        long = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        data = json.dumps(long).encode()
+        stream = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        stream.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        read_until(stream, b"data: {")
+        server.send_signal(signal.SIGINT)
+        # The drain: a new connection is still taken, and answered 503.
+        wait_for(lambda: health(url) == 503, "/health to answer 503")
+        refused = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["message"] == "the server is shutting down"
+        server.send_signal(signal.SIGINT)  # the second: the stream is aborted at once
+        assert b'"finish_reason":"abort"' in read_until(stream, b"data: [DONE]")
+        stream.close()
+        code = server.wait(timeout=60)
+        assert server.stderr is not None
+        err = server.stderr.read()
+        assert code == 0, err
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    waited = "1 request in flight" if api_servers == 1 else "the requests in flight"
+    line = f"asyncstep: stopping: waiting up to 120 s for {waited}; Ctrl-C again to abort them"
+    assert [li for li in err.splitlines() if "stopping" in li] == [line], err
+    assert "Traceback" not in err
