@@ -163,7 +163,12 @@ def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
     sampling = gen.add_argument_group("sampling")
     sampling.add_argument("--n", type=int, default=1, help="choices per prompt (default: 1)")
     sampling.add_argument(
-        "--max-tokens", type=int, default=256, help="most tokens generated (default: 256)"
+        "--max-tokens",
+        type=_value_parser(int, optional=True),
+        default=256,
+        metavar="N",
+        help="most tokens generated; the prompt and they must fit the context (--max-model-len), "
+        "else the prompt is refused; none: what the context leaves (default: 256)",
     )
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     sampling.add_argument("--top-p", type=float, default=1.0, help="(default: 1: off)")

@@ -52,7 +52,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     ``n`` independent choices of the prompt (at most ``MAX_N``; its KV
     blocks computed once and shared through the prefix cache; with a
-    ``seed``, choice ``i`` samples with ``seed + i``). ``temperature == 0``
+    ``seed``, choice ``i`` samples with ``seed + i``). ``max_tokens``: the
+    most tokens generated; the prompt and they must fit the model's context
+    (``max_model_len``: the engine refuses a request that asks for more, as
+    vLLM does); None: as many as the context leaves. ``temperature == 0``
     is greedy. ``top_k`` of 0 or -1 is off. ``stop`` holds
     strings that end the output (not included unless
     ``include_stop_str_in_output``); ``stop_token_ids`` end it too (EOS always
@@ -99,7 +102,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """
 
     n: int = 1
-    max_tokens: int = 256
+    max_tokens: int | None = 256
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -132,7 +135,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             checked = check(name, value)
             if checked is not value:
                 force_setattr(self, name, checked)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
@@ -185,7 +188,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 # SamplingParams' field checks: (field name, value) -> the normalized value.
 
 
-def _check_max_tokens(name: str, value: object) -> int:
+def _check_max_tokens(name: str, value: object) -> int | None:
+    if value is None:  # as many as the context leaves
+        return None
     n = as_int(name, value, "an integer")
     if n <= 0:
         raise InvalidRequestError(f"{name} must be at least 1, got {n}")

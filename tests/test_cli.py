@@ -506,13 +506,31 @@ def test_a_model_without_a_tokenizer_takes_and_shows_token_ids(
     assert code == 1 and "no tokenizer" in err
 
 
+def test_max_tokens_past_the_context_is_refused_and_none_fills_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Not cut to the context in silence: one line naming the numbers,
+    status 1 (the default, 256, too); ``--max-tokens none``: what it leaves."""
+    args = ["--load-format", "dummy", "--model", "tiny-llama", "--max-model-len", "64"]
+    code, out, err = run(capsys, "generate", *args, "--token-ids", "1 2 3")
+    assert code == 1 and out == ""
+    assert err == (
+        "asyncstep: error: prompt '1 2 3': max_tokens 256 does not fit: the prompt has 3 "
+        "tokens and the model's context (max_model_len) is 64, which leaves 61: ask for at "
+        "most 61\n"
+    )
+    fill = ["--max-tokens", "none", "--ignore-eos", "--token-ids", "1 2 3"]
+    code, out, err = run(capsys, "generate", *args, *fill)
+    assert code == 0 and len(out.split()) == 61, err
+
+
 def test_help_shows_the_sampling_defaults_and_where_spans_go(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for shown in ("most tokens generated (default: 256)", "0 is greedy (default: 0)"):
+    for shown in ("none: what the context leaves (default: 256)", "0 is greedy (default: 0)"):
         assert shown in text
     assert "FILE.core" in text and "asyncstep trace FILE FILE.*" in text
 

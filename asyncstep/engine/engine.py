@@ -455,7 +455,7 @@ class Engine:
         prompt's blocks are then cached: the others reuse them, vLLM's
         parallel sampling)."""
         self._check_alive()
-        params = self.input_processor.check_params(params)
+        params = self.input_processor.check_params(params, len(ids))
         request_id = self._check_request_id(request_id)
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]

@@ -190,6 +190,38 @@ async def test_token_ids_without_a_tokenizer_then_503_once_the_engine_is_dead() 
                 assert "engine" in refused.json()["error"]["message"]
 
 
+@pytest.mark.trio
+async def test_max_tokens_past_the_context_is_a_400_naming_the_numbers(tiny_hf_dir: Path) -> None:
+    """The engine's one rule (as from Python and the command line), the
+    field given named; a request of several prompts is refused whole."""
+    options: dict[str, Any] = {"device": "cpu", "dtype": "float32", "engine_process": False}
+    async with asyncstep.open_engine(tiny_hf_dir, max_model_len=64, **options) as engine:
+        transport = httpx.ASGITransport(app=build_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+
+            async def refused(path: str, body: dict[str, Any], param: str) -> str:
+                response = await client.post(path, json=body)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["param"] == param, error
+                return str(error["message"])
+
+            body = {"prompt": [1, 2, 3], "max_tokens": 62}
+            assert await refused("/v1/completions", body, "max_tokens") == (
+                "max_tokens 62 does not fit: the prompt has 3 tokens and the model's context "
+                "(max_model_len) is 64, which leaves 61: ask for at most 61"
+            )
+            both = body | {"prompt": [[1], [1, 2, 3]]}  # the first fits, the second not
+            assert "leaves 61" in await refused("/v1/completions", both, "max_tokens")
+            assert engine.statistics().num_finished_reqs == 0  # neither ran
+            chat = {"messages": USER, "max_completion_tokens": 64}
+            message = await refused("/v1/chat/completions", chat, "max_completion_tokens")
+            assert message.startswith("max_tokens 64 does not fit: the prompt has ")
+            whole = await client.post("/v1/completions", json=body | {"max_tokens": 61})
+            assert whole.status_code == 200
+            assert whole.json()["usage"]["completion_tokens"] <= 61
+
+
 def test_serve_flags_make_the_server_config(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
