@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import signal
 import subprocess
@@ -22,6 +23,8 @@ from asyncstep.cli import (
 )
 from asyncstep.config import EngineConfig, engine_options
 from asyncstep.engine.api import make_config
+from asyncstep.logging import shown_path
+from asyncstep.models.layers.cpu_kernels import CACHE_ENV, SWITCH_ENVS
 from asyncstep.models.loader import open_checkpoint
 
 
@@ -274,6 +277,28 @@ def test_ctrl_c_stops_cleanly(tiny_hf_dir: Path) -> None:
         proc.kill()
     assert proc.returncode == 130
     assert b"asyncstep: interrupted" in err and b"Traceback" not in err
+
+
+def test_the_first_run_says_what_it_builds_once(tiny_hf_dir: Path, tmp_path: Path) -> None:
+    """The CPU kernels' build and the packed weights' first write (each a
+    wait of seconds) are told on stderr: once per engine (two pipeline ranks
+    each build both: one line each), and not again once cached."""
+    env = {k: v for k, v in os.environ.items() if k not in SWITCH_ENVS}
+    env[CACHE_ENV] = str(tmp_path)
+
+    def told(*flags: str) -> list[str]:
+        argv = [sys.executable, "-m", "asyncstep", "generate", "--model", str(tiny_hf_dir)]
+        argv += ["--weight-packing", "q4", "--max-tokens", "2", *flags, "hi"]
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return [line for line in proc.stderr.splitlines() if line.startswith("asyncstep:")]
+
+    kernels_dir, weights_dir = shown_path(tmp_path / "kernels"), shown_path(tmp_path / "weights")
+    kernels = f"asyncstep: building the CPU kernels for this machine (once, ~10 s) in {kernels_dir}"
+    weights = f"asyncstep: packing the weights for this CPU (once, cached in {weights_dir})"
+    assert sorted(told("--pp", "2")) == sorted([kernels, weights])
+    assert told("--pp", "2") == []
+    assert told() == [weights]  # one rank: an entry of its own; the kernels are built
 
 
 @pytest.mark.parametrize(
