@@ -5,7 +5,8 @@ given. The engine flags are derived from the config's fields
 (:func:`asyncstep.config.engine_options`): one per option, its description
 and default as help; ``serve``'s own flags likewise from
 :class:`asyncstep.server.config.ServerConfig`. Errors a user can cause print
-one line on stderr and exit 1, without a traceback.
+one line on stderr and exit 1, without a traceback (a bad flag too:
+:class:`~asyncstep.errors.OneLineParser`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from asyncstep.engine.engine import Engine
 from asyncstep.engine.grammar import check_grammar
 from asyncstep.engine.input_processor import Prompt
 from asyncstep.engine.outputs import Completion
-from asyncstep.errors import AsyncstepError, exit_status
+from asyncstep.errors import AsyncstepError, OneLineParser, exit_status
 from asyncstep.logging import configure_logging
 from asyncstep.logging.spans import process_start_us, record_startup
 from asyncstep.logging.trace import add_trace_parser
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     """``asyncstep generate`` (an engine flag per config option, and the
     sampling and output flags), ``asyncstep serve`` (the engine flags and
     the server's) and ``asyncstep trace``."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser(
         "generate",
@@ -162,7 +163,12 @@ def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
     sampling = gen.add_argument_group("sampling")
     sampling.add_argument("--n", type=int, default=1, help="choices per prompt (default: 1)")
     sampling.add_argument(
-        "--max-tokens", type=int, default=256, help="most tokens generated (default: 256)"
+        "--max-tokens",
+        type=_value_parser(int, optional=True),
+        default=256,
+        metavar="N",
+        help="most tokens generated; the prompt and they must fit the context (--max-model-len), "
+        "else the prompt is refused; none: what the context leaves (default: 256)",
     )
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     sampling.add_argument("--top-p", type=float, default=1.0, help="(default: 1: off)")
@@ -362,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     """``asyncstep serve``: serve until SIGTERM or Ctrl-C (exit 0), printing
-    ``asyncstep: serving MODEL on URL`` on stdout once it listens."""
+    ``asyncstep: serving MODEL on URL`` on stdout once it listens, and on
+    stderr, at the first signal, what the stop waits for."""
     try:
         configure_logging(log_level(args), args.log_json)
         record_startup("imports", process_start_us())
@@ -376,6 +383,9 @@ def run_serve(args: argparse.Namespace) -> int:
                 progress.close()
                 print(f"{PROG}: serving {model} on {url}", flush=True)
 
+            def notice(line: str) -> None:
+                print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+
             trio.run(
                 functools.partial(
                     serve,
@@ -384,6 +394,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     ready=ready,
                     progress=progress.update,
                     log_level=log_level(args),
+                    notice=notice,
                 )
             )
         return 0

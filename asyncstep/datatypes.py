@@ -52,7 +52,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     ``n`` independent choices of the prompt (at most ``MAX_N``; its KV
     blocks computed once and shared through the prefix cache; with a
-    ``seed``, choice ``i`` samples with ``seed + i``). ``temperature == 0``
+    ``seed``, choice ``i`` samples with ``seed + i``). ``max_tokens``: the
+    most tokens generated; the prompt and they must fit the model's context
+    (``max_model_len``: the engine refuses a request that asks for more, as
+    vLLM does); None: as many as the context leaves. ``temperature == 0``
     is greedy. ``top_k`` of 0 or -1 is off. ``stop`` holds
     strings that end the output (not included unless
     ``include_stop_str_in_output``); ``stop_token_ids`` end it too (EOS always
@@ -99,7 +102,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """
 
     n: int = 1
-    max_tokens: int = 256
+    max_tokens: int | None = 256
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -132,7 +135,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             checked = check(name, value)
             if checked is not value:
                 force_setattr(self, name, checked)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
@@ -185,7 +188,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 # SamplingParams' field checks: (field name, value) -> the normalized value.
 
 
-def _check_max_tokens(name: str, value: object) -> int:
+def _check_max_tokens(name: str, value: object) -> int | None:
+    if value is None:  # as many as the context leaves
+        return None
     n = as_int(name, value, "an integer")
     if n <= 0:
         raise InvalidRequestError(f"{name} must be at least 1, got {n}")
@@ -473,6 +478,55 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True):
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+class PackedReads(msgspec.Struct, frozen=True, array_like=True):
+    """The weights of the layers kept packed for steps of at most
+    ``max_tokens`` tokens: their packed bytes, and their dense bytes (what
+    a larger step reads)."""
+
+    max_tokens: int
+    packed_bytes: int
+    dense_bytes: int
+
+
+class WeightReads(msgspec.Struct, frozen=True):
+    """The bytes of weights a forward step reads, by its number of tokens
+    (a rank's, or an engine's: its ranks' summed): what the memory floor of
+    a step counts. Counted on the model as loaded
+    (:func:`~asyncstep.models.weight_reads.weight_reads`)."""
+
+    #: Read whole at every step: the norms, the biases, and every weight
+    #: without a packed copy (a tied LM head: the embedding table).
+    dense_bytes: int = 0
+    #: The layers with a packed copy, by their ``max_tokens``.
+    packed: list[PackedReads] = msgspec.field(default_factory=list)
+    #: One row of the input embedding: a step reads one per token.
+    embedding_row_bytes: int = 0
+
+    def step_bytes(self, num_tokens: int) -> int:
+        """The weight bytes a step of ``num_tokens`` tokens reads."""
+        packed = sum(
+            p.packed_bytes if num_tokens <= p.max_tokens else p.dense_bytes for p in self.packed
+        )
+        return self.dense_bytes + packed + num_tokens * self.embedding_row_bytes
+
+    def plus(self, other: WeightReads) -> WeightReads:
+        """Two ranks' reads together (a token's embedding row is on one
+        rank: the larger row counts once)."""
+        tiers: dict[int, PackedReads] = {p.max_tokens: p for p in self.packed}
+        for more in other.packed:
+            have = tiers.get(more.max_tokens, PackedReads(more.max_tokens, 0, 0))
+            tiers[more.max_tokens] = PackedReads(
+                more.max_tokens,
+                have.packed_bytes + more.packed_bytes,
+                have.dense_bytes + more.dense_bytes,
+            )
+        return WeightReads(
+            self.dense_bytes + other.dense_bytes,
+            [tiers[k] for k in sorted(tiers)],
+            max(self.embedding_row_bytes, other.embedding_row_bytes),
+        )
 
 
 @dataclass

@@ -2,13 +2,17 @@
 
 Every error a user can cause (a bad request, a bad model file, a configuration
 that cannot work) is an :class:`AsyncstepError` with a one-line message; the
-CLI prints that line and exits non-zero, without a traceback. Also how to
-find the error that matters in a group of them. Imports only anyio.
+CLI prints that line and exits non-zero, without a traceback; so does its
+argument parser (:class:`OneLineParser`). Also how to find the error that
+matters in a group of them. Imports only anyio and the standard library.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from collections.abc import Sequence
+from typing import NoReturn
 
 import anyio
 
@@ -108,3 +112,33 @@ def exit_status(error: BaseException, prog: str = "asyncstep") -> int:
             print(f"{prog}: error: {leaf}", file=sys.stderr)
             return 1
     raise error
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr, ``PROG: error:
+    MESSAGE (run 'PROG --help' for the options)``, and exit status 1, as every
+    other error a user can cause (argparse's own: the whole usage, status 2);
+    ``--help`` is argparse's. Its subcommands' parsers are of its class, and
+    an argument no parser knows is reported by the subcommand it was given to."""
+
+    def error(self, message: str) -> NoReturn:
+        listed = "commands" if self._subparsers is not None else "options"
+        line = " ".join(message.split())
+        self.exit(1, f"{self.prog}: error: {line} (run '{self.prog} --help' for the {listed})\n")
+
+    def parse_args(  # type: ignore[override]  # (a namespace is never passed in)
+        self, args: Sequence[str] | None = None, namespace: None = None
+    ) -> argparse.Namespace:
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self._command_parser(parsed).error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed
+
+    def _command_parser(self, parsed: argparse.Namespace) -> OneLineParser:
+        """The parser of the (sub)command ``parsed`` chose, deepest first."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(chosen, OneLineParser):
+                    return chosen._command_parser(parsed)
+        return self

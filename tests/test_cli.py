@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import signal
 import subprocess
@@ -22,6 +23,8 @@ from asyncstep.cli import (
 )
 from asyncstep.config import EngineConfig, engine_options
 from asyncstep.engine.api import make_config
+from asyncstep.logging import shown_path
+from asyncstep.models.layers.cpu_kernels import CACHE_ENV, SWITCH_ENVS
 from asyncstep.models.loader import open_checkpoint
 
 
@@ -280,6 +283,28 @@ def test_ctrl_c_stops_cleanly(tiny_hf_dir: Path) -> None:
     assert b"asyncstep: interrupted" in err and b"Traceback" not in err
 
 
+def test_the_first_run_says_what_it_builds_once(tiny_hf_dir: Path, tmp_path: Path) -> None:
+    """The CPU kernels' build and the packed weights' first write (each a
+    wait of seconds) are told on stderr: once per engine (two pipeline ranks
+    each build both: one line each), and not again once cached."""
+    env = {k: v for k, v in os.environ.items() if k not in SWITCH_ENVS}
+    env[CACHE_ENV] = str(tmp_path)
+
+    def told(*flags: str) -> list[str]:
+        argv = [sys.executable, "-m", "asyncstep", "generate", "--model", str(tiny_hf_dir)]
+        argv += ["--weight-packing", "q4", "--max-tokens", "2", *flags, "hi"]
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return [line for line in proc.stderr.splitlines() if line.startswith("asyncstep:")]
+
+    kernels_dir, weights_dir = shown_path(tmp_path / "kernels"), shown_path(tmp_path / "weights")
+    kernels = f"asyncstep: building the CPU kernels for this machine (once, ~10 s) in {kernels_dir}"
+    weights = f"asyncstep: packing the weights for this CPU (once, cached in {weights_dir})"
+    assert sorted(told("--pp", "2")) == sorted([kernels, weights])
+    assert told("--pp", "2") == []
+    assert told() == [weights]  # one rank: an entry of its own; the kernels are built
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -295,7 +320,63 @@ def test_bad_fast_path_options(
 ) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["generate", *args, "x"])
-    assert exited.value.code == 2 and message in capsys.readouterr().err
+    assert exited.value.code == 1 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (
+            ["generate", "--max-tokens", "abc", "x"],
+            "asyncstep generate: error: argument --max-tokens: invalid int value: 'abc'"
+            " (run 'asyncstep generate --help' for the options)",
+        ),
+        (
+            ["generate", "--bogus", "x"],
+            "asyncstep generate: error: unrecognized arguments: --bogus"
+            " (run 'asyncstep generate --help' for the options)",
+        ),
+        (
+            ["serve", "--attention-backend", "flash"],
+            "asyncstep serve: error: argument --attention-backend: invalid choice: 'flash'"
+            " (choose from 'auto', 'torch', 'triton', 'cpu')"
+            " (run 'asyncstep serve --help' for the options)",
+        ),
+        (
+            ["trace", "log.jsonl"],
+            "asyncstep trace: error: the following arguments are required: -o/--output"
+            " (run 'asyncstep trace --help' for the options)",
+        ),
+        (
+            ["bench", "latency", "--num-iters", "x"],
+            "asyncstep bench latency: error: argument --num-iters: invalid int value: 'x'"
+            " (run 'asyncstep bench latency --help' for the options)",
+        ),
+        (
+            ["nosuch"],
+            "asyncstep: error: argument command: invalid choice: 'nosuch' (choose from"
+            " 'generate', 'trace', 'bench', 'serve') (run 'asyncstep --help' for the commands)",
+        ),
+    ],
+)
+def test_an_argument_error_is_one_line_and_status_1(
+    capsys: pytest.CaptureFixture[str], argv: list[str], line: str
+) -> None:
+    """Not argparse's whole usage and status 2: the error and where the
+    options are, on one line, and status 1, as every other error."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exited.value.code == 1 and out == ""
+    assert err == line + "\n"
+
+
+def test_help_is_still_argparse_s(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--help"])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 0 and err == ""
+    assert out.startswith("usage: asyncstep generate") and "--max-tokens" in out
 
 
 def test_pipeline_tensor_lanes_flag() -> None:
@@ -454,13 +535,31 @@ def test_a_model_without_a_tokenizer_takes_and_shows_token_ids(
     assert code == 1 and "no tokenizer" in err
 
 
+def test_max_tokens_past_the_context_is_refused_and_none_fills_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Not cut to the context in silence: one line naming the numbers,
+    status 1 (the default, 256, too); ``--max-tokens none``: what it leaves."""
+    args = ["--load-format", "dummy", "--model", "tiny-llama", "--max-model-len", "64"]
+    code, out, err = run(capsys, "generate", *args, "--token-ids", "1 2 3")
+    assert code == 1 and out == ""
+    assert err == (
+        "asyncstep: error: prompt '1 2 3': max_tokens 256 does not fit: the prompt has 3 "
+        "tokens and the model's context (max_model_len) is 64, which leaves 61: ask for at "
+        "most 61\n"
+    )
+    fill = ["--max-tokens", "none", "--ignore-eos", "--token-ids", "1 2 3"]
+    code, out, err = run(capsys, "generate", *args, *fill)
+    assert code == 0 and len(out.split()) == 61, err
+
+
 def test_help_shows_the_sampling_defaults_and_where_spans_go(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for shown in ("most tokens generated (default: 256)", "0 is greedy (default: 0)"):
+    for shown in ("none: what the context leaves (default: 256)", "0 is greedy (default: 0)"):
         assert shown in text
     assert "FILE.core" in text and "asyncstep trace FILE FILE.*" in text
 

@@ -533,3 +533,17 @@ def test_every_results_file_a_page_names_exists() -> None:
                 assert glob.glob(str(ROOT / path)), (name(page), path)
             else:
                 assert (ROOT / path.rstrip("/")).exists(), (name(page), path)
+
+
+def test_every_page_a_page_or_docstring_cites_is_in_the_repository() -> None:
+    """A cited ``.md`` file is one the repository holds (from its root, or a
+    page of ``docs/``): not a note kept elsewhere."""
+    texts = {name(page): page.read_text() for page in PAGES}
+    for module in (ROOT / "asyncstep").rglob("*.py"):
+        texts[str(module.relative_to(ROOT))] = module.read_text()
+    cited = 0
+    for where, text in texts.items():
+        for path in re.findall(r"`+([\w./-]+\.md)`+", text):
+            cited += 1
+            assert (ROOT / path).is_file() or (ROOT / "docs" / path).is_file(), (where, path)
+    assert cited >= 10

@@ -20,9 +20,9 @@ __all__ = ["MODES", "CliFlags", "main"]
 
 
 def main(argv: Sequence[str], cli: CliFlags) -> int:
-    """``asyncstep bench ARGV``: parse (a bad flag is one line on stderr and
-    exit status 2), run the mode; a user's error (a bad value, a missing
-    file) is one line on stderr and exit status 1."""
+    """``asyncstep bench ARGV``: parse, run the mode; a bad flag or a
+    user's error (a bad value, a missing file) is one line on stderr and
+    exit status 1."""
     parsed = parse_bench_args(argv, cli)
     try:
         if parsed.mode == "latency":

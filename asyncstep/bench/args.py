@@ -4,8 +4,8 @@
 (:class:`CliFlags`, lent by :mod:`asyncstep.cli`); ``serve`` also takes
 ``asyncstep serve``'s server flags.
 
-A bad flag is one line on stderr (``asyncstep bench MODE: error: ...``)
-and exit status 2. Imports nothing heavy.
+A bad flag is one line on stderr (``asyncstep bench MODE: error: ...``,
+with where the flags are listed) and exit status 1. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import argparse
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import msgspec
 
 from asyncstep.config import EngineConfig, EngineOption
+from asyncstep.errors import OneLineParser
 from asyncstep.server.config import ServerConfig, server_options
 
 MODES = ("latency", "throughput", "serve", "startup")
@@ -57,13 +58,6 @@ class CliFlags:
     engine_config: Callable[[argparse.Namespace], EngineConfig]
     #: The server config of parsed server flags (ConfigError if bad).
     server_config: Callable[[argparse.Namespace], ServerConfig]
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 @dataclass(frozen=True)
@@ -106,7 +100,7 @@ def _plain(value: Any) -> Any:
 
 
 def parse_bench_args(argv: Sequence[str], cli: CliFlags) -> BenchArgs:
-    """Parse ``asyncstep bench ARGV`` (exits with status 2 and one line on
+    """Parse ``asyncstep bench ARGV`` (exits with status 1 and one line on
     a bad flag, 0 after ``--help``)."""
     argv = list(argv)
     args = build_parser(cli).parse_args(argv)
@@ -153,7 +147,7 @@ def _subparser(parser: argparse.ArgumentParser, mode: str) -> argparse.ArgumentP
 
 def _engine_dests(cli: CliFlags, mode: str) -> set[str]:
     """The parsed names of the engine (for serve, and server) flags of ``mode``."""
-    parser = _Parser(add_help=False)
+    parser = OneLineParser(add_help=False)
     cli.add_engine_flags(parser)
     if mode == "serve":
         _add_server_flags(parser, cli)
@@ -169,7 +163,7 @@ def _add_server_flags(parser: argparse.ArgumentParser, cli: CliFlags) -> None:
 def build_parser(cli: CliFlags, *, engine_flags: bool = True) -> argparse.ArgumentParser:
     """``asyncstep bench`` with a subparser per mode (``engine_flags``
     False: the modes' own flags alone)."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog="asyncstep bench",
         description="Benchmarks, as vllm bench: latency, throughput, serve, startup.",
         allow_abbrev=False,

@@ -12,7 +12,9 @@ token; ``itl_all_ms``: over whole outputs, others' prefills included).
 ``--hf``: HF transformers' ``generate`` first (then freed), ITL = (time of
 N tokens - time of 1) / (N - 1). The floor (unless ``--no-floor``): a
 decode step's bytes over the measured copy bandwidth
-(:mod:`asyncstep.bench.floor`), at the mean context of the decode.
+(:mod:`asyncstep.bench.floor`), at the mean context of the decode; the
+weight bytes those the engine's model reads in a step of the batch's size
+(packed copies where the step uses them).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from asyncstep.bench.results import (
 )
 from asyncstep.bench.workload import random_prompts
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import SamplingParams
+from asyncstep.datatypes import SamplingParams, WeightReads
 from asyncstep.engine.engine import Engine
 from asyncstep.models.model_info import describe_model
 
@@ -139,8 +141,9 @@ async def stream_batch(engine: Engine, prompts: list[list[int]], output_len: int
 
 async def ours(
     bench: BenchArgs, config: EngineConfig, configs: list[tuple[int, int]]
-) -> dict[str, list[Row]]:
-    """Each case's timed runs, one engine for all of them."""
+) -> tuple[dict[str, list[Row]], WeightReads | None]:
+    """Each case's timed runs, one engine for all of them; and the weight
+    bytes its steps read (the engine's report, for the floor)."""
     args = bench.args
     seeds = itertools.count(args.seed * 1000 + 1)  # fresh prompts: no prefix-cache hits
     runs: dict[str, list[Row]] = {}
@@ -159,7 +162,8 @@ async def ours(
                 runs[key].append(await stream_batch(engine, prompts, args.output_len))
             itl = median([r["itl_ms"] for r in runs[key]])
             progress(f"  ours {key}: ITL {itl:.3f} ms")
-    return runs
+        reads = engine.weight_reads
+    return runs, reads
 
 
 def figures(runs: list[Row]) -> dict[str, float | None]:
@@ -187,6 +191,7 @@ def run(bench: BenchArgs) -> int:
     keys = {c: case_name(*c, args.output_len) for c in configs}
     hf: dict[str, Row | None] = {}
     runs: dict[str, list[Row]] = {}
+    reads: WeightReads | None = None  # --floor-only: every weight, dense
     if not args.floor_only:
         if args.hf or args.hf_from:
             from asyncstep.bench import hf as hf_baseline
@@ -196,7 +201,7 @@ def run(bench: BenchArgs) -> int:
                 for b, p in configs
             }
             hf = hf_baseline.latency_all(arch, hf_options(args, config), batches, args.output_len)
-        runs = trio.run(ours, bench, config, configs)
+        runs, reads = trio.run(ours, bench, config, configs)
     cases = []
     for batch, input_len in configs:
         key = keys[batch, input_len]
@@ -212,7 +217,7 @@ def run(bench: BenchArgs) -> int:
 
             context = input_len + args.output_len / 2
             tp = config.parallel.tensor_parallel_size
-            floor = step_floor(arch, dtype.itemsize, found, batch, context, tp)
+            floor = step_floor(arch, dtype.itemsize, found, batch, context, tp, reads)
             detail["floor"] = floor
             row |= {k: floor[k] for k in ("floor_ms", "strict_floor_ms", "tp_floor_ms")}
             row["itl_over_floor"] = ratio(row.get("itl_ms"), floor["floor_ms"])
@@ -224,6 +229,8 @@ def run(bench: BenchArgs) -> int:
     extra: dict[str, Any] = {"summary": engine_summary(config)}
     if found is not None:
         extra["bandwidth_tb_s"] = found / 1e12
+    if reads is not None:
+        extra["weight_reads"] = reads
     if hf:
         extra["hf"] = hf_options(args, config).label
     result = make_result(

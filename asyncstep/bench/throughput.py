@@ -116,6 +116,7 @@ async def ours(config: EngineConfig, requests: list[Request], rank_gpus: int | N
                 nursery.start_soon(one, request)
         wall = time.perf_counter() - start
         steps = engine.statistics().num_steps - first_step
+        reads = engine.weight_reads
     asked = sum(r.output_len for r in requests)
     if sum(counts) != asked:
         raise RuntimeError(f"generated {sum(counts)} tokens, asked for {asked}")
@@ -127,6 +128,7 @@ async def ours(config: EngineConfig, requests: list[Request], rank_gpus: int | N
         "total_tok_s": total / wall,
         "steps": steps,
         "first_step": first_step,
+        "weight_reads": reads,
     }
 
 
@@ -210,7 +212,8 @@ def run(bench: BenchArgs) -> int:
     if found is not None:
         from asyncstep.bench.floor import throughput_floor
 
-        floor = throughput_floor(arch, dtype.itemsize, found, in_lens, out_lens)
+        reads = mine.get("weight_reads")
+        floor = throughput_floor(arch, dtype.itemsize, found, in_lens, out_lens, reads)
         detail["floor"] = floor
         figures["floor_output_tok_s"] = floor["output_tok_s"]
         figures["strict_floor_output_tok_s"] = floor["strict_output_tok_s"]

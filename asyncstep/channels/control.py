@@ -19,7 +19,7 @@ import msgspec
 
 from asyncstep.channels.framing import MessageStream
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from asyncstep.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput, WeightReads
 
 
 class Hello(msgspec.Struct, frozen=True, tag=True):
@@ -43,6 +43,8 @@ class RankReady(msgspec.Struct, frozen=True, tag=True):
     num_blocks: int
     weight_bytes: int
     device: str
+    #: The weight bytes its forward steps read, by their size.
+    weight_reads: WeightReads = msgspec.field(default_factory=WeightReads)
 
 
 class InitKVCache(msgspec.Struct, frozen=True, tag=True):

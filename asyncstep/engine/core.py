@@ -133,7 +133,8 @@ class EngineCore:
             if self.freeze_heap:
                 freeze_gc_heap()
             rank_pids = list(getattr(self.executor, "pids", []))
-            await events.send(CoreReady(self.stats(), rank_pids))
+            reads = getattr(self.executor, "weight_reads", None)
+            await events.send(CoreReady(self.stats(), rank_pids, reads))
             task_status.started()
             try:
                 async with anyio.create_task_group() as compiles:

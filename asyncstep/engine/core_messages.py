@@ -21,7 +21,7 @@ from __future__ import annotations
 import msgspec
 
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import SamplingParams
+from asyncstep.datatypes import SamplingParams, WeightReads
 from asyncstep.engine.step_results import EngineCoreOutput
 
 
@@ -105,6 +105,8 @@ class CoreReady(msgspec.Struct, frozen=True, tag=True):
     stats: CoreStats
     #: Process ids of the ranks the core started (none for an in-process rank).
     rank_pids: list[int] = msgspec.field(default_factory=list)
+    #: The weight bytes a forward step of the model reads, by its size.
+    weight_reads: WeightReads | None = None
 
 
 class RejectedRequest(msgspec.Struct, frozen=True, array_like=True):

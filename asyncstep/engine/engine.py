@@ -35,7 +35,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from asyncstep.checks import shown
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import MAX_SEED, SamplingParams
+from asyncstep.datatypes import MAX_SEED, SamplingParams, WeightReads
 from asyncstep.engine.chat_messages import is_chat
 from asyncstep.engine.chat_replies import ReplyReader, ReplyStream, finish_reason
 from asyncstep.engine.core_client import CoreClient
@@ -144,6 +144,9 @@ class Engine:
         self._core_stats = CoreStats()
         #: Process ids of the rank processes (none when the rank runs in the core).
         self.rank_pids: list[int] = []
+        #: The weight bytes a forward step reads, by its size (the floor of
+        #: a memory-bound step; ``asyncstep bench``'s): the core's report.
+        self.weight_reads: WeightReads | None = None
         self._idle_waiters: dict[int, anyio.Event] = {}
         self._tickets = itertools.count()
         self._error: BaseException | None = None
@@ -455,7 +458,7 @@ class Engine:
         prompt's blocks are then cached: the others reuse them, vLLM's
         parallel sampling)."""
         self._check_alive()
-        params = self.input_processor.check_params(params)
+        params = self.input_processor.check_params(params, len(ids))
         request_id = self._check_request_id(request_id)
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
@@ -615,6 +618,7 @@ class Engine:
             raise EngineDeadError(f"the engine core sent {type(message).__name__} first")
         self._core_stats = message.stats
         self.rank_pids = message.rank_pids
+        self.weight_reads = message.weight_reads
 
     def _process_outputs(self, message: CoreOutputs) -> None:
         self._core_stats = message.stats

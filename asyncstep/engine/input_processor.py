@@ -2,7 +2,8 @@
 checks and tokenization before anything of it is kept or sent.
 
 :class:`InputProcessor` checks a request's sampling parameters against the
-model (log-prob counts, ``logit_bias`` and bad-word token ids inside the
+model (the prompt and ``max_tokens`` within the context, as vLLM checks them;
+log-prob counts, ``logit_bias`` and bad-word token ids inside the
 vocabulary; ``bad_words`` tokenized as vLLM does: each word with and without a
 leading space; the EOS ids that ``min_tokens`` bans), its structured-output
 grammar (within its budget, then whether it builds), and its prompt: text is
@@ -142,12 +143,13 @@ class InputProcessor:
         work = partial(self._tokenize, text, add_special_tokens=add_special_tokens)
         return await self._in_thread(work) if size > INLINE_TOKENIZE_BYTES else work()
 
-    def check_params(self, params: object) -> SamplingParams:
+    def check_params(self, params: object, num_prompt_tokens: int | None = None) -> SamplingParams:
         """The request's sampling parameters (the defaults for None), checked
-        against the model; with ``bad_words`` tokenized and the EOS ids that
-        ``min_tokens`` bans filled in."""
+        against the model (given its prompt's length, ``max_tokens`` against
+        what the context leaves); with ``bad_words`` tokenized and the EOS ids
+        that ``min_tokens`` bans filled in."""
         if params is None:
-            return SamplingParams()
+            params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
@@ -176,6 +178,8 @@ class InputProcessor:
             )
         if params.min_tokens > 0 and params._eos_token_ids != self.eos_token_ids:
             derived["_eos_token_ids"] = self.eos_token_ids
+        if num_prompt_tokens is not None:  # last: the request's own fields come first
+            self.check_fits(params.max_tokens, num_prompt_tokens)
         return msgspec.structs.replace(params, **derived) if derived else params
 
     async def check_grammar(self, params: object) -> None:
@@ -299,6 +303,20 @@ class InputProcessor:
         vocab = self.arch_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+
+    def check_fits(self, max_tokens: int | None, num_prompt_tokens: int) -> None:
+        """The prompt and ``max_tokens`` must fit the context, else
+        :class:`InvalidRequestError` naming the numbers (vLLM's rule: no
+        silent cut); None asks for what the context leaves. Every request
+        passes here (:meth:`check_params`); the HTTP server also asks it
+        first, for each prompt of a request, to refuse the request whole."""
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is not None and max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens {max_tokens} does not fit: the prompt has {num_prompt_tokens} "
+                f"tokens and the model's context (max_model_len) is {self.max_model_len}, "
+                f"which leaves {room}: ask for at most {room}"
+            )
 
     def _too_long(self, num_tokens: int) -> InvalidRequestError:
         return InvalidRequestError(

@@ -29,6 +29,7 @@ is terminated, then killed, so none is left behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import signal
@@ -66,7 +67,7 @@ from asyncstep.channels.framing import (
 )
 from asyncstep.channels.parallel_state import listening_socket
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import GrammarOutput, ModelRunnerOutput, RankInput
+from asyncstep.datatypes import GrammarOutput, ModelRunnerOutput, RankInput, WeightReads
 from asyncstep.errors import RankError
 from asyncstep.logging import get_logger
 from asyncstep.logging.spans import span
@@ -124,6 +125,14 @@ class RemoteRanks:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes.values()]
+
+    @property
+    def weight_reads(self) -> WeightReads | None:
+        """The weight bytes a step reads on every rank together (None
+        before the ranks are ready)."""
+        if not self.ready:
+            return None
+        return functools.reduce(WeightReads.plus, (r.weight_reads for r in self.ready))
 
     async def run(
         self,

@@ -13,7 +13,7 @@ import itertools
 import time
 from collections.abc import Iterable, Sequence
 
-from asyncstep.datatypes import FinishReason, SamplingParams
+from asyncstep.datatypes import MAX_COUNT, FinishReason, SamplingParams
 
 _arrival_counter = itertools.count()
 
@@ -94,7 +94,8 @@ class Request:
 
     #: Prompt plus output tokens (``len(all_token_ids)``), kept up to date.
     num_tokens: int
-    #: ``num_tokens`` at which ``max_tokens`` is reached: prompt + ``max_tokens``.
+    #: ``num_tokens`` at which ``max_tokens`` is reached: prompt + ``max_tokens``
+    #: (None: past any context).
     max_num_tokens: int
     #: Tokens that end the request: ``stop_token_ids``, plus the EOS ids unless
     #: ``ignore_eos``.
@@ -153,7 +154,9 @@ class Request:
 
     def _derive_stop_rules(self) -> None:
         params = self._sampling_params
-        self.max_num_tokens = len(self.prompt_token_ids) + params.max_tokens
+        # None: up to the context (where the scheduler ends every request).
+        budget = MAX_COUNT if params.max_tokens is None else params.max_tokens
+        self.max_num_tokens = len(self.prompt_token_ids) + budget
         self.min_tokens = params.min_tokens
         stop_ids = frozenset(params.stop_token_ids)
         self.stop_ids = stop_ids if params.ignore_eos else stop_ids | self._eos_token_ids

@@ -14,7 +14,7 @@ What it holds:
   (:class:`DeviceClock` maps CUDA event times onto the host clock);
   :func:`record_event` makes the right one for a device.
 
-Facts this is built on (see ``shared/design.md``; their figures in
+Facts this is built on (found by experiment; their figures in
 ``docs/performance.md``): ``trio.sleep`` cannot sleep much less than a
 millisecond, so nothing here polls; waking Trio from another thread with
 ``TrioToken.run_sync_soon`` costs less than a ``trio.to_thread.run_sync`` round

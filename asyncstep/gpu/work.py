@@ -2,7 +2,7 @@
 the event loop.
 
 Facts this module is built on, found by experiment (torch 2.13 gloo on CPU,
-torch 2.11 + NCCL 2.28 on CUDA; see also ``shared/design.md``):
+torch 2.11 + NCCL 2.28 on CUDA; the figures in ``docs/performance.md``):
 
 - gloo: ``isend``/``irecv`` handles have no useful future and never report
   ``is_completed()`` until ``wait()`` is called, so the only way to learn that

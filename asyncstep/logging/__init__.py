@@ -11,6 +11,16 @@ from asyncstep.logging.setup import (
     configure_logging,
     get_logger,
     json_log_file,
+    notice,
+    shown_path,
 )
 
-__all__ = ["bind_rank", "bound_step", "configure_logging", "get_logger", "json_log_file"]
+__all__ = [
+    "bind_rank",
+    "bound_step",
+    "configure_logging",
+    "get_logger",
+    "json_log_file",
+    "notice",
+    "shown_path",
+]

@@ -1,4 +1,5 @@
-"""structlog configuration, and the contextvars (rank, step) of every event."""
+"""structlog configuration, the contextvars (rank, step) of every event,
+and :func:`notice`: a line for the user, whatever the configuration."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ logging.getLogger(LOGGER_NAME).addHandler(logging.NullHandler())
 
 #: The JSON-lines file of the current set-up (child processes log next to it).
 _json_file: Path | None = None
+#: The rank this process runs, once :func:`bind_rank` was called (None: none yet).
+_process_rank: int | None = None
 
 
 def configure_logging(
@@ -98,8 +101,33 @@ def get_logger(name: str = LOGGER_NAME) -> structlog.stdlib.BoundLogger:
 
 
 def bind_rank(rank: int) -> None:
-    """Tag every later event of this context (a rank's tasks) with its rank."""
+    """Tag every later event of this context (a rank's tasks) with its rank
+    (and take it as this process's, for :func:`notice`)."""
+    global _process_rank
+    _process_rank = rank
     structlog.contextvars.bind_contextvars(rank=rank)
+
+
+def notice(message: str) -> None:
+    """Tell the user, on stderr, of something that takes a while and is not
+    an error (``asyncstep: MESSAGE``), whether logging is configured or not:
+    once per engine, so a rank process other than the first keeps quiet.
+    The engine-core and rank processes share the user's stderr; on a
+    terminal the line first clears the one the cursor is on (the caller's
+    progress bar, which redraws itself below it)."""
+    if _process_rank not in (None, 0):
+        return
+    clear = "\r\x1b[2K" if _isatty(sys.stderr) else ""
+    print(f"{clear}asyncstep: {message}", file=sys.stderr, flush=True)
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as a user would write it in a message: ``~/...`` under the
+    home directory."""
+    try:
+        return str(Path("~") / path.relative_to(Path.home()))
+    except ValueError:
+        return str(path)
 
 
 @contextmanager

@@ -407,7 +407,7 @@ def _describe(error: BaseException) -> str:
     return str(error)
 
 
-def add_trace_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_trace_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
     """Register ``trace`` on the subparsers of ``asyncstep``'s parser.
 
     The parsed Namespace then carries ``handler`` (:func:`trace_main`, which

@@ -25,7 +25,7 @@ from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.config import ModelConfig, ParallelConfig
 from asyncstep.cpu_features import cpu_has_bf16, cpu_has_quant_vectors
 from asyncstep.errors import ConfigError, ModelLoadError
-from asyncstep.logging import get_logger
+from asyncstep.logging import get_logger, notice, shown_path
 from asyncstep.logging.spans import CORE_STARTUP, now_us, record_startup, span
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
@@ -194,6 +194,9 @@ def load_model(
             return _loaded(
                 LoadedModel(cached, arch, tokenizer, device, dtype, max_model_len, source)
             )
+        if cache is not None:
+            where = shown_path(cache.path.parent)
+            notice(f"packing the weights for this CPU (once, cached in {where})")
     with torch.device(device):
         model = LlamaForCausalLM(arch, build_dtype, sequence_parallel=sequence_parallel)
     if weights is None:

@@ -76,11 +76,13 @@ from asyncstep.datatypes import (
     ModelRunnerOutput,
     RankInput,
     SchedulerOutput,
+    WeightReads,
 )
 from asyncstep.gpu.host_stream import HostStream
 from asyncstep.gpu.stream import StreamEvent, await_future
 from asyncstep.logging import bind_rank, bound_step, get_logger
 from asyncstep.logging.spans import now_us, record_span, span, tracing
+from asyncstep.models.weight_reads import weight_reads
 from asyncstep.nursery.pipe import PendingReceive, PipeStage, ReceivedTensors, SendInFlight
 from asyncstep.runner.async_output import AsyncModelRunnerOutput
 from asyncstep.runner.model_runner import ModelRunner
@@ -165,6 +167,11 @@ class RankActor:
         #: One stage, overlap on: hand out step N once step N+1 was launched.
         self._deliver_after_next_launch = runner.async_scheduling and pp.world_size == 1
         self._stats = RankStatistics()
+
+    @property
+    def weight_reads(self) -> WeightReads:
+        """The weight bytes this rank's forward steps read, by their size."""
+        return weight_reads(self.runner.model)
 
     def statistics(self) -> RankStatistics:
         return RankStatistics(**vars(self._stats))

@@ -68,6 +68,7 @@ from asyncstep.gpu import switch_interval
 from asyncstep.logging import bind_rank, configure_logging, get_logger
 from asyncstep.logging.spans import now_us, record_span
 from asyncstep.models.model_loader import LoadedModel, load_model
+from asyncstep.models.weight_reads import weight_reads
 from asyncstep.nursery.pipe import PipeStage
 from asyncstep.nursery.rank import RankActor
 from asyncstep.runner.build import build_runner, kv_cache_blocks
@@ -255,7 +256,8 @@ async def _serve(stream: ControlStream, identity: RankIdentity, store_fd: int | 
     )
     num_blocks = kv_cache_blocks(config, runner, loaded)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    await stream.send(RankReady(identity.rank, num_blocks, weight_bytes, str(loaded.device)))
+    reads = weight_reads(loaded.model)
+    await stream.send(RankReady(identity.rank, num_blocks, weight_bytes, str(loaded.device), reads))
     init = await _expect(stream, InitKVCache)
     await run_in_ending_thread(lambda: runner.initialize_kv_cache(init.num_blocks))
     await anyio.to_thread.run_sync(_capture, runner, identity.rank == 0)

@@ -21,7 +21,8 @@ API server has. Prometheus counters are shared through
 
 Stop: SIGTERM or SIGINT is passed on to every API server as SIGTERM (a
 second: again, and they abort their requests at once); each stops as one
-server does. Once all have exited, the core is shut down. An API server
+server does, and the first signal's line is the supervisor's (one, not one
+per API server). Once all have exited, the core is shut down. An API server
 that exits unasked (its engine died, it crashed) stops the others, and
 :func:`serve_api_servers` raises :class:`EngineDeadError` (exit 1).
 """
@@ -50,7 +51,7 @@ from asyncstep.engine.api import attach_engine, open_shared_engine
 from asyncstep.errors import EngineDeadError, exit_status
 from asyncstep.logging import configure_logging, get_logger, json_log_file
 from asyncstep.procs import exit_reason, exit_when_parent_dies
-from asyncstep.server.app_server import serve_app
+from asyncstep.server.app_server import serve_app, stop_notice
 from asyncstep.server.config import ServerConfig
 from asyncstep.server.metrics import MULTIPROCESS_DIR_ENV
 
@@ -90,14 +91,20 @@ async def serve_api_servers(
     ready: Callable[[str, str], None] | None,
     progress: Callable[[int, int], None] | None,
     log_level: str,
+    notice: Callable[[str], None] | None = None,
 ) -> None:
     """Supervise ``server_config.api_server_count`` API servers on
-    ``listener`` (see the module doc) until they have all stopped."""
+    ``listener`` (see the module doc) until they have all stopped;
+    ``notice`` is given the first signal's line."""
     count = server_config.api_server_count
     pairs = [socket.socketpair() for _ in range(count)]
     metrics_dir = tempfile.mkdtemp(prefix="asyncstep-metrics-")
     log_json = json_log_file()
     servers: list[Process] = []
+
+    def first_signal(signum: int) -> None:
+        if notice is not None:
+            notice(stop_notice(signum, server_config.shutdown_timeout, None))
 
     async def start_servers() -> None:
         """Each API server, as soon as the core's process is: it loads its
@@ -121,7 +128,7 @@ async def serve_api_servers(
         async with open_shared_engine(
             engine_config, cores, progress, core_started=start_servers
         ) as engine:
-            failures = await _supervise(servers, engine.wait_stopped, ready)
+            failures = await _supervise(servers, engine.wait_stopped, ready, first_signal)
             if failures and engine.error is None:  # (an engine error is raised on leaving)
                 raise EngineDeadError("; ".join(failures))
     finally:
@@ -170,8 +177,10 @@ async def _supervise(
     servers: Sequence[Process],
     engine_stopped: Callable[[], Awaitable[None]],
     ready: Callable[[str, str], None] | None,
+    first_signal: Callable[[int], None],
 ) -> list[str]:
-    """Run until every API server has exited; what went wrong, if anything."""
+    """Run until every API server has exited; what went wrong, if anything
+    (``first_signal`` is called with the first SIGTERM or SIGINT)."""
     stopping = False
     failures: list[str] = []
     announced: list[Ready] = []
@@ -202,6 +211,8 @@ async def _supervise(
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("stopping the API servers", signal=signum)
+                if not stopping:
+                    first_signal(signum)
                 stop_all()
 
     async def watch_engine() -> None:

@@ -26,8 +26,8 @@ from asyncstep.server.config import ServerConfig
 
 log = get_logger("server")
 
-#: Extra seconds Hypercorn gives connections after the requests were
-#: aborted, for their last bytes.
+#: Seconds Hypercorn gives connections once the drain is over (every
+#: request answered, or aborted), for their last bytes.
 FLUSH_GRACE_S = 5.0
 
 
@@ -37,7 +37,7 @@ def hypercorn_config(
     """Hypercorn's config, serving on ``listener`` (which it then owns)."""
     hc = HypercornConfig()
     hc.bind = [f"fd://{listener.detach()}"]
-    hc.graceful_timeout = config.shutdown_timeout + FLUSH_GRACE_S
+    hc.graceful_timeout = FLUSH_GRACE_S  # after the drain (see serve_app)
     hc.keep_alive_timeout = config.keep_alive_timeout
     hc.accesslog = "-" if config.access_log else None  # "-": stderr
     hc.loglevel = log_level.upper()
@@ -51,20 +51,26 @@ async def serve_app(
     listener: socket.socket,
     ready: Callable[[str, str], None] | None,
     log_level: str,
+    notice: Callable[[str], None] | None = None,
 ) -> None:
     """The app over ``engine`` under Hypercorn on ``listener``, until
-    SIGTERM or SIGINT, or the engine's death (see the module's docstring)."""
+    SIGTERM or SIGINT, or the engine's death (see the module's docstring).
+    ``notice`` is given the first signal's line (:func:`stop_notice`).
+
+    The drain runs before Hypercorn is told to stop: the listener keeps
+    accepting meanwhile, so that a new ``/health`` or generation request is
+    answered 503, not refused a connection."""
     server = OpenAIServer(engine, server_config)
     stop = trio.Event()
     async with trio.open_nursery() as outer:
-        outer.start_soon(_watch_signals, server, stop)
+        outer.start_soon(_watch_signals, server, stop, notice)
         outer.start_soon(_watch_engine, server, stop)
         async with trio.open_nursery() as http:
 
             async def shutdown_trigger() -> None:
                 await stop.wait()
                 log.info("stopping", in_flight=len(server.in_flight))
-                http.start_soon(server.drain, server_config.shutdown_timeout)
+                await server.drain(server_config.shutdown_timeout)
 
             hc = hypercorn_config(server_config, listener, log_level)
             binds = await http.start(
@@ -82,13 +88,35 @@ async def serve_app(
     log.info("stopped")
 
 
-async def _watch_signals(server: OpenAIServer, stop: trio.Event) -> None:
+async def _watch_signals(
+    server: OpenAIServer, stop: trio.Event, notice: Callable[[str], None] | None
+) -> None:
+    # The receiver restores this when the app has stopped: a SIGTERM then (an
+    # API server's supervisor passing on a second signal while this process
+    # closes its engine) has nothing left to abort, and must not kill it.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             if stop.is_set():
                 log.warning("second signal: aborting every request", signal=signum)
                 server.abort_all()
+            elif notice is not None:
+                timeout_s = server.config.shutdown_timeout
+                notice(stop_notice(signum, timeout_s, len(server.in_flight)))
             stop.set()
+
+
+def stop_notice(signum: int, timeout_s: float, in_flight: int | None) -> str:
+    """The first signal's line: what the stop waits for, and how to cut it
+    short (``in_flight`` None: the API servers' requests, not counted here)."""
+    if in_flight == 0:
+        return "stopping: no requests in flight"
+    if in_flight is None:
+        requests = "the requests in flight"
+    else:
+        requests = f"{in_flight} request{'' if in_flight == 1 else 's'} in flight"
+    again = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    return f"stopping: waiting up to {timeout_s:g} s for {requests}; {again} again to abort them"
 
 
 async def _watch_engine(server: OpenAIServer, stop: trio.Event) -> None:

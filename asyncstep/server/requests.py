@@ -5,8 +5,8 @@ and :class:`~asyncstep.datatypes.SamplingParams` (a
 The rules are OpenAI's, with vLLM's extensions: ``temperature`` and
 ``top_p`` default to 1; a completion's ``max_tokens`` to 16 (at most what
 the context leaves), a chat's ``max_completion_tokens`` (or ``max_tokens``)
-to what the context leaves after the prompt; a ``max_tokens`` larger than
-that is refused, as vLLM does; chat ``logprobs=true`` with
+to what the context leaves after the prompt (None); one larger than that
+is refused by the engine, as every door's is; chat ``logprobs=true`` with
 ``top_logprobs=k`` asks for the top-k; ``response_format`` (``json_object``:
 the schema of any object, as OpenAI means it; ``json_schema``) and
 ``structured_outputs`` (as they are) become
@@ -155,8 +155,7 @@ async def chat_job(
         chat_template=request.chat_template,
         chat_template_kwargs=request.chat_template_kwargs,
     )
-    given = request.max_completion_tokens
-    name = "max_completion_tokens"
+    given, name = request.max_completion_tokens, "max_completion_tokens"
     if given is None and request.max_tokens is not None:
         given, name = request.max_tokens, "max_tokens"
     max_tokens = _max_tokens(engine, len(ids), given, name, completion=False)
@@ -289,25 +288,26 @@ async def _encoded(
 
 def _max_tokens(
     engine: Engine, prompt_len: int, given: int | None, name: str, *, completion: bool
-) -> int:
-    """The output budget: ``given`` if it fits the context after the prompt
-    (else a 400, as vLLM answers), else the default."""
-    room = engine.max_model_len - prompt_len
+) -> int | None:
+    """The output budget: ``given``, else the default: a completion's 16
+    at most what the context leaves, a chat's None (what the context
+    leaves). One past what the context leaves after the prompt is the
+    engine's 400 (its one rule, asked here before any prompt of the
+    request runs; ``name`` is the field given)."""
     if given is None:
-        return min(room, DEFAULT_COMPLETION_MAX_TOKENS) if completion else room
-    if isinstance(given, int) and given > room:
-        raise bad_request(
-            f"this model's maximum context length is {engine.max_model_len} tokens; the "
-            f"request asks for {prompt_len + given} ({prompt_len} in the prompt, {given} in "
-            "the completion): reduce the prompt or the completion",
-            name,
-        )
+        room = engine.max_model_len - prompt_len
+        return min(room, DEFAULT_COMPLETION_MAX_TOKENS) if completion else None
+    if isinstance(given, int):  # (another type is SamplingParams' to refuse)
+        try:
+            engine.input_processor.check_fits(given, prompt_len)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), name) from None
     return given
 
 
 def _sampling_params(
     request: GenerationRequest,
-    max_tokens: int,
+    max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
     forced: ForcedCalls | None = None,

@@ -6,13 +6,18 @@ in use fails at once, before the model loads), the engine is opened, then
 Hypercorn serves on that socket and ``ready(url, model_name)`` is called
 (the CLI prints them: with port 0 the URL has the port the system chose).
 
-Stop, on SIGTERM or SIGINT: Hypercorn stops accepting connections and
-``/health`` answers 503; requests in flight may finish for
-``shutdown_timeout`` seconds, then are aborted (their responses end with
-finish reason ``abort``); once they have been answered the engine is
-closed and :func:`serve` returns. A second signal aborts at once. An
-engine that dies stops the server the same way, and :func:`serve` raises
-its :class:`~asyncstep.errors.EngineDeadError` (``asyncstep serve`` exits 1).
+Stop, on SIGTERM or SIGINT: ``notice`` is given one line saying what the
+stop waits for and how to cut it short (the CLI prints it on stderr:
+``asyncstep: stopping: waiting up to T s for N requests in flight; Ctrl-C
+again to abort them``); new requests, ``/health`` included, are answered
+503 (the listener still accepts) while requests in flight may finish for
+``shutdown_timeout`` seconds; then what is left is aborted (its responses
+end with finish reason ``abort``), Hypercorn stops accepting connections,
+and once every response has been answered the engine is closed and
+:func:`serve` returns. A second signal aborts at once. An engine that dies
+stops the server the same way (without the line), and :func:`serve`
+raises its :class:`~asyncstep.errors.EngineDeadError` (``asyncstep serve``
+exits 1).
 
 With ``api_server_count`` > 1 this process supervises that many API
 server processes on the one socket and one engine core
@@ -41,6 +46,7 @@ async def serve(
     ready: Callable[[str, str], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
     log_level: str = "warning",
+    notice: Callable[[str], None] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT (see the module's docstring)."""
     if not is_loopback(server_config.host):
@@ -52,7 +58,7 @@ async def serve(
     # Bound first: an address in use fails before the model loads.
     listener = listen(server_config.host, server_config.port)
     with listener:
-        await _serve(engine_config, server_config, listener, ready, progress, log_level)
+        await _serve(engine_config, server_config, listener, ready, progress, log_level, notice)
 
 
 async def _serve(
@@ -62,9 +68,12 @@ async def _serve(
     ready: Callable[[str, str], None] | None,
     progress: Callable[[int, int], None] | None,
     log_level: str,
+    notice: Callable[[str], None] | None,
 ) -> None:
     if server_config.api_server_count > 1:
-        await serve_api_servers(engine_config, server_config, listener, ready, progress, log_level)
+        await serve_api_servers(
+            engine_config, server_config, listener, ready, progress, log_level, notice
+        )
         return
     async with open_engine(config=engine_config, progress=progress) as engine:
-        await serve_app(engine, server_config, listener, ready, log_level)
+        await serve_app(engine, server_config, listener, ready, log_level, notice)

@@ -26,7 +26,7 @@ import pytest
 from processes import serving_url
 
 from asyncstep.bench.args import CliFlags, parse_bench_args
-from asyncstep.bench.floor import step_floor, weight_bytes
+from asyncstep.bench.floor import kv_bytes_per_token, step_floor, throughput_floor, weight_bytes
 from asyncstep.bench.rank_gpus import rank_gpus
 from asyncstep.bench.results import FORMAT, Result, decode
 from asyncstep.cli import (
@@ -39,6 +39,7 @@ from asyncstep.cli import (
     server_config_from_args,
 )
 from asyncstep.config import engine_options
+from asyncstep.datatypes import PackedReads, WeightReads
 from asyncstep.models.dummy import get_shape
 from asyncstep.server.config import server_options
 
@@ -120,6 +121,10 @@ def test_latency_figures(runs: dict[str, tuple[Result, str]]) -> None:
         assert len(case.detail["runs"]) == 2
         assert case.detail["hf"]["source"] == "static cache, eager"
         assert case.detail["floor"]["mean_context"] == 8 + 4 / 2
+        # The weights the engine's model reads in a step of the batch's size.
+        reads = msgspec.convert(result.extra["weight_reads"], WeightReads)
+        batch = case.params["batch_size"]
+        assert case.detail["floor"]["weight_bytes"] == reads.step_bytes(batch)  # type: ignore[arg-type]
     assert cases["b2_p8_o4"].params == {"batch_size": 2, "input_len": 8, "output_len": 4}
 
 
@@ -214,10 +219,10 @@ def test_help_lists_every_engine_flag(
 @pytest.mark.parametrize(
     ("argv", "status", "message"),
     [
-        (["latency", "--bogus"], 2, "unrecognized arguments: --bogus"),
-        (["nosuch"], 2, "invalid choice: 'nosuch'"),
-        (["latency", "--batch-size", "0"], 2, "--batch-size values must be >= 1"),
-        (["latency", "--num-iters", "x"], 2, "invalid int value: 'x'"),
+        (["latency", "--bogus"], 1, "unrecognized arguments: --bogus"),
+        (["nosuch"], 1, "invalid choice: 'nosuch'"),
+        (["latency", "--batch-size", "0"], 1, "--batch-size values must be >= 1"),
+        (["latency", "--num-iters", "x"], 1, "invalid int value: 'x'"),
         (["latency", "--block-size", "3"], 1, "block_size must be a power of two"),
         (["latency", "--load-format", "dummy", "--model", "nope"], 1, "known: tiny-llama"),
         (["serve", "--goodput", "ttft=5"], 1, "--goodput takes KEY:MS"),
@@ -258,6 +263,29 @@ def test_floor_matches_anchors() -> None:
         floor = step_floor(arch, 2, 4.15e12, 1, 128 + 64)
         assert floor["floor_ms"] == pytest.approx(floor_ms, rel=0.02)
         assert floor["strict_floor_ms"] <= floor["floor_ms"]
+
+
+def test_the_floor_counts_the_bytes_the_model_reads() -> None:
+    """With the engine's report: a packed layer's bytes in a step small
+    enough for it, its dense bytes above, one embedding row a token; the
+    throughput floor at the number of requests still decoding, step by step."""
+    arch = get_shape("tiny-llama")
+    reads = WeightReads(1000, [PackedReads(2, 100, 400)], embedding_row_bytes=10)
+    kv = kv_bytes_per_token(arch, 2)
+    for batch, weights in ((1, 1000 + 100 + 10), (2, 1000 + 100 + 20), (3, 1000 + 400 + 30)):
+        floor = step_floor(arch, 2, 1e9, batch, 16, reads=reads)
+        assert floor["weight_bytes"] == weights and floor["kv_bytes"] == batch * 16 * kv
+        assert floor["floor_ms"] == pytest.approx((weights + batch * 16 * kv) / 1e9 * 1e3)
+        assert floor["strict_floor_ms"] == floor["floor_ms"]
+    # Outputs of 1, 3 and 4 tokens: step 1 runs 3 requests, steps 2-3 two, step 4 one.
+    run = throughput_floor(arch, 2, 1e9, [5, 5, 5], [1, 3, 4], reads=reads)
+    weights = 1430 + 2 * 1120 + 1110
+    contexts = 1 * 5.5 + 3 * 6.5 + 4 * 7
+    assert run["run_weight_bytes"] == weights and run["weight_bytes"] == 1430
+    assert run["floor_s"] == pytest.approx((weights + contexts * kv) / 1e9)
+    # Without it (--floor-only): every weight dense at every step, as before.
+    dense = throughput_floor(arch, 2, 1e9, [5, 5, 5], [1, 3, 4])
+    assert dense["run_weight_bytes"] == 4 * weight_bytes(arch, 2)[0]
 
 
 def _import_old_bench(monkeypatch: pytest.MonkeyPatch) -> Any:

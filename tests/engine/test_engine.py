@@ -79,9 +79,9 @@ async def test_bad_requests_fail_alone(tiny_model: LoadedModel) -> None:
         # Still serving.
         assert len((await engine.generate(PROMPTS[2], GREEDY)).token_ids) == 8
     async with asyncstep.open_engine(tiny_model) as engine:
-        endless = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+        endless = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
         async for _ in engine.stream(PROMPTS[0], endless, request_id="x"):
-            # In flight (thousands of tokens to go): its id is taken.
+            # In flight (to the context: thousands of tokens to go): its id is taken.
             with pytest.raises(InvalidRequestError, match="already in flight"):
                 await engine.generate(PROMPTS[1], GREEDY, request_id="x")
             break  # leaving the stream aborts "x"
@@ -95,9 +95,20 @@ async def test_bad_requests_fail_alone(tiny_model: LoadedModel) -> None:
 
 @pytest.mark.trio
 async def test_context_limit_and_logprobs(tiny_model: LoadedModel) -> None:
+    """max_tokens past what the context leaves is refused, naming the numbers
+    (not cut short in silence); None asks for what it leaves."""
     async with asyncstep.open_engine(tiny_model, max_model_len=16) as engine:
-        out = await engine.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=100))
-        assert out.finish_reason == "length" and len(PROMPTS[1]) + len(out.token_ids) == 16
+        with pytest.raises(InvalidRequestError) as refused:
+            await engine.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=100))
+        assert str(refused.value) == (
+            "max_tokens 100 does not fit: the prompt has 9 tokens and the model's context "
+            "(max_model_len) is 16, which leaves 7: ask for at most 7"
+        )
+        assert engine.statistics().num_finished_reqs == 0
+        for max_tokens in (7, None):
+            fill = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            out = await engine.generate(PROMPTS[1], fill)
+            assert out.finish_reason == "length" and len(PROMPTS[1]) + len(out.token_ids) == 16
         out = await engine.generate(
             PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, logprobs=2)
         )

@@ -111,7 +111,7 @@ def test_a_caller_killed_outright_leaves_no_process_behind() -> None:
                 "tiny-llama", load_format="dummy", device="cpu", dtype="float32"
             ) as engine:
                 print(engine.core.pid, flush=True)
-                params = asyncstep.SamplingParams(max_tokens=100000, ignore_eos=True)
+                params = asyncstep.SamplingParams(max_tokens=None, ignore_eos=True)
                 await engine.generate([1, 2, 3], params)
         trio.run(main)
         """

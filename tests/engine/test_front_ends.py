@@ -22,7 +22,7 @@ from asyncstep.engine.api import attach_engine, make_config, open_shared_engine
 from asyncstep.engine.core_client import CoreProcess
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-LONG = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # to the context
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5], [42], list(range(5, 30))]
 TINY: dict[str, Any] = {"load_format": "dummy", "device": "cpu", "dtype": "float32"}
 

@@ -39,10 +39,13 @@ from asyncstep.runner.sampler import Sampler, SamplingMetadata, gather_logprobs
 
 T = TypeVar("T")
 
-#: The shared engines' context: short, so that a fuzzed max_tokens stays cheap.
+#: The shared engines' context: short, so that a fuzzed max_tokens of None
+#: (what the context leaves) stays cheap.
 MAX_MODEL_LEN = 64
 VOCAB = 49152  # tiny_hf_dir's (SmolLM2's tokenizer)
 HEALTHY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+#: Sampling parameters that fit the context (the default max_tokens, 256, does not).
+FITS = SamplingParams(max_tokens=4)
 HEALTHY_PROMPT = [5, 17, 300, 4000, 42]
 
 
@@ -65,7 +68,6 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str]] = [
     ({"max_tokens": 1.0}, "max_tokens"),
     ({"max_tokens": "8"}, "max_tokens"),
     ({"max_tokens": True}, "max_tokens"),
-    ({"max_tokens": None}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
     ({"temperature": float("inf")}, "temperature"),
@@ -403,10 +405,18 @@ BAD_REQUESTS: dict[str, tuple[Any, Any, Any, str]] = {
     ),
     "params-dict": ([1, 2], {"temperature": 0}, None, "must be a SamplingParams"),
     "params-str": ([1, 2], "greedy", None, "must be a SamplingParams"),
-    "id-int": ([1, 2], None, 5, "request_id must be a string"),
-    "id-bytes": ([1, 2], None, b"x", "request_id must be a string"),
-    "id-tuple": ([1, 2], None, ("a",), "request_id must be a string"),
-    "id-surrogate": ([1, 2], None, "r\udc80", "not valid UTF-8"),
+    "id-int": ([1, 2], FITS, 5, "request_id must be a string"),
+    "id-bytes": ([1, 2], FITS, b"x", "request_id must be a string"),
+    "id-tuple": ([1, 2], FITS, ("a",), "request_id must be a string"),
+    "id-surrogate": ([1, 2], FITS, "r\udc80", "not valid UTF-8"),
+    "max-tokens-past-the-context": (
+        [1, 2],
+        SamplingParams(max_tokens=MAX_MODEL_LEN - 1),
+        None,
+        "max_tokens 63 does not fit: the prompt has 2 tokens and the model's context "
+        "(max_model_len) is 64, which leaves 62: ask for at most 62",
+    ),
+    "max-tokens-default-past-the-context": ([1, 2], None, None, "max_tokens 256 does not fit"),
     "logit-bias-vocab": (
         [1, 2],
         SamplingParams(logit_bias={3: 1.0, VOCAB: 1.0}),
@@ -456,7 +466,8 @@ EDGE_PARAMS: list[SamplingParams] = [
     SamplingParams(temperature=0.7, top_k=VOCAB + 1, top_p=1e-9, min_p=1.0, max_tokens=4),
     SamplingParams(temperature=1e-4, max_tokens=4, logprobs=MAX_LOGPROBS),
     SamplingParams(temperature=1e300, max_tokens=4, logprobs=0),
-    SamplingParams(temperature=0, max_tokens=MAX_COUNT, stop=["the", "\x00"]),
+    SamplingParams(temperature=0, max_tokens=None, stop=["the", "\x00"]),  # the context's
+    SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 4, ignore_eos=True),  # it, exactly
     SamplingParams(temperature=0, max_tokens=4, stop=None, stop_token_ids=[MAX_COUNT]),
     SamplingParams(temperature=np.float64(0.9), seed=np.uint64(7), max_tokens=np.int64(4)),
     SamplingParams(
@@ -547,7 +558,7 @@ _GARBAGE = st.one_of(
 )
 #: Valid values of each field, the edges and numpy scalars among them.
 _VALID = {
-    "max_tokens": st.sampled_from([1, 2, 3, 4, 5, 6, MAX_COUNT]),
+    "max_tokens": st.sampled_from([1, 2, 3, 4, 5, 6, None, MAX_COUNT]),  # MAX_COUNT: refused
     "temperature": st.one_of(
         st.sampled_from([0, 0.0, 0.8, 1e-6, 1e-4, 1e300]), st.floats(0, 3).map(np.float32)
     ),
@@ -575,8 +586,11 @@ _VALID = {
 
 @st.composite
 def sampling_kwargs(draw: st.DrawFn) -> dict[str, Any]:
-    """SamplingParams' keywords: valid ones, and a third of the time one field of garbage."""
-    kwargs: dict[str, Any] = draw(st.fixed_dictionaries({}, optional=_VALID))
+    """SamplingParams' keywords: valid ones (max_tokens always: the default
+    does not fit the context), and a third of the time one field of garbage."""
+    required = {"max_tokens": _VALID["max_tokens"]}
+    optional = {k: v for k, v in _VALID.items() if k not in required}
+    kwargs: dict[str, Any] = draw(st.fixed_dictionaries(required, optional=optional))
     if draw(st.integers(0, 2)) == 0:
         kwargs[draw(st.sampled_from(list(_VALID)))] = draw(_GARBAGE)
     return kwargs
@@ -634,7 +648,7 @@ def test_fuzz_a_clear_error_or_an_answer(
     else:
         event("served")
         assert out.finish_reason in ("stop", "length")
-        assert 1 <= len(out.token_ids) <= params.max_tokens
+        assert 1 <= len(out.token_ids) <= (params.max_tokens or MAX_MODEL_LEN)
         assert all(0 <= t < VOCAB for t in out.token_ids)
         if params.logprobs is not None:
             assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)

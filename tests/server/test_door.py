@@ -111,7 +111,7 @@ def test_long_text_is_tokenized_off_the_event_loop(server: Server, reference: st
         server, lambda: post_json(server.url, "/v1/completions", body)
     )
     assert response.status_code == 400, response.text[:300]
-    assert_error(response.json(), 400, "maximum context length", "6000 in the prompt")
+    assert_error(response.json(), 400, "max_tokens 8092 does not fit", "prompt has 6000 tokens")
     assert_healthy(health, reference)
 
 

@@ -7,7 +7,8 @@ metrics routes (counters move by what was served); greedy text equal to
 ``asyncstep generate``'s; 32 streams at once; clients that drop their
 connection (their requests stop running at once); bad requests (the right
 status and error JSON, the server serving on); and, last, SIGTERM under
-load (a clean exit 0). All of it against one server process, and again
+load (one line says what the stop waits for, new requests get 503 while it
+drains, a clean exit 0). All of it against one server process, and again
 against two API server processes sharing the port and one engine core."""
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Server:
     output: list[str]
     #: ``asyncstep generate --json`` of REFERENCE_PROMPTS, started with the server.
     reference: subprocess.Popen[str]
+    api_servers: int
 
     @property
     def port(self) -> int:
@@ -106,7 +108,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     )
     output: list[str] = []
     url = serving_url(proc, output)
-    yield Server(proc, url, output, reference)
+    yield Server(proc, url, output, reference, request.param)
     for child in (proc, reference):
         if child.poll() is None:
             child.kill()
@@ -942,8 +944,10 @@ def test_sigterm_under_load_finishes_short_requests_aborts_long_ones(server: Ser
         read_until(sock, b"data: {")
     wait_for(lambda: running(server) == 4, "every request to run")
     server.proc.send_signal(signal.SIGTERM)
-    refused = wait_for(lambda: not can_connect(server), "the listener to close", timeout_s=10)
-    assert refused
+    # While it drains, a new connection is taken and told 503.
+    wait_for(lambda: health(server) == 503, "/health to answer 503", timeout_s=10)
+    refused = server.post(COMPLETIONS, {"prompt": "Hi", "max_tokens": 1})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
     # The short request finishes in the grace period, whole.
     reply = read_until(short, b'"usage"')
     assert b'"finish_reason":"length"' in reply and b'"completion_tokens":8' in reply
@@ -952,11 +956,17 @@ def test_sigterm_under_load_finishes_short_requests_aborts_long_ones(server: Ser
         tail = read_until(sock, b"data: [DONE]", timeout_s=SHUTDOWN_TIMEOUT + 20)
         assert b'"finish_reason":"abort"' in tail
     assert server.proc.wait(30) == 0, "".join(server.output)
+    assert health(server) is None  # the listener closed once the drain was over
+    # One line said what the stop waits for (the supervisor's, of two API servers).
+    waited = "4 requests" if server.api_servers == 1 else "the requests"
+    line = f"asyncstep: stopping: waiting up to {SHUTDOWN_TIMEOUT} s for {waited} in flight"
+    said = [li.rstrip("\n") for li in server.output if li.startswith("asyncstep: stopping")]
+    assert said == [f"{line}; SIGTERM again to abort them"]
 
 
-def can_connect(server: Server) -> bool:
+def health(server: Server) -> int | None:
+    """``/health``'s status on a new connection (None: refused)."""
     try:
-        socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
-    except OSError:
-        return False
-    return True
+        return httpx.get(server.url + "/health", timeout=10).status_code
+    except httpx.ConnectError:
+        return None

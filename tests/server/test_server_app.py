@@ -3,7 +3,8 @@ under a prefix of its own Starlette app and served by Hypercorn under
 asyncio; under Trio, requests past ``max_waiting_requests`` get 429 (and the
 server serves again once the queue has room); a model without a tokenizer
 serves token ids; once the engine is dead, ``/health`` and the routes answer
-503."""
+503; ``asyncstep serve``'s first Ctrl-C says what the stop waits for, and
+new requests meanwhile get 503."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ import openai
 import pytest
 import trio
 from hypercorn.config import Config
-from processes import wait_gone
+from processes import serving_url, wait_for, wait_gone
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -187,6 +190,38 @@ async def test_token_ids_without_a_tokenizer_then_503_once_the_engine_is_dead() 
                 assert "engine" in refused.json()["error"]["message"]
 
 
+@pytest.mark.trio
+async def test_max_tokens_past_the_context_is_a_400_naming_the_numbers(tiny_hf_dir: Path) -> None:
+    """The engine's one rule (as from Python and the command line), the
+    field given named; a request of several prompts is refused whole."""
+    options: dict[str, Any] = {"device": "cpu", "dtype": "float32", "engine_process": False}
+    async with asyncstep.open_engine(tiny_hf_dir, max_model_len=64, **options) as engine:
+        transport = httpx.ASGITransport(app=build_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+
+            async def refused(path: str, body: dict[str, Any], param: str) -> str:
+                response = await client.post(path, json=body)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["param"] == param, error
+                return str(error["message"])
+
+            body = {"prompt": [1, 2, 3], "max_tokens": 62}
+            assert await refused("/v1/completions", body, "max_tokens") == (
+                "max_tokens 62 does not fit: the prompt has 3 tokens and the model's context "
+                "(max_model_len) is 64, which leaves 61: ask for at most 61"
+            )
+            both = body | {"prompt": [[1], [1, 2, 3]]}  # the first fits, the second not
+            assert "leaves 61" in await refused("/v1/completions", both, "max_tokens")
+            assert engine.statistics().num_finished_reqs == 0  # neither ran
+            chat = {"messages": USER, "max_completion_tokens": 64}
+            message = await refused("/v1/chat/completions", chat, "max_completion_tokens")
+            assert message.startswith("max_tokens 64 does not fit: the prompt has ")
+            whole = await client.post("/v1/completions", json=body | {"max_tokens": 61})
+            assert whole.status_code == 200
+            assert whole.json()["usage"]["completion_tokens"] <= 61
+
+
 def test_serve_flags_make_the_server_config(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -257,9 +292,6 @@ def test_asyncstep_serve_exits_when_its_engine_or_an_api_server_dies(
 ) -> None:
     """A supervisor sees a dead engine, or a dead API server: the server
     stops and exits 1 with one line, leaving no process behind."""
-    import subprocess
-    import sys
-
     argv = [sys.executable, "-m", "asyncstep", "serve", "--model", "tiny-llama", "--port", "0"]
     argv += ["--load-format", "dummy", "--device", "cpu", "--dtype", "float32"]
     argv += ["--api-server-count", str(api_servers)]
@@ -289,3 +321,66 @@ def test_asyncstep_serve_exits_when_its_engine_or_an_api_server_dies(
     assert "SIGKILL" in lines[-1]
     for pid in children:
         assert wait_gone(pid, 15), f"process {pid} ({by_kind[pid]}) outlived the server"
+
+
+def read_until(sock: socket.socket, marker: bytes, timeout_s: float = 60) -> bytes:
+    sock.settimeout(timeout_s)
+    got = b""
+    while marker not in got:
+        part = sock.recv(65536)
+        assert part, f"connection closed before {marker!r}: {got!r}"
+        got += part
+    return got
+
+
+def health(url: str) -> int | None:
+    """``/health``'s status on a new connection (None: refused)."""
+    try:
+        return httpx.get(url + "/health").status_code
+    except httpx.ConnectError:
+        return None
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_the_first_ctrl_c_says_what_it_waits_for_and_new_requests_get_503(
+    api_servers: int,
+) -> None:
+    """Random SmolLM2-sized weights in float32: 2000 tokens take far longer
+    than the test's requests during the drain."""
+    argv = [sys.executable, "-m", "asyncstep", "serve", "--port", "0", "--shutdown-timeout", "120"]
+    argv += ["--load-format", "dummy", "--model", "smollm2-135m", "--device", "cpu"]
+    argv += ["--dtype", "float32", "--weight-packing", "none", "--kv-cache-memory-gib", "0.1"]
+    argv += ["--api-server-count", str(api_servers)]
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = serving_url(server, [])
+        long = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        data = json.dumps(long).encode()
+        stream = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        stream.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        read_until(stream, b"data: {")
+        server.send_signal(signal.SIGINT)
+        # The drain: a new connection is still taken, and answered 503.
+        wait_for(lambda: health(url) == 503, "/health to answer 503")
+        refused = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["message"] == "the server is shutting down"
+        server.send_signal(signal.SIGINT)  # the second: the stream is aborted at once
+        assert b'"finish_reason":"abort"' in read_until(stream, b"data: [DONE]")
+        stream.close()
+        code = server.wait(timeout=60)
+        assert server.stderr is not None
+        err = server.stderr.read()
+        assert code == 0, err
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    waited = "1 request in flight" if api_servers == 1 else "the requests in flight"
+    line = f"asyncstep: stopping: waiting up to 120 s for {waited}; Ctrl-C again to abort them"
+    assert [li for li in err.splitlines() if "stopping" in li] == [line], err
+    assert "Traceback" not in err

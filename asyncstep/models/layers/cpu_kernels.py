@@ -9,7 +9,9 @@ kept quantized (``cpu_quant.c``, bound by
 The shared library is built for this CPU (``-march=native``) into
 ``$ASYNCSTEP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/asyncstep`` or
 ``~/.cache/asyncstep``), keyed by the source, the flags and the CPU's
-feature flags, so later processes load it without compiling. Without a
+feature flags, so later processes load it without compiling; the build,
+a wait of seconds once per machine, is told on stderr
+(:func:`~asyncstep.logging.notice`). Without a
 compiler (or with ``ASYNCSTEP_CPU_KERNELS=torch``; the older
 ``ASYNCSTEP_CPU_ATTENTION=torch`` too) :func:`load_cpu_kernels` returns None
 and every caller runs torch instead: the runner keeps the torch reference
@@ -33,6 +35,7 @@ import structlog
 import torch
 
 from asyncstep.cpu_features import cpu_flags
+from asyncstep.logging import notice, shown_path
 from asyncstep.models.layers.cpu_attention import CPU_ATTENTION_DTYPES, CpuPagedAttention
 from asyncstep.models.layers.cpu_layer_ops import CpuLayerOps
 
@@ -116,6 +119,9 @@ def load_cpu_kernels() -> CpuKernels | None:
         target = _cache_dir() / f"cpu_kernels_{_build_key(compiler, flags)}.so"
         try:
             if not target.exists():
+                if not errors:  # (a second flag set is the same wait, told once)
+                    where = shown_path(target.parent)
+                    notice(f"building the CPU kernels for this machine (once, ~10 s) in {where}")
                 _compile(compiler, [*BASE_FLAGS, *flags], target)
             library = ctypes.CDLL(str(target))
         except (OSError, subprocess.SubprocessError) as e:

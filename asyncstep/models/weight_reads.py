@@ -1,0 +1,59 @@
+"""The bytes of weights a forward step of a loaded model reads
+(:class:`~asyncstep.datatypes.WeightReads`): what a memory-bound step
+cannot go below.
+
+Layer by layer: a linear layer (and the LM head) with a packed copy
+(:class:`~asyncstep.models.layers.packed.PackedWeight`: the CPU's Q4/Q8
+blocks or torch's int4/int8, the GPU's Q4) reads that copy's bytes in a
+step of at most its ``max_tokens`` tokens and its dense weight in a larger
+one; one without reads its dense weight; the input embedding reads one row
+per token of the step, not its table (a tied LM head reads the table whole,
+as a projection); every other parameter (norms, biases) is read whole.
+Buffers (the rotary tables) are left out. Imports torch and the model's
+layers only.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from asyncstep.datatypes import PackedReads, WeightReads
+from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from asyncstep.models.layers.packed import PackedWeight
+
+__all__ = ["weight_reads"]
+
+
+def weight_reads(model: nn.Module) -> WeightReads:
+    """The weight bytes ``model``'s forward steps read (see the module doc)."""
+    dense = 0
+    row = 0
+    tiers: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for module in model.modules():
+        own = dict(module.named_parameters(recurse=False))
+        weight = own.pop("weight", None)
+        dense += sum(_nbytes(p) for p in own.values())  # biases
+        if weight is None:
+            continue
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
+            packed = getattr(module, "packed", None)
+            if isinstance(packed, PackedWeight):
+                tier = tiers[packed.max_tokens]
+                tier[0] += packed.nbytes
+                tier[1] += _nbytes(weight)
+            else:
+                dense += _nbytes(weight)
+        elif isinstance(module, VocabParallelEmbedding):
+            row = max(row, weight.shape[-1] * weight.element_size())
+        else:
+            dense += _nbytes(weight)
+    packed_reads = [PackedReads(k, *tiers[k]) for k in sorted(tiers)]
+    return WeightReads(dense_bytes=dense, packed=packed_reads, embedding_row_bytes=row)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
