@@ -242,9 +242,10 @@ TIE_NATS = 0.25
 async def test_dense_bfloat16_against_transformers(
     prompt_ids: list[list[int]], hf_tokens: list[list[int]]
 ) -> None:
-    """Dense bf16 weights with a float32 residual stream (the CPU's ``dtype=auto``
-    for a dense model where it multiplies bf16), whose logits are bf16,
-    against transformers' fp32 greedy tokens: walked along them (their tokens
+    """Dense bf16 weights (rounded from the GGUF's 4-bit values) with a float32
+    residual stream and float32 logits (the CPU's ``dtype=auto`` for a dense
+    model where it multiplies bf16) against transformers' fp32 greedy tokens
+    on the unrounded weights: walked along them (their tokens
     as our prompt), each is our top one or within :data:`TIE_NATS` of it; and
     our own greedy tokens are theirs up to the first place they part, where
     theirs is within :data:`TIE_NATS` of ours (a decode step's logits)."""

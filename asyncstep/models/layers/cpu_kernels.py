@@ -2,9 +2,11 @@
 the machine's C compiler, cached, and called through ctypes. One library
 holds the paged attention (:mod:`~asyncstep.models.layers.cpu_attention`),
 a decoder layer's non-matmul ops
-(:mod:`~asyncstep.models.layers.cpu_layer_ops`) and the matmuls of weights
+(:mod:`~asyncstep.models.layers.cpu_layer_ops`), the matmuls of weights
 kept quantized (``cpu_quant.c``, bound by
-:func:`~asyncstep.models.layers.cpu_quant.quant_matmul`).
+:func:`~asyncstep.models.layers.cpu_quant.quant_matmul`) and of dense
+bfloat16 weights with float32 outputs (``cpu_dense.c``, bound by
+:func:`~asyncstep.models.layers.cpu_dense.dense_matmul`).
 
 The shared library is built for this CPU (``-march=native``) into
 ``$ASYNCSTEP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/asyncstep`` or
@@ -49,7 +51,9 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / name for name in ("cpu_kernels.c", "cpu_quant.c", "cpu_decode.c"))
+SOURCES = tuple(
+    _HERE / name for name in ("cpu_kernels.c", "cpu_quant.c", "cpu_decode.c", "cpu_dense.c")
+)
 #: Included by the sources (part of the build key).
 HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "cpu_kernels.h", "cpu_quant.h"))
 #: Must match ``ASYNCSTEP_ABI_VERSION`` in the source.

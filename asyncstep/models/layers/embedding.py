@@ -9,6 +9,7 @@ from torch import nn
 
 from asyncstep.channels import get_tp_group
 from asyncstep.errors import ModelLoadError
+from asyncstep.models.layers.cpu_dense import CpuDenseMatmul, dense_matmul
 from asyncstep.models.layers.cpu_quant import CpuQuantWeight
 from asyncstep.models.layers.linear import packed_linear, reduce_partial_sums
 from asyncstep.models.layers.packed import PackedWeight
@@ -69,15 +70,26 @@ class ParallelLMHead(VocabParallelEmbedding):
     dense_gemv: bool = False
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The logits of ``hidden_states``' rows: float32 from the CPU
-        library's packed head (its float32 sums, not rounded to the model's
-        dtype: a bfloat16 logit of ~20 moves in steps of 0.125, which ties
-        tokens that float32 separates), else in the model's dtype."""
+        """The logits of ``hidden_states``' rows: on the CPU float32 from the
+        library's packed head or its dense bfloat16 matmul (float32 sums, not
+        rounded to the model's dtype: a bfloat16 logit of ~20 moves in steps
+        of 0.125, which ties tokens that float32 separates), else in the
+        model's dtype."""
         packed = self.packed
         if isinstance(packed, CpuQuantWeight) and packed.applies(hidden_states):
             logits = packed.mm(hidden_states, torch.float32)
+        elif (matmul := _cpu_bfloat16_matmul(self.weight)) is not None:
+            logits = matmul(hidden_states, self.weight)
         else:
             logits = packed_linear(hidden_states, self.weight, packed, dense_gemv=self.dense_gemv)
         if self.tp_size > 1:
             logits = get_tp_group().all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]
+
+
+def _cpu_bfloat16_matmul(weight: torch.Tensor) -> CpuDenseMatmul | None:
+    """The CPU library's dense matmul for a bfloat16 weight on the CPU (None
+    elsewhere, or where the library is off)."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    return dense_matmul()

@@ -1,0 +1,84 @@
+"""The CPU library's matmul of a dense bfloat16 weight (``cpu_dense.c``,
+loaded by :func:`~asyncstep.models.layers.cpu_kernels.load_cpu_kernels`):
+``x @ w.T`` read from torch's own tensor (no copy), in float32 sums written
+as float32, each output row computed alone (the same whatever the other
+rows). Its use: the float32 logits of a bfloat16 LM head on the CPU.
+Imports torch and the library's loader only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import struct
+
+import torch
+
+from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
+
+__all__ = ["CpuDenseMatmul", "dense_matmul"]
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+#: The C side's ``DenseMatmulArgs``: 8 bytes per field, pointers as integers.
+_ARGS = struct.Struct(
+    "<q"  # weight
+    "qqq"  # out_features, in_features, weight row stride
+    "qqq"  # x, its dtype, row stride
+    "qqq"  # out, its dtype, row stride
+    "q"  # rows
+    "q"  # threads
+)
+#: ``asyncstep_dense_matmul_isa()``'s answer: which build runs.
+_ISAS = {0: "plain C", 1: "AVX512-BF16", 2: "AVX512F", 3: "AVX2"}
+
+
+class CpuDenseMatmul:
+    """The library's dense bfloat16 matmul (``asyncstep_dense_matmul``)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._matmul = library.asyncstep_dense_matmul
+        self._matmul.argtypes = [ctypes.c_char_p]
+        self._matmul.restype = ctypes.c_int
+        #: The build the kernel runs.
+        self.isa = _ISAS[int(library.asyncstep_dense_matmul_isa())]
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """``x @ weight.T`` for ``x`` ``[rows, K]`` (float32 or bfloat16,
+        unit stride within a row) and ``weight`` ``[N, K]`` bfloat16 (unit
+        stride within a row), in ``out_dtype``."""
+        if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in _DTYPES:
+            raise ValueError("x must be float32 or bfloat16 rows (unit stride within a row)")
+        if weight.dim() != 2 or weight.stride(1) != 1 or weight.dtype != torch.bfloat16:
+            raise ValueError("the weight must be bfloat16 rows (unit stride within a row)")
+        if x.shape[1] != weight.shape[1]:
+            raise ValueError(f"x has {x.shape[1]} features, the weight {weight.shape[1]}")
+        if x.device.type != "cpu" or weight.device.type != "cpu":
+            raise ValueError("the CPU library's matmul takes CPU tensors")
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+        args = _ARGS.pack(
+            weight.data_ptr(),
+            weight.shape[0],
+            weight.shape[1],
+            weight.stride(0),
+            x.data_ptr(),
+            _DTYPES[x.dtype],
+            x.stride(0),
+            out.data_ptr(),
+            _DTYPES[out_dtype],
+            out.stride(0),
+            x.shape[0],
+            torch.get_num_threads(),
+        )
+        if self._matmul(args) != 0:
+            raise MemoryError("the dense matmul found no scratch memory")
+        return out
+
+
+@functools.cache
+def dense_matmul() -> CpuDenseMatmul | None:
+    """The library's dense bfloat16 matmul (the library built on first use);
+    None where the library is off or does not build."""
+    kernels = load_cpu_kernels()
+    return None if kernels is None else CpuDenseMatmul(kernels.library)

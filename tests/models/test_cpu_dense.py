@@ -1,0 +1,105 @@
+"""The CPU library's dense bfloat16 matmul (``cpu_dense.c``): float32 sums
+of the bfloat16 weights (x rounded to bfloat16 only where AVX512-BF16's
+vdpbf16ps runs), each output row computed alone, in every build this
+machine compiles (AVX512-BF16, AVX512F, AVX2, plain C); the LM head of a
+bfloat16 model writes its float32 logits with it."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncstep
+from asyncstep.cpu_features import cpu_flags
+from asyncstep.models.layers.cpu_dense import CpuDenseMatmul, dense_matmul
+from asyncstep.models.layers.embedding import ParallelLMHead
+
+MATMUL = dense_matmul()
+pytestmark = pytest.mark.skipif(MATMUL is None, reason="no C compiler: the library is off")
+
+#: Each build and the flags that make it (on a machine whose CPU runs it).
+BUILDS = {
+    "AVX512-BF16": ("-march=native",),
+    "AVX512F": ("-march=native", "-mno-avx512bf16"),
+    "AVX2": ("-mavx2", "-mfma", "-mf16c"),
+    "plain C": (),
+}
+NEEDS = {"AVX512-BF16": {"avx512_bf16", "avx512f"}, "AVX512F": {"avx512f"}, "AVX2": {"avx2", "fma"}}
+
+
+def build(isa: str, tmp_path: Path) -> CpuDenseMatmul:
+    """cpu_dense.c alone, built for ``isa`` (skipped where this CPU lacks it)."""
+    missing = NEEDS.get(isa, set()) - cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU has no {', '.join(sorted(missing))}: the {isa} build is not run")
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = Path(asyncstep.__file__).parent / "models/layers/cpu_dense.c"
+    target = tmp_path / "cpu_dense.so"
+    flags = ["-O2", "-std=gnu11", "-fPIC", "-shared", *BUILDS[isa]]
+    subprocess.run(
+        [compiler, *flags, str(source), "-o", str(target)], check=True, capture_output=True
+    )
+    built = CpuDenseMatmul(ctypes.CDLL(str(target)))
+    assert built.isa == isa
+    return built
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, isa: str) -> torch.Tensor:
+    """The contract in float64: AVX512-BF16 multiplies x rounded to bfloat16."""
+    rows = x.bfloat16() if isa == "AVX512-BF16" else x
+    return rows.double() @ weight.double().T
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("features", [64, 100, 576])
+def test_every_build_computes_its_contract_row_by_row(
+    isa: str, features: int, tmp_path: Path
+) -> None:
+    """float32 sums of exact products (a few ulps of the sum of magnitudes),
+    rows 1..9 (across the tiles of 4) and widths not a multiple of 32; a
+    row's outputs are the same alone and among the others, to the bit."""
+    matmul = build(isa, tmp_path)
+    weight = torch.randn(37, features).bfloat16()
+    x = torch.randn(9, features)
+    out = matmul(x, weight)
+    magnitude = x.abs().double() @ weight.abs().double().T
+    assert out.dtype == torch.float32
+    assert ((out.double() - reference(x, weight, isa)).abs() <= 1e-5 * magnitude + 1e-6).all()
+    for rows in range(1, 9):
+        assert torch.equal(matmul(x[:rows], weight), out[:rows])
+    assert torch.equal(matmul(x[5:6], weight), out[5:6])
+    assert torch.equal(matmul(x.bfloat16(), weight), matmul(x.bfloat16().float(), weight))
+    assert torch.equal(matmul(x, weight, torch.bfloat16), out.bfloat16())
+
+
+def test_bad_inputs_are_refused_in_one_line() -> None:
+    assert MATMUL is not None
+    weight = torch.randn(16, 64).bfloat16()
+    with pytest.raises(ValueError, match="float32 or bfloat16 rows"):
+        MATMUL(torch.randn(2, 64).half(), weight)
+    with pytest.raises(ValueError, match="the weight must be bfloat16"):
+        MATMUL(torch.randn(2, 64), weight.float())
+    with pytest.raises(ValueError, match="64 features, the weight 32"):
+        MATMUL(torch.randn(2, 64), weight[:, :32].contiguous())
+    assert MATMUL(torch.randn(0, 64), weight).shape == (0, 16)
+
+
+def test_a_bfloat16_lm_head_writes_float32_logits() -> None:
+    """torch's bfloat16 matmul would round them to bfloat16 (steps of 0.125
+    at 20); the library's keep float32's precision."""
+    head = ParallelLMHead(300, 64, torch.bfloat16)
+    head.weight.data.copy_(torch.randn(300, 64) * 2)
+    hidden = torch.randn(3, 64).bfloat16()
+    logits = head.compute_logits(hidden)
+    exact = hidden.double() @ head.weight.double().T
+    assert logits.dtype == torch.float32
+    assert (logits.double() - exact).abs().max() < 1e-4
+    rounded = torch.nn.functional.linear(hidden, head.weight)
+    assert (rounded.double() - exact).abs().max() > 1e-3  # what it would have been
