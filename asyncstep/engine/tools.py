@@ -84,8 +84,8 @@ class ForcedCalls:
         return schema
 
     def structured_outputs(self) -> StructuredOutputsParams:
-        """The grammar of :meth:`schema` (compact JSON: a small model may
-        otherwise fill its budget with blank lines)."""
+        """The grammar of :meth:`schema` (compact JSON: no whitespace, the
+        fewest tokens a call can take)."""
         return StructuredOutputsParams(json=self.schema(), disable_any_whitespace=True)
 
     def calls(self, text: str) -> list[ToolCall] | None:

@@ -311,7 +311,9 @@ def test_prompt_logprobs_and_echo_with_logprobs(server: Server) -> None:
 
 def test_a_json_schema_reply_parses_and_validates(server: Server) -> None:
     """response_format (json_schema, json_object) and vLLM's structured_outputs
-    constrain the output (they need the engine's structured-output support)."""
+    constrain the output (they need the engine's structured-output support);
+    a schema's reply is standard JSON (no blank lines, no space before a
+    comma, sampled or not), compact with ``disable_any_whitespace``."""
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -333,6 +335,35 @@ def test_a_json_schema_reply_parses_and_validates(server: Server) -> None:
     reply = json.loads(out.choices[0].message.content or "")
     jsonschema.validate(reply, schema)
     assert out.choices[0].finish_reason == "stop"
+    # Sampled (where any whitespace let the model write blank lines and
+    # spaces before commas): standard JSON, indented by 2.
+    sampled = client.chat.completions.create(
+        model=MODEL,
+        messages=person,  # type: ignore[arg-type]
+        max_tokens=96,
+        temperature=1.0,
+        seed=0,
+        n=8,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": schema},
+        },
+    )
+    for choice in sampled.choices:
+        text = choice.message.content or ""
+        between = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)  # the whitespace outside strings
+        assert "\n\n" not in between and not re.search(r"\s,", between), text
+        if choice.finish_reason == "stop":
+            assert text == json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    compact = client.chat.completions.create(
+        model=MODEL,
+        messages=person,  # type: ignore[arg-type]
+        max_tokens=128,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+    )
+    text = compact.choices[0].message.content or ""
+    assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
     anything = client.chat.completions.create(
         model=MODEL,
         messages=person,  # type: ignore[arg-type]
