@@ -515,6 +515,14 @@ class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
             "request; each compile waits its turn, round robin over the clients)"
         ),
     ] = 1
+    grammar_compile_idle_s: Annotated[
+        float,
+        _doc(
+            "seconds a compile worker may wait for a compile: then it exits and frees its "
+            "memory (xgrammar and the vocabulary); the next grammar not in the cache starts "
+            "one again"
+        ),
+    ] = 60.0
     grammar_compile_timeout_s: Annotated[
         float,
         _doc(
@@ -553,10 +561,9 @@ class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if not self.grammar_compile_timeout_s > 0:
-            raise ConfigError(
-                f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}"
-            )
+        for name in ("grammar_compile_timeout_s", "grammar_compile_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.grammar_cache_mib < 0:
             raise ConfigError(
                 f"grammar_cache_mib must be 0 (no cache) or positive, got {self.grammar_cache_mib}"

@@ -46,8 +46,8 @@ class StructuredOutputsParams(
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
-    #: ``json``: no whitespace between tokens (compact JSON), as vLLM's
-    #: option: a small model may otherwise fill its budget with blank lines.
+    #: ``json``: no whitespace at all (compact JSON, ``","`` and ``":"``), as
+    #: vLLM's option; else standard JSON indented by 2, no other whitespace.
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -84,7 +84,7 @@ class StructuredOutputsParams(
 
     @property
     def grammar_kind(self) -> str:
-        """:attr:`kind`, ``json_compact`` for ``json`` without free whitespace:
+        """:attr:`kind`, ``json_compact`` for ``json`` without whitespace:
         with :attr:`spec`, what a compiled grammar is known by."""
         compact = self.kind == "json" and self.disable_any_whitespace
         return "json_compact" if compact else self.kind

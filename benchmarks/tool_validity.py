@@ -4,7 +4,7 @@ arrays, several tools, parallel calls), ``tool_choice`` ``required`` or a
 named function, through the real ``openai`` client against the app (in this
 process, over an ASGI transport) on the embedded model: every call must name
 a tool of its request and its arguments validate against that tool's schema.
-A reply cut by ``max_tokens`` is counted apart (its text stays content).
+A reply cut by ``max_tokens`` is counted apart.
 
     python3 benchmarks/tool_validity.py --out benchmarks/results/tools/validity.json
 """

@@ -435,6 +435,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "grammar_max_properties": (["64"], 64),
     "grammar_max_depth": (["8"], 8),
     "grammar_compile_workers": (["2"], 2),
+    "grammar_compile_idle_s": (["300"], 300.0),
     "grammar_compile_timeout_s": (["2.5"], 2.5),
     "grammar_compile_memory_mib": (["512"], 512),
     "grammar_cache_mib": (["0"], 0),

@@ -2,7 +2,10 @@
 and its tool calls (forced by a grammar, or found by ``auto``'s parser),
 whole (:meth:`ReplyReader.whole`) or piece by piece as it streams
 (:class:`ReplyStream`). ``Engine.chat`` and the HTTP server's chat
-responses both read replies through it.
+responses both read replies through it. A stream has no empty piece: a
+chunk that brings nothing to show (text held back, a forced call not yet
+complete) is left out, its tokens and log-probs going with the next piece
+(:meth:`ReplyStream.take`).
 
 The thinking comes first: with a reasoning parser, the calls are read from
 the answer after it (a forced call's grammar holds from the end of the
@@ -11,9 +14,10 @@ thinking on: :mod:`asyncstep.engine.reasoning_gate`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from asyncstep.engine.outputs import DeltaToolCall, ToolCall
+from asyncstep.datatypes import Logprobs
+from asyncstep.engine.outputs import CompletionChunk, DeltaToolCall, ToolCall
 from asyncstep.engine.reasoning import ReasoningParser, ReasoningStream
 from asyncstep.engine.tool_parsers import ParserStream, ToolParser
 from asyncstep.engine.tools import ForcedCalls, ToolCallStream, ToolMode
@@ -51,6 +55,7 @@ class ReplyReader:
         if isinstance(mode, ForcedCalls):  # the answer is the calls alone
             calls = mode.calls(content or "")
             content = None if calls is not None else content
+            calls = calls or None
         elif mode is not None:
             parsed = mode.parse(content or "")
             content, calls = parsed.content, parsed.calls or None
@@ -59,6 +64,19 @@ class ReplyReader:
     def stream(self) -> ReplyStream:
         """A stream for one choice."""
         return ReplyStream(self)
+
+
+@dataclass(frozen=True)
+class ReplyPiece:
+    """The next piece of one choice's reply (None where empty), the tokens
+    since the previous piece, and (the last) its finish reason."""
+
+    reasoning: str | None
+    content: str | None
+    calls: list[DeltaToolCall] | None
+    token_ids: list[int]
+    logprobs: list[Logprobs] | None
+    finish_reason: str | None
 
 
 @dataclass
@@ -71,6 +89,9 @@ class ReplyStream:
     called: bool = False
     _thinking: ReasoningStream | None = None
     _calls: ToolCallStream | ParserStream | None = None
+    #: Tokens and log-probs of the chunks left out since the last piece.
+    _token_ids: list[int] = field(default_factory=list)
+    _logprobs: list[Logprobs] | None = None
 
     def __post_init__(self) -> None:
         reader = self.reader
@@ -80,6 +101,29 @@ class ReplyStream:
             self._calls = ToolCallStream(reader.tools)
         elif isinstance(reader.tools, ToolParser):
             self._calls = reader.tools.stream()
+
+    def take(self, chunk: CompletionChunk, *, keep_empty: bool = False) -> ReplyPiece | None:
+        """The piece of the reply ``chunk`` brings, or None when it brings
+        nothing to show and does not end the reply (``keep_empty``: a piece
+        even then); the tokens of the chunks left out come with the next."""
+        finished = chunk.finish_reason is not None
+        reasoning, content, calls = self.feed(chunk.text, finished)
+        self._token_ids += chunk.token_ids
+        if chunk.logprobs is not None:
+            self._logprobs = [*(self._logprobs or ()), *chunk.logprobs]
+        if not (reasoning or content or calls or finished or keep_empty):
+            return None
+        reason = None if chunk.finish_reason is None else str(chunk.finish_reason)
+        piece = ReplyPiece(
+            reasoning,
+            content,
+            calls,
+            self._token_ids,
+            self._logprobs,
+            finish_reason(reason, self.called),
+        )
+        self._token_ids, self._logprobs = [], None
+        return piece
 
     def feed(
         self, text: str, finished: bool
@@ -95,9 +139,9 @@ class ReplyStream:
             if content is None and not finished:
                 return reasoning, None, None  # the answer has not started
             calls, content = self._calls.delta(content or "", finished)
-            self.called = content is None
         elif self._calls is not None:
             content, calls = self._calls.feed(content or "", finished)
+        if self._calls is not None:
             self.called = self._calls.num_calls > 0
         return reasoning, content, calls
 

@@ -290,10 +290,11 @@ class Engine:
         client: str = "",
     ) -> AsyncIterator[ChatChunk]:
         """:meth:`chat`, chunk by chunk as OpenAI streams it: each chunk one
-        choice's new thinking, answer and call deltas (a call's id and name
-        first, then its arguments; ``required``'s calls whole once their
-        list is complete; ``auto``'s each once it is whole). The arguments
-        as :meth:`chat`; leaving the iteration early aborts the request."""
+        choice's new thinking, answer and call deltas (a named call's id and
+        name first, then its arguments; each of ``required``'s and
+        ``auto``'s calls whole once it is complete). A chunk with nothing
+        new is left out: its tokens come with the next. The arguments as
+        :meth:`chat`; leaving the iteration early aborts the request."""
         ids, params, reader = await self._chat_request(
             messages,
             sampling_params,
@@ -311,20 +312,19 @@ class Engine:
         )
         async with contextlib.aclosing(chunks):  # leaving early aborts the request
             async for chunk in chunks:
-                stream = streams.setdefault(chunk.index, reader.stream())
-                finished = chunk.finish_reason is not None
-                reasoning, content, calls = stream.feed(chunk.text, finished)
-                reason = None if chunk.finish_reason is None else str(chunk.finish_reason)
+                piece = streams.setdefault(chunk.index, reader.stream()).take(chunk)
+                if piece is None:
+                    continue  # nothing new: its tokens go with the next
                 yield ChatChunk(
                     request_id=chunk.request_id,
                     index=chunk.index,
-                    content=content,
-                    reasoning_content=reasoning,
-                    tool_calls=calls,
-                    token_ids=chunk.token_ids,
-                    finish_reason=finish_reason(reason, stream.called),
+                    content=piece.content,
+                    reasoning_content=piece.reasoning,
+                    tool_calls=piece.calls,
+                    token_ids=piece.token_ids,
+                    finish_reason=piece.finish_reason,
                     stop_reason=chunk.stop_reason,
-                    logprobs=chunk.logprobs,
+                    logprobs=piece.logprobs,
                 )
 
     async def _chat_request(

@@ -33,6 +33,18 @@ if TYPE_CHECKING:
 
 _XGRAMMAR_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
+#: How a JSON schema's output is laid out, by grammar kind (xgrammar's
+#: ``from_json_schema`` keywords). ``json``: standard JSON, as
+#: ``json.dumps(value, indent=2)`` lays it out (xgrammar's default, any
+#: whitespace between tokens, lets a model write blank lines and spaces
+#: before commas, or fill its budget with them; its ``max_whitespace_cnt``
+#: bounds a run's length, not where it goes). ``json_compact``
+#: (``disable_any_whitespace``): no whitespace at all, as vLLM's option.
+JSON_LAYOUTS: dict[str, dict[str, Any]] = {
+    "json": {"any_whitespace": False, "indent": 2},
+    "json_compact": {"any_whitespace": False, "separators": (",", ":")},
+}
+
 
 def check_grammar(
     params: StructuredOutputsParams, budget: StructuredOutputsConfig | None = None
@@ -54,8 +66,8 @@ def grammar_of(params: StructuredOutputsParams) -> xgrammar.Grammar:
     kind = params.kind
     try:
         if kind == "json":
-            compact = params.disable_any_whitespace
-            return xgr.Grammar.from_json_schema(params.spec, any_whitespace=not compact)
+            layout = JSON_LAYOUTS[params.grammar_kind]
+            return xgr.Grammar.from_json_schema(params.spec, **layout)
         if kind == "json_object":
             return xgr.Grammar.builtin_json_grammar()
         if kind == "regex":
@@ -127,10 +139,8 @@ class GrammarCompiler:
         when it does not compile."""
         compiler: Any = self._compiler
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(spec)
-            if kind == "json_compact":
-                return compiler.compile_json_schema(spec, any_whitespace=False)
+            if kind in JSON_LAYOUTS:
+                return compiler.compile_json_schema(spec, **JSON_LAYOUTS[kind])
             if kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
             if kind == "regex":

@@ -21,7 +21,10 @@ compile, in a thread of low priority: see
 :mod:`asyncstep.engine.structured_output`), still in the slot, so at most
 one build per slot runs at a time and each is known to be within the
 limits; a build cannot be stopped, so a job whose requests went away during
-its build ends when the build does.
+its build ends when the build does. A worker holds xgrammar (and through it
+torch and transformers) and the vocabulary: one that waited
+``grammar_compile_idle_s`` for a job is stopped, and its slot starts a fresh
+one for the next (a grammar in the core's cache needs none).
 
 A "client" is whatever key the requests carry (the engine core uses the
 front end that added the request and the caller's client key, e.g. an HTTP
@@ -104,6 +107,8 @@ class CompilePoolStats:
     num_cancelled: int = 0
     num_workers_started: int = 0
     num_workers_killed: int = 0
+    #: Workers stopped after ``grammar_compile_idle_s`` without a job.
+    num_workers_idle: int = 0
 
 
 class CompileLimitError(InvalidRequestError):
@@ -383,7 +388,7 @@ class CompilePool:
 
     async def _serve(self, slot: int) -> None:
         while True:
-            client, job = await self._queue.get()
+            client, job = await self._next_job(slot)
             job.error = "the engine core stopped"  # unless the job ends
             try:
                 with anyio.CancelScope() as job.scope:
@@ -405,6 +410,20 @@ class CompilePool:
                 if self._jobs.get(job.key.digest) is job:
                     del self._jobs[job.key.digest]
                 job.done.set()
+
+    async def _next_job(self, slot: int) -> tuple[Hashable, CompileJob]:
+        """The slot's next job; its worker is stopped once it waited
+        ``grammar_compile_idle_s`` for one."""
+        worker = self._workers[slot]
+        if worker is not None:
+            with anyio.move_on_after(self.config.grammar_compile_idle_s):
+                return await self._queue.get()
+            with anyio.CancelScope(shield=True):
+                await worker.aclose()
+            self._workers[slot] = None
+            self._stats.num_workers_idle += 1
+            log.info("grammar compile worker stopped, idle", pid=worker.pid)
+        return await self._queue.get()
 
     async def _run(self, slot: int, job: CompileJob) -> Any:
         """Compile ``job`` in the slot's worker (started if need be), then build it."""

@@ -23,8 +23,11 @@ HTTP server's ``/v1/chat/completions`` alike.
   ``parallel_tool_calls``).
 * The output becomes calls (:meth:`ForcedCalls.calls`), finish reason
   ``tool_calls``; streamed (:class:`ToolCallStream`), a named call's id and
-  name come first, then its arguments as they are generated; ``required``'s
-  calls when the list is complete.
+  name come first, then its arguments as they are generated; each call of
+  a ``required`` list as one delta (id, name, whole arguments) as soon as
+  it is complete (:class:`ListItems` finds each item's end). A list cut by
+  ``max_tokens`` keeps the calls it completed (finish reason ``length``);
+  the cut one is dropped, never shown as content.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import msgspec
 
 from asyncstep.checks import check_json_depth, shown
 from asyncstep.engine.outputs import DeltaFunctionCall, DeltaToolCall, ToolCall
-from asyncstep.engine.tool_parsers import ToolParser, as_deltas, make_call, new_call_id
+from asyncstep.engine.tool_parsers import ToolParser, as_deltas, call_of, make_call, new_call_id
 from asyncstep.errors import InvalidRequestError
 from asyncstep.structured_params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
 
@@ -81,27 +84,34 @@ class ForcedCalls:
         return schema
 
     def structured_outputs(self) -> StructuredOutputsParams:
-        """The grammar of :meth:`schema` (compact JSON: a small model may
-        otherwise fill its budget with blank lines)."""
+        """The grammar of :meth:`schema` (compact JSON: no whitespace, the
+        fewest tokens a call can take)."""
         return StructuredOutputsParams(json=self.schema(), disable_any_whitespace=True)
 
     def calls(self, text: str) -> list[ToolCall] | None:
-        """The calls of a whole output, or None when it does not parse (cut
-        by ``max_tokens``: the text stays the message's content)."""
-        try:
-            decoded = msgspec.json.decode(text)
-        except msgspec.DecodeError:
-            return None
+        """The calls of a whole output. A named call: None when it does not
+        parse (cut by ``max_tokens``: the text stays the message's content).
+        A ``required`` list: each call it completed (a list cut short keeps
+        those before the cut), or None when the text is not a list."""
         if self.name is not None:
-            return [make_call(self.name, text.strip())]
-        if not isinstance(decoded, list):
-            return None
-        calls = []
-        for item in decoded:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            try:
+                msgspec.json.decode(text)
+            except msgspec.DecodeError:
                 return None
-            arguments = msgspec.json.encode(item.get("parameters", {})).decode()
-            calls.append(make_call(item["name"], arguments))
+            return [make_call(self.name, text.strip())]
+        items = ListItems()
+        done = items.feed(text)
+        return self.listed(done) if items.opened else None
+
+    def listed(self, items: list[str]) -> list[ToolCall]:
+        """The calls of a ``required`` list's complete items (up to the first
+        that is not a call: none is, under the grammar)."""
+        calls = []
+        for item in items:
+            call = call_of(_decoded(item), "parameters")
+            if call is None:
+                break
+            calls.append(call)
         return calls
 
 
@@ -240,31 +250,90 @@ def _check_tool_messages(messages: Sequence[Mapping[str, Any]]) -> None:
                 )
 
 
+def _decoded(text: str) -> object:
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return None
+
+
+@dataclass
+class ListItems:
+    """The items of a JSON list whose text comes in pieces: :meth:`feed`
+    gives the text of each object item once it is complete (strings,
+    escapes and nesting followed; a forced list's items are objects)."""
+
+    #: Whether the list opened (its ``[`` seen; text before it is not a list).
+    opened: bool = False
+    _depth: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+    _item: list[str] = field(default_factory=list)
+
+    def feed(self, text: str) -> list[str]:
+        """The items ``text`` completes."""
+        done: list[str] = []
+        for char in text:
+            if self._depth > 1:  # inside an item
+                self._item.append(char)
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "[{":
+                self._open(char)
+            elif char in "]}":
+                self._depth -= 1
+                if self._depth == 1 and char == "}":
+                    done.append("".join(self._item))
+                    self._item.clear()
+        return done
+
+    def _open(self, char: str) -> None:
+        if self._depth == 0:
+            self.opened = self.opened or char == "["
+        elif self._depth == 1:
+            self._item.append(char)  # an item starts
+        self._depth += 1
+
+
 @dataclass
 class ToolCallStream:
     """One choice's forced calls as stream deltas (see the module doc)."""
 
     forced: ForcedCalls
-    _text: list[str] = field(default_factory=list)
+    #: Calls whose first delta went out.
+    num_calls: int = 0
+    _items: ListItems = field(default_factory=ListItems)
+    #: An item that was not a call ended the list (never, under the grammar).
+    _ended: bool = False
     _call_id: str | None = None
 
     def delta(self, text: str, finished: bool) -> tuple[list[DeltaToolCall] | None, str | None]:
         """The tool-call deltas for the next piece of output, and the text
-        to show as content instead (a ``required`` list that did not parse)."""
-        self._text.append(text)
+        to show as content instead (none: a forced reply is calls alone)."""
         if self.forced.name is not None:
-            if self._call_id is None:
-                self._call_id = new_call_id()
-                function = DeltaFunctionCall(name=self.forced.name, arguments=text)
-                first = DeltaToolCall(0, id=self._call_id, type="function", function=function)
-                return [first], None
-            if not text:
-                return None, None
-            return [DeltaToolCall(0, function=DeltaFunctionCall(arguments=text))], None
-        if not finished:
-            return None, None
-        whole = "".join(self._text)
-        calls = self.forced.calls(whole)
-        if calls is None:
-            return None, whole
-        return as_deltas(calls, 0), None
+            return self._named(text), None
+        items = [] if self._ended else self._items.feed(text)
+        calls = self.forced.listed(items)
+        self._ended = len(calls) < len(items)  # as the whole reply is read
+        deltas = as_deltas(calls, self.num_calls) if calls else None
+        self.num_calls += len(calls)
+        return deltas, None
+
+    def _named(self, text: str) -> list[DeltaToolCall] | None:
+        """The named call's id and name with its first piece, then its
+        arguments piece by piece."""
+        if self._call_id is None:
+            self._call_id = new_call_id()
+            self.num_calls = 1
+            function = DeltaFunctionCall(name=self.forced.name, arguments=text)
+            return [DeltaToolCall(0, id=self._call_id, type="function", function=function)]
+        if not text:
+            return None
+        return [DeltaToolCall(0, function=DeltaFunctionCall(arguments=text))]

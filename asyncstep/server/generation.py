@@ -246,7 +246,10 @@ class Generations:
             if not job.hide_output:
                 completion_tokens += len(chunk.token_ids)
             now = usage(prompts.total, completion_tokens) if job.continuous_usage else None
-            data = sse.event(fmt.chunk(index, chunk, first[index], now))
+            body = fmt.chunk(index, chunk, first[index], now)
+            if body is None:
+                return  # nothing new: it goes with the next
+            data = sse.event(body)
             first[index] = False
             async with lock if lock is not None else contextlib.nullcontext():
                 if not started:

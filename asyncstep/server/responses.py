@@ -138,7 +138,9 @@ class Formatter(Protocol):
 
     def chunk(
         self, index: int, chunk: CompletionChunk, first: bool, usage: UsageInfo | None
-    ) -> msgspec.Struct: ...
+    ) -> msgspec.Struct | None:
+        """A choice's chunk as a body; None: nothing to send (what it holds
+        goes with the next)."""
 
     def usage_chunk(self, usage: UsageInfo) -> msgspec.Struct: ...
 
@@ -330,22 +332,24 @@ class ChatFormatter:
 
     def chunk(
         self, index: int, chunk: CompletionChunk, first: bool, usage: UsageInfo | None
-    ) -> ChatCompletionChunk:
-        finished = chunk.finish_reason is not None
-        reason = None if chunk.finish_reason is None else str(chunk.finish_reason)
+    ) -> ChatCompletionChunk | None:
+        """The choice's next delta; None when it would be empty (the first,
+        which has the role, never is)."""
         stream = self._streams.setdefault(index, self.reader.stream())
-        reasoning, content, calls = stream.feed(chunk.text, finished)
+        piece = stream.take(chunk, keep_empty=first)
+        if piece is None:
+            return None
         delta = DeltaMessage(
             role="assistant" if first else None,
-            content=content,
-            reasoning_content=reasoning,
-            tool_calls=calls,
+            content=piece.content,
+            reasoning_content=piece.reasoning,
+            tool_calls=piece.calls,
         )
         choice = ChatStreamChoice(
             index=index,
             delta=delta,
-            logprobs=self._logprobs(chunk.logprobs or []),
-            finish_reason=finish_reason(reason, stream.called),
+            logprobs=self._logprobs(piece.logprobs or []),
+            finish_reason=piece.finish_reason,
             stop_reason=chunk.stop_reason,
         )
         body = self._chunk([choice], usage)

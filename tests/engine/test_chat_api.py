@@ -89,11 +89,37 @@ async def test_forced_calls_parse_and_validate_whole_and_streamed(
                 parallel_tool_calls=seed % 2 == 0,
             )
 
-        # One batch: the named call whole and streamed (dense fp32: its greedy
-        # tokens are the same in any batch) and the sampled ones.
+        assert engine.tokenizer is not None
+        endless = SamplingParams(
+            temperature=0, max_tokens=100, logit_bias=never_closed(engine.tokenizer)
+        )
+        cut: dict[bool | None, ChatCompletion] = {}
+        cut_chunks: list[ChatChunk] = []
+
+        async def endless_whole(parallel: bool | None) -> None:
+            cut[parallel] = await engine.chat(
+                ASK,
+                endless,
+                tools=[WEATHER, TIME],
+                tool_choice="required",
+                parallel_tool_calls=parallel,
+            )
+
+        async def endless_streamed() -> None:
+            async for c in engine.chat_stream(
+                ASK, endless, tools=[WEATHER, TIME], tool_choice="required"
+            ):
+                cut_chunks.append(c)
+
+        # One batch: the named call whole and streamed, the endless list whole
+        # and streamed (dense fp32: their greedy tokens are the same in any
+        # batch), the endless list with one call allowed, and the sampled ones.
         async with anyio.create_task_group() as tg:
             tg.start_soon(named_whole)
             tg.start_soon(named_streamed)
+            tg.start_soon(endless_whole, None)
+            tg.start_soon(endless_whole, False)
+            tg.start_soon(endless_streamed)
             for seed in range(6):
                 tg.start_soon(sample, seed)
     [named] = whole
@@ -119,6 +145,56 @@ async def test_forced_calls_parse_and_validate_whole_and_streamed(
         assert len(out.tool_calls) == 1 or seed % 2 == 0  # parallel only when allowed
         for made in out.tool_calls:
             jsonschema.validate(json.loads(made.function.arguments), SCHEMAS[made.function.name])
+    check_cut_list(cut[None], cut_chunks)
+    [single] = cut[False].tool_calls  # the grammar allows one call: the list closes after it
+    assert cut[False].finish_reason == "tool_calls"
+    assert single.function.arguments == cut[None].tool_calls[0].function.arguments
+
+
+def never_closed(tokenizer: Any) -> dict[int, float]:
+    """A ``logit_bias`` against every token that holds a ``]``: a
+    ``required`` list then never closes and calls follow calls until
+    ``max_tokens`` cuts the reply (what a small model does by itself at
+    times), while a list of one call (``parallel_tool_calls`` false) must
+    still close (the grammar allows nothing else)."""
+    return {i: -100.0 for token, i in tokenizer.get_vocab().items() if "]" in token}
+
+
+def complete_calls(text: str) -> list[tuple[str, Any]]:
+    """The (name, parameters) of each call a cut ``required`` list
+    completed: its longest prefix that is a list once closed."""
+    ends = [i + 1 for i, char in enumerate(text) if char == "}"]
+    for end in reversed(ends):
+        try:
+            items = json.loads(text[:end] + "]")
+        except ValueError:
+            continue
+        return [(item["name"], item["parameters"]) for item in items]
+    return []
+
+
+def check_cut_list(whole: ChatCompletion, chunks: list[ChatChunk]) -> None:
+    """A ``required`` list cut by ``max_tokens``: whole, the calls it
+    completed (the cut one dropped) and no content, finish reason
+    ``length``; streamed, the same calls, each as soon as it is complete,
+    and no chunk without something new."""
+    assert whole.finish_reason == "length" and whole.content is None
+    made = [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls]
+    assert len(made) >= 2 and made == complete_calls(whole.outputs[0].text)
+    assert not whole.outputs[0].text.endswith("}")  # the cut call was there, and dropped
+    for name, arguments in made:
+        jsonschema.validate(arguments, SCHEMAS[name])
+    assert all(c.content or c.reasoning_content or c.tool_calls or c.finish_reason for c in chunks)
+    assert not any(c.content for c in chunks) and chunks[-1].finish_reason == "length"
+    deltas = [d for c in chunks for d in c.tool_calls or []]
+    assert [d.index for d in deltas] == list(range(len(made)))
+    assert all(d.id and d.function and d.function.name for d in deltas)
+    assert [
+        (d.function.name, json.loads(d.function.arguments or "")) for d in deltas if d.function
+    ] == made
+    first = next(i for i, c in enumerate(chunks) if c.tool_calls)
+    assert first < len(chunks) - 1  # as soon as it was complete, not at the end
+    assert sum(len(c.token_ids) for c in chunks) == len(whole.outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])

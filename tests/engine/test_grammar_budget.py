@@ -541,11 +541,65 @@ def test_a_worker_dies_with_the_engine_core() -> None:
         parent.wait()
 
 
+def grammar_workers() -> set[int]:
+    """The compile worker processes this process started (the engine core
+    runs in it: a preloaded model), alive."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                argv = cmdline.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone
+        if parent == os.getpid() and b"asyncstep.engine.grammar_worker" in argv:
+            found.add(int(entry))
+    return {pid for pid in found if alive(pid)}
+
+
+async def test_workers_stay_within_their_number_and_stop_when_idle(
+    smollm2: LoadedModel,
+) -> None:
+    """Six new grammars at once with two workers: two worker processes
+    start, and no more are alive as each request ends; each stops once it
+    waited ``grammar_compile_idle_s`` for a compile (its memory, xgrammar
+    and the vocabulary, goes with it); a new grammar starts one again, a
+    grammar in the cache needs none."""
+    options = {"grammar_compile_workers": 2, "grammar_compile_idle_s": 1.0}
+    async with asyncstep.open_engine(smollm2, **options) as engine:
+        pool = manager_of(engine).pool
+        alive_at_ends: list[set[int]] = []
+
+        async def code(i: int) -> None:
+            regex = f"w{i}[0-9]{{3}}"
+            out = await engine.generate("A code?", structured({"regex": regex}, max_tokens=6))
+            assert re.fullmatch(regex, out.text)
+            alive_at_ends.append(grammar_workers())
+
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(code, i)
+        stats = pool.statistics()
+        assert stats.num_compiled == 6 and stats.num_workers_started == 2  # one each slot
+        assert all(len(pids) <= 2 for pids in alive_at_ends)
+        started = set().union(*alive_at_ends, pool.worker_pids)
+        await wait_until(lambda: not pool.worker_pids, "the idle workers to stop", timeout_s=60)
+        assert not any(alive(pid) for pid in started) and not grammar_workers()
+        assert pool.statistics().num_workers_idle == 2
+        await code(0)  # in the cache: no worker
+        assert pool.statistics().num_workers_started == 2 and not pool.worker_pids
+        await code(6)  # new: a worker again
+        assert pool.statistics().num_workers_started == 3
+
+
 def test_the_config_refuses_limits_that_are_not_positive() -> None:
     with pytest.raises(asyncstep.ConfigError, match="grammar_compile_workers must be positive"):
         asyncstep.make_config(grammar_compile_workers=0)
     with pytest.raises(asyncstep.ConfigError, match="grammar_compile_timeout_s"):
         asyncstep.make_config(grammar_compile_timeout_s=0)
+    with pytest.raises(asyncstep.ConfigError, match="grammar_compile_idle_s must be positive"):
+        asyncstep.make_config(grammar_compile_idle_s=0)
     config = asyncstep.make_config(grammar_cache_mib=0, grammar_max_depth=8)
     assert config.structured_outputs.grammar_max_depth == 8
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(config), type=type(config)) == config

@@ -20,6 +20,7 @@ import asyncstep
 from asyncstep import SamplingParams, StructuredOutputsParams
 from asyncstep.datatypes import GrammarOutput
 from asyncstep.engine.core import EngineCore
+from asyncstep.engine.grammar import GrammarCompiler, grammar_of
 from asyncstep.errors import InvalidRequestError
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner.grammar_bitmask import GrammarBitmask
@@ -250,6 +251,45 @@ BAD_GRAMMARS: list[tuple[dict[str, Any], str]] = [
     ({"json_object": "yes"}, "True or False"),
     ({"jsonschema": SCHEMA}, "unknown field"),
 ]
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+    "required": ["city", "country"],
+}
+INDENTED = '{\n  "city": "New York",\n  "country": "USA"\n}'
+COMPACT = '{"city":"New York","country":"USA"}'
+
+
+@pytest.mark.parametrize(
+    "compact,text,ok",
+    [
+        (False, INDENTED, True),
+        (False, '{"city": "New York"\n\n,\n"country": "USA"}', False),  # odd whitespace
+        (False, '{"city": "New York" , "country": "USA"}', False),
+        (False, COMPACT, False),
+        (True, COMPACT, True),
+        (True, '{"city": "New York", "country": "USA"}', False),
+        (True, INDENTED, False),
+    ],
+)
+def test_a_json_schema_s_output_is_standard_json_or_compact(
+    compact: bool, text: str, ok: bool
+) -> None:
+    """A ``json`` grammar takes standard JSON (indented by 2, as
+    ``json.dumps(value, indent=2)``), no other whitespace; with
+    ``disable_any_whitespace``, compact JSON (none at all); at the door
+    (the grammar alone) and compiled alike."""
+    import xgrammar as xgr
+
+    params = StructuredOutputsParams(json=CITY, disable_any_whitespace=compact)
+    vocabulary = xgr.TokenizerInfo(["<eos>", "x"], stop_token_ids=[0])
+    door = xgr.GrammarCompiler(vocabulary, max_threads=1).compile_grammar(grammar_of(params))
+    core = GrammarCompiler(vocabulary, max_threads=1).compile(params.grammar_kind, params.spec)
+    for compiled in (door, core):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert (matcher.accept_string(text) and matcher.accept_token(0)) == ok
 
 
 async def test_bad_grammars_are_refused_at_the_door(smollm2: LoadedModel) -> None:

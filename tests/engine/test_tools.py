@@ -13,7 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncstep.config import REASONING_PARSERS, ModelConfig, StructuredOutputsConfig
+from asyncstep.datatypes import Logprobs
+from asyncstep.engine.chat_replies import ReplyReader
 from asyncstep.engine.input_processor import InputProcessor
+from asyncstep.engine.outputs import CompletionChunk, DeltaToolCall
 from asyncstep.engine.reasoning import ReasoningParser
 from asyncstep.engine.tool_parsers import (
     TOOL_PARSERS,
@@ -126,6 +129,19 @@ def test_outputs_read_back_as_calls() -> None:
     assert some.calls("[]") == [] and some.calls('{"name": "weather"}') is None
 
 
+def test_a_cut_required_list_keeps_its_complete_calls() -> None:
+    """A list cut by ``max_tokens`` keeps each call it completed; the cut
+    one is dropped (none complete: no call, and no text as content)."""
+    some = ForcedCalls({"weather": CITY, "clock": {"type": "object"}}, None, parallel=True)
+    calls = some.calls(LISTED[: LISTED.index('{"name": "clock"') + 9])
+    assert calls is not None and [c.function.name for c in calls] == ["weather", "weather"]
+    assert [json.loads(c.function.arguments) for c in calls] == [
+        {"city": 'Rome, "Lazio" {1}'},
+        {"city": "Oslo"},
+    ]
+    assert some.calls('[{"name": "weather", "parameters": {"ci') == []
+
+
 def test_a_named_call_streams_its_name_then_its_arguments() -> None:
     stream = ToolCallStream(ForcedCalls({"weather": CITY}, "weather", parallel=False))
     first, content = stream.delta('{"ci', finished=False)
@@ -138,14 +154,65 @@ def test_a_named_call_streams_its_name_then_its_arguments() -> None:
     assert stream.delta("", finished=True) == (None, None)
 
 
-def test_required_calls_stream_whole_at_the_end() -> None:
-    stream = ToolCallStream(ForcedCalls({"weather": CITY}, None, parallel=True))
-    assert stream.delta('[{"name":"weather",', finished=False) == (None, None)
-    calls, content = stream.delta('"parameters":{"city":"Rome"}}]', finished=True)
-    assert content is None and calls is not None and len(calls) == 1
-    assert calls[0].function is not None and calls[0].function.name == "weather"
-    cut = ToolCallStream(ForcedCalls({"weather": CITY}, None, parallel=True))
-    assert cut.delta('[{"name":', finished=True) == (None, '[{"name":')
+#: A ``required`` list of three calls (braces, brackets, commas and escaped
+#: quotes inside a string), as a reply cut by ``max_tokens`` in the third.
+LISTED = (
+    '[{"name": "weather", "parameters": {"city": "Rome, \\"Lazio\\" {1}"}}, '
+    '{"name": "weather", "parameters": {"city": "Oslo"}}, '
+    '{"name": "clock", "parameters": {}}]'
+)
+
+
+@given(cuts=st.lists(st.integers(min_value=0, max_value=len(LISTED)), max_size=12))
+def test_required_calls_stream_each_as_soon_as_it_is_complete(cuts: list[int]) -> None:
+    """Each call of a ``required`` list comes as one delta (id, name, its
+    whole arguments) with the piece that completes it, wherever the text
+    is cut; never as content; the call ``max_tokens`` cut is dropped."""
+    forced = ForcedCalls({"weather": CITY, "clock": {"type": "object"}}, None, parallel=True)
+    ends = [LISTED.index("}}, ") + 2, LISTED.rindex("}}, ") + 2, len(LISTED) - 1]
+    for text in (LISTED, LISTED[: ends[2] - 1]):  # whole, and cut in the third call
+        points = sorted({0, *(c for c in cuts if c < len(text)), len(text)})
+        stream = ToolCallStream(forced)
+        seen: list[tuple[int, DeltaToolCall]] = []
+        for a, b in itertools.pairwise(points):
+            deltas, content = stream.delta(text[a:b], finished=b == len(text))
+            assert content is None
+            assert all(ends[d.index] in range(a + 1, b + 1) for d in deltas or [])
+            seen += [(b, d) for d in deltas or []]
+        whole = forced.calls(text) or []
+        assert [d.index for _, d in seen] == list(range(len(whole)))
+        for (_, delta), call in zip(seen, whole, strict=True):
+            assert delta.id and delta.type == "function" and delta.function is not None
+            assert delta.function.name == call.function.name
+            assert delta.function.arguments == call.function.arguments
+        assert stream.num_calls == len(whole) == (3 if text == LISTED else 2)
+
+
+def test_a_reply_stream_leaves_out_empty_pieces_their_tokens_go_with_the_next() -> None:
+    """No piece without text, thinking, call deltas or a finish reason:
+    the tokens (and log-probs) of those left out come with the next piece."""
+    stream = ReplyReader(ForcedCalls({"weather": CITY}, None, parallel=True)).stream()
+    pieces = ['[{"name": "weather", ', '"parameters": {"city": ', '"Oslo"}}', ", {", ""]
+    taken = []
+    for i, text in enumerate(pieces):
+        chunk = CompletionChunk(
+            "r",
+            text,
+            [i],
+            finish_reason="length" if i == len(pieces) - 1 else None,
+            logprobs=[Logprobs([i], [-0.5], 1)],
+        )
+        taken.append(stream.take(chunk))
+    assert taken[0] is None and taken[1] is None and taken[3] is None
+    [call, end] = [piece for piece in taken if piece is not None]
+    assert call.calls is not None and call.calls[0].function is not None
+    assert call.calls[0].function.name == "weather" and call.finish_reason is None
+    assert call.token_ids == [0, 1, 2] and call.logprobs is not None
+    assert [entry.token_ids for entry in call.logprobs] == [[0], [1], [2]]
+    assert end.token_ids == [3, 4] and not end.calls and end.content is None
+    assert end.finish_reason == "length"  # cut: not "tool_calls", though one call was made
+    kept = ReplyReader().stream().take(CompletionChunk("r", "", [7]), keep_empty=True)
+    assert kept is not None and kept.token_ids == [7]  # (a stream's first chunk: its role)
 
 
 @pytest.fixture(scope="module")

@@ -313,7 +313,9 @@ def test_prompt_logprobs_and_echo_with_logprobs(server: Server) -> None:
 
 def test_a_json_schema_reply_parses_and_validates(server: Server) -> None:
     """response_format (json_schema, json_object) and vLLM's structured_outputs
-    constrain the output (they need the engine's structured-output support)."""
+    constrain the output (they need the engine's structured-output support);
+    a schema's reply is standard JSON (no blank lines, no space before a
+    comma, sampled or not), compact with ``disable_any_whitespace``."""
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -335,6 +337,35 @@ def test_a_json_schema_reply_parses_and_validates(server: Server) -> None:
     reply = json.loads(out.choices[0].message.content or "")
     jsonschema.validate(reply, schema)
     assert out.choices[0].finish_reason == "stop"
+    # Sampled (where any whitespace let the model write blank lines and
+    # spaces before commas): standard JSON, indented by 2.
+    sampled = client.chat.completions.create(
+        model=MODEL,
+        messages=person,  # type: ignore[arg-type]
+        max_tokens=96,
+        temperature=1.0,
+        seed=0,
+        n=8,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": schema},
+        },
+    )
+    for choice in sampled.choices:
+        text = choice.message.content or ""
+        between = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)  # the whitespace outside strings
+        assert "\n\n" not in between and not re.search(r"\s,", between), text
+        if choice.finish_reason == "stop":
+            assert text == json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    compact = client.chat.completions.create(
+        model=MODEL,
+        messages=person,  # type: ignore[arg-type]
+        max_tokens=128,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+    )
+    text = compact.choices[0].message.content or ""
+    assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
     anything = client.chat.completions.create(
         model=MODEL,
         messages=person,  # type: ignore[arg-type]
@@ -389,12 +420,37 @@ def test_a_named_tool_call_is_forced_and_streams_as_openai_s(server: Server) -> 
     assert all(not d.content for d in deltas)
 
 
+def never_closed() -> dict[str, float]:
+    """A ``logit_bias`` against every token of the model that holds a ``]``:
+    a ``required`` list then never closes and calls follow calls until
+    ``max_tokens`` cuts the reply (what a small model does by itself at
+    times); a list of one call (``parallel_tool_calls`` false) must still
+    close, the grammar allowing nothing else."""
+    from asyncstep.models.loader import open_checkpoint
+
+    vocabulary = open_checkpoint(None).load_tokenizer().get_vocab()
+    return {str(i): -100.0 for token, i in vocabulary.items() if "]" in token}
+
+
 def test_required_tool_calls_validate_whatever_is_sampled(server: Server) -> None:
     """``required``: every call of every sampled reply names a tool and its
     arguments validate against that tool's schema; at most one call without
-    parallel_tool_calls; streamed, the calls come whole with the last chunk."""
+    parallel_tool_calls; streamed, each call comes whole as soon as it is
+    complete, and no chunk is empty. A list cut by ``max_tokens`` keeps the
+    calls it completed, whole and streamed (finish reason ``length``, no
+    content); with parallel_tool_calls false the grammar closes the list
+    after one call."""
     schemas = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
     ask = [{"role": "user", "content": "Weather in Oslo, and the time in Tokyo?"}]
+    endless: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "max_tokens": 100,
+        "temperature": 0,
+        "logit_bias": never_closed(),
+    }
 
     async def sampled(client: openai.AsyncOpenAI, seed: int) -> Any:
         return await client.chat.completions.create(
@@ -420,29 +476,67 @@ def test_required_tool_calls_validate_whatever_is_sampled(server: Server) -> Non
         )
         return [chunk async for chunk in stream]
 
-    async def all_at_once() -> tuple[list[Any], list[Any]]:
-        """The four sampled replies and the streamed one, in one batch."""
-        async with server.async_client() as client:
-            *outs, pieces = await asyncio.gather(
-                *(sampled(client, seed) for seed in range(4)), streamed(client)
-            )
-        return outs, pieces
+    async def endless_streamed(client: openai.AsyncOpenAI) -> list[Any]:
+        stream = await client.chat.completions.create(**endless, stream=True)
+        return [chunk async for chunk in stream]
 
-    outs, pieces = asyncio.run(all_at_once())
+    async def all_at_once() -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+        """The four sampled replies and the streamed one; the endless list
+        whole, streamed, and with one call allowed: in one batch (dense fp32:
+        the endless list's greedy tokens are the same in any batch)."""
+        async with server.async_client() as client:
+            *outs, pieces, cut, cut_pieces, single = await asyncio.gather(
+                *(sampled(client, seed) for seed in range(4)),
+                streamed(client),
+                client.chat.completions.create(**endless),
+                endless_streamed(client),
+                client.chat.completions.create(**endless, parallel_tool_calls=False),
+            )
+        return outs, pieces, [cut, single], cut_pieces
+
+    outs, pieces, [cut, single], cut_pieces = asyncio.run(all_at_once())
     for seed, out in enumerate(outs):
         choice = out.choices[0]
-        if choice.finish_reason == "length":
-            continue  # cut short: the text is left as content
         calls = choice.message.tool_calls or []
-        assert choice.finish_reason == "tool_calls" and calls
+        assert not choice.message.content  # cut short too: the calls it completed, if any
+        assert choice.finish_reason == "length" or (choice.finish_reason == "tool_calls" and calls)
         assert seed % 2 == 0 or len(calls) == 1
         for call in calls:
             name = call.function.name
             jsonschema.validate(json.loads(call.function.arguments), schemas[name])
-    last = pieces[-1].choices[0]
-    if last.finish_reason == "tool_calls":
-        streamed = last.delta.tool_calls or []
-        assert streamed and all(c.id and c.function and c.function.name for c in streamed)
+    check_streamed_calls(pieces, schemas)
+    made = cut.choices[0].message.tool_calls or []
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.content
+    assert len(made) >= 2
+    assert check_streamed_calls(cut_pieces, schemas) == [
+        (c.function.name, c.function.arguments) for c in made
+    ]
+    assert cut_pieces[-1].choices[0].finish_reason == "length"
+    [one] = single.choices[0].message.tool_calls or []
+    assert single.choices[0].finish_reason == "tool_calls"
+    assert one.function.arguments == made[0].function.arguments
+
+
+def check_streamed_calls(pieces: list[Any], schemas: dict[str, Any]) -> list[tuple[str, str]]:
+    """A streamed ``required`` reply: the role first, then no chunk without
+    something new; no content; each call one delta (id, name, its whole
+    arguments, valid) before the last chunk unless the last completed it.
+    Its calls' names and arguments."""
+    deltas = [p.choices[0].delta for p in pieces if p.choices]
+    assert deltas[0].role == "assistant"
+    ends = [p.choices[0].finish_reason for p in pieces if p.choices]
+    assert all(d.tool_calls or end for d, end in zip(deltas[1:], ends[1:], strict=True))
+    assert not any(d.content for d in deltas)
+    calls = [c for d in deltas for c in d.tool_calls or []]
+    assert [c.index for c in calls] == list(range(len(calls)))
+    made = []
+    for call in calls:
+        assert call.id and call.function and call.function.name and call.function.arguments
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        made.append((call.function.name, call.function.arguments))
+    first = next(i for i, d in enumerate(deltas) if d.tool_calls)
+    assert first < len(deltas) - 1 or len(calls) == 1  # as soon as it was complete
+    return made
 
 
 def test_auto_tool_calls_are_read_by_the_parser(server: Server) -> None:
