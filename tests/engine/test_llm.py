@@ -1,6 +1,7 @@
 """The blocking API (``asyncstep.LLM``) on tiny models: many prompts in one
 call, chats, calls from many threads at once (batched), Ctrl-C while a call
-waits, closing."""
+waits, closing; and docs/python-api.md's notebook in a real Jupyter kernel,
+and its WSGI app served to eight threads at once."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import asyncio
 import functools
 import json
 import signal
+import subprocess
+import sys
 import threading
+import urllib.request
+import wsgiref.simple_server
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_docs import ROOT, blocks
 
 import asyncstep
 from asyncstep import EngineDeadError, InvalidRequestError, SamplingParams
@@ -207,3 +213,106 @@ def test_a_bad_option_fails_before_anything_starts() -> None:
     with pytest.raises(asyncstep.ConfigError, match="block_sise"):
         asyncstep.LLM("tiny-llama", load_format="dummy", block_sise=16)
     assert not [t for t in threading.enumerate() if t.name == "asyncstep-llm"]
+
+
+def test_an_llm_left_open_is_closed_at_exit() -> None:
+    """A script that never closes its LLMs (in this process, and with the
+    engine core in its own) ends, cleanly, when it ends."""
+    script = (
+        "import asyncstep\n"
+        "options = dict(load_format='dummy', max_model_len=64)\n"
+        "alone = asyncstep.LLM('tiny-llama', engine_process=False, **options)\n"
+        "core = asyncstep.LLM('tiny-llama', **options)\n"
+        "params = asyncstep.SamplingParams(max_tokens=2, ignore_eos=True)\n"
+        "print([len(llm.generate([1, 2], params)[0].token_ids) for llm in (alone, core)])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0 and done.stdout == "[2, 2]\n", done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------------------
+# docs/python-api.md's notebook and WSGI app, for real
+
+
+def docs_example(marker: str) -> str:
+    """The Python example of docs/python-api.md that holds ``marker``."""
+    page = ROOT / "docs" / "python-api.md"
+    (code,) = [code for lang, code in blocks(page) if lang == "python" and marker in code]
+    return code
+
+
+def test_the_docs_notebook_runs_in_a_jupyter_kernel(tiny_hf_dir: Path, tmp_path: Path) -> None:
+    """Its cells in a kernel whose asyncio loop runs while they do (no
+    nest_asyncio), the model the tiny checkpoint (with its engine core in a
+    process of its own, the default)."""
+    import nbclient
+    import nbformat
+
+    cells = [cell.strip() for cell in docs_example("# %%").split("# %%") if cell.strip()]
+    assert len(cells) == 3 and "LLM()" in cells[0]
+    assert ".generate(" in cells[1] and ".chat(" in cells[2]
+    tiny = (  # the docs' model, as tests/test_docs.py's: the tiny checkpoint
+        "import asyncstep, functools\n"
+        f"asyncstep.LLM = functools.partial(asyncstep.LLM, {str(tiny_hf_dir)!r})"
+    )
+    check = (
+        "import asyncio, sys\n"
+        "asyncio.get_running_loop()  # (a cell runs inside the kernel's loop)\n"
+        "assert len(outs) == 2 and all(out.token_ids for out in outs)\n"
+        "assert reply.outputs[0].token_ids and reply.content == reply.outputs[0].text\n"
+        "assert not any(name.startswith('nest_asyncio') for name in sys.modules)\n"
+        "llm.close()\n"
+        "print('checked')"
+    )
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(source) for source in [tiny, *cells, check]]
+    )
+    client = nbclient.NotebookClient(
+        notebook, timeout=240, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
+    )
+    client.execute()
+    printed = [
+        "".join(output.get("text", "") for output in cell.outputs) for cell in notebook.cells
+    ]
+    assert printed[2].startswith("[") and printed[3]  # the texts, and the reply
+    assert printed[-1] == "checked\n"
+
+
+def test_the_docs_wsgi_app_serves_eight_threads_at_once(tiny_hf_dir: Path) -> None:
+    namespace: dict[str, Any] = {}
+    real = asyncstep.LLM
+
+    def tiny(model: object = None, **options: object) -> asyncstep.LLM:
+        return real(tiny_hf_dir, engine_process=False, **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(asyncstep, "LLM", tiny)
+        exec(docs_example("def app(environ"), namespace)
+    llm: asyncstep.LLM = namespace["llm"]
+    prompts = [f"Question {i}: what is {i} + {i}?" for i in range(8)]
+    try:
+        alone = [out.text for out in llm.generate(prompts, namespace["params"])]
+        server = wsgiref.simple_server.make_server(
+            "127.0.0.1", 0, namespace["app"], namespace["ThreadingWSGIServer"]
+        )
+        serving = threading.Thread(target=server.serve_forever)
+        serving.start()
+        try:
+            url = f"http://127.0.0.1:{server.server_port}/"
+            answers: dict[int, str] = {}
+
+            def ask(i: int) -> None:
+                with urllib.request.urlopen(url, prompts[i].encode(), timeout=120) as response:
+                    answers[i] = response.read().decode()
+
+            run_threads([functools.partial(ask, i) for i in range(8)])
+        finally:
+            server.shutdown()
+            serving.join()
+            server.server_close()
+    finally:
+        llm.close()
+    assert [answers[i] for i in range(8)] == alone
