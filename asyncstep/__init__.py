@@ -13,6 +13,11 @@
             print(out.text)
 
     trio.run(main)
+
+Or, from code that never writes ``async`` (scripts, notebooks, WSGI views)::
+
+    with asyncstep.LLM() as llm:
+        outs = llm.generate(["The capital of France is"], asyncstep.SamplingParams(max_tokens=32))
 """
 
 from asyncstep.config import (
@@ -26,6 +31,7 @@ from asyncstep.config import (
 from asyncstep.datatypes import FinishReason, Logprobs, SamplingParams
 from asyncstep.engine.api import make_config, open_engine
 from asyncstep.engine.engine import Engine, EngineStatistics
+from asyncstep.engine.llm import LLM
 from asyncstep.engine.outputs import (
     ChatChunk,
     ChatCompletion,
@@ -40,6 +46,7 @@ from asyncstep.errors import (
     AsyncstepError,
     ConfigError,
     EngineDeadError,
+    EngineLoopError,
     InvalidRequestError,
     ModelLoadError,
     UnsupportedModelError,
@@ -49,6 +56,7 @@ from asyncstep.structured_params import StructuredOutputsParams
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
     "AsyncstepError",
     "CacheConfig",
     "ChatChunk",
@@ -63,6 +71,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineDeadError",
+    "EngineLoopError",
     "EngineStatistics",
     "FinishReason",
     "InvalidRequestError",

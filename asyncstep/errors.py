@@ -48,6 +48,12 @@ class RankError(EngineDeadError):
     """A rank failed, died, or broke the control protocol."""
 
 
+class EngineLoopError(AsyncstepError, RuntimeError):
+    """An engine called from an event loop or thread other than the one it
+    serves on (it would hang or corrupt its state): call it there, through a
+    portal, or use the blocking ``asyncstep.LLM``."""
+
+
 #: Errors a task sees because another task died and closed a channel.
 CONSEQUENCES = (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError)
 
@@ -94,6 +100,7 @@ _KINDS: dict[str, type[AsyncstepError]] = {
         UnsupportedModelError,
         EngineDeadError,
         RankError,
+        EngineLoopError,
     )
 }
 

@@ -40,10 +40,13 @@ How each kind runs here:
   minutes or a GPU; the script must exist and take every flag given (its
   ``add_argument`` strings, and the engine's flags where it passes unknown
   ones on).
-* Python examples: ``asyncstep.open_engine`` opens the tiny checkpoint when
-  given no model, with the engine core in this process. The ``engine.chat``
-  example forces a tool call, which needs a model that answers:
-  ``tests/engine/test_chat_api.py`` runs it on the embedded model (checked here).
+* Python examples: ``asyncstep.open_engine`` and ``asyncstep.LLM`` open the
+  tiny checkpoint when given no model, with the engine core in this process.
+  The ``engine.chat`` example forces a tool call, which needs a model that
+  answers: ``tests/engine/test_chat_api.py`` runs it on the embedded model
+  (checked here). The notebook's cells (``# %%``) and the WSGI app also run
+  for real in ``tests/engine/test_llm.py``: in a Jupyter kernel, and served
+  to eight threads at once.
 """
 
 from __future__ import annotations
@@ -468,24 +471,35 @@ def test_serve_commands_and_their_clients(tiny_hf_dir: Path) -> None:
 
 def test_python_examples(monkeypatch: pytest.MonkeyPatch, tiny_hf_dir: Path) -> None:
     opened: list[object] = []
-    real = asyncstep.open_engine
+    llms: list[asyncstep.LLM] = []
+    real, real_llm = asyncstep.open_engine, asyncstep.LLM
 
     def open_engine(model: object = None, **options: object) -> object:
         opened.append(model)
         options.setdefault("engine_process", False)
         return real(tiny_hf_dir if model is None else model, **options)  # type: ignore[arg-type]
 
+    def llm(model: object = None, **options: object) -> asyncstep.LLM:
+        options.setdefault("engine_process", False)
+        llms.append(real_llm(tiny_hf_dir if model is None else model, **options))  # type: ignore[arg-type]
+        return llms[-1]
+
     monkeypatch.setattr(asyncstep, "open_engine", open_engine)
+    monkeypatch.setattr(asyncstep, "LLM", llm)
     seen: set[str] = set()
-    for page in PAGES:
-        namespace: dict[str, object] = {}
-        for lang, code in blocks(page):
-            if lang == "python" and not is_client_page(page) and code not in seen:
-                if CHAT_EXAMPLE in code:
-                    continue  # tests/engine/test_chat_api.py runs it
-                seen.add(code)
-                exec(code, namespace)
-    assert len(opened) >= 2
+    try:
+        for page in PAGES:
+            namespace: dict[str, object] = {}
+            for lang, code in blocks(page):
+                if lang == "python" and not is_client_page(page) and code not in seen:
+                    if CHAT_EXAMPLE in code:
+                        continue  # tests/engine/test_chat_api.py runs it
+                    seen.add(code)
+                    exec(code, namespace)
+    finally:
+        for each in llms:  # (the examples leave theirs open, as a notebook or an app does)
+            each.close()
+    assert len(opened) >= 4 and len(llms) >= 3
 
 
 def test_the_chat_example_is_run_on_the_embedded_model() -> None:
@@ -499,6 +513,17 @@ def test_the_chat_example_is_run_on_the_embedded_model() -> None:
     source = (ROOT / "tests" / "engine" / "test_chat_api.py").read_text()
     assert "read_text()" in source and '"docs" / "python-api.md"' in source
     assert 'if "engine.chat(" in b' in source
+
+
+def test_the_notebook_and_the_wsgi_app_run_for_real() -> None:
+    """docs/python-api.md's notebook cells run in a Jupyter kernel, and its
+    WSGI app serves eight threads at once, in tests/engine/test_llm.py."""
+    source = (ROOT / "tests" / "engine" / "test_llm.py").read_text()
+    page = ROOT / "docs" / "python-api.md"
+    for marker in ("# %%", "def app(environ"):
+        found = [code for lang, code in blocks(page) if lang == "python" and marker in code]
+        assert len(found) == 1, marker
+        assert f'docs_example("{marker}")' in source
 
 
 def test_the_layers_drawn_are_those_kept() -> None:

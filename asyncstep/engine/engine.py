@@ -12,6 +12,12 @@ the callers: detokenization, stop strings, the client streams. It never
 waits on the core to accept a request: requests, aborts and stops queue on
 an unbounded channel that the transport sends as one message per batch.
 
+An engine serves the event loop it was opened on: its methods called from
+another loop or thread raise :class:`EngineLoopError` at once (they would
+hang, or corrupt its state); ``statistics()`` and ``error`` read from any
+thread. :class:`asyncstep.LLM` is the blocking API over an engine on a loop
+of its own.
+
 A caller of :meth:`Engine.generate` is woken once, when its request ends; a
 reader of :meth:`Engine.stream` once per step at most, with everything new
 since its last chunk. Text is decoded when a caller takes it, except for
@@ -24,12 +30,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio
+import anyio.lowlevel
 import msgspec
+import sniffio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -66,6 +75,7 @@ from asyncstep.engine.tool_parsers import tool_parser
 from asyncstep.engine.tools import ForcedCalls, check_tools
 from asyncstep.errors import (
     EngineDeadError,
+    EngineLoopError,
     InvalidRequestError,
     describe,
     error_from_core,
@@ -156,6 +166,9 @@ class Engine:
         self._stopped = anyio.Event()
         self._num_generated_tokens = 0
         self._num_finished = 0
+        #: The event loop it serves on (set by serve()), and where that is, in words.
+        self._loop: anyio.lowlevel.EventLoopToken | None = None
+        self._loop_where = ""
 
     # -- public API -------------------------------------------------------
 
@@ -173,6 +186,7 @@ class Engine:
 
         Cancelling the caller aborts the request (its blocks are freed).
         """
+        self._check_loop()
         await self.input_processor.check_grammar(sampling_params)
         ids = await self.input_processor.encode_prompt(prompt)
         group = self._add_request(prompt, ids, sampling_params, request_id, client)
@@ -198,6 +212,7 @@ class Engine:
         the choices' chunks interleave). ``client`` as for :meth:`generate`.
         Leaving the iteration early aborts the request.
         """
+        self._check_loop()
         await self.input_processor.check_grammar(sampling_params)
         ids = await self.input_processor.encode_prompt(prompt)
         group = self._add_request(prompt, ids, sampling_params, request_id, client)
@@ -240,6 +255,7 @@ class Engine:
         Every field is checked before anything is sent (one-line
         :class:`InvalidRequestError`); ``request_id``, ``client`` and
         cancelling as for :meth:`generate`."""
+        self._check_loop()
         ids, params, reader = await self._chat_request(
             messages,
             sampling_params,
@@ -295,6 +311,7 @@ class Engine:
         ``auto``'s calls whole once it is complete). A chunk with nothing
         new is left out: its tokens come with the next. The arguments as
         :meth:`chat`; leaving the iteration early aborts the request."""
+        self._check_loop()
         ids, params, reader = await self._chat_request(
             messages,
             sampling_params,
@@ -368,6 +385,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Abort a request in flight, every choice of it (no-op when it
         already ended)."""
+        self._check_loop()
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {shown(request_id)}")
         group = self._groups.get(request_id)
@@ -378,6 +396,7 @@ class Engine:
         """Wait until no step is in flight and nothing is left to schedule:
         aborted and finished requests have given back their blocks (they
         wait for the steps in flight that use them)."""
+        self._check_loop()
         self._check_alive()
         ticket = next(self._tickets)
         event = self._idle_waiters[ticket] = anyio.Event()
@@ -400,6 +419,7 @@ class Engine:
         prompt that cannot fit the context is refused by its size before it
         is tokenized; long text is tokenized in a worker thread. Anything
         else, or ids the model cannot take, raise :class:`InvalidRequestError`."""
+        self._check_loop()
         return await self.input_processor.encode_prompt(
             prompt,
             tools=tools,
@@ -530,6 +550,23 @@ class Engine:
             return
         self._to_core.send_nowait(message)
 
+    def _check_loop(self) -> None:
+        """Raise :class:`EngineLoopError` unless called on the event loop the
+        engine serves on (in that loop's thread)."""
+        if self._loop is None or self._closed:
+            return  # not serving (yet, or any more): its calls fail as such
+        try:
+            token: anyio.lowlevel.EventLoopToken | None = anyio.lowlevel.current_token()
+        except anyio.NoEventLoopError:
+            token = None
+        if token is None or token.native_token is not self._loop.native_token:
+            raise EngineLoopError(
+                f"this engine serves {self._loop_where} and was called from "
+                f"{_where(token)}: call it on its own loop (from another thread, through "
+                "anyio.from_thread.run or a BlockingPortal), or use asyncstep.LLM, the "
+                "blocking API"
+            )
+
     def _check_alive(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped: {describe(self._error)}") from self._error
@@ -542,6 +579,8 @@ class Engine:
         """Start the engine core, then hand its outputs to the requests until
         it stops. A failure while starting is raised; a failure later ends
         every request in flight with :class:`EngineDeadError`."""
+        self._loop = anyio.lowlevel.current_token()
+        self._loop_where = _where(self._loop)
         to_core_tx, to_core_rx = anyio.create_memory_object_stream[ToCore](math.inf)
         from_core_tx, from_core_rx = anyio.create_memory_object_stream[FromCore](math.inf)
         self._to_core = to_core_tx
@@ -586,6 +625,7 @@ class Engine:
         """Stop after the steps in flight: requests still running fail with
         :class:`EngineDeadError`, the ranks are told to shut down. Returns
         False if that took longer than ``timeout_s`` (the caller then cancels)."""
+        self._check_loop()
         if self._to_core is not None and not (self._closing or self._closed):
             self._to_core.send_nowait(Shutdown())
             self._to_core.close()
@@ -667,6 +707,14 @@ class Engine:
         if self._error is None:
             self._error = error
             log.error("engine stopped", error=describe(error))
+
+
+def _where(token: anyio.lowlevel.EventLoopToken | None) -> str:
+    """The event loop of ``token`` (the current thread's), in words."""
+    thread = threading.current_thread().name
+    if token is None:
+        return f"thread {thread!r}, which runs no event loop"
+    return f"the {sniffio.current_async_library()} event loop of thread {thread!r}"
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -1,6 +1,7 @@
 """The engine and its public API on a tiny random model: both async back-ends,
-streaming, aborts, bad requests failing alone, preemption, a dying rank, and
-the per-step log events."""
+streaming, aborts, bad requests failing alone, preemption, a dying rank,
+the per-step log events, and calls from another loop or thread failing at
+once."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import pytest
 import trio
 import trio.testing
 
 import asyncstep
-from asyncstep import EngineDeadError, InvalidRequestError, SamplingParams
+from asyncstep import EngineDeadError, EngineLoopError, InvalidRequestError, SamplingParams
 from asyncstep.logging import configure_logging
 from asyncstep.models.model_loader import LoadedModel
 
@@ -207,3 +209,43 @@ async def test_an_error_in_the_callers_block_comes_out_as_raised(tiny_model: Loa
     # The model is free again for the next engine.
     async with asyncstep.open_engine(tiny_model) as engine:
         assert len((await engine.generate(PROMPTS[0], GREEDY)).token_ids) == 8
+
+
+# ---------------------------------------------------------------------------
+# An engine called from another event loop or thread
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_an_engine_called_off_its_loop_fails_at_once(tiny_model: LoadedModel, backend: str) -> None:
+    other = "asyncio" if backend == "trio" else "trio"
+    with (
+        anyio.from_thread.start_blocking_portal(backend, name="engine-loop") as portal,
+        portal.wrap_async_context_manager(asyncstep.open_engine(tiny_model)) as engine,
+    ):
+
+        async def generate() -> None:
+            with anyio.fail_after(60):  # (a hang fails here)
+                await engine.generate(PROMPTS[0], GREEDY)
+
+        async def stream() -> None:
+            with anyio.fail_after(60):
+                async for _ in engine.stream(PROMPTS[0], GREEDY):
+                    pass
+
+        for call, loop in ((generate, other), (stream, other), (generate, backend)):
+            with pytest.raises(EngineLoopError) as raised:
+                anyio.run(call, backend=loop)
+            message = str(raised.value)
+            assert "\n" not in message
+            assert message.startswith(
+                f"this engine serves the {backend} event loop of thread 'engine-loop' and was "
+                f"called from the {loop} event loop of thread 'MainThread': call it on its own "
+                "loop (from another thread, through anyio.from_thread.run or a BlockingPortal)"
+            )
+        with pytest.raises(EngineLoopError, match="'MainThread', which runs no event loop"):
+            engine.abort("req-0")
+        # Through the portal, on its own loop: it serves on.
+        assert len(portal.call(engine.generate, PROMPTS[0], GREEDY).token_ids) == 8
+    # Closed, from any loop: it says so.
+    with pytest.raises(EngineDeadError, match=r"^the engine is closed$"):
+        anyio.run(generate, backend=other)
