@@ -570,7 +570,7 @@ def server_cmd(engine: str, opts: dict, port: int) -> list[str]:
             "asyncstep",
             "serve",
             "--model",
-            str(HF_DIR),
+            str(GGUF if opts.get("model") == "gguf" else HF_DIR),
             *host,
             "--served-model-name",
             MODEL_NAME,
