@@ -5,7 +5,7 @@
  * no copy), x float32 or bfloat16, out float32 or bfloat16.
  *
  * Each output is one row of x against one row of W, 32 inputs at a time
- * into one float32 vector, that vector summed at the end: a fixed order,
+ * into one float32 vector, that vector summed at the end by one tree: a fixed order,
  * so an output does not depend on the other rows of x nor on the thread
  * count (rows of W are spread over OpenMP threads, each computed by one).
  * With AVX512-BF16 the products are vdpbf16ps's (x rounded to bfloat16 on
@@ -34,7 +34,8 @@
 #endif
 
 enum { DENSE_FLOAT32 = 0, DENSE_BFLOAT16 = 1 };
-#define ROW_TILE 4   /* rows of x against one row of W per pass */
+#define ROW_TILE 4   /* rows of x per pass */
+#define W_TILE 4     /* rows of W per pass */
 #define MIN_PARALLEL_WORK (1 << 16)
 
 typedef struct {
@@ -66,16 +67,49 @@ static inline void store_value(void* out, int64_t dtype, int64_t i, float v) {
 typedef bf16_t XValue;
 static inline XValue to_x(float v) { return f32_to_bf16(v); }
 
-static inline void dot_tile(const bf16_t* w, const XValue* x, int64_t kp, int rows,
-                            float* sums) {
-    __m512 acc[ROW_TILE];
-    for (int e = 0; e < rows; e++) acc[e] = _mm512_setzero_ps();
+/* The 16 lanes of v summed to 4 partial sums: [0..3] + [4..7] + ... by halves. */
+static inline __m128 quarter_sums(__m512 v) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* sums[i][e] = W row i . x row e for nw (<= W_TILE) rows of W and `rows`
+ * (<= ROW_TILE) rows of x: one accumulator each, then every output's 16
+ * lanes summed by the same tree (halves, then pairs), whatever the tile. */
+static inline __attribute__((always_inline)) void dot_tile_n(
+    const bf16_t* const* w, const int nw, const XValue* x, int64_t kp, const int rows,
+    float sums[W_TILE][ROW_TILE]) {
+    __m512 acc[W_TILE][ROW_TILE];
+    for (int i = 0; i < W_TILE; i++)
+        for (int e = 0; e < ROW_TILE; e++) acc[i][e] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kp; k += 32) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-        for (int e = 0; e < rows; e++)
-            acc[e] = _mm512_dpbf16_ps(acc[e], wv, (__m512bh)_mm512_loadu_si512(x + e * kp + k));
+        __m512bh xv[ROW_TILE];
+        for (int e = 0; e < rows; e++) xv[e] = (__m512bh)_mm512_loadu_si512(x + e * kp + k);
+        for (int i = 0; i < nw; i++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w[i] + k);
+            for (int e = 0; e < rows; e++) acc[i][e] = _mm512_dpbf16_ps(acc[i][e], wv, xv[e]);
+        }
     }
-    for (int e = 0; e < rows; e++) sums[e] = _mm512_reduce_add_ps(acc[e]);
+    for (int e = 0; e < rows; e++) {
+        const __m128 a = _mm_hadd_ps(quarter_sums(acc[0][e]), quarter_sums(acc[1][e]));
+        const __m128 b = _mm_hadd_ps(quarter_sums(acc[2][e]), quarter_sums(acc[3][e]));
+        float four[4];
+        _mm_storeu_ps(four, _mm_hadd_ps(a, b));
+        for (int i = 0; i < nw; i++) sums[i][e] = four[i];
+    }
+}
+
+/* dot_tile_n with constant counts (its accumulators in registers). */
+static void dot_tile(const bf16_t* const* w, int nw, const XValue* x, int64_t kp, int rows,
+                     float sums[W_TILE][ROW_TILE]) {
+    switch (nw * 8 + rows) {
+#define CASE(NW, ROWS) \
+    case NW * 8 + ROWS: dot_tile_n(w, NW, x, kp, ROWS, sums); break;
+        CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4)
+        CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4) CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
+#undef CASE
+    }
 }
 #else
 /* x rows as float32 (K values each, zero-padded to a multiple of 32). */
@@ -88,7 +122,7 @@ static inline __m512 widen16(const bf16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-static inline void dot_tile(const bf16_t* w, const XValue* x, int64_t kp, int rows,
+static inline void dot_row(const bf16_t* w, const XValue* x, int64_t kp, int rows,
                             float* sums) {
     __m512 acc[ROW_TILE];
     for (int e = 0; e < rows; e++) acc[e] = _mm512_setzero_ps();
@@ -113,7 +147,7 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-static inline void dot_tile(const bf16_t* w, const XValue* x, int64_t kp, int rows,
+static inline void dot_row(const bf16_t* w, const XValue* x, int64_t kp, int rows,
                             float* sums) {
     __m256 acc[ROW_TILE];
     for (int e = 0; e < rows; e++) acc[e] = _mm256_setzero_ps();
@@ -126,7 +160,7 @@ static inline void dot_tile(const bf16_t* w, const XValue* x, int64_t kp, int ro
     for (int e = 0; e < rows; e++) sums[e] = sum8(acc[e]);
 }
 #else
-static inline void dot_tile(const bf16_t* w, const XValue* x, int64_t kp, int rows,
+static inline void dot_row(const bf16_t* w, const XValue* x, int64_t kp, int rows,
                             float* sums) {
     for (int e = 0; e < rows; e++) {
         float lanes[32] = {0};
@@ -139,6 +173,15 @@ static inline void dot_tile(const bf16_t* w, const XValue* x, int64_t kp, int ro
     }
 }
 #endif
+
+static inline void dot_tile(const bf16_t* const* w, int nw, const XValue* x, int64_t kp,
+                            int rows, float sums[W_TILE][ROW_TILE]) {
+    for (int i = 0; i < nw; i++) {
+        float row_sums[ROW_TILE];
+        dot_row(w[i], x, kp, rows, row_sums);
+        for (int e = 0; e < rows; e++) sums[i][e] = row_sums[e];
+    }
+}
 #endif
 
 /* out = x @ W.T; 0 on success, -1 when scratch memory cannot be had or the
@@ -156,30 +199,39 @@ int asyncstep_dense_matmul(const DenseMatmulArgs* a) {
     const int padded = kp != K;
     const int num_threads = rows * N * K < MIN_PARALLEL_WORK ? 1 : (int)a->num_threads;
     int failed = 0;
+    const int64_t tiles = (N + W_TILE - 1) / W_TILE;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-        bf16_t* row = padded ? calloc((size_t)kp, sizeof(bf16_t)) : NULL;
-        if (padded && row == NULL) {
+        /* rows of W whose last vector would read past K: copied, zero-padded */
+        bf16_t* copies = padded ? calloc((size_t)(W_TILE * kp), sizeof(bf16_t)) : NULL;
+        if (padded && copies == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            if (padded && row == NULL) continue;
-            const bf16_t* w = a->weight + n * a->weight_stride;
-            if (padded) {
-                memcpy(row, w, sizeof(bf16_t) * (size_t)K);
-                w = row;
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            if (padded && copies == NULL) continue;
+            const int64_t n0 = tile * W_TILE;
+            const int nw = N - n0 < W_TILE ? (int)(N - n0) : W_TILE;
+            const bf16_t* w[W_TILE];
+            for (int i = 0; i < nw; i++) {
+                w[i] = a->weight + (n0 + i) * a->weight_stride;
+                if (padded) {
+                    memcpy(copies + i * kp, w[i], sizeof(bf16_t) * (size_t)K);
+                    w[i] = copies + i * kp;
+                }
             }
             for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
                 const int count = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-                float sums[ROW_TILE];
-                dot_tile(w, x + r0 * kp, kp, count, sums);
+                float sums[W_TILE][ROW_TILE];
+                dot_tile(w, nw, x + r0 * kp, kp, count, sums);
                 for (int e = 0; e < count; e++)
-                    store_value(a->out, a->out_dtype, (r0 + e) * a->out_stride + n, sums[e]);
+                    for (int i = 0; i < nw; i++)
+                        store_value(a->out, a->out_dtype, (r0 + e) * a->out_stride + n0 + i,
+                                    sums[i][e]);
             }
         }
-        free(row);
+        free(copies);
     }
     free(x);
     return failed ? -1 : 0;
