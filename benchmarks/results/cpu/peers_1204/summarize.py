@@ -44,8 +44,10 @@ def served(c: int, key: str) -> Callable[[Round], float | None]:
 
 
 def main() -> None:
-    print("| engine (runs) | 16 at once, tok/s | 64 at once | batch-1 ITL, ms | serve c=8: tok/s | TTFT p50, s | serve c=32: tok/s | TTFT p50, s |")
-    print("|---|---|---|---|---|---|---|---|")
+    heads = ["engine (runs)", "16 at once, tok/s", "64 at once", "batch-1 ITL, ms"]
+    heads += ["serve c=8: tok/s", "TTFT p50, s", "serve c=32: tok/s", "TTFT p50, s"]
+    print("| " + " | ".join(heads) + " |")
+    print("|" + "---|" * len(heads))
     for name, runs in sorted(rounds().items()):
         print(
             f"| {name} ({len(runs)}) "
