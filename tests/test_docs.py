@@ -94,6 +94,8 @@ NOT_RUN = {
     ' --model /shared/model "Hello"': "needs several machines",
     "torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE --master-addr A"
     " --master-port 29500 -m asyncstep.rank --engine A:5555": "needs several machines",
+    "python3 tests/faults.py aborts --model $(python3 -c 'from asyncstep.models.loader"
+    " import default_model_path as p; print(p())') --aborts 200": "takes minutes",
 }
 MAIN_JOB = 'asyncstep generate "What is the capital of France?"'
 CHAT_EXAMPLE = "engine.chat("

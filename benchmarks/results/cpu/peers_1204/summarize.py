@@ -2,7 +2,9 @@
 runs of ``benchmarks/cpu_peers.py``: each row the median over its rounds
 (min-max after it), ``before_*`` the code before issue 37's precision
 change (``/work/wt-old`` at de95ad2), ``after_*`` after it, ``peers.json``
-the other engines (one run). ``python3 summarize.py`` prints Markdown."""
+the other engines (one run). Rounds 1-4 ran on one VM, 5-6 on a second of
+the same kind (2-core AMD EPYC, AVX512-BF16), each alternating before and
+after. ``python3 summarize.py`` prints Markdown."""
 
 from __future__ import annotations
 
