@@ -13,7 +13,9 @@ Python; may import only the standard library and ``asyncstep.datatypes`` /
 
 One loop, no prefill/decode phases: every step hands each request the tokens
 it lacks (``num_tokens - num_computed_tokens``: a prompt chunk, a whole prompt,
-or the one token sampled last), within a token budget. The engine calls
+or the one token sampled last), within a token budget (a prompt token whose
+request asks for ``prompt_logprobs`` takes ``PROMPT_LOGPROBS_TOKEN_COST`` of
+it). The engine calls
 ``schedule()``, sends the result to the ranks, and later
 ``update_from_output()`` with that step's output; ``schedule()`` advances
 ``num_computed_tokens`` at once, so several steps may be in flight (the
@@ -114,6 +116,13 @@ class SchedulerStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_cache.usage
+
+
+#: The token budget one prompt token takes when its request asks for
+#: ``prompt_logprobs``: the token itself, and its row of the LM head over the
+#: vocabulary with that row's log-softmax, rank and top-k (a healthy stream
+#: beside such a prompt keeps its pace).
+PROMPT_LOGPROBS_TOKEN_COST = 2
 
 
 class Scheduler:
@@ -367,7 +376,7 @@ class Scheduler:
                 elif not placeholders:
                     draft_candidates.append((len(req_ids), request))
             num_scheduled[req_id] = num_new
-            budget -= num_new
+            budget -= self._budget_cost(request, num_computed, num_new)
             req_ids.append(req_id)
             num_computed_col.append(num_computed)
             block_ids_col.append(new_block_ids)
@@ -517,7 +526,7 @@ class Scheduler:
             self.running.append(request)
             plan.admitted_reqs.append(request)
             plan.num_scheduled_tokens[request.request_id] = num_new
-            plan.token_budget -= num_new
+            plan.token_budget -= self._budget_cost(request, num_computed, num_new)
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens the request gets this step; 0 when it must wait for a bigger budget.
@@ -528,10 +537,31 @@ class Scheduler:
         """
         num_new = self._num_uncomputed(request, num_computed)
         num_new = min(num_new, self.max_model_len - num_computed)
-        if num_new > budget:
-            chunkable = self.enable_chunked_prefill or num_new > self.max_num_batched_tokens
-            num_new = budget if chunkable else 0
+        cost = self._budget_cost(request, num_computed, num_new)
+        if cost > budget:
+            chunkable = self.enable_chunked_prefill or cost > self.max_num_batched_tokens
+            num_new = self._num_tokens_within(request, num_computed, budget) if chunkable else 0
         return max(num_new, 0)
+
+    @staticmethod
+    def _num_prompt_logprobs_rows(request: Request, num_computed: int, num_new: int) -> int:
+        """Of ``num_new`` tokens from ``num_computed``, those whose rows give
+        a prompt position's log-probs (the last prompt token's samples)."""
+        if request.sampling_params.prompt_logprobs is None:
+            return 0
+        return max(0, min(num_new, request.num_prompt_tokens - 1 - num_computed))
+
+    def _budget_cost(self, request: Request, num_computed: int, num_new: int) -> int:
+        """The token budget ``num_new`` tokens from ``num_computed`` take."""
+        rows = self._num_prompt_logprobs_rows(request, num_computed, num_new)
+        return num_new + (PROMPT_LOGPROBS_TOKEN_COST - 1) * rows
+
+    def _num_tokens_within(self, request: Request, num_computed: int, budget: int) -> int:
+        """The most tokens from ``num_computed`` that cost at most ``budget``."""
+        rows = self._num_prompt_logprobs_rows(request, num_computed, budget)
+        if rows * PROMPT_LOGPROBS_TOKEN_COST >= budget:
+            return budget // PROMPT_LOGPROBS_TOKEN_COST
+        return budget - (PROMPT_LOGPROBS_TOKEN_COST - 1) * rows
 
     def _num_uncomputed(self, request: Request, num_computed: int) -> int:
         """Tokens the request lacks, counting its placeholders; 0 when the

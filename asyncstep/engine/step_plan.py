@@ -54,7 +54,6 @@ class StepPlan:
 
     __slots__ = (
         "admitted_reqs",
-        "max_num_tokens",
         "new_reqs",
         "num_preempted",
         "num_scheduled_tokens",
@@ -68,8 +67,7 @@ class StepPlan:
 
     def __init__(self, token_budget: int) -> None:
         # A plain class, not a dataclass: schedule() builds one every step.
-        #: The step's whole token budget; ``token_budget`` is what is left of it.
-        self.max_num_tokens = token_budget
+        #: What is left of the step's token budget.
         self.token_budget = token_budget
         self.num_scheduled_tokens: dict[str, int] = {}
         self.new_reqs: list[Request] = []
@@ -133,7 +131,8 @@ class StepPlan:
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_data,
             num_scheduled_tokens=self.num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_tokens - self.token_budget,
+            # (not the budget spent: a prompt token that asks for log-probs takes more)
+            total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
             finished_req_ids=sorted(finished_req_ids) if finished_req_ids else [],
             scheduled_spec_decode_tokens=self.spec_token_ids,
         )

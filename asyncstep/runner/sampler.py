@@ -233,7 +233,8 @@ def gather_logprobs(
     num_logprobs = max(0, min(num_logprobs, logprobs.shape[-1]))
     token_ids = token_ids.unsqueeze(-1)
     token_logprobs = logprobs.gather(-1, token_ids)
-    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
+    # (an int32 count: summing the comparison as int64 takes twice as long on the CPU)
+    ranks = (logprobs > token_logprobs).sum(dim=-1, dtype=torch.int32).long() + 1
     top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
     return LogprobsTensors(
         logprob_token_ids=torch.cat([token_ids, top_ids], dim=-1),

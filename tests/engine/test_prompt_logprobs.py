@@ -33,12 +33,13 @@ from asyncstep.datatypes import (
     SchedulerOutput,
 )
 from asyncstep.engine.outputs import Completion
+from asyncstep.engine.scheduler import PROMPT_LOGPROBS_TOKEN_COST
 from asyncstep.errors import InvalidRequestError
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
 from asyncstep.runner.prompt_logprobs import PromptLogprobsTracker
 from tests.engine.test_penalties import smol_prompt
-from tests.engine.test_scheduler import FakeRunner, drive, make_request, make_scheduler
+from tests.engine.test_scheduler import FakeRunner, drive, make_request, make_scheduler, prompt_of
 
 CPU = torch.device("cpu")
 #: Values against HF (fp32; attention split differently over chunks).
@@ -308,8 +309,12 @@ def test_scheduler_skips_the_prefix_cache_and_reports_chunks() -> None:
     so = sched.schedule()
     computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
     assert computed == {"hits": 8, "asks": 0}
-    assert so.num_scheduled_tokens == {"hits": 4, "asks": 8}  # "asks": a chunk
-    chunk = [Logprobs([prompt[p], 1, 2], [-1.0, -0.5, -0.7], 3) for p in range(1, 9)]
+    # "asks": a chunk, its rows at PROMPT_LOGPROBS_TOKEN_COST each
+    assert so.num_scheduled_tokens == {"hits": 4, "asks": 8 // PROMPT_LOGPROBS_TOKEN_COST}
+    chunk = [
+        Logprobs([prompt[p], 1, 2], [-1.0, -0.5, -0.7], 3)
+        for p in range(1, 1 + 8 // PROMPT_LOGPROBS_TOKEN_COST)
+    ]
     output = ModelRunnerOutput(
         ["hits", "asks"], {"hits": 0, "asks": 1}, [[5], []], prompt_logprobs={"asks": chunk}
     )
@@ -317,6 +322,26 @@ def test_scheduler_skips_the_prefix_cache_and_reports_chunks() -> None:
     assert news["hits"].new_token_ids == [5] and news["hits"].new_prompt_logprobs is None
     assert news["asks"].new_token_ids == [] and news["asks"].new_prompt_logprobs == chunk
     assert not news["asks"].finished
+
+
+def test_a_prompt_that_asks_takes_more_of_the_step_budget() -> None:
+    """Each of its prompt rows takes PROMPT_LOGPROBS_TOKEN_COST of the token
+    budget (the LM head's row, its log-softmax, rank and top-k over the
+    vocabulary), so a step with such a prompt does the work its budget was set
+    for and a neighbour beside it keeps its pace; its last prompt token (which
+    samples) and its decodes take one."""
+    cost = PROMPT_LOGPROBS_TOKEN_COST
+    sched = make_scheduler(block_size=4, budget=12 * cost, num_blocks=64)
+    asks = make_request("asks", prompt_of(1, 40), max_tokens=3, prompt_logprobs=5)
+    plain = make_request("plain", prompt_of(2, 40), max_tokens=3)
+    run = drive(sched, FakeRunner(4), {0: [asks, plain]})
+    scheduled = [so.num_scheduled_tokens for so in run.outputs]
+    # 12 prompt rows a step (the whole budget: "plain" waits), then the last
+    # three rows and the sampling token (3 x cost + 1) beside "plain"'s chunk.
+    assert [s.get("asks") for s in scheduled[:4]] == [12, 12, 12, 4]
+    assert scheduled[3]["plain"] == 12 * cost - (3 * cost + 1)
+    assert all(s.get("asks", 1) == 1 for s in scheduled[4:])
+    assert run.tokens["asks"] and len(run.tokens["asks"]) == 3
 
 
 @pytest.mark.parametrize("value", [-1, 21, 1.5, "2", True, 2**70])

@@ -13,7 +13,8 @@
   than the step computing.
 * Against a real server: 16 long prompts whose clients drop their
   connections do not stall a healthy stream (its largest gap between chunks
-  stays under ``MAX_GAP_S``; its text is its text alone).
+  stays under ``MAX_GAP_S``; its text is its text alone), nor does a long
+  prompt that asks for its ``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -422,3 +423,23 @@ def test_dropped_long_prompts_do_not_stall_a_healthy_stream(server: Server) -> N
     ]
     wait_for(lambda: server.gauge("num_requests_running") == 0, "the dropped prompts to end")
     assert server.gauge(waiting) == 0 and server.gauge("kv_cache_usage_perc") == 0
+
+
+def test_a_prompt_asking_for_its_log_probs_does_not_stall_a_healthy_stream(
+    server: Server,
+) -> None:
+    """Issue 37 (Found 9): a long prompt with ``prompt_logprobs=20`` beside a
+    healthy stream; its rows take more of each step's budget."""
+    alone = Stream(server, HEALTHY).join()
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 49152) for _ in range(MAX_MODEL_LEN - 64)]
+    healthy = Stream(server, HEALTHY)
+    wait_for(lambda: len(healthy.times) >= 1, "the healthy stream's first chunk")
+    body = {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 20}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["choices"][0]["prompt_logprobs"]) == len(prompt)
+    assert healthy.join() == alone
+    assert healthy.largest_gap <= MAX_GAP_S, [
+        round(b - a, 2) for a, b in itertools.pairwise(healthy.times)
+    ]
