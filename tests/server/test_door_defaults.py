@@ -14,7 +14,8 @@
 * Against a real server: 16 long prompts whose clients drop their
   connections do not stall a healthy stream (its largest gap between chunks
   stays under ``MAX_GAP_S``; its text is its text alone), nor does a long
-  prompt that asks for its ``prompt_logprobs``.
+  prompt that asks for its ``prompt_logprobs``, nor a ``logit_bias`` on
+  every token of the vocabulary.
 """
 
 from __future__ import annotations
@@ -439,6 +440,25 @@ def test_a_prompt_asking_for_its_log_probs_does_not_stall_a_healthy_stream(
     reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     assert len(reply.json()["choices"][0]["prompt_logprobs"]) == len(prompt)
+    assert healthy.join() == alone
+    assert healthy.largest_gap <= MAX_GAP_S, [
+        round(b - a, 2) for a, b in itertools.pairwise(healthy.times)
+    ]
+
+
+def test_a_logit_bias_over_the_whole_vocabulary_does_not_stall_a_healthy_stream(
+    server: Server,
+) -> None:
+    """Issue 37 (Found 9): a ``logit_bias`` on every token of the vocabulary
+    beside a healthy stream long enough to see it through."""
+    longer = HEALTHY | {"max_tokens": 200}
+    alone = Stream(server, longer).join()
+    healthy = Stream(server, longer)
+    wait_for(lambda: len(healthy.times) >= 1, "the healthy stream's first chunk")
+    bias = {str(token): -1 for token in range(49152)}
+    body = {"prompt": "Once", "max_tokens": 16, "logit_bias": bias, "ignore_eos": True}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
     assert healthy.join() == alone
     assert healthy.largest_gap <= MAX_GAP_S, [
         round(b - a, 2) for a, b in itertools.pairwise(healthy.times)
