@@ -115,6 +115,18 @@ async def test_the_default_gives_transformers_tokens(
         assert [c.token_ids for c in batched] == hf_tokens
 
 
+@pytest.mark.trio
+async def test_the_default_in_two_pipeline_stages_gives_transformers_tokens(
+    hf_tokens: list[list[int]],
+) -> None:
+    """``--pp 2`` at the default (each stage a process loading the embedded
+    model as a user gets it, gloo between them): transformers' fp32 greedy
+    tokens, batched."""
+    async with asyncstep.open_engine(device="cpu", pipeline_parallel_size=2) as engine:
+        batched = await generate_batched(engine, [chat(q) for q in QUESTIONS], GREEDY)
+    assert [c.token_ids for c in batched] == hf_tokens
+
+
 #: Other requests to run beside the questions: prompts of different lengths.
 NEIGHBOURS = [f"Tell me about the number {i} and what it means." * (1 + i % 4) for i in range(30)]
 
