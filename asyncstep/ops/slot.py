@@ -21,3 +21,8 @@ class OpSetSlot:
 
     def __init__(self, ops: OpSet | None = None) -> None:
         self.ops: OpSet = TORCH_OPS if ops is None else ops
+
+    def __deepcopy__(self, memo: dict[int, object]) -> OpSetSlot:
+        """A copied model gets a slot of its own holding the same op set (an
+        op set holds kernels, not state: it is shared, never copied)."""
+        return OpSetSlot(self.ops)

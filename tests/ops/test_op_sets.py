@@ -10,6 +10,7 @@ imported), which rounds float32 -> bfloat16 by truncation: one ulp."""
 from __future__ import annotations
 
 import os
+from copy import deepcopy
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -158,3 +159,23 @@ def test_the_choice() -> None:
     if triton_available():
         assert select_ops(torch.device("cuda"), "triton", fused_kernels=True).name == "triton"
     assert select_ops(torch.device("cuda"), "torch", fused_kernels=True) is TORCH_OPS
+
+
+def test_a_copied_model_has_a_slot_of_its_own() -> None:
+    """Every layer of a model calls one slot; a deep copy's layers call one
+    slot of their own, holding the same op set (never copied)."""
+    from asyncstep.models.dummy import get_shape
+    from asyncstep.models.layers.norm import RMSNorm
+    from asyncstep.models.llama import LlamaForCausalLM, LlamaMLP
+
+    model = LlamaForCausalLM(get_shape("tiny-llama"), torch.float32)
+    chosen = select_ops(CPU, "cpu", fused_kernels=True)
+    model.use_ops(chosen)
+
+    def slots(m: LlamaForCausalLM) -> set[int]:
+        layers = [x for x in m.modules() if isinstance(x, RMSNorm | LlamaMLP)]
+        return {id(x.ops) for x in [*layers, m.model.rotary]}
+
+    copy = deepcopy(model)
+    assert slots(model) == {id(model.model.ops)} and slots(copy) == {id(copy.model.ops)}
+    assert copy.model.ops is not model.model.ops and copy.model.ops.ops is chosen
