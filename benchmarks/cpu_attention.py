@@ -52,8 +52,8 @@ from asyncstep.models.layers.attention import (
     reference_attention_backends,
     write_kv_cache,
 )
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.model_loader import load_model
+from asyncstep.ops.cpu.library import load_cpu_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
 from overlap_decode import write_results

@@ -42,10 +42,10 @@ import torch.nn.functional as F
 
 from asyncstep.config import ModelConfig
 from asyncstep.models.layers.attention import AttentionMetadata, kv_cache_shape
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
-from asyncstep.models.layers.norm import RMSNorm
-from asyncstep.models.llama import LlamaForCausalLM, LlamaMLP
+from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.model_loader import load_model
+from asyncstep.ops import TORCH_OPS, select_ops
+from asyncstep.ops.cpu.library import load_cpu_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_attention import BLOCK, DIM, KV_HEADS, best_us, make_case
@@ -177,9 +177,8 @@ class Step:
 
 
 def use_layer_kernels(model: LlamaForCausalLM, on: bool) -> None:
-    for module in model.modules():
-        if isinstance(module, RMSNorm | LlamaMLP):
-            module.use_cpu_kernel = on
+    cpu = torch.device("cpu")
+    model.use_ops(select_ops(cpu, "torch", fused_kernels=True) if on else TORCH_OPS)
 
 
 def model_steps(args: argparse.Namespace, dtype_name: str) -> list[dict[str, Any]]:

@@ -24,9 +24,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from asyncstep.models.layers.cpu_quant import pack_q4_cpu, pack_q8_cpu, quant_matmul
-from asyncstep.models.layers.packed import GROUP_SIZE, PackedWeight, pack_int4, pack_int8_rows
 from asyncstep.models.model_loader import resolve_dtype
+from asyncstep.ops.cpu.quant import pack_q4_cpu, pack_q8_cpu, quant_matmul
+from asyncstep.ops.packed import GROUP_SIZE, PackedWeight, pack_int4, pack_int8_rows
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576

@@ -32,7 +32,7 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 def run_case(case: str, tokens: int) -> float:
     import torch
 
-    from asyncstep.models.layers.packed import pack_int4, pack_int8_rows
+    from asyncstep.ops.packed import pack_int4, pack_int8_rows
 
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores if case == "second thread + pool" else 1)  # packing: no pool

@@ -24,8 +24,8 @@ from asyncstep.cli import (
 from asyncstep.config import EngineConfig, engine_options
 from asyncstep.engine.api import make_config
 from asyncstep.logging import shown_path
-from asyncstep.models.layers.cpu_kernels import CACHE_ENV, SWITCH_ENVS
 from asyncstep.models.loader import open_checkpoint
+from asyncstep.ops.cpu.library import CACHE_ENV, SWITCH_ENVS
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "structured_params": 2,
     "config": 1,
     "checks": 1,
+    "ops": 1,  # the kernels: over the device runtime, under the models
     "cpu_features": 0,
     "gpu": 0,
     "logging": 0,

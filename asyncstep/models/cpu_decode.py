@@ -7,7 +7,7 @@ silu * up) without a Python call per op.
 
 :meth:`CpuDecodeStack.build` makes one for a model whose every projection is
 kept quantized for the CPU library
-(:class:`~asyncstep.models.layers.cpu_quant.CpuQuantWeight`) and whose
+(:class:`~asyncstep.ops.cpu.quant.CpuQuantWeight`) and whose
 attention is the CPU kernel with its rotary fused, on one tensor-parallel
 rank (the stack has no all-reduce), without per-head q/k norms; else None,
 and the model keeps its layer-by-layer forward. Steps of more tokens than
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from asyncstep.models.layers.attention import AttentionMetadata
-from asyncstep.models.layers.cpu_attention import TILE_ROWS
-from asyncstep.models.layers.cpu_quant import _KINDS, QUANT_DTYPES, CpuQuantWeight, quant_matmul
 from asyncstep.models.llama import LlamaDecoderLayer
+from asyncstep.ops.cpu.attention import TILE_ROWS
+from asyncstep.ops.cpu.quant import _KINDS, QUANT_DTYPES, CpuQuantWeight, quant_matmul
 
 if TYPE_CHECKING:
-    from asyncstep.models.layers.cpu_kernels import CpuKernels
+    from asyncstep.ops.cpu.library import CpuKernels
 
 __all__ = ["CpuDecodeStack"]
 

@@ -26,7 +26,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from asyncstep.channels import get_pp_group, get_tp_group
@@ -35,7 +34,6 @@ from asyncstep.errors import ModelLoadError
 from asyncstep.models.config import ModelArchConfig, pp_layer_range
 from asyncstep.models.fused_decode import FusedDecodeWeights, fused_gemv
 from asyncstep.models.layers.attention import Attention, AttentionMetadata
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncstep.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -45,6 +43,8 @@ from asyncstep.models.layers.linear import (
 )
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.layers.rotary import RotaryCosSin, RotaryEmbedding
+from asyncstep.ops.base import OpSet
+from asyncstep.ops.slot import OpSetSlot
 
 if TYPE_CHECKING:
     from asyncstep.gpu.triton_quant import NormedRows
@@ -80,6 +80,7 @@ class LlamaAttention(nn.Module):
         sequence_parallel: bool = False,
     ):
         super().__init__()
+        ops = rotary.ops
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             config.head_dim,
@@ -100,8 +101,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, ops)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, ops)
         self.rotary = [rotary]  # a list: shared by every layer, not a submodule of each
         self.attn = Attention(
             self.qkv_proj.num_heads,
@@ -139,7 +140,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, config: ModelArchConfig, dtype: torch.dtype, sequence_parallel: bool = False
+        self,
+        config: ModelArchConfig,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+        ops: OpSetSlot | None = None,
     ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -154,24 +159,10 @@ class LlamaMLP(nn.Module):
             sequence_parallel=sequence_parallel,
             params_dtype=dtype,
         )
-        #: One Triton kernel for silu(gate) * up (set by the runner on CUDA).
-        self.fused_silu_and_mul = False
-        #: silu(gate) * up in one call of the CPU library where it is loaded
-        #: (set by the runner on the CPU).
-        self.use_cpu_kernel = False
+        self.ops = ops or OpSetSlot()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.fused_silu_and_mul:
-            from asyncstep.gpu.triton_fused import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
-        if self.use_cpu_kernel:
-            kernels = load_cpu_kernels()
-            if kernels is not None and kernels.layer_ops.takes(gate_up):
-                return self.down_proj(kernels.layer_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -186,10 +177,11 @@ class LlamaDecoderLayer(nn.Module):
         sequence_parallel: bool = False,
     ):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        ops = rotary.ops
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.self_attn = LlamaAttention(config, rotary, dtype, sequence_parallel)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype, sequence_parallel)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.mlp = LlamaMLP(config, dtype, sequence_parallel, ops)
 
     def pre_attention(
         self,
@@ -300,11 +292,14 @@ class LlamaModel(nn.Module):
         self.start_layer, self.end_layer = pp_layer_range(
             config.num_hidden_layers, pp.rank_in_group, pp.world_size
         )
+        #: The op set every layer calls (:meth:`LlamaForCausalLM.use_ops`).
+        self.ops = OpSetSlot()
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling,
+            self.ops,
         )
         self.embed_tokens = (
             VocabParallelEmbedding(
@@ -323,7 +318,9 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.ops)
+            if self.is_last_stage
+            else None
         )
         #: The stage's layers as one call of the CPU library, for steps it
         #: takes (set by the runner on the CPU where the model qualifies).
@@ -435,6 +432,11 @@ class LlamaForCausalLM(nn.Module):
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         self.tie_weights()
+
+    def use_ops(self, ops: OpSet) -> None:
+        """Run every layer's norms, activations and rotary through ``ops``
+        (:func:`asyncstep.ops.select_ops`; the reference until then)."""
+        self.model.ops.ops = ops
 
     def tie_weights(self) -> None:
         """The LM head reads the input embedding's weight where the config

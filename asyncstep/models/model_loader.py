@@ -29,23 +29,23 @@ from asyncstep.logging import get_logger, notice, shown_path
 from asyncstep.logging.spans import CORE_STARTUP, now_us, record_startup, span
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
-from asyncstep.models.layers.cpu_kernels import cpu_kernels_off
-from asyncstep.models.layers.cpu_quant import pack_q4_cpu, pack_q8_cpu
 from asyncstep.models.layers.embedding import ParallelLMHead
 from asyncstep.models.layers.gpu_quant import packing_on_load, round_decoder_weights
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncstep.models.layers.norm import RMSNorm
-from asyncstep.models.layers.packed import (
-    PackedWeight,
-    is_int8_blocks,
-    pack_int4,
-    pack_int8_rows,
-)
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.loader import Checkpoint, open_checkpoint
 from asyncstep.models.memory import check_model_fits
 from asyncstep.models.model_info import maybe_tokenizer, resolve_max_model_len
 from asyncstep.models.weight_cache import PackedCache
+from asyncstep.ops.cpu.library import cpu_kernels_off
+from asyncstep.ops.cpu.quant import pack_q4_cpu, pack_q8_cpu
+from asyncstep.ops.packed import (
+    PackedWeight,
+    is_int8_blocks,
+    pack_int4,
+    pack_int8_rows,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -324,8 +324,8 @@ def pack_weights(
     """Give each linear layer whose float32 weight is exactly 4-bit a packed
     copy, and an 8-bit LM head one too, for steps of at most ``max_tokens``
     tokens: the CPU library's Q4 / Q8 blocks where its vector build runs (AVX512-VNNI or AVX2)
-    (:mod:`~asyncstep.models.layers.cpu_quant`), else torch's int4 / int8
-    (:mod:`~asyncstep.models.layers.packed`, scales in ``dtype``). Returns
+    (:mod:`~asyncstep.ops.cpu.quant`), else torch's int4 / int8
+    (:mod:`~asyncstep.ops.packed`, scales in ``dtype``). Returns
     how many of each kind, and their bytes. ``max_tokens`` None: every step
     with the library's blocks (one kernel for every step's size, so a
     request's greedy tokens do not depend on its neighbours), 8 with torch's

@@ -39,10 +39,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncstep.logging import get_logger
-from asyncstep.models.layers.cpu_quant import CpuQuantWeight
-from asyncstep.models.layers.packed import PackedWeight
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.loader.tokenizer import cache_root
+from asyncstep.ops.cpu.quant import CpuQuantWeight
+from asyncstep.ops.packed import PackedWeight
 
 log = get_logger("models")
 
@@ -54,8 +54,8 @@ _SOURCES = (
     "models/loader/gguf.py",
     "models/loader/gguf_blocks.py",
     "models/loader/hf.py",
-    "models/layers/cpu_quant.py",
-    "models/layers/packed.py",
+    "ops/cpu/quant.py",
+    "ops/packed.py",
     "models/layers/linear.py",
     "models/layers/embedding.py",
     "models/layers/norm.py",

@@ -3,7 +3,7 @@
 cannot go below.
 
 Layer by layer: a linear layer (and the LM head) with a packed copy
-(:class:`~asyncstep.models.layers.packed.PackedWeight`: the CPU's Q4/Q8
+(:class:`~asyncstep.ops.packed.PackedWeight`: the CPU's Q4/Q8
 blocks or torch's int4/int8, the GPU's Q4) reads that copy's bytes in a
 step of at most its ``max_tokens`` tokens and its dense weight in a larger
 one; one without reads its dense weight; the input embedding reads one row
@@ -23,7 +23,7 @@ from torch import nn
 from asyncstep.datatypes import PackedReads, WeightReads
 from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
-from asyncstep.models.layers.packed import PackedWeight
+from asyncstep.ops.packed import PackedWeight
 
 __all__ = ["weight_reads"]
 

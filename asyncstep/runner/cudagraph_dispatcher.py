@@ -24,6 +24,10 @@ Padding conventions (the runner applies them): padding tokens have id 0,
 position 0 and slot -1 (nothing stored); padding requests have seq_len 0 and
 an empty query range, so ``query_start_loc`` stays non-decreasing.
 
+:func:`resolve_cudagraph_mode` turns the configured mode into the one the
+device and the attention backend allow: NONE without CUDA, no FULL graph
+over the torch reference's attention (it plans decodes on the host).
+
 Pure Python: imports nothing from torch.
 """
 
@@ -33,15 +37,24 @@ import bisect
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
 
 from asyncstep.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "BatchDescriptor",
     "CUDAGraphMode",
     "CudagraphDispatcher",
     "default_capture_sizes",
+    "resolve_cudagraph_mode",
 ]
+
+log = structlog.get_logger(__name__)
 
 
 class CUDAGraphMode(enum.Enum):
@@ -260,3 +273,27 @@ class CudagraphDispatcher:
         keys = [(CUDAGraphMode.FULL, k) for k in self.full_keys]
         keys += [(CUDAGraphMode.PIECEWISE, k) for k in self.piecewise_keys]
         return sorted(keys, key=lambda mk: (-mk[1].num_tokens, mk[0].value, mk[1].uniform_decode))
+
+
+def resolve_cudagraph_mode(
+    name: str, device: torch.device, backend: str, stand_in: bool = False
+) -> CUDAGraphMode:
+    """The configured mode, as far as the device and backend allow: NONE
+    without CUDA (unless ``stand_in``); FULL graphs only with Triton
+    attention (else their batches run PIECEWISE, or eagerly)."""
+    mode = CUDAGraphMode.parse(name)
+    if device.type != "cuda" and not stand_in:
+        return CUDAGraphMode.NONE
+    if backend == "triton" or not mode.has_full_cudagraphs():
+        return mode
+    fallback = {
+        CUDAGraphMode.FULL: CUDAGraphMode.PIECEWISE,
+        CUDAGraphMode.FULL_AND_PIECEWISE: CUDAGraphMode.PIECEWISE,
+        CUDAGraphMode.FULL_DECODE_ONLY: CUDAGraphMode.NONE,
+    }[mode]
+    log.warning(
+        "FULL CUDA graphs need the triton attention backend",
+        cudagraph_mode=mode.name,
+        using=fallback.name,
+    )
+    return fallback

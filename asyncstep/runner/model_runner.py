@@ -58,24 +58,21 @@ from asyncstep.logging.spans import tracing
 from asyncstep.models.cpu_decode import CpuDecodeStack
 from asyncstep.models.layers.attention import (
     BLOCK_DIM,
-    Attention,
     kv_cache_shape,
     reference_attention_backends,
 )
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.embedding import ParallelLMHead
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
-from asyncstep.models.layers.norm import RMSNorm
-from asyncstep.models.llama import LlamaForCausalLM, LlamaMLP
+from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.ops import CpuOps
+from asyncstep.ops.select import resolve_attention_backend, select_ops
 from asyncstep.runner.async_output import AsyncModelRunnerOutput, host_logprobs
-from asyncstep.runner.attention_backend import (
-    resolve_attention_backend,
-    resolve_cudagraph_mode,
-)
 from asyncstep.runner.cpu_threads import CpuThreads
 from asyncstep.runner.cudagraph_dispatcher import (
     CudagraphDispatcher,
     CUDAGraphMode,
+    resolve_cudagraph_mode,
 )
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.draft_model import DraftModel
@@ -173,10 +170,9 @@ class ModelRunner:
             compilation.attention_backend, device, dtype
         )
         self.fused_kernels = compilation.fused_kernels and self.attention_backend == "triton"
-        #: The CPU library's layer ops: residual add + RMSNorm (float32
-        #: residual stream), silu * up.
-        self.cpu_layer_kernels = (
-            compilation.fused_kernels and device.type == "cpu" and load_cpu_kernels() is not None
+        #: The models' norms, activations and rotary.
+        self.ops = select_ops(
+            device, self.attention_backend, fused_kernels=compilation.fused_kernels
         )
         self._configure_model(model, fused_decode=compilation.fused_decode)
         #: ``draft_model`` speculation's draft model (None: not that method).
@@ -227,17 +223,16 @@ class ModelRunner:
 
     def _configure_model(self, model: LlamaForCausalLM, *, fused_decode: bool) -> None:
         """Set ``model``'s layers to this runner's attention backend and kernels."""
-        for attn in model.attention_layers():
-            attn.backend = self.attention_backend
-        _use_fused_kernels(model, self.fused_kernels, cpu=self.cpu_layer_kernels)
+        # The Triton KV store and the CPU kernel rotate q and k as they read them.
+        rotates = self.fused_kernels or self.attention_backend == "cpu"
+        model.use_ops(self.ops)
         model.model.use_fused_decode(self.fused_kernels and fused_decode)
         _use_dense_gemv(model, self.fused_kernels and fused_decode)
         for attn in model.attention_layers():
+            attn.backend = self.attention_backend
+            attn.fused_rotary = model.model.rotary if rotates else None
             attn.fused_decode = model.model.fused_decode
-        if self.attention_backend == "cpu":  # the CPU kernel rotates q and k as it reads them
-            for attn in model.attention_layers():
-                attn.fused_rotary = model.model.rotary
-        kernels = load_cpu_kernels() if self.cpu_layer_kernels else None
+        kernels = load_cpu_kernels() if isinstance(self.ops, CpuOps) else None
         model.model.decode_stack = (
             None if kernels is None else CpuDecodeStack.build(kernels, model.model.stage_layers())
         )
@@ -613,21 +608,3 @@ def _use_dense_gemv(model: LlamaForCausalLM, on: bool) -> None:
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
             module.dense_gemv = on
-
-
-def _use_fused_kernels(model: LlamaForCausalLM, fused: bool, *, cpu: bool = False) -> None:
-    """Switch the model's layers to (or off) the fused Triton kernels:
-    residual add + RMSNorm, silu * up, and rotary inside the KV store; with
-    ``cpu``, the norms (of a float32 residual stream) and the MLPs to the
-    CPU library's kernels."""
-    rotary = model.model.rotary
-    rotary.use_triton = fused
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.use_triton = fused
-            module.use_cpu_kernel = cpu
-        elif isinstance(module, LlamaMLP):
-            module.fused_silu_and_mul = fused
-            module.use_cpu_kernel = cpu
-        elif isinstance(module, Attention):
-            module.fused_rotary = rotary if fused else None

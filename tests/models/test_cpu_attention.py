@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncstep.errors import ConfigError
-from asyncstep.models.layers import cpu_kernels
 from asyncstep.models.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -22,11 +21,12 @@ from asyncstep.models.layers.attention import (
     plan_decode_buckets,
     reference_attention,
 )
-from asyncstep.models.layers.cpu_attention import CpuPagedAttention
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.rotary import RotaryEmbedding
 from asyncstep.models.model_loader import LoadedModel
-from asyncstep.runner.attention_backend import resolve_attention_backend
+from asyncstep.ops.cpu import library
+from asyncstep.ops.cpu.attention import CpuPagedAttention
+from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.select import resolve_attention_backend
 from asyncstep.runner.model_runner import ModelRunner
 
 #: bf16 outputs are rounded to bf16 (a relative step of 2**-8): torch's bf16 tolerance.
@@ -297,13 +297,13 @@ def test_attention_layer_pads_and_matches_the_reference_backend(
 def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> Iterator[None]:
     """``load_cpu_kernels`` forgets its cached answer, and builds into a
     temporary cache, before and after the test."""
-    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(library.CACHE_ENV, str(tmp_path))
     load_cpu_kernels.cache_clear()
     yield
     load_cpu_kernels.cache_clear()
 
 
-@pytest.mark.parametrize("switch", cpu_kernels.SWITCH_ENVS)
+@pytest.mark.parametrize("switch", library.SWITCH_ENVS)
 def test_switched_off_or_no_compiler_keeps_the_torch_backend(
     switch: str, fresh_loader: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

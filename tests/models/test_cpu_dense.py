@@ -16,8 +16,8 @@ import torch
 
 import asyncstep
 from asyncstep.cpu_features import cpu_flags
-from asyncstep.models.layers.cpu_dense import CpuDenseMatmul, dense_matmul
 from asyncstep.models.layers.embedding import ParallelLMHead
+from asyncstep.ops.cpu.dense import CpuDenseMatmul, dense_matmul
 
 MATMUL = dense_matmul()
 pytestmark = pytest.mark.skipif(MATMUL is None, reason="no C compiler: the library is off")
@@ -40,7 +40,7 @@ def build(isa: str, tmp_path: Path) -> CpuDenseMatmul:
     compiler = shutil.which("cc")
     if compiler is None:
         pytest.skip("no C compiler")
-    source = Path(asyncstep.__file__).parent / "models/layers/cpu_dense.c"
+    source = Path(asyncstep.__file__).parent / "ops/cpu/cpu_dense.c"
     target = tmp_path / "cpu_dense.so"
     flags = ["-O2", "-std=gnu11", "-fPIC", "-shared", *BUILDS[isa]]
     subprocess.run(

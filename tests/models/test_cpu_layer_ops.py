@@ -26,13 +26,15 @@ import torch.nn.functional as F
 
 from asyncstep.config import CompilationConfig
 from asyncstep.datatypes import IntermediateTensors
-from asyncstep.models.layers import cpu_kernels
 from asyncstep.models.layers.attention import AttentionMetadata, kv_cache_shape
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
-from asyncstep.models.layers.cpu_layer_ops import CpuLayerOps
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.llama import LlamaForCausalLM, LlamaMLP
 from asyncstep.models.model_loader import LoadedModel, settle_dtype
+from asyncstep.ops import TORCH_OPS, OpSet, OpSetSlot, select_ops
+from asyncstep.ops.cpu import library
+from asyncstep.ops.cpu.layer_ops import CpuLayerOps
+from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.ops import CpuOps
 from asyncstep.runner.model_runner import ModelRunner
 
 EPS = 1e-5
@@ -197,10 +199,15 @@ def test_silu_and_mul_refuses_an_odd_width(ops: CpuLayerOps) -> None:
 # -- wiring ---------------------------------------------------------------------------
 
 
+def library_ops() -> OpSet:
+    """The CPU op set where the library loads (else the reference)."""
+    return select_ops(torch.device("cpu"), "torch", fused_kernels=True)
+
+
 def cpu_norm(hidden: int, *, kernel: bool) -> RMSNorm:
-    norm = RMSNorm(hidden, EPS)
+    norm = RMSNorm(hidden, EPS, ops=OpSetSlot(library_ops() if kernel else TORCH_OPS))
     norm.weight.data = torch.rand(hidden) + 0.5
-    norm.float32_residual, norm.use_cpu_kernel = True, kernel
+    norm.float32_residual = True
     return norm
 
 
@@ -234,7 +241,7 @@ def test_the_norm_writes_in_place_only_a_residual_given_up(ops: CpuLayerOps) -> 
 @pytest.fixture
 def library_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The library switched off (``load_cpu_kernels`` returns None)."""
-    monkeypatch.setenv(cpu_kernels.SWITCH_ENVS[0], "torch")
+    monkeypatch.setenv(library.SWITCH_ENVS[0], "torch")
     load_cpu_kernels.cache_clear()
     yield
     load_cpu_kernels.cache_clear()
@@ -257,10 +264,9 @@ def small_mlp(*, kernel: bool) -> LlamaMLP:
     from asyncstep.models.dummy import get_shape
 
     arch = dataclasses.replace(get_shape("tiny-llama"), hidden_size=16, intermediate_size=24)
-    mlp = LlamaMLP(arch, torch.float32)
+    mlp = LlamaMLP(arch, torch.float32, ops=OpSetSlot(library_ops() if kernel else TORCH_OPS))
     for param in mlp.parameters():
         param.data = torch.randn(param.shape) / 4
-    mlp.use_cpu_kernel = kernel
     return mlp
 
 
@@ -278,8 +284,8 @@ def test_the_cpu_runner_switches_the_kernels_with_fused_kernels(
         pytest.skip("the CPU kernels")
     model = tiny_model.model
 
-    def switched() -> set[bool]:
-        return {m.use_cpu_kernel for m in model.modules() if isinstance(m, RMSNorm | LlamaMLP)}
+    def switched() -> set[str]:
+        return {m.ops.ops.name for m in model.modules() if isinstance(m, RMSNorm | LlamaMLP)}
 
     for fused in (False, True):
         compilation = CompilationConfig(fused_kernels=fused)
@@ -292,8 +298,8 @@ def test_the_cpu_runner_switches_the_kernels_with_fused_kernels(
             block_size=4,
             compilation=compilation,
         )
-        assert runner.cpu_layer_kernels is fused
-        assert switched() == {fused}
+        assert isinstance(runner.ops, CpuOps) is fused
+        assert switched() == {"cpu" if fused else "torch"}
 
 
 # -- the model -------------------------------------------------------------------------
@@ -336,9 +342,7 @@ def bf16_tiny() -> LlamaForCausalLM:
 def run_layers(model: LlamaForCausalLM, kernels: bool, intermediate: IntermediateTensors) -> Any:
     """The decoder layers and final norm on ``intermediate``, as a later
     pipeline stage runs them (the embedding's output comes in as received)."""
-    for module in model.modules():
-        if isinstance(module, RMSNorm | LlamaMLP):
-            module.use_cpu_kernel = kernels
+    model.use_ops(library_ops() if kernels else TORCH_OPS)
     tokens = intermediate["hidden_states"].shape[0]
     inner, embed = model.model, model.model.embed_tokens
     inner.embed_tokens = None

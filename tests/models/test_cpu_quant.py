@@ -23,15 +23,15 @@ import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.config import ModelConfig
 from asyncstep.models.cpu_decode import CpuDecodeStack
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
-from asyncstep.models.layers.cpu_quant import (
+from asyncstep.models.model_loader import LoadedModel, load_model, pack_weights
+from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.quant import (
     CpuQuantMatmul,
     CpuQuantWeight,
     pack_q4_cpu,
     pack_q8_cpu,
     quant_matmul,
 )
-from asyncstep.models.model_loader import LoadedModel, load_model, pack_weights
 
 KERNELS = load_cpu_kernels()
 MATMUL = quant_matmul()
@@ -149,7 +149,7 @@ def plain_c_build(tmp_path: Path) -> CpuQuantMatmul:
     compiler = shutil.which("cc")
     if compiler is None:
         pytest.skip("no C compiler")
-    source = Path(asyncstep.__file__).parent / "models/layers/cpu_quant.c"
+    source = Path(asyncstep.__file__).parent / "ops/cpu/cpu_quant.c"
     target = tmp_path / "cpu_quant_plain.so"
     flags = ["-O2", "-std=gnu11", "-fPIC", "-shared", "-mno-avx512vnni"]
     subprocess.run(

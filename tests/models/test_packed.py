@@ -1,4 +1,4 @@
-"""Weights packed for small CPU steps (``asyncstep.models.layers.packed``):
+"""Weights packed for small CPU steps (``asyncstep.ops.packed``):
 4-bit weights are packed only when that is lossless (Q4_0 and Q4_1 grids),
 the packed matmuls equal the dense ones on the same weights, layers switch
 to their dense weight above ``max_tokens``, and the embedded model packs
@@ -14,13 +14,13 @@ import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.config import ModelConfig
 from asyncstep.models.layers.linear import packed_linear
-from asyncstep.models.layers.packed import (
+from asyncstep.models.model_loader import LoadedModel, cpu_blocks, load_model, pack_weights
+from asyncstep.ops.packed import (
     GROUP_SIZE,
     is_int8_blocks,
     pack_int4,
     pack_int8_rows,
 )
-from asyncstep.models.model_loader import LoadedModel, cpu_blocks, load_model, pack_weights
 
 
 @pytest.mark.parametrize("make", [q4_1_weight, q4_0_weight], ids=["q4_1", "q4_0"])

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from asyncstep.config import ModelConfig
-from asyncstep.models.layers.packed import PackedWeight
 from asyncstep.models.model_loader import LoadedModel, load_model, packs_cpu_dtype, resolve_dtype
 from asyncstep.models.weight_cache import PackedCache
+from asyncstep.ops.packed import PackedWeight
 
 pytestmark = pytest.mark.skipif(
     not packs_cpu_dtype(resolve_dtype("auto", torch.device("cpu")), explicit=False),

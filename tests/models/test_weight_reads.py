@@ -14,11 +14,11 @@ import torch
 import asyncstep
 from asyncstep.config import ModelConfig
 from asyncstep.datatypes import PackedReads, WeightReads
-from asyncstep.models.layers.cpu_quant import CpuQuantWeight
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
-from asyncstep.models.layers.packed import PackedWeight
 from asyncstep.models.model_loader import load_model
 from asyncstep.models.weight_reads import weight_reads
+from asyncstep.ops.cpu.quant import CpuQuantWeight
+from asyncstep.ops.packed import PackedWeight
 
 F32 = 4
 # tiny-llama: vocab 512, hidden 64, intermediate 128, 4 layers, 4 heads and

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from asyncstep.models.layers.cpu_attention import CpuStepArgs
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
 from asyncstep.models.layers.rotary import RotaryEmbedding
+from asyncstep.ops.cpu.attention import CpuStepArgs
+from asyncstep.ops.cpu.library import load_cpu_kernels
 
 #: KV cache dimension of ``[2, kv_heads, blocks, block_size, head_dim]`` holding blocks.
 BLOCK_DIM = 2

@@ -9,10 +9,10 @@ from torch import nn
 
 from asyncstep.channels import get_tp_group
 from asyncstep.errors import ModelLoadError
-from asyncstep.models.layers.cpu_dense import CpuDenseMatmul, dense_matmul
-from asyncstep.models.layers.cpu_quant import CpuQuantWeight
 from asyncstep.models.layers.linear import packed_linear, reduce_partial_sums
-from asyncstep.models.layers.packed import PackedWeight
+from asyncstep.ops.cpu.dense import CpuDenseMatmul, dense_matmul
+from asyncstep.ops.cpu.quant import CpuQuantWeight
+from asyncstep.ops.packed import PackedWeight
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -4,7 +4,7 @@ loads, and which steps use it.
 
 A linear layer's float32 weight that is exactly on a 4-bit grid per block of
 32 input features (a GGUF's Q4_0 / Q4_1 tensor, dequantized; detected as
-:mod:`~asyncstep.models.layers.packed` detects it for the CPU) gets, beside
+:mod:`~asyncstep.ops.packed` detects it for the CPU) gets, beside
 its dense weight in the model's dtype, a :class:`GpuQ4Weight`
 (:mod:`asyncstep.gpu.triton_quant`'s layout, scales and offsets in float16
 as GGUF stores them): a step of at most
@@ -45,7 +45,7 @@ from asyncstep.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from asyncstep.models.layers.packed import GROUP_SIZE, PackedWeight, _int4_grid, is_int8_blocks
+from asyncstep.ops.packed import GROUP_SIZE, PackedWeight, _int4_grid, is_int8_blocks
 
 #: Checkpoint (HF) names of the decoder's linear weights, by suffix.
 DECODER_LINEAR_SUFFIXES = (
@@ -116,7 +116,7 @@ def pack_q8_gpu(weight: torch.Tensor, max_tokens: int | None = None) -> GpuQ8Wei
     for steps of at most ``max_tokens`` rows (default
     :data:`~asyncstep.gpu.triton_quant.GEMV_MAX_M`), or None when it is not
     exactly 8-bit per block of 32 with float16 scales
-    (:func:`~asyncstep.models.layers.packed.is_int8_blocks`)."""
+    (:func:`~asyncstep.ops.packed.is_int8_blocks`)."""
     from asyncstep.gpu.triton_quant import GEMV_MAX_M, pack_q8
 
     out_features, in_features = weight.shape

@@ -20,7 +20,7 @@ from torch import nn
 
 from asyncstep.channels import get_tp_group
 from asyncstep.errors import ModelLoadError
-from asyncstep.models.layers.packed import PackedWeight
+from asyncstep.ops.packed import PackedWeight
 
 WeightLoader = Callable[..., None]
 
@@ -61,7 +61,7 @@ def packed_linear(
     dense_gemv: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)``, through the packed copy of ``weight`` when
-    it has one for a step of ``x``'s size (:mod:`~asyncstep.models.layers.packed`);
+    it has one for a step of ``x``'s size (:mod:`~asyncstep.ops.packed`);
     else, with ``dense_gemv``, a one-row step of 16-bit ``x`` on CUDA through
     :func:`asyncstep.gpu.triton_gemv.dense_gemv`."""
     if packed is not None and packed.applies(x):

@@ -1,27 +1,20 @@
 """Rotary position embedding (neox / HF "rotate_half" style), with the
-default, linear and llama3 frequency schedules."""
+default, linear and llama3 frequency schedules: the cos/sin cache, and the
+calls of the model's op set (:class:`~asyncstep.ops.OpSet`) that rotate."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from asyncstep.errors import UnsupportedModelError
+from asyncstep.ops.base import RotaryCosSin
+from asyncstep.ops.slot import OpSetSlot
 
-
-@dataclass
-class RotaryCosSin:
-    """A step's rotation: each token's position and, for the torch path,
-    the cos and sin of its angles ([tokens, 1, head_dim / 2] each; the
-    fused Triton kernel reads them from the cache by position)."""
-
-    positions: torch.Tensor
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
+__all__ = ["RotaryCosSin", "RotaryEmbedding"]
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -58,9 +51,13 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         theta: float,
         scaling: dict[str, Any] | None = None,
+        ops: OpSetSlot | None = None,
     ) -> None:
+        """``ops``: the model's op-set slot (a slot of its own holding the
+        reference when None)."""
         super().__init__()
         self.head_dim = head_dim
+        self.ops = ops or OpSetSlot()
         freqs = (
             torch.arange(max_position, dtype=torch.float32)[:, None]
             * _inv_freq(head_dim, theta, scaling)[None, :]
@@ -73,32 +70,14 @@ class RotaryEmbedding(nn.Module):
         del freqs
         self.cos_sin_cache: torch.Tensor
         self.register_buffer("cos_sin_cache", cache, False)
-        #: Rotate with the fused Triton kernel (set by the runner on CUDA).
-        self.use_triton = False
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(shape[0], -1, self.head_dim)
-        x1, x2 = x.chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return out.view(shape)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryCosSin:
-        """The step's cos and sin, looked up once and shared by every layer
-        (the fused kernel looks them up itself)."""
-        if self.use_triton:
-            return RotaryCosSin(positions)
-        cos_sin = self.cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
-        cos, sin = cos_sin.chunk(2, dim=-1)
-        return RotaryCosSin(positions, cos, sin)
+        """The step's rotation, looked up once and shared by every layer."""
+        return self.ops.ops.rotary_cos_sin(self.cos_sin_cache, positions, dtype)
 
     def forward(
         self, cos_sin: RotaryCosSin, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads * head_dim], k: [tokens, kv_heads * head_dim]
-        (the Triton path rotates them in place)."""
-        if cos_sin.cos is None or cos_sin.sin is None:
-            from asyncstep.gpu.triton_fused import rotary_embedding
-
-            return rotary_embedding(cos_sin.positions, q, k, self.cos_sin_cache, self.head_dim)
-        return self._rotate(q, cos_sin.cos, cos_sin.sin), self._rotate(k, cos_sin.cos, cos_sin.sin)
+        (an op set may rotate them in place)."""
+        return self.ops.ops.rotary(cos_sin, q, k, self.cos_sin_cache, self.head_dim)

@@ -1,12 +1,12 @@
 """The CPU's compiled kernels: ``cpu_kernels.c`` compiled on first use with
 the machine's C compiler, cached, and called through ctypes. One library
-holds the paged attention (:mod:`~asyncstep.models.layers.cpu_attention`),
+holds the paged attention (:mod:`~asyncstep.ops.cpu.attention`),
 a decoder layer's non-matmul ops
-(:mod:`~asyncstep.models.layers.cpu_layer_ops`), the matmuls of weights
+(:mod:`~asyncstep.ops.cpu.layer_ops`), the matmuls of weights
 kept quantized (``cpu_quant.c``, bound by
-:func:`~asyncstep.models.layers.cpu_quant.quant_matmul`) and of dense
+:func:`~asyncstep.ops.cpu.quant.quant_matmul`) and of dense
 bfloat16 weights with float32 outputs (``cpu_dense.c``, bound by
-:func:`~asyncstep.models.layers.cpu_dense.dense_matmul`).
+:func:`~asyncstep.ops.cpu.dense.dense_matmul`).
 
 The shared library is built for this CPU (``-march=native``) into
 ``$ASYNCSTEP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/asyncstep`` or
@@ -38,8 +38,8 @@ import torch
 
 from asyncstep.cpu_features import cpu_flags
 from asyncstep.logging import notice, shown_path
-from asyncstep.models.layers.cpu_attention import CPU_ATTENTION_DTYPES, CpuPagedAttention
-from asyncstep.models.layers.cpu_layer_ops import CpuLayerOps
+from asyncstep.ops.cpu.attention import CPU_ATTENTION_DTYPES, CpuPagedAttention
+from asyncstep.ops.cpu.layer_ops import CpuLayerOps
 
 __all__ = [
     "CpuKernels",

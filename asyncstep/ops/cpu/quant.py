@@ -1,6 +1,6 @@
 """Weights kept in GGUF's blocks on the CPU, for the library's quantized
 matmuls (``cpu_quant.c``, loaded by
-:func:`~asyncstep.models.layers.cpu_kernels.load_cpu_kernels`).
+:func:`~asyncstep.ops.cpu.library.load_cpu_kernels`).
 
 A weight that is exactly Q4_0 / Q4_1 (4-bit codes, a scale and an offset per
 block of 32 input features) or Q8_0 (8-bit codes, a scale per block) is
@@ -26,8 +26,8 @@ from typing import ClassVar
 
 import torch
 
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
-from asyncstep.models.layers.packed import (
+from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.packed import (
     _ON_GRID_RTOL,
     GROUP_SIZE,
     PackedWeight,

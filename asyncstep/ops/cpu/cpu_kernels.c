@@ -1,6 +1,6 @@
 /*
  * The CPU's compiled kernels, one shared library (built and loaded by
- * cpu_kernels.py): paged attention, and the non-matmul work of a decoder
+ * library.py): paged attention, and the non-matmul work of a decoder
  * layer (residual add + RMSNorm, silu(gate) * up).
  *
  * Paged attention: one call per layer and step stores the step's

@@ -1,6 +1,6 @@
 /*
  * The matmul of a dense bfloat16 weight on the CPU (built into the library
- * of cpu_kernels.py beside cpu_kernels.c): out[rows, N] = x[rows, K] @ W.T
+ * of library.py beside cpu_kernels.c): out[rows, N] = x[rows, K] @ W.T
  * for W [N, K] bfloat16 as torch holds it (rows of K values, a row stride,
  * no copy), x float32 or bfloat16, out float32 or bfloat16.
  *

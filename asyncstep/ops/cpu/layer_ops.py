@@ -1,5 +1,5 @@
 """A decoder layer's non-matmul work on the CPU, in ``cpu_kernels.c``
-(loaded by :func:`~asyncstep.models.layers.cpu_kernels.load_cpu_kernels`):
+(loaded by :func:`~asyncstep.ops.cpu.library.load_cpu_kernels`):
 the residual add with RMSNorm over a float32 residual stream, and
 ``silu(gate) * up`` from a merged gate/up projection. One call each instead
 of a chain of torch ops (and their dtype conversions); rows are spread over

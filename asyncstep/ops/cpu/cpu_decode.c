@@ -51,7 +51,7 @@ typedef struct {
     int64_t residual_in_stride;
     void* hidden_out;     /* [tokens, hidden], contiguous */
     float* residual_out;  /* [tokens, hidden], contiguous */
-    /* the step's attention metadata (cpu_attention.py's CpuStepArgs) */
+    /* the step's attention metadata (attention.py's CpuStepArgs) */
     const int64_t* slot_mapping;
     const int32_t* query_start_loc;
     const int32_t* seq_lens;

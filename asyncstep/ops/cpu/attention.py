@@ -1,5 +1,5 @@
 """The CPU attention backend's kernel (in ``cpu_kernels.c``, loaded by
-:func:`~asyncstep.models.layers.cpu_kernels.load_cpu_kernels`): its
+:func:`~asyncstep.ops.cpu.library.load_cpu_kernels`): its
 arguments and the call.
 
 One call per layer and step stores the step's keys and values in the paged

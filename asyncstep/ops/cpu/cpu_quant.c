@@ -1,6 +1,6 @@
 /*
  * Weight-only quantized matmuls for CPU steps of any size (built into the library
- * of cpu_kernels.py beside cpu_kernels.c): out = x @ W.T for rows of x and out
+ * of library.py beside cpu_kernels.c): out = x @ W.T for rows of x and out
  * (each float32 or bfloat16) and W [N, K] kept in GGUF's blocks of 32 input
  * features, every weight w = d * q + m with a float16 scale d and offset m
  * per block (Q4_1: 4-bit q and its own m; Q4_0: m = -8 d; Q8_0: 8-bit

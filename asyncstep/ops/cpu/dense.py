@@ -1,5 +1,5 @@
 """The CPU library's matmul of a dense bfloat16 weight (``cpu_dense.c``,
-loaded by :func:`~asyncstep.models.layers.cpu_kernels.load_cpu_kernels`):
+loaded by :func:`~asyncstep.ops.cpu.library.load_cpu_kernels`):
 ``x @ w.T`` read from torch's own tensor (no copy), in float32 sums written
 as float32, each output row computed alone (the same whatever the other
 rows). Its use: the float32 logits of a bfloat16 LM head on the CPU.
@@ -14,7 +14,7 @@ import struct
 
 import torch
 
-from asyncstep.models.layers.cpu_kernels import load_cpu_kernels
+from asyncstep.ops.cpu.library import load_cpu_kernels
 
 __all__ = ["CpuDenseMatmul", "dense_matmul"]
 

@@ -1,0 +1,87 @@
+"""The reference op set: torch's own ops, on any device and dtype; every
+other op set is tested against it op by op.
+
+``F.rms_norm`` is one fused kernel; in float32 it equals HF Llama's
+``weight * (x * rsqrt(mean(x^2) + eps))`` bit for bit; in bf16/fp16 it
+applies the weight before rounding (as vLLM's kernel does), not after. With
+``float32_residual`` the residual stream stays in float32 and only the normed
+output takes the activations' dtype: the stream's rounding no longer piles up
+over the layers.
+
+May import torch and :mod:`asyncstep.ops.base`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from asyncstep.ops.base import RotaryCosSin
+
+__all__ = ["TORCH_OPS", "TorchOps", "rotate"]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Neox-style ("rotate_half") rotation of ``x``'s heads."""
+    shape = x.shape
+    x = x.view(shape[0], -1, head_dim)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
+
+
+class TorchOps:
+    """The reference (see the module doc)."""
+
+    name = "torch"
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, float32_residual: bool
+    ) -> torch.Tensor:
+        if float32_residual:
+            return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        float32_residual: bool,
+        own_residual: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if float32_residual:
+            residual = x.float() if residual is None else residual + x
+            return F.rms_norm(residual, weight.shape, weight, eps).to(x.dtype), residual
+        residual = x if residual is None else residual + x
+        return F.rms_norm(residual, weight.shape, weight, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_cos_sin(
+        self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RotaryCosSin:
+        cos_sin = cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        return RotaryCosSin(positions, cos, sin)
+
+    def rotary(
+        self,
+        cos_sin: RotaryCosSin,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if cos_sin.cos is None or cos_sin.sin is None:  # positions only: look them up
+            cos_sin = self.rotary_cos_sin(cos_sin_cache, cos_sin.positions, q.dtype)
+        cos, sin = cos_sin.cos, cos_sin.sin
+        assert cos is not None and sin is not None
+        return rotate(q, cos, sin, head_dim), rotate(k, cos, sin, head_dim)
+
+
+#: The reference, shared (it holds nothing).
+TORCH_OPS = TorchOps()

@@ -1,0 +1,181 @@
+"""Every op set against the reference (:mod:`asyncstep.ops.torch_ref`), op
+by op: RMSNorm, the residual add + RMSNorm (the stream started or given, given
+up or kept, float32 or in the activations' dtype), ``silu(gate) * up`` and the
+rotary embedding, in float32 to 1e-5 and in bfloat16 to one rounding; and
+the choice of op set. The CPU library's op set where it builds (its ops are
+bit for bit, :mod:`tests.models.test_cpu_layer_ops`); the Triton op set under
+the Triton interpreter (``TRITON_INTERPRET=1``, set before triton is
+imported), which rounds float32 -> bfloat16 by truncation: one ulp."""
+
+from __future__ import annotations
+
+import os
+from copy import deepcopy
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from asyncstep.models.layers.rotary import RotaryEmbedding
+from asyncstep.ops import TORCH_OPS, OpSet, select_ops
+from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.select import triton_available
+
+CPU = torch.device("cpu")
+EPS = 1e-5
+#: A float32 -> bfloat16 rounding (one ulp: the interpreter truncates).
+BF16_RTOL = 2.0**-7 * 1.01
+
+
+def op_set(name: str) -> OpSet:
+    if name == "cpu":
+        kernels = load_cpu_kernels()
+        if kernels is None:
+            pytest.skip("the CPU library does not build here")
+        from asyncstep.ops.cpu.ops import CpuOps
+
+        return CpuOps(kernels.layer_ops)
+    if not triton_available():
+        pytest.skip("needs triton")
+    from asyncstep.ops.triton import TritonOps
+
+    return TritonOps()
+
+
+@pytest.fixture(params=["cpu", "triton"])
+def ops(request: pytest.FixtureRequest) -> OpSet:
+    return op_set(request.param)
+
+
+def assert_close(ops: OpSet, got: torch.Tensor, want: torch.Tensor, want32: torch.Tensor) -> None:
+    """``got`` against the reference: ``want`` in the same dtypes (the CPU
+    library's ops round where torch's do), or for a fused kernel (one
+    rounding of its float32 math) ``want32``, the reference in float32."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype != torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    elif ops.name == "triton":
+        atol = BF16_RTOL * float(want32.abs().max())  # values that cancel to near zero
+        torch.testing.assert_close(got.float(), want32.float(), rtol=BF16_RTOL, atol=atol)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=BF16_RTOL, atol=1e-6)
+
+
+def f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
+def float32_residual_cases(ops: OpSet) -> list[bool]:
+    """The residual-stream modes an op set serves (CUDA's stream is in the
+    activations' dtype; the CPU's bf16 models keep it in float32)."""
+    return [False] if ops.name == "triton" else [False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(ops: OpSet, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 96, generator=gen).to(dtype)
+    for f32_stream in float32_residual_cases(ops):
+        weight = (torch.rand(96, generator=gen) + 0.5).to(torch.float32 if f32_stream else dtype)
+        got = ops.rms_norm(x, weight, EPS, float32_residual=f32_stream)
+        want = TORCH_OPS.rms_norm(x, weight, EPS, float32_residual=f32_stream)
+        want32 = TORCH_OPS.rms_norm(x.float(), weight.float(), EPS, float32_residual=False)
+        assert_close(ops, got, want, want32)
+        heads, head_weight = x.view(5, 6, 16), weight[:16].contiguous()  # Qwen3's q and k norms
+        got = ops.rms_norm(heads, head_weight, EPS, float32_residual=f32_stream)
+        want = TORCH_OPS.rms_norm(heads, head_weight, EPS, float32_residual=f32_stream)
+        want32 = TORCH_OPS.rms_norm(heads.float(), head_weight.float(), EPS, float32_residual=False)
+        assert_close(ops, got, want, want32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("own_residual", [False, True])
+def test_add_rms_norm(ops: OpSet, dtype: torch.dtype, own_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 80, generator=gen).to(dtype)
+    for f32_stream in float32_residual_cases(ops):
+        stream = torch.float32 if f32_stream else dtype
+        weight = (torch.rand(80, generator=gen) + 0.5).to(stream)
+        residual = torch.randn(7, 80, generator=gen).to(stream)
+        for given in (None, residual):
+            kept = None if given is None else given.clone()
+            mine = None if given is None else given.clone()
+            out, res = ops.add_rms_norm(
+                x, mine, weight, EPS, float32_residual=f32_stream, own_residual=own_residual
+            )
+            want_out, want_res = TORCH_OPS.add_rms_norm(
+                x, kept, weight, EPS, float32_residual=f32_stream, own_residual=False
+            )
+            out32, res32 = TORCH_OPS.add_rms_norm(
+                x.float(),
+                f32(kept),
+                weight.float(),
+                EPS,
+                float32_residual=False,
+                own_residual=False,
+            )
+            assert_close(ops, out, want_out, out32)
+            assert_close(ops, res, want_res, res32)
+            if mine is not None and given is not None and not own_residual:
+                assert torch.equal(mine, given)  # a residual not given up is left as it was
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(ops: OpSet, dtype: torch.dtype) -> None:
+    gate_up = torch.randn(6, 2 * 136, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want32 = TORCH_OPS.silu_and_mul(gate_up.float())
+    assert_close(ops, ops.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up), want32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary(ops: OpSet, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    cache = RotaryEmbedding(32, 128, 10000.0).cos_sin_cache
+    positions = torch.tensor([0, 5, 17, 100, 127])
+    q = torch.randn(5, 4 * 32, generator=gen).to(dtype)
+    k = torch.randn(5, 2 * 32, generator=gen).to(dtype)
+    got_q, got_k = ops.rotary(
+        ops.rotary_cos_sin(cache, positions, dtype), q.clone(), k.clone(), cache, 32
+    )
+    want_q, want_k = TORCH_OPS.rotary(
+        TORCH_OPS.rotary_cos_sin(cache, positions, dtype), q.clone(), k.clone(), cache, 32
+    )
+    q32, k32 = TORCH_OPS.rotary(
+        TORCH_OPS.rotary_cos_sin(cache, positions, torch.float32), q.float(), k.float(), cache, 32
+    )
+    assert_close(ops, got_q, want_q, q32)
+    assert_close(ops, got_k, want_k, k32)
+
+
+def test_the_choice() -> None:
+    """The Triton op set where attention is Triton and the fused kernels are
+    on; the CPU library's on the CPU with the fused kernels, where it builds;
+    else the reference."""
+    assert select_ops(CPU, "torch", fused_kernels=False) is TORCH_OPS
+    assert select_ops(CPU, "cpu", fused_kernels=False) is TORCH_OPS
+    cpu = select_ops(CPU, "cpu", fused_kernels=True)
+    assert cpu.name == ("torch" if load_cpu_kernels() is None else "cpu")
+    if triton_available():
+        assert select_ops(torch.device("cuda"), "triton", fused_kernels=True).name == "triton"
+    assert select_ops(torch.device("cuda"), "torch", fused_kernels=True) is TORCH_OPS
+
+
+def test_a_copied_model_has_a_slot_of_its_own() -> None:
+    """Every layer of a model calls one slot; a deep copy's layers call one
+    slot of their own, holding the same op set (never copied)."""
+    from asyncstep.models.dummy import get_shape
+    from asyncstep.models.layers.norm import RMSNorm
+    from asyncstep.models.llama import LlamaForCausalLM, LlamaMLP
+
+    model = LlamaForCausalLM(get_shape("tiny-llama"), torch.float32)
+    chosen = select_ops(CPU, "cpu", fused_kernels=True)
+    model.use_ops(chosen)
+
+    def slots(m: LlamaForCausalLM) -> set[int]:
+        layers = [x for x in m.modules() if isinstance(x, RMSNorm | LlamaMLP)]
+        return {id(x.ops) for x in [*layers, m.model.rotary]}
+
+    copy = deepcopy(model)
+    assert slots(model) == {id(model.model.ops)} and slots(copy) == {id(copy.model.ops)}
+    assert copy.model.ops is not model.model.ops and copy.model.ops.ops is chosen
