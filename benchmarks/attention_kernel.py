@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from asyncstep.gpu import triton_attention as ta
+from asyncstep.ops.triton import attention as ta
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, GRAPH_CALLS = 32, 8, 128, 16, 10
 OVERRIDES = ("tile_n", "num_splits", "num_warps", "num_stages")

@@ -1,4 +1,4 @@
-"""The one-row GEMV of dense bf16 weights (``asyncstep.gpu.triton_gemv``)
+"""The one-row GEMV of dense bf16 weights (``asyncstep.ops.triton.gemv``)
 against cuBLAS (issue 28): the product alone, then a decoder layer's linear
 part both ways.
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncstep.gpu.triton_gemv import GemvLaunch, dense_gemv
+from asyncstep.ops.triton.gemv import GemvLaunch, dense_gemv
 from benchmarks.quant_gpu import copy_bandwidth, layer_shapes, time_graph
 
 #: Launches tried beside the default: (rows a program, features a step, warps).
@@ -113,7 +113,7 @@ def layer_part(
     replays: int,
 ) -> dict[str, float]:
     """µs a layer of the linear part: cuBLAS, then the GEMV (unfused kernels)."""
-    from asyncstep.gpu.triton_fused import fused_add_rms_norm, silu_and_mul
+    from asyncstep.ops.triton.fused import fused_add_rms_norm, silu_and_mul
 
     hidden = shapes["o"][0]
     dt = torch.bfloat16

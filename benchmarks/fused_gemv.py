@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncstep.gpu.triton_fused import fused_add_rms_norm, silu_and_mul
-from asyncstep.gpu.triton_quant import (
+from asyncstep.ops.triton.fused import fused_add_rms_norm, silu_and_mul
+from asyncstep.ops.triton.quant import (
     GROUP_SIZE,
     NormedRows,
     interleave_pairs,

@@ -68,8 +68,8 @@ def graph_us(fn: Callable[[], Any], iters: int, warmup: int) -> float:
 def cases(tokens: int, hidden: int, head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
     import triton
 
-    from asyncstep.gpu.triton_attention import store_kv_cache
-    from asyncstep.gpu.triton_fused import (
+    from asyncstep.ops.triton.attention import store_kv_cache
+    from asyncstep.ops.triton.fused import (
         fused_add_rms_norm,
         rotary_and_store_kv,
         rotary_embedding,

@@ -1,4 +1,4 @@
-"""Q4 linear layers on the GPU against bf16 (``asyncstep.gpu.triton_quant``).
+"""Q4 linear layers on the GPU against bf16 (``asyncstep.ops.triton.quant``).
 
 For a model shape's four linear layers (qkv, o, gate_up, down) of several
 distinct layers (so the weights stream from HBM, not L2), one CUDA graph per
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncstep.gpu import triton_quant as tq
 from asyncstep.models.dummy import get_shape
+from asyncstep.ops.triton import quant as tq
 
 #: Every GEMV launch tried at one row (the best few also at 2 and 4 rows):
 #: (block_n, block_g, num_warps, prefetch, stages); a warp's lanes go along the blocks.

@@ -1,5 +1,5 @@
 """The Q4 / Q8 GEMV's machine code, without a GPU: compile
-``asyncstep.gpu.triton_quant``'s GEMV for sm_90 (Triton's own ptxas), and
+``asyncstep.ops.triton.quant``'s GEMV for sm_90 (Triton's own ptxas), and
 count the SASS instructions of its main loop per weight, by opcode.
 
     python3 benchmarks/quant_sass.py [--out DIR] [BITS,BLOCK_N,BLOCK_G,WARPS[,STAGES] ...]
@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from asyncstep.gpu import triton_quant as tq
+from asyncstep.ops.triton import quant as tq
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 DEFAULT = ["4,8,64,2", "4,8,128,4", "4,8,32,1,3", "4,8,64,2,3", "8,8,32,2", "8,4,64,4"]

@@ -33,10 +33,10 @@ ALLOWED: set[tuple[str, str]] = {
     # a bound the engine keeps: how stale a shared front end's figures may be
     ("asyncstep/engine/api.py", "at most 50 ms old"),
     # Python's own default switch interval
-    ("asyncstep/gpu/host_stream.py", "5 ms default"),
+    ("asyncstep/device/host_stream.py", "5 ms default"),
     # float32's resolution, computed: a property of the format
-    ("asyncstep/gpu/stream.py", "~1 µs at 16 s"),
-    ("asyncstep/gpu/stream.py", "~0.25 ms after an"),
+    ("asyncstep/device/stream.py", "~1 µs at 16 s"),
+    ("asyncstep/device/stream.py", "~0.25 ms after an"),
     # the kernel's clock tick (USER_HZ = 100)
     ("asyncstep/logging/spans.py", "tick, ~10 ms"),
     # the KV cache a latency run sizes: a margin, not a result

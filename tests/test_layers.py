@@ -28,7 +28,7 @@ LAYERS: dict[str, int] = {
     "checks": 1,
     "ops": 1,  # the kernels: over the device runtime, under the models
     "cpu_features": 0,
-    "gpu": 0,
+    "device": 0,
     "logging": 0,
     "errors": 0,
     "procs": 0,

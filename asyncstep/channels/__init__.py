@@ -3,7 +3,7 @@ tensor-parallel layers use, and (with pipeline parallelism) the tensor-dict
 channel between stages; the typed control-plane messages, and the one
 framing (with its authenticating handshake) of every asyncstep connection.
 
-May import torch, msgspec, ``asyncstep.gpu`` and the shared
+May import torch, msgspec, ``asyncstep.device`` and the shared
 ``asyncstep.datatypes`` / ``config`` / ``errors``. Never pickle: metadata travels as msgspec.
 """
 

@@ -75,7 +75,7 @@ from asyncstep.channels.tensor_wire import (
     warm_up,
 )
 from asyncstep.datatypes import IntermediateTensors
-from asyncstep.gpu.work import PendingWork
+from asyncstep.device.work import PendingWork
 from asyncstep.logging import get_logger
 
 __all__ = [

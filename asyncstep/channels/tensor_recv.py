@@ -35,7 +35,7 @@ from asyncstep.channels.tensor_wire import (
     posted,
 )
 from asyncstep.datatypes import IntermediateTensors
-from asyncstep.gpu.work import PendingWork, is_cuda
+from asyncstep.device.work import PendingWork, is_cuda
 
 
 class AsyncIntermediateTensors(IntermediateTensors):

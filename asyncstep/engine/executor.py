@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import anyio
 
 from asyncstep.config import EngineConfig
+from asyncstep.device import switch_interval
 from asyncstep.engine.core import Executor
 from asyncstep.engine.remote import RemoteRanks
 from asyncstep.errors import ConfigError
-from asyncstep.gpu import switch_interval
 from asyncstep.logging import get_logger
 from asyncstep.logging.spans import CORE_STARTUP, span
 from asyncstep.models.config import ModelArchConfig

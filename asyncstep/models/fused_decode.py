@@ -30,7 +30,7 @@ It applies where every linear layer of the layer holds a
 size, without bias, with one tensor-parallel rank (the row-parallel layers'
 epilogue would add the residual to a partial sum).
 
-Kernels: :func:`asyncstep.gpu.triton_quant.q4_gemv_fused`.
+Kernels: :func:`asyncstep.ops.triton.quant.q4_gemv_fused`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from asyncstep.models.layers.gpu_quant import GpuQ4Weight, GpuQ8Weight
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:  # triton is imported on use
-    from asyncstep.gpu.triton_quant import NormedRows
+    from asyncstep.ops.triton.quant import NormedRows
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class FusedDecodeWeights:
 def fused_gemv(
     weight: GpuQ4Weight, x: torch.Tensor, **fused: Any
 ) -> tuple[torch.Tensor, NormedRows | None]:
-    """:func:`~asyncstep.gpu.triton_quant.q4_gemv_fused` of ``weight``."""
-    from asyncstep.gpu.triton_quant import q4_gemv_fused
+    """:func:`~asyncstep.ops.triton.quant.q4_gemv_fused` of ``weight``."""
+    from asyncstep.ops.triton.quant import q4_gemv_fused
 
     return q4_gemv_fused(x, weight.data, weight.scales, **fused)

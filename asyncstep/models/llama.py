@@ -47,7 +47,7 @@ from asyncstep.ops.base import OpSet
 from asyncstep.ops.slot import OpSetSlot
 
 if TYPE_CHECKING:
-    from asyncstep.gpu.triton_quant import NormedRows
+    from asyncstep.ops.triton.quant import NormedRows
 
 
 class DecodeStack(Protocol):

@@ -2,7 +2,7 @@
 receive channel, the runner step, deferred send completion and the sampler,
 linked by memory channels; their supervision, cancellation and shutdown.
 
-May import ``asyncstep.runner``, ``asyncstep.channels``, ``asyncstep.gpu``,
+May import ``asyncstep.runner``, ``asyncstep.channels``, ``asyncstep.device``,
 ``asyncstep.logging``, anyio and trio.
 """
 

@@ -43,7 +43,7 @@ then hand out N), so the device never waits for the engine between steps.
 Without overlap ``sample_tokens`` waits for the tokens itself.
 
 The runner's calls all run in order on one thread, the rank's
-:class:`~asyncstep.gpu.host_stream.HostStream` (its "launch thread"), so the event
+:class:`~asyncstep.device.host_stream.HostStream` (its "launch thread"), so the event
 loop keeps serving the other tasks during a forward. On the CPU that thread
 is the device: the overlap is real there too.
 
@@ -78,8 +78,8 @@ from asyncstep.datatypes import (
     SchedulerOutput,
     WeightReads,
 )
-from asyncstep.gpu.host_stream import HostStream
-from asyncstep.gpu.stream import StreamEvent, await_future
+from asyncstep.device.host_stream import HostStream
+from asyncstep.device.stream import StreamEvent, await_future
 from asyncstep.logging import bind_rank, bound_step, get_logger
 from asyncstep.logging.spans import now_us, record_span, span, tracing
 from asyncstep.models.weight_reads import weight_reads

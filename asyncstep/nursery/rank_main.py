@@ -63,8 +63,8 @@ from asyncstep.channels.framing import (
 )
 from asyncstep.channels.parallel_state import ParallelGroups, destroy_distributed, init_distributed
 from asyncstep.datatypes import ModelRunnerOutput, RankInput, SchedulerOutput
+from asyncstep.device import switch_interval
 from asyncstep.errors import ConfigError, leaves, root_cause
-from asyncstep.gpu import switch_interval
 from asyncstep.logging import bind_rank, configure_logging, get_logger
 from asyncstep.logging.spans import now_us, record_span
 from asyncstep.models.model_loader import LoadedModel, load_model

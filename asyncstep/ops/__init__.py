@@ -5,7 +5,7 @@ the Triton op set (:mod:`.triton`), the packed weight formats
 share (:mod:`.slot`). Models hold weights and call their op set; whoever
 runs a model selects it.
 
-May import torch, numpy, triton (lazily), :mod:`asyncstep.gpu`,
+May import torch, numpy, triton (lazily), :mod:`asyncstep.device`,
 :mod:`asyncstep.cpu_features`, :mod:`asyncstep.logging` and
 :mod:`asyncstep.errors`: nothing of the models, the runner or above.
 """

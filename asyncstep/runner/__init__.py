@@ -3,5 +3,5 @@
 table and slot mapping, step inputs, the CUDA-graph dispatcher and runner,
 micro-batches, the sampler and async outputs.
 
-May import gpu, models, config, datatypes, logging.
+May import device, ops, models, config, datatypes, logging.
 """

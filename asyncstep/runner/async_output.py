@@ -15,7 +15,7 @@ off the runner's thread: it touches no runner state.
 On the CPU the "copy" is the sampled tensor itself and its event is complete
 at once.
 
-May import torch, :mod:`asyncstep.gpu` and :mod:`asyncstep.datatypes` (and, for
+May import torch, :mod:`asyncstep.device` and :mod:`asyncstep.datatypes` (and, for
 types only, :mod:`asyncstep.runner.prompt_logprobs`).
 """
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from asyncstep.datatypes import Logprobs, ModelRunnerOutput
-from asyncstep.gpu.stream import StreamEvent
+from asyncstep.device.stream import StreamEvent
 
 if TYPE_CHECKING:
     from asyncstep.runner.prompt_logprobs import HostPromptLogprobs

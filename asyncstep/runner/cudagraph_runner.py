@@ -23,7 +23,7 @@ requests seq_len 0 with an empty query range), and the graph replays.
   by every size (one size runs at a time).
 
 Capture happens once at start-up, largest shape first, into one shared pool.
-Without CUDA an :class:`~asyncstep.gpu.cuda_graph.EagerGraph` stands in, so
+Without CUDA an :class:`~asyncstep.device.cuda_graph.EagerGraph` stands in, so
 the wiring (padding, buffers, cuts) is tested on the CPU.
 """
 
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from asyncstep.datatypes import IntermediateTensors
-from asyncstep.gpu.cuda_graph import Graph, GraphPool, capture_graph
+from asyncstep.device.cuda_graph import Graph, GraphPool, capture_graph
 from asyncstep.models.layers.attention import AttentionMetadata
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.runner.block_table import BlockTable

@@ -3,7 +3,7 @@
 before any other logits processing, on the logits' device.
 
 May import torch, numpy, ``asyncstep.datatypes``, ``asyncstep.runner.staging`` and
-``asyncstep.gpu``.
+``asyncstep.ops`` (its Triton kernel).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class GrammarBitmask:
     ``apply_grammar_bitmask``). On CUDA the rows travel through pinned
     staging buffers, so the copy neither waits for the stream (a copy from
     pageable memory waits for the forward still running) nor blocks the
-    host, and one Triton kernel masks them (:mod:`asyncstep.gpu.grammar_kernel`);
+    host, and one Triton kernel masks them (:mod:`asyncstep.ops.triton.grammar_kernel`);
     elsewhere torch ops do."""
 
     def __init__(self, device: torch.device) -> None:
@@ -55,7 +55,7 @@ class GrammarBitmask:
         index = staging.to_device("grammar_rows", np.array(rows, dtype=np.int64))
         staging.end_step()
         if self.device.type == "cuda":
-            from asyncstep.gpu.grammar_kernel import apply_bitmask_rows
+            from asyncstep.ops.triton.grammar_kernel import apply_bitmask_rows
 
             apply_bitmask_rows(logits, bitmask, index)
             return

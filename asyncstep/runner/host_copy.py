@@ -1,14 +1,14 @@
 """Device-to-host copies that do not block the host: the sampled tokens'
 (:mod:`asyncstep.runner.async_output`) and the prompt log-probs'
 (:mod:`asyncstep.runner.prompt_logprobs`). May import torch and
-:mod:`asyncstep.gpu`.
+:mod:`asyncstep.device`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from asyncstep.gpu.stream import StreamEvent, record_event
+from asyncstep.device.stream import StreamEvent, record_event
 
 
 def copy_to_host(

@@ -33,8 +33,8 @@ when rows moved) updates the batch with a few array operations, copies the
 previous step's ids into the input ids without a gather, samples with the
 last step's metadata and takes the decode path of the step inputs.
 
-May import the runner's modules, the model and its layers, ``asyncstep.gpu``,
-``asyncstep.datatypes`` and ``asyncstep.config``.
+May import the runner's modules, the model and its layers, ``asyncstep.device``,
+``asyncstep.ops``, ``asyncstep.datatypes`` and ``asyncstep.config``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from asyncstep.datatypes import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from asyncstep.gpu.stream import record_event
+from asyncstep.device.stream import record_event
 from asyncstep.logging.spans import tracing
 from asyncstep.models.cpu_decode import CpuDecodeStack
 from asyncstep.models.layers.attention import (
@@ -604,7 +604,7 @@ def _spec_grammar_rows(
 def _use_dense_gemv(model: LlamaForCausalLM, on: bool) -> None:
     """Switch the model's linear layers and LM head to (or off) the Triton
     GEMV for one-row steps of dense 16-bit weights on CUDA
-    (:func:`asyncstep.gpu.triton_gemv.dense_gemv`)."""
+    (:func:`asyncstep.ops.triton.gemv.dense_gemv`)."""
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
             module.dense_gemv = on

@@ -22,7 +22,7 @@ only the top-k and the prompt tokens' values are kept), and copies the
 results to the host on the copy stream; :class:`HostPromptLogprobs` turns
 them into the per-request lists of the ``ModelRunnerOutput``.
 
-May import torch, numpy, :mod:`asyncstep.datatypes`, :mod:`asyncstep.gpu`
+May import torch, numpy, :mod:`asyncstep.datatypes`, :mod:`asyncstep.device`
 and the runner's sampler, async output and input batch.
 """
 
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from asyncstep.datatypes import Logprobs, SchedulerOutput
-from asyncstep.gpu.stream import StreamEvent
+from asyncstep.device.stream import StreamEvent
 from asyncstep.runner.host_copy import copy_to_host
 from asyncstep.runner.input_batch import InputBatch
 from asyncstep.runner.logits_processing import list_to_device

@@ -4,7 +4,7 @@ the step's device events (:class:`StepEvents`) and its host timings
 (:class:`StepTimings`), which the rank reads for its step timeline.
 
 Plain dataclasses; may import torch, ``asyncstep.datatypes``,
-``asyncstep.gpu.stream`` and the runner's ``prompt_logprobs`` and
+``asyncstep.device.stream`` and the runner's ``prompt_logprobs`` and
 ``spec_decode_metadata`` modules.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncstep.datatypes import SchedulerOutput
-from asyncstep.gpu.stream import StreamEvent
+from asyncstep.device.stream import StreamEvent
 from asyncstep.runner.prompt_logprobs import HostPromptLogprobs
 from asyncstep.runner.spec_decode_metadata import SpecDecodeMetadata
 

@@ -54,7 +54,7 @@ from asyncstep.channels.tensor_dict import (
     send_tensor_dict,
     warm_up,
 )
-from asyncstep.gpu import PendingWork, wait_cuda_event, wait_work
+from asyncstep.device import PendingWork, wait_cuda_event, wait_work
 
 H = 6
 #: (step_id, num_tokens): odd and even token counts, one token, reordered sizes.

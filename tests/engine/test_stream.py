@@ -1,4 +1,4 @@
-"""``asyncstep.gpu.stream``: awaiting concurrent futures on Trio and asyncio
+"""``asyncstep.device.stream``: awaiting concurrent futures on Trio and asyncio
 (shielded or not, already done, woken after the loop ended), the HostStream's
 order, results, errors, markers, statistics and closing, CPU events, and (with
 CUDA only) CUDA events, their waiter threads and the device clock.
@@ -20,7 +20,7 @@ import torch
 import trio
 import trio.testing
 
-from asyncstep.gpu import (
+from asyncstep.device import (
     CpuEvent,
     CudaEvent,
     DeviceClock,

@@ -333,7 +333,7 @@ async def test_pipeline_stages_follow_the_grammar_as_one_rank(smollm2: LoadedMod
 
 @pytest.mark.parametrize("vocab", [64, 70, 100, 5000])
 def test_the_triton_kernel_masks_as_the_torch_ops(vocab: int) -> None:
-    from asyncstep.gpu.grammar_kernel import apply_bitmask_rows
+    from asyncstep.ops.triton.grammar_kernel import apply_bitmask_rows
 
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(6, vocab, generator=generator)

@@ -24,15 +24,15 @@ if TEST_DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from asyncstep.gpu.triton_attention import store_kv_cache  # noqa: E402
-from asyncstep.gpu.triton_fused import (  # noqa: E402
+from asyncstep.models.layers.norm import RMSNorm  # noqa: E402
+from asyncstep.models.layers.rotary import RotaryEmbedding  # noqa: E402
+from asyncstep.ops.triton.attention import store_kv_cache  # noqa: E402
+from asyncstep.ops.triton.fused import (  # noqa: E402
     fused_add_rms_norm,
     rotary_and_store_kv,
     rotary_embedding,
     silu_and_mul,
 )
-from asyncstep.models.layers.norm import RMSNorm  # noqa: E402
-from asyncstep.models.layers.rotary import RotaryEmbedding  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
 if DEVICE.type == "cuda" and not torch.cuda.is_available():

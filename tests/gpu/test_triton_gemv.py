@@ -1,4 +1,4 @@
-"""The one-row GEMV of dense 16-bit weights (``asyncstep.gpu.triton_gemv``):
+"""The one-row GEMV of dense 16-bit weights (``asyncstep.ops.triton.gemv``):
 it equals the float64 product within one rounding to x's dtype, for tiles
 that divide the shape and tiles that do not, under every launch it picks
 for llama-8b's and llama-1b's shapes; bad arguments raise; the linear
@@ -26,8 +26,8 @@ if TEST_DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from asyncstep.gpu.triton_gemv import GemvLaunch, dense_gemv, gemv_launch  # noqa: E402
 from asyncstep.models.layers.linear import packed_linear  # noqa: E402
+from asyncstep.ops.triton.gemv import GemvLaunch, dense_gemv, gemv_launch  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
 if DEVICE.type == "cuda" and not torch.cuda.is_available():

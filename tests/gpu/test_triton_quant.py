@@ -1,4 +1,4 @@
-"""Weights kept 4-bit on the GPU (``asyncstep.gpu.triton_quant`` and
+"""Weights kept 4-bit on the GPU (``asyncstep.ops.triton.quant`` and
 ``asyncstep.models.layers.gpu_quant``): the Q4 and Q8 layouts round-trip,
 the GEMVs, the dequantizing GEMM and the dequantize kernel equal the float64
 product with the dequantized reference weight (float32 to 1e-6 / 1e-5;
@@ -29,7 +29,17 @@ if TEST_DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from asyncstep.gpu.triton_quant import (  # noqa: E402
+from asyncstep.models.layers.gpu_quant import (  # noqa: E402
+    GpuQ4Weight,
+    GpuQ8Weight,
+    pack_q4_gpu,
+    pack_q8_gpu,
+    packing_on_load,
+    round_decoder_weights,
+    round_to_q4_1,
+    round_to_q8_0,
+)
+from asyncstep.ops.triton.quant import (  # noqa: E402
     GROUP_SIZE,
     GemvConfig,
     dequantize_q4,
@@ -42,16 +52,6 @@ from asyncstep.gpu.triton_quant import (  # noqa: E402
     q4_matmul,
     q8_gemv,
     q8_matmul,
-)
-from asyncstep.models.layers.gpu_quant import (  # noqa: E402
-    GpuQ4Weight,
-    GpuQ8Weight,
-    pack_q4_gpu,
-    pack_q8_gpu,
-    packing_on_load,
-    round_decoder_weights,
-    round_to_q4_1,
-    round_to_q8_0,
 )
 
 DEVICE = torch.device(TEST_DEVICE)
@@ -226,7 +226,7 @@ def test_dot_without_the_magic_conversion() -> None:
 
 
 def test_matmul_takes_each_path_and_adds_the_bias(monkeypatch: pytest.MonkeyPatch) -> None:
-    import asyncstep.gpu.triton_quant as tq
+    import asyncstep.ops.triton.quant as tq
 
     monkeypatch.setattr(tq, "GEMV_MAX_M", 2)
     monkeypatch.setattr(tq, "DOT_MAX_M", 4)

@@ -30,16 +30,6 @@ if TEST_DEVICE == "cpu":
 pytest.importorskip("triton")
 
 from asyncstep.datatypes import IntermediateTensors  # noqa: E402
-from asyncstep.gpu.triton_fused import silu_and_mul  # noqa: E402
-from asyncstep.gpu.triton_quant import (  # noqa: E402
-    GROUP_SIZE,
-    GemvConfig,
-    dequantize_q4_reference,
-    interleave_pairs,
-    pack_q4,
-    q4_gemv,
-    q4_gemv_fused,
-)
 from asyncstep.models.fused_decode import FusedDecodeWeights  # noqa: E402
 from asyncstep.models.layers.attention import AttentionMetadata, kv_cache_shape  # noqa: E402
 from asyncstep.models.layers.gpu_quant import (  # noqa: E402
@@ -48,6 +38,16 @@ from asyncstep.models.layers.gpu_quant import (  # noqa: E402
     round_to_q4_1,
 )
 from asyncstep.models.llama import LlamaForCausalLM  # noqa: E402
+from asyncstep.ops.triton.fused import silu_and_mul  # noqa: E402
+from asyncstep.ops.triton.quant import (  # noqa: E402
+    GROUP_SIZE,
+    GemvConfig,
+    dequantize_q4_reference,
+    interleave_pairs,
+    pack_q4,
+    q4_gemv,
+    q4_gemv_fused,
+)
 
 DEVICE = torch.device(TEST_DEVICE)
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -405,8 +405,8 @@ def test_rotary_and_kv_store_inside_the_decode_kernel(
     unrotated; a batch that is not a uniform decode takes the two calls."""
     import dataclasses
 
-    from asyncstep.gpu import triton_attention
-    from asyncstep.gpu.triton_attention import rotary_store_and_attend
+    from asyncstep.ops.triton import attention as triton_attention
+    from asyncstep.ops.triton.attention import rotary_store_and_attend
 
     choose = triton_attention._decode_launch
     monkeypatch.setattr(

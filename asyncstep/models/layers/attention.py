@@ -338,11 +338,11 @@ class Attention(nn.Module):
         """Every row, padding too: pads store nothing (slot -1) and attend to
         nothing (past ``query_start_loc[-1]``: zeros); only device metadata is
         read, so this runs inside a CUDA graph."""
-        from asyncstep.gpu.triton_attention import paged_attention, store_kv_cache
+        from asyncstep.ops.triton.attention import paged_attention, store_kv_cache
 
         n = q.shape[0]
         if self.fused_rotary is not None and self.fused_decode:
-            from asyncstep.gpu.triton_attention import rotary_store_and_attend
+            from asyncstep.ops.triton.attention import rotary_store_and_attend
 
             assert meta.positions is not None, "a fused rotary needs the positions"
             out = rotary_store_and_attend(
@@ -362,7 +362,7 @@ class Attention(nn.Module):
             )
             return out.view(n, self.num_heads * self.head_dim)
         if self.fused_rotary is not None:
-            from asyncstep.gpu.triton_fused import rotary_and_store_kv
+            from asyncstep.ops.triton.fused import rotary_and_store_kv
 
             assert meta.positions is not None, "a fused rotary needs the positions"
             rotary_and_store_kv(

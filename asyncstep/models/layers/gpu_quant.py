@@ -6,9 +6,9 @@ A linear layer's float32 weight that is exactly on a 4-bit grid per block of
 32 input features (a GGUF's Q4_0 / Q4_1 tensor, dequantized; detected as
 :mod:`~asyncstep.ops.packed` detects it for the CPU) gets, beside
 its dense weight in the model's dtype, a :class:`GpuQ4Weight`
-(:mod:`asyncstep.gpu.triton_quant`'s layout, scales and offsets in float16
+(:mod:`asyncstep.ops.triton.quant`'s layout, scales and offsets in float16
 as GGUF stores them): a step of at most
-:data:`~asyncstep.gpu.triton_quant.GEMV_MAX_M` rows (a decode step of one
+:data:`~asyncstep.ops.triton.quant.GEMV_MAX_M` rows (a decode step of one
 request) multiplies by it with the Q4 GEMV, reading about a third of bf16's
 bytes; larger steps multiply by the dense weight (why:
 ``benchmarks/results/quant_gpu``). An LM head (not tied to the input
@@ -64,7 +64,7 @@ class GpuQ4Weight(PackedWeight):
     """A ``[out_features, in_features]`` weight kept as Q4 on the GPU:
     ``data`` is the packed codes (uint8 ``[out, in / 2]``), ``scales`` the
     float16 ``[out, in / 32, 2]`` scale and offset of each block
-    (:mod:`asyncstep.gpu.triton_quant`'s layout). Steps of at most
+    (:mod:`asyncstep.ops.triton.quant`'s layout). Steps of at most
     ``max_tokens`` rows on its device use it."""
 
     KIND: ClassVar[str] = "q4_gpu"
@@ -77,7 +77,7 @@ class GpuQ4Weight(PackedWeight):
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w.T`` for ``x`` ``[rows, in_features]``, in ``x``'s dtype."""
-        from asyncstep.gpu.triton_quant import q4_matmul
+        from asyncstep.ops.triton.quant import q4_matmul
 
         out = q4_matmul(x, self.data, self.scales)
         if self.interleaved:  # back to the halves stacked
@@ -88,9 +88,9 @@ class GpuQ4Weight(PackedWeight):
     def interleave_halves(self) -> None:
         """Reorder the packed rows (once) so that rows ``2 j, 2 j + 1`` are
         the two stacked halves' rows ``j`` (a ``gate_up_proj``'s gate and up:
-        what :func:`~asyncstep.gpu.triton_quant.q4_gemv_fused`'s
+        what :func:`~asyncstep.ops.triton.quant.q4_gemv_fused`'s
         ``silu_pairs`` reads); :meth:`mm` still returns the halves stacked."""
-        from asyncstep.gpu.triton_quant import interleave_pairs
+        from asyncstep.ops.triton.quant import interleave_pairs
 
         if not self.interleaved:
             self.data, self.scales = interleave_pairs(self.data, self.scales)
@@ -100,13 +100,13 @@ class GpuQ4Weight(PackedWeight):
 @dataclass
 class GpuQ8Weight(GpuQ4Weight):
     """:class:`GpuQ4Weight` for 8-bit codes: ``data`` is uint8 ``[out, in]``
-    (:func:`asyncstep.gpu.triton_quant.pack_q8`'s layout)."""
+    (:func:`asyncstep.ops.triton.quant.pack_q8`'s layout)."""
 
     KIND: ClassVar[str] = "q8_gpu"
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w.T`` for ``x`` ``[rows, in_features]``, in ``x``'s dtype."""
-        from asyncstep.gpu.triton_quant import q8_matmul
+        from asyncstep.ops.triton.quant import q8_matmul
 
         return q8_matmul(x, self.data, self.scales)
 
@@ -114,10 +114,10 @@ class GpuQ8Weight(GpuQ4Weight):
 def pack_q8_gpu(weight: torch.Tensor, max_tokens: int | None = None) -> GpuQ8Weight | None:
     """``weight`` (float32 ``[out, in]``, on its device) as :class:`GpuQ8Weight`
     for steps of at most ``max_tokens`` rows (default
-    :data:`~asyncstep.gpu.triton_quant.GEMV_MAX_M`), or None when it is not
+    :data:`~asyncstep.ops.triton.quant.GEMV_MAX_M`), or None when it is not
     exactly 8-bit per block of 32 with float16 scales
     (:func:`~asyncstep.ops.packed.is_int8_blocks`)."""
-    from asyncstep.gpu.triton_quant import GEMV_MAX_M, pack_q8
+    from asyncstep.ops.triton.quant import GEMV_MAX_M, pack_q8
 
     out_features, in_features = weight.shape
     if weight.numel() == 0 or not is_int8_blocks(weight):
@@ -143,10 +143,10 @@ def pack_q8_gpu(weight: torch.Tensor, max_tokens: int | None = None) -> GpuQ8Wei
 def pack_q4_gpu(weight: torch.Tensor, max_tokens: int | None = None) -> GpuQ4Weight | None:
     """``weight`` (float32 ``[out, in]``, on its device) as :class:`GpuQ4Weight`
     for steps of at most ``max_tokens`` rows (default
-    :data:`~asyncstep.gpu.triton_quant.GEMV_MAX_M`), or None when it is not
+    :data:`~asyncstep.ops.triton.quant.GEMV_MAX_M`), or None when it is not
     exactly 4-bit per block of 32, or a block's scale or offset overflows
     float16."""
-    from asyncstep.gpu.triton_quant import GEMV_MAX_M, pack_q4
+    from asyncstep.ops.triton.quant import GEMV_MAX_M, pack_q4
 
     out_features, in_features = weight.shape
     if weight.dtype != torch.float32 or in_features % GROUP_SIZE or weight.numel() == 0:

@@ -63,11 +63,11 @@ def packed_linear(
     """``x @ weight.T (+ bias)``, through the packed copy of ``weight`` when
     it has one for a step of ``x``'s size (:mod:`~asyncstep.ops.packed`);
     else, with ``dense_gemv``, a one-row step of 16-bit ``x`` on CUDA through
-    :func:`asyncstep.gpu.triton_gemv.dense_gemv`."""
+    :func:`asyncstep.ops.triton.gemv.dense_gemv`."""
     if packed is not None and packed.applies(x):
         y = packed.mm(x)
     elif dense_gemv and _one_row_on_cuda(x, weight):
-        from asyncstep.gpu.triton_gemv import dense_gemv as gemv
+        from asyncstep.ops.triton.gemv import dense_gemv as gemv
 
         y = gemv(x, weight)
     else:

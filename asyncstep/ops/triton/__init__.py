@@ -1,8 +1,15 @@
-"""The Triton op set (CUDA; on the CPU under ``TRITON_INTERPRET=1`` in the
-tests). Its kernels still live in :mod:`asyncstep.gpu`.
+"""The Triton kernels (CUDA; on the CPU under ``TRITON_INTERPRET=1`` in the
+tests) and their op set (:mod:`.ops`): paged attention and the KV-cache
+store (:mod:`.attention`; its kernels in :mod:`.attention_kernels` and
+:mod:`.decode_kernels`), the residual add + RMSNorm, ``silu * up`` and rotary
+(+ store) (:mod:`.fused`), the one-row GEMV of dense 16-bit weights
+(:mod:`.gemv`), Q4 / Q8 weights (:mod:`.quant`; their layouts in
+:mod:`.quant_layout`, their kernels in :mod:`.quant_kernels`) and the grammar
+bitmask (:mod:`.grammar_kernel`). triton is imported by the kernel modules,
+never by this package: it is optional on the CPU.
 
-May import torch, triton (lazily), :mod:`asyncstep.gpu` and
-:mod:`asyncstep.ops`' base and reference.
+May import torch, triton, :mod:`asyncstep.device` and :mod:`asyncstep.ops`'
+base, reference and packed formats.
 """
 
 from asyncstep.ops.triton.ops import TritonOps

@@ -1,6 +1,6 @@
 """The Triton op set: the residual add + RMSNorm, ``silu(gate) * up`` and
 the rotary embedding each in one kernel
-(:mod:`asyncstep.gpu.triton_fused`: float32 math, within the rounding of the
+(:mod:`asyncstep.ops.triton.fused`: float32 math, within the rounding of the
 activations' dtype of the reference's). A step's rotation is its positions
 alone: the kernels read cos and sin from the cache. RMSNorm without a
 residual, and an add + norm starting the stream, are the reference's.
@@ -35,12 +35,12 @@ class TritonOps(TorchOps):
             return super().add_rms_norm(
                 x, residual, weight, eps, float32_residual=float32_residual, own_residual=False
             )
-        from asyncstep.gpu.triton_fused import fused_add_rms_norm
+        from asyncstep.ops.triton.fused import fused_add_rms_norm
 
         return fused_add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        from asyncstep.gpu.triton_fused import silu_and_mul
+        from asyncstep.ops.triton.fused import silu_and_mul
 
         return silu_and_mul(gate_up)
 
@@ -57,6 +57,6 @@ class TritonOps(TorchOps):
         cos_sin_cache: torch.Tensor,
         head_dim: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from asyncstep.gpu.triton_fused import rotary_embedding
+        from asyncstep.ops.triton.fused import rotary_embedding
 
         return rotary_embedding(cos_sin.positions, q, k, cos_sin_cache, head_dim)

@@ -1,7 +1,7 @@
 """The split-KV ("flash decoding") Triton kernels for decode batches, and the
 kernel that combines their segments; launched by
-:mod:`asyncstep.gpu.triton_attention` (the scheme is described in
-:mod:`asyncstep.gpu.attention_kernels`).
+:mod:`asyncstep.ops.triton.attention` (the scheme is described in
+:mod:`asyncstep.ops.triton.attention_kernels`).
 
 May import triton only.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from asyncstep.gpu.attention_kernels import _find_request, _store_rows
+from asyncstep.ops.triton.attention_kernels import _find_request, _store_rows
 
 # --------------------------------------------------------------------------
 # paged_attention: decode batches, keys split across programs

@@ -1,4 +1,4 @@
-"""The Triton kernels behind :mod:`asyncstep.gpu.triton_attention` (which
+"""The Triton kernels behind :mod:`asyncstep.ops.triton.attention` (which
 launches them): the KV-cache store, the paged-attention tile kernel and the
 split-KV decode kernels with their combine step.
 

@@ -52,7 +52,7 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 
-from asyncstep.gpu.stream import await_future, cuda_waiter
+from asyncstep.device.stream import await_future, cuda_waiter
 
 __all__ = ["PendingWork", "is_cuda", "wait_cuda_event", "wait_work"]
 
@@ -196,9 +196,9 @@ async def wait_cuda_event(event: torch.cuda.Event) -> None:
     """Wait until ``event`` completed, without blocking the event loop.
 
     ``event.synchronize()`` runs in the event's device's long-lived waiter
-    thread (:func:`~asyncstep.gpu.stream.cuda_waiter`, shared by the events
+    thread (:func:`~asyncstep.device.stream.cuda_waiter`, shared by the events
     waited here, one after the other), and the loop is woken by the future's
-    done-callback (:func:`~asyncstep.gpu.stream.await_future`). Create the
+    done-callback (:func:`~asyncstep.device.stream.await_future`). Create the
     event with ``blocking=True`` so the thread sleeps (and releases the GIL)
     rather than spinning. Shielded like :func:`wait_work`: a cancellation is
     delivered after the event completed.

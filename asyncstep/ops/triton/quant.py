@@ -2,10 +2,10 @@
 blocks as packed codes with per-block scales, and the Triton kernels that
 multiply by them without a dense copy.
 
-The layouts (``Q4``, ``Q8``: :mod:`asyncstep.gpu.quant_layout`, whose
+The layouts (``Q4``, ``Q8``: :mod:`asyncstep.ops.triton.quant_layout`, whose
 names are re-exported here) keep an ``[N, K]`` weight's codes in blocks
 of :data:`GROUP_SIZE` input features with a float16 scale and offset a
-block; the kernels live in :mod:`asyncstep.gpu.quant_kernels`.
+block; the kernels live in :mod:`asyncstep.ops.triton.quant_kernels`.
 
 :func:`q4_matmul` is ``x @ w.T`` for ``x`` ``[..., K]`` (float32, float16 or
 bfloat16), in ``x``'s dtype, by the size of the step:
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from asyncstep.gpu.quant_kernels import (
+from asyncstep.ops.triton.quant_kernels import (
     PROLOGUE_NONE,
     PROLOGUE_NORMED,
     PROLOGUE_RMS_NORM,
@@ -54,7 +54,7 @@ from asyncstep.gpu.quant_kernels import (
     _q4_dequant_kernel,
     _q4_dot_kernel,
 )
-from asyncstep.gpu.quant_layout import (
+from asyncstep.ops.triton.quant_layout import (
     GROUP_SIZE,
     _check_weight,
     dequantize_q4_reference,
@@ -309,7 +309,7 @@ def q4_gemv_fused(
       unfused layer's add: the new residual stream);
     - ``silu_pairs``: the weight's rows are gate and up rows interleaved
       (:func:`interleave_pairs`): ``out[:, j] = silu(gate_j) * up_j``
-      (``[M, N / 2]``), each rounded as :func:`asyncstep.gpu.triton_fused.silu_and_mul`
+      (``[M, N / 2]``), each rounded as :func:`asyncstep.ops.triton.fused.silu_and_mul`
       reads and stores them;
     - ``next_rms_norm_weight`` (``[N]``): also the :class:`NormedRows` of
       ``out`` for the RMS norm of that weight, which the next GEMV folds in

@@ -13,7 +13,7 @@ cos/sin kept in float32).
 is three: silu, the product, and the copy of the strided halves).
 
 ``rotary_and_store_kv``: ``rotary_embedding`` and the paged KV-cache write of
-``asyncstep.gpu.triton_attention.store_kv_cache`` in one kernel: q and k are
+``asyncstep.ops.triton.attention.store_kv_cache`` in one kernel: q and k are
 rotated in place and the rotated k and v go to each token's cache slot.
 
 All do their math in float32, take strided rows (unit last stride: q and k

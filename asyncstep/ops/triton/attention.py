@@ -2,8 +2,8 @@
 values into the paged KV cache, :func:`paged_attention` attends over it, for
 decodes and prompt chunks in one launch. This module checks the arguments and
 chooses the launch (from shapes only: CUDA-graph safe); the kernels, and how
-they split the work, are in :mod:`asyncstep.gpu.attention_kernels` and
-:mod:`asyncstep.gpu.decode_kernels`.
+they split the work, are in :mod:`asyncstep.ops.triton.attention_kernels` and
+:mod:`asyncstep.ops.triton.decode_kernels`.
 
 May import torch and triton only.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from asyncstep.gpu.attention_kernels import _paged_attention_kernel, _store_kv_kernel
-from asyncstep.gpu.decode_kernels import _decode_combine_kernel, _decode_split_kernel
+from asyncstep.ops.triton.attention_kernels import _paged_attention_kernel, _store_kv_kernel
+from asyncstep.ops.triton.decode_kernels import _decode_combine_kernel, _decode_split_kernel
 
 MAX_HEAD_DIM = 256
 
@@ -260,20 +260,20 @@ def rotary_store_and_attend(
     uniform_decode: bool,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """:func:`~asyncstep.gpu.triton_fused.rotary_and_store_kv` (q, k, v:
+    """:func:`~asyncstep.ops.triton.fused.rotary_and_store_kv` (q, k, v:
     ``[tokens, heads * head_dim]`` column slices, unrotated) then
     :func:`paged_attention`; returns the attention's output ``[tokens,
     num_heads, head_dim]``. A uniform decode batch (``uniform_decode``:
     every request has one query token, or none; as many tokens as requests)
     takes one kernel fewer: the split-KV kernel rotates q as it loads it
     and stores the rotated key and the value of each token (``ROTARY`` in
-    :mod:`asyncstep.gpu.decode_kernels`: a token's own key is read by its
+    :mod:`asyncstep.ops.triton.decode_kernels`: a token's own key is read by its
     own programs only); q and k are then left unrotated (other batches: the
     two calls, which rotate them in place; ``max_query_len`` as
     :func:`paged_attention` takes it). A decode token's position must
     be its key's index (``seq_len - 1``): the kernel takes it from there,
     ``positions`` only where it runs the two calls."""
-    from asyncstep.gpu.triton_fused import rotary_and_store_kv
+    from asyncstep.ops.triton.fused import rotary_and_store_kv
 
     head_dim = kv_cache.shape[4]
     tokens = q.shape[0]
@@ -288,8 +288,8 @@ def rotary_store_and_attend(
             scale,
             max_query_len=max_query_len,
         )
-    from asyncstep.gpu.triton_fused import _check_rotary_args
-    from asyncstep.gpu.triton_fused import _check_store_args as _check_kv_args
+    from asyncstep.ops.triton.fused import _check_rotary_args
+    from asyncstep.ops.triton.fused import _check_store_args as _check_kv_args
 
     _check_rotary_args(positions, q, k, cos_sin_cache, head_dim)
     _check_kv_args(k, v, head_dim, kv_cache, slot_mapping)

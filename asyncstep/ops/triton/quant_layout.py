@@ -29,7 +29,7 @@ pairs (the fused decode's SiLU·mul epilogue holds a gate row and its up
 row in one program).
 
 The Triton kernels that multiply by these layouts, and their launchers, are
-:mod:`asyncstep.gpu.triton_quant`'s.
+:mod:`asyncstep.ops.triton.quant`'s.
 
 May import torch only.
 """

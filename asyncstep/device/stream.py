@@ -216,7 +216,7 @@ def cuda_waiter(
 
     Events on one stream complete in order, so one thread per stream is enough
     and never delays a completed event behind a pending one. The device's
-    shared thread (``stream=None``, used by :func:`~asyncstep.gpu.wait_cuda_event`,
+    shared thread (``stream=None``, used by :func:`~asyncstep.device.wait_cuda_event`,
     which does not know the stream) waits events of any stream one after the
     other: an event that completes late (e.g. a receive waiting for its peer)
     delays every event queued behind it.

@@ -5,7 +5,7 @@ strictly in submission order. With CPU tensors it is the stand-in for a CUDA
 stream (CPU torch ops are synchronous, so "the thread ran it" is "the device
 completed it"); on CUDA it is the thread that enqueues a rank's kernels.
 
-May import torch, anyio and :mod:`asyncstep.gpu.stream`.
+May import torch, anyio and :mod:`asyncstep.device.stream`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, TypeVar, TypeVarTuple
 
 import torch
 
-from asyncstep.gpu.stream import CpuEvent, _cuda_index, _now_us, await_future
+from asyncstep.device.stream import CpuEvent, _cuda_index, _now_us, await_future
 
 __all__ = ["HostStream", "HostStreamStatistics", "switch_interval"]
 

@@ -1,7 +1,7 @@
 """The Triton kernels of the packed Q4 / Q8 weights
-(:mod:`asyncstep.gpu.quant_layout`): the GEMV with its prologues and
+(:mod:`asyncstep.ops.triton.quant_layout`): the GEMV with its prologues and
 epilogues, the tiled GEMM that dequantizes each weight tile in registers,
-and the dequantizer; launched by :mod:`asyncstep.gpu.triton_quant`, whose
+and the dequantizer; launched by :mod:`asyncstep.ops.triton.quant`, whose
 docstring gives their arithmetic.
 
 May import triton only.
@@ -16,7 +16,7 @@ import triton.language as tl
 _MAGIC_F32: tl.constexpr = tl.constexpr(8388608.0)
 _MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)
 #: The GEMV scales x by 2**(_X_EXP - 4 s') before it meets a code read as a
-#: subnormal float (see :func:`asyncstep.gpu.triton_quant.q4_gemv`), and d by 2**(149 - _X_EXP).
+#: subnormal float (see :func:`asyncstep.ops.triton.quant.q4_gemv`), and d by 2**(149 - _X_EXP).
 _X_EXP: tl.constexpr = tl.constexpr(88)
 _D_SCALE: tl.constexpr = tl.constexpr(2.0 ** (149 - 88))
 
