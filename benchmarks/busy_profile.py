@@ -80,16 +80,19 @@ class LoopProfile(trio.abc.Instrument):
         self.steps: Counter[str] = Counter()
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.idle_s = 0.0
-        self._start = 0.0
+        self._start: float | None = None
         self._io_start = 0.0
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self._start = time.perf_counter()
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self._start is None:  # the step that added the instrument
+            return
         name = task_kind(task.name)
         self.steps[name] += 1
         self.seconds[name] += time.perf_counter() - self._start
+        self._start = None
 
     def before_io_wait(self, timeout: float) -> None:
         self._io_start = time.perf_counter()
@@ -105,24 +108,28 @@ def task_kind(name: str) -> str:
 
 
 class Wakeups:
-    """Counts the callers' waits that returned (RequestGroup._wait)."""
+    """Counts the callers' waits for news (each ends in one wake-up):
+    ``RequestGroup._waiting`` calls, or the waits of a version without it
+    (``RequestGroup._wait``)."""
 
     def __init__(self) -> None:
         self.count = 0
-        self._original = request_state.RequestGroup._wait
+        group = request_state.RequestGroup
+        self._name = "_waiting" if hasattr(group, "_waiting") else "_wait"
+        self._original = getattr(group, self._name)
 
     def __enter__(self) -> Wakeups:
         original = self._original
 
-        async def counted(group: request_state.RequestGroup) -> None:
-            await original(group)
+        def counted(group: Any, *args: Any, **kwargs: Any) -> Any:
             self.count += 1
+            return original(group, *args, **kwargs)
 
-        request_state.RequestGroup._wait = counted  # type: ignore[method-assign]
+        setattr(request_state.RequestGroup, self._name, counted)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        request_state.RequestGroup._wait = self._original  # type: ignore[method-assign]
+        setattr(request_state.RequestGroup, self._name, self._original)
 
 
 def child_cpu_s(pid: int | None) -> float | None:

@@ -14,7 +14,9 @@ over a socket it inherited; the core's end of the connection, or its
 In-process, the front end drives an :class:`~asyncstep.engine.core.EngineCore`
 directly (it has the same ``run`` contract), over memory channels.
 
-Messages to the core are coalesced: every :class:`CoreInputs` queued while
+Messages from the core go to the front end as they are read, without a
+wait of the event loop in between: a batch of frames that arrived together
+reaches it at once. Messages to the core are coalesced: every :class:`CoreInputs` queued while
 the previous frame was written goes out as one. The child is started with
 its stdin a pipe from this process, to die with it; its unexpected exit, or the end of its
 connection, ends :meth:`CoreProcess.run` with :class:`EngineCoreDied` within
@@ -215,7 +217,7 @@ class CoreProcess:
                 if self._stopping:
                     return
                 raise
-            await from_core.send(message)
+            await _forward(from_core, message)
 
     async def _receive(self, channel: MessageStream[FromCore]) -> FromCore:
         try:
@@ -298,11 +300,21 @@ class CoreConnection:
                         if self._stopping:
                             break
                         raise
-                    await from_core.send(message)
+                    await _forward(from_core, message)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await channel.aclose()
+
+
+async def _forward(from_core: MemoryObjectSendStream[FromCore], message: FromCore) -> None:
+    """``message`` to the front end; without a wait while ``from_core`` has
+    room (the front end's is unbounded): the frames already received go on
+    at once, the reader's next wait is for the socket."""
+    try:
+        from_core.send_nowait(message)
+    except anyio.WouldBlock:
+        await from_core.send(message)
 
 
 async def _send_inputs(

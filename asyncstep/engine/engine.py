@@ -19,9 +19,12 @@ thread. :class:`asyncstep.LLM` is the blocking API over an engine on a loop
 of its own.
 
 A caller of :meth:`Engine.generate` is woken once, when its request ends; a
-reader of :meth:`Engine.stream` once per step at most, with everything new
-since its last chunk. Text is decoded when a caller takes it, except for
-requests with stop strings, whose new tokens are decoded as they arrive.
+reader of :meth:`Engine.stream` once per batch of the core's messages at
+most (one step's, or every step that arrived while the loop was busy), with
+everything new since its last chunk. The core's messages are processed in
+batches (everything that arrived before the output processing ran); a
+streamed request, and one with stop strings, has its new tokens decoded as
+they arrive, a ``generate`` request once, as it ends.
 :func:`asyncstep.open_engine` starts it.
 """
 
@@ -143,8 +146,13 @@ class Engine:
         )
         #: What ends a request unless it ignores EOS (``min_tokens`` bans them early).
         self.eos_token_ids = self.input_processor.eos_token_ids
+        #: Guards what the output processing shares with the callers: the
+        #: requests in flight, their states, their waiters, the wake-ups.
+        self._lock = threading.Lock()
         #: Core request id -> its state (one per choice).
         self._requests: dict[str, RequestState] = {}
+        #: Waiters to wake (under the lock), delivered once per batch of news.
+        self._wakeups: list[anyio.Event] = []
         #: The caller's request id -> its choices.
         self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
@@ -189,7 +197,7 @@ class Engine:
         self._check_loop()
         await self.input_processor.check_grammar(sampling_params)
         ids = await self.input_processor.encode_prompt(prompt)
-        group = self._add_request(prompt, ids, sampling_params, request_id, client)
+        group = self._add_request(prompt, ids, sampling_params, request_id, client, streamed=False)
         try:
             await group.wait_finished()
         finally:
@@ -215,7 +223,7 @@ class Engine:
         self._check_loop()
         await self.input_processor.check_grammar(sampling_params)
         ids = await self.input_processor.encode_prompt(prompt)
-        group = self._add_request(prompt, ids, sampling_params, request_id, client)
+        group = self._add_request(prompt, ids, sampling_params, request_id, client, streamed=True)
         try:
             while (chunk := await group.next_chunk()) is not None:
                 yield chunk
@@ -399,7 +407,8 @@ class Engine:
         self._check_loop()
         self._check_alive()
         ticket = next(self._tickets)
-        event = self._idle_waiters[ticket] = anyio.Event()
+        with self._lock:
+            event = self._idle_waiters[ticket] = anyio.Event()
         self._send(WaitIdle(ticket))
         await event.wait()
         self._check_alive()
@@ -434,14 +443,16 @@ class Engine:
 
     def statistics(self) -> EngineStatistics:
         """Counters; the scheduler's are as of the core's latest message."""
-        core = self._core_stats
+        with self._lock:
+            core = self._core_stats
+            num_generated_tokens, num_finished = self._num_generated_tokens, self._num_finished
         return EngineStatistics(
             num_running_reqs=core.num_running_reqs,
             num_waiting_reqs=core.num_waiting_reqs,
             num_steps=core.num_steps,
             num_preemptions=core.num_preemptions,
-            num_generated_tokens=self._num_generated_tokens,
-            num_finished_reqs=self._num_finished,
+            num_generated_tokens=num_generated_tokens,
+            num_finished_reqs=num_finished,
             kv_cache_usage=core.kv_cache_usage,
             num_kv_blocks=core.num_kv_blocks,
             prefix_cache_hit_rate=core.prefix_cache_hit_rate,
@@ -467,6 +478,8 @@ class Engine:
         params: SamplingParams | None,
         request_id: str | None,
         client: str = "",
+        *,
+        streamed: bool,
     ) -> RequestGroup:
         """Check the rest of the request (``ids``: its prompt's, checked),
         then register it and send it to the core: a request refused here
@@ -482,26 +495,30 @@ class Engine:
         request_id = self._check_request_id(request_id)
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-        taken = [c for c in child_ids[1:] if c in self._requests]
-        if taken:
-            raise InvalidRequestError(f"request id {taken[0]!r} is already in flight")
         if not isinstance(client, str):
             raise InvalidRequestError(f"client must be a string, got {shown(client)}")
-        group = RequestGroup(request_id, client)
+        group = RequestGroup(request_id, client, lock=self._lock, wakeups=self._wakeups)
         text = prompt if isinstance(prompt, str) else None
         for i, child_id in enumerate(child_ids):
             child = params if n == 1 else _choice_params(params, i)
-            state = RequestState(child_id, text, ids, child, self.tokenizer, index=i, group=group)
-            group.states.append(state)
-            self._requests[child_id] = state
-        self._groups[request_id] = group
+            group.states.append(
+                RequestState(
+                    child_id, text, ids, child, self.tokenizer,
+                    index=i, group=group, streamed=streamed,
+                )
+            )  # fmt: skip
         first, *others = group.states
-        if others and self.config.cache.enable_prefix_caching:
-            for state in others:
-                state.sent = False
-            self._send(CoreInputs(new_requests=[_core_request(first)]))
-        else:
-            self._send(CoreInputs(new_requests=[_core_request(s) for s in group.states]))
+        held = bool(others) and self.config.cache.enable_prefix_caching
+        with self._lock:
+            taken = [c for c in child_ids[1:] if c in self._requests]
+            if taken:
+                raise InvalidRequestError(f"request id {taken[0]!r} is already in flight")
+            for state in group.states:
+                state.sent = not held or state is first
+                self._requests[state.request_id] = state
+        self._groups[request_id] = group
+        sent = [first] if held else group.states
+        self._send(CoreInputs(new_requests=[_core_request(s) for s in sent]))
         return group
 
     def _send_held(self, group: RequestGroup) -> None:
@@ -516,7 +533,9 @@ class Engine:
         if request_id is None:
             return f"{self._id_prefix}{next(self._ids)}"
         request_id = check_request_id(request_id)
-        if request_id in self._requests or request_id in self._groups:
+        with self._lock:
+            in_flight = request_id in self._requests
+        if in_flight or request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         return request_id
 
@@ -524,13 +543,15 @@ class Engine:
         """Abort every choice still running; forget the group."""
         self._groups.pop(group.request_id, None)
         aborted = []
-        for state in group.states:
-            if state.finished or state.error is not None:
-                continue
-            self._requests.pop(state.request_id, None)
-            state.abort()
-            if state.sent:
-                aborted.append(state.request_id)
+        with self._lock:
+            for state in group.states:
+                if state.finished or state.error is not None:
+                    continue
+                self._requests.pop(state.request_id, None)
+                state.abort()
+                if state.sent:
+                    aborted.append(state.request_id)
+        self._deliver_wakeups()
         if aborted:
             self._send(CoreInputs(aborted=aborted))
 
@@ -609,11 +630,13 @@ class Engine:
         finally:
             self._closed = True
             to_core_tx.close()
-            for state in list(self._requests.values()):
-                state.fail(self._error or EngineDeadError("the engine is closed"))
-            self._requests.clear()
-            for event in self._idle_waiters.values():
-                event.set()
+            with self._lock:
+                for state in self._requests.values():
+                    state.fail(self._error or EngineDeadError("the engine is closed"))
+                self._requests.clear()
+                self._wakeups.extend(self._idle_waiters.values())
+                self._idle_waiters.clear()
+            self._deliver_wakeups()
             self._stopped.set()
 
     async def wait_stopped(self) -> None:
@@ -636,8 +659,18 @@ class Engine:
         return False
 
     async def _read_core(self, from_core: MemoryObjectReceiveStream[FromCore]) -> None:
+        """The core's messages, each batch already queued at once: the callers
+        are woken once per batch."""
         async with from_core:
             async for message in from_core:
+                self._take_messages([message, *_queued(from_core)])
+
+    def _take_messages(self, messages: list[FromCore]) -> None:
+        """Process a batch of the core's messages, then wake the callers
+        whose news are in it; CoreFailed (after the messages before it) is raised."""
+        failed: CoreFailed | None = None
+        with self._lock:
+            for message in messages:
                 if isinstance(message, CoreOutputs):
                     with span("output", "frontend", step=message.step_id):
                         self._process_outputs(message)
@@ -645,9 +678,21 @@ class Engine:
                     self._core_stats = message.stats
                     event = self._idle_waiters.pop(message.ticket, None)
                     if event is not None:
-                        event.set()
+                        self._wakeups.append(event)
                 elif isinstance(message, CoreFailed):
-                    raise error_from_core(message.error, message.kind)
+                    failed = message
+                    break
+        self._deliver_wakeups()
+        if failed is not None:
+            raise error_from_core(failed.error, failed.kind)
+
+    def _deliver_wakeups(self) -> None:
+        """Wake the waiters that news (or an end) reached."""
+        with self._lock:
+            wakeups = self._wakeups[:]
+            self._wakeups.clear()
+        for event in wakeups:
+            event.set()
 
     def _take_ready(self, message: FromCore) -> None:
         """The core's first message: CoreReady (the core sends it before it
@@ -661,6 +706,7 @@ class Engine:
         self.weight_reads = message.weight_reads
 
     def _process_outputs(self, message: CoreOutputs) -> None:
+        """A step's news into the requests' states (under the lock)."""
         self._core_stats = message.stats
         requests = self._requests
         for rejected in message.rejected:
@@ -707,6 +753,15 @@ class Engine:
         if self._error is None:
             self._error = error
             log.error("engine stopped", error=describe(error))
+
+
+def _queued(stream: MemoryObjectReceiveStream[FromCore]) -> list[FromCore]:
+    """Every message already queued on ``stream``, without waiting."""
+    queued: list[FromCore] = []
+    with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
+        while True:
+            queued.append(stream.receive_nowait())
+    return queued
 
 
 def _where(token: anyio.lowlevel.EventLoopToken | None) -> str:
