@@ -12,6 +12,13 @@ the callers: detokenization, stop strings, the client streams. It never
 waits on the core to accept a request: requests, aborts and stops queue on
 an unbounded channel that the transport sends as one message per batch.
 
+The core's messages are processed off the caller's loop, on the engine's
+output thread (:mod:`asyncstep.engine.output_thread`): the loop hands it
+each batch of them as it arrives (undecoded, from a core in its own
+process) and gets back one call per batch with the callers to wake. What
+the thread shares with the callers (the requests in flight, their states,
+the waiters) is touched under the engine's lock only.
+
 An engine serves the event loop it was opened on: its methods called from
 another loop or thread raise :class:`EngineLoopError` at once (they would
 hang, or corrupt its state); ``statistics()`` and ``error`` read from any
@@ -21,10 +28,9 @@ of its own.
 A caller of :meth:`Engine.generate` is woken once, when its request ends; a
 reader of :meth:`Engine.stream` once per batch of the core's messages at
 most (one step's, or every step that arrived while the loop was busy), with
-everything new since its last chunk. The core's messages are processed in
-batches (everything that arrived before the output processing ran); a
-streamed request, and one with stop strings, has its new tokens decoded as
-they arrive, a ``generate`` request once, as it ends.
+everything new since its last chunk. A streamed request, and one with stop
+strings, has its new tokens decoded as they arrive, a ``generate`` request
+once, as it ends (on the output thread).
 :func:`asyncstep.open_engine` starts it.
 """
 
@@ -45,6 +51,7 @@ import sniffio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncstep.channels.framing import ProtocolError
 from asyncstep.checks import shown
 from asyncstep.config import EngineConfig
 from asyncstep.datatypes import MAX_SEED, SamplingParams, WeightReads
@@ -65,6 +72,7 @@ from asyncstep.engine.core_messages import (
     WaitIdle,
 )
 from asyncstep.engine.input_processor import InputProcessor, Prompt, check_request_id
+from asyncstep.engine.output_thread import OutputThread, call_soon
 from asyncstep.engine.outputs import (
     ChatChunk,
     ChatCompletion,
@@ -153,6 +161,8 @@ class Engine:
         self._requests: dict[str, RequestState] = {}
         #: Waiters to wake (under the lock), delivered once per batch of news.
         self._wakeups: list[anyio.Event] = []
+        #: Decodes the core's frames (a transport forwards them undecoded).
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
         #: The caller's request id -> its choices.
         self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
@@ -174,8 +184,10 @@ class Engine:
         self._stopped = anyio.Event()
         self._num_generated_tokens = 0
         self._num_finished = 0
-        #: The event loop it serves on (set by serve()), and where that is, in words.
+        #: The event loop it serves on (set by serve()), its thread, and where
+        #: that is, in words.
         self._loop: anyio.lowlevel.EventLoopToken | None = None
+        self._loop_thread: int | None = None
         self._loop_where = ""
 
     # -- public API -------------------------------------------------------
@@ -566,7 +578,11 @@ class Engine:
 
     def _send(self, message: ToCore) -> None:
         """Queue a message for the core (unbounded: never waits); dropped
-        once the engine is closing (the core then ends every request)."""
+        once the engine is closing (the core then ends every request). From
+        the output thread it is handed to the loop first."""
+        if self._loop is not None and threading.get_ident() != self._loop_thread:
+            call_soon(self._loop, self._send, message)
+            return
         if self._closing or self._closed or self._to_core is None:
             return
         self._to_core.send_nowait(message)
@@ -601,9 +617,10 @@ class Engine:
         it stops. A failure while starting is raised; a failure later ends
         every request in flight with :class:`EngineDeadError`."""
         self._loop = anyio.lowlevel.current_token()
+        self._loop_thread = threading.get_ident()
         self._loop_where = _where(self._loop)
         to_core_tx, to_core_rx = anyio.create_memory_object_stream[ToCore](math.inf)
-        from_core_tx, from_core_rx = anyio.create_memory_object_stream[FromCore](math.inf)
+        from_core_tx, from_core_rx = anyio.create_memory_object_stream[FromCore | bytes](math.inf)
         self._to_core = to_core_tx
         started = False
         try:
@@ -658,19 +675,37 @@ class Engine:
             return True
         return False
 
-    async def _read_core(self, from_core: MemoryObjectReceiveStream[FromCore]) -> None:
-        """The core's messages, each batch already queued at once: the callers
-        are woken once per batch."""
-        async with from_core:
-            async for message in from_core:
-                self._take_messages([message, *_queued(from_core)])
+    async def _read_core(self, from_core: MemoryObjectReceiveStream[FromCore | bytes]) -> None:
+        """Hand the core's messages to the output thread, each batch already
+        queued at once, until the core stops; the thread's error is raised."""
+        assert self._loop is not None
+        loop = self._loop
+        with anyio.CancelScope() as scope:
 
-    def _take_messages(self, messages: list[FromCore]) -> None:
-        """Process a batch of the core's messages, then wake the callers
-        whose news are in it; CoreFailed (after the messages before it) is raised."""
+            def failed(_: BaseException) -> None:  # on the thread: stop reading
+                call_soon(loop, scope.cancel)
+
+            thread = OutputThread[FromCore | bytes](self._take_messages, failed)
+            thread.start()
+            try:
+                async with from_core:
+                    async for message in from_core:
+                        thread.put([message, *_queued(from_core)])
+            finally:
+                thread.stop()
+                with anyio.CancelScope(shield=True):
+                    await thread.join()
+        if thread.error is not None:
+            raise thread.error
+
+    def _take_messages(self, messages: list[FromCore | bytes]) -> None:
+        """Process a batch of the core's messages (on the output thread),
+        then wake the callers whose news are in it; CoreFailed (after the
+        messages before it) is raised."""
         failed: CoreFailed | None = None
         with self._lock:
-            for message in messages:
+            for item in messages:
+                message = self._decode(item) if isinstance(item, bytes) else item
                 if isinstance(message, CoreOutputs):
                     with span("output", "frontend", step=message.step_id):
                         self._process_outputs(message)
@@ -686,17 +721,29 @@ class Engine:
         if failed is not None:
             raise error_from_core(failed.error, failed.kind)
 
+    def _decode(self, frame: bytes) -> FromCore:
+        try:
+            return self._decoder.decode(frame)
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"bad message from the engine core: {exc}") from None
+
     def _deliver_wakeups(self) -> None:
-        """Wake the waiters that news (or an end) reached."""
+        """Wake the waiters that news (or an end) reached: at once on the
+        loop, else in one call handed to it."""
         with self._lock:
             wakeups = self._wakeups[:]
             self._wakeups.clear()
-        for event in wakeups:
-            event.set()
+        if not wakeups:
+            return
+        if self._loop is None or threading.get_ident() == self._loop_thread:
+            _set_all(wakeups)
+        else:
+            call_soon(self._loop, _set_all, wakeups)
 
-    def _take_ready(self, message: FromCore) -> None:
+    def _take_ready(self, item: FromCore | bytes) -> None:
         """The core's first message: CoreReady (the core sends it before it
         reports started)."""
+        message = self._decode(item) if isinstance(item, bytes) else item
         if isinstance(message, CoreFailed):
             raise error_from_core(message.error, message.kind)
         if not isinstance(message, CoreReady):
@@ -755,9 +802,16 @@ class Engine:
             log.error("engine stopped", error=describe(error))
 
 
-def _queued(stream: MemoryObjectReceiveStream[FromCore]) -> list[FromCore]:
+def _set_all(events: list[anyio.Event]) -> None:
+    for event in events:
+        event.set()
+
+
+def _queued(
+    stream: MemoryObjectReceiveStream[FromCore | bytes],
+) -> list[FromCore | bytes]:
     """Every message already queued on ``stream``, without waiting."""
-    queued: list[FromCore] = []
+    queued: list[FromCore | bytes] = []
     with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
         while True:
             queued.append(stream.receive_nowait())
