@@ -80,7 +80,7 @@ class OutputThread(Generic[T]):
         while (batch := self._batches.get()) is not None:
             try:
                 self._process(batch)
-            except Exception as exc:
+            except BaseException as exc:  # whatever it is: the loop must hear of it
                 self.error = exc
                 self._failed(exc)
                 return
