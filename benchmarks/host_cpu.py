@@ -13,14 +13,15 @@ greedy, EOS ignored. The same prompts for both systems.
   with room for every request at once (``max_num_seqs``, KV blocks) and the
   prompts in about two prefill steps; prefix caching off (every round computes
   what HF computes; ``--engine-opt enable_prefix_caching=true`` turns it on).
-  Every request at once in one Trio nursery, through ``engine.generate`` and
+  Every request at once in one task group, through ``engine.generate`` and
   (``--streams``) through ``engine.stream``, reading every chunk, as services
   do. A warm-up round (a few requests), then ``--repeats`` timed rounds of each
   variant, interleaved; median.
 * **busy caller**: the same generate rounds (``--busy-streams``: the stream
   rounds too) while one more task of the caller's event loop holds it
   ``--busy-ms`` at a time (busy-spins on ``perf_counter``, then
-  ``await trio.sleep(0)``), until the round ends; ``--busy-repeats`` rounds
+  ``await anyio.lowlevel.checkpoint()``: ``trio.sleep(0)``,
+  ``asyncio.sleep(0)``), until the round ends; ``--busy-repeats`` rounds
   (they are the slow ones), median: tok/s and busy / undisturbed.
 * **spans** (``--spans``, on by default): one more engine, traced (the JSON log
   of ``configure_logging``, as ``--log-json`` does; every file ``FILE*``: the
@@ -38,6 +39,10 @@ machine, the date and every figure as JSON::
 
     python benchmarks/host_cpu.py --out benchmarks/results/host/cpu_baseline.json
     python benchmarks/host_cpu.py --engine-opt engine_process=true
+    python benchmarks/host_cpu.py --backend asyncio --no-hf --no-spans --busy-streams
+
+``--backend``: the caller's event loop, Trio (the default) or asyncio (through
+AnyIO, as an asyncio service runs the engine).
 """
 
 from __future__ import annotations
@@ -62,10 +67,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import bench
 import torch
-import trio
-import trio.lowlevel
 
 import asyncstep
 from asyncstep import SamplingParams
@@ -128,6 +133,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--trace-dir", type=Path, help="keep the span logs here")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
+    parser.add_argument(
+        "--backend",
+        choices=("trio", "asyncio"),
+        default="trio",
+        help="the caller's event loop (asyncio through AnyIO)",
+    )
     bench.add_engine_opt(
         parser,
         "extra open_engine keyword (repeatable; overrides the sizing), e.g. engine_process=true",
@@ -223,7 +234,7 @@ class BusyCaller:
                 pass
             self.holds += 1
             self.held_s += time.perf_counter() - start
-            await trio.lowlevel.checkpoint()  # = trio.sleep(0)
+            await anyio.lowlevel.checkpoint()  # = trio.sleep(0), asyncio.sleep(0)
 
 
 async def one_round(
@@ -254,11 +265,11 @@ async def one_round(
     await engine.wait_idle()
     cpu_start = cpu_seconds()
     busy = BusyCaller(busy_s)
-    async with trio.open_nursery() as outer:
+    async with anyio.create_task_group() as outer:
         if busy_s > 0:
             outer.start_soon(busy.run)
         start = time.perf_counter()
-        async with trio.open_nursery() as nursery:
+        async with anyio.create_task_group() as nursery:
             for prompt in prompts:
                 nursery.start_soon(one, prompt)
         seconds = time.perf_counter() - start
@@ -462,7 +473,7 @@ def spans_run(args: argparse.Namespace, prompts: list[list[int]]) -> Row:
     log_dir.mkdir(parents=True, exist_ok=True)
     span_log = log_dir / "host_cpu.jsonl"
     with json_logging(span_log):
-        windows = trio.run(traced_rounds, args, prompts, span_log)
+        windows = anyio.run(traced_rounds, args, prompts, span_log, backend=args.backend)
     try:
         spans, steps = load_logs(span_log)
         files = sorted({process for process, _ in spans})
@@ -532,7 +543,8 @@ def print_tables(result: Row) -> None:
     print(
         f"\n{w['num_requests']} requests x {w['output_len']} tokens, prompts "
         f"{w['prompt_len_range'][0]}-{w['prompt_len_range'][1]} tokens, {SHAPE} fp32 on "
-        f"{result['machine']['cpu_count']} CPU cores ({torch.get_num_threads()} torch threads)"
+        f"{result['machine']['cpu_count']} CPU cores ({torch.get_num_threads()} torch threads),"
+        f" the caller's loop {result['options']['backend']}"
     )
     other = result["other_load"]
     print(
@@ -572,8 +584,9 @@ def print_tables(result: Row) -> None:
 
 
 def cpu_seconds() -> tuple[float, float] | None:
-    """(busy CPU seconds of the whole machine, of this process and its waited-for
-    children) so far; None without ``/proc/stat``."""
+    """(busy CPU seconds of the whole machine, of this process and its
+    children: the waited-for and the running, the engine-core process and
+    the ranks) so far; None without ``/proc/stat``."""
     try:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     except OSError:
@@ -581,7 +594,34 @@ def cpu_seconds() -> tuple[float, float] | None:
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
     mine = os.times()
     ours = mine.user + mine.system + mine.children_user + mine.children_system
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), ours
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq + steal) / ticks, ours + descendants_cpu_s()
+
+
+def descendants_cpu_s() -> float:
+    """CPU seconds of this process's running descendants (their own, and
+    their waited-for children's), from ``/proc``."""
+    parents: dict[int, int] = {}
+    seconds: dict[int, float] = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        pid = int(stat.parent.name)
+        parents[pid] = int(fields[1])
+        seconds[pid] = sum(int(f) for f in fields[11:15]) / ticks  # utime stime cutime cstime
+    mine, total, frontier = os.getpid(), 0.0, [os.getpid()]
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, parent in parents.items():
+        children[parent].append(pid)
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            if child != mine:
+                total += seconds[child]
+                frontier.append(child)
+    return total
 
 
 def other_load(start: tuple[float, float] | None, wall_s: float) -> Row:
@@ -610,7 +650,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> Row:
     if not args.no_hf:
         hf = bench_hf.guarded("generate", hf_run, arch, prompts, args.output_len, args.repeats)
         print(f"  HF   generate: {fmt(hf.get('tok_s'), '.0f')} tok/s", flush=True)
-    ours = trio.run(ours_run, args, prompts)
+    ours = anyio.run(ours_run, args, prompts, backend=args.backend)
     machine = bench.machine_info(torch.device("cpu")) | {"torch_threads": torch.get_num_threads()}
     result: Row = {
         "command": "python benchmarks/host_cpu.py " + shlex.join(argv),

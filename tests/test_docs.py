@@ -265,7 +265,10 @@ def script_flags(script: Path) -> set[str]:
                 sources.append(local)
     for source in sources:
         text = source.read_text()
-        flags |= set(re.findall(r"""["'](--[a-z][a-z0-9-]*)["']""", text))
+        found = set(re.findall(r"""["'](--[a-z][a-z0-9-]*)["']""", text))
+        if "BooleanOptionalAction" in text:  # --x takes --no-x too
+            found |= {f"--no-{flag[2:]}" for flag in found}
+        flags |= found
         if "parse_known_args" in text or "engine_flags" in text or "add_engine" in text:
             flags |= engine_flags()
     return flags

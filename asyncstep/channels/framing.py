@@ -3,7 +3,9 @@ connections, and the handshake that opens a connection anyone could reach.
 
 :class:`MessageStream`: msgspec structs, msgpack on the wire (never pickle),
 each frame a 4-byte big-endian length then the payload, at most
-:data:`MAX_FRAME_BYTES`. The engine's control connections to its ranks
+:data:`MAX_FRAME_BYTES`. It reads up to :data:`RECEIVE_BYTES` at a time: the
+frames already there are taken without another read (one read, and one
+wait on the event loop, for a batch of small frames). The engine's control connections to its ranks
 (:mod:`asyncstep.channels.control`, TCP) and the front end's socket pair to
 its engine core (:mod:`asyncstep.engine.core_messages`) both use it.
 
@@ -39,14 +41,16 @@ from pathlib import Path
 from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
+from anyio import EndOfStream, IncompleteRead
 from anyio.abc import ByteStream
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from asyncstep.config import config_error
 from asyncstep.errors import ConfigError
 
 #: Largest frame accepted (a step of a huge batch is far below this).
 MAX_FRAME_BYTES = 256 << 20
+#: Bytes asked of the stream at a time (more when a frame needs more).
+RECEIVE_BYTES = 1 << 16
 #: Largest handshake frame (they are ~80 bytes).
 HANDSHAKE_FRAME_BYTES = 1024
 #: The environment variable that holds the control-plane secret.
@@ -73,7 +77,8 @@ class MessageStream(Generic[Received]):
 
     def __init__(self, stream: ByteStream, receives: Any) -> None:
         self._stream = stream
-        self._receive = BufferedByteReceiveStream(stream)
+        #: Received, not taken yet.
+        self._buffer = bytearray()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[Received] = msgspec.msgpack.Decoder(receives)
 
@@ -87,10 +92,22 @@ class MessageStream(Generic[Received]):
     async def receive_frame(self, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
         """The next frame's payload, undecoded; :class:`ProtocolError` if it
         is longer than ``max_bytes`` (nothing more is read then)."""
-        (size,) = _HEADER.unpack(await self._receive.receive_exactly(_HEADER.size))
+        (size,) = _HEADER.unpack(await self._take(_HEADER.size))
         if size > max_bytes:
             raise ProtocolError(f"frame of {size} bytes is larger than {max_bytes}")
-        return await self._receive.receive_exactly(size)
+        return await self._take(size)
+
+    async def _take(self, nbytes: int) -> bytes:
+        """The next ``nbytes`` bytes; ``IncompleteRead`` if the stream ends first."""
+        buffer = self._buffer
+        while len(buffer) < nbytes:
+            try:
+                buffer += await self._stream.receive(max(RECEIVE_BYTES, nbytes - len(buffer)))
+            except EndOfStream as exc:
+                raise IncompleteRead from exc
+        taken = bytes(buffer[:nbytes])
+        del buffer[:nbytes]
+        return taken
 
     async def receive(self) -> Received:
         """The next message; ``anyio.EndOfStream``/``IncompleteRead`` when the

@@ -14,10 +14,13 @@ over a socket it inherited; the core's end of the connection, or its
 In-process, the front end drives an :class:`~asyncstep.engine.core.EngineCore`
 directly (it has the same ``run`` contract), over memory channels.
 
+Messages from the core go to the front end as they are read, undecoded (the
+front end decodes them off its event loop), without a wait of the loop in
+between: a batch of frames that arrived together reaches it at once.
 Messages to the core are coalesced: every :class:`CoreInputs` queued while
 the previous frame was written goes out as one. The child is started with
-its stdin a pipe from this process, to die with it; its unexpected exit, or the end of its
-connection, ends :meth:`CoreProcess.run` with :class:`EngineCoreDied` within
+its stdin a pipe from this process, to die with it; its unexpected exit, or
+the end of its connection, ends :meth:`CoreProcess.run` with :class:`EngineCoreDied` within
 a second or two. On the way out the child is given ``exit_timeout_s`` to
 finish, then terminated, then killed: none is left behind.
 """
@@ -29,9 +32,9 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import anyio
 import anyio.abc
@@ -60,18 +63,22 @@ if TYPE_CHECKING:
     from asyncstep.models.model_loader import ProgressFn
 
 log = get_logger("engine")
+R = TypeVar("R")
 
 
 class CoreClient(Protocol):
     """Runs an engine core for the front end (in this process or another):
-    started once the core is ready; then carries ``to_core`` to it and its
-    messages to ``from_core`` until ``to_core`` ends and the core has
-    stopped. Raises if the core fails or dies."""
+    started once the core is ready (:class:`CoreReady` sent to ``from_core``
+    first); then carries ``to_core`` to it and its messages to ``from_core``
+    until ``to_core`` ends and the core has stopped. Raises if the core
+    fails or dies. A message on ``from_core`` is decoded, or the msgpack
+    frame of one as it came over a connection (the front end decodes it,
+    off its event loop)."""
 
     async def run(
         self,
         to_core: MemoryObjectReceiveStream[ToCore],
-        from_core: MemoryObjectSendStream[FromCore],
+        from_core: MemoryObjectSendStream[FromCore | bytes],
         *,
         task_status: TaskStatus[None] = ...,
     ) -> None: ...
@@ -108,7 +115,7 @@ class CoreProcess:
     async def run(
         self,
         to_core: MemoryObjectReceiveStream[ToCore],
-        from_core: MemoryObjectSendStream[FromCore],
+        from_core: MemoryObjectSendStream[FromCore | bytes],
         *,
         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -191,7 +198,7 @@ class CoreProcess:
 
     async def _wait_ready(self, channel: MessageStream[FromCore]) -> CoreReady:
         while True:
-            message = await self._receive(channel)
+            message = await self._receive(channel.receive())
             if isinstance(message, CoreReady):
                 return message
             if isinstance(message, LoadProgress):
@@ -206,20 +213,24 @@ class CoreProcess:
         self._stopping = expected
 
     async def _forward_from_core(
-        self, channel: MessageStream[FromCore], from_core: MemoryObjectSendStream[FromCore]
+        self,
+        channel: MessageStream[FromCore],
+        from_core: MemoryObjectSendStream[FromCore | bytes],
     ) -> None:
+        """The core's frames, undecoded, to the front end."""
         while True:
             try:
-                message = await self._receive(channel)
+                frame = await self._receive(channel.receive_frame())
             except EngineCoreDied:
                 if self._stopping:
                     return
                 raise
-            await from_core.send(message)
+            await _forward(from_core, frame)
 
-    async def _receive(self, channel: MessageStream[FromCore]) -> FromCore:
+    async def _receive(self, receiving: Awaitable[R]) -> R:
+        """A message, or a frame, from the core; :class:`EngineCoreDied` if it is gone."""
         try:
-            return await channel.receive()
+            return await receiving
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
             raise EngineCoreDied(await self._death_notice()) from None
 
@@ -268,7 +279,7 @@ class CoreConnection:
     async def run(
         self,
         to_core: MemoryObjectReceiveStream[ToCore],
-        from_core: MemoryObjectSendStream[FromCore],
+        from_core: MemoryObjectSendStream[FromCore | bytes],
         *,
         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -276,13 +287,16 @@ class CoreConnection:
         channel = MessageStream[FromCore](stream, FromCore)
 
         async def receive() -> FromCore:
-            try:
-                message = await channel.receive()
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
-                raise EngineCoreDied("the engine core closed its connection") from None
+            message = await receive_frame(channel.receive())
             if isinstance(message, CoreFailed):
                 raise error_from_core(message.error, message.kind)
             return message
+
+        async def receive_frame(receiving: Awaitable[R]) -> R:
+            try:
+                return await receiving
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+                raise EngineCoreDied("the engine core closed its connection") from None
 
         try:
             async with anyio.create_task_group() as tg, from_core:
@@ -291,18 +305,30 @@ class CoreConnection:
                 await from_core.send(ready)
                 task_status.started()
                 tg.start_soon(_send_inputs, to_core, channel, self._expect_stop)
-                while True:
+                while True:  # the core's frames, undecoded (a CoreFailed too)
                     try:
-                        message = await receive()
+                        frame = await receive_frame(channel.receive_frame())
                     except EngineCoreDied:
                         if self._stopping:
                             break
                         raise
-                    await from_core.send(message)
+                    await _forward(from_core, frame)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await channel.aclose()
+
+
+async def _forward(
+    from_core: MemoryObjectSendStream[FromCore | bytes], message: FromCore | bytes
+) -> None:
+    """``message`` to the front end; without a wait while ``from_core`` has
+    room (the front end's is unbounded): the frames already received go on
+    at once, the reader's next wait is for the socket."""
+    try:
+        from_core.send_nowait(message)
+    except anyio.WouldBlock:
+        await from_core.send(message)
 
 
 async def _send_inputs(

@@ -12,6 +12,13 @@ the callers: detokenization, stop strings, the client streams. It never
 waits on the core to accept a request: requests, aborts and stops queue on
 an unbounded channel that the transport sends as one message per batch.
 
+The core's messages are processed off the caller's loop, on the engine's
+output thread (:mod:`asyncstep.engine.output_thread`): the loop hands it
+each batch of them as it arrives (undecoded, from a core in its own
+process) and gets back one call per batch with the callers to wake. What
+the thread shares with the callers (the requests in flight, their states,
+the waiters) is touched under the engine's lock only.
+
 An engine serves the event loop it was opened on: its methods called from
 another loop or thread raise :class:`EngineLoopError` at once (they would
 hang, or corrupt its state); ``statistics()`` and ``error`` read from any
@@ -19,9 +26,11 @@ thread. :class:`asyncstep.LLM` is the blocking API over an engine on a loop
 of its own.
 
 A caller of :meth:`Engine.generate` is woken once, when its request ends; a
-reader of :meth:`Engine.stream` once per step at most, with everything new
-since its last chunk. Text is decoded when a caller takes it, except for
-requests with stop strings, whose new tokens are decoded as they arrive.
+reader of :meth:`Engine.stream` once per batch of the core's messages at
+most (one step's, or every step that arrived while the loop was busy), with
+everything new since its last chunk. A streamed request, and one with stop
+strings, has its new tokens decoded as they arrive, a ``generate`` request
+once, as it ends (on the output thread).
 :func:`asyncstep.open_engine` starts it.
 """
 
@@ -42,6 +51,7 @@ import sniffio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncstep.channels.framing import ProtocolError
 from asyncstep.checks import shown
 from asyncstep.config import EngineConfig
 from asyncstep.datatypes import MAX_SEED, SamplingParams, WeightReads
@@ -62,6 +72,7 @@ from asyncstep.engine.core_messages import (
     WaitIdle,
 )
 from asyncstep.engine.input_processor import InputProcessor, Prompt, check_request_id
+from asyncstep.engine.output_thread import OutputThread, call_soon
 from asyncstep.engine.outputs import (
     ChatChunk,
     ChatCompletion,
@@ -143,8 +154,15 @@ class Engine:
         )
         #: What ends a request unless it ignores EOS (``min_tokens`` bans them early).
         self.eos_token_ids = self.input_processor.eos_token_ids
+        #: Guards what the output processing shares with the callers: the
+        #: requests in flight, their states, their waiters, the wake-ups.
+        self._lock = threading.Lock()
         #: Core request id -> its state (one per choice).
         self._requests: dict[str, RequestState] = {}
+        #: Waiters to wake (under the lock), delivered once per batch of news.
+        self._wakeups: list[anyio.Event] = []
+        #: Decodes the core's frames (a transport forwards them undecoded).
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
         #: The caller's request id -> its choices.
         self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
@@ -166,8 +184,10 @@ class Engine:
         self._stopped = anyio.Event()
         self._num_generated_tokens = 0
         self._num_finished = 0
-        #: The event loop it serves on (set by serve()), and where that is, in words.
+        #: The event loop it serves on (set by serve()), its thread, and where
+        #: that is, in words.
         self._loop: anyio.lowlevel.EventLoopToken | None = None
+        self._loop_thread: int | None = None
         self._loop_where = ""
 
     # -- public API -------------------------------------------------------
@@ -189,7 +209,7 @@ class Engine:
         self._check_loop()
         await self.input_processor.check_grammar(sampling_params)
         ids = await self.input_processor.encode_prompt(prompt)
-        group = self._add_request(prompt, ids, sampling_params, request_id, client)
+        group = self._add_request(prompt, ids, sampling_params, request_id, client, streamed=False)
         try:
             await group.wait_finished()
         finally:
@@ -215,7 +235,7 @@ class Engine:
         self._check_loop()
         await self.input_processor.check_grammar(sampling_params)
         ids = await self.input_processor.encode_prompt(prompt)
-        group = self._add_request(prompt, ids, sampling_params, request_id, client)
+        group = self._add_request(prompt, ids, sampling_params, request_id, client, streamed=True)
         try:
             while (chunk := await group.next_chunk()) is not None:
                 yield chunk
@@ -399,7 +419,8 @@ class Engine:
         self._check_loop()
         self._check_alive()
         ticket = next(self._tickets)
-        event = self._idle_waiters[ticket] = anyio.Event()
+        with self._lock:
+            event = self._idle_waiters[ticket] = anyio.Event()
         self._send(WaitIdle(ticket))
         await event.wait()
         self._check_alive()
@@ -434,14 +455,16 @@ class Engine:
 
     def statistics(self) -> EngineStatistics:
         """Counters; the scheduler's are as of the core's latest message."""
-        core = self._core_stats
+        with self._lock:
+            core = self._core_stats
+            num_generated_tokens, num_finished = self._num_generated_tokens, self._num_finished
         return EngineStatistics(
             num_running_reqs=core.num_running_reqs,
             num_waiting_reqs=core.num_waiting_reqs,
             num_steps=core.num_steps,
             num_preemptions=core.num_preemptions,
-            num_generated_tokens=self._num_generated_tokens,
-            num_finished_reqs=self._num_finished,
+            num_generated_tokens=num_generated_tokens,
+            num_finished_reqs=num_finished,
             kv_cache_usage=core.kv_cache_usage,
             num_kv_blocks=core.num_kv_blocks,
             prefix_cache_hit_rate=core.prefix_cache_hit_rate,
@@ -467,6 +490,8 @@ class Engine:
         params: SamplingParams | None,
         request_id: str | None,
         client: str = "",
+        *,
+        streamed: bool,
     ) -> RequestGroup:
         """Check the rest of the request (``ids``: its prompt's, checked),
         then register it and send it to the core: a request refused here
@@ -482,26 +507,30 @@ class Engine:
         request_id = self._check_request_id(request_id)
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-        taken = [c for c in child_ids[1:] if c in self._requests]
-        if taken:
-            raise InvalidRequestError(f"request id {taken[0]!r} is already in flight")
         if not isinstance(client, str):
             raise InvalidRequestError(f"client must be a string, got {shown(client)}")
-        group = RequestGroup(request_id, client)
+        group = RequestGroup(request_id, client, lock=self._lock, wakeups=self._wakeups)
         text = prompt if isinstance(prompt, str) else None
         for i, child_id in enumerate(child_ids):
             child = params if n == 1 else _choice_params(params, i)
-            state = RequestState(child_id, text, ids, child, self.tokenizer, index=i, group=group)
-            group.states.append(state)
-            self._requests[child_id] = state
-        self._groups[request_id] = group
+            group.states.append(
+                RequestState(
+                    child_id, text, ids, child, self.tokenizer,
+                    index=i, group=group, streamed=streamed,
+                )
+            )  # fmt: skip
         first, *others = group.states
-        if others and self.config.cache.enable_prefix_caching:
-            for state in others:
-                state.sent = False
-            self._send(CoreInputs(new_requests=[_core_request(first)]))
-        else:
-            self._send(CoreInputs(new_requests=[_core_request(s) for s in group.states]))
+        held = bool(others) and self.config.cache.enable_prefix_caching
+        with self._lock:
+            taken = [c for c in child_ids[1:] if c in self._requests]
+            if taken:
+                raise InvalidRequestError(f"request id {taken[0]!r} is already in flight")
+            for state in group.states:
+                state.sent = not held or state is first
+                self._requests[state.request_id] = state
+        self._groups[request_id] = group
+        sent = [first] if held else group.states
+        self._send(CoreInputs(new_requests=[_core_request(s) for s in sent]))
         return group
 
     def _send_held(self, group: RequestGroup) -> None:
@@ -516,7 +545,9 @@ class Engine:
         if request_id is None:
             return f"{self._id_prefix}{next(self._ids)}"
         request_id = check_request_id(request_id)
-        if request_id in self._requests or request_id in self._groups:
+        with self._lock:
+            in_flight = request_id in self._requests
+        if in_flight or request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         return request_id
 
@@ -524,13 +555,15 @@ class Engine:
         """Abort every choice still running; forget the group."""
         self._groups.pop(group.request_id, None)
         aborted = []
-        for state in group.states:
-            if state.finished or state.error is not None:
-                continue
-            self._requests.pop(state.request_id, None)
-            state.abort()
-            if state.sent:
-                aborted.append(state.request_id)
+        with self._lock:
+            for state in group.states:
+                if state.finished or state.error is not None:
+                    continue
+                self._requests.pop(state.request_id, None)
+                state.abort()
+                if state.sent:
+                    aborted.append(state.request_id)
+        self._deliver_wakeups()
         if aborted:
             self._send(CoreInputs(aborted=aborted))
 
@@ -545,7 +578,11 @@ class Engine:
 
     def _send(self, message: ToCore) -> None:
         """Queue a message for the core (unbounded: never waits); dropped
-        once the engine is closing (the core then ends every request)."""
+        once the engine is closing (the core then ends every request). From
+        the output thread it is handed to the loop first."""
+        if self._loop is not None and threading.get_ident() != self._loop_thread:
+            call_soon(self._loop, self._send, message)
+            return
         if self._closing or self._closed or self._to_core is None:
             return
         self._to_core.send_nowait(message)
@@ -580,9 +617,10 @@ class Engine:
         it stops. A failure while starting is raised; a failure later ends
         every request in flight with :class:`EngineDeadError`."""
         self._loop = anyio.lowlevel.current_token()
+        self._loop_thread = threading.get_ident()
         self._loop_where = _where(self._loop)
         to_core_tx, to_core_rx = anyio.create_memory_object_stream[ToCore](math.inf)
-        from_core_tx, from_core_rx = anyio.create_memory_object_stream[FromCore](math.inf)
+        from_core_tx, from_core_rx = anyio.create_memory_object_stream[FromCore | bytes](math.inf)
         self._to_core = to_core_tx
         started = False
         try:
@@ -609,11 +647,13 @@ class Engine:
         finally:
             self._closed = True
             to_core_tx.close()
-            for state in list(self._requests.values()):
-                state.fail(self._error or EngineDeadError("the engine is closed"))
-            self._requests.clear()
-            for event in self._idle_waiters.values():
-                event.set()
+            with self._lock:
+                for state in self._requests.values():
+                    state.fail(self._error or EngineDeadError("the engine is closed"))
+                self._requests.clear()
+                self._wakeups.extend(self._idle_waiters.values())
+                self._idle_waiters.clear()
+            self._deliver_wakeups()
             self._stopped.set()
 
     async def wait_stopped(self) -> None:
@@ -635,9 +675,37 @@ class Engine:
             return True
         return False
 
-    async def _read_core(self, from_core: MemoryObjectReceiveStream[FromCore]) -> None:
-        async with from_core:
-            async for message in from_core:
+    async def _read_core(self, from_core: MemoryObjectReceiveStream[FromCore | bytes]) -> None:
+        """Hand the core's messages to the output thread, each batch already
+        queued at once, until the core stops; the thread's error is raised."""
+        assert self._loop is not None
+        loop = self._loop
+        with anyio.CancelScope() as scope:
+
+            def failed(_: BaseException) -> None:  # on the thread: stop reading
+                call_soon(loop, scope.cancel)
+
+            thread = OutputThread[FromCore | bytes](self._take_messages, failed)
+            thread.start()
+            try:
+                async with from_core:
+                    async for message in from_core:
+                        thread.put([message, *_queued(from_core)])
+            finally:
+                thread.stop()
+                with anyio.CancelScope(shield=True):
+                    await thread.join()
+        if thread.error is not None:
+            raise thread.error
+
+    def _take_messages(self, messages: list[FromCore | bytes]) -> None:
+        """Process a batch of the core's messages (on the output thread),
+        then wake the callers whose news are in it; CoreFailed (after the
+        messages before it) is raised."""
+        failed: CoreFailed | None = None
+        with self._lock:
+            for item in messages:
+                message = self._decode(item) if isinstance(item, bytes) else item
                 if isinstance(message, CoreOutputs):
                     with span("output", "frontend", step=message.step_id):
                         self._process_outputs(message)
@@ -645,13 +713,37 @@ class Engine:
                     self._core_stats = message.stats
                     event = self._idle_waiters.pop(message.ticket, None)
                     if event is not None:
-                        event.set()
+                        self._wakeups.append(event)
                 elif isinstance(message, CoreFailed):
-                    raise error_from_core(message.error, message.kind)
+                    failed = message
+                    break
+        self._deliver_wakeups()
+        if failed is not None:
+            raise error_from_core(failed.error, failed.kind)
 
-    def _take_ready(self, message: FromCore) -> None:
+    def _decode(self, frame: bytes) -> FromCore:
+        try:
+            return self._decoder.decode(frame)
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"bad message from the engine core: {exc}") from None
+
+    def _deliver_wakeups(self) -> None:
+        """Wake the waiters that news (or an end) reached: at once on the
+        loop, else in one call handed to it."""
+        with self._lock:
+            wakeups = self._wakeups[:]
+            self._wakeups.clear()
+        if not wakeups:
+            return
+        if self._loop is None or threading.get_ident() == self._loop_thread:
+            _set_all(wakeups)
+        else:
+            call_soon(self._loop, _set_all, wakeups)
+
+    def _take_ready(self, item: FromCore | bytes) -> None:
         """The core's first message: CoreReady (the core sends it before it
         reports started)."""
+        message = self._decode(item) if isinstance(item, bytes) else item
         if isinstance(message, CoreFailed):
             raise error_from_core(message.error, message.kind)
         if not isinstance(message, CoreReady):
@@ -661,6 +753,7 @@ class Engine:
         self.weight_reads = message.weight_reads
 
     def _process_outputs(self, message: CoreOutputs) -> None:
+        """A step's news into the requests' states (under the lock)."""
         self._core_stats = message.stats
         requests = self._requests
         for rejected in message.rejected:
@@ -707,6 +800,22 @@ class Engine:
         if self._error is None:
             self._error = error
             log.error("engine stopped", error=describe(error))
+
+
+def _set_all(events: list[anyio.Event]) -> None:
+    for event in events:
+        event.set()
+
+
+def _queued(
+    stream: MemoryObjectReceiveStream[FromCore | bytes],
+) -> list[FromCore | bytes]:
+    """Every message already queued on ``stream``, without waiting."""
+    queued: list[FromCore | bytes] = []
+    with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
+        while True:
+            queued.append(stream.receive_nowait())
+    return queued
 
 
 def _where(token: anyio.lowlevel.EventLoopToken | None) -> str:

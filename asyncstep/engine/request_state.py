@@ -1,20 +1,29 @@
 """The front end's view of one request in flight: what it has produced so
 far, its detokenizer, and how its caller is woken.
 
-Tokens are appended as each step's news arrives; the caller's task is woken
-only if it waits (one wake-up per step at most, however many steps it fell
-behind). Text is decoded when the caller takes it (a stream's chunk, or the
-whole completion at the end), so a ``generate`` call costs one decode; a
-request with stop strings decodes each step's tokens as they arrive, since
-its end depends on its text.
+Tokens are appended as each step's news arrives (the engine's output
+processing, on the engine's output thread or its loop). A caller is woken only
+when what it waits for is there: a ``generate`` caller once, when every
+choice has ended (or one failed); a stream's reader once per batch of news
+at most, however many steps it fell behind. A streamed request, and one with
+stop strings (its end depends on its text), decodes each step's tokens as
+they arrive; a ``generate`` request decodes once, as it finishes: the
+caller takes text that is already there.
 
 A request of ``n`` choices is a :class:`RequestGroup` of ``n`` states, one
 per choice, each a request of its own in the core: the caller waits on the
-group (one wake-up for any of its choices' news).
+group.
+
+Threads: the output processing and the caller may run on two threads. What
+they share (the states, a group's waiter) is touched only under the group's
+``lock`` (the engine's, one for all its requests); a wake-up is not
+delivered there but appended to the group's ``wakeups`` (the engine hands
+them to the caller's loop, once per batch of news).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import anyio
@@ -38,6 +47,7 @@ class RequestState:
         *,
         index: int = 0,
         group: RequestGroup | None = None,
+        streamed: bool = False,
     ) -> None:
         #: The core's id of this choice (the caller's id when ``n`` is 1).
         self.request_id = request_id
@@ -61,8 +71,9 @@ class RequestState:
         self.stop_reason: int | str | None = None
         #: Why the request cannot finish (refused, or the engine died or closed).
         self.error: BaseException | None = None
-        #: Decode every step's tokens on arrival (stop strings need the text).
-        self._eager = bool(params.stop)
+        #: Decode every step's tokens on arrival (stop strings need the text;
+        #: a stream's reader takes text every step).
+        self._eager = bool(params.stop) or streamed
         self._num_decoded = 0
         #: Tokens (and log-probs) already handed out in chunks.
         self._num_taken = 0
@@ -94,7 +105,7 @@ class RequestState:
         self.token_ids.extend(new_token_ids)
         if self.logprobs is not None and new_logprobs:
             self.logprobs.extend(new_logprobs)
-        stop_string = self._decode() if self._eager else None
+        stop_string = self._decode() if self._eager or finish_reason is not None else None
         if stop_string is not None:
             finish_reason, stop_reason = FinishReason.STOP, stop_string
             kept = self.detokenizer.num_tokens_at_stop
@@ -128,8 +139,7 @@ class RequestState:
     # -- the caller's side ------------------------------------------------
 
     def _take_chunk(self) -> CompletionChunk:
-        if not self._eager:
-            self._decode()
+        self._decode()  # (decoded already, unless the request was aborted)
         start, end = self._num_taken, len(self.token_ids)
         self._num_taken = end
         first = not self._ended_taken and start == 0
@@ -149,8 +159,7 @@ class RequestState:
     def output(self) -> CompletionOutput:
         """This choice, finished."""
         assert self.finish_reason is not None
-        if not self._eager:
-            self._decode()
+        self._decode()  # (decoded already, unless the request was aborted)
         return CompletionOutput(
             index=self.index,
             text=self.detokenizer.output_text,
@@ -164,52 +173,89 @@ class RequestState:
 class RequestGroup:
     """The ``n`` choices of one request (``n`` = 1: one state)."""
 
-    def __init__(self, request_id: str, client: str = "") -> None:
+    def __init__(
+        self,
+        request_id: str,
+        client: str = "",
+        *,
+        lock: threading.Lock | None = None,
+        wakeups: list[anyio.Event] | None = None,
+    ) -> None:
         #: The caller's id.
         self.request_id = request_id
         #: Who asked (``Engine.generate``'s ``client``).
         self.client = client
         self.states: list[RequestState] = []
-        self._wakeup: anyio.Event | None = None
+        #: Guards the states and the waiter (see the module doc).
+        self.lock = lock if lock is not None else threading.Lock()
+        #: Where wake-ups go, under ``lock`` (the engine delivers them).
+        self.wakeups: list[anyio.Event] = wakeups if wakeups is not None else []
+        self._waiter: anyio.Event | None = None
+        #: The waiter waits for the end (``generate``), not for news (a stream).
+        self._wants_end = False
         #: The next choice a chunk is looked for in (round robin).
         self._next = 0
 
     def wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
-            self._wakeup = None
+        """News of a choice (under ``lock``): its waiter goes to ``wakeups``
+        if what it waits for is there."""
+        waiter = self._waiter
+        if waiter is None or (self._wants_end and not self.done):
+            return
+        self._waiter = None
+        self.wakeups.append(waiter)
 
-    async def _wait(self) -> None:
-        self._wakeup = event = anyio.Event()
-        await event.wait()
-
-    async def wait_finished(self) -> None:
-        """Wait until every choice has ended (or one failed)."""
-        while not all(s.ended for s in self.states) and not self.failed:
-            await self._wait()
+    @property
+    def done(self) -> bool:
+        """Every choice has ended, or one failed."""
+        return self.failed or all(s.ended for s in self.states)
 
     @property
     def failed(self) -> bool:
         return any(s.error is not None for s in self.states)
 
+    def _waiting(self, wants_end: bool) -> anyio.Event:
+        """A new waiter (under ``lock``)."""
+        self._waiter = waiter = anyio.Event()
+        self._wants_end = wants_end
+        return waiter
+
+    async def wait_finished(self) -> None:
+        """Wait until every choice has ended (or one failed): one wake-up."""
+        while True:
+            with self.lock:
+                if self.done:
+                    return
+                waiter = self._waiting(wants_end=True)
+            await waiter.wait()
+
     async def next_chunk(self) -> CompletionChunk | None:
         """Everything new of one choice since its last chunk (waiting for
         it); None once every choice's last chunk was handed out, or one failed."""
+        while True:
+            with self.lock:
+                if self.failed:
+                    return None
+                chunk, live = self._find_chunk()
+                if chunk is not None or not live:
+                    return chunk
+                waiter = self._waiting(wants_end=False)
+            await waiter.wait()
+
+    def _find_chunk(self) -> tuple[CompletionChunk | None, bool]:
+        """A choice's chunk, if one has news (round robin); and whether any
+        choice has a chunk still to hand out (under ``lock``)."""
         states = self.states
-        while not self.failed:
-            live = False
-            for k in range(len(states)):
-                state = states[(self._next + k) % len(states)]
-                if state._ended_taken:
-                    continue
-                live = True
-                if len(state.token_ids) > state._num_taken or state.finished:
-                    self._next = (state.index + 1) % len(states)
-                    return state._take_chunk()
-            if not live:
-                return None
-            await self._wait()
-        return None
+        live = False
+        for k in range(len(states)):
+            state = states[(self._next + k) % len(states)]
+            if state._ended_taken:
+                continue
+            live = True
+            if len(state.token_ids) > state._num_taken or state.finished:
+                self._next = (state.index + 1) % len(states)
+                return state._take_chunk(), True
+        return None, live
 
     def completion(self) -> Completion:
         first = self.states[0]

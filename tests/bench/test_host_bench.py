@@ -29,6 +29,22 @@ def positive(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
+def test_the_caller_on_asyncio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--backend asyncio``: the caller's loop, the busy caller's among it, is asyncio's."""
+    host_cpu = _import(monkeypatch)
+    out = tmp_path / "host.json"
+    argv = [*ARGV, "--no-hf", "--no-spans", "--busy-streams", "--backend", "asyncio"]
+    assert host_cpu.main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["options"]["backend"] == "asyncio"
+    ours = result["ours"]
+    assert set(ours) == {"generate", "stream", "busy_generate", "busy_stream"}
+    assert all(positive(v["tok_s"]) for v in ours.values())
+    assert ours["busy_stream"]["rounds"][0]["holds"] >= 1
+    other = ours["generate"]["rounds"][0]["other_cores"]
+    assert other is None or other >= 0  # the engine-core process counts as ours
+
+
 def test_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     host_cpu = _import(monkeypatch)
     out = tmp_path / "host.json"
