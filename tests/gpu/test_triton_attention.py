@@ -30,7 +30,6 @@ pytest.importorskip("triton", reason="the Triton kernels need triton")
 
 import numpy as np  # noqa: E402
 
-from asyncstep.ops.triton import attention as triton_attention  # noqa: E402
 from asyncstep.models.layers.attention import (  # noqa: E402
     AttentionMetadata,
     kv_cache_shape,
@@ -38,6 +37,7 @@ from asyncstep.models.layers.attention import (  # noqa: E402
     reference_attention,
     write_kv_cache,
 )
+from asyncstep.ops.triton import attention as triton_attention  # noqa: E402
 from asyncstep.ops.triton.attention import paged_attention, store_kv_cache  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
