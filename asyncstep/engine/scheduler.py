@@ -363,6 +363,7 @@ class Scheduler:
                 and num_computed < decode_limits.get(req_id, 0)
             ):
                 new_block_ids = []  # the decode fast path: allocate_slots has nothing to do
+                cost = 1  # (no prompt position: its one token's row samples)
             else:
                 num_new = self._num_tokens_to_schedule(request, num_computed, budget)
                 if num_new == 0:
@@ -370,13 +371,14 @@ class Scheduler:
                 new_block_ids = self._allocate_or_preempt(request, num_new, plan)
                 if new_block_ids is None:
                     break  # the request preempted itself: nothing after it is running
+                cost = self._budget_cost(request, num_computed, num_new)
             if proposer is not None and num_new == 1 and request.speculates:
                 if request.spec_backoff:
                     request.spec_backoff -= 1  # (a decode without drafts)
                 elif not placeholders:
                     draft_candidates.append((len(req_ids), request))
             num_scheduled[req_id] = num_new
-            budget -= self._budget_cost(request, num_computed, num_new)
+            budget -= cost
             req_ids.append(req_id)
             num_computed_col.append(num_computed)
             block_ids_col.append(new_block_ids)

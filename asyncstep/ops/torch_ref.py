@@ -76,10 +76,8 @@ class TorchOps:
         cos_sin_cache: torch.Tensor,
         head_dim: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if cos_sin.cos is None or cos_sin.sin is None:  # positions only: look them up
-            cos_sin = self.rotary_cos_sin(cos_sin_cache, cos_sin.positions, q.dtype)
         cos, sin = cos_sin.cos, cos_sin.sin
-        assert cos is not None and sin is not None
+        assert cos is not None and sin is not None, "a rotation of this op set's rotary_cos_sin"
         return rotate(q, cos, sin, head_dim), rotate(k, cos, sin, head_dim)
 
 
