@@ -585,7 +585,14 @@ class Engine:
             return
         if self._closing or self._closed or self._to_core is None:
             return
-        self._to_core.send_nowait(message)
+        self._put_to_core(message)
+
+    def _put_to_core(self, message: ToCore) -> None:
+        """Queue ``message`` for the core; if the core's side has already
+        gone (it died; :meth:`serve` is unwinding and reports why), drop it."""
+        assert self._to_core is not None
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self._to_core.send_nowait(message)
 
     def _check_loop(self) -> None:
         """Raise :class:`EngineLoopError` unless called on the event loop the
@@ -667,7 +674,7 @@ class Engine:
         False if that took longer than ``timeout_s`` (the caller then cancels)."""
         self._check_loop()
         if self._to_core is not None and not (self._closing or self._closed):
-            self._to_core.send_nowait(Shutdown())
+            self._put_to_core(Shutdown())
             self._to_core.close()
         self._closing = True
         with anyio.move_on_after(timeout_s):

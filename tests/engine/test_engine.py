@@ -15,9 +15,13 @@ import anyio.from_thread
 import pytest
 import trio
 import trio.testing
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 import asyncstep
 from asyncstep import EngineDeadError, EngineLoopError, InvalidRequestError, SamplingParams
+from asyncstep.engine.core_client import EngineCoreDied
+from asyncstep.engine.core_messages import CoreReady, CoreStats, FromCore, ToCore
+from asyncstep.engine.engine import Engine
 from asyncstep.logging import configure_logging
 from asyncstep.models.model_loader import LoadedModel
 
@@ -249,3 +253,46 @@ def test_an_engine_called_off_its_loop_fails_at_once(tiny_model: LoadedModel, ba
     # Closed, from any loop: it says so.
     with pytest.raises(EngineDeadError, match=r"^the engine is closed$"):
         anyio.run(generate, backend=other)
+
+
+class _CoreThatDies:
+    """A core that stops reading its queue (its transport's end is gone),
+    then dies when told: the window in which a core process is SIGKILLed."""
+
+    def __init__(self) -> None:
+        self.reading_stopped = anyio.Event()
+        self.die = anyio.Event()
+
+    async def run(
+        self,
+        to_core: MemoryObjectReceiveStream[ToCore],
+        from_core: MemoryObjectSendStream[FromCore | bytes],
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await from_core.send(CoreReady(CoreStats()))
+        task_status.started()
+        to_core.close()
+        self.reading_stopped.set()
+        await self.die.wait()
+        raise EngineCoreDied("the engine core process died (killed by signal SIGKILL)")
+
+
+@pytest.mark.trio
+async def test_closing_an_engine_whose_core_just_died_reports_the_death(
+    tiny_model: LoadedModel,
+) -> None:
+    """aclose() (and an abort) in the window between the core's end going
+    and the engine noticing: no BrokenResourceError, the death is reported."""
+    config = asyncstep.make_config(None, max_model_len=64)
+    core = _CoreThatDies()
+    engine = Engine(config, tiny_model.arch_config, tiny_model.tokenizer, core)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.serve)
+        await core.reading_stopped.wait()
+        engine.abort("req-0")  # dropped: the core is gone
+        nursery.start_soon(engine.aclose)
+        await trio.testing.wait_all_tasks_blocked()
+        core.die.set()
+    assert isinstance(engine.error, EngineDeadError)
+    assert "killed by signal SIGKILL" in str(engine.error)
