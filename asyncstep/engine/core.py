@@ -41,6 +41,7 @@ from asyncstep.engine.core_messages import (
     CoreOutputs,
     CoreReady,
     CoreStats,
+    EngineCoreOutput,
     FromCore,
     Idle,
     RejectedRequest,
@@ -50,7 +51,6 @@ from asyncstep.engine.core_messages import (
 )
 from asyncstep.engine.request import Request, RequestStatus
 from asyncstep.engine.scheduler import Scheduler
-from asyncstep.engine.step_results import EngineCoreOutput
 from asyncstep.engine.structured_output import StructuredOutputManager
 from asyncstep.errors import InvalidRequestError
 from asyncstep.logging import get_logger

@@ -21,8 +21,7 @@ from __future__ import annotations
 import msgspec
 
 from asyncstep.config import EngineConfig
-from asyncstep.datatypes import SamplingParams, WeightReads
-from asyncstep.engine.step_results import EngineCoreOutput
+from asyncstep.datatypes import FinishReason, Logprobs, SamplingParams, WeightReads
 
 
 class EngineCoreRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -35,6 +34,25 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, array_like=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     client: str = ""
+
+
+class EngineCoreOutput(msgspec.Struct, frozen=True):
+    """What one step produced for one request: new tokens and/or its end."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    #: The stop token id that ended it (None for EOS or a length cap).
+    stop_reason: int | str | None = None
+    #: One entry per new token, when the request asked for logprobs.
+    new_logprobs: list[Logprobs] | None = None
+    #: The prompt log-probs of the prompt positions the step computed (an
+    #: output of a prompt chunk may hold these alone), when asked for.
+    new_prompt_logprobs: list[Logprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class CoreStats(msgspec.Struct, frozen=True, array_like=True):

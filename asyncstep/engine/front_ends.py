@@ -43,6 +43,7 @@ from asyncstep.engine.core_messages import (
     CoreOutputs,
     CoreReady,
     CoreStats,
+    EngineCoreOutput,
     EngineCoreRequest,
     FromCore,
     Idle,
@@ -52,7 +53,6 @@ from asyncstep.engine.core_messages import (
     ToCore,
     WaitIdle,
 )
-from asyncstep.engine.step_results import EngineCoreOutput
 from asyncstep.logging import get_logger
 
 log = get_logger("engine")

@@ -23,12 +23,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from asyncstep.config import REASONING_PARSERS
-from asyncstep.engine.markers import held_back
+from asyncstep.engine.markers import END, START, held_back
 
 if TYPE_CHECKING:
     from asyncstep.config import EngineConfig
-
-START, END = "<think>", "</think>"
 
 
 @dataclass(frozen=True)

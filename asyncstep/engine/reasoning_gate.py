@@ -23,7 +23,7 @@ Drafts (speculative decoding) never cross the end of the thinking
 (:meth:`ReasoningGate.valid_drafts`): the token that ends it is always the
 step's own, so every row of a thinking request allows everything, and the
 matcher starts on the tokens the scheduler accepted. Imports the markers of
-:mod:`asyncstep.engine.reasoning` only.
+:mod:`asyncstep.engine.markers` only.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from asyncstep.engine.reasoning import END, START
+from asyncstep.engine.markers import END, START
 
 #: :meth:`ReasoningGate.feed`'s answer for a token the thinking took.
 THINKING = None

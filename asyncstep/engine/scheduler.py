@@ -4,12 +4,12 @@ Holds :class:`Scheduler` (its queues, the scheduling policy, the requests'
 lifecycle) and :class:`SchedulerStats`. A step's plan and the
 ``SchedulerOutput`` built from it are in :mod:`asyncstep.engine.step_plan`;
 the per-request results of a step's output, with the stop rules, in
-:mod:`asyncstep.engine.step_results` (:class:`EngineCoreOutput`). Pure
+:mod:`asyncstep.engine.step_results`. Pure
 Python; may import only the standard library and ``asyncstep.datatypes`` /
 ``asyncstep.config`` / ``asyncstep.errors`` (plus its siblings
 ``asyncstep.engine.request``, ``kv_cache_manager``, ``step_plan``,
-``step_results``, ``ngram_proposer``, ``draft_model_drafts`` and
-``spec_decode_stats``).
+``step_results``, ``core_messages``, ``ngram_proposer``,
+``draft_model_drafts`` and ``spec_decode_stats``).
 
 One loop, no prefill/decode phases: every step hands each request the tokens
 it lacks (``num_tokens - num_computed_tokens``: a prompt chunk, a whole prompt,
@@ -86,17 +86,14 @@ from dataclasses import dataclass
 
 from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.engine.core_messages import EngineCoreOutput
 from asyncstep.engine.draft_model_drafts import DraftModelDrafts
 from asyncstep.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from asyncstep.engine.ngram_proposer import NgramProposer
 from asyncstep.engine.request import Request, RequestStatus
 from asyncstep.engine.spec_decode_stats import SpecDecodingStats
 from asyncstep.engine.step_plan import StepPlan
-from asyncstep.engine.step_results import (
-    EngineCoreOutput,
-    add_prompt_logprobs,
-    collect_step_results,
-)
+from asyncstep.engine.step_results import add_prompt_logprobs, collect_step_results
 from asyncstep.errors import ConfigError, InvalidRequestError
 
 

@@ -1,44 +1,26 @@
 """A step's results per request, the scheduler's ``update_from_output`` less
-its queues: :class:`EngineCoreOutput` (one request's news from a step),
-:func:`collect_step_results` (settle each request's in-flight accounting,
-append its sampled tokens and apply the stop rules) and the stop rules
-themselves (:func:`check_stop`, vLLM's ``check_stop``).
+its queues: :func:`collect_step_results` (settle each request's in-flight
+accounting, append its sampled tokens and apply the stop rules; each
+request's news an :class:`~asyncstep.engine.core_messages.EngineCoreOutput`)
+and the stop rules themselves (:func:`check_stop`, vLLM's ``check_stop``).
 
 The scheduler frees and releases what these functions report; they touch
 only the requests. Pure Python; may import only the standard library,
 msgspec, ``asyncstep.datatypes`` and ``asyncstep.engine.request`` /
-``spec_decode_stats``.
+``spec_decode_stats`` / ``core_messages``.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from asyncstep.datatypes import FinishReason, Logprobs, ModelRunnerOutput, SchedulerOutput
+from asyncstep.datatypes import Logprobs, ModelRunnerOutput, SchedulerOutput
+from asyncstep.engine.core_messages import EngineCoreOutput
 from asyncstep.engine.request import FIRST_FINISHED_STATUS, Request, RequestStatus
 from asyncstep.engine.spec_decode_stats import SpecDecodingStats
 
 #: The sampled tokens of a request the runner's output does not list.
 _NO_TOKENS: list[int] = []
-
-
-class EngineCoreOutput(msgspec.Struct, frozen=True):
-    """What one step produced for one request: new tokens and/or its end."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    #: The stop token id that ended it (None for EOS or a length cap).
-    stop_reason: int | str | None = None
-    #: One entry per new token, when the request asked for logprobs.
-    new_logprobs: list[Logprobs] | None = None
-    #: The prompt log-probs of the prompt positions the step computed (an
-    #: output of a prompt chunk may hold these alone), when asked for.
-    new_prompt_logprobs: list[Logprobs] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 def collect_step_results(

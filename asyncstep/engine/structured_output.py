@@ -15,7 +15,7 @@ step's predecessors are all back (so every matcher has accepted every token
 sampled before it), :meth:`StructuredOutputManager.grammar_output` fills
 the step's bitmask, while the ranks run its forward; the last stage applies
 it in ``sample_tokens``. Matchers advance only on tokens the scheduler
-accepted (those in its :class:`~asyncstep.engine.step_results.EngineCoreOutput`),
+accepted (those in its :class:`~asyncstep.engine.core_messages.EngineCoreOutput`),
 so preemptions need no rollback, and a late token dropped after a stop never
 reaches a matcher. With a ``reasoning_parser``, a request's grammar
 applies from the end of its thinking on: its :class:`ReasoningGate` takes
@@ -52,7 +52,7 @@ from asyncstep.structured_params import StructuredOutputsParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from asyncstep.engine.step_results import EngineCoreOutput
+    from asyncstep.engine.core_messages import EngineCoreOutput
 
 log = get_logger("engine")
 
