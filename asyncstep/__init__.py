@@ -29,10 +29,10 @@ from asyncstep.config import (
     SchedulerConfig,
 )
 from asyncstep.datatypes import FinishReason, Logprobs, SamplingParams
-from asyncstep.engine.api import make_config, open_engine
-from asyncstep.engine.engine import Engine, EngineStatistics
-from asyncstep.engine.llm import LLM
-from asyncstep.engine.outputs import (
+from asyncstep.engine.front_end.api import make_config, open_engine
+from asyncstep.engine.front_end.engine import Engine, EngineStatistics
+from asyncstep.engine.front_end.llm import LLM
+from asyncstep.engine.messages.outputs import (
     ChatChunk,
     ChatCompletion,
     ChatOutput,

@@ -24,11 +24,11 @@ import trio
 from asyncstep.checks import is_utf8
 from asyncstep.config import EngineConfig, EngineOption, engine_options
 from asyncstep.datatypes import SamplingParams
-from asyncstep.engine.api import make_config, open_engine
-from asyncstep.engine.engine import Engine
-from asyncstep.engine.grammar import check_grammar
-from asyncstep.engine.input_processor import Prompt
-from asyncstep.engine.outputs import Completion
+from asyncstep.engine.front_end.api import make_config, open_engine
+from asyncstep.engine.front_end.engine import Engine
+from asyncstep.engine.front_end.input_processor import Prompt
+from asyncstep.engine.messages.outputs import Completion
+from asyncstep.engine.structured_output.grammar import check_grammar
 from asyncstep.errors import AsyncstepError, OneLineParser, exit_status
 from asyncstep.logging import configure_logging
 from asyncstep.logging.spans import process_start_us, record_startup

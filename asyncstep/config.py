@@ -458,7 +458,7 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
             raise ConfigError("ubatch thresholds must be at least 2 tokens")
 
 
-#: ``reasoning_parser`` names (:class:`asyncstep.engine.reasoning.ReasoningParser`).
+#: ``reasoning_parser`` names (:class:`asyncstep.engine.chat.reasoning.ReasoningParser`).
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
@@ -597,7 +597,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     up to ``num_speculative_tokens`` tokens that followed an earlier
     occurrence of the sequence's last ``n`` tokens, for the longest ``n`` in
     ``[prompt_lookup_min, prompt_lookup_max]`` that occurs (prompt and output
-    both searched; see :mod:`asyncstep.engine.ngram_proposer`). One of the
+    both searched; see :mod:`asyncstep.engine.spec_decode.ngram_proposer`). One of the
     two lookup bounds given sets the other (vLLM's rule); neither: both
     :data:`DEFAULT_PROMPT_LOOKUP`. ``disable_by_batch_size`` (vLLM's name):
     no drafts in a step while at least this many requests run (a verify
@@ -773,7 +773,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         ids on the device for the next step. One pipeline stage only: with
         pipeline parallelism the first stage needs every token's id. With
         speculative decoding a request's verify step runs alone in flight
-        for it (see :mod:`asyncstep.engine.scheduler`)."""
+        for it (see :mod:`asyncstep.engine.core.scheduler`)."""
         return self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size == 1
 
     @property

@@ -5,7 +5,7 @@
 Checked here for shape (types, sizes, exactly one kind, a schema that parses
 as JSON and nests at most :data:`~asyncstep.checks.MAX_JSON_DEPTH` deep,
 checked before it is parsed); whether the grammar compiles is checked at the
-engine's door (:mod:`asyncstep.engine.grammar`). Imports nothing heavy: a field of
+engine's door (:mod:`asyncstep.engine.structured_output.grammar`). Imports nothing heavy: a field of
 :class:`~asyncstep.datatypes.SamplingParams`, it travels on every wire.
 """
 

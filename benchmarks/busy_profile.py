@@ -50,7 +50,7 @@ import host_cpu
 import trio
 
 import asyncstep
-from asyncstep.engine import request_state
+from asyncstep.engine.front_end import request_state
 from asyncstep.logging.spans import now_us
 from asyncstep.logging.trace import Span, load_spans
 from asyncstep.models.dummy import get_shape

@@ -173,7 +173,7 @@ def summary(result: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from asyncstep.engine.input_processor import prompt_byte_limit
+    from asyncstep.engine.front_end.input_processor import prompt_byte_limit
     from asyncstep.models.loader import open_checkpoint
 
     rows: list[dict[str, Any]] = []

@@ -45,8 +45,8 @@ import trio
 from overlap_decode import write_results
 
 from asyncstep.config import ModelConfig, StructuredOutputsConfig
-from asyncstep.engine.grammar import GrammarCompiler, check_grammar
-from asyncstep.engine.structured_output import StructuredOutputManager
+from asyncstep.engine.structured_output.grammar import GrammarCompiler, check_grammar
+from asyncstep.engine.structured_output.manager import StructuredOutputManager
 from asyncstep.errors import InvalidRequestError
 from asyncstep.models.model_info import describe_model
 from asyncstep.structured_params import StructuredOutputsParams

@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 
 ROLES = {
-    "asyncstep.engine.grammar_worker": "grammar worker",
-    "asyncstep.engine.core_process": "engine core",
+    "asyncstep.engine.structured_output.grammar_worker": "grammar worker",
+    "asyncstep.engine.transport.core_process": "engine core",
     "serve": "API server",
 }
 

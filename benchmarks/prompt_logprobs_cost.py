@@ -17,7 +17,7 @@ import time
 import trio
 
 import asyncstep
-import asyncstep.engine.scheduler as scheduler
+import asyncstep.engine.core.scheduler as scheduler
 from asyncstep import SamplingParams
 
 PROMPT_LEN = 960

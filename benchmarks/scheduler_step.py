@@ -26,8 +26,8 @@ from collections import deque
 
 from asyncstep.config import CacheConfig, SchedulerConfig
 from asyncstep.datatypes import ModelRunnerOutput, SamplingParams, SchedulerOutput
-from asyncstep.engine.request import Request
-from asyncstep.engine.scheduler import Scheduler
+from asyncstep.engine.core.request import Request
+from asyncstep.engine.core.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048

@@ -78,7 +78,7 @@ import importlib.machinery, importlib.util, os, sys
 _here = os.path.dirname(os.path.abspath(__file__))
 _wrong = os.environ.get("ASYNCSTEP_BENCH_WRONG_DRAFTS")
 if _wrong:
-    from asyncstep.engine import ngram_proposer
+    from asyncstep.engine.spec_decode import ngram_proposer
 
     _k, _vocab = map(int, _wrong.split(":"))
 

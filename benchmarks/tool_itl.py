@@ -1,6 +1,6 @@
 """The cost of a forced tool call: inter-token latency of 32 requests at
 once whose replies a tool's JSON-schema grammar forces (as ``tool_choice:
-required`` does, :mod:`asyncstep.engine.tools`), against 32 free ones, on
+required`` does, :mod:`asyncstep.engine.chat.tools`), against 32 free ones, on
 the embedded model, alternating rounds in one process; ITL of a request is
 (last token - first token) / (tokens - 1), the median over requests.
 
@@ -19,7 +19,7 @@ from typing import Any
 import trio
 
 import asyncstep
-from asyncstep.engine.tools import ForcedCalls
+from asyncstep.engine.chat.tools import ForcedCalls
 from asyncstep.structured_params import StructuredOutputsParams
 
 NOTE = {

@@ -75,8 +75,8 @@ import trio
 
 import asyncstep
 from asyncstep import EngineDeadError, FinishReason, SamplingParams
-from asyncstep.engine.core import EngineCore
-from asyncstep.engine.core_client import CoreProcess
+from asyncstep.engine.core.engine_core import EngineCore
+from asyncstep.engine.transport.core_client import CoreProcess
 from asyncstep.errors import describe
 from asyncstep.models.dummy import SHAPES
 

@@ -22,7 +22,7 @@ from asyncstep.cli import (
     main,
 )
 from asyncstep.config import EngineConfig, engine_options
-from asyncstep.engine.api import make_config
+from asyncstep.engine.front_end.api import make_config
 from asyncstep.logging import shown_path
 from asyncstep.models.loader import open_checkpoint
 from asyncstep.ops.cpu.library import CACHE_ENV, SWITCH_ENVS

@@ -531,16 +531,26 @@ def test_the_notebook_and_the_wsgi_app_run_for_real() -> None:
         assert f'docs_example("{marker}")' in source
 
 
+def drawn_layers(page: str, head: str) -> dict[str, int]:
+    """The table of layers on ``page`` whose second column is ``head``: each
+    unit named at the start of a row's cell or after a comma (not in brackets)."""
+    table = page.split(f"| layer | {head} |\n", 1)[1].split("\n\n", 1)[0]
+    drawn: dict[str, int] = {}
+    for layer, units in re.findall(r"^\| (\d+) \| (.+) \|$", table, re.M):
+        for unit in re.findall(r"^`(\w+)`|, `(\w+)`", re.sub(r"\(.*?\)", "", units)):
+            drawn[next(u for u in unit if u)] = int(layer)
+    return drawn
+
+
 def test_the_layers_drawn_are_those_kept() -> None:
-    """docs/architecture.md's table of layers is tests/test_layers.py's."""
-    from test_layers import LAYERS
+    """docs/architecture.md's tables of layers are tests/test_layers.py's:
+    the units', and the engine's sub-packages' (its ``__init__`` told in words)."""
+    from test_layers import LAYERS, SUBLAYERS
 
     page = (ROOT / "docs" / "architecture.md").read_text()
-    drawn: dict[str, int] = {}
-    for layer, units in re.findall(r"^\| (\d+) \| (.+) \|$", page, re.M):
-        for unit in re.findall(r"^`(\w+)`|, `(\w+)`", units):
-            drawn[next(u for u in unit if u)] = int(layer)
-    assert drawn == LAYERS
+    assert drawn_layers(page, "units") == LAYERS
+    engine = {name: layer for name, layer in SUBLAYERS["engine"].items() if name != "__init__"}
+    assert drawn_layers(page, "`engine/` sub-packages") == engine
 
 
 def test_the_multi_machine_recipe_is_the_one_test_parallel_runs() -> None:

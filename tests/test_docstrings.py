@@ -31,7 +31,7 @@ MEASURING = ("asyncstep/bench/",)
 #: Figures that are contracts or constants, not measurements: (module, text).
 ALLOWED: set[tuple[str, str]] = {
     # a bound the engine keeps: how stale a shared front end's figures may be
-    ("asyncstep/engine/api.py", "at most 50 ms old"),
+    ("asyncstep/engine/front_end/api.py", "at most 50 ms old"),
     # Python's own default switch interval
     ("asyncstep/device/host_stream.py", "5 ms default"),
     # float32's resolution, computed: a property of the format

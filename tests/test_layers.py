@@ -35,6 +35,22 @@ LAYERS: dict[str, int] = {
     "progress": 0,
 }
 
+#: The layers inside a unit that is a package of sub-packages, checked as the
+#: units' own: a sub-package imports only sub-packages of its layer or below.
+SUBLAYERS: dict[str, dict[str, int]] = {
+    "engine": {
+        "__init__": 6,  # imports nothing: a core process loads no front end
+        "front_end": 5,  # Engine, open_engine, LLM, the door
+        "transport": 4,  # the front end and the core in two processes
+        "executor": 3,  # the ranks the core drives: the engine's way down to the runner
+        "core": 2,  # the scheduler, the KV blocks, the step loop
+        "structured_output": 1,
+        "spec_decode": 1,
+        "chat": 1,  # what a chat reads and writes (templates, tools, reasoning)
+        "messages": 0,  # the core's messages, the caller's outputs, the text markers
+    },
+}
+
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -82,6 +98,12 @@ def graph() -> dict[str, set[str]]:
 def unit(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
+
+
+def sub_unit(module: str) -> str:
+    """The sub-package of its unit that ``module`` belongs to."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -137,10 +159,42 @@ def test_no_import_runs_up_a_layer() -> None:
     assert upward == []
 
 
+def test_every_sub_package_has_a_layer() -> None:
+    for name, layers in SUBLAYERS.items():
+        assert {sub_unit(m) for m in modules() if unit(m) == name} == layers.keys()
+
+
+def test_no_import_runs_up_a_sub_layer() -> None:
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in sorted(graph().items())
+        if unit(module) in SUBLAYERS
+        for target in sorted(targets)
+        if unit(target) == unit(module)
+        and SUBLAYERS[unit(module)][sub_unit(target)] > SUBLAYERS[unit(module)][sub_unit(module)]
+    ]
+    assert upward == []
+
+
+def test_no_sub_package_imports_a_peer() -> None:
+    """Sub-packages of one layer are apart: neither imports the other."""
+    across = [
+        f"{module} -> {target}"
+        for module, targets in sorted(graph().items())
+        if unit(module) in SUBLAYERS
+        for target in sorted(targets)
+        if unit(target) == unit(module)
+        and sub_unit(target) != sub_unit(module)
+        and SUBLAYERS[unit(module)][sub_unit(target)] == SUBLAYERS[unit(module)][sub_unit(module)]
+    ]
+    assert across == []
+
+
 def test_the_walk_sees_imports_of_every_kind() -> None:
     """The checks above are only as good as the walk: it finds lazy,
     ``TYPE_CHECKING`` and relative imports."""
     edges = graph()
-    assert "asyncstep.models.model_loader" in edges["asyncstep.engine.api"]  # in a function
-    assert "asyncstep.models.model_info" in edges["asyncstep.engine.api"]  # TYPE_CHECKING
+    api = edges["asyncstep.engine.front_end.api"]
+    assert "asyncstep.models.model_loader" in api  # in a function
+    assert "asyncstep.models.model_info" in api  # TYPE_CHECKING
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

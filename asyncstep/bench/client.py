@@ -23,7 +23,7 @@ import trio
 
 from asyncstep.bench.workload import Request
 from asyncstep.datatypes import SamplingParams
-from asyncstep.engine.engine import Engine
+from asyncstep.engine.front_end.engine import Engine
 from asyncstep.errors import AsyncstepError
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from asyncstep.config import EngineConfig
 from asyncstep.datatypes import SamplingParams
-from asyncstep.engine.api import open_engine
-from asyncstep.engine.engine import Engine
+from asyncstep.engine.front_end.api import open_engine
+from asyncstep.engine.front_end.engine import Engine
 from asyncstep.logging import configure_logging
 
 if TYPE_CHECKING:

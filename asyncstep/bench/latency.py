@@ -54,7 +54,7 @@ from asyncstep.bench.results import (
 from asyncstep.bench.workload import random_prompts
 from asyncstep.config import EngineConfig
 from asyncstep.datatypes import SamplingParams, WeightReads
-from asyncstep.engine.engine import Engine
+from asyncstep.engine.front_end.engine import Engine
 from asyncstep.models.model_info import describe_model
 
 #: Tokens per KV block the sizing counts in, and its headroom.

@@ -30,8 +30,8 @@ import trio
 
 from asyncstep.channels.framing import SECRET_ENV, new_secret
 from asyncstep.config import EngineConfig
-from asyncstep.engine.api import make_config, open_engine
-from asyncstep.engine.engine import Engine
+from asyncstep.engine.front_end.api import make_config, open_engine
+from asyncstep.engine.front_end.engine import Engine
 
 
 def _free_port() -> int:

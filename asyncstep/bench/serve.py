@@ -52,7 +52,7 @@ from asyncstep.bench.common import configure, progress
 from asyncstep.bench.results import Case, Column, make_result, now, percentile, print_table, write
 from asyncstep.bench.workload import Request, workload
 from asyncstep.config import EngineConfig
-from asyncstep.engine.api import open_engine
+from asyncstep.engine.front_end.api import open_engine
 from asyncstep.errors import AsyncstepError
 from asyncstep.models.model_info import describe_model
 from asyncstep.server.config import API_KEY_ENV

@@ -7,7 +7,7 @@ each frame a 4-byte big-endian length then the payload, at most
 frames already there are taken without another read (one read, and one
 wait on the event loop, for a batch of small frames). The engine's control connections to its ranks
 (:mod:`asyncstep.channels.control`, TCP) and the front end's socket pair to
-its engine core (:mod:`asyncstep.engine.core_messages`) both use it.
+its engine core (:mod:`asyncstep.engine.messages.core_messages`) both use it.
 
 A TCP listener can be reached by any process of the machine (or of the
 network, off loopback), so a control connection authenticates first, with a

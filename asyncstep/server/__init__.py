@@ -17,7 +17,7 @@
   :mod:`~asyncstep.server.api_servers`: several API server processes on one
   port and one engine core.
 
-It uses the engine's front end only (:class:`~asyncstep.engine.engine.Engine`,
+It uses the engine's front end only (:class:`~asyncstep.engine.front_end.engine.Engine`,
 ``open_engine`` and its shared-core variants, the outputs,
 ``SamplingParams``, the errors (and a command's exit status) and configs,
 the process helpers): never the engine core, the scheduler, the runner or the

@@ -47,7 +47,7 @@ from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from asyncstep.config import EngineConfig
-from asyncstep.engine.api import attach_engine, open_shared_engine
+from asyncstep.engine.front_end.api import attach_engine, open_shared_engine
 from asyncstep.errors import EngineDeadError, exit_status
 from asyncstep.logging import configure_logging, get_logger, json_log_file
 from asyncstep.procs import exit_reason, exit_when_parent_dies

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes over one :class:`~asyncstep.engine.engine.Engine`.
+"""The OpenAI-compatible routes over one :class:`~asyncstep.engine.front_end.engine.Engine`.
 
 :func:`build_app` gives a Starlette app (on AnyIO: it runs under Trio or
 asyncio, alone or mounted in a service's own ASGI app):
@@ -42,10 +42,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from asyncstep.engine.chat_replies import ReplyReader
-from asyncstep.engine.engine import Engine
-from asyncstep.engine.reasoning import ReasoningParser
-from asyncstep.engine.tool_parsers import ToolParser, tool_parser
+from asyncstep.engine.chat.chat_replies import ReplyReader
+from asyncstep.engine.chat.reasoning import ReasoningParser
+from asyncstep.engine.chat.tool_parsers import ToolParser, tool_parser
+from asyncstep.engine.front_end.engine import Engine
 from asyncstep.errors import InvalidRequestError, describe
 from asyncstep.logging import get_logger
 from asyncstep.server import sse

@@ -18,7 +18,7 @@ import hypercorn.trio
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from asyncstep.engine.engine import Engine
+from asyncstep.engine.front_end.engine import Engine
 from asyncstep.errors import ConfigError
 from asyncstep.logging import get_logger
 from asyncstep.server.app import OpenAIServer

@@ -25,7 +25,7 @@ API_KEY_ENV = "ASYNCSTEP_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 #: Seconds a request's body may take to arrive unless configured otherwise.
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
-#: ``tool_call_parser`` names (:data:`asyncstep.engine.tool_parsers.TOOL_PARSERS`).
+#: ``tool_call_parser`` names (:data:`asyncstep.engine.chat.tool_parsers.TOOL_PARSERS`).
 TOOL_PARSER_NAMES = ("hermes", "llama3_json")
 #: Most API server processes (``api_server_count``).
 MAX_API_SERVERS = 64

@@ -32,8 +32,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from asyncstep.datatypes import Logprobs
-from asyncstep.engine.engine import Engine
-from asyncstep.engine.outputs import CompletionChunk
+from asyncstep.engine.front_end.engine import Engine
+from asyncstep.engine.messages.outputs import CompletionChunk
 from asyncstep.errors import describe, leaves
 from asyncstep.logging import get_logger
 from asyncstep.server import sse

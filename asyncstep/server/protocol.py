@@ -8,7 +8,8 @@ so that one rule holds for the Python API and the HTTP API alike.
 Unknown request fields are ignored, as OpenAI and vLLM do. A body nested
 deeper than :data:`~asyncstep.checks.MAX_JSON_DEPTH` is refused before it is
 parsed. Imports msgspec, :mod:`asyncstep.checks` and the engine's call types
-(:class:`~asyncstep.engine.outputs.ToolCall`, :class:`~asyncstep.engine.outputs.DeltaToolCall`).
+(:class:`~asyncstep.engine.messages.outputs.ToolCall`,
+:class:`~asyncstep.engine.messages.outputs.DeltaToolCall`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from asyncstep.checks import check_json_depth
-from asyncstep.engine.outputs import DeltaToolCall, ToolCall
+from asyncstep.engine.messages.outputs import DeltaToolCall, ToolCall
 from asyncstep.errors import InvalidRequestError
 
 T = TypeVar("T")
@@ -165,7 +166,7 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     max_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    #: Functions the model may call (:mod:`asyncstep.engine.tools`).
+    #: Functions the model may call (:mod:`asyncstep.engine.chat.tools`).
     tools: list[ChatTool] | None = None
     #: ``none``, ``auto``, ``required`` or a named function (default: ``auto``
     #: with tools, else ``none``).

@@ -12,7 +12,7 @@ the schema of any object, as OpenAI means it; ``json_schema``) and
 ``structured_outputs`` (as they are) become
 :class:`~asyncstep.structured_params.StructuredOutputsParams`. Every
 value is then checked by ``SamplingParams`` itself, and each prompt by the
-engine (:meth:`~asyncstep.engine.engine.Engine.encode_prompt`: one that
+engine (:meth:`~asyncstep.engine.front_end.engine.Engine.encode_prompt`: one that
 cannot fit the context is refused by its size, before it is tokenized; long
 text is tokenized off the event loop): what they refuse raises
 :class:`~asyncstep.errors.InvalidRequestError` (a 400).
@@ -29,9 +29,9 @@ import msgspec
 
 from asyncstep.checks import shown
 from asyncstep.datatypes import MAX_LOGPROBS, SamplingParams
-from asyncstep.engine.engine import Engine
-from asyncstep.engine.tool_parsers import ToolParser
-from asyncstep.engine.tools import ForcedCalls, ToolMode, check_tools
+from asyncstep.engine.chat.tool_parsers import ToolParser
+from asyncstep.engine.chat.tools import ForcedCalls, ToolMode, check_tools
+from asyncstep.engine.front_end.engine import Engine
 from asyncstep.errors import InvalidRequestError
 from asyncstep.server.errors import bad_request
 from asyncstep.server.protocol import (

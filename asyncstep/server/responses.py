@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 from asyncstep.datatypes import Logprobs
-from asyncstep.engine.chat_replies import ReplyReader, ReplyStream, finish_reason
-from asyncstep.engine.outputs import CompletionChunk
+from asyncstep.engine.chat.chat_replies import ReplyReader, ReplyStream, finish_reason
+from asyncstep.engine.messages.outputs import CompletionChunk
 from asyncstep.server.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -298,7 +298,7 @@ class ChatFormatter:
     logprobs: bool
     prompt_logprobs: int | None = None
     #: How replies are read: their thinking apart, their calls
-    #: (:mod:`asyncstep.engine.chat_replies`).
+    #: (:mod:`asyncstep.engine.chat.chat_replies`).
     reader: ReplyReader = field(default_factory=ReplyReader)
     _streams: dict[int, ReplyStream] = field(default_factory=dict)
 

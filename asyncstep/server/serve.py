@@ -30,7 +30,7 @@ import socket
 from collections.abc import Callable
 
 from asyncstep.config import EngineConfig
-from asyncstep.engine.api import open_engine
+from asyncstep.engine.front_end.api import open_engine
 from asyncstep.logging import get_logger
 from asyncstep.server.api_servers import serve_api_servers
 from asyncstep.server.app_server import is_loopback, listen, serve_app

@@ -22,8 +22,8 @@ from distributed import free_port
 import asyncstep
 from asyncstep import ConfigError, EngineDeadError, SamplingParams
 from asyncstep.channels.framing import SECRET_ENV
-from asyncstep.engine.core import EngineCore
-from asyncstep.engine.remote import RemoteRanks
+from asyncstep.engine.core.engine_core import EngineCore
+from asyncstep.engine.executor.remote import RemoteRanks
 from asyncstep.nursery.rank_main import FAULT_ENV
 
 PROMPTS = [[5, 9, 2], list(range(40, 80)), [7] * 17, [200, 3, 99, 14, 8, 61, 1, 2, 3]]

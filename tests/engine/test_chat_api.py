@@ -20,12 +20,12 @@ import pytest
 
 import asyncstep
 from asyncstep import SamplingParams, StructuredOutputsParams
-from asyncstep.engine.chat_messages import (
+from asyncstep.engine.chat.chat_messages import (
     MAX_CHAT_TEMPLATE_KWARGS_BYTES,
     MAX_REQUEST_CHAT_TEMPLATE_BYTES,
 )
-from asyncstep.engine.outputs import ChatChunk, ChatCompletion
-from asyncstep.engine.tools import MAX_TOOLS
+from asyncstep.engine.chat.tools import MAX_TOOLS
+from asyncstep.engine.messages.outputs import ChatChunk, ChatCompletion
 from asyncstep.errors import InvalidRequestError
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.server import ServerConfig, build_app

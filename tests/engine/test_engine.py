@@ -19,9 +19,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 import asyncstep
 from asyncstep import EngineDeadError, EngineLoopError, InvalidRequestError, SamplingParams
-from asyncstep.engine.core_client import EngineCoreDied
-from asyncstep.engine.core_messages import CoreReady, CoreStats, FromCore, ToCore
-from asyncstep.engine.engine import Engine
+from asyncstep.engine.front_end.engine import Engine
+from asyncstep.engine.messages.core_messages import CoreReady, CoreStats, FromCore, ToCore
+from asyncstep.engine.transport.core_client import EngineCoreDied
 from asyncstep.logging import configure_logging
 from asyncstep.models.model_loader import LoadedModel
 

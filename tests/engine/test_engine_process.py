@@ -21,7 +21,7 @@ from processes import alive, wait_gone
 
 import asyncstep
 from asyncstep import ConfigError, EngineDeadError, SamplingParams
-from asyncstep.engine.core_client import CoreProcess
+from asyncstep.engine.transport.core_client import CoreProcess
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1], [42], list(range(5, 40))]

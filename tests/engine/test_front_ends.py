@@ -18,8 +18,8 @@ import trio
 
 import asyncstep
 from asyncstep import EngineDeadError, InvalidRequestError, SamplingParams
-from asyncstep.engine.api import attach_engine, make_config, open_shared_engine
-from asyncstep.engine.core_client import CoreProcess
+from asyncstep.engine.front_end.api import attach_engine, make_config, open_shared_engine
+from asyncstep.engine.transport.core_client import CoreProcess
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # to the context

@@ -35,11 +35,11 @@ from processes import alive, wait_gone
 import asyncstep
 from asyncstep import SamplingParams, StructuredOutputsParams
 from asyncstep.config import StructuredOutputsConfig
-from asyncstep.engine.core import EngineCore
-from asyncstep.engine.fair_queue import FairQueue
-from asyncstep.engine.grammar_budget import check_grammar_budget
-from asyncstep.engine.grammar_cache import GrammarKey
-from asyncstep.engine.structured_output import StructuredOutputManager
+from asyncstep.engine.core.engine_core import EngineCore
+from asyncstep.engine.structured_output.fair_queue import FairQueue
+from asyncstep.engine.structured_output.grammar_budget import check_grammar_budget
+from asyncstep.engine.structured_output.grammar_cache import GrammarKey
+from asyncstep.engine.structured_output.manager import StructuredOutputManager
 from asyncstep.errors import InvalidRequestError
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.server import build_app
@@ -521,7 +521,8 @@ def test_a_worker_dies_with_the_engine_core() -> None:
             "-c",
             "import socket, subprocess, sys, time\n"
             "ours, theirs = socket.socketpair()\n"
-            "worker = subprocess.Popen([sys.executable, '-m', 'asyncstep.engine.grammar_worker',"
+            "worker = subprocess.Popen([sys.executable, '-m',"
+            " 'asyncstep.engine.structured_output.grammar_worker',"
             " '--fd', str(theirs.fileno())], stdin=subprocess.PIPE, pass_fds=[theirs.fileno()])\n"
             "print(worker.pid, flush=True)\n"
             "time.sleep(600)\n",
@@ -553,7 +554,7 @@ def grammar_workers() -> set[int]:
                 parent = int(stat.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue  # not a process, or gone
-        if parent == os.getpid() and b"asyncstep.engine.grammar_worker" in argv:
+        if parent == os.getpid() and b"asyncstep.engine.structured_output.grammar_worker" in argv:
             found.add(int(entry))
     return {pid for pid in found if alive(pid)}
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from asyncstep.datatypes import SamplingParams
-from asyncstep.engine.kv_cache_manager import (
+from asyncstep.engine.core.kv_cache_manager import (
     BlockPool,
     KVCacheManager,
     KVCacheStats,
     hash_block_tokens,
 )
-from asyncstep.engine.request import Request, RequestStatus
+from asyncstep.engine.core.request import Request, RequestStatus
 
 BS = 4
 
@@ -292,7 +292,7 @@ def test_hash_is_sha256_of_parent_and_int64_tokens() -> None:
     import hashlib
     from array import array
 
-    from asyncstep.engine.kv_cache_manager import _ROOT_HASH
+    from asyncstep.engine.core.kv_cache_manager import _ROOT_HASH
 
     tokens = [0, 1, 31999, 2**40, 7]
     want = hashlib.sha256(_ROOT_HASH + array("q", tokens).tobytes()).digest()

@@ -22,9 +22,9 @@ import trio.testing
 import asyncstep
 from asyncstep import EngineDeadError, SamplingParams
 from asyncstep.datatypes import FinishReason
-from asyncstep.engine.engine import Engine
-from asyncstep.engine.output_thread import OutputThread, call_soon
-from asyncstep.engine.request_state import RequestGroup, RequestState
+from asyncstep.engine.front_end.engine import Engine
+from asyncstep.engine.front_end.output_thread import OutputThread, call_soon
+from asyncstep.engine.front_end.request_state import RequestGroup, RequestState
 from asyncstep.models.model_loader import LoadedModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

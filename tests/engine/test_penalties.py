@@ -27,7 +27,7 @@ import trio
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.datatypes import FinishReason
-from asyncstep.engine.detokenizer import IncrementalDetokenizer
+from asyncstep.engine.front_end.detokenizer import IncrementalDetokenizer
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner.input_batch import _ALL_GREEDY, CachedRequestState, InputBatch
 from asyncstep.runner.logits_processing import TokenHistory, apply_logits_processing

@@ -32,8 +32,8 @@ from asyncstep.datatypes import (
     NewRequestData,
     SchedulerOutput,
 )
-from asyncstep.engine.outputs import Completion
-from asyncstep.engine.scheduler import PROMPT_LOGPROBS_TOKEN_COST
+from asyncstep.engine.core.scheduler import PROMPT_LOGPROBS_TOKEN_COST
+from asyncstep.engine.messages.outputs import Completion
 from asyncstep.errors import InvalidRequestError
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch

@@ -1,4 +1,4 @@
-"""A grammar after the thinking (:mod:`asyncstep.engine.reasoning_gate`):
+"""A grammar after the thinking (:mod:`asyncstep.engine.structured_output.reasoning_gate`):
 with a reasoning parser on, the thinking is free and the answer after
 ``</think>`` follows the grammar; the gate on a made-up vocabulary (markers
 of one token and of several, a prompt that opened or closed the thinking,
@@ -18,9 +18,13 @@ import pytest
 
 import asyncstep
 from asyncstep import SamplingParams, StructuredOutputsParams
-from asyncstep.engine.core import EngineCore
-from asyncstep.engine.outputs import ChatChunk, ChatCompletion
-from asyncstep.engine.reasoning_gate import THINKING, ReasoningGate, ReasoningMarkers
+from asyncstep.engine.core.engine_core import EngineCore
+from asyncstep.engine.messages.outputs import ChatChunk, ChatCompletion
+from asyncstep.engine.structured_output.reasoning_gate import (
+    THINKING,
+    ReasoningGate,
+    ReasoningMarkers,
+)
 from asyncstep.models.model_loader import LoadedModel
 
 #: A made-up vocabulary: ``<think>`` and ``</think>`` whole (0, 1), and in pieces.
@@ -186,7 +190,7 @@ def test_a_thinking_row_allows_everything_and_an_opening_row_its_think_token(
     import numpy as np
     import xgrammar as xgr
 
-    from asyncstep.engine.structured_output import _advance_and_fill
+    from asyncstep.engine.structured_output.manager import _advance_and_fill
 
     tokenizer = smollm2.tokenizer
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=smollm2.arch_config.vocab_size)

@@ -31,9 +31,9 @@ from asyncstep.datatypes import (
     SamplingParams,
     SchedulerOutput,
 )
-from asyncstep.engine.core_messages import EngineCoreOutput
-from asyncstep.engine.request import Request, RequestStatus
-from asyncstep.engine.scheduler import Scheduler
+from asyncstep.engine.core.request import Request, RequestStatus
+from asyncstep.engine.core.scheduler import Scheduler
+from asyncstep.engine.messages.core_messages import EngineCoreOutput
 from asyncstep.errors import ConfigError, InvalidRequestError
 
 TokenFn = Callable[[Sequence[int]], int]

@@ -15,7 +15,7 @@ import torch
 from asyncstep.cli import build_parser, config_from_args
 from asyncstep.config import EngineConfig, SpeculativeConfig
 from asyncstep.datatypes import SamplingParams
-from asyncstep.engine.ngram_proposer import NgramProposer, propose_ngram
+from asyncstep.engine.spec_decode.ngram_proposer import NgramProposer, propose_ngram
 from asyncstep.errors import ConfigError
 from asyncstep.runner.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,
@@ -295,7 +295,7 @@ def test_spec_decode_metadata_points_at_draft_and_bonus_positions() -> None:
 def test_a_stop_string_inside_a_steps_tokens_cuts_the_tokens_after_it(include: bool) -> None:
     """A step's accepted tokens may run past a stop string: the tokens
     after the one that completed it reach no client."""
-    from asyncstep.engine.request_state import RequestState
+    from asyncstep.engine.front_end.request_state import RequestState
     from asyncstep.errors import ModelLoadError
     from asyncstep.models.loader import open_checkpoint
 
@@ -323,7 +323,7 @@ def test_a_stop_string_inside_a_steps_tokens_cuts_the_tokens_after_it(include: b
 
 
 def test_metrics_show_the_spec_decode_counters_when_speculation_is_on() -> None:
-    from asyncstep.engine.engine import EngineStatistics
+    from asyncstep.engine.front_end.engine import EngineStatistics
     from asyncstep.server.metrics import _EngineCollector
 
     class FakeEngine:

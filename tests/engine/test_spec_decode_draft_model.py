@@ -24,7 +24,7 @@ import trio
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.config import EngineConfig, SpeculativeConfig
-from asyncstep.engine.draft_model_drafts import DraftModelDrafts
+from asyncstep.engine.spec_decode.draft_model_drafts import DraftModelDrafts
 from asyncstep.errors import ConfigError
 from tests.engine.test_spec_decode_engine import (
     ENGINE,

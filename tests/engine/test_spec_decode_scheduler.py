@@ -41,8 +41,8 @@ from test_scheduler import (
 
 from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from asyncstep.datatypes import FinishReason, ModelRunnerOutput, SchedulerOutput
-from asyncstep.engine.request import Request, RequestStatus
-from asyncstep.engine.scheduler import Scheduler
+from asyncstep.engine.core.request import Request, RequestStatus
+from asyncstep.engine.core.scheduler import Scheduler
 from asyncstep.errors import InvalidRequestError
 
 PERIOD = 5
@@ -489,7 +489,7 @@ def test_a_request_whose_drafts_never_pass_backs_off() -> None:
     with no draft accepted the next ``2**m - 1`` decodes (at most
     ``MAX_SPEC_BACKOFF``) go without drafts, and overlap again with async
     scheduling."""
-    from asyncstep.engine.step_results import MAX_SPEC_BACKOFF
+    from asyncstep.engine.core.step_results import MAX_SPEC_BACKOFF
 
     class WrongDrafts:
         num_lookahead_tokens = 0

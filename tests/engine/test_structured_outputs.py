@@ -19,8 +19,8 @@ import torch
 import asyncstep
 from asyncstep import SamplingParams, StructuredOutputsParams
 from asyncstep.datatypes import GrammarOutput
-from asyncstep.engine.core import EngineCore
-from asyncstep.engine.grammar import GrammarCompiler, grammar_of
+from asyncstep.engine.core.engine_core import EngineCore
+from asyncstep.engine.structured_output.grammar import GrammarCompiler, grammar_of
 from asyncstep.errors import InvalidRequestError
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner.grammar_bitmask import GrammarBitmask

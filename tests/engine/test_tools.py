@@ -1,4 +1,4 @@
-"""Forced tool calls (:mod:`asyncstep.engine.tools`) without a server: the
+"""Forced tool calls (:mod:`asyncstep.engine.chat.tools`) without a server: the
 schema each ``tool_choice`` forces, the output read back as calls, the
 stream's deltas; and the engine's door for chat messages that carry calls."""
 
@@ -14,11 +14,9 @@ from hypothesis import strategies as st
 
 from asyncstep.config import REASONING_PARSERS, ModelConfig, StructuredOutputsConfig
 from asyncstep.datatypes import Logprobs
-from asyncstep.engine.chat_replies import ReplyReader
-from asyncstep.engine.input_processor import InputProcessor
-from asyncstep.engine.outputs import CompletionChunk, DeltaToolCall
-from asyncstep.engine.reasoning import ReasoningParser
-from asyncstep.engine.tool_parsers import (
+from asyncstep.engine.chat.chat_replies import ReplyReader
+from asyncstep.engine.chat.reasoning import ReasoningParser
+from asyncstep.engine.chat.tool_parsers import (
     TOOL_PARSERS,
     HermesParser,
     Llama3JsonParser,
@@ -26,7 +24,9 @@ from asyncstep.engine.tool_parsers import (
     ToolParser,
     make_call,
 )
-from asyncstep.engine.tools import ForcedCalls, ToolCallStream, check_tools
+from asyncstep.engine.chat.tools import ForcedCalls, ToolCallStream, check_tools
+from asyncstep.engine.front_end.input_processor import InputProcessor
+from asyncstep.engine.messages.outputs import CompletionChunk, DeltaToolCall
 from asyncstep.errors import ConfigError, InvalidRequestError
 from asyncstep.models.model_info import describe_model
 from asyncstep.server.config import TOOL_PARSER_NAMES, ServerConfig

@@ -29,8 +29,8 @@ from asyncstep.datatypes import (
     SamplingParams,
     SchedulerOutput,
 )
-from asyncstep.engine.request import Request, RequestStatus
-from asyncstep.engine.scheduler import Scheduler
+from asyncstep.engine.core.request import Request, RequestStatus
+from asyncstep.engine.core.scheduler import Scheduler
 from asyncstep.models.layers.attention import _cuts
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner import cudagraph_runner as cudagraph_runner_module

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from asyncstep import checks
 from asyncstep.checks import MAX_JSON_DEPTH, check_json_depth, json_depth
-from asyncstep.engine.input_processor import (
+from asyncstep.engine.front_end.input_processor import (
     INLINE_TOKENIZE_BYTES,
     NORMALIZER_SHRINK,
     InputProcessor,

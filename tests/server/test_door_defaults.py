@@ -43,7 +43,7 @@ import asyncstep
 from asyncstep import SamplingParams, cli
 from asyncstep.config import cpu_max_num_batched_tokens
 from asyncstep.datatypes import MAX_LOGPROBS, SchedulerOutput
-from asyncstep.engine.engine import Engine
+from asyncstep.engine.front_end.engine import Engine
 from asyncstep.errors import ConfigError
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.runner.model_runner import ModelRunner

@@ -50,7 +50,7 @@ from asyncstep.channels.framing import (
 )
 from asyncstep.channels.parallel_state import open_tcp_store
 from asyncstep.config import EngineConfig, ParallelConfig
-from asyncstep.engine.remote import RemoteRanks
+from asyncstep.engine.executor.remote import RemoteRanks
 from asyncstep.nursery.rank_main import parse_args
 
 SECRET = "the secret of this launch"

@@ -35,7 +35,7 @@ from starlette.routing import Mount, Route
 
 import asyncstep
 from asyncstep import cli
-from asyncstep.engine.core_client import CoreProcess
+from asyncstep.engine.transport.core_client import CoreProcess
 from asyncstep.models.model_loader import LoadedModel
 from asyncstep.server import OpenAIServer, ServerConfig, build_app
 
@@ -261,14 +261,14 @@ FRONT_END = {
     "asyncstep.logging",
     "asyncstep.procs",
     "asyncstep.structured_params",
-    "asyncstep.engine.api",
-    "asyncstep.engine.engine",
-    "asyncstep.engine.outputs",
+    "asyncstep.engine.front_end.api",
+    "asyncstep.engine.front_end.engine",
+    "asyncstep.engine.messages.outputs",
     # the chat's front end: tools, their parsers, the thinking apart
-    "asyncstep.engine.chat_replies",
-    "asyncstep.engine.reasoning",
-    "asyncstep.engine.tool_parsers",
-    "asyncstep.engine.tools",
+    "asyncstep.engine.chat.chat_replies",
+    "asyncstep.engine.chat.reasoning",
+    "asyncstep.engine.chat.tool_parsers",
+    "asyncstep.engine.chat.tools",
 }
 
 

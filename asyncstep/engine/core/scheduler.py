@@ -1,0 +1,665 @@
+"""The continuous-batching scheduler (vLLM v1's unified scheduler).
+
+Holds :class:`Scheduler` (its queues, the scheduling policy, the requests'
+lifecycle) and :class:`SchedulerStats`. A step's plan and the
+``SchedulerOutput`` built from it are in :mod:`asyncstep.engine.core.step_plan`;
+the per-request results of a step's output, with the stop rules, in
+:mod:`asyncstep.engine.core.step_results`. Pure
+Python; may import only the standard library and ``asyncstep.datatypes`` /
+``asyncstep.config`` / ``asyncstep.errors`` (plus its siblings
+``request``, ``kv_cache_manager``, ``step_plan`` and ``step_results``, the
+messages ``asyncstep.engine.messages.core_messages`` and the speculation of
+``asyncstep.engine.spec_decode``).
+
+One loop, no prefill/decode phases: every step hands each request the tokens
+it lacks (``num_tokens - num_computed_tokens``: a prompt chunk, a whole prompt,
+or the one token sampled last), within a token budget (a prompt token whose
+request asks for ``prompt_logprobs`` takes ``PROMPT_LOGPROBS_TOKEN_COST`` of
+it). The engine calls
+``schedule()``, sends the result to the ranks, and later
+``update_from_output()`` with that step's output; ``schedule()`` advances
+``num_computed_tokens`` at once, so several steps may be in flight (the
+engine's batch queue):
+
+* **Async scheduling** (``async_scheduling=True``, one pipeline stage): a step
+  that samples for a request leaves an *output placeholder*; the next step
+  may already compute that token (the ranks take its id from the device, where
+  the sampler left it), so the forward of step N+1 is launched before the
+  engine knows step N's tokens. A request with placeholders is not scheduled
+  past ``max_tokens``. A stop found in step N's output therefore comes one
+  step late: the token step N+1 sampled for that request is dropped.
+* **Pipeline parallelism** (``async_scheduling=False``, several steps in
+  flight): the first stage needs each token's id, so a request is scheduled
+  again only once its last token is back; steps in flight hold different
+  requests (or prompt chunks) and keep every stage busy. Each step holds at
+  most ``max_num_seqs`` requests; ``max_num_running_reqs`` (the engine sets
+  ``pp_size * max_num_seqs``) may run at once, so every step in flight can
+  be full.
+* A request that finishes (stop, length, abort) while steps that include it
+  are in flight keeps its blocks until those steps' outputs are back, and is
+  reported in ``finished_req_ids`` only then. A preempted request frees its
+  blocks at once (each rank runs its steps in order, so a step in flight has
+  written them before a later step can reuse them) but is not resumed while
+  a step that includes it is in flight.
+
+* **Speculative decoding** (``speculative_config``): a running request
+  that decodes (one token to compute, no placeholder) and may speculate
+  (:attr:`Request.speculates`) gets the n-gram proposer's draft tokens as
+  extra query tokens (``scheduled_spec_decode_tokens``): they count against
+  the token budget left once every running request has its tokens, get KV
+  slots (``allocate_slots`` for ``1 + drafts``, only from free blocks: no
+  request is preempted for drafts; without room a decode goes without), and
+  advance ``num_computed_tokens`` like any token. Drafts never reach past
+  ``max_tokens`` or the context (``1 + drafts`` tokens at most fill them).
+  When the output is back, the rejected drafts are rolled back
+  (``num_computed_tokens`` minus their count: their slots are written again
+  by the next step; the blocks stay the request's), before any stop rule or
+  free runs, so the prefix cache only registers blocks of accepted tokens.
+  Drafts need every token's id, so only a request with no placeholder gets
+  them. With async scheduling, a verify step is its request's only step in
+  flight (its next positions depend on what is accepted: ``num_new`` is not
+  positive until the output is back), and a request with a step in flight
+  whose known tokens end with a recurring n-gram waits for that step rather
+  than being scheduled over its placeholder (:meth:`_waits_to_speculate`),
+  so its next step can verify drafts; the other requests keep overlapping.
+  A request whose verify steps accept nothing backs off (its next decodes
+  go without drafts, and overlap: ``settle_drafts``), so drafts that never
+  pass cost little.
+  With a draft model (``"method": "draft_model"``) the drafts come from the
+  runner with each step's output (:class:`DraftModelDrafts` keeps them for
+  the token count they follow), a speculating request always waits for its
+  step in flight, and a decode also gets ``num_speculative_tokens``
+  *lookahead* slots past its step's tokens (from free blocks only), where the
+  draft model writes its proposals' keys and values.
+
+The conventions of the output, which the runner relies on, are listed in
+:mod:`asyncstep.engine.core.step_plan`. Preemption is by recompute: the victim's
+blocks are freed (its computed full blocks stay in the prefix cache) and it
+goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.engine.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from asyncstep.engine.core.request import Request, RequestStatus
+from asyncstep.engine.core.step_plan import StepPlan
+from asyncstep.engine.core.step_results import add_prompt_logprobs, collect_step_results
+from asyncstep.engine.messages.core_messages import EngineCoreOutput
+from asyncstep.engine.spec_decode.draft_model_drafts import DraftModelDrafts
+from asyncstep.engine.spec_decode.metrics import SpecDecodingStats
+from asyncstep.engine.spec_decode.ngram_proposer import NgramProposer
+from asyncstep.errors import ConfigError, InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's queues and its KV cache."""
+
+    step_id: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    #: Preemptions since the scheduler started.
+    num_preemptions: int
+    kv_cache: KVCacheStats
+    #: Speculative decoding's counters (None: speculation off).
+    spec_decoding: SpecDecodingStats | None = None
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache.usage
+
+
+#: The token budget one prompt token takes when its request asks for
+#: ``prompt_logprobs``: the token itself, and its row of the LM head over the
+#: vocabulary with that row's log-softmax, rank and top-k (a healthy stream
+#: beside such a prompt keeps its pace).
+PROMPT_LOGPROBS_TOKEN_COST = 2
+
+
+class Scheduler:
+    """Decides every step which requests compute how many tokens.
+
+    ``running`` is in priority order (first come, first served); the last one
+    is preempted first. ``waiting`` holds new and preempted requests, preempted
+    ones at the front.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        *,
+        send_new_token_ids: bool = False,
+        async_scheduling: bool = False,
+        max_num_running_reqs: int | None = None,
+        max_model_len: int,
+        speculative_config: SpeculativeConfig | None = None,
+    ) -> None:
+        """``max_num_running_reqs``: requests admitted at once (default
+        ``max_num_seqs``); more with a pipeline, whose steps in flight hold
+        different requests. A step never holds more than ``max_num_seqs``.
+
+        ``max_model_len``: the resolved context length
+        (``config.model.max_model_len`` once the engine has resolved it);
+        ConfigError unless positive. ``max_num_batched_tokens`` must be
+        resolved too (ConfigError while None).
+
+        ``speculative_config``: propose draft tokens for decodes (see the
+        module doc)."""
+        if max_model_len <= 0:
+            raise ConfigError(
+                "max_model_len must be resolved (positive) before building the scheduler, "
+                f"got {max_model_len}"
+            )
+        if scheduler_config.max_num_batched_tokens is None:
+            raise ConfigError(
+                "max_num_batched_tokens must be resolved for the device before building "
+                "the scheduler"
+            )
+        self.scheduler_config = scheduler_config
+        self.proposer: NgramProposer | DraftModelDrafts | None = None
+        if speculative_config is not None:
+            self.proposer = (
+                DraftModelDrafts(speculative_config)
+                if speculative_config.method == "draft_model"
+                else NgramProposer(speculative_config)
+            )
+        #: (request id, drafts) -> the prefix of them its grammar accepts; set
+        #: by the engine core (the structured outputs' matchers), None: all.
+        self.draft_filter: Callable[[str, list[int]], list[int]] | None = None
+        #: No drafts while at least this many requests run (None: any number).
+        self.spec_disable_by_batch_size = (
+            speculative_config.disable_by_batch_size if speculative_config else None
+        )
+        self.spec_decoding_stats = (
+            SpecDecodingStats(speculative_config.num_speculative_tokens)
+            if speculative_config
+            else None
+        )
+        self.send_new_token_ids = send_new_token_ids
+        self.async_scheduling = async_scheduling
+        #: request id -> output tokens already sent to the ranks (new_token_ids).
+        self._num_output_tokens_sent: dict[str, int] = {}
+        self.cache_config = cache_config
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens: int = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_running_reqs = max_num_running_reqs or self.max_num_seqs
+        if self.max_num_running_reqs < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_running_reqs ({self.max_num_running_reqs}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        #: Longest a sequence may grow: the model's context, or the whole cache.
+        self.max_seq_len = min(self.max_model_len, num_blocks * self.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        #: Ended requests whose blocks wait for their steps in flight.
+        self._finishing: dict[str, Request] = {}
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    # -- requests in and out --------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; InvalidRequestError if its prompt can never be served."""
+        self._check_fits(request)
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if request.request_id in self._finishing:  # its blocks wait for steps in flight
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is still in use: the request that had it "
+                "is finishing"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string): free their blocks.
+
+        Unknown (already finished) ids are ignored.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {status.name}")
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        ended = [self.requests[i] for i in ids if i in self.requests]
+        if not ended:
+            return
+        self._remove_from_queues({r.request_id for r in ended})
+        for request in ended:
+            request.status = status
+            self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_finished_requests(self) -> bool:
+        """Ended requests the next ``schedule()`` still has to report to the runner."""
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def has_work_to_schedule(self) -> bool:
+        """Whether ``schedule()`` now has anything to do: finished requests to
+        report, a running request with tokens to compute, or room to admit a
+        waiting one."""
+        if self.finished_req_ids:
+            return True
+        if self.waiting and len(self.running) < self.max_num_running_reqs:
+            return True
+        max_seq_len = self.max_seq_len
+        for request in self.running:
+            placeholders = request.num_output_placeholders
+            num_tokens = request.num_tokens + placeholders
+            if placeholders and (num_tokens >= request.max_num_tokens or num_tokens >= max_seq_len):
+                continue
+            if num_tokens > request.num_computed_tokens and not (
+                placeholders and self._waits_to_speculate(request)
+            ):
+                return True
+        return False
+
+    def statistics(self) -> SchedulerStats:
+        return SchedulerStats(
+            step_id=self.step_id,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            kv_cache=self.kv_cache_manager.statistics(),
+            spec_decoding=self.spec_decoding_stats,
+        )
+
+    # -- scheduling ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts (possibly none)."""
+        plan = StepPlan(self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if plan.num_preempted == 0:
+            self._schedule_waiting(plan)
+        unsent = self._unsent_output_tokens if self.send_new_token_ids else None
+        kv, finished = self.kv_cache_manager, self.finished_req_ids
+        output = plan.build_output(self.step_id, kv, finished, unsent)
+        async_scheduling = self.async_scheduling
+        num_scheduled = plan.num_scheduled_tokens
+        for request in plan.admitted_reqs:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+            request.num_in_flight_steps += 1
+            if async_scheduling and request.num_computed_tokens >= request.num_tokens:
+                request.num_output_placeholders += 1  # this step samples for it
+        if self.finished_req_ids:
+            self.finished_req_ids = set()
+        self.step_id += 1
+        return output
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Schedule the running requests in order, preempting from the back.
+
+        A decode (one token to compute) whose slot is in a block the request
+        holds, with no block to register, skips the allocator: the KV cache
+        manager's :attr:`~KVCacheManager.decode_limits` say so.
+        """
+        running = self.running
+        num_scheduled = plan.num_scheduled_tokens
+        req_ids = plan.running_req_ids
+        num_computed_col = plan.running_num_computed
+        block_ids_col = plan.running_new_block_ids
+        decode_limits = self.kv_cache_manager.decode_limits
+        max_num_seqs = self.max_num_seqs
+        max_seq_len = self.max_seq_len
+        max_model_len = self.max_model_len
+        async_scheduling = self.async_scheduling
+        proposer = self.proposer
+        disable = self.spec_disable_by_batch_size
+        if disable is not None and len(running) >= disable:
+            proposer = None  # a batch this large verifies no drafts
+        #: Decodes that may speculate: (their index in the plan's columns, request).
+        draft_candidates: list[tuple[int, Request]] = []
+        budget = plan.token_budget
+        index = 0
+        while index < len(running) and budget > 0 and len(num_scheduled) < max_num_seqs:
+            request = running[index]
+            index += 1
+            num_computed = request.num_computed_tokens
+            num_tokens = request.num_tokens
+            placeholders = request.num_output_placeholders
+            if placeholders and (
+                num_tokens + placeholders >= request.max_num_tokens
+                or num_tokens + placeholders >= max_seq_len
+            ):
+                continue  # the tokens in flight end it
+            num_new = num_tokens + placeholders - num_computed
+            if num_new <= 0:
+                continue  # its last token is in flight (pipeline, or a verify step)
+            if placeholders and proposer is not None and self._waits_to_speculate(request):
+                continue  # its drafts need the tokens in flight: once they are back
+            req_id = request.request_id
+            new_block_ids: list[int] | None
+            if (
+                num_new == 1
+                and num_computed < max_model_len
+                and num_computed < decode_limits.get(req_id, 0)
+            ):
+                new_block_ids = []  # the decode fast path: allocate_slots has nothing to do
+                cost = 1  # (no prompt position: its one token's row samples)
+            else:
+                num_new = self._num_tokens_to_schedule(request, num_computed, budget)
+                if num_new == 0:
+                    continue
+                new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+                if new_block_ids is None:
+                    break  # the request preempted itself: nothing after it is running
+                cost = self._budget_cost(request, num_computed, num_new)
+            if proposer is not None and num_new == 1 and request.speculates:
+                if request.spec_backoff:
+                    request.spec_backoff -= 1  # (a decode without drafts)
+                elif not placeholders:
+                    draft_candidates.append((len(req_ids), request))
+            num_scheduled[req_id] = num_new
+            budget -= cost
+            req_ids.append(req_id)
+            num_computed_col.append(num_computed)
+            block_ids_col.append(new_block_ids)
+            num_computed += num_new
+            request.num_computed_tokens = num_computed
+            request.num_in_flight_steps += 1
+            if async_scheduling and num_computed >= num_tokens:
+                request.num_output_placeholders = placeholders + 1  # this step samples for it
+        plan.token_budget = budget
+        if draft_candidates:
+            self._schedule_drafts(draft_candidates, plan)
+
+    def _schedule_drafts(self, candidates: list[tuple[int, Request]], plan: StepPlan) -> None:
+        """Give the step's decodes their drafts, in priority order, within
+        the token budget left once every running request has its tokens,
+        and only from free blocks: drafts never push another request out
+        (a decode without room for its drafts goes without). ``candidates``:
+        (the request's index in the plan's running columns, the request),
+        each already scheduled for its one token."""
+        assert self.proposer is not None
+        lookahead = self.proposer.num_lookahead_tokens
+        for column, request in candidates:
+            if plan.token_budget > 0:
+                self._schedule_request_drafts(column, request, plan)
+            if lookahead:
+                self._allocate_lookahead(column, request, plan, lookahead)
+
+    def _schedule_request_drafts(self, column: int, request: Request, plan: StepPlan) -> None:
+        """One candidate's drafts (see :meth:`_schedule_drafts`)."""
+        drafts = self._propose_drafts(request, plan.token_budget + 1)
+        grammar = request.sampling_params.structured_outputs is not None
+        if drafts and grammar and self.draft_filter is not None:
+            drafts = self.draft_filter(request.request_id, drafts)
+        if not drafts:
+            return
+        # The slots of 1 + drafts tokens from the count before this step
+        # (so that only computed blocks are registered in the prefix cache).
+        computed = request.num_computed_tokens - 1
+        request.num_computed_tokens = computed
+        new_block_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
+        request.num_computed_tokens = computed + 1
+        if new_block_ids is None:
+            return
+        num_drafts = len(drafts)
+        request.num_computed_tokens += num_drafts
+        plan.running_new_block_ids[column] = plan.running_new_block_ids[column] + new_block_ids
+        plan.num_scheduled_tokens[request.request_id] += num_drafts
+        plan.token_budget -= num_drafts
+        plan.spec_token_ids[request.request_id] = drafts
+
+    def _allocate_lookahead(
+        self, column: int, request: Request, plan: StepPlan, lookahead: int
+    ) -> None:
+        """Slots for ``lookahead`` tokens past the request's tokens of this
+        step, where the draft model writes its proposals' keys and values
+        after the step (within the context; only from free blocks: without
+        room the runner proposes fewer drafts, or none)."""
+        num_new = plan.num_scheduled_tokens[request.request_id]
+        computed = request.num_computed_tokens - num_new
+        num_slots = min(num_new + lookahead, self.max_seq_len - computed)
+        if num_slots <= num_new:
+            return
+        request.num_computed_tokens = computed  # (registers only computed blocks)
+        new_block_ids = self.kv_cache_manager.allocate_slots(request, num_slots)
+        request.num_computed_tokens = computed + num_new
+        if new_block_ids:
+            plan.running_new_block_ids[column] = plan.running_new_block_ids[column] + new_block_ids
+
+    def _waits_to_speculate(self, request: Request) -> bool:
+        """Async scheduling: whether a request with tokens in flight should
+        wait for them rather than be scheduled over placeholders: it may
+        speculate, has room for drafts, and its known tokens end with an
+        n-gram that recurs (the proposer would find drafts, and drafts need
+        every token's id). Its verify steps then run alone in flight for it;
+        the others keep overlapping."""
+        if self.proposer is None or not request.speculates or request.spec_backoff:
+            return False
+        disable = self.spec_disable_by_batch_size
+        if disable is not None and len(self.running) >= disable:
+            return False
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        if min(request.max_num_tokens, self.max_seq_len) - num_tokens - 1 <= 0:
+            return False
+        return self.proposer.may_propose(request.request_id, request.all_token_ids)
+
+    def _propose_drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode of ``request`` within ``budget`` tokens
+        (its own token included): never so many that ``1 + drafts`` sampled
+        tokens would pass ``max_tokens`` or the context."""
+        assert self.proposer is not None
+        num_tokens = request.num_tokens
+        room = min(
+            budget - 1,
+            request.max_num_tokens - num_tokens - 1,
+            self.max_seq_len - num_tokens - 1,
+        )
+        if room <= 0:
+            return []
+        return self.proposer.propose(request.request_id, request.all_token_ids, room)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, plan: StepPlan
+    ) -> list[int] | None:
+        """Allocate, preempting the lowest-priority running requests as needed."""
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop()
+            self._preempt(victim)
+            plan.num_preempted += 1
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        kv = self.kv_cache_manager
+        while (
+            self.waiting
+            and plan.has_room(self.max_num_seqs)
+            and len(self.running) < self.max_num_running_reqs
+        ):
+            request = self.waiting[0]
+            if request.num_in_flight_steps:
+                break  # preempted with a step in flight: resume once its output is back
+            _, num_computed = kv.get_computed_blocks(request)
+            num_new = self._num_tokens_to_schedule(request, num_computed, plan.token_budget)
+            request.num_computed_tokens = num_computed
+            new_block_ids = kv.allocate_slots(request, num_new) if num_new > 0 else None
+            if new_block_ids is None:
+                request.num_computed_tokens = 0
+                kv.free(request)  # give back the prefix-cache hits
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.PREEMPTED:
+                plan.resumed_reqs.append(request)
+            else:
+                plan.new_reqs.append(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.admitted_reqs.append(request)
+            plan.num_scheduled_tokens[request.request_id] = num_new
+            plan.token_budget -= self._budget_cost(request, num_computed, num_new)
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens the request gets this step; 0 when it must wait for a bigger budget.
+
+        Without chunked prefill a request's tokens go in one step, except for
+        a preempted request grown longer than the whole budget: it is
+        recomputed in chunks, as it could never run again otherwise.
+        """
+        num_new = self._num_uncomputed(request, num_computed)
+        num_new = min(num_new, self.max_model_len - num_computed)
+        cost = self._budget_cost(request, num_computed, num_new)
+        if cost > budget:
+            chunkable = self.enable_chunked_prefill or cost > self.max_num_batched_tokens
+            num_new = self._num_tokens_within(request, num_computed, budget) if chunkable else 0
+        return max(num_new, 0)
+
+    @staticmethod
+    def _num_prompt_logprobs_rows(request: Request, num_computed: int, num_new: int) -> int:
+        """Of ``num_new`` tokens from ``num_computed``, those whose rows give
+        a prompt position's log-probs (the last prompt token's samples)."""
+        if request.sampling_params.prompt_logprobs is None:
+            return 0
+        return max(0, min(num_new, request.num_prompt_tokens - 1 - num_computed))
+
+    def _budget_cost(self, request: Request, num_computed: int, num_new: int) -> int:
+        """The token budget ``num_new`` tokens from ``num_computed`` take."""
+        rows = self._num_prompt_logprobs_rows(request, num_computed, num_new)
+        return num_new + (PROMPT_LOGPROBS_TOKEN_COST - 1) * rows
+
+    def _num_tokens_within(self, request: Request, num_computed: int, budget: int) -> int:
+        """The most tokens from ``num_computed`` that cost at most ``budget``."""
+        rows = self._num_prompt_logprobs_rows(request, num_computed, budget)
+        if rows * PROMPT_LOGPROBS_TOKEN_COST >= budget:
+            return budget // PROMPT_LOGPROBS_TOKEN_COST
+        return budget - (PROMPT_LOGPROBS_TOKEN_COST - 1) * rows
+
+    def _num_uncomputed(self, request: Request, num_computed: int) -> int:
+        """Tokens the request lacks, counting its placeholders; 0 when the
+        tokens in flight already end it (``max_tokens`` or the context)."""
+        placeholders = request.num_output_placeholders
+        num_tokens = request.num_tokens + placeholders
+        if placeholders and (
+            num_tokens >= request.max_num_tokens or num_tokens >= self.max_seq_len
+        ):
+            return 0
+        return num_tokens - num_computed
+
+    def _unsent_output_tokens(self, req_id: str) -> list[int]:
+        request = self.requests[req_id]
+        sent = self._num_output_tokens_sent.get(req_id, 0)
+        self._num_output_tokens_sent[req_id] = request.num_output_tokens
+        return list(request.output_token_ids[sent:])
+
+    # -- results ---------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[str, EngineCoreOutput]:
+        """Append the sampled tokens, apply the stop rules, free what finished.
+
+        Returns an output for each request that got tokens, prompt
+        log-probs or finished; requests aborted since ``schedule()`` are skipped.
+        """
+        outputs, stopped, freed = collect_step_results(
+            scheduler_output,
+            model_runner_output,
+            self.requests,
+            self._finishing,
+            self.max_seq_len,
+            self.spec_decoding_stats,
+        )
+        for request in freed:
+            self._free_finished(request)
+        if model_runner_output.draft_token_ids and isinstance(self.proposer, DraftModelDrafts):
+            self._keep_drafts(model_runner_output.draft_token_ids)
+        if stopped:
+            # A request preempted with a step in flight may stop from that step's
+            # token: it waits in the queue, not among the running ones.
+            self._remove_from_queues({r.request_id for r in stopped})
+            for request in stopped:
+                self._release(request)
+        if model_runner_output.prompt_logprobs:
+            add_prompt_logprobs(outputs, model_runner_output.prompt_logprobs, self.requests)
+        return outputs
+
+    def _keep_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Keep the draft model's proposals of the requests still running,
+        for the token count they follow."""
+        assert isinstance(self.proposer, DraftModelDrafts)
+        for req_id, tokens in drafts.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.proposer.update(req_id, request.num_tokens, tokens)
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _remove_from_queues(self, request_ids: set[str]) -> None:
+        self.running = [r for r in self.running if r.request_id not in request_ids]
+        if any(r.request_id in request_ids for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if r.request_id not in request_ids)
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request: free its blocks (once no step in flight
+        uses them) and report it to the runner in the next step."""
+        del self.requests[request.request_id]
+        self._num_output_tokens_sent.pop(request.request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
+        if request.num_in_flight_steps:
+            self._finishing[request.request_id] = request
+        else:
+            self._free_finished(request)
+
+    def _free_finished(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+
+    def _check_fits(self, request: Request) -> None:
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise InvalidRequestError("prompt is empty; it needs at least one token")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt} tokens; "
+                f"the model's context (max_model_len) is {self.max_model_len}"
+            )
+        kv = self.kv_cache_manager
+        if kv.num_blocks_for(num_prompt) > kv.num_blocks:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt} tokens; the KV cache holds only "
+                f"{kv.num_blocks * self.block_size} ({kv.num_blocks} blocks of {self.block_size})"
+            )
+        if not self.enable_chunked_prefill and num_prompt > self.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt} tokens; without chunked prefill a step holds "
+                f"at most {self.max_num_batched_tokens} (max_num_batched_tokens)"
+            )
