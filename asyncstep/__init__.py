@@ -30,8 +30,9 @@ from asyncstep.config import (
 )
 from asyncstep.datatypes import FinishReason, Logprobs, SamplingParams
 from asyncstep.engine.front_end.api import make_config, open_engine
-from asyncstep.engine.front_end.engine import Engine, EngineStatistics
+from asyncstep.engine.front_end.engine import Engine
 from asyncstep.engine.front_end.llm import LLM
+from asyncstep.engine.front_end.statistics import EngineStatistics
 from asyncstep.engine.messages.outputs import (
     ChatChunk,
     ChatCompletion,

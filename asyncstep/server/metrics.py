@@ -52,7 +52,8 @@ from prometheus_client.registry import Collector
 from asyncstep.errors import ConfigError
 
 if TYPE_CHECKING:
-    from asyncstep.engine.front_end.engine import Engine, EngineStatistics
+    from asyncstep.engine.front_end.engine import Engine
+    from asyncstep.engine.front_end.statistics import EngineStatistics
 
 PREFIX = "asyncstep:"
 #: The variable naming the directory where several API servers' metrics meet.

@@ -398,7 +398,8 @@ async def test_each_bad_chat_is_refused_in_one_line_beside_a_healthy_one(
                 tool_choice="none",
             )
             assert healthy.outputs[0].token_ids, what
-        assert engine._groups == {} and engine._requests == {}  # nothing left behind
+        left = engine.output_processor
+        assert left.groups == {} and left.requests == {}  # nothing left behind
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

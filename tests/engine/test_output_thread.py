@@ -22,7 +22,7 @@ import trio.testing
 import asyncstep
 from asyncstep import EngineDeadError, SamplingParams
 from asyncstep.datatypes import FinishReason
-from asyncstep.engine.front_end.engine import Engine
+from asyncstep.engine.front_end.output_processor import OutputProcessor
 from asyncstep.engine.front_end.output_thread import OutputThread, call_soon
 from asyncstep.engine.front_end.request_state import RequestGroup, RequestState
 from asyncstep.models.model_loader import LoadedModel
@@ -69,13 +69,13 @@ async def test_outputs_are_processed_on_the_output_thread(
     tiny_model: LoadedModel, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     threads: set[str] = set()
-    original = Engine._process_outputs
+    original = OutputProcessor.process_outputs
 
-    def recorded(self: Engine, message: Any) -> None:
+    def recorded(self: OutputProcessor, message: Any) -> None:
         threads.add(threading.current_thread().name)
         original(self, message)
 
-    monkeypatch.setattr(Engine, "_process_outputs", recorded)
+    monkeypatch.setattr(OutputProcessor, "process_outputs", recorded)
     async with asyncstep.open_engine(tiny_model) as engine:
         out = await engine.generate(PROMPTS[0], GREEDY)
         chunks = [c async for c in engine.stream(PROMPTS[1], GREEDY)]
@@ -111,16 +111,16 @@ async def test_a_stream_reader_is_woken_at_most_once_per_chunk(
 async def test_an_error_of_the_output_thread_ends_the_engine(
     tiny_model: LoadedModel, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(self: Engine, message: Any) -> None:
+    def broken(self: OutputProcessor, message: Any) -> None:
         raise RuntimeError("broken output processing")
 
-    monkeypatch.setattr(Engine, "_process_outputs", broken)
+    monkeypatch.setattr(OutputProcessor, "process_outputs", broken)
     with anyio.fail_after(60), pytest.raises(EngineDeadError, match="broken output processing"):
         async with asyncstep.open_engine(tiny_model) as engine:
             with pytest.raises(EngineDeadError, match="broken output processing"):
                 await engine.generate(PROMPTS[0], GREEDY)
             await engine.wait_stopped()
-    assert isinstance(engine.error, RuntimeError) and not engine._requests
+    assert isinstance(engine.error, RuntimeError) and not engine.output_processor.requests
 
 
 # -- the wake-ups, alone ---------------------------------------------------------

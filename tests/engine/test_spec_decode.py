@@ -323,7 +323,7 @@ def test_a_stop_string_inside_a_steps_tokens_cuts_the_tokens_after_it(include: b
 
 
 def test_metrics_show_the_spec_decode_counters_when_speculation_is_on() -> None:
-    from asyncstep.engine.front_end.engine import EngineStatistics
+    from asyncstep.engine.front_end.statistics import EngineStatistics
     from asyncstep.server.metrics import _EngineCollector
 
     class FakeEngine:

@@ -436,7 +436,7 @@ def assert_refused_leaving_nothing(shared: EngineThread, error: Any, *fragments:
     assert isinstance(error, InvalidRequestError), error
     assert_one_line(error, *fragments)
     engine = shared.engine
-    assert not engine._requests  # nothing left in the front end
+    assert not engine.output_processor.requests  # nothing left in the front end
     shared.run(engine.wait_idle)
     stats = engine.statistics()
     assert stats.num_running_reqs == stats.num_waiting_reqs == 0  # nor in the core
@@ -657,7 +657,7 @@ def test_fuzz_a_clear_error_or_an_answer(
             assert out.prompt_logprobs is not None
             assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
     assert core_process_engine.engine.error is None
-    assert not core_process_engine.engine._requests
+    assert not core_process_engine.engine.output_processor.requests
 
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from asyncstep.engine.front_end.engine import EngineStatistics
+from asyncstep.engine.front_end.statistics import EngineStatistics
 from asyncstep.server.metrics import MULTIPROCESS_DIR_ENV, ServerMetrics
 
 MODEL = "m"

@@ -1,8 +1,9 @@
 """A chat reply read apart: its thinking (a reasoning parser's), its answer,
 and its tool calls (forced by a grammar, or found by ``auto``'s parser),
 whole (:meth:`ReplyReader.whole`) or piece by piece as it streams
-(:class:`ReplyStream`). ``Engine.chat`` and the HTTP server's chat
-responses both read replies through it. A stream has no empty piece: a
+(:class:`ReplyStream`), and in a chat's shapes (:func:`chat_completion`,
+:func:`chat_chunk`). ``Engine.chat`` and the HTTP server's chat responses
+both read replies through it. A stream has no empty piece: a
 chunk that brings nothing to show (text held back, a forced call not yet
 complete) is left out, its tokens and log-probs going with the next piece
 (:meth:`ReplyStream.take`).
@@ -20,7 +21,15 @@ from asyncstep.datatypes import Logprobs
 from asyncstep.engine.chat.reasoning import ReasoningParser, ReasoningStream
 from asyncstep.engine.chat.tool_parsers import ParserStream, ToolParser
 from asyncstep.engine.chat.tools import ForcedCalls, ToolCallStream, ToolMode
-from asyncstep.engine.messages.outputs import CompletionChunk, DeltaToolCall, ToolCall
+from asyncstep.engine.messages.outputs import (
+    ChatChunk,
+    ChatCompletion,
+    ChatOutput,
+    Completion,
+    CompletionChunk,
+    DeltaToolCall,
+    ToolCall,
+)
 
 #: The finish reason of a reply that ended as calls.
 TOOL_CALLS = "tool_calls"
@@ -150,3 +159,46 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
     """A reply's finish reason: ``tool_calls`` where it ended as calls (a
     stop), else the engine's (``length``: cut short)."""
     return TOOL_CALLS if called and reason == "stop" else reason
+
+
+def chat_completion(completion: Completion, reader: ReplyReader) -> ChatCompletion:
+    """``Engine.chat``'s answer: ``completion``'s choices read apart by ``reader``."""
+    outputs = []
+    for output in completion.outputs:
+        reply = reader.whole(output.text)
+        outputs.append(
+            ChatOutput(
+                index=output.index,
+                content=reply.content,
+                reasoning_content=reply.reasoning,
+                tool_calls=reply.calls or [],
+                finish_reason=str(
+                    finish_reason(str(output.finish_reason), reply.calls is not None)
+                ),
+                stop_reason=output.stop_reason,
+                text=output.text,
+                token_ids=output.token_ids,
+                logprobs=output.logprobs,
+            )
+        )
+    return ChatCompletion(
+        request_id=completion.request_id,
+        prompt_token_ids=completion.prompt_token_ids,
+        outputs=outputs,
+    )
+
+
+def chat_chunk(chunk: CompletionChunk, piece: ReplyPiece) -> ChatChunk:
+    """``Engine.chat_stream``'s chunk: the ``piece`` of a reply that
+    ``chunk`` brought (:meth:`ReplyStream.take`)."""
+    return ChatChunk(
+        request_id=chunk.request_id,
+        index=chunk.index,
+        content=piece.content,
+        reasoning_content=piece.reasoning,
+        tool_calls=piece.calls,
+        token_ids=piece.token_ids,
+        finish_reason=piece.finish_reason,
+        stop_reason=chunk.stop_reason,
+        logprobs=piece.logprobs,
+    )

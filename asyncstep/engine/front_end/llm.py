@@ -30,8 +30,9 @@ from asyncstep.config import EngineConfig
 from asyncstep.datatypes import SamplingParams
 from asyncstep.engine.chat.chat_messages import is_chat
 from asyncstep.engine.front_end.api import _preloaded, make_config, open_engine
-from asyncstep.engine.front_end.engine import Engine, EngineStatistics
+from asyncstep.engine.front_end.engine import Engine
 from asyncstep.engine.front_end.input_processor import Prompt
+from asyncstep.engine.front_end.statistics import EngineStatistics
 from asyncstep.engine.messages.outputs import ChatCompletion, Completion
 from asyncstep.errors import EngineDeadError, InvalidRequestError
 from asyncstep.progress import ProgressBar
