@@ -263,6 +263,7 @@ FRONT_END = {
     "asyncstep.structured_params",
     "asyncstep.engine.front_end.api",
     "asyncstep.engine.front_end.engine",
+    "asyncstep.engine.front_end.statistics",
     "asyncstep.engine.messages.outputs",
     # the chat's front end: tools, their parsers, the thinking apart
     "asyncstep.engine.chat.chat_replies",
