@@ -21,7 +21,7 @@ result equals the unfused layer's but for the rounding of the normed rows
 (kept in float32 here, rounded to the activations' dtype there); the
 residual adds and SiLU·mul round as the unfused kernels do.
 
-Tried first and slower (``benchmarks/results/fused_decode``): both norms
+Tried first and slower (``benchmarks/studies/decode_kernels/README.md``): both norms
 and SiLU·mul in the prologues of the GEMV that reads them, each program
 redoing the per-element work over the whole row.
 

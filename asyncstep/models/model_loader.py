@@ -329,7 +329,8 @@ def pack_weights(
     how many of each kind, and their bytes. ``max_tokens`` None: every step
     with the library's blocks (one kernel for every step's size, so a
     request's greedy tokens do not depend on its neighbours), 8 with torch's
-    (where they stop paying against the dense weights: ``benchmarks/results/cpu/``)."""
+    (where they stop paying against the dense weights:
+    ``benchmarks/studies/cpu_kernels/README.md``)."""
     counts = {"dense": 0, "bytes": 0}
     # Decided from the CPU's flags: the library itself is built (once per
     # machine, seconds) when a step first needs it, not while loading.

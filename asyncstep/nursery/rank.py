@@ -15,8 +15,8 @@
   first use of the tensors waits for the post (then, lazily, for the
   tensors: on CUDA the stream waits, not the host). The receiving thread's
   hand-back to the event loop costs host time on every hop
-  (``benchmarks/pp_transfer.py``), which the step does not wait for
-  (``benchmarks/results/layout/``).
+  (:mod:`asyncstep.bench.pp_transfer`), which the step does not wait for
+  (``benchmarks/studies/layout/README.md``).
 * **step task** owns the runner (``GPUWorker.execute_model`` semantics): it
   orders the step after the previous step's sends (``_pp_send_work``: on
   CUDA the stream waits for them, as NCCL's ``wait()`` does in vLLM, so the
@@ -141,7 +141,7 @@ class RankActor:
         pipeline stage's step waits for the previous stage's metadata, which
         a launch thread waits for while the runner prepares the step).
         Inline, no hand-off to a thread is paid per call
-        (``benchmarks/results/host/``)."""
+        (``benchmarks/studies/host/README.md``)."""
         tp = groups.tp if groups is not None else GroupCoordinator.single()
         pp = groups.pp if groups is not None else GroupCoordinator.single()
         if launch_inline is None:

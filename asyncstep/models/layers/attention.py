@@ -240,7 +240,7 @@ def reference_attention_backends() -> AbstractContextManager[None]:
     the context manager itself costs host time). Not cuDNN: it builds an
     execution plan for every new shape, and decode shapes change every step
     (the keys grow by one), so every layer of every step would pay a plan's
-    host time (``benchmarks/profile_decode.py``)."""
+    host time (``benchmarks/studies/overlap/README.md``)."""
     return sdpa_kernel(
         [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     )

@@ -11,7 +11,7 @@ as GGUF stores them): a step of at most
 :data:`~asyncstep.ops.triton.quant.GEMV_MAX_M` rows (a decode step of one
 request) multiplies by it with the Q4 GEMV, reading about a third of bf16's
 bytes; larger steps multiply by the dense weight (why:
-``benchmarks/results/quant_gpu``). An LM head (not tied to the input
+``benchmarks/studies/decode_kernels/README.md``). An LM head (not tied to the input
 embedding) whose weight is exactly 8-bit per block of 32 (a GGUF's Q8_0,
 dequantized) gets a :class:`GpuQ8Weight` the same way.
 
