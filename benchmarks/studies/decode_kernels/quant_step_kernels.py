@@ -3,7 +3,7 @@
 the engine in this process;
 torch's profiler (CUPTI: the kernels of CUDA graph replays too) over the
 decode of ``--tokens`` greedy tokens after a warm-up request (greedy as
-``bench.py latency`` samples; ``--random`` for temperature 1). Prints each kernel
+``asyncstep bench latency`` samples; ``--random`` for temperature 1). Prints each kernel
 name's device time per step, grouped (the Q4 / Q8 GEMV, torch's GEMV, the
 rest), and the sum, which is below the ITL by the device's idle time.
 
