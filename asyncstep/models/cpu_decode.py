@@ -27,6 +27,7 @@ import torch
 from asyncstep.models.layers.attention import AttentionMetadata
 from asyncstep.models.llama import LlamaDecoderLayer
 from asyncstep.ops.cpu.attention import TILE_ROWS
+from asyncstep.ops.cpu.paged_attention import cpu_step_args
 from asyncstep.ops.cpu.quant import _KINDS, QUANT_DTYPES, CpuQuantWeight, quant_matmul
 
 if TYPE_CHECKING:
@@ -89,9 +90,9 @@ class CpuDecodeStack:
             return None
         for layer in layers:
             attention = layer.self_attn
-            if attention.q_norm is not None or attention.attn.fused_rotary is None:
+            if attention.q_norm is not None or not attention.attn.rotates:
                 return None
-            if attention.attn.backend != "cpu" or attention.o_proj.tp_size != 1:
+            if attention.attn.ops.ops.attention_op.name != "cpu" or attention.o_proj.tp_size != 1:
                 return None
             if _quantized(layer) is None or attention.o_proj.bias is not None:
                 return None
@@ -128,9 +129,9 @@ class CpuDecodeStack:
                 residual = residual.contiguous()
         hidden_out = torch.empty(rows, width, dtype=hidden.dtype)
         residual_out = torch.empty(rows, width, dtype=torch.float32)
-        step = meta.cpu_step_args()
-        rotary = self.layers[0].self_attn.attn.fused_rotary
-        assert rotary is not None and step.positions, "the stack rotates q and k: positions needed"
+        step = cpu_step_args(meta)
+        rotary = self.layers[0].self_attn.rotary[0]
+        assert step.positions, "the stack rotates q and k: positions needed"
         block_size = self.layers[0].self_attn.attn.kv_cache.shape[3]
         group = self.num_heads // self.num_kv_heads
         args = _ARGS.pack(

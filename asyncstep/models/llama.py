@@ -109,6 +109,7 @@ class LlamaAttention(nn.Module):
             config.head_dim,
             self.qkv_proj.num_kv_heads,
             scale=config.head_dim**-0.5,
+            rotary=rotary,
         )
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -127,7 +128,7 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self._per_head_norm(q, self.q_norm), self._per_head_norm(k, self.k_norm)
-        if self.attn.fused_rotary is None:  # else rotated by the attention's KV store
+        if not self.attn.rotates:  # else rotated by the attention's KV store
             q, k = self.rotary[0](cos_sin, q, k)
         return q, k, v
 

@@ -56,17 +56,15 @@ from asyncstep.datatypes import (
 from asyncstep.device.stream import record_event
 from asyncstep.logging.spans import tracing
 from asyncstep.models.cpu_decode import CpuDecodeStack
-from asyncstep.models.layers.attention import (
-    BLOCK_DIM,
-    kv_cache_shape,
-    reference_attention_backends,
-)
 from asyncstep.models.layers.embedding import ParallelLMHead
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.ops.attention import BLOCK_DIM, kv_cache_shape
+from asyncstep.ops.base import OpSet
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.ops import CpuOps
 from asyncstep.ops.select import resolve_attention_backend, select_ops
+from asyncstep.ops.torch_attention import reference_attention_backends
 from asyncstep.runner.async_output import AsyncModelRunnerOutput, host_logprobs
 from asyncstep.runner.cpu_threads import CpuThreads
 from asyncstep.runner.cudagraph_dispatcher import (
@@ -170,16 +168,22 @@ class ModelRunner:
             compilation.attention_backend, device, dtype
         )
         self.fused_kernels = compilation.fused_kernels and self.attention_backend == "triton"
-        #: The models' norms, activations and rotary.
+        #: The model's kernels: norms, activations, rotary, attention, matmuls.
         self.ops = select_ops(
-            device, self.attention_backend, fused_kernels=compilation.fused_kernels
+            device,
+            self.attention_backend,
+            fused_kernels=compilation.fused_kernels,
+            fused_decode=compilation.fused_decode,
         )
-        self._configure_model(model, fused_decode=compilation.fused_decode)
+        self._configure_model(model, self.ops, fused_decode=compilation.fused_decode)
         #: ``draft_model`` speculation's draft model (None: not that method).
         self.drafter: DraftModel | None = None
         if draft_model is not None:
             assert speculative_config is not None
-            self._configure_model(draft_model, fused_decode=False)
+            draft_ops = select_ops(
+                device, self.attention_backend, fused_kernels=compilation.fused_kernels
+            )
+            self._configure_model(draft_model, draft_ops, fused_decode=False)
             self.drafter = DraftModel(
                 draft_model,
                 device=device,
@@ -221,18 +225,12 @@ class ModelRunner:
             sequence_parallel=model.sequence_parallel,
         )
 
-    def _configure_model(self, model: LlamaForCausalLM, *, fused_decode: bool) -> None:
+    def _configure_model(self, model: LlamaForCausalLM, ops: OpSet, *, fused_decode: bool) -> None:
         """Set ``model``'s layers to this runner's attention backend and kernels."""
-        # The Triton KV store and the CPU kernel rotate q and k as they read them.
-        rotates = self.fused_kernels or self.attention_backend == "cpu"
-        model.use_ops(self.ops)
+        model.use_ops(ops)
         model.model.use_fused_decode(self.fused_kernels and fused_decode)
         _use_dense_gemv(model, self.fused_kernels and fused_decode)
-        for attn in model.attention_layers():
-            attn.backend = self.attention_backend
-            attn.fused_rotary = model.model.rotary if rotates else None
-            attn.fused_decode = model.model.fused_decode
-        kernels = load_cpu_kernels() if isinstance(self.ops, CpuOps) else None
+        kernels = load_cpu_kernels() if isinstance(ops, CpuOps) else None
         model.model.decode_stack = (
             None if kernels is None else CpuDecodeStack.build(kernels, model.model.stage_layers())
         )

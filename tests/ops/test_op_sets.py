@@ -21,6 +21,7 @@ from asyncstep.models.layers.rotary import RotaryEmbedding
 from asyncstep.ops import TORCH_OPS, OpSet, select_ops
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.select import triton_available
+from asyncstep.ops.torch_attention import TORCH_ATTENTION
 
 CPU = torch.device("cpu")
 EPS = 1e-5
@@ -34,13 +35,15 @@ def op_set(name: str) -> OpSet:
         if kernels is None:
             pytest.skip("the CPU library does not build here")
         from asyncstep.ops.cpu.ops import CpuOps
+        from asyncstep.ops.cpu.paged_attention import CpuAttention
 
-        return CpuOps(kernels.layer_ops)
+        return CpuOps(kernels.layer_ops, CpuAttention(kernels.attention))
     if not triton_available():
         pytest.skip("needs triton")
     from asyncstep.ops.triton import TritonOps
+    from asyncstep.ops.triton.paged_attention import TritonAttention
 
-    return TritonOps()
+    return TritonOps(TritonAttention(rotates=True))
 
 
 @pytest.fixture(params=["cpu", "triton"])
@@ -153,11 +156,20 @@ def test_the_choice() -> None:
     on; the CPU library's on the CPU with the fused kernels, where it builds;
     else the reference."""
     assert select_ops(CPU, "torch", fused_kernels=False) is TORCH_OPS
-    assert select_ops(CPU, "cpu", fused_kernels=False) is TORCH_OPS
+    if load_cpu_kernels() is not None:
+        beside = select_ops(CPU, "cpu", fused_kernels=False)  # the reference's layer ops
+        assert beside.name == "torch" and beside.attention_op.name == "cpu"
+        assert beside.rotates_in_kv_store
     cpu = select_ops(CPU, "cpu", fused_kernels=True)
     assert cpu.name == ("torch" if load_cpu_kernels() is None else "cpu")
+    assert select_ops(CPU, "torch", fused_kernels=True).attention_op is TORCH_ATTENTION
     if triton_available():
-        assert select_ops(torch.device("cuda"), "triton", fused_kernels=True).name == "triton"
+        cuda = torch.device("cuda")
+        triton = select_ops(cuda, "triton", fused_kernels=True)
+        assert triton.name == "triton" and triton.rotates_in_kv_store
+        unfused = select_ops(cuda, "triton", fused_kernels=False)
+        assert unfused.name == "torch" and unfused.attention_op.name == "triton"
+        assert not unfused.rotates_in_kv_store  # the reference's rotary, then the store
     assert select_ops(torch.device("cuda"), "torch", fused_kernels=True) is TORCH_OPS
 
 
