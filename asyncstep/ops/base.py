@@ -16,14 +16,14 @@ May import torch, :mod:`asyncstep.ops.attention` and :mod:`asyncstep.ops.packed`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from asyncstep.ops.attention import AttentionMetadata, AttentionShape
 from asyncstep.ops.packed import PackedWeight
 
-__all__ = ["AttentionOp", "OpSet", "RotaryCosSin"]
+__all__ = ["AttentionOp", "OpSet", "RotaryCosSin", "StepPath"]
 
 
 @dataclass
@@ -66,6 +66,27 @@ class AttentionOp(Protocol):
         shape: AttentionShape,
         cos_sin_cache: torch.Tensor | None,
     ) -> torch.Tensor: ...
+
+
+class StepPath(Protocol):
+    """A pipeline stage's decoder layers as one fast path (a whole-stack
+    kernel or a fused decode), for the steps it takes; other steps run the
+    layers one by one."""
+
+    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether a step of ``hidden`` rows goes through the path."""
+        ...
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(hidden, residual)`` after the stage's layers, for the final
+        norm (None: ``hidden`` is the whole residual stream)."""
+        ...
 
 
 class OpSet(Protocol):
@@ -164,4 +185,11 @@ class OpSet(Protocol):
     ) -> torch.Tensor:
         """The LM head's ``x @ weight.T``: as :meth:`linear`, in a dtype of
         the op set's choosing (float32 where its matmul sums so)."""
+        ...
+
+    def step_path(self, layers: list[Any]) -> StepPath | None:
+        """The op set's whole-stack path over a stage's decoder ``layers``
+        (their weights loaded and packed), where they qualify; else None.
+        The layers are a model's, read by their attributes (ops import no
+        model)."""
         ...

@@ -90,7 +90,7 @@ def select_ops(
     if fused_kernels and attention_backend == "triton":
         from asyncstep.ops.triton import TritonOps
 
-        return TritonOps(attention, dense_gemv=fused_decode)
+        return TritonOps(attention, fused_decode=fused_decode)
     if fused_kernels and device.type == "cpu":
         kernels = load_cpu_kernels()
         if kernels is not None:

@@ -19,11 +19,13 @@ formats and reference attention.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from asyncstep.ops.attention import AttentionMetadata, AttentionShape
-from asyncstep.ops.base import AttentionOp, RotaryCosSin
+from asyncstep.ops.base import AttentionOp, RotaryCosSin, StepPath
 from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
 
@@ -84,6 +86,9 @@ class TorchOps:
         if packed is not None and packed.applies(x):
             return packed.logits(x)
         return F.linear(x, weight)
+
+    def step_path(self, layers: list[Any]) -> StepPath | None:
+        return None
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, float32_residual: bool

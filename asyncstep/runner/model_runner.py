@@ -33,7 +33,7 @@ when rows moved) updates the batch with a few array operations, copies the
 previous step's ids into the input ids without a gather, samples with the
 last step's metadata and takes the decode path of the step inputs.
 
-May import the runner's modules, the model and its layers, ``asyncstep.device``,
+May import the runner's modules, the model (no layer class), ``asyncstep.device``,
 ``asyncstep.ops``, ``asyncstep.datatypes`` and ``asyncstep.config``.
 """
 
@@ -55,14 +55,8 @@ from asyncstep.datatypes import (
 )
 from asyncstep.device.stream import record_event
 from asyncstep.logging.spans import tracing
-from asyncstep.models.cpu_decode import CpuDecodeStack
-from asyncstep.models.layers.embedding import ParallelLMHead
-from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.ops.attention import BLOCK_DIM, kv_cache_shape
-from asyncstep.ops.base import OpSet
-from asyncstep.ops.cpu.library import load_cpu_kernels
-from asyncstep.ops.cpu.ops import CpuOps
 from asyncstep.ops.select import resolve_attention_backend, select_ops
 from asyncstep.ops.torch_attention import reference_attention_backends
 from asyncstep.runner.async_output import AsyncModelRunnerOutput, host_logprobs
@@ -175,15 +169,15 @@ class ModelRunner:
             fused_kernels=compilation.fused_kernels,
             fused_decode=compilation.fused_decode,
         )
-        self._configure_model(model, self.ops, fused_decode=compilation.fused_decode)
+        model.use_ops(self.ops)
         #: ``draft_model`` speculation's draft model (None: not that method).
         self.drafter: DraftModel | None = None
         if draft_model is not None:
             assert speculative_config is not None
-            draft_ops = select_ops(
-                device, self.attention_backend, fused_kernels=compilation.fused_kernels
+            # The draft model's own op set: no fused decode.
+            draft_model.use_ops(
+                select_ops(device, self.attention_backend, fused_kernels=compilation.fused_kernels)
             )
-            self._configure_model(draft_model, draft_ops, fused_decode=False)
             self.drafter = DraftModel(
                 draft_model,
                 device=device,
@@ -223,16 +217,6 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             num_tokens_multiple=self.num_tokens_multiple,
             sequence_parallel=model.sequence_parallel,
-        )
-
-    def _configure_model(self, model: LlamaForCausalLM, ops: OpSet, *, fused_decode: bool) -> None:
-        """Set ``model``'s layers to this runner's attention backend and kernels."""
-        model.use_ops(ops)
-        model.model.use_fused_decode(self.fused_kernels and fused_decode)
-        _use_dense_gemv(model, self.fused_kernels and fused_decode)
-        kernels = load_cpu_kernels() if isinstance(ops, CpuOps) else None
-        model.model.decode_stack = (
-            None if kernels is None else CpuDecodeStack.build(kernels, model.model.stage_layers())
         )
 
     @property
@@ -597,12 +581,3 @@ def _spec_grammar_rows(
         if req_id in first_row and j < first_row[req_id][1]:
             pairs.append((first_row[req_id][0] + j, mask_row))
     return pairs
-
-
-def _use_dense_gemv(model: LlamaForCausalLM, on: bool) -> None:
-    """Switch the model's linear layers and LM head to (or off) the Triton
-    GEMV for one-row steps of dense 16-bit weights on CUDA
-    (:func:`asyncstep.ops.triton.gemv.dense_gemv`)."""
-    for module in model.modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
-            module.dense_gemv = on

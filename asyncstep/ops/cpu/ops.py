@@ -6,18 +6,23 @@ float32 sums (``cpu_dense.c``: a bfloat16 logit of ~20 moves in steps of
 0.125, which ties tokens that float32 separates); the reference's ops where
 the library does not take the input (float16, a residual stream that is not
 float32), and for the rotary embedding (the CPU attention op rotates q and
-k as it reads them).
+k as it reads them). Its step path: the whole decoder stack in one call
+(:mod:`~asyncstep.ops.cpu.decode_stack`).
 
 May import torch and :mod:`asyncstep.ops`' base, reference and CPU library.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from asyncstep.ops.base import AttentionOp
+from asyncstep.ops.base import AttentionOp, StepPath
+from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
 from asyncstep.ops.cpu.dense import dense_matmul
 from asyncstep.ops.cpu.layer_ops import CpuLayerOps
+from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.quant import CpuQuantWeight
 from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
@@ -34,6 +39,12 @@ class CpuOps(TorchOps):
     def __init__(self, layer_ops: CpuLayerOps, attention: AttentionOp = TORCH_ATTENTION) -> None:
         super().__init__(attention)
         self.layer_ops = layer_ops
+
+    def step_path(self, layers: list[Any]) -> StepPath | None:
+        """The library's decoder stack in one call, where the layers qualify
+        (:mod:`~asyncstep.ops.cpu.decode_stack`)."""
+        kernels = load_cpu_kernels()
+        return None if kernels is None else CpuDecodeStack.build(kernels, layers)
 
     def logits(
         self, x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None

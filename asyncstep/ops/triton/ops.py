@@ -4,8 +4,9 @@ the rotary embedding each in one kernel
 activations' dtype of the reference's). A step's rotation is its positions
 alone: the kernels read cos and sin from the cache. RMSNorm without a
 residual, and an add + norm starting the stream, are the reference's. With
-``dense_gemv`` (the fused decode's), a one-row step of 16-bit dense weights
-on CUDA multiplies with :func:`~asyncstep.ops.triton.gemv.dense_gemv`.
+``fused_decode``: a one-row step of 16-bit dense weights on CUDA multiplies
+with :func:`~asyncstep.ops.triton.gemv.dense_gemv`, and the step path is
+the fused decode over Q4 layers (:mod:`~asyncstep.ops.triton.fused_decode`).
 
 May import torch, triton (on use) and :mod:`asyncstep.ops`' base,
 reference and Triton kernels.
@@ -13,10 +14,12 @@ reference and Triton kernels.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from asyncstep.ops.base import AttentionOp, RotaryCosSin
+from asyncstep.ops.base import AttentionOp, RotaryCosSin, StepPath
 from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_ref import TorchOps
 
@@ -28,9 +31,16 @@ class TritonOps(TorchOps):
 
     name = "triton"
 
-    def __init__(self, attention: AttentionOp, *, dense_gemv: bool = False) -> None:
+    def __init__(self, attention: AttentionOp, *, fused_decode: bool = False) -> None:
         super().__init__(attention)
-        self.dense_gemv = dense_gemv
+        self.fused_decode = fused_decode
+
+    def step_path(self, layers: list[Any]) -> StepPath | None:
+        if not self.fused_decode:
+            return None
+        from asyncstep.ops.triton.fused_decode import FusedDecodePath
+
+        return FusedDecodePath.build(layers)
 
     def linear(
         self,
@@ -41,7 +51,7 @@ class TritonOps(TorchOps):
     ) -> torch.Tensor:
         if packed is not None and packed.applies(x):
             y = packed.mm(x)
-        elif self.dense_gemv and _one_row_on_cuda(x, weight):
+        elif self.fused_decode and _one_row_on_cuda(x, weight):
             from asyncstep.ops.triton.gemv import dense_gemv
 
             y = dense_gemv(x, weight)
