@@ -12,27 +12,38 @@ attention is the CPU kernel with its rotary fused, on one tensor-parallel
 rank (the stack has no all-reduce), without per-head q/k norms; else None,
 and the model keeps its layer-by-layer forward. Steps of more tokens than
 the packed weights take (or with padding rows) go layer by layer too.
-Imports torch, the layers' modules and :mod:`~asyncstep.models.llama` (the
-layers it reads).
+
+It is the CPU op set's step path (:meth:`~asyncstep.ops.cpu.ops.CpuOps.step_path`).
+It reads a model's decoder layers by their attributes (ops import no
+model): ``input_layernorm`` / ``post_attention_layernorm`` (``weight``,
+``eps``), ``self_attn`` (``qkv_proj``, ``o_proj``, ``q_norm``, ``rotary``,
+``attn``: heads, scale, ``kv_cache``, ``rotates``, ``ops``) and ``mlp``
+(``gate_up_proj``, ``down_proj``), each projection's ``packed``, ``bias``
+and ``tp_size``.
+
+May import torch and :mod:`asyncstep.ops`' attention metadata and CPU library.
 """
 
 from __future__ import annotations
 
 import ctypes
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncstep.models.layers.attention import AttentionMetadata
-from asyncstep.models.llama import LlamaDecoderLayer
+from asyncstep.ops.attention import AttentionMetadata
 from asyncstep.ops.cpu.attention import TILE_ROWS
+from asyncstep.ops.cpu.paged_attention import cpu_step_args
 from asyncstep.ops.cpu.quant import _KINDS, QUANT_DTYPES, CpuQuantWeight, quant_matmul
 
 if TYPE_CHECKING:
     from asyncstep.ops.cpu.library import CpuKernels
 
 __all__ = ["CpuDecodeStack"]
+
+#: A model's decoder layer, read by its attributes (the module's docstring).
+DecoderLayer = Any
 
 #: ``StackLayer``: input norm, qkv (kind, data, out, in), qkv bias, o, post
 #: norm, gate_up, down, KV cache, its blocks. 8 bytes per field.
@@ -57,7 +68,7 @@ _ARGS = struct.Struct(
 class CpuDecodeStack:
     """The stage's layers as the library's one call (see the module's docstring)."""
 
-    def __init__(self, library: ctypes.CDLL, layers: list[LlamaDecoderLayer]) -> None:
+    def __init__(self, library: ctypes.CDLL, layers: list[DecoderLayer]) -> None:
         self._fn = library.asyncstep_decode_stack
         self._fn.argtypes = [ctypes.c_char_p]
         self._fn.restype = ctypes.c_int
@@ -82,16 +93,16 @@ class CpuDecodeStack:
         self._bound_caches: tuple[int, ...] = ()
 
     @classmethod
-    def build(cls, kernels: CpuKernels, layers: list[LlamaDecoderLayer]) -> CpuDecodeStack | None:
+    def build(cls, kernels: CpuKernels, layers: list[DecoderLayer]) -> CpuDecodeStack | None:
         """The stack for ``layers`` when they qualify (the module's docstring), else None."""
         matmul = quant_matmul()
         if not layers or matmul is None or not matmul.fast:
             return None
         for layer in layers:
             attention = layer.self_attn
-            if attention.q_norm is not None or attention.attn.fused_rotary is None:
+            if attention.q_norm is not None or not attention.attn.rotates:
                 return None
-            if attention.attn.backend != "cpu" or attention.o_proj.tp_size != 1:
+            if attention.attn.ops.ops.attention_op.name != "cpu" or attention.o_proj.tp_size != 1:
                 return None
             if _quantized(layer) is None or attention.o_proj.bias is not None:
                 return None
@@ -115,11 +126,15 @@ class CpuDecodeStack:
         )
 
     def __call__(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden, residual)`` after the stage's layers (as the
         layer-by-layer forward returns them: the last MLP's output, and the
-        float32 residual stream)."""
+        float32 residual stream); the positions are ``meta``'s."""
         rows, width = hidden.shape
         if residual is not None:
             if residual.dtype != torch.float32 or residual.shape != hidden.shape:
@@ -128,9 +143,9 @@ class CpuDecodeStack:
                 residual = residual.contiguous()
         hidden_out = torch.empty(rows, width, dtype=hidden.dtype)
         residual_out = torch.empty(rows, width, dtype=torch.float32)
-        step = meta.cpu_step_args()
-        rotary = self.layers[0].self_attn.attn.fused_rotary
-        assert rotary is not None and step.positions, "the stack rotates q and k: positions needed"
+        step = cpu_step_args(meta)
+        rotary = self.layers[0].self_attn.rotary[0]
+        assert step.positions, "the stack rotates q and k: positions needed"
         block_size = self.layers[0].self_attn.attn.kv_cache.shape[3]
         group = self.num_heads // self.num_kv_heads
         args = _ARGS.pack(
@@ -181,7 +196,7 @@ class CpuDecodeStack:
         return self._layer_array
 
     @staticmethod
-    def _pack_layer(layer: LlamaDecoderLayer, bias: torch.Tensor | None) -> bytes:
+    def _pack_layer(layer: DecoderLayer, bias: torch.Tensor | None) -> bytes:
         qkv, o, gate_up, down = _quantized(layer) or ()
         kv_cache = layer.self_attn.attn.kv_cache
         if kv_cache.dim() != 5 or not kv_cache.is_contiguous():
@@ -199,7 +214,7 @@ class CpuDecodeStack:
         )
 
 
-def _quantized(layer: LlamaDecoderLayer) -> tuple[CpuQuantWeight, ...] | None:
+def _quantized(layer: DecoderLayer) -> tuple[CpuQuantWeight, ...] | None:
     """The layer's four projections' packed weights, when each is the CPU library's."""
     modules = (
         layer.self_attn.qkv_proj,
@@ -209,7 +224,7 @@ def _quantized(layer: LlamaDecoderLayer) -> tuple[CpuQuantWeight, ...] | None:
     )
     packed = tuple(m.packed for m in modules)
     if all(isinstance(p, CpuQuantWeight) for p in packed):
-        return packed  # type: ignore[return-value]
+        return packed
     return None
 
 
