@@ -40,8 +40,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 #: AVX2): small enough that a step of the embedded model stays under a
 #: second, so no stream's next token (nor an abort, which waits for the step
 #: in flight) waits long behind a long prompt's prefill (chunked over
-#: steps). Picked with ``benchmarks/cpu_step_budget.py`` (its results:
-#: ``benchmarks/results/cpu_step_budget*.json``); run it again when the CPU
+#: steps). The study that picked it: ``benchmarks/studies/cpu_step_budget/README.md``
+#: (its question, command, figures and decision); run it again when the CPU
 #: forward changes. Where the CPU multiplies bfloat16 (AVX512-BF16, AMX):
 CPU_MAX_NUM_BATCHED_TOKENS = 256
 #: ... elsewhere (the model runs float32).
@@ -286,7 +286,7 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     stage all-gathers (vLLM's way; pays where the stage-to-stage link is slower
     than the links inside a stage, e.g. stages on different hosts). False: each
     TP rank sends its whole tensors, no gather (faster on one NVLink host:
-    ``benchmarks/results/layout/``).
+    ``benchmarks/studies/layout/README.md``).
     """
 
     tensor_parallel_size: Annotated[int, _doc("tensor-parallel ranks per pipeline stage")] = 1
@@ -477,7 +477,7 @@ class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
     every request waiting for it went away. The defaults pass real-world
     grammars (tool-call and form schemas of hundreds of properties, nesting
     to 32 levels) and refuse the sizes of the attacks in
-    ``benchmarks/results/grammar/``.
+    ``benchmarks/studies/grammar/README.md``.
     """
 
     grammar_max_bytes: Annotated[

@@ -141,7 +141,7 @@ def test_the_cpu_step_budget_follows_the_cpus_bfloat16(
     monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
     """Where the CPU multiplies bfloat16 a step's tokens cost far less than in
-    float32 (``benchmarks/results/cpu_step_budget*.json``): a larger budget."""
+    float32 (``benchmarks/studies/cpu_step_budget/README.md``): a larger budget."""
     from asyncstep import config as config_module
 
     monkeypatch.setattr(config_module, "cpu_has_bf16", lambda: native)

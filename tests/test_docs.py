@@ -11,8 +11,9 @@ The convention, for whoever writes the docs:
   are exactly :data:`NOT_RUN` (kept small and explicit).
 * Every ```` ```python ```` block is executed: a page's blocks in order, in
   one namespace (an example may use what the one before it built).
-* A command quoted inline (```asyncstep ...``, ```python3 benchmarks/...```)
-  is checked: every flag it names exists.
+* A command quoted inline (```asyncstep ...``, ```python3 benchmarks/...```,
+  ```python3 -m asyncstep.bench.NAME ...```) is checked: every flag it names
+  exists.
 
 How each kind runs here:
 
@@ -36,10 +37,11 @@ How each kind runs here:
 * ``asyncstep bench MODE ...`` at full size takes minutes or a GPU: every
   flag it names must be one its mode takes. The small runs are
   ``tests/bench/test_bench.py``'s (marked so, and checked to be the same).
-* ``python3 benchmarks/...`` and ``bash benchmarks/...``: a benchmark takes
-  minutes or a GPU; the script must exist and take every flag given (its
-  ``add_argument`` strings, and the engine's flags where it passes unknown
-  ones on).
+* ``python3 benchmarks/...``, ``bash benchmarks/...`` and ``python3 -m
+  asyncstep.bench.NAME`` (a maintained measurement): a benchmark takes
+  minutes or a GPU; the script or module must exist and take every flag
+  given (its ``add_argument`` strings, and the engine's flags where it
+  passes unknown ones on).
 * Python examples: ``asyncstep.open_engine`` and ``asyncstep.LLM`` open the
   tiny checkpoint when given no model, with the engine core in this process.
   The ``engine.chat`` example forces a tool call, which needs a model that
@@ -103,7 +105,9 @@ PLACEHOLDER = "/path/to/hf-checkpoint"
 DOCS_URL = "http://127.0.0.1:8000"
 MARK = re.compile(r"# \(not run by tests/test_docs\.py: (.+)\)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-INLINE = re.compile(r"`((?:asyncstep|python3? benchmarks/|bash benchmarks/)[^`]*)`")
+INLINE = re.compile(
+    r"`((?:asyncstep|python3? benchmarks/|bash benchmarks/|python3? -m asyncstep\.bench\.)[^`]*)`"
+)
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
@@ -198,6 +202,18 @@ def test_the_convention_holds() -> None:
     assert by_test_bench == {shlex.join(argv) for argv in readme_commands().values()}
 
 
+def benchmark_script(text: str) -> Path | None:
+    """The file a benchmark command runs: ``python3 benchmarks/X.py``'s or
+    ``bash benchmarks/X.sh``'s script, ``python3 -m asyncstep.bench.X``'s
+    module; None for another command."""
+    words = text.split()
+    if len(words) > 1 and words[1].startswith("benchmarks/"):
+        return ROOT / words[1]
+    if len(words) > 2 and words[1] == "-m" and words[2].startswith("asyncstep.bench."):
+        return ROOT / (words[2].replace(".", "/") + ".py")
+    return None
+
+
 def kind(command: Command) -> str | None:
     """How a command is run or checked here (see the module's docstring)."""
     argv = command.argv
@@ -209,7 +225,7 @@ def kind(command: Command) -> str | None:
         return argv[1]
     if argv[0] == "curl":
         return "curl"
-    if len(argv) > 1 and argv[1].startswith("benchmarks/"):
+    if benchmark_script(command.text) is not None:
         return "benchmark"
     if argv[:2] == ["asyncstep", "bench"]:
         return "bench"
@@ -253,16 +269,23 @@ def engine_flags(subcommand: str = "generate") -> set[str]:
 
 def script_flags(script: Path) -> set[str]:
     """The flags a benchmark script takes: its ``add_argument`` strings (of
-    every module of ``benchmarks/`` it imports), and the engine's where it
-    passes unknown ones on."""
+    every module beside it, of ``benchmarks/`` or of ``asyncstep.bench`` it
+    imports), and the engine's where it passes unknown ones on."""
     flags: set[str] = set()
     sources = [script]
     tree = ast.parse(script.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            local = ROOT / "benchmarks" / f"{node.module.split('.')[-1]}.py"
-            if local.exists() and local != script:
-                sources.append(local)
+            modules = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            for module in modules:
+                last = module.split(".")[-1]
+                for local in (
+                    script.parent / f"{last}.py",
+                    ROOT / "benchmarks" / f"{last}.py",
+                    ROOT / (module.replace(".", "/") + ".py"),
+                ):
+                    if local.exists() and local != script and local not in sources:
+                        sources.append(local)
     for source in sources:
         text = source.read_text()
         found = set(re.findall(r"""["'](--[a-z][a-z0-9-]*)["']""", text))
@@ -275,14 +298,10 @@ def script_flags(script: Path) -> set[str]:
 
 
 def benchmark_commands() -> list[tuple[str, str]]:
-    def runs_a_benchmark(text: str) -> bool:
-        words = text.split()
-        return len(words) > 1 and words[1].startswith("benchmarks/")
-
-    found = [(c.page, c.text) for c in all_commands() if runs_a_benchmark(c.text)]
+    found = [(c.page, c.text) for c in all_commands() if benchmark_script(c.text) is not None]
     for page in PAGES:
         for text in INLINE.findall(outside_fences(page)):
-            if runs_a_benchmark(text):
+            if benchmark_script(text) is not None:
                 found.append((name(page), text))
     return found
 
@@ -291,8 +310,8 @@ def test_every_benchmark_command_names_a_script_and_flags_it_takes() -> None:
     found = benchmark_commands()
     assert len(found) >= 5
     for page, text in found:
-        script = ROOT / text.split()[1]
-        assert script.exists(), (page, text)
+        script = benchmark_script(text)
+        assert script is not None and script.exists(), (page, text)
         if script.suffix == ".py":
             unknown = set(FLAG.findall(text)) - script_flags(script)
             assert unknown == set(), (page, text)
@@ -587,3 +606,23 @@ def test_every_page_a_page_or_docstring_cites_is_in_the_repository() -> None:
             cited += 1
             assert (ROOT / path).is_file() or (ROOT / "docs" / path).is_file(), (where, path)
     assert cited >= 10
+
+
+def test_the_benchmarks_index_names_every_study_and_measurement() -> None:
+    """``benchmarks/README.md`` indexes what is there: every study (each with
+    its README: question, command, figures, decision) and its scripts, and
+    every maintained measurement run with ``python3 -m asyncstep.bench.NAME``;
+    no script lies loose in ``benchmarks/``."""
+    index = (ROOT / "benchmarks" / "README.md").read_text()
+    assert sorted(p.name for p in (ROOT / "benchmarks").glob("*.*")) == ["README.md"]
+    for study in sorted((ROOT / "benchmarks" / "studies").iterdir()):
+        readme = (study / "README.md").read_text()
+        for part in ("**Question.**", "**Results.**"):
+            assert part in readme or study.name == "tools", (study.name, part)
+        assert f"(studies/{study.name}/README.md)" in index, study.name
+        for script in sorted(study.glob("*.*")):
+            if script.suffix in {".py", ".sh"}:
+                assert f"`{script.name}`" in index, (study.name, script.name)
+    for module in sorted((ROOT / "asyncstep" / "bench").glob("*.py")):
+        if 'if __name__ == "__main__":' in module.read_text():
+            assert f"`python3 -m asyncstep.bench.{module.stem}`" in index, module.stem

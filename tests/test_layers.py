@@ -198,3 +198,36 @@ def test_the_walk_sees_imports_of_every_kind() -> None:
     assert "asyncstep.models.model_loader" in api  # in a function
     assert "asyncstep.models.model_info" in api  # TYPE_CHECKING
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: The op-set implementations: whoever runs a model selects one
+#: (:mod:`asyncstep.ops.select`); the models hold weights and call it.
+IMPLEMENTATIONS = ("asyncstep.ops.cpu", "asyncstep.ops.triton")
+
+
+def test_models_import_the_op_set_protocol_never_an_implementation() -> None:
+    """``asyncstep.models`` imports ``asyncstep.ops``' protocol, reference,
+    formats and selection, never the CPU library's or Triton's modules (the
+    runner imports neither: it selects through :mod:`asyncstep.ops.select`)."""
+    edges = graph()
+    found = [
+        f"{module} -> {target}"
+        for module, targets in sorted(edges.items())
+        if module.startswith(("asyncstep.models", "asyncstep.runner.model_runner"))
+        for target in sorted(targets)
+        if target.startswith(IMPLEMENTATIONS)
+    ]
+    assert found == []
+
+
+def test_the_runner_imports_no_layer_class() -> None:
+    """The runner hands its model an op set (``use_ops``): it sets nothing on the layers."""
+    edges = graph()
+    found = [
+        f"{module} -> {target}"
+        for module, targets in sorted(edges.items())
+        if module.startswith("asyncstep.runner")
+        for target in sorted(targets)
+        if target.startswith("asyncstep.models.layers")
+    ]
+    assert found == []

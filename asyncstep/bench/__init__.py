@@ -6,6 +6,15 @@ line lends its flag builder, :class:`~asyncstep.bench.args.CliFlags`, so
 this package never imports it), writes one JSON record
 (:class:`~asyncstep.bench.results.Result`) and prints a table. A mode's
 module is imported only when it runs: nothing here imports torch.
+
+The other maintained measurements are modules run as ``python3 -m
+asyncstep.bench.NAME`` (:mod:`~asyncstep.bench.host_cpu`,
+:mod:`~asyncstep.bench.pp_transfer`, :mod:`~asyncstep.bench.layout_tokens`,
+:mod:`~asyncstep.bench.door` with its harness
+:mod:`~asyncstep.bench.door_harness`, :mod:`~asyncstep.bench.tool_validity`),
+writing the same format (:mod:`~asyncstep.bench.measurement`); the tests
+import them. This package may import the engine and below, and the server
+(``tool_validity``), never the command line.
 """
 
 from __future__ import annotations

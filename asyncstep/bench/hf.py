@@ -132,7 +132,7 @@ def guarded(label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> An
 def quoted(path: Path, key: str) -> Row | None:
     """The HF figures of configuration ``key`` in an earlier run's JSON: an
     ``asyncstep bench`` record (a case's ``detail.hf``) or an older
-    ``benchmarks/bench.py`` one (a row's ``hf``)."""
+    ``benchmarks/bench.py`` one, retired (a row's ``hf``)."""
     earlier = json.loads(path.read_text())
     found = [(c.get("name"), c.get("detail", {}).get("hf")) for c in earlier.get("cases", [])]
     found += [(r.get("key"), r.get("hf")) for r in earlier.get("rows", [])]

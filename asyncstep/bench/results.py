@@ -266,11 +266,14 @@ def make_result(
     options: dict[str, Any],
     cases: list[Case],
     extra: dict[str, Any] | None = None,
+    command: Sequence[str] | None = None,
 ) -> Result:
-    """The record of one run (``engine``: its EngineConfig, or None)."""
+    """The record of one run (``engine``: its EngineConfig, or None;
+    ``command``: the command line before ``argv``, ``asyncstep bench MODE``'s
+    by default)."""
     return Result(
         mode=mode,
-        command=["asyncstep", "bench", *argv],
+        command=[*(["asyncstep", "bench"] if command is None else command), *argv],
         invoked=list(sys.argv),
         git=git_info(),
         started=started,

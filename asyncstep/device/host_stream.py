@@ -37,7 +37,7 @@ def switch_interval(seconds: float | None) -> Iterator[None]:
     the GIL: a thread that wants it waits up to this interval for the other
     to let go, so Python's 5 ms default stalls hand-offs between them (the
     gain of a shorter one varies between machines:
-    ``benchmarks/results/fastpath/README.md``)."""
+    ``benchmarks/studies/fastpath/README.md``)."""
     if seconds is None:
         yield
         return

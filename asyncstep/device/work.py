@@ -1,44 +1,26 @@
 """Awaiting ``torch.distributed`` Work handles and CUDA events without blocking
-the event loop.
+the event loop (the backends' behaviour this rests on: docs/architecture.md,
+"Awaiting collectives and events").
 
-Facts this module is built on, found by experiment (torch 2.13 gloo on CPU,
-torch 2.11 + NCCL 2.28 on CUDA; the figures in ``docs/performance.md``):
+Contract:
 
-- gloo: ``isend``/``irecv`` handles have no useful future and never report
-  ``is_completed()`` until ``wait()`` is called, so the only way to learn that
-  one finished is a blocking ``wait()``. ``wait()`` releases the GIL, so it
-  runs in a worker thread while the loop goes on. A gloo send is a rendezvous:
-  it does not complete, at any size (1 KiB to 64 MiB tried), before the peer
-  posted its receive.
-- gloo: ``wait()`` must be called **once** per handle: a second ``wait()`` on a
-  finished send or receive blocks until the group's timeout, then raises.
-  :class:`PendingWork` counts the handles already waited, so none is waited
-  twice, even when a waiting thread was abandoned by a cancelled task and
-  finishes later.
-- gloo: a send whose Work handle is garbage-collected before it completed is
-  cancelled (the receiver then waits forever): keep handles referenced until
-  they completed (:class:`PendingWork` does, and so does an abandoned thread).
-- NCCL: ``get_future()`` is done at enqueue, and ``wait()`` returns at once
-  (``is_completed()`` still false): it only makes the calling thread's
-  *current stream* wait for the operation's end event. A buffer overwritten
-  on another stream right after it reaches the receiver corrupted (NaNs). NCCL
-  also completes sends of up to 32 MiB before the receiver posted (it buffers
-  them); 256 MiB ones wait for the receiver. To learn on the host that an
-  operation finished (so its buffer may be reused on any stream) we make a
-  private side stream wait (``wait()`` under that stream), record a
-  ``torch.cuda.Event(blocking=True)`` on it and ``synchronize()`` that event in
-  a worker thread: a blocking event sleeps (no spinning) and releases the GIL.
-  The side stream runs nothing else, so the compute streams never wait for a
-  send. No Python host callbacks (they can deadlock against a thread that
-  holds the GIL while calling CUDA).
+* :func:`wait_work` and :func:`wait_cuda_event` return once the operation
+  finished on the device (not merely enqueued), so its buffer may then be
+  reused on any stream; the blocking wait runs in a worker thread (gloo's
+  ``wait()``, a blocking CUDA event's ``synchronize()``: both release the
+  GIL, neither spins); no Python host callback is used.
+* Each gloo handle is waited **once**, and every handle stays referenced
+  until it completed (:class:`PendingWork` keeps the count and the
+  references, even for a waiting thread abandoned by a cancelled task).
+* Cancellation: a transfer cannot be cancelled, and its buffer must not be
+  reused before it completed. :func:`wait_work` and :func:`wait_cuda_event`
+  shield the wait: a cancellation that arrives meanwhile is delivered when
+  the wait ends. :meth:`PendingWork.wait` may instead abandon its thread on
+  cancellation (``abandon_on_cancel=True``): safe only because the object
+  keeps the completion bookkeeping itself, so whoever owns the buffers
+  releases them on ``done`` and never earlier.
 
-Cancellation: a transfer cannot be cancelled, and its buffer must not be
-reused before it completed. :func:`wait_work` and :func:`wait_cuda_event`
-therefore shield the wait: a cancellation that arrives meanwhile is delivered
-when the wait ends. :meth:`PendingWork.wait` may instead abandon its thread on
-cancellation (``abandon_on_cancel=True``): that is safe only because the
-object keeps the completion bookkeeping itself, so whoever owns the buffers
-releases them on ``done`` and never earlier.
+Imports: torch, anyio and the device runtime's stream module.
 """
 
 from __future__ import annotations

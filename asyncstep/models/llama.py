@@ -23,7 +23,6 @@ between pipeline stages are the token shards.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -32,7 +31,6 @@ from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.datatypes import IntermediateTensors
 from asyncstep.errors import ModelLoadError
 from asyncstep.models.config import ModelArchConfig, pp_layer_range
-from asyncstep.models.fused_decode import FusedDecodeWeights, fused_gemv
 from asyncstep.models.layers.attention import Attention, AttentionMetadata
 from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncstep.models.layers.linear import (
@@ -43,23 +41,8 @@ from asyncstep.models.layers.linear import (
 )
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.layers.rotary import RotaryCosSin, RotaryEmbedding
-from asyncstep.ops.base import OpSet
+from asyncstep.ops.base import OpSet, StepPath
 from asyncstep.ops.slot import OpSetSlot
-
-if TYPE_CHECKING:
-    from asyncstep.ops.triton.quant import NormedRows
-
-
-class DecodeStack(Protocol):
-    """A stage's decoder layers as one call, for the steps it takes (the CPU
-    library's: :class:`~asyncstep.models.cpu_decode.CpuDecodeStack`)."""
-
-    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool: ...
-
-    def __call__(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
 
 # Checkpoint names folded into our fused parameters: (ours, theirs, shard id).
 STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
@@ -89,6 +72,7 @@ class LlamaAttention(nn.Module):
             bias=config.attention_bias,
             sequence_parallel=sequence_parallel,
             params_dtype=dtype,
+            ops=ops,
         )
         self.o_proj = RowParallelLinear(
             config.q_size,
@@ -96,6 +80,7 @@ class LlamaAttention(nn.Module):
             bias=False,
             sequence_parallel=sequence_parallel,
             params_dtype=dtype,
+            ops=ops,
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.head_dim = config.head_dim
@@ -109,6 +94,7 @@ class LlamaAttention(nn.Module):
             config.head_dim,
             self.qkv_proj.num_kv_heads,
             scale=config.head_dim**-0.5,
+            rotary=rotary,
         )
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -127,7 +113,7 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self._per_head_norm(q, self.q_norm), self._per_head_norm(k, self.k_norm)
-        if self.attn.fused_rotary is None:  # else rotated by the attention's KV store
+        if not self.attn.rotates:  # else rotated by the attention's KV store
             q, k = self.rotary[0](cos_sin, q, k)
         return q, k, v
 
@@ -147,19 +133,21 @@ class LlamaMLP(nn.Module):
         ops: OpSetSlot | None = None,
     ):
         super().__init__()
+        self.ops = ops or OpSetSlot()
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size,
             [config.intermediate_size] * 2,
             sequence_parallel=sequence_parallel,
             params_dtype=dtype,
+            ops=self.ops,
         )
         self.down_proj = RowParallelLinear(
             config.intermediate_size,
             config.hidden_size,
             sequence_parallel=sequence_parallel,
             params_dtype=dtype,
+            ops=self.ops,
         )
-        self.ops = ops or OpSetSlot()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -225,61 +213,6 @@ class LlamaDecoderLayer(nn.Module):
         q, k, v, residual = self.pre_attention(cos_sin, hidden, residual, own_residual=own_residual)
         return self.post_attention(self.self_attn.attn(q, k, v, meta), residual)
 
-    def fused_decode_weights(self) -> FusedDecodeWeights | None:
-        """The layer's packed weights for :meth:`forward_fused_decode`, or
-        None where the layer cannot take it (see :mod:`~asyncstep.models.fused_decode`)."""
-        attn, mlp = self.self_attn, self.mlp
-        return FusedDecodeWeights.of(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-
-    def forward_fused_decode(
-        self,
-        cos_sin: RotaryCosSin,
-        stream: torch.Tensor,
-        normed: NormedRows | None,
-        meta: AttentionMetadata,
-        weights: FusedDecodeWeights,
-        next_norm: RMSNorm | None,
-    ) -> tuple[torch.Tensor, NormedRows | None]:
-        """The layer on the residual stream (``hidden + residual`` of
-        :meth:`forward`) in four GEMVs (:mod:`~asyncstep.models.fused_decode`):
-        ``normed``: the stream made ready for the input norm by the previous
-        layer (None: the norm is done over the stream here). Returns the new
-        stream, and with ``next_norm`` (the next layer's input norm) its rows
-        made ready for it."""
-        attn, ln, post_ln = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        if normed is None:
-            qkv, _ = fused_gemv(weights.qkv, stream, rms_norm_weight=ln.weight, eps=ln.eps)
-        else:
-            qkv, _ = fused_gemv(
-                weights.qkv,
-                normed.xw,
-                sq_parts=normed.sq_parts,
-                eps=ln.eps,
-                out_dtype=stream.dtype,
-            )
-        q, k, v = attn.split_qkv(cos_sin, qkv)
-        stream, normed = fused_gemv(
-            weights.o,
-            attn.attn(q, k, v, meta),
-            residual=stream,
-            next_rms_norm_weight=post_ln.weight,
-        )
-        assert normed is not None
-        activated, _ = fused_gemv(
-            weights.gate_up,
-            normed.xw,
-            sq_parts=normed.sq_parts,
-            eps=post_ln.eps,
-            silu_pairs=True,
-            out_dtype=stream.dtype,
-        )
-        return fused_gemv(
-            weights.down,
-            activated,
-            residual=stream,
-            next_rms_norm_weight=None if next_norm is None else next_norm.weight,
-        )
-
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -322,43 +255,13 @@ class LlamaModel(nn.Module):
             if self.is_last_stage
             else None
         )
-        #: The stage's layers as one call of the CPU library, for steps it
-        #: takes (set by the runner on the CPU where the model qualifies).
-        self.decode_stack: DecodeStack | None = None
-        #: The fused decode (:mod:`~asyncstep.models.fused_decode`) for the
-        #: steps it takes (:meth:`use_fused_decode`: the runner, on CUDA with
-        #: the fused kernels).
-        self.fused_decode = False
-        self._fused_weights: list[FusedDecodeWeights] | None = None
+        #: The op set's whole-stack path over this stage's layers, for the
+        #: steps it takes (:meth:`LlamaForCausalLM.use_ops`; None: layer by layer).
+        self.step_path: StepPath | None = None
 
     def stage_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's decoder layers, in order."""
         return list(self.layers[self.start_layer : self.end_layer])  # type: ignore[arg-type]
-
-    def use_fused_decode(self, on: bool) -> None:
-        """Switch the fused decode on or off. On, once the weights are loaded:
-        finds the layers' packed weights and prepares them (outside any CUDA
-        graph capture: preparing reorders gate_up's packed rows)."""
-        self.fused_decode = on
-        if on and self._fused_weights is None:
-            found = [layer.fused_decode_weights() for layer in self.stage_layers()]
-            self._fused_weights = [w for w in found if w is not None]
-            if len(self._fused_weights) != len(found):
-                self._fused_weights = []
-            for weights in self._fused_weights:
-                weights.prepare()
-
-    def _fused_decode_weights(self, hidden: torch.Tensor) -> list[FusedDecodeWeights] | None:
-        """Each stage layer's packed weights when the fused decode takes this
-        step (on, and every layer's four weights packed for a step of its size)."""
-        if not self.fused_decode:
-            return None
-        if self._fused_weights is None:  # switched on by the attribute: prepare now
-            self.use_fused_decode(True)
-        fused = self._fused_weights
-        if not fused or not all(w.applies(hidden) for w in fused):
-            return None
-        return fused
 
     def begin(
         self, input_ids: torch.Tensor, intermediate_tensors: IntermediateTensors | None
@@ -372,9 +275,11 @@ class LlamaModel(nn.Module):
     def finish(
         self, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> torch.Tensor | IntermediateTensors:
-        """The stage's output: final norm (last stage) or intermediate tensors."""
+        """The stage's output: final norm (last stage) or intermediate tensors
+        (``residual`` None: ``hidden`` is the whole stream)."""
         if self.norm is None:
-            assert residual is not None
+            if residual is None:
+                residual = torch.zeros_like(hidden)
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self.norm.forward_residual(hidden, residual)
         return gather_tokens(hidden, self.sequence_parallel)
@@ -387,22 +292,10 @@ class LlamaModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         hidden, residual = self.begin(input_ids, intermediate_tensors)
-        if self.decode_stack is not None and self.decode_stack.takes(hidden, meta):
-            return self.finish(*self.decode_stack(hidden, residual, meta))
+        path = self.step_path
+        if path is not None and path.takes(hidden, meta):
+            return self.finish(*path(hidden, residual, positions, meta))
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        fused = self._fused_decode_weights(hidden)
-        if fused is not None:
-            # The residual stream alone: each layer's adds are in its GEMVs.
-            stream = hidden if residual is None else hidden + residual
-            layers, normed = self.stage_layers(), None
-            for i, (layer, weights) in enumerate(zip(layers, fused, strict=True)):
-                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-                stream, normed = layer.forward_fused_decode(
-                    cos_sin, stream, normed, meta, weights, next_norm
-                )
-            if self.norm is None:
-                return self.finish(stream, torch.zeros_like(stream))
-            return gather_tokens(self.norm(stream), self.sequence_parallel)
         # A received residual is left as it is; the ones the layers return
         # are the stream's own (each passed on to the next layer alone).
         for i, layer in enumerate(self.stage_layers()):
@@ -430,13 +323,18 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, dtype, self.sequence_parallel)
         self.lm_head: ParallelLMHead | None = None
         if self.model.is_last_stage:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+            self.lm_head = ParallelLMHead(
+                config.vocab_size, config.hidden_size, dtype, ops=self.model.ops
+            )
         self.tie_weights()
 
     def use_ops(self, ops: OpSet) -> None:
-        """Run every layer's norms, activations and rotary through ``ops``
-        (:func:`asyncstep.ops.select_ops`; the reference until then)."""
+        """Run every layer's norms, activations, rotary, attention and
+        matmuls through ``ops`` (:func:`asyncstep.ops.select_ops`; the
+        reference until then), and the steps its step path takes through
+        that path (built here, once the weights are loaded and packed)."""
         self.model.ops.ops = ops
+        self.model.step_path = ops.step_path(self.model.stage_layers())
 
     def tie_weights(self) -> None:
         """The LM head reads the input embedding's weight where the config

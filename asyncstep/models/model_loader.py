@@ -38,14 +38,13 @@ from asyncstep.models.loader import Checkpoint, open_checkpoint
 from asyncstep.models.memory import check_model_fits
 from asyncstep.models.model_info import maybe_tokenizer, resolve_max_model_len
 from asyncstep.models.weight_cache import PackedCache
-from asyncstep.ops.cpu.library import cpu_kernels_off
-from asyncstep.ops.cpu.quant import pack_q4_cpu, pack_q8_cpu
 from asyncstep.ops.packed import (
     PackedWeight,
     is_int8_blocks,
     pack_int4,
     pack_int8_rows,
 )
+from asyncstep.ops.weights import cpu_kernels_off, pack_cpu_blocks
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -324,12 +323,13 @@ def pack_weights(
     """Give each linear layer whose float32 weight is exactly 4-bit a packed
     copy, and an 8-bit LM head one too, for steps of at most ``max_tokens``
     tokens: the CPU library's Q4 / Q8 blocks where its vector build runs (AVX512-VNNI or AVX2)
-    (:mod:`~asyncstep.ops.cpu.quant`), else torch's int4 / int8
+    (:func:`~asyncstep.ops.weights.pack_cpu_blocks`), else torch's int4 / int8
     (:mod:`~asyncstep.ops.packed`, scales in ``dtype``). Returns
     how many of each kind, and their bytes. ``max_tokens`` None: every step
     with the library's blocks (one kernel for every step's size, so a
     request's greedy tokens do not depend on its neighbours), 8 with torch's
-    (where they stop paying against the dense weights: ``benchmarks/results/cpu/``)."""
+    (where they stop paying against the dense weights:
+    ``benchmarks/studies/cpu_kernels/README.md``)."""
     counts = {"dense": 0, "bytes": 0}
     # Decided from the CPU's flags: the library itself is built (once per
     # machine, seconds) when a step first needs it, not while loading.
@@ -342,11 +342,14 @@ def pack_weights(
         packed: PackedWeight | None = None
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
             weight = module.weight.data
-            packed = (pack_q4_cpu if blocks else pack_int4)(weight, dtype, max_tokens)
+            if blocks:
+                packed = pack_cpu_blocks(weight, dtype, max_tokens, lm_head=False)
+            else:
+                packed = pack_int4(weight, dtype, max_tokens)
         elif isinstance(module, ParallelLMHead):
             weight = module.weight.data
             if blocks:
-                packed = pack_q8_cpu(weight, dtype, max_tokens)
+                packed = pack_cpu_blocks(weight, dtype, max_tokens, lm_head=True)
             elif is_int8_blocks(weight):
                 packed = pack_int8_rows(weight, dtype, max_tokens)
         else:

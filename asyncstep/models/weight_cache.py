@@ -41,8 +41,8 @@ from safetensors.torch import load_file, save_file
 from asyncstep.logging import get_logger
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.loader.tokenizer import cache_root
-from asyncstep.ops.cpu.quant import CpuQuantWeight
 from asyncstep.ops.packed import PackedWeight
+from asyncstep.ops.weights import packed_from_layout, packed_layout, packed_shape_ok
 
 log = get_logger("models")
 
@@ -55,6 +55,7 @@ _SOURCES = (
     "models/loader/gguf_blocks.py",
     "models/loader/hf.py",
     "ops/cpu/quant.py",
+    "ops/weights.py",
     "ops/packed.py",
     "models/layers/linear.py",
     "models/layers/embedding.py",
@@ -130,7 +131,7 @@ class PackedCache:
         for name, module in model.named_modules():
             weight = getattr(module, "packed", None)
             if isinstance(weight, PackedWeight):
-                layouts[name] = _layout(weight)
+                layouts[name] = packed_layout(weight)
                 tensors[f"{_PACKED_PREFIX}{name}.data"] = weight.data
                 tensors[f"{_PACKED_PREFIX}{name}.scales"] = weight.scales
         size = sum(t.nbytes for t in tensors.values())
@@ -193,18 +194,6 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _layout(weight: PackedWeight) -> dict[str, Any]:
-    layout: dict[str, Any] = {
-        "kind": weight.kind,
-        "out_features": weight.out_features,
-        "in_features": weight.in_features,
-        "max_tokens": weight.max_tokens,
-    }
-    if isinstance(weight, CpuQuantWeight):
-        layout["levels"] = weight.levels
-    return layout
-
-
 def _packed_weights(
     model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], layouts: dict[str, Any]
 ) -> dict[str, PackedWeight]:
@@ -217,36 +206,14 @@ def _packed_weights(
         scales = tensors[f"{_PACKED_PREFIX}{name}.scales"]
         if (layout["out_features"], layout["in_features"]) != (rows, cols):
             raise ValueError(f"{name}: packed for {layout['out_features']}x{layout['in_features']}")
-        kind, max_tokens = str(layout["kind"]), int(layout["max_tokens"])
-        if kind in CpuQuantWeight.KINDS:
-            weight: PackedWeight = CpuQuantWeight(
-                kind, data, scales, rows, cols, max_tokens, int(layout["levels"])
-            )
-        elif kind in ("int4", "int8"):
-            weight = PackedWeight(kind, data, scales, rows, cols, max_tokens)
-        else:
-            raise ValueError(f"{name}: unknown packed kind {kind!r}")
-        _check_packed(name, weight)
+        try:
+            weight = packed_from_layout(layout, data, scales)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        if not packed_shape_ok(weight):
+            raise ValueError(f"{name}: packed {weight.kind} data of the wrong shape")
         out[name] = weight
     return out
-
-
-def _check_packed(name: str, weight: PackedWeight) -> None:
-    rows, cols = weight.out_features, weight.in_features
-    if isinstance(weight, CpuQuantWeight):
-        groups, blocks = -(-rows // 16), cols // 32
-        ok = (
-            weight.data.dtype == torch.uint8
-            and weight.data.dim() == 3
-            and tuple(weight.data.shape[:2]) == (groups, blocks)
-            and weight.data.shape[2] == CpuQuantWeight.block_bytes(weight.kind)
-        )
-    elif weight.kind == "int8":
-        ok = tuple(weight.data.shape) == (rows, cols) and tuple(weight.scales.shape) == (rows,)
-    else:  # int4: torch's own packed layout; its scales say the groups
-        ok = tuple(weight.scales.shape) == (cols // 32, rows, 2)
-    if not ok:
-        raise ValueError(f"{name}: packed {weight.kind} data of the wrong shape")
 
 
 def _check_dense(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,57 +1,34 @@
-"""One rank as an actor: a nursery of four long-lived tasks.
+"""One rank as an actor: a nursery of four long-lived tasks linked by memory
+channels (drawn, with the overlap loop, in docs/architecture.md, "The
+rank's nursery").
 
-::
+Contract:
 
-    inbox ──> recv task ──(step, tensors)──> step task ──> sampler task ──> outbox
-                                                │
-                                            send task (deferred PP send completion)
-
-* **recv task** owns the PP receive channel: for each step with tokens on a
-  stage that is not the first, it queues the receive of the previous stage's
-  intermediate tensors on the rank's receive thread (which blocks until the
-  metadata arrives, then posts the tensors' receives into pooled buffers) and
-  hands the step at once to the step task with a ``PendingReceive``: the
-  runner prepares the step while the previous stage still computes, and the
-  first use of the tensors waits for the post (then, lazily, for the
-  tensors: on CUDA the stream waits, not the host). The receiving thread's
-  hand-back to the event loop costs host time on every hop
-  (``benchmarks/pp_transfer.py``), which the step does not wait for
-  (``benchmarks/results/layout/``).
-* **step task** owns the runner (``GPUWorker.execute_model`` semantics): it
-  orders the step after the previous step's sends (``_pp_send_work``: on
-  CUDA the stream waits for them, as NCCL's ``wait()`` does in vLLM, so the
-  host enqueues the step at once — a host wait would cost each stage the
-  hand-over latency every step; gloo sends on the CPU are waited
-  by the task), then,
-  in one call on the launch thread, runs ``execute_model`` and, on the last
-  stage, ``sample_tokens`` right after it (the runner's two-phase contract
-  kept by construction); on a stage that is not the last it posts the
-  non-blocking send of the ``IntermediateTensors``.
-* **send task** owns deferred send completion: it awaits each send's handles,
-  and only then hands its buffers back to the pool; cancelled, it drains the
-  sends still in flight in a shielded, time-bounded scope first.
-* **sampler task** waits until each step's sampled ids are on the host and
-  delivers every step's output to the outbox, in step order.
-
-**Overlap** (the runner's ``async_scheduling``): ``sample_tokens`` only
-enqueues sampling and a copy of the ids to the host, so the runner is free at
-once and the step task launches step N+1 (its input ids scattered on the
-device from N's sampled ids) while the sampler task awaits N's copy event and
-delivers N. When step N+1 is already queued, the sampler delivers N only
-once N+1's forward has started (the overlap loop of mini-sglang: launch N+1,
-then hand out N), so the device never waits for the engine between steps.
-Without overlap ``sample_tokens`` waits for the tokens itself.
-
-The runner's calls all run in order on one thread, the rank's
-:class:`~asyncstep.device.host_stream.HostStream` (its "launch thread"), so the event
-loop keeps serving the other tasks during a forward. On the CPU that thread
-is the device: the overlap is real there too.
+* **recv task** owns the PP receive channel: on a stage that is not the
+  first it hands each step with tokens to the step task at once, with a
+  ``PendingReceive`` of the previous stage's intermediate tensors (the
+  runner waits for them at their first use).
+* **step task** owns the runner (``GPUWorker.execute_model``): it orders the
+  step after the previous step's sends (``_pp_send_work``), then runs
+  ``execute_model`` and, on the last stage, ``sample_tokens`` in one call on
+  the rank's :class:`~asyncstep.device.host_stream.HostStream`; on a stage
+  that is not the last it posts the non-blocking send of the
+  ``IntermediateTensors``.
+* **send task** owns deferred send completion: a send's buffers go back to
+  the pool only once its handles completed; cancelled, it drains the sends
+  in flight in a shielded, time-bounded scope first.
+* **sampler task** delivers every step's output to the outbox in step order,
+  once its sampled ids are on the host; with overlap, step N only once step
+  N+1's forward has started.
 
 A step with no tokens opens no forward, no receive and no send. Closing the
-inbox shuts the rank down in order: each task closes its outgoing channel
-when its input ends. An error in any task cancels the others and propagates
-out of :meth:`RankActor.run`. Every task records step-timeline spans
-(:mod:`asyncstep.logging.spans`) when tracing is on.
+inbox shuts the rank down in order (each task closes its outgoing channel
+when its input ends); an error in any task cancels the others and
+propagates out of :meth:`RankActor.run`. Every task records step-timeline
+spans (:mod:`asyncstep.logging.spans`) when tracing is on.
+
+Imports: the units below it (runner, models, channels, datatypes, the device
+runtime, logging).
 """
 
 from __future__ import annotations
@@ -141,7 +118,7 @@ class RankActor:
         pipeline stage's step waits for the previous stage's metadata, which
         a launch thread waits for while the runner prepares the step).
         Inline, no hand-off to a thread is paid per call
-        (``benchmarks/results/host/``)."""
+        (``benchmarks/studies/host/README.md``)."""
         tp = groups.tp if groups is not None else GroupCoordinator.single()
         pp = groups.pp if groups is not None else GroupCoordinator.single()
         if launch_inline is None:

@@ -1,21 +1,29 @@
-"""The op-set protocol: a decoder layer's non-matmul ops as one object.
+"""The op-set protocol: a decoder layer's ops as one object.
 
 An :class:`OpSet` computes RMSNorm, the residual add + RMSNorm, the gated
-MLP's ``silu(gate) * up`` and the rotary embedding of q and k; every
-implementation gives :class:`~asyncstep.ops.torch_ref.TorchOps`' results
-(bit for bit, or within the rounding its module states).
+MLP's ``silu(gate) * up``, the rotary embedding of q and k, the paged
+attention with its KV store (an :class:`AttentionOp`, which may rotate q and
+k itself as it reads them: :attr:`OpSet.rotates_in_kv_store`) and the linear
+layers' matmuls for each weight format (a packed format carries its own
+matmul, :class:`~asyncstep.ops.packed.PackedWeight`; the op set runs the
+dense weights); every implementation gives
+:class:`~asyncstep.ops.torch_ref.TorchOps`' results (bit for bit, or within
+the rounding its module states).
 
-May import torch.
+May import torch, :mod:`asyncstep.ops.attention` and :mod:`asyncstep.ops.packed`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["OpSet", "RotaryCosSin"]
+from asyncstep.ops.attention import AttentionMetadata, AttentionShape
+from asyncstep.ops.packed import PackedWeight
+
+__all__ = ["AttentionOp", "OpSet", "RotaryCosSin", "StepPath"]
 
 
 @dataclass
@@ -27,6 +35,58 @@ class RotaryCosSin:
     positions: torch.Tensor
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+
+
+class AttentionOp(Protocol):
+    """A layer's paged attention: stores the step's keys and values at their
+    slots (``meta.slot_mapping``), then attends every query row over its
+    request's cached keys. q ``[tokens, heads * head_dim]``, k and v
+    ``[tokens, kv_heads * head_dim]`` (column slices of the QKV projection's
+    output may come); rows past ``meta.num_actual_tokens`` are padding: not
+    stored, and zeros in the output ``[tokens, heads * head_dim]``. Where
+    :attr:`rotates`, q and k are rotated with ``cos_sin_cache`` (None: a
+    layer without a rotary, whose q and k are never rotated)."""
+
+    #: The name the logs show.
+    name: str
+    #: Whether q and k come in unrotated and the op rotates them as it reads
+    #: them (from ``cos_sin_cache`` at ``meta.positions``).
+    rotates: bool
+    #: Whether the op reads the reference's host-made plan of the decodes
+    #: (``meta.decode_buckets``; then no FULL CUDA graph runs over it).
+    plans_decodes: bool
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        shape: AttentionShape,
+        cos_sin_cache: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+
+class StepPath(Protocol):
+    """A pipeline stage's decoder layers as one fast path (a whole-stack
+    kernel or a fused decode), for the steps it takes; other steps run the
+    layers one by one."""
+
+    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether a step of ``hidden`` rows goes through the path."""
+        ...
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(hidden, residual)`` after the stage's layers, for the final
+        norm (None: ``hidden`` is the whole residual stream)."""
+        ...
 
 
 class OpSet(Protocol):
@@ -81,4 +141,55 @@ class OpSet(Protocol):
         """Neox-style rotary embedding of q ``[tokens, heads * head_dim]``
         and k ``[tokens, kv_heads * head_dim]`` (an op set may rotate them
         in place and return them)."""
+        ...
+
+    @property
+    def attention_op(self) -> AttentionOp:
+        """The paged attention this op set runs."""
+        ...
+
+    @property
+    def rotates_in_kv_store(self) -> bool:
+        """Whether :meth:`attention` rotates q and k (then they come to it
+        unrotated, and :meth:`rotary` is not called)."""
+        ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        shape: AttentionShape,
+        cos_sin_cache: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The rotary (where :attr:`rotates_in_kv_store`), the KV store and
+        the paged attention of one layer (:class:`AttentionOp`)."""
+        ...
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        packed: PackedWeight | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``: through the packed copy of ``weight``
+        (its format's own matmul) where it takes a step of ``x``'s size,
+        else the op set's matmul of the dense weight."""
+        ...
+
+    def logits(
+        self, x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None
+    ) -> torch.Tensor:
+        """The LM head's ``x @ weight.T``: as :meth:`linear`, in a dtype of
+        the op set's choosing (float32 where its matmul sums so)."""
+        ...
+
+    def step_path(self, layers: list[Any]) -> StepPath | None:
+        """The op set's whole-stack path over a stage's decoder ``layers``
+        (their weights loaded and packed), where they qualify; else None.
+        The layers are a model's, read by their attributes (ops import no
+        model)."""
         ...

@@ -54,6 +54,12 @@ class PackedWeight:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, GROUP_SIZE, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """An LM head's ``x @ w.T``: :meth:`mm`'s, or float32 where a
+        format's matmul sums in float32 (its rounding to ``x``'s dtype would
+        tie tokens that float32 separates)."""
+        return self.mm(x)
+
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + self.scales.nbytes

@@ -3,28 +3,41 @@ and the op set.
 
 Attention: ``auto`` is Triton on CUDA (when installed), the CPU library's
 kernel on the CPU where it builds for the dtype, else the torch reference
-(which plans decodes on the host: no FULL CUDA graph over it). The op set:
-the Triton kernels where attention is Triton and the fused kernels are on,
-the CPU library's where the device is the CPU, the fused kernels are on and
-the library loads, else the reference.
+(which plans decodes on the host: no FULL CUDA graph over it); each
+backend's op is one line of :data:`ATTENTION_OPS`. The op set: the Triton
+kernels where attention is Triton and the fused kernels are on (the KV
+store then rotates q and k, and with ``fused_decode`` a decode batch's
+attention too), the CPU library's where the device is the CPU, the fused
+kernels are on and the library loads, else the reference's layer ops; each
+with the backend's attention op.
 
 May import torch, :mod:`asyncstep.errors` and :mod:`asyncstep.ops`.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import torch
 
 from asyncstep.errors import ConfigError
-from asyncstep.ops.base import OpSet
+from asyncstep.ops.base import AttentionOp, OpSet
 from asyncstep.ops.cpu.library import cpu_attention_supported, load_cpu_kernels
-from asyncstep.ops.torch_ref import TORCH_OPS
+from asyncstep.ops.torch_attention import TORCH_ATTENTION
+from asyncstep.ops.torch_ref import TORCH_OPS, TorchOps
 
-__all__ = ["resolve_attention_backend", "select_ops", "triton_available"]
+__all__ = ["attention_op", "resolve_attention_backend", "select_ops", "triton_available"]
 
-ATTENTION_BACKENDS = ("torch", "triton", "cpu")
+#: Each attention backend's op: ``module:class``, imported when chosen
+#: (triton is optional); the class's ``chosen(fused_kernels=...,
+#: fused_decode=...)`` makes it.
+ATTENTION_OPS = {
+    "torch": "asyncstep.ops.torch_attention:TorchAttention",
+    "triton": "asyncstep.ops.triton.paged_attention:TritonAttention",
+    "cpu": "asyncstep.ops.cpu.paged_attention:CpuAttention",
+}
+ATTENTION_BACKENDS = tuple(ATTENTION_OPS)
 
 
 def triton_available() -> bool:
@@ -51,17 +64,37 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     return name
 
 
-def select_ops(device: torch.device, attention_backend: str, *, fused_kernels: bool) -> OpSet:
+def attention_op(backend: str, *, fused_kernels: bool, fused_decode: bool) -> AttentionOp:
+    """The attention op of ``backend`` (resolved: one of :data:`ATTENTION_OPS`)."""
+    module, _, name = ATTENTION_OPS[backend].partition(":")
+    op: AttentionOp = getattr(importlib.import_module(module), name).chosen(
+        fused_kernels=fused_kernels, fused_decode=fused_decode
+    )
+    return op
+
+
+def select_ops(
+    device: torch.device,
+    attention_backend: str,
+    *,
+    fused_kernels: bool,
+    fused_decode: bool = False,
+) -> OpSet:
     """The op set for a model on ``device`` whose attention runs
-    ``attention_backend`` (resolved); ``fused_kernels`` off: the reference."""
+    ``attention_backend`` (resolved); ``fused_kernels`` off: the reference's
+    layer ops (beside the backend's attention); ``fused_decode``: the
+    Triton op set's one-row matmuls and decode attention."""
+    attention = attention_op(
+        attention_backend, fused_kernels=fused_kernels, fused_decode=fused_decode
+    )
     if fused_kernels and attention_backend == "triton":
         from asyncstep.ops.triton import TritonOps
 
-        return TritonOps()
+        return TritonOps(attention, fused_decode=fused_decode)
     if fused_kernels and device.type == "cpu":
         kernels = load_cpu_kernels()
         if kernels is not None:
             from asyncstep.ops.cpu.ops import CpuOps
 
-            return CpuOps(kernels.layer_ops)
-    return TORCH_OPS
+            return CpuOps(kernels.layer_ops, attention)
+    return TORCH_OPS if attention is TORCH_ATTENTION else TorchOps(attention)

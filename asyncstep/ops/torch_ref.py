@@ -8,15 +8,26 @@ applies the weight before rounding (as vLLM's kernel does), not after. With
 output takes the activations' dtype: the stream's rounding no longer piles up
 over the layers.
 
-May import torch and :mod:`asyncstep.ops.base`.
+Its attention op is the one it is built with (the reference's,
+:mod:`asyncstep.ops.torch_attention`, unless a kernel runs beside the
+reference's layer ops); its linear runs a packed weight's own matmul where
+it takes the step, else ``F.linear``.
+
+May import torch and :mod:`asyncstep.ops`' base, attention metadata, packed
+formats and reference attention.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from asyncstep.ops.base import RotaryCosSin
+from asyncstep.ops.attention import AttentionMetadata, AttentionShape
+from asyncstep.ops.base import AttentionOp, RotaryCosSin, StepPath
+from asyncstep.ops.packed import PackedWeight
+from asyncstep.ops.torch_attention import TORCH_ATTENTION
 
 __all__ = ["TORCH_OPS", "TorchOps", "rotate"]
 
@@ -33,6 +44,51 @@ class TorchOps:
     """The reference (see the module doc)."""
 
     name = "torch"
+
+    def __init__(self, attention: AttentionOp = TORCH_ATTENTION) -> None:
+        self._attention = attention
+
+    @property
+    def attention_op(self) -> AttentionOp:
+        return self._attention
+
+    @property
+    def rotates_in_kv_store(self) -> bool:
+        return self._attention.rotates
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        shape: AttentionShape,
+        cos_sin_cache: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return self._attention(q, k, v, kv_cache, meta, shape, cos_sin_cache)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        packed: PackedWeight | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if packed is None or not packed.applies(x):
+            return F.linear(x, weight, bias)
+        y = packed.mm(x)
+        return y if bias is None else y + bias
+
+    def logits(
+        self, x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None
+    ) -> torch.Tensor:
+        if packed is not None and packed.applies(x):
+            return packed.logits(x)
+        return F.linear(x, weight)
+
+    def step_path(self, layers: list[Any]) -> StepPath | None:
+        return None
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, float32_residual: bool

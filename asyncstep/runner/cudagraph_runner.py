@@ -38,8 +38,8 @@ import torch
 
 from asyncstep.datatypes import IntermediateTensors
 from asyncstep.device.cuda_graph import Graph, GraphPool, capture_graph
-from asyncstep.models.layers.attention import AttentionMetadata
 from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.ops.attention import AttentionMetadata
 from asyncstep.runner.block_table import BlockTable
 from asyncstep.runner.cudagraph_dispatcher import (
     BatchDescriptor,

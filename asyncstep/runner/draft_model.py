@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncstep.models.layers.attention import AttentionMetadata, plan_decode_buckets
 from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.ops.attention import AttentionMetadata, plan_decode_buckets
 from asyncstep.runner.input_batch import InputBatch
 from asyncstep.runner.step_inputs import StepInputs
 from asyncstep.runner.step_state import ExecuteModelState

@@ -33,7 +33,7 @@ when rows moved) updates the batch with a few array operations, copies the
 previous step's ids into the input ids without a gather, samples with the
 last step's metadata and takes the decode path of the step inputs.
 
-May import the runner's modules, the model and its layers, ``asyncstep.device``,
+May import the runner's modules, the model (no layer class), ``asyncstep.device``,
 ``asyncstep.ops``, ``asyncstep.datatypes`` and ``asyncstep.config``.
 """
 
@@ -55,18 +55,10 @@ from asyncstep.datatypes import (
 )
 from asyncstep.device.stream import record_event
 from asyncstep.logging.spans import tracing
-from asyncstep.models.cpu_decode import CpuDecodeStack
-from asyncstep.models.layers.attention import (
-    BLOCK_DIM,
-    kv_cache_shape,
-    reference_attention_backends,
-)
-from asyncstep.models.layers.embedding import ParallelLMHead
-from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncstep.models.llama import LlamaForCausalLM
-from asyncstep.ops.cpu.library import load_cpu_kernels
-from asyncstep.ops.cpu.ops import CpuOps
+from asyncstep.ops.attention import BLOCK_DIM, kv_cache_shape
 from asyncstep.ops.select import resolve_attention_backend, select_ops
+from asyncstep.ops.torch_attention import reference_attention_backends
 from asyncstep.runner.async_output import AsyncModelRunnerOutput, host_logprobs
 from asyncstep.runner.cpu_threads import CpuThreads
 from asyncstep.runner.cudagraph_dispatcher import (
@@ -170,16 +162,22 @@ class ModelRunner:
             compilation.attention_backend, device, dtype
         )
         self.fused_kernels = compilation.fused_kernels and self.attention_backend == "triton"
-        #: The models' norms, activations and rotary.
+        #: The model's kernels: norms, activations, rotary, attention, matmuls.
         self.ops = select_ops(
-            device, self.attention_backend, fused_kernels=compilation.fused_kernels
+            device,
+            self.attention_backend,
+            fused_kernels=compilation.fused_kernels,
+            fused_decode=compilation.fused_decode,
         )
-        self._configure_model(model, fused_decode=compilation.fused_decode)
+        model.use_ops(self.ops)
         #: ``draft_model`` speculation's draft model (None: not that method).
         self.drafter: DraftModel | None = None
         if draft_model is not None:
             assert speculative_config is not None
-            self._configure_model(draft_model, fused_decode=False)
+            # The draft model's own op set: no fused decode.
+            draft_model.use_ops(
+                select_ops(device, self.attention_backend, fused_kernels=compilation.fused_kernels)
+            )
             self.drafter = DraftModel(
                 draft_model,
                 device=device,
@@ -219,22 +217,6 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             num_tokens_multiple=self.num_tokens_multiple,
             sequence_parallel=model.sequence_parallel,
-        )
-
-    def _configure_model(self, model: LlamaForCausalLM, *, fused_decode: bool) -> None:
-        """Set ``model``'s layers to this runner's attention backend and kernels."""
-        # The Triton KV store and the CPU kernel rotate q and k as they read them.
-        rotates = self.fused_kernels or self.attention_backend == "cpu"
-        model.use_ops(self.ops)
-        model.model.use_fused_decode(self.fused_kernels and fused_decode)
-        _use_dense_gemv(model, self.fused_kernels and fused_decode)
-        for attn in model.attention_layers():
-            attn.backend = self.attention_backend
-            attn.fused_rotary = model.model.rotary if rotates else None
-            attn.fused_decode = model.model.fused_decode
-        kernels = load_cpu_kernels() if isinstance(self.ops, CpuOps) else None
-        model.model.decode_stack = (
-            None if kernels is None else CpuDecodeStack.build(kernels, model.model.stage_layers())
         )
 
     @property
@@ -599,12 +581,3 @@ def _spec_grammar_rows(
         if req_id in first_row and j < first_row[req_id][1]:
             pairs.append((first_row[req_id][0] + j, mask_row))
     return pairs
-
-
-def _use_dense_gemv(model: LlamaForCausalLM, on: bool) -> None:
-    """Switch the model's linear layers and LM head to (or off) the Triton
-    GEMV for one-row steps of dense 16-bit weights on CUDA
-    (:func:`asyncstep.ops.triton.gemv.dense_gemv`)."""
-    for module in model.modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
-            module.dense_gemv = on

@@ -23,7 +23,7 @@ import torch
 
 from asyncstep.config import CompilationConfig
 from asyncstep.datatypes import IntermediateTensors, SchedulerOutput
-from asyncstep.models.layers.attention import AttentionMetadata, plan_decode_buckets
+from asyncstep.ops.attention import AttentionMetadata, plan_decode_buckets
 from asyncstep.runner.cudagraph_dispatcher import (
     BatchDescriptor,
     CudagraphDispatcher,

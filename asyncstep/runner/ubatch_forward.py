@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from asyncstep.datatypes import IntermediateTensors
-from asyncstep.models.layers.attention import AttentionMetadata
-from asyncstep.models.layers.rotary import RotaryCosSin
 from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.ops.attention import AttentionMetadata
+from asyncstep.ops.base import RotaryCosSin
 
 __all__ = ["UBatchInputs", "forward_ubatches"]
 

@@ -2,13 +2,12 @@
 weights of tiny-llama) run end to end, started together, one core each,
 and write the one results format (decoded against its schema) with sane
 figures; ``--help`` lists the engine flags; a bad flag or value is one line;
-the floor arithmetic matches the anchors; the old ``benchmarks/bench.py``
-command lines still run (translated); and the benchmark scripts that stay.
+the floor arithmetic matches the anchors; and the parallel measurements
+(``python3 -m asyncstep.bench.pp_transfer``, ``...layout_tokens``) on the CPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -44,7 +43,6 @@ from asyncstep.models.dummy import get_shape
 from asyncstep.server.config import server_options
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH_DIR = ROOT / "benchmarks"
 FLAGS = CliFlags(_add_engine_flags, _add_engine_flag, config_from_args, server_config_from_args)
 
 
@@ -288,49 +286,6 @@ def test_the_floor_counts_the_bytes_the_model_reads() -> None:
     assert dense["run_weight_bytes"] == 4 * weight_bytes(arch, 2)[0]
 
 
-def _import_old_bench(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
-    import bench  # type: ignore[import-not-found]
-
-    return bench
-
-
-def test_old_bench_py_command_lines_translate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A device script's old line, as ``asyncstep bench`` flags that parse
-    to the same engine config."""
-    bench = _import_old_bench(monkeypatch)
-    old = ["latency", "--no-record", "--no-hf", "--shape", "llama-8b", "--batch", "1"]
-    old += ["--prompt-len", "128", "--output-len", "64", "--engine-opt", "weight_packing=q4"]
-    old += ["--engine-opt", "fused_decode=false", "--engine-opt", "gil_switch_interval_s=None"]
-    new = bench.translate(bench.parse_args(old))
-    assert new[:5] == ["latency", "--load-format", "dummy", "--model", "llama-8b"]
-    assert new[-5:] == [
-        "--weight-packing",
-        "q4",
-        "--no-fused-decode",
-        "--gil-switch-interval-s",
-        "none",
-    ]
-    parsed = parse_bench_args(new, FLAGS)
-    assert (parsed.args.batch_size, parsed.args.input_len, parsed.args.num_iters) == ([1], [128], 1)
-    assert not parsed.args.hf
-    config = parsed.engine_config()
-    assert config.model.weight_packing == "q4" and config.compilation.fused_decode is False
-    with pytest.raises(SystemExit, match="not an engine option"):
-        bench.translate(bench.parse_args(["latency", "--engine-opt", "nope=1"]))
-
-
-def test_engine_opt_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
-    bench = _import_old_bench(monkeypatch)
-    assert bench.engine_opt("max_num_seqs=8") == ("max_num_seqs", 8)
-    assert bench.engine_opt("enable_prefix_caching=false") == ("enable_prefix_caching", False)
-    assert bench.engine_opt("x=True") == ("x", True)
-    assert bench.engine_opt("attention_backend=torch") == ("attention_backend", "torch")
-    assert bench.engine_opt("cudagraph_capture_sizes=[1,2]") == ("cudagraph_capture_sizes", [1, 2])
-    with pytest.raises(argparse.ArgumentTypeError):
-        bench.engine_opt("novalue")
-
-
 def test_rank_gpus_keep_every_communicator_on_distinct_gpus() -> None:
     assert rank_gpus(2, 2, 4) == [0, 1, 2, 3]  # enough GPUs: one each
     assert rank_gpus(2, 2, 2) == [0, 1, 1, 0]  # TP groups {0,1} {2,3}, PP groups {0,2} {1,3}
@@ -343,10 +298,11 @@ def test_rank_gpus_keep_every_communicator_on_distinct_gpus() -> None:
         rank_gpus(2, 2, 0)
 
 
-def _run_script(name: str, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def _run_module(name: str, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``python3 -m asyncstep.bench.NAME ARGV``."""
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(
-        [sys.executable, str(BENCH_DIR / name), *argv],
+        [sys.executable, "-m", f"asyncstep.bench.{name}", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -359,16 +315,19 @@ def test_pp_transfer_moves_lanes_and_whole_tensors_intact(tmp_path: Path) -> Non
     """PP = 2 x TP = 2 on gloo: every mode's round trip returns the tensors sent."""
     out = tmp_path / "transfer.json"
     argv = ["--hidden", "64", "--tokens", "1", "8", "--iters", "2", "--repeats", "1"]
-    proc = _run_script("pp_transfer.py", *argv, "--warmup", "1", "--out", str(out))
+    proc = _run_module("pp_transfer", *argv, "--warmup", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())["rows"]
-    assert {(r["tokens"], r["mode"]) for r in rows} == {
+    result = decode(out.read_bytes())
+    assert result.mode == "pp_transfer" and result.extra["layout"]["tp"] == 2
+    cases = result.cases
+    assert {(c.params["tokens"], c.params["mode"]) for c in cases} == {
         (t, m)
         for t in (1, 8)
         for m in ("lane", "whole", "lane_raw", "whole_raw", "gather_raw", "meta_raw")
     }
-    assert all(r["correct"] and r["one_way_us"] > 0 for r in rows)
-    assert next(r for r in rows if r["tokens"] == 8)["bytes"] == 2 * 8 * 64 * 4  # two fp32 keys
+    assert all(c.detail["correct"] and (c.figures["one_way_us"] or 0) > 0 for c in cases)
+    eight = next(c for c in cases if c.params["tokens"] == 8)
+    assert eight.figures["bytes"] == 2 * 8 * 64 * 4  # two fp32 keys
 
 
 def test_layout_tokens_with_ranks_started_outside_the_engine(tmp_path: Path) -> None:
@@ -377,9 +336,12 @@ def test_layout_tokens_with_ranks_started_outside_the_engine(tmp_path: Path) -> 
     out = tmp_path / "tokens.json"
     argv = ["--model", "tiny-llama", "--device", "cpu", "--rank-gpus", "2"]
     argv += ["--max-tokens", "6", "--prompt-lens", "3", "20", "--out", str(out)]
-    proc = _run_script("layout_tokens.py", *argv)
+    proc = _run_module("layout_tokens", *argv)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(out.read_text())
-    assert result["all_equal"] and set(result["runs"]) == {"overlap_on", "overlap_off"}
-    assert result["reference"]["probe"]["output_changes"]  # the check can see the context
-    assert all(len(t) == 6 for t in result["reference"]["tokens"])
+    result = decode(out.read_bytes())
+    runs = {c.name: c for c in result.cases}
+    assert result.extra["all_equal"] and set(runs) == {"single_rank", "overlap_on", "overlap_off"}
+    reference = runs["single_rank"].detail
+    assert reference["probe"]["output_changes"]  # the check can see the context
+    assert all(len(t) == 6 for t in reference["tokens"])
+    assert all(runs[name].detail["equal"] for name in ("overlap_on", "overlap_off"))

@@ -1,78 +1,77 @@
-"""CPU smoke test of ``benchmarks/host_cpu.py``: every part runs end to end
-on tiny sizes (HF included) and returns sane figures; no timing assertions
-(performance lives in the benchmark, as a ratio, not in tests)."""
+"""CPU smoke test of ``asyncstep.bench.host_cpu``: every part runs end to end
+on tiny sizes (HF included) and writes sane figures in the one results
+format; no timing assertions (performance lives in the benchmark, as a
+ratio, not in tests)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+from asyncstep.bench import host_cpu
+from asyncstep.bench.results import Case, decode
 
 ARGV = ["--num-requests", "4", "--output-len", "4", "--prompt-len-range", "4", "12"]
 ARGV += ["--repeats", "1", "--warmup-requests", "2", "--busy-ms", "0.5", "--skip-steps", "1"]
-
-
-def _import(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
-    import host_cpu  # type: ignore[import-not-found]
-
-    return host_cpu
 
 
 def positive(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
-def test_the_caller_on_asyncio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def ours(cases: list[Case]) -> dict[str, Case]:
+    return {c.params["variant"]: c for c in cases if c.params["system"] == "asyncstep"}
+
+
+def test_the_caller_on_asyncio(tmp_path: Path) -> None:
     """``--backend asyncio``: the caller's loop, the busy caller's among it, is asyncio's."""
-    host_cpu = _import(monkeypatch)
     out = tmp_path / "host.json"
     argv = [*ARGV, "--no-hf", "--no-spans", "--busy-streams", "--backend", "asyncio"]
     assert host_cpu.main([*argv, "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["options"]["backend"] == "asyncio"
-    ours = result["ours"]
-    assert set(ours) == {"generate", "stream", "busy_generate", "busy_stream"}
-    assert all(positive(v["tok_s"]) for v in ours.values())
-    assert ours["busy_stream"]["rounds"][0]["holds"] >= 1
-    other = ours["generate"]["rounds"][0]["other_cores"]
+    result = decode(out.read_bytes())
+    assert result.mode == "host_cpu" and result.options["backend"] == "asyncio"
+    variants = ours(result.cases)
+    assert set(variants) == {"generate", "stream", "busy_generate", "busy_stream"}
+    assert all(positive(v.figures["tok_s"]) for v in variants.values())
+    assert variants["busy_stream"].detail["rounds"][0]["holds"] >= 1
+    other = variants["generate"].detail["rounds"][0]["other_cores"]
     assert other is None or other >= 0  # the engine-core process counts as ours
 
 
-def test_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    host_cpu = _import(monkeypatch)
+def test_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
     logger = logging.getLogger("asyncstep")
     before = (list(logger.handlers), logger.level, logger.propagate)
     assert host_cpu.main([*ARGV, "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["argv"][:2] == ["--num-requests", "4"] and "host_cpu.py" in result["command"]
-    assert result["machine"]["cpu_count"] >= 1 and result["date"].endswith("+00:00")
-    workload = result["workload"]
+    result = decode(out.read_bytes())
+    assert result.command[:3] == ["python3", "-m", "asyncstep.bench.host_cpu"]
+    assert result.command[3:5] == ["--num-requests", "4"]
+    assert result.machine.cpu_count >= 1 and result.started.endswith("+00:00")
+    workload = result.extra["workload"]
     assert workload["output_tokens"] == 16 and 16 <= workload["prompt_tokens"] <= 48
 
-    hf, ours = result["hf"], result["ours"]
-    assert "error" not in hf, hf
-    assert positive(hf["tok_s"]) and hf["batch"][0] == 4
-    assert set(ours) == {"generate", "stream", "busy_generate"}
-    assert all(positive(v["tok_s"]) and len(v["seconds"]) == 1 for v in ours.values())
-    assert 4 <= ours["stream"]["rounds"][0]["chunks"] <= 16  # >= 1 a request, <= 1 a token
-    busy = ours["busy_generate"]["rounds"][0]
+    (hf,) = [c for c in result.cases if c.params["system"] == "hf"]
+    assert "error" not in hf.detail, hf.detail
+    assert positive(hf.figures["tok_s"]) and hf.detail["batch"][0] == 4
+    variants = ours(result.cases)
+    assert set(variants) == {"generate", "stream", "busy_generate"}
+    assert all(
+        positive(v.figures["tok_s"]) and len(v.detail["seconds"]) == 1 for v in variants.values()
+    )
+    # >= 1 chunk a request, <= 1 a token
+    assert 4 <= variants["stream"].detail["rounds"][0]["chunks"] <= 16
+    busy = variants["busy_generate"].detail["rounds"][0]
     assert busy["holds"] >= 1 and 0 < busy["held_fraction"] <= 1
-    ratios = result["ratios"]
+    ratios = result.extra["ratios"]
     assert ratios.keys() == {"generate_over_hf", "stream_over_hf", "busy_generate_over_generate"}
     assert all(positive(v) for v in ratios.values()), ratios
 
     # asyncstep's logger as it was (later tests capture its events).
     assert (list(logger.handlers), logger.level, logger.propagate) == before
 
-    phases = result["spans"]["phases"]
+    phases = result.extra["spans"]["phases"]
     assert set(phases) == {"batch_1", "batch_4"}
     for phase in phases.values():
         assert phase["steps"] >= 1
@@ -84,8 +83,7 @@ def test_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         assert all(row["us_per_step"] >= 0 and row["count"] >= 1 for row in phase["rows"])
 
 
-def test_span_table_aggregates_the_selected_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    host_cpu = _import(monkeypatch)
+def test_span_table_aggregates_the_selected_steps() -> None:
     from asyncstep.logging.trace import Span
 
     def s(name: str, task: str, step: int, ts: int, dur: int) -> tuple[str, Span]:

@@ -9,7 +9,7 @@ attack runs beside a healthy stream whose tokens must equal its tokens alone
 and whose largest gap between chunks must stay under ``MAX_GAP_S``, and the
 engine's process must not grow by more than ``MAX_RSS_GROWTH`` per attack.
 The limits are lowered where the behaviour is the same at a smaller size;
-``benchmarks/grammar_attacks.py`` runs the full-size compiles.
+``benchmarks/studies/grammar/grammar_attacks.py`` runs the full-size compiles.
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ if TEST_DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from asyncstep.models.layers.linear import packed_linear  # noqa: E402
+from asyncstep.ops.select import select_ops  # noqa: E402
+from asyncstep.ops.triton import TritonOps  # noqa: E402
 from asyncstep.ops.triton.gemv import GemvLaunch, dense_gemv, gemv_launch  # noqa: E402
+from asyncstep.ops.triton.paged_attention import TritonAttention  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -106,29 +108,26 @@ def test_bad_arguments_raise(x: torch.Tensor, w: torch.Tensor, match: str) -> No
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-def test_linear_layers_take_it_for_one_row_16_bit_steps_on_cuda(rows: int) -> None:
+def test_the_fused_decode_op_set_takes_it_for_one_row_16_bit_steps_on_cuda(rows: int) -> None:
     w = torch.randn(24, 64, device=DEVICE).bfloat16()
     bias = torch.randn(24, device=DEVICE).bfloat16()
     x = torch.randn(rows, 64, device=DEVICE).bfloat16()
-    out = packed_linear(x, w, None, bias, dense_gemv=True)
+    gemv_ops = TritonOps(TritonAttention(rotates=True), fused_decode=True)
+    out = gemv_ops.linear(x, w, None, bias)
     if DEVICE.type == "cuda" and rows == 1:
         torch.testing.assert_close(out, dense_gemv(x, w) + bias, rtol=0, atol=0)
     else:  # F.linear, bit for bit
         assert torch.equal(out, F.linear(x, w, bias))
-    assert torch.equal(packed_linear(x, w, None, bias), F.linear(x, w, bias))
+    plain = TritonOps(TritonAttention(rotates=True))
+    assert torch.equal(plain.linear(x, w, None, bias), F.linear(x, w, bias))
     x32, w32 = x.float(), w.float()  # float32 keeps F.linear on CUDA too
-    assert torch.equal(packed_linear(x32, w32, None, dense_gemv=True), F.linear(x32, w32))
+    assert torch.equal(gemv_ops.linear(x32, w32, None), F.linear(x32, w32))
 
 
-def test_the_runner_switches_it_with_the_fused_decode() -> None:
-    from asyncstep.models.dummy import get_shape
-    from asyncstep.models.llama import LlamaForCausalLM
-    from asyncstep.runner.model_runner import _use_dense_gemv
-
-    model = LlamaForCausalLM(get_shape("tiny-llama"), torch.float32)
-    layer = model.model.stage_layers()[0]
-    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj]
-    _use_dense_gemv(model, True)
-    assert all(linear.dense_gemv for linear in linears) and model.lm_head.dense_gemv
-    _use_dense_gemv(model, False)
-    assert not any(linear.dense_gemv for linear in linears) and not model.lm_head.dense_gemv
+def test_the_choice_gives_it_with_the_fused_decode() -> None:
+    """Chosen once, with the op set: the fused decode's op set runs it."""
+    cuda = torch.device("cuda")
+    on = select_ops(cuda, "triton", fused_kernels=True, fused_decode=True)
+    off = select_ops(cuda, "triton", fused_kernels=True, fused_decode=False)
+    assert isinstance(on, TritonOps) and on.fused_decode
+    assert isinstance(off, TritonOps) and not off.fused_decode

@@ -30,10 +30,6 @@ if TEST_DEVICE == "cpu":
 pytest.importorskip("triton")
 
 from asyncstep.models.layers.gpu_quant import (  # noqa: E402
-    GpuQ4Weight,
-    GpuQ8Weight,
-    pack_q4_gpu,
-    pack_q8_gpu,
     packing_on_load,
     round_decoder_weights,
     round_to_q4_1,
@@ -52,6 +48,12 @@ from asyncstep.ops.triton.quant import (  # noqa: E402
     q4_matmul,
     q8_gemv,
     q8_matmul,
+)
+from asyncstep.ops.triton.quant_weight import (  # noqa: E402
+    GpuQ4Weight,
+    GpuQ8Weight,
+    pack_q4_gpu,
+    pack_q8_gpu,
 )
 
 DEVICE = torch.device(TEST_DEVICE)

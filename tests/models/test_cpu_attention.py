@@ -26,7 +26,11 @@ from asyncstep.models.model_loader import LoadedModel
 from asyncstep.ops.cpu import library
 from asyncstep.ops.cpu.attention import CpuPagedAttention
 from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.paged_attention import CpuAttention, cpu_step_args
 from asyncstep.ops.select import resolve_attention_backend
+from asyncstep.ops.slot import OpSetSlot
+from asyncstep.ops.torch_attention import TORCH_ATTENTION
+from asyncstep.ops.torch_ref import TorchOps
 from asyncstep.runner.model_runner import ModelRunner
 
 #: bf16 outputs are rounded to bf16 (a relative step of 2**-8): torch's bf16 tolerance.
@@ -135,7 +139,7 @@ def dense_attention(step: PagedStep) -> torch.Tensor:
 
 def run_kernel(kernel: CpuPagedAttention, step: PagedStep, threads: int = 1) -> torch.Tensor:
     out = torch.empty_like(step.q)
-    args = step.meta.cpu_step_args()
+    args = cpu_step_args(step.meta)
     kernel(out, step.q, step.k, step.v, step.kv_cache, args, step.scale, num_threads=threads)
     return out
 
@@ -241,7 +245,7 @@ def test_fused_rotary_equals_rotating_first(kernel: CpuPagedAttention, dtype: to
     first.q, first.k = rotary(rotary.cos_sin(positions, dtype), first.q, first.k)
     q_before, k_before = fused.q.clone(), fused.k.clone()
     out = torch.empty_like(fused.q)
-    args = fused.meta.cpu_step_args()
+    args = cpu_step_args(fused.meta)
     kernel(out, fused.q, fused.k, fused.v, fused.kv_cache, args, fused.scale, rotary.cos_sin_cache)
     assert torch.equal(fused.q, q_before) and torch.equal(fused.k, k_before)
     expected = run_kernel(kernel, first)
@@ -276,9 +280,11 @@ def test_attention_layer_pads_and_matches_the_reference_backend(
         for _ in range(2)
     ]
     outs = []
-    for backend, step in zip(("cpu", "torch"), steps, strict=True):
-        layer = Attention(heads, dim, kv_heads, scale=step.scale)
-        layer.backend, layer.kv_cache = backend, step.kv_cache
+    for attention, step in zip((CpuAttention(kernel), TORCH_ATTENTION), steps, strict=True):
+        layer = Attention(
+            heads, dim, kv_heads, scale=step.scale, ops=OpSetSlot(TorchOps(attention))
+        )
+        layer.kv_cache = step.kv_cache
         meta = step.meta
         meta.decode_buckets = plan_decode_buckets(
             meta.seq_lens_cpu[:2], meta.block_table[:2], block, min_bucket=1
@@ -344,4 +350,5 @@ def test_the_cpu_runner_runs_the_kernel_with_the_rotary_fused(
     rotary = tiny_model.model.model.rotary
     assert runner.attention_backend == "cpu"
     for layer in tiny_model.model.attention_layers():
-        assert layer.backend == "cpu" and layer.fused_rotary is rotary
+        assert layer.ops.ops.attention_op.name == "cpu"
+        assert layer.rotates and layer.rotary[0] is rotary

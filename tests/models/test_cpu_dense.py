@@ -18,6 +18,9 @@ import asyncstep
 from asyncstep.cpu_features import cpu_flags
 from asyncstep.models.layers.embedding import ParallelLMHead
 from asyncstep.ops.cpu.dense import CpuDenseMatmul, dense_matmul
+from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.ops import CpuOps
+from asyncstep.ops.slot import OpSetSlot
 
 MATMUL = dense_matmul()
 pytestmark = pytest.mark.skipif(MATMUL is None, reason="no C compiler: the library is off")
@@ -94,7 +97,9 @@ def test_bad_inputs_are_refused_in_one_line() -> None:
 def test_a_bfloat16_lm_head_writes_float32_logits() -> None:
     """torch's bfloat16 matmul would round them to bfloat16 (steps of 0.125
     at 20); the library's keep float32's precision."""
-    head = ParallelLMHead(300, 64, torch.bfloat16)
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    head = ParallelLMHead(300, 64, torch.bfloat16, ops=OpSetSlot(CpuOps(kernels.layer_ops)))
     head.weight.data.copy_(torch.randn(300, 64) * 2)
     hidden = torch.randn(3, 64).bfloat16()
     logits = head.compute_logits(hidden)

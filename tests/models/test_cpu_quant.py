@@ -22,8 +22,8 @@ from gguf_weights import q4_0_weight, q4_1_weight, q8_0_weight
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.config import ModelConfig
-from asyncstep.models.cpu_decode import CpuDecodeStack
 from asyncstep.models.model_loader import LoadedModel, load_model, pack_weights
+from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.quant import (
     CpuQuantMatmul,
@@ -198,11 +198,11 @@ LOGPROB_TOLERANCE = 1e-3
 async def greedy(loaded: LoadedModel, stack: bool) -> list[asyncstep.Completion]:
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
     async with asyncstep.open_engine(loaded, max_model_len=512, max_num_seqs=4) as engine:
-        assert isinstance(loaded.model.model.decode_stack, CpuDecodeStack) == (
+        assert isinstance(loaded.model.model.step_path, CpuDecodeStack) == (
             MATMUL is not None and MATMUL.fast
         )
         if not stack:
-            loaded.model.model.decode_stack = None
+            loaded.model.model.step_path = None
         tasks: list[Any] = [None] * len(QUESTIONS)
 
         async def one(i: int) -> None:

@@ -1,4 +1,4 @@
-"""The fused decode (``asyncstep.models.fused_decode``, issue 28): the Q4
+"""The fused decode (``asyncstep.ops.triton.fused_decode``, issue 28): the Q4
 GEMV's prologues (the RMS norm, over the row or from the previous kernel's
 parts) and epilogues (residual add, the next norm's rows, SiLU·mul of
 interleaved gate/up rows) equal their torch references (float32 to 1e-6;
@@ -30,15 +30,20 @@ if TEST_DEVICE == "cpu":
 pytest.importorskip("triton")
 
 from asyncstep.datatypes import IntermediateTensors  # noqa: E402
-from asyncstep.models.fused_decode import FusedDecodeWeights  # noqa: E402
 from asyncstep.models.layers.attention import AttentionMetadata, kv_cache_shape  # noqa: E402
 from asyncstep.models.layers.gpu_quant import (  # noqa: E402
-    pack_q4_gpu,
     round_decoder_weights,
     round_to_q4_1,
 )
 from asyncstep.models.llama import LlamaForCausalLM  # noqa: E402
+from asyncstep.ops.torch_attention import TORCH_ATTENTION  # noqa: E402
+from asyncstep.ops.triton import TritonOps  # noqa: E402
 from asyncstep.ops.triton.fused import silu_and_mul  # noqa: E402
+from asyncstep.ops.triton.fused_decode import (  # noqa: E402
+    FusedDecodePath,
+    FusedDecodeWeights,
+    _layer_weights,
+)
 from asyncstep.ops.triton.quant import (  # noqa: E402
     GROUP_SIZE,
     GemvConfig,
@@ -48,6 +53,7 @@ from asyncstep.ops.triton.quant import (  # noqa: E402
     q4_gemv,
     q4_gemv_fused,
 )
+from asyncstep.ops.triton.quant_weight import pack_q4_gpu  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -246,7 +252,8 @@ def step(
     past: int,
     intermediate: IntermediateTensors | None = None,
 ) -> Any:
-    model.model.use_fused_decode(fused)
+    # The Triton layer ops with the reference attention, the fused decode's step path or none.
+    model.use_ops(TritonOps(TORCH_ATTENTION, fused_decode=fused))
     meta = metadata(ids.shape[0], past, 16)
     assert meta.positions is not None
     return model.model(ids, meta.positions, meta, intermediate)
@@ -258,7 +265,7 @@ def test_a_one_token_step_equals_the_unfused_layers(q4_tiny: LlamaForCausalLM) -
     token = torch.tensor([77], device=DEVICE)
     unfused = step(q4_tiny, False, token, 9)
     fused = step(q4_tiny, True, token, 9)
-    assert q4_tiny.model._fused_weights  # the fused path was taken
+    assert isinstance(q4_tiny.model.step_path, FusedDecodePath)  # the fused path was taken
     assert rel(fused, unfused) < 1e-5
     # Larger steps run the unfused layers: the same bits.
     two = torch.tensor([77, 78], device=DEVICE)
@@ -289,13 +296,14 @@ def test_a_received_residual_is_read_not_written(q4_tiny: LlamaForCausalLM) -> N
 
 def test_layers_without_packed_weights_are_not_fused(q4_tiny: LlamaForCausalLM) -> None:
     layer = q4_tiny.model.stage_layers()[0]
-    assert layer.fused_decode_weights() is not None
+    assert _layer_weights(layer) is not None
     packed, layer.mlp.down_proj.packed = layer.mlp.down_proj.packed, None
     try:
-        assert layer.fused_decode_weights() is None
+        assert _layer_weights(layer) is None
+        assert FusedDecodePath.build(q4_tiny.model.stage_layers()) is None
     finally:
         layer.mlp.down_proj.packed = packed
-    weights = layer.fused_decode_weights()
+    weights = _layer_weights(layer)
     assert isinstance(weights, FusedDecodeWeights)
     assert weights.applies(torch.ones(1, 64, device=DEVICE))
     assert not weights.applies(torch.ones(2, 64, device=DEVICE))
@@ -345,7 +353,8 @@ async def test_the_engine_gives_the_same_greedy_tokens_fused_or_not(
                     await one(i)
             outs.append([got[i] for i in range(len(prompts))])
         if fused and packing == "q4":
-            assert loaded.model.model._fused_weights, "the fused decode did not apply"
+            path = loaded.model.model.step_path
+            assert isinstance(path, FusedDecodePath), "the fused decode did not apply"
     assert outs[0] == outs[1]
 
 

@@ -13,8 +13,8 @@ from gguf_weights import q4_0_weight, q4_1_weight
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.config import ModelConfig
-from asyncstep.models.layers.linear import packed_linear
 from asyncstep.models.model_loader import LoadedModel, cpu_blocks, load_model, pack_weights
+from asyncstep.ops import TORCH_OPS
 from asyncstep.ops.packed import (
     GROUP_SIZE,
     is_int8_blocks,
@@ -96,7 +96,7 @@ def test_layers_use_the_packed_weight_up_to_max_tokens_only() -> None:
     for rows in (1, 4, 5, 64):
         x = torch.randn(rows, 128)
         torch.testing.assert_close(
-            packed_linear(x, weight, packed), x @ weight.T, rtol=1e-5, atol=1e-5
+            TORCH_OPS.linear(x, weight, packed), x @ weight.T, rtol=1e-5, atol=1e-5
         )
     assert calls == [1, 4]
 

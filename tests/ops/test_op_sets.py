@@ -14,13 +14,16 @@ from copy import deepcopy
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np
 import pytest
 import torch
 
 from asyncstep.models.layers.rotary import RotaryEmbedding
 from asyncstep.ops import TORCH_OPS, OpSet, select_ops
+from asyncstep.ops.attention import AttentionMetadata, AttentionShape
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.select import triton_available
+from asyncstep.ops.torch_attention import TORCH_ATTENTION
 
 CPU = torch.device("cpu")
 EPS = 1e-5
@@ -34,13 +37,15 @@ def op_set(name: str) -> OpSet:
         if kernels is None:
             pytest.skip("the CPU library does not build here")
         from asyncstep.ops.cpu.ops import CpuOps
+        from asyncstep.ops.cpu.paged_attention import CpuAttention
 
-        return CpuOps(kernels.layer_ops)
+        return CpuOps(kernels.layer_ops, CpuAttention(kernels.attention))
     if not triton_available():
         pytest.skip("needs triton")
     from asyncstep.ops.triton import TritonOps
+    from asyncstep.ops.triton.paged_attention import TritonAttention
 
-    return TritonOps()
+    return TritonOps(TritonAttention(rotates=True))
 
 
 @pytest.fixture(params=["cpu", "triton"])
@@ -153,11 +158,20 @@ def test_the_choice() -> None:
     on; the CPU library's on the CPU with the fused kernels, where it builds;
     else the reference."""
     assert select_ops(CPU, "torch", fused_kernels=False) is TORCH_OPS
-    assert select_ops(CPU, "cpu", fused_kernels=False) is TORCH_OPS
+    if load_cpu_kernels() is not None:
+        beside = select_ops(CPU, "cpu", fused_kernels=False)  # the reference's layer ops
+        assert beside.name == "torch" and beside.attention_op.name == "cpu"
+        assert beside.rotates_in_kv_store
     cpu = select_ops(CPU, "cpu", fused_kernels=True)
     assert cpu.name == ("torch" if load_cpu_kernels() is None else "cpu")
+    assert select_ops(CPU, "torch", fused_kernels=True).attention_op is TORCH_ATTENTION
     if triton_available():
-        assert select_ops(torch.device("cuda"), "triton", fused_kernels=True).name == "triton"
+        cuda = torch.device("cuda")
+        triton = select_ops(cuda, "triton", fused_kernels=True)
+        assert triton.name == "triton" and triton.rotates_in_kv_store
+        unfused = select_ops(cuda, "triton", fused_kernels=False)
+        assert unfused.name == "torch" and unfused.attention_op.name == "triton"
+        assert not unfused.rotates_in_kv_store  # the reference's rotary, then the store
     assert select_ops(torch.device("cuda"), "torch", fused_kernels=True) is TORCH_OPS
 
 
@@ -179,3 +193,99 @@ def test_a_copied_model_has_a_slot_of_its_own() -> None:
     copy = deepcopy(model)
     assert slots(model) == {id(model.model.ops)} and slots(copy) == {id(copy.model.ops)}
     assert copy.model.ops is not model.model.ops and copy.model.ops.ops is chosen
+
+
+# -- attention (rotary + KV store + paged attention) and linear ------------------
+
+
+def attention_step(dtype: torch.dtype, seed: int) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Two decodes over cached keys and a prompt chunk over its prefix
+    (block size 4, 3 requests), and a zeroed KV cache of 2 KV heads x 16."""
+    from asyncstep.ops.attention import kv_cache_shape, plan_decode_buckets
+
+    query_lens, computed = [1, 1, 5], [6, 3, 4]
+    seq_lens = np.array([q + c for q, c in zip(query_lens, computed, strict=True)], np.int32)
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    blocks_per_req = 4
+    block_table = torch.arange(3 * blocks_per_req, dtype=torch.int32).view(3, blocks_per_req)
+    positions = torch.cat(
+        [torch.arange(c, c + q) for q, c in zip(query_lens, computed, strict=True)]
+    )
+    # Request r's blocks are 4r .. 4r + 3: its token at position p goes to slot 16 r + p.
+    rows = torch.repeat_interleave(torch.arange(3), torch.tensor(query_lens))
+    slots = rows * blocks_per_req * 4 + positions
+    meta = AttentionMetadata(
+        num_actual_tokens=int(qsl[-1]),
+        num_decodes=2,
+        query_start_loc=torch.from_numpy(qsl),
+        seq_lens=torch.from_numpy(seq_lens),
+        block_table=block_table,
+        slot_mapping=slots,
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        positions=positions,
+    )
+    meta.decode_buckets = plan_decode_buckets(seq_lens[:2], block_table[:2], 4, min_bucket=1)
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.zeros(kv_cache_shape(3 * blocks_per_req, 4, 2, 16), dtype=dtype)
+    cache.normal_(generator=gen)  # the cached prefixes' keys and values
+    return meta, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention(ops: OpSet, dtype: torch.dtype) -> None:
+    """The op set's rotary + KV store + paged attention against the
+    reference's rotary then the reference's store and attention: the same
+    cache and the same output (the rotation of the op's own store where it
+    rotates). The Triton kernels' bfloat16 needs CUDA (the interpreter's
+    dot does not take it), as in tests/gpu/test_triton_attention.py."""
+    if ops.name == "triton" and dtype == torch.bfloat16:
+        pytest.skip("the Triton attention in bfloat16 runs on CUDA only")
+    shape = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
+    rotary = RotaryEmbedding(16, 64, 10000.0)
+    meta, cache = attention_step(dtype, seed=6)
+    want_meta, want_cache = attention_step(dtype, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(meta.num_actual_tokens, (4 + 2 + 2) * 16, generator=gen).to(dtype)
+    q, k, v = qkv.split([64, 32, 32], -1)
+    positions = meta.positions
+    assert positions is not None
+    if ops.rotates_in_kv_store:
+        got = ops.attention(q.clone(), k.clone(), v, cache, meta, shape, rotary.cos_sin_cache)
+    else:
+        rq, rk = ops.rotary(
+            ops.rotary_cos_sin(rotary.cos_sin_cache, positions, dtype),
+            q.clone(),
+            k.clone(),
+            rotary.cos_sin_cache,
+            16,
+        )
+        got = ops.attention(rq, rk, v, cache, meta, shape, None)
+    cos_sin = TORCH_OPS.rotary_cos_sin(rotary.cos_sin_cache, positions, dtype)
+    wq, wk = TORCH_OPS.rotary(cos_sin, q.clone(), k.clone(), rotary.cos_sin_cache, 16)
+    want = TORCH_OPS.attention(wq, wk, v, want_cache, want_meta, shape, None)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(cache, want_cache, **tol)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_and_logits(ops: OpSet, rows: int) -> None:
+    """A dense weight and a packed one (its format's own matmul) as the
+    reference multiplies them; the logits at least as precise."""
+    from asyncstep.ops.packed import pack_int8_rows
+
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(48, 64, generator=gen)
+    bias = torch.randn(48, generator=gen)
+    x = torch.randn(rows, 64, generator=gen)
+    for packed in (None, pack_int8_rows(weight, torch.float32, max_tokens=8)):
+        got = ops.linear(x, weight, packed, bias)
+        want = TORCH_OPS.linear(x, weight, packed, bias)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        logits = ops.logits(x, weight, packed)
+        torch.testing.assert_close(
+            logits.float(), TORCH_OPS.logits(x, weight, packed).float(), rtol=1e-5, atol=1e-5
+        )

@@ -31,8 +31,8 @@ from asyncstep.datatypes import (
 )
 from asyncstep.engine.core.request import Request, RequestStatus
 from asyncstep.engine.core.scheduler import Scheduler
-from asyncstep.models.layers.attention import _cuts
 from asyncstep.models.model_loader import LoadedModel
+from asyncstep.ops.attention import _cuts
 from asyncstep.runner import cudagraph_runner as cudagraph_runner_module
 from asyncstep.runner import model_runner as model_runner_module
 from asyncstep.runner import sampled_tokens as sampled_tokens_module

@@ -1,13 +1,14 @@
 """The HTTP door (issue 22), as an attacker tries it: each attack on a real
 ``asyncstep serve`` (the embedded SmolLM2 on the CPU) beside a healthy
 stream, whose text must agree with its text alone, whose largest gap between
-chunks must stay within :data:`door.MAX_GAP_S` (1 s, on CI's 2-core machine),
-and with the server's processes growing at most
-:data:`door.MAX_RSS_GROWTH_MIB` (300 MiB) of peak RSS per attacking request.
+chunks must stay within the harness's ``MAX_GAP_S`` (1 s, on CI's 2-core
+machine), and with the server's processes growing at most its
+``MAX_RSS_GROWTH_MIB`` (300 MiB) of peak RSS per attacking request (the
+harness: :mod:`asyncstep.bench.door_harness`).
 
 The attacks, scaled down where the behaviour is the same (the full-size ones
-are ``benchmarks/door.py``): a prompt a few times past the byte bound (text,
-chat, token ids), long text under the bound (tokenized off the event loop);
+are ``python3 -m asyncstep.bench.door``): a prompt a few times past the byte
+bound (text, chat, token ids), long text under the bound (tokenized off the event loop);
 generation responses with ``Connection: close``, over HTTP/1.0 and kept alive
 (the server must close each); JSON nested 100k deep in every place a body
 nests (and schemas 10k deep); bodies sent a byte at a time (408, closed);
@@ -21,7 +22,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from door import (
+
+from asyncstep.bench.door_harness import (
     Server,
     assert_healthy,
     beside_healthy_stream,

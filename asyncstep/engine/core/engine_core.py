@@ -393,6 +393,6 @@ def freeze_gc_heap() -> None:
     loop's machinery) into the garbage collector's permanent generation, so
     a full collection no longer walks them (vLLM's ``freeze_gc_heap``): one
     over a served model's objects holds the step loop for many steps
-    (``benchmarks/results/host/session2/``)."""
+    (``benchmarks/studies/host/README.md``)."""
     gc.collect()
     gc.freeze()

@@ -118,7 +118,7 @@ class SchedulerStats:
 #: The token budget one prompt token takes when its request asks for
 #: ``prompt_logprobs``: the token itself, and its row of the LM head over the
 #: vocabulary with that row's log-softmax, rank and top-k (a healthy stream
-#: beside such a prompt keeps its pace).
+#: beside such a prompt keeps its pace; ``benchmarks/studies/prompt_logprobs_cost/README.md``).
 PROMPT_LOGPROBS_TOKEN_COST = 2
 
 

@@ -9,7 +9,7 @@ a compile takes what the streams leave.
 
 xgrammar's compile is C++ that cannot be interrupted in a thread (an
 exception set on the thread, or a signal, is seen only once it returns:
-``benchmarks/grammar_attacks.py`` shows it), so a compile that may run too
+``benchmarks/studies/grammar/README.md`` shows it), so a compile that may run too
 long or take too much memory runs here first, where the core can watch its
 time and memory and kill it. The worker keeps nothing between jobs
 (xgrammar's cache off): it only finds out whether a grammar compiles and
@@ -17,7 +17,7 @@ what it costs; the core then builds the grammar it keeps itself. (A
 compiled grammar crosses a process boundary only through xgrammar's JSON,
 which copies the grammar-wide FSM once per rule, and so does the copy it
 deserializes: its size and time grow with the square of a schema's
-properties, far past the compile's own; ``benchmarks/results/grammar/``.)
+properties, far past the compile's own; ``benchmarks/studies/grammar/README.md``.)
 
 Its messages are :mod:`asyncstep.engine.structured_output.grammar_messages`' (msgpack frames,
 a 4-byte big-endian length each, as :mod:`asyncstep.channels.framing`;

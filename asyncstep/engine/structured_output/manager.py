@@ -256,7 +256,7 @@ class StructuredOutputManager:
         From ``POOL_MIN_ROWS`` requests on, shards of them are advanced and
         filled by a pool of threads, each request's accept before its fill
         (a large batch's host time falls with the threads:
-        ``benchmarks/grammar_host.py``, ``docs/performance.md``).
+        ``benchmarks/studies/structured/README.md``).
         """
         start = time.perf_counter()
         outputs = list(outputs)

@@ -9,10 +9,9 @@ from torch import nn
 
 from asyncstep.channels import get_tp_group
 from asyncstep.errors import ModelLoadError
-from asyncstep.models.layers.linear import packed_linear, reduce_partial_sums
-from asyncstep.ops.cpu.dense import CpuDenseMatmul, dense_matmul
-from asyncstep.ops.cpu.quant import CpuQuantWeight
+from asyncstep.models.layers.linear import reduce_partial_sums
 from asyncstep.ops.packed import PackedWeight
+from asyncstep.ops.slot import OpSetSlot
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -64,32 +63,25 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, split like the embedding; logits are gathered."""
 
-    #: The weight packed for the CPU (set after loading).
-    packed: PackedWeight | None = None
-    #: One-row steps of a 16-bit model on CUDA through the Triton GEMV.
-    dense_gemv: bool = False
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype,
+        *,
+        ops: OpSetSlot | None = None,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, dtype)
+        #: The weight packed (set after loading): its format carries its matmul.
+        self.packed: PackedWeight | None = None
+        #: The model's op set (:meth:`~asyncstep.ops.base.OpSet.logits`).
+        self.ops = ops or OpSetSlot()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The logits of ``hidden_states``' rows: on the CPU float32 from the
-        library's packed head or its dense bfloat16 matmul (float32 sums, not
-        rounded to the model's dtype: a bfloat16 logit of ~20 moves in steps
-        of 0.125, which ties tokens that float32 separates), else in the
-        model's dtype."""
-        packed = self.packed
-        if isinstance(packed, CpuQuantWeight) and packed.applies(hidden_states):
-            logits = packed.mm(hidden_states, torch.float32)
-        elif (matmul := _cpu_bfloat16_matmul(self.weight)) is not None:
-            logits = matmul(hidden_states, self.weight)
-        else:
-            logits = packed_linear(hidden_states, self.weight, packed, dense_gemv=self.dense_gemv)
+        """The logits of ``hidden_states``' rows, from the op set: float32 on
+        the CPU where the library sums so (see
+        :meth:`~asyncstep.ops.base.OpSet.logits`), else the model's dtype."""
+        logits = self.ops.ops.logits(hidden_states, self.weight, self.packed)
         if self.tp_size > 1:
             logits = get_tp_group().all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]
-
-
-def _cpu_bfloat16_matmul(weight: torch.Tensor) -> CpuDenseMatmul | None:
-    """The CPU library's dense matmul for a bfloat16 weight on the CPU (None
-    elsewhere, or where the library is off)."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        return None
-    return dense_matmul()

@@ -8,6 +8,10 @@ row-parallel layer reduce-scatters its partial sums along tokens instead of
 all-reducing them: the reduce-scatter and the next all-gather move what one
 all-reduce does, and the norms and residual adds in between run on
 ``1 / tp_size`` of the rows.
+
+The matmul is the model's op set's (:meth:`~asyncstep.ops.base.OpSet.linear`):
+a layer holds its dense weight and, set after loading, a packed copy whose
+format carries its own matmul; no flag chooses a kernel here.
 """
 
 from __future__ import annotations
@@ -15,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from asyncstep.channels import get_tp_group
 from asyncstep.errors import ModelLoadError
 from asyncstep.ops.packed import PackedWeight
+from asyncstep.ops.slot import OpSetSlot
 
 WeightLoader = Callable[..., None]
 
@@ -52,39 +56,6 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     param.data.copy_(loaded)
 
 
-def packed_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    packed: PackedWeight | None,
-    bias: torch.Tensor | None = None,
-    *,
-    dense_gemv: bool = False,
-) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``, through the packed copy of ``weight`` when
-    it has one for a step of ``x``'s size (:mod:`~asyncstep.ops.packed`);
-    else, with ``dense_gemv``, a one-row step of 16-bit ``x`` on CUDA through
-    :func:`asyncstep.ops.triton.gemv.dense_gemv`."""
-    if packed is not None and packed.applies(x):
-        y = packed.mm(x)
-    elif dense_gemv and _one_row_on_cuda(x, weight):
-        from asyncstep.ops.triton.gemv import dense_gemv as gemv
-
-        y = gemv(x, weight)
-    else:
-        return F.linear(x, weight, bias)
-    return y if bias is None else y + bias
-
-
-def _one_row_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.dtype == weight.dtype
-        and x.dim() > 0
-        and x.numel() == x.shape[-1]
-    )
-
-
 def _make_param(shape: Sequence[int], dtype: torch.dtype, loader: WeightLoader) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
@@ -110,6 +81,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
+        ops: OpSetSlot | None = None,
     ) -> None:
         super().__init__()
         tp = get_tp_group()
@@ -127,24 +99,18 @@ class ColumnParallelLinear(nn.Module):
             if bias
             else None
         )
-        #: The weight packed for the CPU (set after loading).
+        #: The weight packed (set after loading): its format carries its matmul.
         self.packed: PackedWeight | None = None
-        #: One-row steps of a 16-bit model on CUDA through the Triton GEMV
-        #: (set by the runner with the fused decode).
-        self.dense_gemv = False
+        #: The model's op set.
+        self.ops = ops or OpSetSlot()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = param.shape[0]
         _copy_checked(param, loaded.narrow(0, self.tp_rank * shard, shard), "column-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_linear(
-            gather_tokens(x, self.sequence_parallel),
-            self.weight,
-            self.packed,
-            self.bias,
-            dense_gemv=self.dense_gemv,
-        )
+        x = gather_tokens(x, self.sequence_parallel)
+        y = self.ops.ops.linear(x, self.weight, self.packed, self.bias)
         if self.gather_output:
             y = get_tp_group().all_gather(y, dim=-1)
         return y
@@ -163,6 +129,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
+        ops: OpSetSlot | None = None,
     ) -> None:
         self.output_sizes = list(output_sizes)
         super().__init__(
@@ -171,6 +138,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             bias=bias,
             sequence_parallel=sequence_parallel,
             params_dtype=params_dtype,
+            ops=ops,
         )
 
     def weight_loader(  # type: ignore[override]
@@ -199,6 +167,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
+        ops: OpSetSlot | None = None,
     ) -> None:
         tp_size = get_tp_group().world_size
         self.head_dim = head_dim
@@ -211,6 +180,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             bias=bias,
             sequence_parallel=sequence_parallel,
             params_dtype=params_dtype,
+            ops=ops,
         )
 
     @property
@@ -250,6 +220,7 @@ class RowParallelLinear(nn.Module):
         reduce_results: bool = True,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
+        ops: OpSetSlot | None = None,
     ) -> None:
         super().__init__()
         tp = get_tp_group()
@@ -262,11 +233,10 @@ class RowParallelLinear(nn.Module):
             (output_size, self.input_size_per_partition), params_dtype, self.weight_loader
         )
         self.bias = _make_param((output_size,), params_dtype, self.weight_loader) if bias else None
-        #: The weight packed for the CPU (set after loading).
+        #: The weight packed (set after loading): its format carries its matmul.
         self.packed: PackedWeight | None = None
-        #: One-row steps of a 16-bit model on CUDA through the Triton GEMV
-        #: (set by the runner with the fused decode).
-        self.dense_gemv = False
+        #: The model's op set.
+        self.ops = ops or OpSetSlot()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is whole on every rank
@@ -276,7 +246,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param, loaded.narrow(1, self.tp_rank * shard, shard), "row-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_linear(x, self.weight, self.packed, dense_gemv=self.dense_gemv)
+        y = self.ops.ops.linear(x, self.weight, self.packed)
         if self.reduce_results:
             y = reduce_partial_sums(y, self.sequence_parallel)
         if self.bias is not None:

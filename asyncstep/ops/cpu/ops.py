@@ -1,19 +1,31 @@
 """The CPU library's op set: the residual add + RMSNorm over a float32
 residual stream, RMSNorm, and ``silu(gate) * up`` in one call each of
 ``cpu_kernels.c`` (:class:`~asyncstep.ops.cpu.layer_ops.CpuLayerOps`: torch's
-float32 arithmetic, bit for bit on x86); the reference's ops where the
-library does not take the input (float16, a residual stream that is not
-float32), and for the rotary embedding (the CPU attention kernel rotates q
-and k as it reads them).
+float32 arithmetic, bit for bit on x86); the LM head of a bfloat16 model in
+float32 sums (``cpu_dense.c``: a bfloat16 logit of ~20 moves in steps of
+0.125, which ties tokens that float32 separates); the reference's ops where
+the library does not take the input (float16, a residual stream that is not
+float32), and for the rotary embedding (the CPU attention op rotates q and
+k as it reads them). Its step path: the whole decoder stack in one call
+(:mod:`~asyncstep.ops.cpu.decode_stack`).
 
 May import torch and :mod:`asyncstep.ops`' base, reference and CPU library.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from asyncstep.ops.base import AttentionOp, StepPath
+from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
+from asyncstep.ops.cpu.dense import dense_matmul
 from asyncstep.ops.cpu.layer_ops import CpuLayerOps
+from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.quant import CpuQuantWeight
+from asyncstep.ops.packed import PackedWeight
+from asyncstep.ops.torch_attention import TORCH_ATTENTION
 from asyncstep.ops.torch_ref import TorchOps
 
 __all__ = ["CpuOps"]
@@ -24,8 +36,27 @@ class CpuOps(TorchOps):
 
     name = "cpu"
 
-    def __init__(self, layer_ops: CpuLayerOps) -> None:
+    def __init__(self, layer_ops: CpuLayerOps, attention: AttentionOp = TORCH_ATTENTION) -> None:
+        super().__init__(attention)
         self.layer_ops = layer_ops
+
+    def step_path(self, layers: list[Any]) -> StepPath | None:
+        """The library's decoder stack in one call, where the layers qualify
+        (:mod:`~asyncstep.ops.cpu.decode_stack`)."""
+        kernels = load_cpu_kernels()
+        return None if kernels is None else CpuDecodeStack.build(kernels, layers)
+
+    def logits(
+        self, x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None
+    ) -> torch.Tensor:
+        """float32: the library's packed head, or its dense bfloat16 matmul."""
+        if isinstance(packed, CpuQuantWeight) and packed.applies(x):
+            return packed.logits(x)
+        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            matmul = dense_matmul()
+            if matmul is not None:
+                return matmul(x, weight)
+        return super().logits(x, weight, packed)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, float32_residual: bool

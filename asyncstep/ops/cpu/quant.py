@@ -141,6 +141,10 @@ class CpuQuantWeight(PackedWeight):
         assert matmul is not None, "a CPU-quantized weight needs the CPU library"
         return matmul(self, x, out_dtype)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`mm` in float32 (the library's sums, not rounded)."""
+        return self.mm(x, torch.float32)
+
 
 @functools.cache
 def quant_matmul() -> CpuQuantMatmul | None:

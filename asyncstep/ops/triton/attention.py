@@ -157,7 +157,7 @@ def _decode_launch(
     16-bit inputs read 64-key tiles (two 16 KiB tiles in flight at head_dim
     128), unpipelined: a segment is a few tiles, and a pipeline's prologue
     costs more than it hides (picked by measurement, as the programs per SM:
-    ``benchmarks/attention_kernel.py``)."""
+    ``benchmarks/studies/fastpath/README.md``)."""
     wide = dtype != torch.float32
     tile_n = 64 if wide and head_dim_pad <= 128 else 32
     programs = num_tokens * num_kv_heads

@@ -7,8 +7,8 @@ and a separate reduce kernel. :func:`dense_gemv` streams each program's
 ``BLOCK_N`` rows in ``BLOCK_K``-wide chunks, accumulates the products in
 float32 and sums each row once at the end (one rounding to x's dtype).
 The launch (:func:`gemv_launch`) is picked by measurement on llama-8b's and
-llama-1b's shapes (``benchmarks/dense_gemv.py``; figures in
-``benchmarks/results/fused_decode/README.md``).
+llama-1b's shapes (the study and its figures:
+``benchmarks/studies/decode_kernels/README.md``).
 
 The launcher computes its grid from shapes only and allocates with torch
 (no host sync: capturable in a CUDA graph once warmed up) and raises

@@ -1,6 +1,6 @@
 """The Triton kernel that applies grammar bitmasks to logits in place: one
 launch for every constrained row of a step (the torch formulation took ten
-launches, each paid in host time; ``benchmarks/grammar_apply.py``).
+launches, each paid in host time; ``benchmarks/studies/structured/README.md``).
 
 May import torch and triton only.
 """

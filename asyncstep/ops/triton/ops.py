@@ -3,14 +3,24 @@ the rotary embedding each in one kernel
 (:mod:`asyncstep.ops.triton.fused`: float32 math, within the rounding of the
 activations' dtype of the reference's). A step's rotation is its positions
 alone: the kernels read cos and sin from the cache. RMSNorm without a
-residual, and an add + norm starting the stream, are the reference's.
+residual, and an add + norm starting the stream, are the reference's. With
+``fused_decode``: a one-row step of 16-bit dense weights on CUDA multiplies
+with :func:`~asyncstep.ops.triton.gemv.dense_gemv`, and the step path is
+the fused decode over Q4 layers (:mod:`~asyncstep.ops.triton.fused_decode`).
+
+May import torch, triton (on use) and :mod:`asyncstep.ops`' base,
+reference and Triton kernels.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from asyncstep.ops.base import RotaryCosSin
+import torch
+import torch.nn.functional as F
+
+from asyncstep.ops.base import AttentionOp, RotaryCosSin, StepPath
+from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_ref import TorchOps
 
 __all__ = ["TritonOps"]
@@ -20,6 +30,39 @@ class TritonOps(TorchOps):
     """The fused Triton kernels, with the reference's ops where they do not apply."""
 
     name = "triton"
+
+    def __init__(self, attention: AttentionOp, *, fused_decode: bool = False) -> None:
+        super().__init__(attention)
+        self.fused_decode = fused_decode
+
+    def step_path(self, layers: list[Any]) -> StepPath | None:
+        if not self.fused_decode:
+            return None
+        from asyncstep.ops.triton.fused_decode import FusedDecodePath
+
+        return FusedDecodePath.build(layers)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        packed: PackedWeight | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if packed is not None and packed.applies(x):
+            y = packed.mm(x)
+        elif self.fused_decode and _one_row_on_cuda(x, weight):
+            from asyncstep.ops.triton.gemv import dense_gemv
+
+            y = dense_gemv(x, weight)
+        else:
+            return F.linear(x, weight, bias)
+        return y if bias is None else y + bias
+
+    def logits(
+        self, x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None
+    ) -> torch.Tensor:
+        return self.linear(x, weight, packed)
 
     def add_rms_norm(
         self,
@@ -60,3 +103,13 @@ class TritonOps(TorchOps):
         from asyncstep.ops.triton.fused import rotary_embedding
 
         return rotary_embedding(cos_sin.positions, q, k, cos_sin_cache, head_dim)
+
+
+def _one_row_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype == weight.dtype
+        and x.dim() > 0
+        and x.numel() == x.shape[-1]
+    )

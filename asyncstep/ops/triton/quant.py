@@ -85,7 +85,7 @@ __all__ = [
 ]
 
 #: Steps of at most this many rows take :func:`q4_gemv`; a model keeps its
-#: dense weight for larger steps (why: ``benchmarks/results/quant_gpu``).
+#: dense weight for larger steps (why: ``benchmarks/studies/decode_kernels/README.md``).
 GEMV_MAX_M = 1
 #: ... and up to this many :func:`q4_dot`; larger ones dequantize and matmul.
 DOT_MAX_M = 128
@@ -130,7 +130,7 @@ def _empty_out(x2: torch.Tensor, n: int) -> torch.Tensor:
 
 def _gemv_config(n: int, groups: int, bits: int) -> GemvConfig:
     """The launch for an ``[n, 32 groups]`` weight of ``bits``-bit codes
-    (picked by measurement on llama-8b's shapes, ``benchmarks/quant_gpu.py``):
+    (picked on llama-8b's shapes, ``benchmarks/studies/decode_kernels/README.md``):
     two warps whose lanes go along a row's blocks, 64 blocks a loop step, 8
     rows a thread (4-bit) or 32 blocks (8-bit); a long row (>= 256 blocks)
     loads the next step's words ahead."""

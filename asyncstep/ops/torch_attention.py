@@ -1,0 +1,196 @@
+"""Paged attention in plain torch: the reference attention op (runs on the
+CPU and CUDA). It stores a step's keys and values at their slots, runs the
+decodes as one batched gather per bucket of similar lengths (the step's
+host-made plan, :func:`~asyncstep.ops.attention.plan_decode_buckets`), and
+prompt chunks one request at a time over their cached prefix plus the new
+tokens. It reads host copies of the metadata: no FULL CUDA graph over it.
+
+May import torch, numpy and :mod:`asyncstep.ops.attention`.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from asyncstep.ops.attention import AttentionMetadata, AttentionShape, DecodeBucket
+
+__all__ = [
+    "TorchAttention",
+    "reference_attention",
+    "reference_attention_backends",
+    "write_kv_cache",
+]
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each real token's key/value ([tokens, kv_heads, dim]) at its slot.
+
+    Only the step's real tokens are given; padding tokens (slot -1) come after
+    them in ``slot_mapping`` and are never written.
+    """
+    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
+    slots = slot_mapping[: key.shape[0]]
+    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, key.transpose(0, 1))
+    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, value.transpose(0, 1))
+
+
+def _gather_kv(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, rows: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``block_ids`` (``rows`` requests' blocks, row-major):
+    ``[rows, kv_heads, length, dim]``, each head's keys contiguous.
+
+    ``index_select`` on whole blocks: on the CPU faster than the equivalent
+    advanced indexing."""
+    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        picked = cache.index_select(1, block_ids).view(num_kv_heads, rows, -1, head_dim)
+        return picked[:, :, :length].transpose(0, 1)
+
+    return gather(kv_cache[0]), gather(kv_cache[1])
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, scale: float
+) -> torch.Tensor:
+    """One bucket of decodes: q [n, heads, dim] -> [n, heads, dim].
+
+    The query heads that share a KV head ride as that head's query "length"
+    (``[n, kv_heads, group, dim]``), so keys and values are never repeated."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[1]
+    k, v = _gather_kv(kv_cache, bucket.block_ids, n, bucket.max_len)
+    grouped = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if q.device.type == "cpu":
+        out = _decode_attention_matmul(grouped, k, v, bucket.mask, scale)
+    else:
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=bucket.mask, scale=scale)
+    return out.reshape(n, num_heads, head_dim)
+
+
+def _decode_attention_matmul(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Decode attention as two batched matmuls: on the CPU, for one-token
+    queries over short keys, faster than ``scaled_dot_product_attention``
+    with a mask (``docs/performance.md``)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    req: int,
+    scale: float,
+) -> torch.Tensor:
+    """One request's query chunk [q_len, heads, dim] over its prefix and itself."""
+    q_len, seq_len = q.shape[0], int(meta.seq_lens_cpu[req])
+    if seq_len == q_len:  # no cached prefix: the new keys are the whole sequence
+        k, v, mask, causal = k_new.transpose(0, 1), v_new.transpose(0, 1), None, True
+    else:
+        block_size = kv_cache.shape[3]
+        blocks = meta.block_table[req, : -(-seq_len // block_size)].long()
+        k, v = (t[0] for t in _gather_kv(kv_cache, blocks, 1, seq_len))
+        mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),  # [heads, q_len, dim]
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def reference_attention_backends() -> AbstractContextManager[None]:
+    """The SDPA backends the reference path may use (enter once per forward:
+    the context manager itself costs host time). Not cuDNN: it builds an
+    execution plan for every new shape, and decode shapes change every step
+    (the keys grow by one), so every layer of every step would pay a plan's
+    host time (``benchmarks/studies/overlap/README.md``)."""
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    )
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Paged attention in plain torch. q [tokens, heads, dim], k/v [tokens, kv_heads, dim]
+    (already written to the cache). Returns [tokens, heads, dim].
+
+    Run the forward inside :func:`reference_attention_backends`."""
+    out = torch.empty_like(q)
+    for bucket in meta.decode_buckets:
+        out.index_copy_(
+            0,
+            bucket.rows,
+            _decode_attention(q.index_select(0, bucket.rows), kv_cache, bucket, scale),
+        )
+    qsl = meta.query_start_loc_cpu
+    for req in range(meta.num_decodes, meta.num_reqs):
+        s, e = int(qsl[req]), int(qsl[req + 1])
+        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], kv_cache, meta, req, scale)
+    return out
+
+
+class TorchAttention:
+    """The reference attention op: q and k come in rotated; rows past
+    ``meta.num_actual_tokens`` (padding) are neither stored nor attended,
+    and their output rows are zeros. Run the forward inside
+    :func:`reference_attention_backends`."""
+
+    name = "torch"
+    #: q and k come in rotated (the op set's rotary ran first).
+    rotates = False
+    #: The step's decodes need the host's plan (``decode_buckets``).
+    plans_decodes = True
+
+    @classmethod
+    def chosen(cls, *, fused_kernels: bool, fused_decode: bool) -> TorchAttention:
+        """The shared reference (it has no options)."""
+        return TORCH_ATTENTION
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        shape: AttentionShape,
+        cos_sin_cache: torch.Tensor | None,
+    ) -> torch.Tensor:
+        n, num_padding = meta.num_actual_tokens, q.shape[0] - meta.num_actual_tokens
+        q = q[:n].view(n, shape.num_heads, shape.head_dim)
+        k = k[:n].view(n, shape.num_kv_heads, shape.head_dim)
+        v = v[:n].view(n, shape.num_kv_heads, shape.head_dim)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        out = reference_attention(q, k, v, kv_cache, meta, shape.scale)
+        out = out.reshape(n, shape.num_heads * shape.head_dim)
+        return F.pad(out, (0, 0, 0, num_padding)) if num_padding else out
+
+
+#: The reference attention op, shared (it holds nothing).
+TORCH_ATTENTION = TorchAttention()
