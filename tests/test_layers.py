@@ -190,6 +190,12 @@ def test_no_sub_package_imports_a_peer() -> None:
     assert across == []
 
 
+def test_the_engine_package_imports_nothing() -> None:
+    """A process that needs one part of the engine (the engine core's, a
+    grammar worker) loads no other through ``asyncstep/engine/__init__.py``."""
+    assert graph()["asyncstep.engine"] == set()
+
+
 def test_the_walk_sees_imports_of_every_kind() -> None:
     """The checks above are only as good as the walk: it finds lazy,
     ``TYPE_CHECKING`` and relative imports."""
