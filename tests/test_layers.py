@@ -39,7 +39,7 @@ LAYERS: dict[str, int] = {
 #: units' own: a sub-package imports only sub-packages of its layer or below.
 SUBLAYERS: dict[str, dict[str, int]] = {
     "engine": {
-        "__init__": 6,  # imports nothing: a core process loads no front end
+        "__init__": 6,  # imports nothing (test_the_engine_package_imports_nothing)
         "front_end": 5,  # Engine, open_engine, LLM, the door
         "transport": 4,  # the front end and the core in two processes
         "executor": 3,  # the ranks the core drives: the engine's way down to the runner
@@ -191,8 +191,8 @@ def test_no_sub_package_imports_a_peer() -> None:
 
 
 def test_the_engine_package_imports_nothing() -> None:
-    """A process that needs one part of the engine (the engine core's, a
-    grammar worker) loads no other through ``asyncstep/engine/__init__.py``."""
+    """Importing any part of the engine runs ``asyncstep/engine/__init__.py``:
+    it imports nothing, so that it ties no sub-package to another."""
     assert graph()["asyncstep.engine"] == set()
 
 

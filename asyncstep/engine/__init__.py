@@ -17,7 +17,8 @@ below it (``tests/test_layers.py`` holds it so):
   the front end and the core, what a caller gets back, the markers of
   streamed text.
 
-This package imports nothing itself (a core process loads no front end);
-``asyncstep`` hands on the public names. Its sub-packages may import every
-lower asyncstep package, anyio, transformers and tokenizers.
+This package imports nothing itself: importing any sub-package runs this
+file, so a name handed on here would tie every sub-package to the one it
+comes from; ``asyncstep`` hands on the public names. Its sub-packages may
+import every lower asyncstep package, anyio, transformers and tokenizers.
 """
