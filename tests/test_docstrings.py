@@ -113,3 +113,18 @@ def test_the_pattern_finds_the_figures_it_is_for() -> None:
         "at most 128 choices",
     ):
         assert not MEASUREMENT.search(contract), contract
+
+
+#: A module docstring states a contract; the design's story is told once, in
+#: docs/architecture.md. Longer than this, it is telling the story.
+MAX_MODULE_DOCSTRING_LINES = 50
+
+
+def test_module_docstrings_are_contracts_not_stories() -> None:
+    long = {
+        str(path.relative_to(PACKAGE.parent)): doc.count("\n") + 1
+        for path in PACKAGE.rglob("*.py")
+        if (doc := ast.get_docstring(ast.parse(path.read_text()), clean=False))
+        and doc.count("\n") + 1 > MAX_MODULE_DOCSTRING_LINES
+    }
+    assert not long, f"move the narrative to docs/architecture.md: {long}"

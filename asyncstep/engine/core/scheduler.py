@@ -2,80 +2,25 @@
 
 Holds :class:`Scheduler` (its queues, the scheduling policy, the requests'
 lifecycle) and :class:`SchedulerStats`. A step's plan and the
-``SchedulerOutput`` built from it are in :mod:`asyncstep.engine.core.step_plan`;
-the per-request results of a step's output, with the stop rules, in
-:mod:`asyncstep.engine.core.step_results`. Pure
-Python; may import only the standard library and ``asyncstep.datatypes`` /
-``asyncstep.config`` / ``asyncstep.errors`` (plus its siblings
-``request``, ``kv_cache_manager``, ``step_plan`` and ``step_results``, the
-messages ``asyncstep.engine.messages.core_messages`` and the speculation of
+``SchedulerOutput`` built from it are in :mod:`asyncstep.engine.core.step_plan`
+(with the output's conventions the runner relies on); the per-request
+results of a step's output, with the stop rules, in
+:mod:`asyncstep.engine.core.step_results`. How it schedules (placeholders,
+pipelines, speculation, preemption): docs/architecture.md, "The scheduler".
+
+Contract: ``schedule()`` hands each request the tokens it lacks within the
+step's token budget and advances ``num_computed_tokens`` at once, so several
+steps may be in flight; ``update_from_output()`` takes each step's output in
+step order. A request is never scheduled past ``max_tokens`` or its context;
+a finished request keeps its blocks until every step in flight that uses
+them is back, and is reported in ``finished_req_ids`` only then; rejected
+draft tokens are rolled back before any stop rule or free runs.
+
+Pure Python; may import only the standard library and ``asyncstep.datatypes``
+/ ``asyncstep.config`` / ``asyncstep.errors`` (plus its siblings ``request``,
+``kv_cache_manager``, ``step_plan`` and ``step_results``, the messages
+``asyncstep.engine.messages.core_messages`` and the speculation of
 ``asyncstep.engine.spec_decode``).
-
-One loop, no prefill/decode phases: every step hands each request the tokens
-it lacks (``num_tokens - num_computed_tokens``: a prompt chunk, a whole prompt,
-or the one token sampled last), within a token budget (a prompt token whose
-request asks for ``prompt_logprobs`` takes ``PROMPT_LOGPROBS_TOKEN_COST`` of
-it). The engine calls
-``schedule()``, sends the result to the ranks, and later
-``update_from_output()`` with that step's output; ``schedule()`` advances
-``num_computed_tokens`` at once, so several steps may be in flight (the
-engine's batch queue):
-
-* **Async scheduling** (``async_scheduling=True``, one pipeline stage): a step
-  that samples for a request leaves an *output placeholder*; the next step
-  may already compute that token (the ranks take its id from the device, where
-  the sampler left it), so the forward of step N+1 is launched before the
-  engine knows step N's tokens. A request with placeholders is not scheduled
-  past ``max_tokens``. A stop found in step N's output therefore comes one
-  step late: the token step N+1 sampled for that request is dropped.
-* **Pipeline parallelism** (``async_scheduling=False``, several steps in
-  flight): the first stage needs each token's id, so a request is scheduled
-  again only once its last token is back; steps in flight hold different
-  requests (or prompt chunks) and keep every stage busy. Each step holds at
-  most ``max_num_seqs`` requests; ``max_num_running_reqs`` (the engine sets
-  ``pp_size * max_num_seqs``) may run at once, so every step in flight can
-  be full.
-* A request that finishes (stop, length, abort) while steps that include it
-  are in flight keeps its blocks until those steps' outputs are back, and is
-  reported in ``finished_req_ids`` only then. A preempted request frees its
-  blocks at once (each rank runs its steps in order, so a step in flight has
-  written them before a later step can reuse them) but is not resumed while
-  a step that includes it is in flight.
-
-* **Speculative decoding** (``speculative_config``): a running request
-  that decodes (one token to compute, no placeholder) and may speculate
-  (:attr:`Request.speculates`) gets the n-gram proposer's draft tokens as
-  extra query tokens (``scheduled_spec_decode_tokens``): they count against
-  the token budget left once every running request has its tokens, get KV
-  slots (``allocate_slots`` for ``1 + drafts``, only from free blocks: no
-  request is preempted for drafts; without room a decode goes without), and
-  advance ``num_computed_tokens`` like any token. Drafts never reach past
-  ``max_tokens`` or the context (``1 + drafts`` tokens at most fill them).
-  When the output is back, the rejected drafts are rolled back
-  (``num_computed_tokens`` minus their count: their slots are written again
-  by the next step; the blocks stay the request's), before any stop rule or
-  free runs, so the prefix cache only registers blocks of accepted tokens.
-  Drafts need every token's id, so only a request with no placeholder gets
-  them. With async scheduling, a verify step is its request's only step in
-  flight (its next positions depend on what is accepted: ``num_new`` is not
-  positive until the output is back), and a request with a step in flight
-  whose known tokens end with a recurring n-gram waits for that step rather
-  than being scheduled over its placeholder (:meth:`_waits_to_speculate`),
-  so its next step can verify drafts; the other requests keep overlapping.
-  A request whose verify steps accept nothing backs off (its next decodes
-  go without drafts, and overlap: ``settle_drafts``), so drafts that never
-  pass cost little.
-  With a draft model (``"method": "draft_model"``) the drafts come from the
-  runner with each step's output (:class:`DraftModelDrafts` keeps them for
-  the token count they follow), a speculating request always waits for its
-  step in flight, and a decode also gets ``num_speculative_tokens``
-  *lookahead* slots past its step's tokens (from free blocks only), where the
-  draft model writes its proposals' keys and values.
-
-The conventions of the output, which the runner relies on, are listed in
-:mod:`asyncstep.engine.core.step_plan`. Preemption is by recompute: the victim's
-blocks are freed (its computed full blocks stay in the prefix cache) and it
-goes back to the front of the queue.
 """
 
 from __future__ import annotations
