@@ -8,7 +8,8 @@ backend's op is one line of :data:`ATTENTION_OPS`. The op set: the Triton
 kernels where attention is Triton and the fused kernels are on (the KV
 store then rotates q and k, and with ``fused_decode`` a decode batch's
 attention too), the CPU library's where the device is the CPU, the fused
-kernels are on and the library loads, else the reference's layer ops; each
+kernels are on and the library loads, else the reference's layer ops (on
+the CPU with its float32 LM head); each
 with the backend's attention op.
 
 May import torch, :mod:`asyncstep.errors` and :mod:`asyncstep.ops`.
@@ -82,7 +83,8 @@ def select_ops(
 ) -> OpSet:
     """The op set for a model on ``device`` whose attention runs
     ``attention_backend`` (resolved); ``fused_kernels`` off: the reference's
-    layer ops (beside the backend's attention); ``fused_decode``: the
+    layer ops (beside the backend's attention; on the CPU with the CPU's
+    float32 LM head, :class:`~asyncstep.ops.cpu.ops.CpuHeadOps`); ``fused_decode``: the
     Triton op set's one-row matmuls and decode attention."""
     attention = attention_op(
         attention_backend, fused_kernels=fused_kernels, fused_decode=fused_decode
@@ -91,10 +93,11 @@ def select_ops(
         from asyncstep.ops.triton import TritonOps
 
         return TritonOps(attention, fused_decode=fused_decode)
-    if fused_kernels and device.type == "cpu":
-        kernels = load_cpu_kernels()
-        if kernels is not None:
-            from asyncstep.ops.cpu.ops import CpuOps
+    if device.type == "cpu":
+        from asyncstep.ops.cpu.ops import CpuHeadOps, CpuOps
 
+        kernels = load_cpu_kernels() if fused_kernels else None
+        if kernels is not None:
             return CpuOps(kernels.layer_ops, attention)
+        return CpuHeadOps(attention)
     return TORCH_OPS if attention is TORCH_ATTENTION else TorchOps(attention)

@@ -299,7 +299,7 @@ def test_the_cpu_runner_switches_the_kernels_with_fused_kernels(
             compilation=compilation,
         )
         assert isinstance(runner.ops, CpuOps) is fused
-        assert switched() == {"cpu" if fused else "torch"}
+        assert switched() == {"cpu" if fused else "cpu-head"}
 
 
 # -- the model -------------------------------------------------------------------------

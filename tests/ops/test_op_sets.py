@@ -156,14 +156,16 @@ def test_rotary(ops: OpSet, dtype: torch.dtype) -> None:
 def test_the_choice() -> None:
     """The Triton op set where attention is Triton and the fused kernels are
     on; the CPU library's on the CPU with the fused kernels, where it builds;
-    else the reference."""
-    assert select_ops(CPU, "torch", fused_kernels=False) is TORCH_OPS
+    else the reference's layer ops (on the CPU with the CPU's float32 LM
+    head: its precision, not a fused kernel)."""
+    plain = select_ops(CPU, "torch", fused_kernels=False)
+    assert plain.name == "cpu-head" and plain.attention_op is TORCH_ATTENTION
     if load_cpu_kernels() is not None:
         beside = select_ops(CPU, "cpu", fused_kernels=False)  # the reference's layer ops
-        assert beside.name == "torch" and beside.attention_op.name == "cpu"
+        assert beside.name == "cpu-head" and beside.attention_op.name == "cpu"
         assert beside.rotates_in_kv_store
     cpu = select_ops(CPU, "cpu", fused_kernels=True)
-    assert cpu.name == ("torch" if load_cpu_kernels() is None else "cpu")
+    assert cpu.name == ("cpu-head" if load_cpu_kernels() is None else "cpu")
     assert select_ops(CPU, "torch", fused_kernels=True).attention_op is TORCH_ATTENTION
     if triton_available():
         cuda = torch.device("cuda")
@@ -173,6 +175,22 @@ def test_the_choice() -> None:
         assert unfused.name == "torch" and unfused.attention_op.name == "triton"
         assert not unfused.rotates_in_kv_store  # the reference's rotary, then the store
     assert select_ops(torch.device("cuda"), "torch", fused_kernels=True) is TORCH_OPS
+
+
+def test_the_cpu_lm_head_writes_float32_logits_with_or_without_the_fused_kernels() -> None:
+    """A bfloat16 head on the CPU: float32 logits, the library's (each row
+    summed in float32), whether the layer ops are fused or not; the
+    reference's bfloat16-rounded logits would tie top tokens."""
+    if load_cpu_kernels() is None:
+        pytest.skip("needs the CPU library (a C compiler)")
+    torch.manual_seed(0)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    weight = torch.randn(100, 64, dtype=torch.bfloat16)
+    want = x.float() @ weight.float().T
+    for fused in (False, True):
+        logits = select_ops(CPU, "cpu", fused_kernels=fused).logits(x, weight, None)
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-4)
 
 
 def test_a_copied_model_has_a_slot_of_its_own() -> None:

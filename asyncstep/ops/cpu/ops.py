@@ -28,10 +28,31 @@ from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
 from asyncstep.ops.torch_ref import TorchOps
 
-__all__ = ["CpuOps"]
+__all__ = ["CpuHeadOps", "CpuOps"]
 
 
-class CpuOps(TorchOps):
+class CpuHeadOps(TorchOps):
+    """The reference's layer ops with the CPU's LM head: float32 logits from
+    the library's packed head or its dense bfloat16 matmul. Its float32
+    logits are the CPU's precision, not a fused kernel: ``fused_kernels``
+    off on the CPU runs this (a bfloat16-rounded head ties top tokens)."""
+
+    name = "cpu-head"
+
+    def logits(
+        self, x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None
+    ) -> torch.Tensor:
+        """float32: the library's packed head, or its dense bfloat16 matmul."""
+        if isinstance(packed, CpuQuantWeight) and packed.applies(x):
+            return packed.logits(x)
+        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            matmul = dense_matmul()
+            if matmul is not None:
+                return matmul(x, weight)
+        return super().logits(x, weight, packed)
+
+
+class CpuOps(CpuHeadOps):
     """The CPU library's layer ops, with the reference's where they do not apply."""
 
     name = "cpu"
@@ -45,18 +66,6 @@ class CpuOps(TorchOps):
         (:mod:`~asyncstep.ops.cpu.decode_stack`)."""
         kernels = load_cpu_kernels()
         return None if kernels is None else CpuDecodeStack.build(kernels, layers)
-
-    def logits(
-        self, x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None
-    ) -> torch.Tensor:
-        """float32: the library's packed head, or its dense bfloat16 matmul."""
-        if isinstance(packed, CpuQuantWeight) and packed.applies(x):
-            return packed.logits(x)
-        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
-            matmul = dense_matmul()
-            if matmul is not None:
-                return matmul(x, weight)
-        return super().logits(x, weight, packed)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, float32_residual: bool
