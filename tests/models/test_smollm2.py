@@ -131,30 +131,80 @@ async def test_the_default_in_two_pipeline_stages_gives_transformers_tokens(
 NEIGHBOURS = [f"Tell me about the number {i} and what it means." * (1 + i % 4) for i in range(30)]
 
 
+def tokens_and_logprobs(completion: asyncstep.Completion) -> tuple[list[int], list[Any]]:
+    """A completion's tokens and log-probs, to compare bit for bit."""
+    logprobs = [(p.token_ids, p.logprobs) for p in completion.logprobs or []]
+    return completion.token_ids, logprobs
+
+
+#: Greedy, with the sampled token's log-prob and the top one's.
+GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
+
+
+async def alone_and_among_30(
+    engine: asyncstep.Engine, params: SamplingParams
+) -> tuple[list[Any], list[Any]]:
+    """The questions' tokens and log-probs alone, then among 30 others."""
+    alone = [tokens_and_logprobs(await engine.generate(chat(q), params)) for q in QUESTIONS]
+    crowd = [chat(q) for q in NEIGHBOURS[:15]] + [chat(q) for q in QUESTIONS]
+    crowd += [chat(q) for q in NEIGHBOURS[15:]]
+    among = await generate_batched(engine, crowd, params)
+    return alone, [tokens_and_logprobs(c) for c in among[15 : 15 + len(QUESTIONS)]]
+
+
 @pytest.mark.trio
 @pytest.mark.parametrize("chunk", [None, 16])
 async def test_a_request_s_tokens_do_not_depend_on_its_batch(
     packed_smollm2: LoadedModel, chunk: int | None
 ) -> None:
     """Alone, among 30 other requests, with its prompt chunked over steps or
-    not, its prefix cached or not: the same greedy tokens (one kernel for
-    every step's size; every row computed on its own)."""
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    not, its prefix cached or not: the same greedy tokens and log-probs, bit
+    for bit (one kernel for every step's size; every row computed on its own)."""
     options = {} if chunk is None else {"max_num_batched_tokens": chunk, "max_num_seqs": 8}
     async with asyncstep.open_engine(packed_smollm2, **options) as engine:
-        alone = [(await engine.generate(chat(q), params)).token_ids for q in QUESTIONS]
-        crowd = [chat(q) for q in NEIGHBOURS[:15]] + [chat(q) for q in QUESTIONS]
-        crowd += [chat(q) for q in NEIGHBOURS[15:]]
-        among = await generate_batched(engine, crowd, params)
-        assert [c.token_ids for c in among[15 : 15 + len(QUESTIONS)]] == alone
+        alone, among = await alone_and_among_30(engine, GREEDY_LOGPROBS)
+        assert among == alone
         # Alone again: every prompt block but the last now comes from the cache.
-        again = [(await engine.generate(chat(q), params)).token_ids for q in QUESTIONS]
+        again = [
+            tokens_and_logprobs(await engine.generate(chat(q), GREEDY_LOGPROBS)) for q in QUESTIONS
+        ]
         assert again == alone and engine.statistics().prefix_cache_hit_rate > 0
     async with asyncstep.open_engine(
         packed_smollm2, enable_prefix_caching=False, **options
     ) as engine:
-        uncached = await generate_batched(engine, [chat(q) for q in QUESTIONS], params)
-        assert [c.token_ids for c in uncached] == alone
+        uncached = await generate_batched(engine, [chat(q) for q in QUESTIONS], GREEDY_LOGPROBS)
+        assert [tokens_and_logprobs(c) for c in uncached] == alone
+
+
+#: Engine options under which the default's tokens and log-probs stay those
+#: of a plain run: a KV pool that preempts the crowd, overlap, speculation.
+STEP_VARIANTS: dict[str, dict[str, Any]] = {
+    "preempted": {"block_size": 16, "num_blocks": 40},
+    "overlap": {"async_scheduling": True},
+    "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+}
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("variant", list(STEP_VARIANTS))
+async def test_the_default_s_tokens_and_log_probs_survive_preemption_overlap_and_speculation(
+    smollm2_default: LoadedModel, variant: str
+) -> None:
+    """The default (float32 activations over the 4-bit blocks): a question
+    alone and among 30, preempted and recomputed, with overlap, verified
+    with n-gram drafts: a plain engine's greedy tokens and log-probs, bit for
+    bit (benchmarks/studies/invariance: the same holds for seeded sampling
+    without speculation)."""
+    async with asyncstep.open_engine(smollm2_default) as engine:
+        plain, _ = await alone_and_among_30(engine, GREEDY_LOGPROBS)
+    async with asyncstep.open_engine(smollm2_default, **STEP_VARIANTS[variant]) as engine:
+        alone, among = await alone_and_among_30(engine, GREEDY_LOGPROBS)
+        stats = engine.statistics()
+    assert alone == plain and among == plain
+    if variant == "preempted":
+        assert stats.num_preemptions > 0
+    if variant == "ngram":
+        assert stats.spec_decode_num_drafts > 0
 
 
 @pytest.mark.trio
