@@ -10,6 +10,7 @@ by ``threading.Event``s."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -228,5 +229,5 @@ def test_call_soon_says_when_the_loop_has_ended() -> None:
     async def token() -> anyio.lowlevel.EventLoopToken:
         return anyio.lowlevel.current_token()
 
-    ended = trio.run(token)
-    assert call_soon(ended, lambda: None) is False
+    assert call_soon(trio.run(token), lambda: None) is False
+    assert call_soon(asyncio.run(token()), lambda: None) is False

@@ -12,18 +12,23 @@ from __future__ import annotations
 import os
 from copy import deepcopy
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+#: The op sets' tensors live on the CPU: the Triton op set runs interpreted
+#: (on CUDA, tests/gpu/test_triton_fused.py runs its kernels compiled). Set
+#: only there: a CUDA run's engine processes inherit the environment.
+INTERPRETED = os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu") == "cpu"
+if INTERPRETED:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np
-import pytest
-import torch
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
-from asyncstep.models.layers.rotary import RotaryEmbedding
-from asyncstep.ops import TORCH_OPS, OpSet, select_ops
-from asyncstep.ops.attention import AttentionMetadata, AttentionShape
-from asyncstep.ops.cpu.library import load_cpu_kernels
-from asyncstep.ops.select import triton_available
-from asyncstep.ops.torch_attention import TORCH_ATTENTION
+from asyncstep.models.layers.rotary import RotaryEmbedding  # noqa: E402
+from asyncstep.ops import TORCH_OPS, OpSet, select_ops  # noqa: E402
+from asyncstep.ops.attention import AttentionMetadata, AttentionShape  # noqa: E402
+from asyncstep.ops.cpu.library import load_cpu_kernels  # noqa: E402
+from asyncstep.ops.select import triton_available  # noqa: E402
+from asyncstep.ops.torch_attention import TORCH_ATTENTION  # noqa: E402
 
 CPU = torch.device("cpu")
 EPS = 1e-5
@@ -42,6 +47,8 @@ def op_set(name: str) -> OpSet:
         return CpuOps(kernels.layer_ops, CpuAttention(kernels.attention))
     if not triton_available():
         pytest.skip("needs triton")
+    if not INTERPRETED:
+        pytest.skip("CPU tensors: the Triton op set runs interpreted (CUDA: tests/gpu)")
     from asyncstep.ops.triton import TritonOps
     from asyncstep.ops.triton.paged_attention import TritonAttention
 

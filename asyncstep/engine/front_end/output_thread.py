@@ -15,6 +15,8 @@ Nothing here waits on either side but :meth:`OutputThread.join`.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import queue
 import threading
 from collections.abc import Callable
@@ -23,6 +25,8 @@ from typing import Generic, TypeVar
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import sniffio
+import trio
 
 T = TypeVar("T")
 
@@ -31,11 +35,24 @@ def call_soon(
     loop: anyio.lowlevel.EventLoopToken, fn: Callable[..., object], *args: object
 ) -> bool:
     """Run ``fn(*args)`` on ``loop`` soon, from any thread, without waiting
-    (calls from one thread run in their order); False if the loop has ended."""
+    (calls from one thread run in their order); False if the loop has ended.
+    Through the loops' own public calls (Trio's token, asyncio's
+    ``call_soon_threadsafe``): anyio's backend classes have no stable one
+    across its 4.x releases."""
+    token = loop.native_token
     try:
-        loop.backend_class.run_sync_soon(fn, args, loop.native_token)
-    except anyio.RunFinishedError:
+        if isinstance(token, asyncio.AbstractEventLoop):
+            context = contextvars.copy_context()
+            context.run(sniffio.current_async_library_cvar.set, "asyncio")
+            token.call_soon_threadsafe(context.run, fn, *args)
+        else:
+            token.run_sync_soon(fn, *args)  # a trio.lowlevel.TrioToken
+    except trio.RunFinishedError:
         return False
+    except RuntimeError:  # asyncio's, once the loop has closed
+        if isinstance(token, asyncio.AbstractEventLoop) and token.is_closed():
+            return False
+        raise
     return True
 
 
