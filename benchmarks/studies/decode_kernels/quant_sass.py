@@ -69,6 +69,7 @@ def compile_gemv(
         "NEXT_NORM": False,
         "INT8": int8,
         "ASM": int8,
+        "PDL": False,
     }
     divisible = [
         (i,)
