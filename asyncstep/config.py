@@ -33,6 +33,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_PACKINGS = ("auto", "none", "q4")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
+#: How the GPU's Q4 / Q8 GEMVs take a 16-bit x (``gpu_q4_activations``).
+GPU_Q4_ACTIVATIONS = ("float", "int8")
 #: A step's token budget (``max_num_batched_tokens``) when none is given, on CUDA.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 #: ... and on the CPU, where a step's time grows with its tokens (about a
@@ -408,6 +410,16 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
             " with a Triton GEMV"
         ),
     ] = True
+    gpu_q4_activations: Annotated[
+        str,
+        _doc(
+            "CUDA, one-token steps on packed Q4 weights (and the Q8 LM head): float: the"
+            " GEMV multiplies x's own 16-bit values by the codes in float32; int8: it first"
+            " quantizes x per block of 32 to int8 and multiplies with dp4a (faster; the"
+            " products move by ~0.5 %, so greedy tokens may differ from float's)",
+            choices=GPU_Q4_ACTIVATIONS,
+        ),
+    ] = "float"
     enable_ubatching: Annotated[
         bool,
         _doc("split large steps into two micro-batches (TP communication overlaps compute)"),
@@ -445,6 +457,11 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.gpu_q4_activations not in GPU_Q4_ACTIVATIONS:
+            raise ConfigError(
+                f"gpu_q4_activations must be one of {GPU_Q4_ACTIVATIONS}, "
+                f"got {self.gpu_q4_activations!r}"
             )
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (not sizes or any(s <= 0 for s in sizes)):

@@ -192,6 +192,10 @@ async def test_an_engine_runs_with_its_device_s_budget() -> None:
         ),
         ({"packed_max_tokens": -1}, "packed_max_tokens must be >= 0, got -1"),
         (
+            {"gpu_q4_activations": "fp8"},
+            "gpu_q4_activations must be one of ('float', 'int8'), got 'fp8'",
+        ),
+        (
             {"block_size": "16"},
             "bad engine config: Expected `int`, got `str` - at `$.cache.block_size`",
         ),

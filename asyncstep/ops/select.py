@@ -80,19 +80,21 @@ def select_ops(
     *,
     fused_kernels: bool,
     fused_decode: bool = False,
+    int8_activations: bool = False,
 ) -> OpSet:
     """The op set for a model on ``device`` whose attention runs
     ``attention_backend`` (resolved); ``fused_kernels`` off: the reference's
     layer ops (beside the backend's attention; on the CPU with the CPU's
     float32 LM head, :class:`~asyncstep.ops.cpu.ops.CpuHeadOps`); ``fused_decode``: the
-    Triton op set's one-row matmuls and decode attention."""
+    Triton op set's one-row matmuls and decode attention; ``int8_activations``:
+    its Q4 / Q8 GEMVs quantize 16-bit x to int8 (``gpu_q4_activations``)."""
     attention = attention_op(
         attention_backend, fused_kernels=fused_kernels, fused_decode=fused_decode
     )
     if fused_kernels and attention_backend == "triton":
         from asyncstep.ops.triton import TritonOps
 
-        return TritonOps(attention, fused_decode=fused_decode)
+        return TritonOps(attention, fused_decode=fused_decode, int8_activations=int8_activations)
     if device.type == "cpu":
         from asyncstep.ops.cpu.ops import CpuHeadOps, CpuOps
 

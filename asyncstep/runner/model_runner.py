@@ -168,6 +168,7 @@ class ModelRunner:
             self.attention_backend,
             fused_kernels=compilation.fused_kernels,
             fused_decode=compilation.fused_decode,
+            int8_activations=compilation.gpu_q4_activations == "int8",
         )
         model.use_ops(self.ops)
         #: ``draft_model`` speculation's draft model (None: not that method).
@@ -176,7 +177,12 @@ class ModelRunner:
             assert speculative_config is not None
             # The draft model's own op set: no fused decode.
             draft_model.use_ops(
-                select_ops(device, self.attention_backend, fused_kernels=compilation.fused_kernels)
+                select_ops(
+                    device,
+                    self.attention_backend,
+                    fused_kernels=compilation.fused_kernels,
+                    int8_activations=compilation.gpu_q4_activations == "int8",
+                )
             )
             self.drafter = DraftModel(
                 draft_model,

@@ -3,7 +3,9 @@
 the GEMVs, the dequantizing GEMM and the dequantize kernel equal the float64
 product with the dequantized reference weight (float32 to 1e-6 / 1e-5;
 float16 / bfloat16 within their rounding), odd shapes, strided rows and x
-from 1e-12 to 1e9 in magnitude included; GGUF Q4_0 / Q4_1 / Q8_0 weights
+from 1e-12 to 1e9 in magnitude included; the GEMVs' int8 path (opt-in,
+``int8_x``, 16-bit x only) equals the product with x quantized per block
+(to 1e-5), blocks of zeros included; GGUF Q4_0 / Q4_1 / Q8_0 weights
 pack losslessly, other weights not at all; layers packed while a model
 loads keep their dense weight too, take the packed copy for one-row steps
 only, and compute what their dense, rounded weights do.
@@ -192,6 +194,64 @@ def test_gemv_rounds_once_to_x_dtype(dtype: torch.dtype, bits: int) -> None:
     assert out.dtype == dtype
     exact = (x.double() @ w.double().T).float()
     torch.testing.assert_close(out.float(), exact, rtol=ROUNDING[dtype], atol=1e-3)
+
+
+def int8_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the GEMV's int8 path reads it (``asyncstep.ops.triton.quant_packed``):
+    per block of 32, ``dx * round(x / dx)`` with ``dx = max|x| / 127``
+    (float32; a block below 1e-30 reads as zeros)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, GROUP_SIZE)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    big = amax > 1e-30
+    inv = torch.where(big, 127 / torch.where(big, amax, 1.0), 0.0)
+    dx = torch.where(big, amax / 127, 0.0)
+    return (torch.round(blocks * inv) * dx).reshape(x.shape)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("n", "k", "config"), GEMV_CASES)
+def test_gemv_int8_x_is_the_product_with_x_quantized_per_block(
+    bits: int, rows: int, n: int, k: int, config: GemvConfig
+) -> None:
+    qweight, scales, w = (random_q4 if bits == 4 else random_q8)(n, k)
+    x = torch.randn(rows, k, device=DEVICE) * torch.rand(1, k // GROUP_SIZE, 1, device=DEVICE).mul(
+        100
+    ).repeat_interleave(GROUP_SIZE, -1).reshape(1, k)
+    x[0, GROUP_SIZE : 2 * GROUP_SIZE] = 0.0  # a block of zeros: zeros, no NaN
+    x[-1, :GROUP_SIZE] = 1e-31  # below the smallest scale: zeros too
+    out = (q4_gemv if bits == 4 else q8_gemv)(x, qweight, scales, config._replace(int8=True))
+    assert out.dtype == torch.float32 and bool(out.isfinite().all())
+    assert rel_error(out, int8_x(x), w) < 1e-5
+    assert rel_error(out, x, w) < 2e-2  # int8 x: ~0.5 % for random x
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_16_bit_x_takes_the_int8_path_only_when_asked(bits: int) -> None:
+    qweight, scales, w = (random_q4 if bits == 4 else random_q8)(24, 256)
+    x = torch.randn(2, 256, device=DEVICE)
+    gemv = q4_gemv if bits == 4 else q8_gemv
+    matmul = q4_matmul if bits == 4 else q8_matmul
+    exact = (x.bfloat16().double() @ w.double().T).float()
+    quantized = (int8_x(x.bfloat16()).double() @ w.double().T).float()
+    # float32 x: exact, int8_x or not
+    assert rel_error(gemv(x, qweight, scales, int8_x=True), x, w) < 1e-6
+    for out in (gemv(x.bfloat16(), qweight, scales), matmul(x[:1].bfloat16(), qweight, scales)):
+        rows = out.shape[0]
+        torch.testing.assert_close(
+            out.float(), exact[:rows], rtol=ROUNDING[torch.bfloat16], atol=1e-3
+        )
+    for out in (
+        gemv(x.bfloat16(), qweight, scales, int8_x=True),
+        matmul(x[:1].bfloat16(), qweight, scales, int8_x=True),
+    ):
+        rows = out.shape[0]
+        torch.testing.assert_close(
+            out.float(), quantized[:rows], rtol=ROUNDING[torch.bfloat16], atol=1e-3
+        )
+    assert not torch.equal(
+        gemv(x.bfloat16(), qweight, scales), gemv(x.bfloat16(), qweight, scales, int8_x=True)
+    )
 
 
 def test_gemv_reads_strided_rows_and_keeps_leading_dims() -> None:

@@ -4,7 +4,9 @@ store (:mod:`.attention`; its kernels in :mod:`.attention_kernels` and
 :mod:`.decode_kernels`), the residual add + RMSNorm, ``silu * up`` and rotary
 (+ store) (:mod:`.fused`), the one-row GEMV of dense 16-bit weights
 (:mod:`.gemv`), Q4 / Q8 weights (:mod:`.quant`; their layouts in
-:mod:`.quant_layout`, their kernels in :mod:`.quant_kernels`) and the grammar
+:mod:`.quant_layout`, their kernels in :mod:`.quant_kernels`, the int8
+activations' packed math in :mod:`.quant_packed`), programmatic dependent
+launch between the decode step's kernels (:mod:`.pdl`) and the grammar
 bitmask (:mod:`.grammar_kernel`). triton is imported by the kernel modules,
 never by this package: it is optional on the CPU.
 

@@ -5,7 +5,7 @@ chooses the launch (from shapes only: CUDA-graph safe); the kernels, and how
 they split the work, are in :mod:`asyncstep.ops.triton.attention_kernels` and
 :mod:`asyncstep.ops.triton.decode_kernels`.
 
-May import torch and triton only.
+May import torch, triton and asyncstep.ops.triton.pdl only.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from asyncstep.ops.triton import pdl
 from asyncstep.ops.triton.attention_kernels import _paged_attention_kernel, _store_kv_kernel
 from asyncstep.ops.triton.decode_kernels import _decode_combine_kernel, _decode_split_kernel
 
@@ -381,6 +382,7 @@ def _paged_decode(
         ROTARY=rotary is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
+        **pdl.launch_kwargs(q),
     )
     if splits > 1:
         _decode_combine_kernel[(num_tokens, num_heads)](
@@ -397,6 +399,7 @@ def _paged_decode(
             NUM_SPLITS=splits,
             SPLITS_PAD=triton.next_power_of_2(splits),
             num_warps=1 if splits * head_dim_pad <= 1024 else 4,
+            **pdl.launch_kwargs(q),
         )
 
 

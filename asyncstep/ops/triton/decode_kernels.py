@@ -3,7 +3,7 @@ kernel that combines their segments; launched by
 :mod:`asyncstep.ops.triton.attention` (the scheme is described in
 :mod:`asyncstep.ops.triton.attention_kernels`).
 
-May import triton only.
+May import triton and asyncstep.ops.triton.pdl only.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from asyncstep.ops.triton.attention_kernels import _find_request, _store_rows
+from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
 
 # --------------------------------------------------------------------------
 # paged_attention: decode batches, keys split across programs
@@ -153,6 +154,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROTARY: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(num_tokens, num_kv_heads, NUM_SPLITS)``: token ``t``'s GROUP
     query heads of one KV head against key segment ``split`` of the keys it
@@ -172,7 +174,12 @@ def _decode_split_kernel(
     ``rotary_and_store_kv`` stores them), and the program of the last
     segment, the only one that reads the new key, rotates it and stores it
     and its value to the token's slot (none for slot < 0) before its loop,
-    behind a barrier."""
+    behind a barrier. PDL: launched with programmatic dependent launch
+    (:mod:`asyncstep.ops.triton.pdl`)."""
+    # With PDL the next kernel may launch now; this one waits for the kernel
+    # before (q is its output) before it reads.
+    launch_dependents(PDL)
+    wait_prior(PDL)
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -359,10 +366,13 @@ def _decode_combine_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(num_tokens, num_heads)``: ``out[t, head]`` from the segments'
     partial outputs, weighted by ``exp2(lse)``; empty segments (lse -inf) are
-    not read. Padding rows zeros."""
+    not read. Padding rows zeros. PDL: as the split kernel's."""
+    launch_dependents(PDL)  # the next kernel (a GEMV with PDL) may start loading its weights
+    wait_prior(PDL)  # (the split kernel's parts first)
     token = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, HEAD_DIM_PAD)

@@ -103,7 +103,8 @@ class FusedDecodeWeights:
 def fused_gemv(
     weight: GpuQ4Weight, x: torch.Tensor, **fused: Any
 ) -> tuple[torch.Tensor, NormedRows | None]:
-    """:func:`~asyncstep.ops.triton.quant.q4_gemv_fused` of ``weight``."""
+    """:func:`~asyncstep.ops.triton.quant.q4_gemv_fused` of ``weight``
+    (``fused``: its keywords, ``int8_x`` included)."""
     from asyncstep.ops.triton.quant import q4_gemv_fused
 
     return q4_gemv_fused(x, weight.data, weight.scales, **fused)
@@ -117,15 +118,19 @@ def fused_decode_layer(
     meta: AttentionMetadata,
     weights: FusedDecodeWeights,
     next_norm: DecoderLayer | None,
+    int8_x: bool = False,
 ) -> tuple[torch.Tensor, NormedRows | None]:
     """``layer`` on the residual stream (``hidden + residual`` of its
     unfused forward) in four GEMVs: ``normed``: the stream made ready for
     the input norm by the previous layer (None: the norm is done over the
     stream here). Returns the new stream, and with ``next_norm`` (the next
-    layer's input norm) its rows made ready for it."""
+    layer's input norm) its rows made ready for it. ``int8_x``: the GEMVs
+    quantize a 16-bit x per block to int8."""
     attn, ln, post_ln = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
     if normed is None:
-        qkv, _ = fused_gemv(weights.qkv, stream, rms_norm_weight=ln.weight, eps=ln.eps)
+        qkv, _ = fused_gemv(
+            weights.qkv, stream, rms_norm_weight=ln.weight, eps=ln.eps, int8_x=int8_x
+        )
     else:
         qkv, _ = fused_gemv(
             weights.qkv,
@@ -133,6 +138,7 @@ def fused_decode_layer(
             sq_parts=normed.sq_parts,
             eps=ln.eps,
             out_dtype=stream.dtype,
+            int8_x=int8_x,
         )
     q, k, v = attn.split_qkv(cos_sin, qkv)
     stream, normed = fused_gemv(
@@ -140,6 +146,7 @@ def fused_decode_layer(
         attn.attn(q, k, v, meta),
         residual=stream,
         next_rms_norm_weight=post_ln.weight,
+        int8_x=int8_x,
     )
     assert normed is not None
     activated, _ = fused_gemv(
@@ -149,12 +156,14 @@ def fused_decode_layer(
         eps=post_ln.eps,
         silu_pairs=True,
         out_dtype=stream.dtype,
+        int8_x=int8_x,
     )
     return fused_gemv(
         weights.down,
         activated,
         residual=stream,
         next_rms_norm_weight=None if next_norm is None else next_norm.weight,
+        int8_x=int8_x,
     )
 
 
@@ -162,22 +171,31 @@ class FusedDecodePath:
     """A stage's layers as the fused decode, for the steps every layer's
     packed weights take (a :class:`~asyncstep.ops.base.StepPath`)."""
 
-    def __init__(self, layers: list[DecoderLayer], weights: list[FusedDecodeWeights]) -> None:
+    def __init__(
+        self,
+        layers: list[DecoderLayer],
+        weights: list[FusedDecodeWeights],
+        *,
+        int8_x: bool = False,
+    ) -> None:
         self.layers = layers
         self.weights = weights
+        #: The GEMVs quantize a 16-bit x per block to int8 (opt-in).
+        self.int8_x = int8_x
 
     @classmethod
-    def build(cls, layers: list[DecoderLayer]) -> FusedDecodePath | None:
+    def build(cls, layers: list[DecoderLayer], *, int8_x: bool = False) -> FusedDecodePath | None:
         """The path over ``layers`` where each takes it (every projection
         packed as Q4, no bias, one TP rank), its gate_up rows interleaved
-        once (outside any CUDA graph capture); else None."""
+        once (outside any CUDA graph capture); else None. ``int8_x``: the
+        GEMVs' activations (:func:`fused_decode_layer`)."""
         found = [_layer_weights(layer) for layer in layers]
         weights = [w for w in found if w is not None]
         if not layers or len(weights) != len(found):
             return None
         for w in weights:
             w.prepare()
-        return cls(layers, weights)
+        return cls(layers, weights, int8_x=int8_x)
 
     def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         return all(w.applies(hidden) for w in self.weights)
@@ -198,7 +216,7 @@ class FusedDecodePath:
         for i, (layer, weights) in enumerate(zip(layers, self.weights, strict=True)):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
             stream, normed = fused_decode_layer(
-                layer, cos_sin, stream, normed, meta, weights, next_norm
+                layer, cos_sin, stream, normed, meta, weights, next_norm, self.int8_x
             )
         return stream, None
 

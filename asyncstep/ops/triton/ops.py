@@ -7,6 +7,10 @@ residual, and an add + norm starting the stream, are the reference's. With
 ``fused_decode``: a one-row step of 16-bit dense weights on CUDA multiplies
 with :func:`~asyncstep.ops.triton.gemv.dense_gemv`, and the step path is
 the fused decode over Q4 layers (:mod:`~asyncstep.ops.triton.fused_decode`).
+With ``int8_activations`` (the config's ``gpu_q4_activations="int8"``),
+the GPU's Q4 / Q8 GEMVs, fused or not, quantize a 16-bit x per block of 32
+to int8 (:mod:`~asyncstep.ops.triton.quant_packed`); else they multiply x's
+own values in float32.
 
 May import torch, triton (on use) and :mod:`asyncstep.ops`' base,
 reference and Triton kernels.
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from asyncstep.ops.base import AttentionOp, RotaryCosSin, StepPath
 from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_ref import TorchOps
+from asyncstep.ops.triton.quant_weight import GpuQ4Weight
 
 __all__ = ["TritonOps"]
 
@@ -31,16 +36,19 @@ class TritonOps(TorchOps):
 
     name = "triton"
 
-    def __init__(self, attention: AttentionOp, *, fused_decode: bool = False) -> None:
+    def __init__(
+        self, attention: AttentionOp, *, fused_decode: bool = False, int8_activations: bool = False
+    ) -> None:
         super().__init__(attention)
         self.fused_decode = fused_decode
+        self.int8_activations = int8_activations
 
     def step_path(self, layers: list[Any]) -> StepPath | None:
         if not self.fused_decode:
             return None
         from asyncstep.ops.triton.fused_decode import FusedDecodePath
 
-        return FusedDecodePath.build(layers)
+        return FusedDecodePath.build(layers, int8_x=self.int8_activations)
 
     def linear(
         self,
@@ -49,7 +57,9 @@ class TritonOps(TorchOps):
         packed: PackedWeight | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if packed is not None and packed.applies(x):
+        if isinstance(packed, GpuQ4Weight) and packed.applies(x):
+            y = packed.mm(x, int8_x=self.int8_activations)
+        elif packed is not None and packed.applies(x):
             y = packed.mm(x)
         elif self.fused_decode and _one_row_on_cuda(x, weight):
             from asyncstep.ops.triton.gemv import dense_gemv

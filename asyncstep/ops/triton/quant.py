@@ -16,7 +16,12 @@ bfloat16), in ``x``'s dtype, by the size of the step:
   dequantized weight is never formed; a code, masked in place, is read as a
   subnormal float32, and ``x`` is scaled by a power of two to match: the
   products are exact for ``|x| < 2**40``, and entries below ``2**-60`` in
-  magnitude may lose bits);
+  magnitude may lose bits); with ``int8_x`` (opt-in: the config's
+  ``gpu_q4_activations="int8"``) a 16-bit ``x`` is instead quantized per
+  block of 32 to int8 and multiplied by integer dot products
+  (:mod:`asyncstep.ops.triton.quant_packed`: not the float products'
+  numerics); launched with PDL (:mod:`asyncstep.ops.triton.pdl`) where the
+  GPU has it;
 - up to :data:`DOT_MAX_M` rows, :func:`q4_dot`: a tiled GEMM that
   dequantizes each weight tile in registers to ``x``'s dtype and multiplies
   on the tensor cores (float32 accumulation; a float32 ``x`` multiplies in
@@ -35,17 +40,19 @@ a new specialization compiles) and raises ``ValueError`` for mismatched
 shapes, dtypes or devices. On the CPU the kernels run under the Triton
 interpreter (``TRITON_INTERPRET=1``), which the tests use.
 
-May import torch, triton and its sibling modules quant_layout and quant_kernels.
+May import torch, triton and its sibling modules quant_layout, quant_kernels and pdl.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from asyncstep.ops.triton import pdl
 from asyncstep.ops.triton.quant_kernels import (
     PROLOGUE_NONE,
     PROLOGUE_NORMED,
@@ -90,6 +97,9 @@ GEMV_MAX_M = 1
 #: ... and up to this many :func:`q4_dot`; larger ones dequantize and matmul.
 DOT_MAX_M = 128
 
+#: Kernels run under the Triton interpreter (no inline PTX there).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -98,13 +108,16 @@ class GemvConfig(NamedTuple):
     features per loop step, warps, whether each loop step loads the next
     step's words before it computes (double buffering in registers), and the
     loop's pipeline depth (Triton's ``num_stages``: above 1, the loads of
-    later steps go to shared memory ahead, by asynchronous copies)."""
+    later steps go to shared memory ahead, by asynchronous copies), and
+    whether x is quantized per block to int8 and multiplied by ``dp4a``
+    (:mod:`asyncstep.ops.triton.quant_packed`; else the exact float32 products)."""
 
     block_n: int = 8
     block_g: int = 32
     num_warps: int = 4
     prefetch: bool = True
     stages: int = 1
+    int8: bool = False
 
 
 def _check_x(x: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
@@ -128,15 +141,19 @@ def _empty_out(x2: torch.Tensor, n: int) -> torch.Tensor:
     return torch.empty((x2.shape[0], n), dtype=x2.dtype, device=x2.device)
 
 
-def _gemv_config(n: int, groups: int, bits: int) -> GemvConfig:
+def _gemv_config(n: int, groups: int, bits: int, *, int8: bool, pdl_on: bool) -> GemvConfig:
     """The launch for an ``[n, 32 groups]`` weight of ``bits``-bit codes
-    (picked on llama-8b's shapes, ``benchmarks/studies/decode_kernels/README.md``):
-    two warps whose lanes go along a row's blocks, 64 blocks a loop step, 8
-    rows a thread (4-bit) or 32 blocks (8-bit); a long row (>= 256 blocks)
-    loads the next step's words ahead."""
+    (picked on llama-8b's shapes, ``benchmarks/studies/decode_kernels/README.md``
+    and ``benchmarks/studies/q4_packed/README.md``): two warps whose lanes go
+    along a row's blocks, 64 blocks a loop step, 8 rows a thread (4-bit) or
+    32 blocks (8-bit); a long row (>= 256 blocks), or with PDL (``pdl_on``:
+    the first step's words load before the kernel waits for x) a 4-bit
+    weight of fewer than 16384 rows (one wave of programs), loads the next
+    step's words ahead. ``int8``: x quantized per block to int8."""
     if bits == 8:
-        return GemvConfig(block_n=8, block_g=32, num_warps=2, prefetch=False)
-    return GemvConfig(block_n=8, block_g=64, num_warps=2, prefetch=groups >= 256)
+        return GemvConfig(block_n=8, block_g=32, num_warps=2, prefetch=False, int8=int8)
+    prefetch = groups >= 256 or (pdl_on and n < 16384)
+    return GemvConfig(block_n=8, block_g=64, num_warps=2, prefetch=prefetch, int8=int8)
 
 
 class NormedRows(NamedTuple):
@@ -164,6 +181,7 @@ def _gemv(
     silu_pairs: bool = False,
     next_rms_norm_weight: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    int8_x: bool = False,
 ) -> tuple[torch.Tensor, NormedRows | None]:
     n, groups = _check_weight(qweight, scales, bits)
     x2 = _check_x(x, groups * GROUP_SIZE, qweight.device)
@@ -199,7 +217,9 @@ def _gemv(
             )
         if n > 1 and res.stride(1) != 1:
             res = res.contiguous()
-    cfg = config or _gemv_config(n, groups, bits)
+    launch_pdl = pdl.launch_kwargs(x2)
+    int8 = int8_x and x2.dtype != torch.float32
+    cfg = config or _gemv_config(n, groups, bits, int8=int8, pdl_on=launch_pdl["PDL"])
     normed = None
     next_nw = xw = sq_out = out
     if next_rms_norm_weight is not None:
@@ -247,7 +267,10 @@ def _gemv(
             RESIDUAL=residual is not None,
             SILU_PAIRS=silu_pairs,
             NEXT_NORM=next_rms_norm_weight is not None,
+            INT8=cfg.int8,
+            ASM=x2.is_cuda and not _INTERPRETED,
             num_warps=cfg.num_warps,
+            **launch_pdl,
         )
     return out.reshape(*x.shape[:-1], out.shape[1]), normed
 
@@ -264,11 +287,15 @@ def q4_gemv(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     config: GemvConfig | None = None,
+    *,
+    int8_x: bool = False,
 ) -> torch.Tensor:
     """``x @ w.T`` by streaming the packed 4-bit weight (see the module's
     docstring); any number of rows, meant for a few (a program unrolls up to
-    4 rows of ``x`` over one read of its weights)."""
-    return _gemv(x, qweight, scales, 4, config)[0]
+    4 rows of ``x`` over one read of its weights). ``int8_x``: a 16-bit
+    ``x`` quantized per block of 32 to int8 (``config``, where given, says
+    instead)."""
+    return _gemv(x, qweight, scales, 4, config, int8_x=int8_x)[0]
 
 
 def q4_gemv_fused(
@@ -284,6 +311,7 @@ def q4_gemv_fused(
     next_rms_norm_weight: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: GemvConfig | None = None,
+    int8_x: bool = False,
 ) -> tuple[torch.Tensor, NormedRows | None]:
     """:func:`q4_gemv` with the fused decode's prologue and epilogues (the
     decoder layer's elementwise kernels folded in). Returns ``(out,
@@ -314,6 +342,9 @@ def q4_gemv_fused(
     - ``next_rms_norm_weight`` (``[N]``): also the :class:`NormedRows` of
       ``out`` for the RMS norm of that weight, which the next GEMV folds in
       with ``sq_parts``.
+
+    ``int8_x``: as :func:`q4_gemv`'s; the prologues then quantize ``x *
+    weight`` (the norm's ``1 / rms`` scales the dot products after).
     """
     return _gemv(
         x,
@@ -328,6 +359,7 @@ def q4_gemv_fused(
         silu_pairs=silu_pairs,
         next_rms_norm_weight=next_rms_norm_weight,
         out_dtype=out_dtype,
+        int8_x=int8_x,
     )
 
 
@@ -336,9 +368,11 @@ def q8_gemv(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     config: GemvConfig | None = None,
+    *,
+    int8_x: bool = False,
 ) -> torch.Tensor:
     """:func:`q4_gemv` for the 8-bit layout."""
-    return _gemv(x, qweight, scales, 8, config)[0]
+    return _gemv(x, qweight, scales, 8, config, int8_x=int8_x)[0]
 
 
 def q4_dot(
@@ -411,13 +445,18 @@ def dequantize_q4(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 
 
 def q4_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    int8_x: bool = False,
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` in ``x``'s dtype, by the path that suits the
-    number of rows (see the module's docstring)."""
+    number of rows (see the module's docstring; ``int8_x``: the GEMV's)."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if rows <= GEMV_MAX_M:
-        y = q4_gemv(x, qweight, scales)
+        y = q4_gemv(x, qweight, scales, int8_x=int8_x)
     elif rows <= DOT_MAX_M:
         y = q4_dot(x, qweight, scales)
     else:
@@ -427,14 +466,19 @@ def q4_matmul(
 
 
 def q8_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    int8_x: bool = False,
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for the 8-bit layout, in ``x``'s dtype: the GEMV
-    up to :data:`GEMV_MAX_M` rows, else the weight dequantized (torch ops) and
-    ``torch``'s matmul."""
+    up to :data:`GEMV_MAX_M` rows (``int8_x``: its), else the weight
+    dequantized (torch ops) and ``torch``'s matmul."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if rows <= GEMV_MAX_M:
-        y = q8_gemv(x, qweight, scales)
+        y = q8_gemv(x, qweight, scales, int8_x=int8_x)
         return y if bias is None else y + bias
     _check_weight(qweight, scales, 8)
     _check_x(x, qweight.shape[1], qweight.device)

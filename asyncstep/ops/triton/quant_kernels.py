@@ -4,13 +4,16 @@ epilogues, the tiled GEMM that dequantizes each weight tile in registers,
 and the dequantizer; launched by :mod:`asyncstep.ops.triton.quant`, whose
 docstring gives their arithmetic.
 
-May import triton only.
+May import triton and its sibling modules quant_packed and pdl.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
+from asyncstep.ops.triton.quant_packed import _q4_block_dot, _q8_block_dot
 
 #: 2**23: the float32 whose mantissa holds a small integer OR-ed into it.
 _MAGIC_F32: tl.constexpr = tl.constexpr(8388608.0)
@@ -108,6 +111,131 @@ PROLOGUE_NORMED: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
+def _x_tile(  # type: ignore[no-untyped-def]
+    x_row,
+    nw_row,
+    x_mask,
+    S: tl.constexpr,
+    BITS: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    X_EVEN: tl.constexpr,
+):
+    """Tile ``S`` of a block's x (features ``BITS S + t``) in float32, the
+    prologue's norm weight applied, and its raw squares."""
+    xr = _load_x(x_row + BITS * S, x_mask, X_EVEN)
+    if PROLOGUE == PROLOGUE_RMS_NORM:  # noqa: SIM108 (a compile-time branch)
+        xv = xr * _load_x(nw_row + BITS * S, x_mask, X_EVEN)
+    else:
+        xv = xr
+    return xv, xr * xr
+
+
+@triton.jit
+def _gemv_chunk(  # type: ignore[no-untyped-def]
+    acc,
+    acc1,
+    sq_acc,
+    words,
+    sm,
+    g0,
+    x_ptr,
+    nw_ptr,
+    M,
+    K_GROUPS,
+    stride_xm,
+    pid_m,
+    BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    X_EVEN: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    INT8: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """One loop step of :func:`_gemv_kernel`: the products of the chunk of
+    blocks ``g0 ..`` (its ``words`` and scale pairs ``sm``) with each row of
+    x, added to the accumulators ``(acc, acc1, sq_acc)``, returned."""
+    CODES: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    gg = g0 + tl.arange(0, BLOCK_G)
+    g_mask = gg < K_GROUPS
+    t = tl.arange(0, BITS)
+    m_idx = tl.arange(0, BLOCK_M)
+    d, m = _fp16_pair(sm)  # [BN, BG]
+    if not INT8:
+        d = d * _D_SCALE
+        high = words >> 8
+    for mi in tl.static_range(BLOCK_M):
+        row = pid_m * BLOCK_M + mi
+        # x as [1, BG, BITS] tiles: laid out as the words are, each thread
+        # converts and scales its x once for all its rows.
+        x_row = x_ptr + row.to(tl.int64) * stride_xm + gg[None, :, None] * 32 + t[None, None, :]
+        # (the row test as a tensor: the interpreter cannot mask with a scalar;
+        # X_EVEN: no mask)
+        x_mask = g_mask[None, :, None] & ((row + 0 * t) < M)[None, None, :]
+        nw_row = nw_ptr + gg[None, :, None] * 32 + t[None, None, :]
+        # (one row: the products added to acc1 itself, as FFMAs; a compile-time branch)
+        if BLOCK_M == 1 and INT8:  # noqa: SIM108
+            base = acc1
+        else:
+            base = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
+        if INT8 and BITS == 4:
+            x0, xsq = _x_tile(x_row, nw_row, x_mask, 0, BITS, PROLOGUE, X_EVEN)
+            x1, q1 = _x_tile(x_row, nw_row, x_mask, 1, BITS, PROLOGUE, X_EVEN)
+            x2, q2 = _x_tile(x_row, nw_row, x_mask, 2, BITS, PROLOGUE, X_EVEN)
+            x3, q3 = _x_tile(x_row, nw_row, x_mask, 3, BITS, PROLOGUE, X_EVEN)
+            x4, q4 = _x_tile(x_row, nw_row, x_mask, 4, BITS, PROLOGUE, X_EVEN)
+            x5, q5 = _x_tile(x_row, nw_row, x_mask, 5, BITS, PROLOGUE, X_EVEN)
+            x6, q6 = _x_tile(x_row, nw_row, x_mask, 6, BITS, PROLOGUE, X_EVEN)
+            x7, q7 = _x_tile(x_row, nw_row, x_mask, 7, BITS, PROLOGUE, X_EVEN)
+            xsq += q1 + q2 + q3 + q4 + q5 + q6 + q7
+            part = _q4_block_dot(base, words, d, m, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
+        elif INT8:
+            x0, xsq = _x_tile(x_row, nw_row, x_mask, 0, BITS, PROLOGUE, X_EVEN)
+            x1, q1 = _x_tile(x_row, nw_row, x_mask, 1, BITS, PROLOGUE, X_EVEN)
+            x2, q2 = _x_tile(x_row, nw_row, x_mask, 2, BITS, PROLOGUE, X_EVEN)
+            x3, q3 = _x_tile(x_row, nw_row, x_mask, 3, BITS, PROLOGUE, X_EVEN)
+            xsq += q1 + q2 + q3
+            part = _q8_block_dot(base, words, d, m, x0, x1, x2, x3, ASM)
+        else:
+            # A code masked in place (for the top byte: in the word shifted
+            # right by 8) read as a float32 is code * 2**(p - 149), p its bit
+            # offset (every bit pattern below 2**24 is its integer times
+            # 2**-149), so one AND makes the multiplicand; x, scaled by
+            # 2**(X_EXP - p), brings the product to code * x * 2**(X_EXP - 149),
+            # and d carries 2**(149 - X_EXP).
+            xv, xsq = _x_tile(x_row, nw_row, x_mask, 0, BITS, PROLOGUE, X_EVEN)
+            xsum = xv
+            dots = (words & MASK).to(tl.float32, bitcast=True) * (xv * (2.0**_X_EXP))
+            for s in tl.static_range(1, CODES):
+                xv, xsq_s = _x_tile(x_row, nw_row, x_mask, s, BITS, PROLOGUE, X_EVEN)
+                xsq += xsq_s
+                xsum += xv
+                if BITS * (s + 1) <= 24:
+                    bits = words & (MASK << (BITS * s))
+                    xv = xv * (2.0 ** (_X_EXP - BITS * s))
+                else:
+                    bits = high & (MASK << (BITS * s - 8))
+                    xv = xv * (2.0 ** (_X_EXP - BITS * s + 8))
+                dots += bits.to(tl.float32, bitcast=True) * xv
+            part = tl.sum(dots, axis=2) * d + m * tl.sum(xsum, axis=2)
+        if BLOCK_M == 1 and INT8:
+            acc1 = part
+        elif BLOCK_M == 1:
+            acc1 += part
+        else:
+            acc = tl.where((m_idx == mi)[:, None, None], acc + part[None, :, :], acc)
+        if PROLOGUE == PROLOGUE_RMS_NORM:
+            sq = tl.sum(xsq, axis=2)  # [1, BG]
+            if BLOCK_M == 1:
+                sq_acc += sq
+            else:
+                sq_acc = tl.where((m_idx == mi)[:, None], sq_acc + sq, sq_acc)
+    return acc, acc1, sq_acc
+
+
+@triton.jit
 def _gemv_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     qw_ptr,
@@ -142,30 +270,37 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     RESIDUAL: tl.constexpr = False,
     SILU_PAIRS: tl.constexpr = False,
     NEXT_NORM: tl.constexpr = False,
+    INT8: tl.constexpr = False,
+    ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    # A block is BITS words; code s (bits BITS s ..) of word t is feature
-    # BITS s + t. A code masked in place (for the top byte: in the word shifted
-    # right by 8) read as a float32 is code * 2**(p - 149), p its bit offset
-    # (every bit pattern below 2**24 is its integer times 2**-149), so one AND
-    # makes the multiplicand; x, scaled by 2**(X_EXP - p), brings the product
-    # to code * x * 2**(X_EXP - 149), and d carries 2**(149 - X_EXP).
-    CODES: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
+    # A block is BITS words; code s (bits BITS s ..) of word t is feature BITS s + t.
     # Unmasked x: every block inside, and one row a program (a program per row).
     X_EVEN: tl.constexpr = EVEN and BLOCK_M == 1
+    # Launched with PDL (asyncstep.ops.triton.pdl), the next kernel may start now: it
+    # waits for this one before it reads what this one writes.
+    launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     n64 = n.to(tl.int64)
-    g = tl.arange(0, BLOCK_G)
-    t = tl.arange(0, BITS)
     m_idx = tl.arange(0, BLOCK_M)
     rows = pid_m * BLOCK_M + m_idx
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)  # (one row: acc's)
     # RMS_NORM: each row's sum of squares, per block (every program reads the
     # whole row of x anyway); the norm's scale multiplies the dot products.
     sq_acc = tl.zeros([BLOCK_M, BLOCK_G], dtype=tl.float32)
+    if PREFETCH:
+        # Each step loads the next chunk's words before it multiplies its own
+        # (loaded a step ago); the last chunk, after the loop, loads nothing.
+        words_next, sm_next = _load_chunk(
+            qw_ptr, sm_ptr, n64, n_mask, 0, K_GROUPS, BLOCK_G, BITS, EVEN
+        )
+    # With PDL the kernel before may still run: the weights are nobody's
+    # output; x, the parts, the residual and this kernel's outputs are.
+    wait_prior(PDL)
     if PROLOGUE == PROLOGUE_NORMED:  # the parts' loads ahead of the loop
         parts = tl.arange(0, SQ_BLOCK)
         sq_parts = tl.load(
@@ -174,73 +309,86 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
             other=0.0,
         )
     if PREFETCH:
-        words_next, sm_next = _load_chunk(
-            qw_ptr, sm_ptr, n64, n_mask, 0, K_GROUPS, BLOCK_G, BITS, EVEN
-        )
-    for g0 in tl.range(0, K_GROUPS, BLOCK_G, num_stages=STAGES):
-        gg = g0 + g
-        g_mask = gg < K_GROUPS
-        if PREFETCH:
-            # This chunk's words were loaded an iteration ago; the next one's load now
-            # (EVEN: the last step loads the first chunk again rather than past the end).
+        for g0 in tl.range(0, K_GROUPS - BLOCK_G, BLOCK_G, num_stages=STAGES):
             words = words_next
             sm = sm_next
-            if EVEN:  # noqa: SIM108 (a compile-time branch)
-                g_next = tl.where(g0 + BLOCK_G < K_GROUPS, g0 + BLOCK_G, 0)
-            else:
-                g_next = g0 + BLOCK_G
             words_next, sm_next = _load_chunk(
-                qw_ptr, sm_ptr, n64, n_mask, g_next, K_GROUPS, BLOCK_G, BITS, EVEN
+                qw_ptr, sm_ptr, n64, n_mask, g0 + BLOCK_G, K_GROUPS, BLOCK_G, BITS, EVEN
             )
-        else:
+            acc, acc1, sq_acc = _gemv_chunk(
+                acc,
+                acc1,
+                sq_acc,
+                words,
+                sm,
+                g0,
+                x_ptr,
+                nw_ptr,
+                M,
+                K_GROUPS,
+                stride_xm,
+                pid_m,
+                BITS,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_G,
+                X_EVEN,
+                PROLOGUE,
+                INT8,
+                ASM,
+            )
+        last = tl.cdiv(K_GROUPS, BLOCK_G) * BLOCK_G - BLOCK_G
+        acc, acc1, sq_acc = _gemv_chunk(
+            acc,
+            acc1,
+            sq_acc,
+            words_next,
+            sm_next,
+            last,
+            x_ptr,
+            nw_ptr,
+            M,
+            K_GROUPS,
+            stride_xm,
+            pid_m,
+            BITS,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_G,
+            X_EVEN,
+            PROLOGUE,
+            INT8,
+            ASM,
+        )
+    else:
+        for g0 in tl.range(0, K_GROUPS, BLOCK_G, num_stages=STAGES):
             words, sm = _load_chunk(qw_ptr, sm_ptr, n64, n_mask, g0, K_GROUPS, BLOCK_G, BITS, EVEN)
-        d, m = _fp16_pair(sm)  # [BN, BG]
-        d = d * _D_SCALE
-        high = words >> 8
-        for mi in tl.static_range(BLOCK_M):
-            row = pid_m * BLOCK_M + mi
-            # x as [1, BG, BITS] tiles: laid out as the words are, each thread
-            # converts and scales its x once for all its rows.
-            x_row = x_ptr + row.to(tl.int64) * stride_xm + gg[None, :, None] * 32 + t[None, None, :]
-            # (the row test as a tensor: the interpreter cannot mask with a scalar;
-            # X_EVEN: no mask)
-            x_mask = g_mask[None, :, None] & ((row + 0 * t) < M)[None, None, :]
-            nw_row = nw_ptr + gg[None, :, None] * 32 + t[None, None, :]
-            xr = _load_x(x_row, x_mask, X_EVEN)
-            xsq = xr * xr
-            if PROLOGUE == PROLOGUE_RMS_NORM:  # noqa: SIM108 (a compile-time branch)
-                xv = xr * _load_x(nw_row, x_mask, X_EVEN)
-            else:
-                xv = xr
-            xsum = xv
-            dots = (words & MASK).to(tl.float32, bitcast=True) * (xv * (2.0**_X_EXP))
-            for s in tl.static_range(1, CODES):
-                xr = _load_x(x_row + BITS * s, x_mask, X_EVEN)
-                xsq += xr * xr
-                if PROLOGUE == PROLOGUE_RMS_NORM:
-                    xv = xr * _load_x(nw_row + BITS * s, x_mask, X_EVEN)
-                else:
-                    xv = xr
-                xsum += xv
-                if BITS * (s + 1) <= 24:
-                    bits = words & (MASK << (BITS * s))
-                    xv = xv * (2.0 ** (_X_EXP - BITS * s))
-                else:
-                    bits = high & (MASK << (BITS * s - 8))
-                    xv = xv * (2.0 ** (_X_EXP - BITS * s + 8))
-                dots += bits.to(tl.float32, bitcast=True) * xv
-            part = tl.sum(dots, axis=2) * d + m * tl.sum(xsum, axis=2)
-            if BLOCK_M == 1:
-                acc += part[None, :, :]
-            else:
-                acc = tl.where((m_idx == mi)[:, None, None], acc + part[None, :, :], acc)
-            if PROLOGUE == PROLOGUE_RMS_NORM:
-                sq = tl.sum(xsq, axis=2)  # [1, BG]
-                if BLOCK_M == 1:
-                    sq_acc += sq
-                else:
-                    sq_acc = tl.where((m_idx == mi)[:, None], sq_acc + sq, sq_acc)
-    out = tl.sum(acc, axis=2)
+            acc, acc1, sq_acc = _gemv_chunk(
+                acc,
+                acc1,
+                sq_acc,
+                words,
+                sm,
+                g0,
+                x_ptr,
+                nw_ptr,
+                M,
+                K_GROUPS,
+                stride_xm,
+                pid_m,
+                BITS,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_G,
+                X_EVEN,
+                PROLOGUE,
+                INT8,
+                ASM,
+            )
+    if BLOCK_M == 1:  # noqa: SIM108 (a compile-time branch)
+        out = tl.sum(acc1, axis=1)[None, :]
+    else:
+        out = tl.sum(acc, axis=2)
     if PROLOGUE == PROLOGUE_RMS_NORM:
         inv_rms = tl.rsqrt(tl.sum(sq_acc, axis=1) / (K_GROUPS * 32) + eps)
         out = out * inv_rms[:, None]

@@ -38,11 +38,13 @@ class GpuQ4Weight(PackedWeight):
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         return rows <= self.max_tokens and x.device == self.data.device
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ w.T`` for ``x`` ``[rows, in_features]``, in ``x``'s dtype."""
+    def mm(self, x: torch.Tensor, *, int8_x: bool = False) -> torch.Tensor:
+        """``x @ w.T`` for ``x`` ``[rows, in_features]``, in ``x``'s dtype
+        (``int8_x``: a 16-bit ``x`` quantized per block to int8 in the GEMV,
+        :func:`~asyncstep.ops.triton.quant.q4_gemv`)."""
         from asyncstep.ops.triton.quant import q4_matmul
 
-        out = q4_matmul(x, self.data, self.scales)
+        out = q4_matmul(x, self.data, self.scales, int8_x=int8_x)
         if self.interleaved:  # back to the halves stacked
             half = out.shape[-1] // 2
             out = out.unflatten(-1, (half, 2)).transpose(-1, -2).reshape(out.shape)
@@ -67,11 +69,12 @@ class GpuQ8Weight(GpuQ4Weight):
 
     KIND: ClassVar[str] = "q8_gpu"
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ w.T`` for ``x`` ``[rows, in_features]``, in ``x``'s dtype."""
+    def mm(self, x: torch.Tensor, *, int8_x: bool = False) -> torch.Tensor:
+        """``x @ w.T`` for ``x`` ``[rows, in_features]``, in ``x``'s dtype
+        (``int8_x``: as :meth:`GpuQ4Weight.mm`'s)."""
         from asyncstep.ops.triton.quant import q8_matmul
 
-        return q8_matmul(x, self.data, self.scales)
+        return q8_matmul(x, self.data, self.scales, int8_x=int8_x)
 
 
 def pack_q8_gpu(weight: torch.Tensor, max_tokens: int | None = None) -> GpuQ8Weight | None:

@@ -11,6 +11,7 @@ from HBM), median of ``--replays`` replays, µs a layer; each variant's
 output is checked against the other's first.
 
     python3 benchmarks/studies/decode_kernels/fused_gemv.py [--shape llama-8b] [--out results.json]
+        [--int8]  (every GEMV quantizes x per block to int8: gpu_q4_activations int8)
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--int8", action="store_true", help="the GEMVs' int8 activations")
     args = parser.parse_args()
+    int8 = bool(args.int8)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = layer_shapes(args.shape)
     hidden = shapes["o"][0]
@@ -74,11 +77,11 @@ def main() -> int:
         h, r = h0, r0
         for w in layers:
             x, r = fused_add_rms_norm(h, r, norm_w, 1e-5)
-            q4_gemv(x, *w["qkv"])
-            o = q4_gemv(attn_out, *w["o"])
+            q4_gemv(x, *w["qkv"], int8_x=int8)
+            o = q4_gemv(attn_out, *w["o"], int8_x=int8)
             x, r = fused_add_rms_norm(o, r, norm_w, 1e-5)
-            act = silu_and_mul(q4_gemv(x, *w["gate_up"]))
-            h = q4_gemv(act, *w["down"])
+            act = silu_and_mul(q4_gemv(x, *w["gate_up"], int8_x=int8))
+            h = q4_gemv(act, *w["down"], int8_x=int8)
         outs["unfused"] = h + r
 
     def fused() -> None:
@@ -86,13 +89,18 @@ def main() -> int:
         normed: NormedRows | None = None
         for w in layers:
             if normed is None:
-                q4_gemv_fused(stream, *w["qkv"], rms_norm_weight=norm_w, eps=1e-5)
+                q4_gemv_fused(stream, *w["qkv"], rms_norm_weight=norm_w, eps=1e-5, int8_x=int8)
             else:
                 q4_gemv_fused(
-                    normed.xw, *w["qkv"], sq_parts=normed.sq_parts, eps=1e-5, out_dtype=dt
+                    normed.xw,
+                    *w["qkv"],
+                    sq_parts=normed.sq_parts,
+                    eps=1e-5,
+                    out_dtype=dt,
+                    int8_x=int8,
                 )
             stream, normed = q4_gemv_fused(
-                attn_out, *w["o"], residual=stream, next_rms_norm_weight=norm_w
+                attn_out, *w["o"], residual=stream, next_rms_norm_weight=norm_w, int8_x=int8
             )
             assert normed is not None
             act, _ = q4_gemv_fused(
@@ -102,9 +110,10 @@ def main() -> int:
                 eps=1e-5,
                 silu_pairs=True,
                 out_dtype=dt,
+                int8_x=int8,
             )
             stream, normed = q4_gemv_fused(
-                act, *w["down"], residual=stream, next_rms_norm_weight=norm_w
+                act, *w["down"], residual=stream, next_rms_norm_weight=norm_w, int8_x=int8
             )
         outs["fused"] = stream
 
@@ -117,6 +126,7 @@ def main() -> int:
     q4_bytes = sum(n * k * (0.5 + 4 / 32) for n, k in shapes.values())
     results = {
         "shape": args.shape,
+        "int8": bool(args.int8),
         "rel_error_fused_vs_unfused": err,
         "copy_bandwidth_tb_s": bandwidth / 1e12,
         "floor_us_a_layer": q4_bytes / bandwidth * 1e6,

@@ -13,7 +13,11 @@ weight), several launches.
 
     python3 benchmarks/studies/decode_kernels/quant_gpu.py \\
         --out results.json [--rows 1 32] [--quick] [--lm-head]
-        [--launch BLOCK_N,BLOCK_G,WARPS,PREFETCH,STAGES ...]  (these GEMV launches instead)
+        [--launch BLOCK_N,BLOCK_G,WARPS,PREFETCH,STAGES[,INT8] ...]  (these GEMV launches instead)
+        [--lm-launch BLOCK_N,BLOCK_G,WARPS,PREFETCH,STAGES[,INT8] ...]  (and these on the LM head)
+
+A launch's INT8 (0 / 1): x quantized per block to int8 and multiplied by
+``dp4a`` (``asyncstep.ops.triton.quant_packed``), else the exact float32 products.
 """
 
 from __future__ import annotations
@@ -72,6 +76,12 @@ DOT_CONFIGS = [
     for swap in (False, True)
     for bn, bg, stages in [(16, 8, 3), (16, 4, 3), (32, 4, 3), (32, 8, 3), (64, 4, 3), (32, 4, 4)]
 ]
+
+
+def parse_launch(launch: str) -> tq.GemvConfig:
+    """A GEMV launch from ``BLOCK_N,BLOCK_G,WARPS,PREFETCH,STAGES[,INT8]``."""
+    n, g, w, pf, st, *int8 = map(int, launch.split(","))
+    return tq.GemvConfig(n, g, w, bool(pf), st, bool(int8 and int8[0]))
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -141,7 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         "--launch",
         action="append",
         default=[],
-        help="a GEMV launch BLOCK_N,BLOCK_G,WARPS,PREFETCH(0/1),STAGES to try instead (repeatable)",
+        help="a GEMV launch BLOCK_N,BLOCK_G,WARPS,PREFETCH(0/1),STAGES[,INT8(0/1)] to try instead"
+        " (repeatable)",
+    )
+    parser.add_argument(
+        "--lm-launch",
+        action="append",
+        default=[],
+        help="a Q8 GEMV launch for the LM head, as --launch (repeatable)",
     )
     parser.add_argument(
         "--lm-head", action="store_true", help="also the LM head: bf16 against the Q8 GEMV"
@@ -179,10 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     gemv_configs = GEMV_CONFIGS[:3] if args.quick else GEMV_CONFIGS
     if args.launch:
-        gemv_configs = [
-            tq.GemvConfig(n, g, w, bool(pf), st)
-            for n, g, w, pf, st in (map(int, launch.split(",")) for launch in args.launch)
-        ]
+        gemv_configs = [parse_launch(launch) for launch in args.launch]
+    lm_head_configs = [parse_launch(launch) for launch in args.lm_launch] or LM_HEAD_CONFIGS
     dot_configs = DOT_CONFIGS[:3] if args.quick else DOT_CONFIGS
     rows_out: list[dict[str, Any]] = []
 
@@ -228,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     def gemv_label(c: tq.GemvConfig) -> str:
-        return f"n{c.block_n} g{c.block_g} w{c.num_warps} pf={int(c.prefetch)} s{c.stages}"
+        label = f"n{c.block_n} g{c.block_g} w{c.num_warps} pf={int(c.prefetch)} s{c.stages}"
+        return label + (" int8" if c.int8 else "")
 
     lm_head: list[dict[str, Any]] = []
     if args.lm_head:
@@ -248,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: list[tuple[str, Callable[[], torch.Tensor], int]] = [
             ("bf16 F.linear", lambda: F.linear(x, head_dense), n * k * 2)
         ]
-        for cfg in LM_HEAD_CONFIGS:
+        for cfg in lm_head_configs:
             runs.append(
                 (
                     f"q8 {gemv_label(cfg)}",

@@ -3,7 +3,7 @@
 count the SASS instructions of its main loop per weight, by opcode.
 
     python3 benchmarks/studies/decode_kernels/quant_sass.py [--out DIR] \\
-        [BITS,BLOCK_N,BLOCK_G,WARPS[,STAGES] ...]
+        [BITS,BLOCK_N,BLOCK_G,WARPS[,STAGES[,INT8]] ...]
 
 With ``--out``, each launch's SASS, PTX and TTGIR go there. Integer
 arguments are specialized as divisible by 16, as Triton's launcher does for
@@ -30,22 +30,29 @@ from triton.compiler import ASTSource
 from asyncstep.ops.triton import quant as tq
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-DEFAULT = ["4,8,64,2", "4,8,128,4", "4,8,32,1,3", "4,8,64,2,3", "8,8,32,2", "8,4,64,4"]
+DEFAULT = ["4,8,64,2", "4,8,64,2,1,1", "8,8,32,2", "8,8,32,2,1,1"]
 
 
-def compile_gemv(bits: int, block_n: int, block_g: int, warps: int, stages: int) -> object:
+def compile_gemv(
+    bits: int, block_n: int, block_g: int, warps: int, stages: int, int8: bool = False
+) -> object:
     """The GEMV compiled for sm_90 with bfloat16 x, one row, unmasked tiles
-    (prefetch in registers with one stage)."""
+    (prefetch in registers with one stage); ``int8``: x quantized to int8
+    and ``dp4a`` (inline PTX)."""
     sig = {
         "x_ptr": "*bf16",
         "qw_ptr": "*i32",
         "sm_ptr": "*i32",
         "out_ptr": "*bf16",
+        **dict.fromkeys(["nw_ptr", "sq_ptr", "res_ptr", "next_nw_ptr", "xw_ptr"], "*bf16"),
+        "sq_out_ptr": "*fp32",
         "M": "i32",
         "N": "i32",
         "K_GROUPS": "i32",
-        "stride_xm": "i32",
-        "stride_om": "i32",
+        **dict.fromkeys(["stride_xm", "stride_om", "stride_sq", "stride_rm", "stride_xwm"], "i32"),
+        "stride_sqo": "i32",
+        "n_sq_parts": "i32",
+        "eps": "fp32",
     }
     consts = {
         "BITS": bits,
@@ -55,8 +62,20 @@ def compile_gemv(bits: int, block_n: int, block_g: int, warps: int, stages: int)
         "PREFETCH": stages == 1,
         "EVEN": True,
         "STAGES": stages,
+        "PROLOGUE": 0,
+        "SQ_BLOCK": 1,
+        "RESIDUAL": False,
+        "SILU_PAIRS": False,
+        "NEXT_NORM": False,
+        "INT8": int8,
+        "ASM": int8,
+        "PDL": False,
     }
-    divisible = [(i,) for i, name in enumerate(sig) if name.endswith("_ptr") or name not in ("M",)]
+    divisible = [
+        (i,)
+        for i, name in enumerate(sig)
+        if name.endswith("_ptr") or name not in ("M", "n_sq_parts", "eps")
+    ]
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {index: [["tt.divisibility", 16]] for index in divisible}
     return triton.compile(
@@ -94,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90")
     for launch in args.launches:
-        bits, block_n, block_g, warps, stages = (int(v) for v in (launch + ",1").split(",")[:5])
-        kernel = compile_gemv(bits, block_n, block_g, warps, stages)
-        tag = f"q{bits}_n{block_n}_g{block_g}_w{warps}_s{stages}"
+        bits, block_n, block_g, warps, stages, int8 = (
+            int(v) for v in (launch + ",1,0").split(",")[:6]
+        )
+        kernel = compile_gemv(bits, block_n, block_g, warps, stages, bool(int8))
+        tag = f"q{bits}_n{block_n}_g{block_g}_w{warps}_s{stages}" + ("_int8" if int8 else "")
         out = args.out or Path("/tmp")
         out.mkdir(parents=True, exist_ok=True)
         cubin = out / f"{tag}.cubin"
