@@ -5,7 +5,8 @@ The matmul's row i alone and inside batches of 1, 3, 17 and 64 rows (and
 against float64); RMSNorm row-wise; the attention's rows of one request as
 a whole prompt, a decode, a verify step and two prompt chunks, beside other
 requests of other lengths, by both launches (split programs + combine, and
-the tile loop); the op-set choice by device type. On the CPU the kernels
+the tile loop); a whole tiny model's logits for a prompt whole, chunked and
+decoded; the op-set choice by device type. On the CPU the kernels
 run under the Triton interpreter (``TRITON_INTERPRET=1``, set before triton
 is imported), in float32; ``ASYNCSTEP_TEST_DEVICE=cuda`` compiles them and
 adds bfloat16.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,7 +29,8 @@ pytest.importorskip("triton", reason="the Triton kernels need triton")
 
 from asyncstep.errors import ConfigError  # noqa: E402
 from asyncstep.models.layers.attention import kv_cache_shape  # noqa: E402
-from asyncstep.ops import select  # noqa: E402
+from asyncstep.ops import OpSet, select  # noqa: E402
+from asyncstep.ops.attention import AttentionMetadata  # noqa: E402
 from asyncstep.ops.triton import invariant_attention  # noqa: E402
 from asyncstep.ops.triton.attention import paged_attention  # noqa: E402
 from asyncstep.ops.triton.invariant_attention import invariant_paged_attention  # noqa: E402
@@ -182,6 +185,62 @@ def test_both_launches_give_the_same_bits_and_the_values(
     table = reqs.table.to(DEVICE)
     expected = paged_attention(q, reqs.kv_cache, qsl, seq_lens, table, DIM**-0.5)
     torch.testing.assert_close(split_programs, expected, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# a whole model
+
+
+def one_request(tokens: int, past: int) -> AttentionMetadata:
+    """One request's ``tokens`` new tokens after ``past`` cached ones, blocks 0, 1, ..."""
+    total, qsl = past + tokens, np.array([0, tokens], dtype=np.int32)
+    return AttentionMetadata(
+        num_actual_tokens=tokens,
+        num_decodes=0,
+        query_start_loc=torch.from_numpy(qsl).to(DEVICE),
+        seq_lens=torch.tensor([total], dtype=torch.int32, device=DEVICE),
+        block_table=torch.arange(-(-total // BLOCK), dtype=torch.int32, device=DEVICE)[None],
+        slot_mapping=torch.arange(past, total, device=DEVICE),
+        max_query_len=tokens,
+        max_seq_len=total,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=np.array([total]),
+        positions=torch.arange(past, total, device=DEVICE),
+    )
+
+
+def test_a_model_gives_a_position_the_same_logits_whole_chunked_or_decoded() -> None:
+    """The tiny Llama on the op set: a prompt whole, and in two chunks then
+    its last token as a decode, give each position the same float32 logits
+    (and the reference's, within rounding)."""
+    from asyncstep.models.dummy import dummy_weights, get_shape
+    from asyncstep.models.llama import LlamaForCausalLM
+    from asyncstep.ops.torch_ref import TORCH_OPS
+
+    arch = get_shape("tiny-llama")
+    model = LlamaForCausalLM(arch, torch.float32).to(DEVICE)
+    model.load_weights(dummy_weights(arch, seed=0, device=DEVICE))
+    ids = torch.randint(3, arch.vocab_size, (12,), device=DEVICE)
+
+    def run(ops: OpSet, chunks: list[int]) -> torch.Tensor:
+        model.use_ops(ops)
+        shape = kv_cache_shape(2, BLOCK, arch.num_key_value_heads, arch.head_dim)
+        for attn in model.attention_layers():
+            attn.kv_cache = torch.zeros(shape, device=DEVICE)
+        rows, past = [], 0
+        for n in chunks:
+            meta = one_request(n, past)
+            assert meta.positions is not None
+            hidden = model.model(ids[past : past + n], meta.positions, meta, None)
+            rows.append(model.compute_logits(hidden))
+            past += n
+        return torch.cat(rows)
+
+    invariant = TritonInvariantOps()
+    whole = run(invariant, [12])
+    assert whole.dtype == torch.float32
+    assert torch.equal(run(invariant, [7, 4, 1]), whole)  # two chunks, then a decode
+    torch.testing.assert_close(whole, run(TORCH_OPS, [12]), rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------------
