@@ -285,3 +285,30 @@ def test_the_op_set_runs_its_matmul_norms_and_attention() -> None:
     assert torch.equal(
         ops.rms_norm(x, norm_w, 1e-6, float32_residual=False), rms_norm(x, norm_w, 1e-6)
     )
+
+
+@pytest.mark.parametrize("value", [None, True, False])
+def test_the_engine_option_reaches_the_op_set_choice(
+    monkeypatch: pytest.MonkeyPatch, value: bool | None
+) -> None:
+    """``batch_invariant`` goes from the engine's config to every
+    ``select_ops`` call of the runner (the CPU's choice ignores it)."""
+    from asyncstep.config import ModelConfig
+    from asyncstep.engine.front_end.api import make_config
+    from asyncstep.models.model_loader import load_model
+    from asyncstep.runner import build, model_runner
+
+    seen: list[bool | None] = []
+    choose = model_runner.select_ops
+
+    def recording(*args: object, **kwargs: object) -> OpSet:
+        seen.append(kwargs.get("batch_invariant"))  # type: ignore[arg-type]
+        return choose(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model_runner, "select_ops", recording)
+    loaded = load_model(
+        ModelConfig(model="tiny-llama", load_format="dummy", device="cpu", dtype="float32")
+    )
+    config = make_config(max_model_len=64, max_num_batched_tokens=64, batch_invariant=value)
+    build.build_runner(config, loaded)
+    assert seen == [value]
