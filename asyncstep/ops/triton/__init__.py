@@ -4,8 +4,11 @@ store (:mod:`.attention`; its kernels in :mod:`.attention_kernels` and
 :mod:`.decode_kernels`), the residual add + RMSNorm, ``silu * up`` and rotary
 (+ store) (:mod:`.fused`), the one-row GEMV of dense 16-bit weights
 (:mod:`.gemv`), Q4 / Q8 weights (:mod:`.quant`; their layouts in
-:mod:`.quant_layout`, their kernels in :mod:`.quant_kernels`) and the grammar
-bitmask (:mod:`.grammar_kernel`). triton is imported by the kernel modules,
+:mod:`.quant_layout`, their kernels in :mod:`.quant_kernels`), the grammar
+bitmask (:mod:`.grammar_kernel`) and the batch-invariant op set
+(:mod:`.invariant_ops`: its matmul :mod:`.invariant_matmul`, RMSNorm
+:mod:`.invariant_norm`, attention :mod:`.invariant_attention` and its
+kernels :mod:`.invariant_attention_kernels`). triton is imported by the kernel modules,
 never by this package: it is optional on the CPU.
 
 May import torch, triton, :mod:`asyncstep.device` and :mod:`asyncstep.ops`'
