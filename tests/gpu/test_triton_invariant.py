@@ -8,8 +8,8 @@ requests of other lengths, by both launches (split programs + combine, and
 the tile loop); a whole tiny model's logits for a prompt whole, chunked and
 decoded; the op-set choice by device type. On the CPU the kernels
 run under the Triton interpreter (``TRITON_INTERPRET=1``, set before triton
-is imported), in float32; ``ASYNCSTEP_TEST_DEVICE=cuda`` compiles them and
-adds bfloat16.
+is imported), in float32 and float16 (its bfloat16 is not numpy's);
+``ASYNCSTEP_TEST_DEVICE=cuda`` compiles them and adds bfloat16.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 # matmul
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])  # the interpreter takes float16
 def test_a_matmul_row_is_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
     # K spans three BLOCK_K chunks and a tail; N two column tiles and a tail.
     k, n = 2 * TILE.block_k + 37, TILE.block_n + 11
@@ -100,9 +100,10 @@ def test_rms_norm_is_per_row_and_matches_torch() -> None:
 # attention
 
 HEADS, KV_HEADS, DIM, BLOCK, NUM_BLOCKS, TABLE_WIDTH = 4, 2, 16, 8, 64, 12
-#: Keys per split in these tests (the fp32 key tile's multiple): three
-#: splits for the longest request, so the fold is exercised.
-SPLIT = 32
+#: Keys per split in these tests (a multiple of every key tile: 32 keys in
+#: float32, 64 in 16 bits): two splits for the 70-key request, so the fold
+#: is exercised.
+SPLIT = 64
 
 
 @dataclass
@@ -138,19 +139,26 @@ def make_requests(seq_lens: list[int], dtype: torch.dtype) -> Requests:
     return Requests(q, cache.to(dtype).to(DEVICE), table.to(torch.int32))
 
 
-@pytest.fixture(params=[True, False], ids=["split-programs", "tile-loop"])
-def parallel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both launches, with the test's split size."""
+def use_launch(monkeypatch: pytest.MonkeyPatch, parallel: bool) -> None:
+    """The test's split size, and the split programs + combine (``parallel``)
+    or the tile loop."""
     monkeypatch.setattr(invariant_attention, "SPLIT_KEYS", SPLIT)
-    monkeypatch.setattr(invariant_attention, "MAX_SCRATCH_BYTES", 1 << 40 if request.param else 0)
-    return bool(request.param)
+    monkeypatch.setattr(invariant_attention, "MAX_SCRATCH_BYTES", 1 << 40 if parallel else 0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+#: (split programs, dtype): both launches in float32 and in the GPU's
+#: bfloat16; float16 (which the interpreter takes) by the tile loop.
+LAUNCHES = [(True, torch.float32), (False, torch.float32), (False, torch.float16)]
+if DEVICE.type == "cuda":
+    LAUNCHES += [(True, torch.bfloat16), (False, torch.bfloat16), (True, torch.float16)]
+
+
+@pytest.mark.parametrize("parallel,dtype", LAUNCHES)
 def test_a_query_is_the_same_bits_however_its_request_comes(
-    parallel: bool, dtype: torch.dtype
+    monkeypatch: pytest.MonkeyPatch, parallel: bool, dtype: torch.dtype
 ) -> None:
-    # Request 0 (70 keys: three splits) beside requests of other lengths.
+    use_launch(monkeypatch, parallel)
+    # Request 0 (70 keys: two splits) beside requests of other lengths.
     reqs = make_requests([70, 41, 50, 7], dtype)
     whole = reqs.step([(0, 0, 70)])  # the whole prompt alone
     others = [(1, 40, 1), (2, 30, 9), (3, 0, 7)]
@@ -171,12 +179,11 @@ def test_a_query_is_the_same_bits_however_its_request_comes(
 def test_both_launches_give_the_same_bits_and_the_values(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(invariant_attention, "SPLIT_KEYS", SPLIT)
     reqs = make_requests([70, 41, 50], torch.float32)
     step = [(0, 50, 20), (1, 40, 1), (2, 30, 9)]
-    monkeypatch.setattr(invariant_attention, "MAX_SCRATCH_BYTES", 1 << 40)
+    use_launch(monkeypatch, True)
     split_programs = reqs.step(step)
-    monkeypatch.setattr(invariant_attention, "MAX_SCRATCH_BYTES", 0)
+    use_launch(monkeypatch, False)
     assert torch.equal(reqs.step(step), split_programs)
     # The values: the existing kernel (another order) within rounding.
     q = torch.cat([reqs.q[r][p : p + n] for r, p, n in step]).to(DEVICE)
