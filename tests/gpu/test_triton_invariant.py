@@ -176,10 +176,13 @@ def test_a_query_is_the_same_bits_however_its_request_comes(
     assert torch.equal(second[9:], whole[40:])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_both_launches_give_the_same_bits_and_the_values(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
-    reqs = make_requests([70, 41, 50], torch.float32)
+    """A step's size picks the launch (the scratch it needs): the same bits
+    either way."""
+    reqs = make_requests([70, 41, 50], dtype)
     step = [(0, 50, 20), (1, 40, 1), (2, 30, 9)]
     use_launch(monkeypatch, True)
     split_programs = reqs.step(step)
@@ -191,7 +194,8 @@ def test_both_launches_give_the_same_bits_and_the_values(
     seq_lens = torch.tensor([70, 41, 39], dtype=torch.int32, device=DEVICE)
     table = reqs.table.to(DEVICE)
     expected = paged_attention(q, reqs.kv_cache, qsl, seq_lens, table, DIM**-0.5)
-    torch.testing.assert_close(split_programs, expected, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(split_programs, expected, atol=tol, rtol=tol)
 
 
 # --------------------------------------------------------------------------

@@ -141,7 +141,7 @@ def invariant_paged_attention(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             GROUP=group,
-            GROUP_PAD=triton.next_power_of_2(group),
+            GROUP_PAD=max(2, triton.next_power_of_2(group)),
             SPLIT=SPLIT_KEYS,
             num_warps=1 if group * head_dim_pad <= 1024 else 4,
             enable_fp_fusion=False,

@@ -47,7 +47,9 @@ class MatmulTile:
 TILE = MatmulTile(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 
-@triton.jit
+# M changes every step: one compiled variant for every M (no M == 1 or
+# multiple-of-16 specialisation, which could compile the dot otherwise).
+@triton.jit(do_not_specialize=["M"])
 def _invariant_matmul_kernel(
     x_ptr: tl.tensor,
     w_ptr: tl.tensor,
