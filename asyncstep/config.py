@@ -142,7 +142,8 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         _doc(
             "a request's greedy tokens and log-probs the same bits whatever else is in its "
             "steps (batch, chunks, cache, speculation): on CUDA the Triton batch-invariant "
-            "kernels (needs triton; no fused decode, packed weights unused); on the CPU its "
+            "kernels (needs triton and the triton attention backend; fused_kernels and "
+            "fused_decode then do not apply, packed weights are unused); on the CPU its "
             "kernels already are; none: the device's default (the CPU on, CUDA off)"
         ),
     ] = None
