@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What batch invariance costs on one H200 (issue 40; the device tool's nvidia-h200),
 # and whether it holds there:
-#     bash benchmarks/studies/invariance/gpu_cost.sh all|tests|latency|throughput|probe
+#     bash benchmarks/studies/invariance/gpu_cost.sh all|tests|latency|throughput|probe|kernels
 #   tests:      tests/gpu/test_triton_invariant.py compiled for the GPU (float32 and
 #               bfloat16: the kernels' rows bit for bit in any batch)
 #   latency:    llama-8b (dummy weights, bf16) ITL at batch 1 and 32, batch_invariant off, on
@@ -9,21 +9,23 @@
 #   probe:      gpu_probe.py on llama-1b: 8 prompts alone against among 32 others, greedy,
 #               tokens and log-probs bit for bit, off and on, without and with n-gram
 #               speculation (and speculation's tokens against plain decoding's)
-#   all:        the four, under 8 minutes (the steps' timeouts: 50 + 2 x 85 + 2 x 75
+#   kernels:    gpu_kernels.py: the invariant matmul and attention against the fast kernels,
+#               kernel by kernel (llama-8b's shapes; not in all, about a minute)
+#   all:        the first four, under 8 minutes (the steps' timeouts: 50 + 2 x 85 + 2 x 75
 #               + 100 s)
 # Dependencies: run `bash ../shared/device/wheels.sh` once here and carry ".whl"; this
-# script installs them when $HOME/site lacks trio. Output: one text file a step in
+# script installs them where python cannot import them. Output: one text file a step in
 # $OUT (default benchmarks/results/invariance_gpu), JSON in /tmp (the device tool
 # brings back a few files only). A dry run on the CPU (every command, tiny shapes):
 #     BIG=tiny-llama SMALL=tiny-llama DEVICE=cpu PROMPTS=4 bash benchmarks/studies/invariance/gpu_cost.sh all
 set -u
 OUT=${OUT:-benchmarks/results/invariance_gpu}
 mkdir -p "$OUT"
-if [ -d .whl ] && [ ! -d "$HOME/site/trio" ]; then
+export PYTHONPATH="$HOME/site:$PWD"
+if ! python3 -c "import trio, structlog, msgspec, gguf" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$HOME/site" .whl/*.whl || exit 1
 fi
-export PYTHONPATH="$HOME/site:$PWD"
 BENCH="python3 -m asyncstep bench"
 BIG=${BIG:-llama-8b}
 SMALL=${SMALL:-llama-1b}
@@ -64,6 +66,11 @@ run_throughput() {
         echo "batch_invariant=$inv"; grep -E "ours n|│ +[0-9]" "$OUT/throughput_llama-1b_$inv.txt"
     done
 }
+run_kernels() {
+    timeout 90 python3 benchmarks/studies/invariance/gpu_kernels.py --device $DEVICE \
+        $([ "$DEVICE" = cpu ] && echo --tiny) > "$OUT/kernels.txt" 2>&1
+    cat "$OUT/kernels.txt"
+}
 run_probe() {
     timeout 100 python3 benchmarks/studies/invariance/gpu_probe.py --model $SMALL --device $DEVICE \
         > "$OUT/probe_llama-1b.txt" 2>&1
@@ -75,6 +82,7 @@ tests) run_tests ;;
 latency) run_latency ;;
 throughput) run_throughput ;;
 probe) run_probe ;;
+kernels) run_kernels ;;
 all) run_tests; run_latency; run_throughput; run_probe ;;
-*) echo "usage: $0 all|tests|latency|throughput|probe" >&2; exit 2 ;;
+*) echo "usage: $0 all|tests|latency|throughput|probe|kernels" >&2; exit 2 ;;
 esac
