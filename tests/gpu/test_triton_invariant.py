@@ -9,7 +9,8 @@ the tile loop); a whole tiny model's logits for a prompt whole, chunked and
 decoded; the op-set choice by device type. On the CPU the kernels
 run under the Triton interpreter (``TRITON_INTERPRET=1``, set before triton
 is imported), in float32 and float16 (its bfloat16 is not numpy's);
-``ASYNCSTEP_TEST_DEVICE=cuda`` compiles them and adds bfloat16.
+``ASYNCSTEP_TEST_DEVICE=cuda`` compiles them and adds bfloat16 and a real
+CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -115,17 +116,24 @@ class Requests:
     kv_cache: torch.Tensor
     table: torch.Tensor  # [requests, TABLE_WIDTH] int32
 
-    def step(self, parts: list[tuple[int, int, int]], padding: int = 0) -> torch.Tensor:
-        """Attention of a step of ``(request, first position, query count)``
-        parts (a request's keys up to its last query in the cache), its
-        output rows in that order."""
+    def inputs(self, parts: list[tuple[int, int, int]], padding: int = 0) -> list[torch.Tensor]:
+        """q, query_start_loc, seq_lens and the block table of a step of
+        ``(request, first position, query count)`` parts (a request's keys
+        up to its last query in the cache), then ``padding`` rows."""
         q = torch.cat([self.q[r][p : p + n] for r, p, n in parts])
-        q = torch.cat([q, torch.zeros(padding, HEADS, DIM, dtype=q.dtype)]).to(DEVICE)
+        q = torch.cat([q, torch.zeros(padding, HEADS, DIM, dtype=q.dtype)])
         qsl = torch.tensor([0] + [n for _, _, n in parts], dtype=torch.int32).cumsum(0)
         seq_lens = torch.tensor([p + n for _, p, n in parts], dtype=torch.int32)
         table = self.table[[r for r, _, _ in parts]]
-        args = (self.kv_cache, qsl.to(torch.int32).to(DEVICE), seq_lens.to(DEVICE))
-        return invariant_paged_attention(q, *args, table.to(DEVICE), DIM**-0.5)
+        return [t.to(DEVICE) for t in (q, qsl.to(torch.int32), seq_lens, table)]
+
+    def attend(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        q, qsl, seq_lens, table = inputs
+        return invariant_paged_attention(q, self.kv_cache, qsl, seq_lens, table, DIM**-0.5)
+
+    def step(self, parts: list[tuple[int, int, int]], padding: int = 0) -> torch.Tensor:
+        """The step's attention, its output rows in the parts' order."""
+        return self.attend(self.inputs(parts, padding))
 
 
 def make_requests(seq_lens: list[int], dtype: torch.dtype) -> Requests:
@@ -196,6 +204,38 @@ def test_both_launches_give_the_same_bits_and_the_values(
     expected = paged_attention(q, reqs.kv_cache, qsl, seq_lens, table, DIM**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(split_programs, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_cuda_graph_replays_with_new_metadata(
+    monkeypatch: pytest.MonkeyPatch, parallel: bool
+) -> None:
+    """The attention and the matmul captured once replay other steps of the
+    same shapes bit for bit (the launch reads only shapes on the host)."""
+    use_launch(monkeypatch, parallel)
+    reqs = make_requests([70, 41, 50, 7], torch.bfloat16)
+    a = reqs.inputs([(0, 69, 1), (1, 40, 1), (2, 30, 4)], padding=2)
+    b = reqs.inputs([(1, 40, 1), (0, 50, 1), (3, 3, 4)], padding=2)
+    w = torch.randn(40, 16 * HEADS, device=DEVICE).to(torch.bfloat16)
+    static = [t.clone() for t in a]
+    reqs.attend(static)  # compile outside the capture
+    invariant_matmul(static[0].view(static[0].shape[0], -1), w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = reqs.attend(static)
+        logits = invariant_matmul(out.view(out.shape[0], -1), w, torch.float32)
+    for inputs in (a, b):
+        for target, source in zip(static, inputs, strict=True):
+            target.copy_(source)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = reqs.attend(inputs)
+        assert torch.equal(out, eager)
+        assert torch.equal(
+            logits, invariant_matmul(eager.view(eager.shape[0], -1), w, torch.float32)
+        )
 
 
 # --------------------------------------------------------------------------
