@@ -139,6 +139,16 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         int | None, _doc("longest sequence (prompt + output); none: the model's own limit")
     ] = None
     seed: Annotated[int, _doc("seed of random (dummy) weights and of every rank's torch RNG")] = 0
+    batch_invariant: Annotated[
+        bool | None,
+        _doc(
+            "a request's greedy tokens and log-probs the same bits whatever else is in its "
+            "steps (batch, chunks, cache, speculation): on CUDA the Triton batch-invariant "
+            "kernels (needs triton and the triton attention backend; fused_kernels and "
+            "fused_decode then do not apply, packed weights are unused); on the CPU its "
+            "kernels already are; none: the device's default (the CPU on, CUDA off)"
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):

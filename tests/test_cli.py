@@ -395,6 +395,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "dtype": (["bfloat16"], "bfloat16"),
     "weight_packing": (["none"], "none"),
     "packed_max_tokens": (["4"], 4),
+    "batch_invariant": ([], False),
     "packed_weight_cache": ([], False),
     "chat_template": (["/t.jinja"], "/t.jinja"),
     "device": (["cuda:1"], "cuda:1"),

@@ -10,7 +10,11 @@ store then rotates q and k, and with ``fused_decode`` a decode batch's
 attention too), the CPU library's where the device is the CPU, the fused
 kernels are on and the library loads, else the reference's layer ops (on
 the CPU with its float32 LM head); each
-with the backend's attention op.
+with the backend's attention op. ``batch_invariant`` (None: the device's
+default, :data:`BATCH_INVARIANT_DEFAULT`): on CUDA the Triton
+batch-invariant op set with its own attention (ConfigError without triton
+or with another attention backend); on the CPU the choice above, whose
+kernels are batch-invariant already.
 
 May import torch, :mod:`asyncstep.errors` and :mod:`asyncstep.ops`.
 """
@@ -28,7 +32,14 @@ from asyncstep.ops.cpu.library import cpu_attention_supported, load_cpu_kernels
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
 from asyncstep.ops.torch_ref import TORCH_OPS, TorchOps
 
-__all__ = ["attention_op", "resolve_attention_backend", "select_ops", "triton_available"]
+__all__ = [
+    "BATCH_INVARIANT_DEFAULT",
+    "attention_op",
+    "resolve_attention_backend",
+    "resolve_batch_invariant",
+    "select_ops",
+    "triton_available",
+]
 
 #: Each attention backend's op: ``module:class``, imported when chosen
 #: (triton is optional); the class's ``chosen(fused_kernels=...,
@@ -39,6 +50,12 @@ ATTENTION_OPS = {
     "cpu": "asyncstep.ops.cpu.paged_attention:CpuAttention",
 }
 ATTENTION_BACKENDS = tuple(ATTENTION_OPS)
+
+
+#: ``batch_invariant=None`` by device type: the CPU's kernels are invariant
+#: already; CUDA's invariant kernels wait for their cost on a GPU
+#: (``benchmarks/studies/invariance/gpu_cost.sh``). Types not listed: off.
+BATCH_INVARIANT_DEFAULT = {"cpu": True, "cuda": False}
 
 
 def triton_available() -> bool:
@@ -74,6 +91,13 @@ def attention_op(backend: str, *, fused_kernels: bool, fused_decode: bool) -> At
     return op
 
 
+def resolve_batch_invariant(batch_invariant: bool | None, device: torch.device) -> bool:
+    """``batch_invariant`` on ``device`` (None: :data:`BATCH_INVARIANT_DEFAULT`)."""
+    if batch_invariant is None:
+        return BATCH_INVARIANT_DEFAULT.get(device.type, False)
+    return batch_invariant
+
+
 def select_ops(
     device: torch.device,
     attention_backend: str,
@@ -81,13 +105,18 @@ def select_ops(
     fused_kernels: bool,
     fused_decode: bool = False,
     int8_activations: bool = False,
+    batch_invariant: bool | None = False,
 ) -> OpSet:
     """The op set for a model on ``device`` whose attention runs
     ``attention_backend`` (resolved); ``fused_kernels`` off: the reference's
     layer ops (beside the backend's attention; on the CPU with the CPU's
     float32 LM head, :class:`~asyncstep.ops.cpu.ops.CpuHeadOps`); ``fused_decode``: the
     Triton op set's one-row matmuls and decode attention; ``int8_activations``:
-    its Q4 / Q8 GEMVs quantize 16-bit x to int8 (``gpu_q4_activations``)."""
+    its Q4 / Q8 GEMVs quantize 16-bit x to int8 (``gpu_q4_activations``);
+    ``batch_invariant`` on CUDA (None: the device's default): the Triton
+    batch-invariant op set, whatever ``fused_kernels`` and ``fused_decode`` say."""
+    if device.type == "cuda" and resolve_batch_invariant(batch_invariant, device):
+        return _invariant_ops(attention_backend)
     attention = attention_op(
         attention_backend, fused_kernels=fused_kernels, fused_decode=fused_decode
     )
@@ -103,3 +132,16 @@ def select_ops(
             return CpuOps(kernels.layer_ops, attention)
         return CpuHeadOps(attention)
     return TORCH_OPS if attention is TORCH_ATTENTION else TorchOps(attention)
+
+
+def _invariant_ops(attention_backend: str) -> OpSet:
+    """The Triton batch-invariant op set; ConfigError where it cannot run."""
+    if not triton_available():
+        raise ConfigError("batch_invariant on CUDA needs triton (pip install triton)")
+    if attention_backend != "triton":
+        raise ConfigError(
+            f"batch_invariant on CUDA runs the triton attention backend, not {attention_backend!r}"
+        )
+    from asyncstep.ops.triton.invariant_ops import TritonInvariantOps
+
+    return TritonInvariantOps()

@@ -53,6 +53,7 @@ def build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         cpu_threads=threads,
         draft_model=draft,
         speculative_config=spec,
+        batch_invariant=config.model.batch_invariant,
     )
 
 

@@ -105,6 +105,7 @@ class ModelRunner:
         cpu_threads: CpuThreads | None = None,
         draft_model: LlamaForCausalLM | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        batch_invariant: bool | None = None,
     ) -> None:
         """``graph_stand_in``: run CUDA-graph modes without CUDA (graphs
         replayed by calling the captured function again), to test the
@@ -118,7 +119,9 @@ class ModelRunner:
         steps of ``1 + num_speculative_tokens`` tokens a request get uniform
         decode graphs of their own. ``draft_model``: its draft model (method
         ``draft_model``), run beside ``model`` on the same device (see
-        :mod:`asyncstep.runner.draft_model`)."""
+        :mod:`asyncstep.runner.draft_model`). ``batch_invariant``: the op
+        sets' choice (:func:`~asyncstep.ops.select.select_ops`; None: the
+        device's default)."""
         self.model = model
         self.device, self.dtype = device, dtype
         #: On the CPU: the steps' torch threads, fewer while other processes
@@ -169,6 +172,7 @@ class ModelRunner:
             fused_kernels=compilation.fused_kernels,
             fused_decode=compilation.fused_decode,
             int8_activations=compilation.gpu_q4_activations == "int8",
+            batch_invariant=batch_invariant,
         )
         model.use_ops(self.ops)
         #: ``draft_model`` speculation's draft model (None: not that method).
@@ -182,6 +186,7 @@ class ModelRunner:
                     self.attention_backend,
                     fused_kernels=compilation.fused_kernels,
                     int8_activations=compilation.gpu_q4_activations == "int8",
+                    batch_invariant=batch_invariant,
                 )
             )
             self.drafter = DraftModel(

@@ -20,7 +20,7 @@ import contextvars
 import queue
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import anyio
 import anyio.lowlevel
@@ -46,7 +46,7 @@ def call_soon(
             context.run(sniffio.current_async_library_cvar.set, "asyncio")
             token.call_soon_threadsafe(context.run, fn, *args)
         else:
-            token.run_sync_soon(fn, *args)  # a trio.lowlevel.TrioToken
+            cast(trio.lowlevel.TrioToken, token).run_sync_soon(fn, *args)
     except trio.RunFinishedError:
         return False
     except RuntimeError:  # asyncio's, once the loop has closed

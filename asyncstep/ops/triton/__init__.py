@@ -6,8 +6,11 @@ store (:mod:`.attention`; its kernels in :mod:`.attention_kernels` and
 (:mod:`.gemv`), Q4 / Q8 weights (:mod:`.quant`; their layouts in
 :mod:`.quant_layout`, their kernels in :mod:`.quant_kernels`, the int8
 activations' packed math in :mod:`.quant_packed`), programmatic dependent
-launch between the decode step's kernels (:mod:`.pdl`) and the grammar
-bitmask (:mod:`.grammar_kernel`). triton is imported by the kernel modules,
+launch between the decode step's kernels (:mod:`.pdl`), the grammar
+bitmask (:mod:`.grammar_kernel`) and the batch-invariant op set
+(:mod:`.invariant_ops`: its matmul :mod:`.invariant_matmul`, RMSNorm
+:mod:`.invariant_norm`, attention :mod:`.invariant_attention` and its
+kernels :mod:`.invariant_attention_kernels`). triton is imported by the kernel modules,
 never by this package: it is optional on the CPU.
 
 May import torch, triton, :mod:`asyncstep.device` and :mod:`asyncstep.ops`'
