@@ -4,7 +4,8 @@ steps (alone against among 30 others), how its prompt is chunked, whether
 its prefix came from the cache, whether it was preempted, overlap, n-gram
 or draft-model speculation (greedy: plain decoding's tokens and
 log-probs), two pipeline stages, and seeded sampling (temperature 0.8, a
-seed per request). See benchmarks/studies/invariance/README.md."""
+seed per request: plain decoding's samples with speculation too). See
+benchmarks/studies/invariance/README.md."""
 
 from __future__ import annotations
 
@@ -156,27 +157,55 @@ async def test_two_pipeline_stages_give_one_rank_s_tokens_and_log_probs(plain: O
     assert alone == plain and among == plain
 
 
+@pytest.fixture(scope="module")
+def plain_seeded(smollm2_default: LoadedModel) -> Outputs:
+    """The default's seeded questions alone, on a plain engine."""
+
+    async def run() -> Outputs:
+        async with asyncstep.open_engine(smollm2_default) as engine:
+            return [
+                tokens_and_logprobs(await engine.generate(chat(q), seeded(i)))
+                for i, q in enumerate(QUESTIONS)
+            ]
+
+    return trio.run(run)
+
+
+SEEDED_CASES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "chunked": {"max_num_batched_tokens": 16, "max_num_seqs": 8},
+    # Lookups of 1 to 3 tokens: drafts for the questions too, most of them rejected.
+    "ngram": {
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        }
+    },
+    "draft_model": STEP_VARIANTS["draft_model"],
+}
+
+
 @pytest.mark.trio
-@pytest.mark.parametrize("case", ["default", "chunked", "ngram"])
-async def test_seeded_samples_do_not_depend_on_the_batch(
-    smollm2_default: LoadedModel, case: str
+@pytest.mark.parametrize("case", list(SEEDED_CASES))
+async def test_seeded_samples_do_not_depend_on_the_batch_or_on_speculation(
+    smollm2_default: LoadedModel, plain_seeded: Outputs, case: str
 ) -> None:
     """Seeded sampling (temperature 0.8, a seed per request): alone, among
-    30 other seeded requests, chunked, from the prefix cache: the same
-    samples and log-probs, bit for bit (vLLM's promise at temperature > 0).
-    With n-gram speculation, the same alone as among others (its samples
-    are the rejection sampler's draws, not plain decoding's)."""
-    options: dict[str, Any] = {
-        "default": {},
-        "chunked": {"max_num_batched_tokens": 16, "max_num_seqs": 8},
-        "ngram": STEP_VARIANTS["ngram"],
-    }[case]
-    async with asyncstep.open_engine(smollm2_default, **options) as engine:
+    30 other seeded requests, chunked, from the prefix cache, verified with
+    n-gram or a draft model's drafts: a plain engine's samples and
+    log-probs, bit for bit (vLLM's promise at temperature > 0; speculation
+    replays plain decoding's draws: ``asyncstep.runner.seeded_drafts``)."""
+    async with asyncstep.open_engine(smollm2_default, **SEEDED_CASES[case]) as engine:
         alone, among = await alone_and_among_30(engine, None)
         again = [
             tokens_and_logprobs(await engine.generate(chat(q), seeded(i)))
             for i, q in enumerate(QUESTIONS)
         ]
         stats = engine.statistics()
-    assert among == alone and again == alone and stats.prefix_cache_hit_rate > 0
+    assert alone == plain_seeded and among == plain_seeded and again == plain_seeded
+    assert stats.prefix_cache_hit_rate > 0
     assert len({tuple(tokens) for tokens, _ in alone}) == len(QUESTIONS)
+    if case in ("ngram", "draft_model"):
+        assert stats.spec_decode_num_drafts > 0
