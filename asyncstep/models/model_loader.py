@@ -28,6 +28,7 @@ from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.logging import get_logger, notice, shown_path
 from asyncstep.logging.spans import CORE_STARTUP, now_us, record_startup, span
 from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.dense_weights import EVERY_STEP, drop_dense_weights
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
 from asyncstep.models.layers.embedding import ParallelLMHead
 from asyncstep.models.layers.gpu_quant import packing_on_load, round_decoder_weights
@@ -81,10 +82,6 @@ class LoadedModel:
             yield
         finally:
             self._in_use = False
-
-
-#: ``packed_max_tokens`` of packed weights that serve every step.
-EVERY_STEP = 1 << 30
 
 
 def resolve_device(name: str) -> torch.device:
@@ -254,7 +251,7 @@ def _load_packed_cache(
     with torch.device("cpu"):
         model = LlamaForCausalLM(arch, dtype, sequence_parallel=sequence_parallel)
     settle_dtype(model, dtype)
-    if not cache.load(model):
+    if not cache.load(model, dtype):
         return None
     record_startup("packed_cache", since, task=CORE_STARTUP)
     log.info("weights from the packed cache", path=str(cache.path))
@@ -329,8 +326,10 @@ def pack_weights(
     with the library's blocks (one kernel for every step's size, so a
     request's greedy tokens do not depend on its neighbours), 8 with torch's
     (where they stop paying against the dense weights:
-    ``benchmarks/studies/cpu_kernels/README.md``)."""
-    counts = {"dense": 0, "bytes": 0}
+    ``benchmarks/studies/cpu_kernels/README.md``). A projection whose copy
+    takes every step drops its dense weight as it is packed
+    (:mod:`~asyncstep.models.dense_weights`; ``dropped_bytes``)."""
+    counts = {"dense": 0, "bytes": 0, "dropped_bytes": 0}
     # Decided from the CPU's flags: the library itself is built (once per
     # machine, seconds) when a step first needs it, not while loading.
     blocks = cpu_blocks()
@@ -358,6 +357,7 @@ def pack_weights(
         kind = "dense" if packed is None else packed.kind
         counts[kind] = counts.get(kind, 0) + 1
         counts["bytes"] += 0 if packed is None else packed.nbytes
+        counts["dropped_bytes"] += drop_dense_weights(module, dtype)
     return counts
 
 

@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncstep.logging import get_logger
+from asyncstep.models.dense_weights import drop_dense_weights, served_by_packed
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.loader.tokenizer import cache_root
 from asyncstep.ops.packed import PackedWeight
@@ -50,6 +51,7 @@ log = get_logger("models")
 _SOURCES = (
     "models/model_loader.py",
     "models/weight_cache.py",
+    "models/dense_weights.py",
     "models/llama.py",
     "models/loader/gguf.py",
     "models/loader/gguf_blocks.py",
@@ -97,10 +99,11 @@ class PackedCache:
         )
         return cls(cache_root() / "weights" / f"{which}-{content}.safetensors")
 
-    def load(self, model: LlamaForCausalLM) -> bool:
-        """Fill ``model`` (built, its dtypes settled) from the entry: its
-        tensors and its layers' packed copies. False, ``model`` untouched,
-        where there is no usable entry."""
+    def load(self, model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
+        """Fill ``model`` (built, its dtypes settled to ``dtype``) from the
+        entry: its tensors and its layers' packed copies, the dense weights
+        those serve alone dropped. False, ``model`` untouched, where there is
+        no usable entry (or it lacks a dense weight this machine needs)."""
         if not self.path.is_file():
             return False
         try:
@@ -110,23 +113,32 @@ class PackedCache:
             layouts = json.loads(header["__metadata__"]["packed"])
             packed = _packed_weights(model, tensors, layouts)
             dense = {k: v for k, v in tensors.items() if not k.startswith(_PACKED_PREFIX)}
-            _check_dense(model, dense)
+            dropped = set(json.loads(header["__metadata__"].get("dropped", "[]")))
+            _check_dense(model, dense, dropped)
         except Exception as exc:  # a foreign, truncated or stale file: rebuild it
             log.warning(
                 "ignoring a packed-weights cache entry", path=str(self.path), error=str(exc)
             )
             return False
-        model.load_state_dict(dense, strict=False, assign=True)
-        model.tie_weights()
         for name, weight in packed.items():
             setattr(model.get_submodule(name), "packed", weight)  # noqa: B010 (a plain attribute)
+        if not all(served_by_packed(model.get_submodule(n), dtype) for n in _layers_of(dropped)):
+            for name in packed:
+                setattr(model.get_submodule(name), "packed", None)  # noqa: B010
+            log.info("the packed-weights cache entry lacks dense weights this CPU needs")
+            return False
+        model.load_state_dict(dense, strict=False, assign=True)
+        model.tie_weights()
+        drop_dense_weights(model, dtype)
         _touch_pages(tensors.values())
         return True
 
     def store(self, model: LlamaForCausalLM) -> None:
         """Write ``model``'s entry (and remove this checkpoint's older ones);
         on a filesystem error, log and carry on uncached."""
-        tensors = _unshared(model.state_dict())
+        state = model.state_dict()
+        dropped = sorted(n for n, t in state.items() if t.numel() == 0)
+        tensors = _unshared({n: t for n, t in state.items() if t.numel() > 0})
         layouts: dict[str, dict[str, Any]] = {}
         for name, module in model.named_modules():
             weight = getattr(module, "packed", None)
@@ -144,7 +156,8 @@ class PackedCache:
             fd, name = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
             os.close(fd)
             tmp = Path(name)
-            save_file(tensors, tmp, metadata={"packed": json.dumps(layouts)})
+            metadata = {"packed": json.dumps(layouts), "dropped": json.dumps(dropped)}
+            save_file(tensors, tmp, metadata=metadata)
             os.replace(tmp, self.path)
             tmp = None
             self._remove_older()
@@ -216,14 +229,24 @@ def _packed_weights(
     return out
 
 
-def _check_dense(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
+def _layers_of(weights: set[str]) -> list[str]:
+    """The layers of dropped weight names (``<layer>.weight``)."""
+    return [name.removesuffix(".weight") for name in sorted(weights)]
+
+
+def _check_dense(
+    model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], dropped: set[str]
+) -> None:
     """``tensors`` are ``model``'s state, name for name (but the tied
-    aliases), each with its shape and dtype."""
+    aliases and the ``dropped`` projections' weights), each with its shape
+    and dtype."""
     expected = model.state_dict()
+    if any(not name.endswith(".weight") or name not in expected for name in dropped):
+        raise ValueError("dropped weights that are not the model's")
     for name, tensor in tensors.items():
         want = expected.get(name)
         if want is None or want.shape != tensor.shape or want.dtype != tensor.dtype:
             raise ValueError(f"{name}: not one of the model's tensors")
-    missing = expected.keys() - tensors.keys() - model.tied_weight_names()
+    missing = expected.keys() - tensors.keys() - model.tied_weight_names() - dropped
     if missing:
         raise ValueError(f"{len(missing)} tensors missing, e.g. {min(missing)}")

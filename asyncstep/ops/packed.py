@@ -48,6 +48,10 @@ class PackedWeight:
     def applies(self, x: torch.Tensor) -> bool:
         return x.shape[0] <= self.max_tokens and x.dtype == self.scales.dtype
 
+    def runs_here(self) -> bool:
+        """Whether this machine runs the format's matmul (torch's: always)."""
+        return True
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w.T`` for ``x`` ``[rows, in_features]`` of the scales' dtype."""
         if self.kind == "int4":

@@ -75,9 +75,10 @@ from asyncstep.runner.kv_sizing import zeroed_host_tensors
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
 from asyncstep.runner.persistent_batches import PersistentBatches
 from asyncstep.runner.prompt_logprobs import PromptLogprobsTracker
-from asyncstep.runner.rejection_sampler import RejectionSampler
+from asyncstep.runner.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, target_probs
 from asyncstep.runner.sampled_tokens import SampledTokens
 from asyncstep.runner.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from asyncstep.runner.seeded_drafts import generator_states, seeded_tokens
 from asyncstep.runner.spec_decode_metadata import to_device
 from asyncstep.runner.staging import StagingBuffers
 from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs
@@ -500,10 +501,16 @@ class ModelRunner:
         history = None
         if metadata.processing is not None:
             history = self._token_history(state, metadata.processing)
+        spec = state.spec_decode_metadata
+        seeded = {}
+        if spec is not None and metadata.processing is None:
+            seeded = generator_states(metadata.generators, spec.num_draft_tokens)
         result = self.sampler(state.logits, metadata, history)
         sampled = result.sampled_token_ids
-        if state.spec_decode_metadata is not None:
+        if spec is not None:
             sampled = self._verify_drafts(state, sampled)
+            if seeded:
+                self._replay_seeded(state, sampled, seeded)
             self.sampled.clear()  # (no step scatters these ids: see SampledTokens.resolve)
         else:
             self.sampled.record(sampled, batch, rows, state.req_ids)
@@ -551,6 +558,32 @@ class ModelRunner:
         return self.rejection_sampler(
             spec.draft_token_ids, spec.num_draft_tokens, state.target_logits, bonus, metadata
         )
+
+    def _replay_seeded(
+        self,
+        state: ExecuteModelState,
+        output: torch.Tensor,
+        seeded: dict[int, tuple[torch.Generator, torch.Tensor]],
+    ) -> None:
+        """Rewrite the ``seeded`` rows of ``output`` (``[rows, 1 + max
+        drafts]``) with plain decoding's draws (:mod:`~asyncstep.runner.seeded_drafts`),
+        each generator first put back to its state before the step."""
+        spec = state.spec_decode_metadata
+        assert spec is not None and state.target_logits is not None
+        counts = np.asarray(spec.num_draft_tokens, dtype=np.int64)
+        starts = (np.cumsum(counts) - counts).tolist()
+        drafts = spec.draft_token_ids.tolist()
+        for i, (generator, before) in seeded.items():
+            start, count = starts[i], int(counts[i])
+            logits = torch.cat(
+                [state.target_logits[start : start + count], state.logits[i : i + 1]]
+            ).float()
+            rows = [state.sample_rows[i]] * (count + 1)
+            probs = target_probs(logits, self.input_batch.sampling_metadata_of_positions(rows))
+            generator.set_state(before)
+            tokens = seeded_tokens(probs, drafts[start : start + count], generator)
+            output[i] = PLACEHOLDER_TOKEN_ID
+            output[i, : len(tokens)] = torch.tensor(tokens, dtype=output.dtype)
 
     def _token_history(
         self, state: ExecuteModelState, processing: LogitsProcessing

@@ -131,7 +131,12 @@ class CpuQuantWeight(PackedWeight):
     def applies(self, x: torch.Tensor) -> bool:
         """As the packed weights', and only where the library runs its
         vector build (it is built on the first call); else the dense weight."""
-        return super().applies(x) and _fast_library() is not None
+        return super().applies(x) and self.runs_here()
+
+    def runs_here(self) -> bool:
+        """Whether the library's vector build runs here (building it, once
+        per machine, on the first call)."""
+        return _fast_library() is not None
 
     def mm(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The product, by the library (its plain C path where the CPU has
