@@ -35,7 +35,12 @@
 
 enum { DENSE_FLOAT32 = 0, DENSE_BFLOAT16 = 1 };
 #define ROW_TILE 4   /* rows of x per pass */
+#if DENSE_ISA == 1
+#define W_TILE 6     /* rows of W per pass: 24 accumulators, 10 loads per 24 products */
+#define ACC_GROUPS 2 /* sum16 networks per tile */
+#else
 #define W_TILE 4     /* rows of W per pass */
+#endif
 #define MIN_PARALLEL_WORK (1 << 16)
 
 typedef struct {
@@ -67,37 +72,51 @@ static inline void store_value(void* out, int64_t dtype, int64_t i, float v) {
 typedef bf16_t XValue;
 static inline XValue to_x(float v) { return f32_to_bf16(v); }
 
-/* The 16 lanes of v summed to 4 partial sums: [0..3] + [4..7] + ... by halves. */
-static inline __m128 quarter_sums(__m512 v) {
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+/* Sixteen accumulators' lanes summed by one network (halves of 256, then of
+ * 128, then of 64 bits, then pairs): every output gets the same tree,
+ * l[i] + l[i+8], + (l[i+4] + l[i+12]), then those pairs, whichever of the
+ * sixteen slots it holds. out[p] = the sum of v[p]'s lanes. */
+static inline __attribute__((always_inline)) void sum16(const __m512 v[16], float out[16]) {
+    __m512 s[8], t[4], u[2];
+    for (int j = 0; j < 8; j++)
+        s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; j++)
+        t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; j++) {
+        const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+        u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88),
+                                   _mm512_shuffle_ps(u[0], u[1], 0xDD));
+    /* lane 4j + m holds output j + 4m */
+    const __m512i where = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(where, w));
 }
 
 /* sums[i][e] = W row i . x row e for nw (<= W_TILE) rows of W and `rows`
- * (<= ROW_TILE) rows of x: one accumulator each, then every output's 16
- * lanes summed by the same tree (halves, then pairs), whatever the tile. */
+ * (<= ROW_TILE) rows of x: one accumulator each along K (32 at a time, in
+ * order), then every accumulator through sum16 (unused ones zero). */
 static inline __attribute__((always_inline)) void dot_tile_n(
     const bf16_t* const* w, const int nw, const XValue* x, int64_t kp, const int rows,
     float sums[W_TILE][ROW_TILE]) {
-    __m512 acc[W_TILE][ROW_TILE];
-    for (int i = 0; i < W_TILE; i++)
-        for (int e = 0; e < ROW_TILE; e++) acc[i][e] = _mm512_setzero_ps();
+    __m512 acc[ACC_GROUPS * 16];
+    for (int j = 0; j < ACC_GROUPS * 16; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kp; k += 32) {
         __m512bh xv[ROW_TILE];
         for (int e = 0; e < rows; e++) xv[e] = (__m512bh)_mm512_loadu_si512(x + e * kp + k);
         for (int i = 0; i < nw; i++) {
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w[i] + k);
-            for (int e = 0; e < rows; e++) acc[i][e] = _mm512_dpbf16_ps(acc[i][e], wv, xv[e]);
+            for (int e = 0; e < rows; e++)
+                acc[i * ROW_TILE + e] = _mm512_dpbf16_ps(acc[i * ROW_TILE + e], wv, xv[e]);
         }
     }
-    for (int e = 0; e < rows; e++) {
-        const __m128 a = _mm_hadd_ps(quarter_sums(acc[0][e]), quarter_sums(acc[1][e]));
-        const __m128 b = _mm_hadd_ps(quarter_sums(acc[2][e]), quarter_sums(acc[3][e]));
-        float four[4];
-        _mm_storeu_ps(four, _mm_hadd_ps(a, b));
-        for (int i = 0; i < nw; i++) sums[i][e] = four[i];
-    }
+    float flat[ACC_GROUPS * 16];
+    for (int g = 0; g * 16 < nw * ROW_TILE; g++) sum16(acc + 16 * g, flat + 16 * g);
+    for (int i = 0; i < nw; i++)
+        for (int e = 0; e < rows; e++) sums[i][e] = flat[i * ROW_TILE + e];
 }
 
 /* dot_tile_n with constant counts (its accumulators in registers). */
@@ -106,8 +125,9 @@ static void dot_tile(const bf16_t* const* w, int nw, const XValue* x, int64_t kp
     switch (nw * 8 + rows) {
 #define CASE(NW, ROWS) \
     case NW * 8 + ROWS: dot_tile_n(w, NW, x, kp, ROWS, sums); break;
-        CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4)
-        CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4) CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
+#define CASES(NW) CASE(NW, 1) CASE(NW, 2) CASE(NW, 3) CASE(NW, 4)
+        CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
+#undef CASES
 #undef CASE
     }
 }
