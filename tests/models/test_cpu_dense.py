@@ -179,3 +179,19 @@ def test_the_op_set_s_linear_runs_dense_bfloat16_weights_row_by_row() -> None:
     assert ops.linear(x.float(), weight, None).dtype == torch.float32
     half = ops.linear(x.half(), weight.half(), None)  # not the library's: F.linear
     assert torch.equal(half, torch.nn.functional.linear(x.half(), weight.half()))
+
+
+@pytest.mark.parametrize("isa", ["library", "AVX512-BF16", "AVX512F"])
+def test_every_tile_shape_gives_a_row_its_outputs_alone(isa: str, tmp_path: Path) -> None:
+    """Weights of 1 to 13 rows (every count of weight rows a tile holds)
+    against 1 to 9 rows of x (every count of x rows): each tile's shape is
+    compiled on its own (the library's build with its reassociating flags
+    too), and each gives a row the bits it has alone."""
+    matmul = MATMUL if isa == "library" else build(isa, tmp_path)
+    assert matmul is not None
+    x = torch.randn(9, 64)
+    for n in range(1, 14):
+        weight = torch.randn(n, 64).bfloat16()
+        alone = torch.cat([matmul(x[r : r + 1], weight) for r in range(9)])
+        for rows in range(1, 10):
+            assert torch.equal(matmul(x[:rows], weight), alone[:rows]), (n, rows)
