@@ -4,15 +4,21 @@
  * for W [N, K] bfloat16 as torch holds it (rows of K values, a row stride,
  * no copy), x float32 or bfloat16, out float32 or bfloat16.
  *
- * Each output is one row of x against one row of W, 32 inputs at a time
- * into one float32 vector, that vector summed at the end by one tree: a fixed order,
- * so an output does not depend on the other rows of x nor on the thread
- * count (rows of W are spread over OpenMP threads, each computed by one).
+ * Each output is one row of x against one row of W along K in one order,
+ * into one float32 vector (AVX512-BF16: 8 lanes, 16 inputs a step; AVX512F,
+ * AVX2, plain C: 16, 8 or 32 lanes, 32 inputs a step), that vector summed
+ * at the end by one tree; tiles of rows of x by rows of W (4 x 6 with
+ * AVX512-BF16, 4 x 4 elsewhere) share the loads, never the sums, and every
+ * slot of a tile, leftover tiles too, gives an output the same tree. So an
+ * output does not depend on the other rows of x (the batch: issue 40) nor
+ * on the thread count (rows of W are spread over OpenMP threads, never K).
  * With AVX512-BF16 the products are vdpbf16ps's (x rounded to bfloat16 on
- * the way in); elsewhere (AVX512F, AVX2 with FMA, plain C) the weights are
- * widened and x stays float32. Its use: float32 logits from a bfloat16 LM
- * head, which torch's bfloat16 matmul rounds to bfloat16 (steps of 0.125
- * at a logit of 20: ties that float32 separates).
+ * the way in); elsewhere the weights are widened and x stays float32; the
+ * builds differ from each other, each alike for every batch. Its uses: every
+ * dense bfloat16 projection of the CPU op set, and float32 logits from a
+ * bfloat16 LM head, which torch's bfloat16 matmul rounds to bfloat16 (steps
+ * of 0.125 at a logit of 20: ties that float32 separates). No AMX path
+ * (untested: the machines at hand have none).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,7 +43,6 @@ enum { DENSE_FLOAT32 = 0, DENSE_BFLOAT16 = 1 };
 #define ROW_TILE 4   /* rows of x per pass */
 #if DENSE_ISA == 1
 #define W_TILE 6     /* rows of W per pass: 24 accumulators, 10 loads per 24 products */
-#define ACC_GROUPS 2 /* sum16 networks per tile */
 #else
 #define W_TILE 4     /* rows of W per pass */
 #endif
@@ -72,49 +77,49 @@ static inline void store_value(void* out, int64_t dtype, int64_t i, float v) {
 typedef bf16_t XValue;
 static inline XValue to_x(float v) { return f32_to_bf16(v); }
 
-/* Sixteen accumulators' lanes summed by one network (halves of 256, then of
- * 128, then of 64 bits, then pairs): every output gets the same tree,
- * l[i] + l[i+8], + (l[i+4] + l[i+12]), then those pairs, whichever of the
- * sixteen slots it holds. out[p] = the sum of v[p]'s lanes. */
-static inline __attribute__((always_inline)) void sum16(const __m512 v[16], float out[16]) {
-    __m512 s[8], t[4], u[2];
-    for (int j = 0; j < 8; j++)
-        s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+/* Eight accumulators' lanes summed by one network (halves of 128 bits, then
+ * of 64, then pairs): every output gets the same tree, (l[i] + l[i+4]) for
+ * i < 4, then (p0 + p2) + (p1 + p3), whichever of the eight slots it holds.
+ * out[p] = the sum of v[p]'s lanes. */
+static inline __attribute__((always_inline)) void sum8(const __m256 v[8], float out[8]) {
+    __m256 s[4], u[2];
     for (int j = 0; j < 4; j++)
-        t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
-                             _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
+        s[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x31));
     for (int j = 0; j < 2; j++) {
-        const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
-        u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+        const __m256d a = _mm256_castps_pd(s[2 * j]), b = _mm256_castps_pd(s[2 * j + 1]);
+        u[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
     }
-    const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88),
-                                   _mm512_shuffle_ps(u[0], u[1], 0xDD));
-    /* lane 4j + m holds output j + 4m */
-    const __m512i where = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    _mm512_storeu_ps(out, _mm512_permutexvar_ps(where, w));
+    const __m256 w = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88),
+                                   _mm256_shuffle_ps(u[0], u[1], 0xDD));
+    /* lane m holds output 2m, lane 4 + m output 2m + 1 */
+    const __m256i where = _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0);
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(w, where));
 }
 
 /* sums[i][e] = W row i . x row e for nw (<= W_TILE) rows of W and `rows`
- * (<= ROW_TILE) rows of x: one accumulator each along K (32 at a time, in
- * order), then every accumulator through sum16 (unused ones zero). */
+ * (<= ROW_TILE) rows of x: one 8-lane accumulator each along K (16 at a
+ * time, in order; 256-bit vdpbf16ps: Zen 4 issues two a cycle, and their
+ * sums cost half a 512-bit network), then every accumulator through sum8
+ * (unused ones zero). */
 static inline __attribute__((always_inline)) void dot_tile_n(
     const bf16_t* const* w, const int nw, const XValue* x, int64_t kp, const int rows,
     float sums[W_TILE][ROW_TILE]) {
-    __m512 acc[ACC_GROUPS * 16];
-    for (int j = 0; j < ACC_GROUPS * 16; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kp; k += 32) {
-        __m512bh xv[ROW_TILE];
-        for (int e = 0; e < rows; e++) xv[e] = (__m512bh)_mm512_loadu_si512(x + e * kp + k);
+    __m256 acc[W_TILE * ROW_TILE];
+    for (int j = 0; j < W_TILE * ROW_TILE; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kp; k += 16) {
+        __m256bh xv[ROW_TILE];
+        for (int e = 0; e < rows; e++)
+            xv[e] = (__m256bh)_mm256_loadu_si256((const __m256i*)(x + e * kp + k));
         for (int i = 0; i < nw; i++) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w[i] + k);
+            const __m256bh wv = (__m256bh)_mm256_loadu_si256((const __m256i*)(w[i] + k));
             for (int e = 0; e < rows; e++)
-                acc[i * ROW_TILE + e] = _mm512_dpbf16_ps(acc[i * ROW_TILE + e], wv, xv[e]);
+                acc[i * ROW_TILE + e] = _mm256_dpbf16_ps(acc[i * ROW_TILE + e], wv, xv[e]);
         }
     }
-    float flat[ACC_GROUPS * 16];
-    for (int g = 0; g * 16 < nw * ROW_TILE; g++) sum16(acc + 16 * g, flat + 16 * g);
+    float flat[W_TILE * ROW_TILE];
+    for (int g = 0; g * 8 < nw * ROW_TILE; g++) sum8(acc + 8 * g, flat + 8 * g);
     for (int i = 0; i < nw; i++)
         for (int e = 0; e < rows; e++) sums[i][e] = flat[i * ROW_TILE + e];
 }
