@@ -209,6 +209,126 @@ static inline void dot_tile(const bf16_t* const* w, int nw, const XValue* x, int
 }
 #endif
 
+#if DENSE_ISA == 1
+/* Many rows: the same sums as dot_tile_n's, bit for bit, the other way
+ * round. 16 rows of W are packed as pairs of K ([K/2][16] 32-bit words,
+ * zero past K and past N); an output's 8 accumulators (one per lane of
+ * dot_tile_n's: pair p goes to accumulator p % 8, in order) take a pair of
+ * x broadcast against the panel's 16 outputs; then the 8 are added as sum8
+ * adds a vector's lanes ((a[i] + a[i+4]), then (0 + 2) + (1 + 3)). No
+ * horizontal sums, 16 contiguous outputs per store: what oneDNN's blocking
+ * buys, without its row-count-dependent K order. */
+#define OUTER_MIN_ROWS 16 /* from here the packing pays */
+#define OUTER_ROWS 3      /* rows of x per pass: 24 accumulators */
+#define PANEL 16          /* rows of W per panel */
+
+/* panel[p][n] = W row n0 + n's pair p (the 16 pairs of 16 rows a block:
+ * loaded, masked past K and zero past nw, then transposed as 32-bit words). */
+static void pack_panel(const DenseMatmulArgs* a, int64_t n0, int nw, int64_t kp,
+                       uint32_t* panel) {
+    const int64_t K = a->in_features;
+    for (int64_t k0 = 0; k0 < kp; k0 += 32) {
+        const int64_t left = K - k0;
+        const __mmask32 mask = left >= 32 ? (__mmask32)0xFFFFFFFFu : ((__mmask32)1 << left) - 1;
+        __m512i r[PANEL], t[PANEL], u[PANEL];
+        for (int n = 0; n < PANEL; n++)
+            r[n] = n < nw ? _mm512_maskz_loadu_epi16(
+                                mask, a->weight + (n0 + n) * a->weight_stride + k0)
+                          : _mm512_setzero_si512();
+        for (int i = 0; i < 8; i++) { /* rows 2i, 2i+1: [a0 b0 a1 b1], [a2 b2 a3 b3] */
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        for (int g = 0; g < 4; g++) { /* u[4g + m]: column 4L + m of rows 4g..4g+3 */
+            u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+            u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+            u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+            u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+        }
+        uint32_t* out = panel + k0 / 2 * PANEL;
+        for (int m = 0; m < 4; m++) { /* 128-bit lane L of group g -> column 4L + m */
+            const __m512i x0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
+            const __m512i x1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+            const __m512i x2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+            const __m512i x3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+            _mm512_storeu_si512(out + (0 + m) * PANEL, _mm512_shuffle_i32x4(x0, x2, 0x88));
+            _mm512_storeu_si512(out + (4 + m) * PANEL, _mm512_shuffle_i32x4(x0, x2, 0xDD));
+            _mm512_storeu_si512(out + (8 + m) * PANEL, _mm512_shuffle_i32x4(x1, x3, 0x88));
+            _mm512_storeu_si512(out + (12 + m) * PANEL, _mm512_shuffle_i32x4(x1, x3, 0xDD));
+        }
+    }
+}
+
+static inline __m512 add_exact(__m512 a, __m512 b) { /* never reassociated */
+    return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+static inline __attribute__((always_inline)) void outer_tile_n(
+    const uint32_t* panel, const XValue* x, int64_t kp, const int rows,
+    float out[OUTER_ROWS][PANEL]) {
+    __m512 acc[OUTER_ROWS][8];
+    for (int e = 0; e < OUTER_ROWS; e++)
+        for (int j = 0; j < 8; j++) acc[e][j] = _mm512_setzero_ps();
+    const int64_t pairs = kp / 2;
+    for (int64_t p = 0; p < pairs; p += 8)
+        for (int j = 0; j < 8; j++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(panel + (p + j) * PANEL);
+            for (int e = 0; e < rows; e++) {
+                const uint32_t* xe = (const uint32_t*)(x + e * kp);
+                acc[e][j] = _mm512_dpbf16_ps(acc[e][j], wv,
+                                             (__m512bh)_mm512_set1_epi32((int)xe[p + j]));
+            }
+        }
+    for (int e = 0; e < rows; e++) {
+        __m512 q[4];
+        for (int i = 0; i < 4; i++) q[i] = add_exact(acc[e][i], acc[e][i + 4]);
+        _mm512_storeu_ps(out[e], add_exact(add_exact(q[0], q[2]), add_exact(q[1], q[3])));
+    }
+}
+
+static void outer_tile(const uint32_t* panel, const XValue* x, int64_t kp, int rows,
+                       float out[OUTER_ROWS][PANEL]) {
+    switch (rows) {
+        case 1: outer_tile_n(panel, x, kp, 1, out); break;
+        case 2: outer_tile_n(panel, x, kp, 2, out); break;
+        default: outer_tile_n(panel, x, kp, 3, out); break;
+    }
+}
+
+/* Every row of x against the panels of W, panels spread over threads. */
+static int outer_matmul(const DenseMatmulArgs* a, const XValue* x, int64_t kp, int num_threads) {
+    const int64_t N = a->out_features, rows = a->rows;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        uint32_t* panel = aligned_alloc(64, (size_t)(kp / 2 * PANEL * 4));
+        if (panel == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < panels; t++) {
+            if (panel == NULL) continue;
+            const int64_t n0 = t * PANEL;
+            const int nw = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+            pack_panel(a, n0, nw, kp, panel);
+            for (int64_t r0 = 0; r0 < rows; r0 += OUTER_ROWS) {
+                const int count = rows - r0 < OUTER_ROWS ? (int)(rows - r0) : OUTER_ROWS;
+                float out[OUTER_ROWS][PANEL];
+                outer_tile(panel, x + r0 * kp, kp, count, out);
+                for (int e = 0; e < count; e++)
+                    for (int i = 0; i < nw; i++)
+                        store_value(a->out, a->out_dtype, (r0 + e) * a->out_stride + n0 + i,
+                                    out[e][i]);
+            }
+        }
+        free(panel);
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
 /* out = x @ W.T; 0 on success, -1 when scratch memory cannot be had or the
  * arguments are out of range (nothing written). */
 int asyncstep_dense_matmul(const DenseMatmulArgs* a) {
@@ -221,8 +341,15 @@ int asyncstep_dense_matmul(const DenseMatmulArgs* a) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t k = 0; k < kp; k++)
             x[r * kp + k] = to_x(k < K ? load_value(a->x, a->x_dtype, r * a->x_stride + k) : 0.0f);
-    const int padded = kp != K;
     const int num_threads = rows * N * K < MIN_PARALLEL_WORK ? 1 : (int)a->num_threads;
+#if DENSE_ISA == 1
+    if (rows >= OUTER_MIN_ROWS) {
+        const int status = outer_matmul(a, x, kp, num_threads);
+        free(x);
+        return status;
+    }
+#endif
+    const int padded = kp != K;
     int failed = 0;
     const int64_t tiles = (N + W_TILE - 1) / W_TILE;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
