@@ -218,7 +218,7 @@ static inline void dot_tile(const bf16_t* const* w, int nw, const XValue* x, int
  * adds a vector's lanes ((a[i] + a[i+4]), then (0 + 2) + (1 + 3)). No
  * horizontal sums, 16 contiguous outputs per store: what oneDNN's blocking
  * buys, without its row-count-dependent K order. */
-#define OUTER_MIN_ROWS 16 /* from here the packing pays */
+#define OUTER_MIN_ROWS 32 /* from here the packing pays (16: even) */
 #define OUTER_ROWS 3      /* rows of x per pass: 24 accumulators */
 #define PANEL 16          /* rows of W per panel */
 
@@ -295,6 +295,25 @@ static void outer_tile(const uint32_t* panel, const XValue* x, int64_t kp, int r
     }
 }
 
+/* out[at .. at + nw) = v, rounded as store_value rounds (f32_to_bf16). */
+static inline void store_panel(const DenseMatmulArgs* a, int64_t at, int nw, const float* v) {
+    const __mmask16 mask = (__mmask16)((1u << nw) - 1);
+    const __m512 f = _mm512_loadu_ps(v);
+    if (a->out_dtype != DENSE_BFLOAT16) {
+        _mm512_mask_storeu_ps((float*)a->out + at, mask, f);
+        return;
+    }
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_mask_storeu_epi16((bf16_t*)a->out + at, mask, _mm512_cvtepi32_epi16(r));
+}
+
 /* Every row of x against the panels of W, panels spread over threads. */
 static int outer_matmul(const DenseMatmulArgs* a, const XValue* x, int64_t kp, int num_threads) {
     const int64_t N = a->out_features, rows = a->rows;
@@ -318,9 +337,7 @@ static int outer_matmul(const DenseMatmulArgs* a, const XValue* x, int64_t kp, i
                 float out[OUTER_ROWS][PANEL];
                 outer_tile(panel, x + r0 * kp, kp, count, out);
                 for (int e = 0; e < count; e++)
-                    for (int i = 0; i < nw; i++)
-                        store_value(a->out, a->out_dtype, (r0 + e) * a->out_stride + n0 + i,
-                                    out[e][i]);
+                    store_panel(a, (r0 + e) * a->out_stride + n0, nw, out[e]);
             }
         }
         free(panel);
