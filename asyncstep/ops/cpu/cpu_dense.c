@@ -9,7 +9,10 @@
  * AVX2, plain C: 16, 8 or 32 lanes, 32 inputs a step), that vector summed
  * at the end by one tree; tiles of rows of x by rows of W (4 x 6 with
  * AVX512-BF16, 4 x 4 elsewhere) share the loads, never the sums, and every
- * slot of a tile, leftover tiles too, gives an output the same tree. So an
+ * slot of a tile, leftover tiles too, gives an output the same tree. From
+ * OUTER_MIN_ROWS rows AVX512-BF16 packs W into pairs of K and sums outer
+ * products, one accumulator per lane of the few-row kernel: the same sums,
+ * bit for bit, at oneDNN's blocking's speed (outer_matmul). So an
  * output does not depend on the other rows of x (the batch: issue 40) nor
  * on the thread count (rows of W are spread over OpenMP threads, never K).
  * With AVX512-BF16 the products are vdpbf16ps's (x rounded to bfloat16 on
