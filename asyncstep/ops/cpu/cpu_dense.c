@@ -213,6 +213,18 @@ static inline void dot_tile(const bf16_t* const* w, int nw, const XValue* x, int
 #endif
 
 #if DENSE_ISA == 1
+/* f32_to_bf16 on 16 values at once (round to nearest even, NaNs quiet). */
+static inline __m256i round_bf16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 /* Many rows: the same sums as dot_tile_n's, bit for bit, the other way
  * round. 16 rows of W are packed as pairs of K ([K/2][16] 32-bit words,
  * zero past K and past N); an output's 8 accumulators (one per lane of
@@ -306,15 +318,7 @@ static inline void store_panel(const DenseMatmulArgs* a, int64_t at, int nw, con
         _mm512_mask_storeu_ps((float*)a->out + at, mask, f);
         return;
     }
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i one = _mm512_set1_epi32(1);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    _mm256_mask_storeu_epi16((bf16_t*)a->out + at, mask, _mm512_cvtepi32_epi16(r));
+    _mm256_mask_storeu_epi16((bf16_t*)a->out + at, mask, round_bf16(f));
 }
 
 /* Every row of x against the panels of W, panels spread over threads. */
@@ -349,6 +353,30 @@ static int outer_matmul(const DenseMatmulArgs* a, const XValue* x, int64_t kp, i
 }
 #endif
 
+#if DENSE_ISA == 1
+/* Row r of x as bfloat16, zero from K to kp (to_x of every value, 16 at once). */
+static void prepare_row(const DenseMatmulArgs* a, int64_t r, int64_t kp, XValue* row) {
+    const int64_t K = a->in_features;
+    if (a->x_dtype == DENSE_BFLOAT16) {
+        memcpy(row, (const bf16_t*)a->x + r * a->x_stride, sizeof(bf16_t) * (size_t)K);
+        memset(row + K, 0, sizeof(bf16_t) * (size_t)(kp - K));
+        return;
+    }
+    const float* src = (const float*)a->x + r * a->x_stride;
+    for (int64_t k = 0; k < kp; k += 16) {
+        const int64_t left = K - k;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF
+                                          : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        _mm256_storeu_si256((__m256i*)(row + k), round_bf16(_mm512_maskz_loadu_ps(mask, src + k)));
+    }
+}
+#else
+static void prepare_row(const DenseMatmulArgs* a, int64_t r, int64_t kp, XValue* row) {
+    for (int64_t k = 0; k < kp; k++)
+        row[k] = to_x(k < a->in_features ? load_value(a->x, a->x_dtype, r * a->x_stride + k) : 0.0f);
+}
+#endif
+
 /* out = x @ W.T; 0 on success, -1 when scratch memory cannot be had or the
  * arguments are out of range (nothing written). */
 int asyncstep_dense_matmul(const DenseMatmulArgs* a) {
@@ -358,9 +386,7 @@ int asyncstep_dense_matmul(const DenseMatmulArgs* a) {
     const int64_t kp = (K + 31) / 32 * 32; /* padded: whole vectors */
     XValue* x = aligned_alloc(64, (size_t)((rows * kp * (int64_t)sizeof(XValue) + 63) / 64 * 64));
     if (x == NULL) return -1;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t k = 0; k < kp; k++)
-            x[r * kp + k] = to_x(k < K ? load_value(a->x, a->x_dtype, r * a->x_stride + k) : 0.0f);
+    for (int64_t r = 0; r < rows; r++) prepare_row(a, r, kp, x + r * kp);
     const int num_threads = rows * N * K < MIN_PARALLEL_WORK ? 1 : (int)a->num_threads;
 #if DENSE_ISA == 1
     if (rows >= OUTER_MIN_ROWS) {
