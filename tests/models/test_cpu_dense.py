@@ -108,3 +108,90 @@ def test_a_bfloat16_lm_head_writes_float32_logits() -> None:
     assert (logits.double() - exact).abs().max() < 1e-4
     rounded = torch.nn.functional.linear(hidden, head.weight)
     assert (rounded.double() - exact).abs().max() > 1e-3  # what it would have been
+
+
+#: Batch sizes a row is computed in (across the tiles of 4 rows and 6 weight rows).
+BATCHES = (1, 3, 17, 64, 200)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_s_outputs_do_not_depend_on_its_batch(
+    isa: str, dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """Every row of 200, computed in batches of 1, 3, 17, 64 and 200 rows from
+    any offset, from rows of x and of the weight with a stride: the same bits
+    (one K order for every row count), close to float64; K not a multiple of
+    32, N not one of the tiles' 4, 6 or 16."""
+    matmul = build(isa, tmp_path)
+    weight = torch.randn(47, 120).bfloat16()[:, :100]  # a row stride of 120
+    wide = torch.randn(200, 113).to(dtype)
+    x = wide[:, :100]  # a row stride of 113
+    full = matmul(x, weight)
+    magnitude = x.abs().double() @ weight.abs().double().T
+    assert ((full.double() - reference(x.float(), weight, isa)).abs() <= 1e-5 * magnitude).all()
+    assert torch.equal(matmul(x.contiguous(), weight.contiguous()), full)
+    for batch in BATCHES:
+        for start in sorted({0, 5, 200 - batch}):
+            if start + batch <= 200:
+                rows = slice(start, start + batch)
+                assert torch.equal(matmul(x[rows], weight), full[rows]), (batch, start)
+    assert torch.equal(matmul(x, weight, torch.bfloat16), full.bfloat16())
+
+
+def test_one_and_two_threads_give_the_same_bits() -> None:
+    """The library's build (OpenMP) splits the weight's rows over threads,
+    never K: the same outputs on 1 and 2 threads, alone or in a batch."""
+    assert MATMUL is not None
+    weight = torch.randn(1000, 200).bfloat16()
+    x = torch.randn(64, 200)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = MATMUL(x, weight)
+        torch.set_num_threads(2)
+        two = MATMUL(x, weight)
+        alone = MATMUL(x[7:8], weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert torch.equal(alone, one[7:8])
+
+
+def test_the_op_set_s_linear_runs_dense_bfloat16_weights_row_by_row() -> None:
+    """``CpuOps.linear`` of a dense bfloat16 weight: the library's matmul in
+    x's dtype for any leading shape, its bias added to the float32 sums, and
+    a row's outputs the same alone and in a batch (F.linear's oneDNN blocks
+    K by the row count)."""
+    kernels = load_cpu_kernels()
+    assert kernels is not None and MATMUL is not None
+    ops = CpuOps(kernels.layer_ops)
+    weight = torch.randn(300, 96).bfloat16()
+    bias = torch.randn(300).bfloat16()
+    x = torch.randn(2, 40, 96).bfloat16()
+    y = ops.linear(x, weight, None)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 40, 300)
+    assert torch.equal(y.view(80, 300), MATMUL(x.view(80, 96), weight, torch.bfloat16))
+    assert torch.equal(ops.linear(x[1, 3:4], weight, None), y[1, 3:4])
+    with_bias = ops.linear(x, weight, None, bias)
+    expected = (MATMUL(x.view(80, 96), weight) + bias.float()).bfloat16().view(2, 40, 300)
+    assert torch.equal(with_bias, expected)
+    assert ops.linear(x.float(), weight, None).dtype == torch.float32
+    half = ops.linear(x.half(), weight.half(), None)  # not the library's: F.linear
+    assert torch.equal(half, torch.nn.functional.linear(x.half(), weight.half()))
+
+
+@pytest.mark.parametrize("isa", ["library", "AVX512-BF16", "AVX512F"])
+def test_every_tile_shape_gives_a_row_its_outputs_alone(isa: str, tmp_path: Path) -> None:
+    """Weights of 1 to 13 rows (every count of weight rows a tile holds)
+    against 1 to 9 rows of x (every count of x rows): each tile's shape is
+    compiled on its own (the library's build with its reassociating flags
+    too), and each gives a row the bits it has alone."""
+    matmul = MATMUL if isa == "library" else build(isa, tmp_path)
+    assert matmul is not None
+    x = torch.randn(9, 64)
+    for n in range(1, 14):
+        weight = torch.randn(n, 64).bfloat16()
+        alone = torch.cat([matmul(x[r : r + 1], weight) for r in range(9)])
+        for rows in range(1, 10):
+            assert torch.equal(matmul(x[:rows], weight), alone[:rows]), (n, rows)

@@ -16,8 +16,10 @@ import trio
 
 import asyncstep
 from asyncstep import SamplingParams
+from asyncstep.config import ModelConfig
 from asyncstep.models.loader import default_model_path
-from asyncstep.models.model_loader import LoadedModel
+from asyncstep.models.model_loader import LoadedModel, load_model
+from asyncstep.ops.cpu.dense import dense_matmul
 from tests.models.test_smollm2 import QUESTIONS, chat, generate_batched, packed_smollm2
 
 __all__ = ["packed_smollm2"]  # the fixture, shared with test_smollm2
@@ -155,6 +157,23 @@ async def test_two_pipeline_stages_give_one_rank_s_tokens_and_log_probs(plain: O
     async with asyncstep.open_engine(device="cpu", pipeline_parallel_size=2) as engine:
         alone, among = await alone_and_among_30(engine)
     assert alone == plain and among == plain
+
+
+#: Greedy with log-probs, a few tokens (dense bfloat16 runs layer by layer).
+DENSE_GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+
+@pytest.mark.trio
+@pytest.mark.skipif(dense_matmul() is None, reason="no C compiler: F.linear's shape-dependent K")
+async def test_dense_bfloat16_tokens_and_log_probs_do_not_depend_on_the_batch() -> None:
+    """Dense bfloat16 weights (an HF checkpoint's path): every projection
+    through the CPU library's matmul, one K order for every row count, so a
+    question alone and among 30 others gets the same greedy tokens and
+    log-probs, bit for bit (torch's oneDNN blocks K by the row count)."""
+    loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", weight_packing="none"))
+    async with asyncstep.open_engine(loaded) as engine:
+        alone, among = await alone_and_among_30(engine, DENSE_GREEDY_LOGPROBS)
+    assert among == alone
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,24 @@
  * for W [N, K] bfloat16 as torch holds it (rows of K values, a row stride,
  * no copy), x float32 or bfloat16, out float32 or bfloat16.
  *
- * Each output is one row of x against one row of W, 32 inputs at a time
- * into one float32 vector, that vector summed at the end by one tree: a fixed order,
- * so an output does not depend on the other rows of x nor on the thread
- * count (rows of W are spread over OpenMP threads, each computed by one).
+ * Each output is one row of x against one row of W along K in one order,
+ * into one float32 vector (AVX512-BF16: 8 lanes, 16 inputs a step; AVX512F,
+ * AVX2, plain C: 16, 8 or 32 lanes, 32 inputs a step), that vector summed
+ * at the end by one tree; tiles of rows of x by rows of W (4 x 6 with
+ * AVX512-BF16, 4 x 4 elsewhere) share the loads, never the sums, and every
+ * slot of a tile, leftover tiles too, gives an output the same tree. From
+ * OUTER_MIN_ROWS rows AVX512-BF16 packs W into pairs of K and sums outer
+ * products, one accumulator per lane of the few-row kernel: the same sums,
+ * bit for bit, at oneDNN's blocking's speed (outer_matmul). So an
+ * output does not depend on the other rows of x (the batch: issue 40) nor
+ * on the thread count (rows of W are spread over OpenMP threads, never K).
  * With AVX512-BF16 the products are vdpbf16ps's (x rounded to bfloat16 on
- * the way in); elsewhere (AVX512F, AVX2 with FMA, plain C) the weights are
- * widened and x stays float32. Its use: float32 logits from a bfloat16 LM
- * head, which torch's bfloat16 matmul rounds to bfloat16 (steps of 0.125
- * at a logit of 20: ties that float32 separates).
+ * the way in); elsewhere the weights are widened and x stays float32; the
+ * builds differ from each other, each alike for every batch. Its uses: every
+ * dense bfloat16 projection of the CPU op set, and float32 logits from a
+ * bfloat16 LM head, which torch's bfloat16 matmul rounds to bfloat16 (steps
+ * of 0.125 at a logit of 20: ties that float32 separates). No AMX path
+ * (untested: the machines at hand have none).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,7 +44,11 @@
 
 enum { DENSE_FLOAT32 = 0, DENSE_BFLOAT16 = 1 };
 #define ROW_TILE 4   /* rows of x per pass */
+#if DENSE_ISA == 1
+#define W_TILE 6     /* rows of W per pass: 24 accumulators, 10 loads per 24 products */
+#else
 #define W_TILE 4     /* rows of W per pass */
+#endif
 #define MIN_PARALLEL_WORK (1 << 16)
 
 typedef struct {
@@ -67,37 +80,51 @@ static inline void store_value(void* out, int64_t dtype, int64_t i, float v) {
 typedef bf16_t XValue;
 static inline XValue to_x(float v) { return f32_to_bf16(v); }
 
-/* The 16 lanes of v summed to 4 partial sums: [0..3] + [4..7] + ... by halves. */
-static inline __m128 quarter_sums(__m512 v) {
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+/* Eight accumulators' lanes summed by one network (halves of 128 bits, then
+ * of 64, then pairs): every output gets the same tree, (l[i] + l[i+4]) for
+ * i < 4, then (p0 + p2) + (p1 + p3), whichever of the eight slots it holds.
+ * out[p] = the sum of v[p]'s lanes. */
+static inline __attribute__((always_inline)) void sum8(const __m256 v[8], float out[8]) {
+    __m256 s[4], u[2];
+    for (int j = 0; j < 4; j++)
+        s[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x31));
+    for (int j = 0; j < 2; j++) {
+        const __m256d a = _mm256_castps_pd(s[2 * j]), b = _mm256_castps_pd(s[2 * j + 1]);
+        u[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    const __m256 w = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88),
+                                   _mm256_shuffle_ps(u[0], u[1], 0xDD));
+    /* lane m holds output 2m, lane 4 + m output 2m + 1 */
+    const __m256i where = _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0);
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(w, where));
 }
 
 /* sums[i][e] = W row i . x row e for nw (<= W_TILE) rows of W and `rows`
- * (<= ROW_TILE) rows of x: one accumulator each, then every output's 16
- * lanes summed by the same tree (halves, then pairs), whatever the tile. */
+ * (<= ROW_TILE) rows of x: one 8-lane accumulator each along K (16 at a
+ * time, in order; 256-bit vdpbf16ps: Zen 4 issues two a cycle, and their
+ * sums cost half a 512-bit network), then every accumulator through sum8
+ * (unused ones zero). */
 static inline __attribute__((always_inline)) void dot_tile_n(
     const bf16_t* const* w, const int nw, const XValue* x, int64_t kp, const int rows,
     float sums[W_TILE][ROW_TILE]) {
-    __m512 acc[W_TILE][ROW_TILE];
-    for (int i = 0; i < W_TILE; i++)
-        for (int e = 0; e < ROW_TILE; e++) acc[i][e] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kp; k += 32) {
-        __m512bh xv[ROW_TILE];
-        for (int e = 0; e < rows; e++) xv[e] = (__m512bh)_mm512_loadu_si512(x + e * kp + k);
+    __m256 acc[W_TILE * ROW_TILE];
+    for (int j = 0; j < W_TILE * ROW_TILE; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kp; k += 16) {
+        __m256bh xv[ROW_TILE];
+        for (int e = 0; e < rows; e++)
+            xv[e] = (__m256bh)_mm256_loadu_si256((const __m256i*)(x + e * kp + k));
         for (int i = 0; i < nw; i++) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w[i] + k);
-            for (int e = 0; e < rows; e++) acc[i][e] = _mm512_dpbf16_ps(acc[i][e], wv, xv[e]);
+            const __m256bh wv = (__m256bh)_mm256_loadu_si256((const __m256i*)(w[i] + k));
+            for (int e = 0; e < rows; e++)
+                acc[i * ROW_TILE + e] = _mm256_dpbf16_ps(acc[i * ROW_TILE + e], wv, xv[e]);
         }
     }
-    for (int e = 0; e < rows; e++) {
-        const __m128 a = _mm_hadd_ps(quarter_sums(acc[0][e]), quarter_sums(acc[1][e]));
-        const __m128 b = _mm_hadd_ps(quarter_sums(acc[2][e]), quarter_sums(acc[3][e]));
-        float four[4];
-        _mm_storeu_ps(four, _mm_hadd_ps(a, b));
-        for (int i = 0; i < nw; i++) sums[i][e] = four[i];
-    }
+    float flat[W_TILE * ROW_TILE];
+    for (int g = 0; g * 8 < nw * ROW_TILE; g++) sum8(acc + 8 * g, flat + 8 * g);
+    for (int i = 0; i < nw; i++)
+        for (int e = 0; e < rows; e++) sums[i][e] = flat[i * ROW_TILE + e];
 }
 
 /* dot_tile_n with constant counts (its accumulators in registers). */
@@ -106,8 +133,9 @@ static void dot_tile(const bf16_t* const* w, int nw, const XValue* x, int64_t kp
     switch (nw * 8 + rows) {
 #define CASE(NW, ROWS) \
     case NW * 8 + ROWS: dot_tile_n(w, NW, x, kp, ROWS, sums); break;
-        CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4)
-        CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4) CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
+#define CASES(NW) CASE(NW, 1) CASE(NW, 2) CASE(NW, 3) CASE(NW, 4)
+        CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
+#undef CASES
 #undef CASE
     }
 }
@@ -184,6 +212,171 @@ static inline void dot_tile(const bf16_t* const* w, int nw, const XValue* x, int
 }
 #endif
 
+#if DENSE_ISA == 1
+/* f32_to_bf16 on 16 values at once (round to nearest even, NaNs quiet). */
+static inline __m256i round_bf16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* Many rows: the same sums as dot_tile_n's, bit for bit, the other way
+ * round. 16 rows of W are packed as pairs of K ([K/2][16] 32-bit words,
+ * zero past K and past N); an output's 8 accumulators (one per lane of
+ * dot_tile_n's: pair p goes to accumulator p % 8, in order) take a pair of
+ * x broadcast against the panel's 16 outputs; then the 8 are added as sum8
+ * adds a vector's lanes ((a[i] + a[i+4]), then (0 + 2) + (1 + 3)). No
+ * horizontal sums, 16 contiguous outputs per store: what oneDNN's blocking
+ * buys, without its row-count-dependent K order. */
+#define OUTER_MIN_ROWS 32 /* from here the packing pays (16: even) */
+#define OUTER_ROWS 3      /* rows of x per pass: 24 accumulators */
+#define PANEL 16          /* rows of W per panel */
+
+/* panel[p][n] = W row n0 + n's pair p (the 16 pairs of 16 rows a block:
+ * loaded, masked past K and zero past nw, then transposed as 32-bit words). */
+static void pack_panel(const DenseMatmulArgs* a, int64_t n0, int nw, int64_t kp,
+                       uint32_t* panel) {
+    const int64_t K = a->in_features;
+    for (int64_t k0 = 0; k0 < kp; k0 += 32) {
+        const int64_t left = K - k0;
+        const __mmask32 mask = left >= 32 ? (__mmask32)0xFFFFFFFFu : ((__mmask32)1 << left) - 1;
+        __m512i r[PANEL], t[PANEL], u[PANEL];
+        for (int n = 0; n < PANEL; n++)
+            r[n] = n < nw ? _mm512_maskz_loadu_epi16(
+                                mask, a->weight + (n0 + n) * a->weight_stride + k0)
+                          : _mm512_setzero_si512();
+        for (int i = 0; i < 8; i++) { /* rows 2i, 2i+1: [a0 b0 a1 b1], [a2 b2 a3 b3] */
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        for (int g = 0; g < 4; g++) { /* u[4g + m]: column 4L + m of rows 4g..4g+3 */
+            u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+            u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+            u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+            u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+        }
+        uint32_t* out = panel + k0 / 2 * PANEL;
+        for (int m = 0; m < 4; m++) { /* 128-bit lane L of group g -> column 4L + m */
+            const __m512i x0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
+            const __m512i x1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+            const __m512i x2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+            const __m512i x3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+            _mm512_storeu_si512(out + (0 + m) * PANEL, _mm512_shuffle_i32x4(x0, x2, 0x88));
+            _mm512_storeu_si512(out + (4 + m) * PANEL, _mm512_shuffle_i32x4(x0, x2, 0xDD));
+            _mm512_storeu_si512(out + (8 + m) * PANEL, _mm512_shuffle_i32x4(x1, x3, 0x88));
+            _mm512_storeu_si512(out + (12 + m) * PANEL, _mm512_shuffle_i32x4(x1, x3, 0xDD));
+        }
+    }
+}
+
+static inline __m512 add_exact(__m512 a, __m512 b) { /* never reassociated */
+    return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+static inline __attribute__((always_inline)) void outer_tile_n(
+    const uint32_t* panel, const XValue* x, int64_t kp, const int rows,
+    float out[OUTER_ROWS][PANEL]) {
+    __m512 acc[OUTER_ROWS][8];
+    for (int e = 0; e < OUTER_ROWS; e++)
+        for (int j = 0; j < 8; j++) acc[e][j] = _mm512_setzero_ps();
+    const int64_t pairs = kp / 2;
+    for (int64_t p = 0; p < pairs; p += 8)
+        for (int j = 0; j < 8; j++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(panel + (p + j) * PANEL);
+            for (int e = 0; e < rows; e++) {
+                const uint32_t* xe = (const uint32_t*)(x + e * kp);
+                acc[e][j] = _mm512_dpbf16_ps(acc[e][j], wv,
+                                             (__m512bh)_mm512_set1_epi32((int)xe[p + j]));
+            }
+        }
+    for (int e = 0; e < rows; e++) {
+        __m512 q[4];
+        for (int i = 0; i < 4; i++) q[i] = add_exact(acc[e][i], acc[e][i + 4]);
+        _mm512_storeu_ps(out[e], add_exact(add_exact(q[0], q[2]), add_exact(q[1], q[3])));
+    }
+}
+
+static void outer_tile(const uint32_t* panel, const XValue* x, int64_t kp, int rows,
+                       float out[OUTER_ROWS][PANEL]) {
+    switch (rows) {
+        case 1: outer_tile_n(panel, x, kp, 1, out); break;
+        case 2: outer_tile_n(panel, x, kp, 2, out); break;
+        default: outer_tile_n(panel, x, kp, 3, out); break;
+    }
+}
+
+/* out[at .. at + nw) = v, rounded as store_value rounds (f32_to_bf16). */
+static inline void store_panel(const DenseMatmulArgs* a, int64_t at, int nw, const float* v) {
+    const __mmask16 mask = (__mmask16)((1u << nw) - 1);
+    const __m512 f = _mm512_loadu_ps(v);
+    if (a->out_dtype != DENSE_BFLOAT16) {
+        _mm512_mask_storeu_ps((float*)a->out + at, mask, f);
+        return;
+    }
+    _mm256_mask_storeu_epi16((bf16_t*)a->out + at, mask, round_bf16(f));
+}
+
+/* Every row of x against the panels of W, panels spread over threads. */
+static int outer_matmul(const DenseMatmulArgs* a, const XValue* x, int64_t kp, int num_threads) {
+    const int64_t N = a->out_features, rows = a->rows;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        uint32_t* panel = aligned_alloc(64, (size_t)(kp / 2 * PANEL * 4));
+        if (panel == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < panels; t++) {
+            if (panel == NULL) continue;
+            const int64_t n0 = t * PANEL;
+            const int nw = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+            pack_panel(a, n0, nw, kp, panel);
+            for (int64_t r0 = 0; r0 < rows; r0 += OUTER_ROWS) {
+                const int count = rows - r0 < OUTER_ROWS ? (int)(rows - r0) : OUTER_ROWS;
+                float out[OUTER_ROWS][PANEL];
+                outer_tile(panel, x + r0 * kp, kp, count, out);
+                for (int e = 0; e < count; e++)
+                    store_panel(a, (r0 + e) * a->out_stride + n0, nw, out[e]);
+            }
+        }
+        free(panel);
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
+#if DENSE_ISA == 1
+/* Row r of x as bfloat16, zero from K to kp (to_x of every value, 16 at once). */
+static void prepare_row(const DenseMatmulArgs* a, int64_t r, int64_t kp, XValue* row) {
+    const int64_t K = a->in_features;
+    if (a->x_dtype == DENSE_BFLOAT16) {
+        memcpy(row, (const bf16_t*)a->x + r * a->x_stride, sizeof(bf16_t) * (size_t)K);
+        memset(row + K, 0, sizeof(bf16_t) * (size_t)(kp - K));
+        return;
+    }
+    const float* src = (const float*)a->x + r * a->x_stride;
+    for (int64_t k = 0; k < kp; k += 16) {
+        const int64_t left = K - k;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF
+                                          : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        _mm256_storeu_si256((__m256i*)(row + k), round_bf16(_mm512_maskz_loadu_ps(mask, src + k)));
+    }
+}
+#else
+static void prepare_row(const DenseMatmulArgs* a, int64_t r, int64_t kp, XValue* row) {
+    for (int64_t k = 0; k < kp; k++)
+        row[k] = to_x(k < a->in_features ? load_value(a->x, a->x_dtype, r * a->x_stride + k) : 0.0f);
+}
+#endif
+
 /* out = x @ W.T; 0 on success, -1 when scratch memory cannot be had or the
  * arguments are out of range (nothing written). */
 int asyncstep_dense_matmul(const DenseMatmulArgs* a) {
@@ -193,11 +386,16 @@ int asyncstep_dense_matmul(const DenseMatmulArgs* a) {
     const int64_t kp = (K + 31) / 32 * 32; /* padded: whole vectors */
     XValue* x = aligned_alloc(64, (size_t)((rows * kp * (int64_t)sizeof(XValue) + 63) / 64 * 64));
     if (x == NULL) return -1;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t k = 0; k < kp; k++)
-            x[r * kp + k] = to_x(k < K ? load_value(a->x, a->x_dtype, r * a->x_stride + k) : 0.0f);
-    const int padded = kp != K;
+    for (int64_t r = 0; r < rows; r++) prepare_row(a, r, kp, x + r * kp);
     const int num_threads = rows * N * K < MIN_PARALLEL_WORK ? 1 : (int)a->num_threads;
+#if DENSE_ISA == 1
+    if (rows >= OUTER_MIN_ROWS) {
+        const int status = outer_matmul(a, x, kp, num_threads);
+        free(x);
+        return status;
+    }
+#endif
+    const int padded = kp != K;
     int failed = 0;
     const int64_t tiles = (N + W_TILE - 1) / W_TILE;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)

@@ -1,8 +1,10 @@
 """The CPU library's matmul of a dense bfloat16 weight (``cpu_dense.c``,
 loaded by :func:`~asyncstep.ops.cpu.library.load_cpu_kernels`):
 ``x @ w.T`` read from torch's own tensor (no copy), in float32 sums written
-as float32, each output row computed alone (the same whatever the other
-rows). Its use: the float32 logits of a bfloat16 LM head on the CPU.
+as float32 or bfloat16, one K order for every row count (a row's outputs
+are the same whatever the other rows: issue 40). Its uses: every dense
+bfloat16 projection of the CPU op set, and the float32 logits of a
+bfloat16 LM head.
 Imports torch and the library's loader only.
 """
 

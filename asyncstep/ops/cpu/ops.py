@@ -3,7 +3,9 @@ residual stream, RMSNorm, and ``silu(gate) * up`` in one call each of
 ``cpu_kernels.c`` (:class:`~asyncstep.ops.cpu.layer_ops.CpuLayerOps`: torch's
 float32 arithmetic, bit for bit on x86); the LM head of a bfloat16 model in
 float32 sums (``cpu_dense.c``: a bfloat16 logit of ~20 moves in steps of
-0.125, which ties tokens that float32 separates); the reference's ops where
+0.125, which ties tokens that float32 separates); every dense bfloat16
+projection through the same matmul (one K order for every row count: a
+request's outputs do not depend on its batch, issue 40); the reference's ops where
 the library does not take the input (float16, a residual stream that is not
 float32), and for the rotary embedding (the CPU attention op rotates q and
 k as it reads them). Its step path: the whole decoder stack in one call
@@ -61,6 +63,31 @@ class CpuOps(CpuHeadOps):
         super().__init__(attention)
         self.layer_ops = layer_ops
 
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        packed: PackedWeight | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The packed weight's matmul where it applies; a dense bfloat16
+        weight through the library's matmul (one K order for every row
+        count: a row's outputs do not depend on the others, issue 40) in
+        ``x``'s dtype; else the reference's ``F.linear``."""
+        if packed is not None and packed.applies(x):
+            return super().linear(x, weight, packed, bias)
+        matmul = dense_matmul() if _dense_bfloat16(x, weight) else None
+        if matmul is None:
+            return super().linear(x, weight, packed, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        if bias is None:
+            y = matmul(rows, weight, x.dtype)
+        else:  # the bias added to the float32 sums, then rounded once
+            y = (matmul(rows, weight) + bias.float()).to(x.dtype)
+        return y.view(*x.shape[:-1], weight.shape[0])
+
     def step_path(self, layers: list[Any]) -> StepPath | None:
         """The library's decoder stack in one call, where the layers qualify
         (:mod:`~asyncstep.ops.cpu.decode_stack`)."""
@@ -103,3 +130,18 @@ class CpuOps(CpuHeadOps):
         return residual is None or (
             residual.dtype == torch.float32 and self.layer_ops.takes(residual)
         )
+
+
+def _dense_bfloat16(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the library's dense matmul takes ``x @ weight.T``: a bfloat16
+    weight with unit stride along K, float32 or bfloat16 ``x``, on the CPU."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.shape[-1] == weight.shape[1]
+        and x.numel() > 0
+    )
