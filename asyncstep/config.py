@@ -123,7 +123,7 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         bool,
         _doc(
             "CPU: keep the packed model of a checkpoint on disk (under $ASYNCSTEP_CACHE_DIR, "
-            "default ~/.cache/asyncstep/weights; ~350 MiB for the embedded model; delete it to "
+            "default ~/.cache/asyncstep/weights; ~200 MiB for the embedded model; delete it to "
             "clear it) and map it at the next start instead of dequantizing and packing again"
         ),
     ] = True
