@@ -165,6 +165,12 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             )
         if self.packed_max_tokens is not None and self.packed_max_tokens < 0:
             raise ConfigError(f"packed_max_tokens must be >= 0, got {self.packed_max_tokens}")
+        if self.batch_invariant and self.packed_max_tokens:
+            # Packed weights up to N tokens, dense ones above: two roundings for one request.
+            raise ConfigError(
+                "batch_invariant needs one kernel for every step's size: leave "
+                f"packed_max_tokens unset (got {self.packed_max_tokens})"
+            )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

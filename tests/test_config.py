@@ -192,6 +192,11 @@ async def test_an_engine_runs_with_its_device_s_budget() -> None:
         ),
         ({"packed_max_tokens": -1}, "packed_max_tokens must be >= 0, got -1"),
         (
+            {"batch_invariant": True, "packed_max_tokens": 16},
+            "batch_invariant needs one kernel for every step's size: leave packed_max_tokens "
+            "unset (got 16)",
+        ),
+        (
             {"gpu_q4_activations": "fp8"},
             "gpu_q4_activations must be one of ('float', 'int8'), got 'fp8'",
         ),
