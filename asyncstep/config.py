@@ -146,7 +146,9 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             "steps (batch, chunks, cache, speculation): on CUDA the Triton batch-invariant "
             "kernels (needs triton and the triton attention backend; fused_kernels and "
             "fused_decode then do not apply, packed weights are unused); on the CPU its "
-            "kernels already are; none: the device's default (the CPU on, CUDA off)"
+            "packed weights already are, and dense bfloat16 ones run the CPU library's "
+            "invariant matmul (false: torch's); none: the device's default (the CPU on, dense "
+            "bfloat16 where the library's AVX512-BF16 build runs; CUDA off)"
         ),
     ] = None
 

@@ -14,7 +14,11 @@ with the backend's attention op. ``batch_invariant`` (None: the device's
 default, :data:`BATCH_INVARIANT_DEFAULT`): on CUDA the Triton
 batch-invariant op set with its own attention (ConfigError without triton
 or with another attention backend); on the CPU the choice above, whose
-kernels are batch-invariant already.
+packed weights are batch-invariant already, and whose dense bfloat16
+weights go through the library's invariant matmul when asked for, or by
+default where that matmul's build is its fast one (``CpuDenseMatmul.fast``:
+the AVX2 and AVX512F builds compute a row at a time, several times
+oneDNN's time at many rows).
 
 May import torch, :mod:`asyncstep.errors` and :mod:`asyncstep.ops`.
 """
@@ -53,8 +57,9 @@ ATTENTION_BACKENDS = tuple(ATTENTION_OPS)
 
 
 #: ``batch_invariant=None`` by device type: the CPU's kernels are invariant
-#: already; CUDA's invariant kernels wait for their cost on a GPU
-#: (``benchmarks/studies/invariance/gpu_cost.sh``). Types not listed: off.
+#: (dense bfloat16 where the library's fast build runs); CUDA's invariant op
+#: set costs over 10 % of a decode step (docs/performance.md, "Batch
+#: invariance"). Types not listed: off.
 BATCH_INVARIANT_DEFAULT = {"cpu": True, "cuda": False}
 
 
@@ -105,7 +110,7 @@ def select_ops(
     fused_kernels: bool,
     fused_decode: bool = False,
     int8_activations: bool = False,
-    batch_invariant: bool | None = False,
+    batch_invariant: bool | None = None,
 ) -> OpSet:
     """The op set for a model on ``device`` whose attention runs
     ``attention_backend`` (resolved); ``fused_kernels`` off: the reference's
@@ -129,9 +134,21 @@ def select_ops(
 
         kernels = load_cpu_kernels() if fused_kernels else None
         if kernels is not None:
-            return CpuOps(kernels.layer_ops, attention)
+            dense = _cpu_dense_invariant(batch_invariant)
+            return CpuOps(kernels.layer_ops, attention, invariant_dense=dense)
         return CpuHeadOps(attention)
     return TORCH_OPS if attention is TORCH_ATTENTION else TorchOps(attention)
+
+
+def _cpu_dense_invariant(batch_invariant: bool | None) -> bool:
+    """Whether dense bfloat16 weights run the library's invariant matmul:
+    ``batch_invariant`` if given, else where its build is the fast one."""
+    if batch_invariant is not None:
+        return batch_invariant
+    from asyncstep.ops.cpu.dense import dense_matmul
+
+    matmul = dense_matmul()
+    return matmul is not None and matmul.fast
 
 
 def _invariant_ops(attention_backend: str) -> OpSet:

@@ -20,6 +20,7 @@ from asyncstep.models.layers.embedding import ParallelLMHead
 from asyncstep.ops.cpu.dense import CpuDenseMatmul, dense_matmul
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.ops import CpuOps
+from asyncstep.ops.select import select_ops
 from asyncstep.ops.slot import OpSetSlot
 
 MATMUL = dense_matmul()
@@ -195,3 +196,20 @@ def test_every_tile_shape_gives_a_row_its_outputs_alone(isa: str, tmp_path: Path
         alone = torch.cat([matmul(x[r : r + 1], weight) for r in range(9)])
         for rows in range(1, 10):
             assert torch.equal(matmul(x[:rows], weight), alone[:rows]), (n, rows)
+
+
+def test_batch_invariant_chooses_the_dense_matmul_on_the_cpu() -> None:
+    """Dense bfloat16 projections run the library's invariant matmul when
+    ``batch_invariant`` asks for it, torch's ``F.linear`` when it is off,
+    and by default where the library's build is its fast one (AVX512-BF16)."""
+    cpu = torch.device("cpu")
+    chosen = {
+        asked: select_ops(cpu, "torch", fused_kernels=True, batch_invariant=asked)
+        for asked in (True, False, None)
+    }
+    assert all(isinstance(ops, CpuOps) for ops in chosen.values())
+    assert [ops.invariant_dense for ops in chosen.values()] == [True, False, MATMUL.fast]
+    assert MATMUL.fast == (MATMUL.isa == "AVX512-BF16")
+    x, weight = torch.randn(3, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    off = chosen[False].linear(x, weight, None)
+    assert torch.equal(off, torch.nn.functional.linear(x, weight))

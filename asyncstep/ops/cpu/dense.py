@@ -43,6 +43,9 @@ class CpuDenseMatmul:
         self._matmul.restype = ctypes.c_int
         #: The build the kernel runs.
         self.isa = _ISAS[int(library.asyncstep_dense_matmul_isa())]
+        #: Whether that build is blocked for many rows (AVX512-BF16's tiles
+        #: and packed panels); the others compute a row at a time.
+        self.fast = self.isa == "AVX512-BF16"
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32

@@ -5,7 +5,8 @@ float32 arithmetic, bit for bit on x86); the LM head of a bfloat16 model in
 float32 sums (``cpu_dense.c``: a bfloat16 logit of ~20 moves in steps of
 0.125, which ties tokens that float32 separates); every dense bfloat16
 projection through the same matmul (one K order for every row count: a
-request's outputs do not depend on its batch, issue 40); the reference's ops where
+request's outputs do not depend on its batch, issue 40) unless
+``invariant_dense`` is off (torch's ``F.linear``); the reference's ops where
 the library does not take the input (float16, a residual stream that is not
 float32), and for the rotary embedding (the CPU attention op rotates q and
 k as it reads them). Its step path: the whole decoder stack in one call
@@ -59,9 +60,18 @@ class CpuOps(CpuHeadOps):
 
     name = "cpu"
 
-    def __init__(self, layer_ops: CpuLayerOps, attention: AttentionOp = TORCH_ATTENTION) -> None:
+    def __init__(
+        self,
+        layer_ops: CpuLayerOps,
+        attention: AttentionOp = TORCH_ATTENTION,
+        *,
+        invariant_dense: bool = True,
+    ) -> None:
         super().__init__(attention)
         self.layer_ops = layer_ops
+        #: Dense bfloat16 projections through the library's matmul (one K
+        #: order for every row count); False: torch's ``F.linear``.
+        self.invariant_dense = invariant_dense
 
     def linear(
         self,
@@ -76,7 +86,7 @@ class CpuOps(CpuHeadOps):
         ``x``'s dtype; else the reference's ``F.linear``."""
         if packed is not None and packed.applies(x):
             return super().linear(x, weight, packed, bias)
-        matmul = dense_matmul() if _dense_bfloat16(x, weight) else None
+        matmul = dense_matmul() if self.invariant_dense and _dense_bfloat16(x, weight) else None
         if matmul is None:
             return super().linear(x, weight, packed, bias)
         rows = x.reshape(-1, x.shape[-1])
