@@ -23,6 +23,7 @@ import trio.testing
 import asyncstep
 from asyncstep import EngineDeadError, SamplingParams
 from asyncstep.datatypes import FinishReason
+from asyncstep.engine.core.engine_core import EngineCore
 from asyncstep.engine.front_end.output_processor import OutputProcessor
 from asyncstep.engine.front_end.output_thread import OutputThread, call_soon
 from asyncstep.engine.front_end.request_state import RequestGroup, RequestState
@@ -122,6 +123,42 @@ async def test_an_error_of_the_output_thread_ends_the_engine(
                 await engine.generate(PROMPTS[0], GREEDY)
             await engine.wait_stopped()
     assert isinstance(engine.error, RuntimeError) and not engine.output_processor.requests
+
+
+@pytest.mark.anyio
+async def test_the_thread_error_is_named_when_the_core_breaks_first(
+    tiny_model: LoadedModel, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race a GPU run showed: the core's next send hits the closed
+    stream (BrokenResourceError, a consequence) while the loop still waits
+    for the failed thread to end; the thread's error is still the one named."""
+    core_ended = threading.Event()
+    original_run = EngineCore.run
+    original_thread_run = OutputThread._run
+
+    async def run(self: EngineCore, *args: Any, **kwargs: Any) -> None:
+        try:
+            await original_run(self, *args, **kwargs)
+        finally:
+            core_ended.set()
+
+    def thread_run(self: OutputThread[Any]) -> None:
+        original_thread_run(self)
+        core_ended.wait(timeout=30)  # the thread ends only after the core broke
+
+    def broken(self: OutputProcessor, message: Any) -> None:
+        raise RuntimeError("broken output processing")
+
+    monkeypatch.setattr(EngineCore, "run", run)
+    monkeypatch.setattr(OutputThread, "_run", thread_run)
+    monkeypatch.setattr(OutputProcessor, "process_outputs", broken)
+    many = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with anyio.fail_after(60), pytest.raises(EngineDeadError, match="broken output processing"):
+        async with asyncstep.open_engine(tiny_model) as engine:
+            with pytest.raises(EngineDeadError, match="broken output processing"):
+                await engine.generate(PROMPTS[0], many)
+            await engine.wait_stopped()
+    assert isinstance(engine.error, RuntimeError) and core_ended.is_set()
 
 
 # -- the wake-ups, alone ---------------------------------------------------------

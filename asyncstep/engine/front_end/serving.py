@@ -185,7 +185,8 @@ class EngineServing:
 
     async def _read_core(self, from_core: MemoryObjectReceiveStream[FromCore | bytes]) -> None:
         """Hand the core's messages to the output thread, each batch already
-        queued at once, until the core stops; the thread's error is raised."""
+        queued at once, until the core stops; the thread's error is raised
+        (also when the core failed meanwhile)."""
         assert self._loop is not None
         loop = self._loop
         with anyio.CancelScope() as scope:
@@ -203,8 +204,11 @@ class EngineServing:
                 thread.stop()
                 with anyio.CancelScope(shield=True):
                     await thread.join()
-        if thread.error is not None:
-            raise thread.error
+                if thread.error is not None:
+                    # Raised here, not after the scope: the core may have
+                    # broken on the closed stream meanwhile (a consequence),
+                    # and its group's cancellation would carry this away.
+                    raise thread.error
 
     def _take_messages(self, messages: list[FromCore | bytes]) -> None:
         """Process a batch of the core's messages (on the output thread),
