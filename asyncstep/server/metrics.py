@@ -10,6 +10,10 @@ several apps in one process do not clash):
   ``spec_decode_num_draft_tokens_total``,
   ``spec_decode_num_accepted_tokens_total`` and
   ``spec_decode_num_accepted_tokens_per_pos_total`` (label ``position``);
+* the first three gauges also as ``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc``: the names
+  external routers (llm-d's scorers, KServe) read, so that they route to an
+  asyncstep server as to a vLLM one;
 * counters: ``prompt_tokens_total`` (each prompt once, when admitted),
   ``generation_tokens_total`` (as tokens arrive, aborted requests' too),
   ``request_success_total`` by ``finished_reason`` (``stop``, ``length``,
@@ -56,6 +60,10 @@ if TYPE_CHECKING:
     from asyncstep.engine.front_end.statistics import EngineStatistics
 
 PREFIX = "asyncstep:"
+#: The prefix of the gauges external routers read (:data:`ROUTER_GAUGES`).
+VLLM_PREFIX = "vllm:"
+#: The gauges also given under vLLM's own names.
+ROUTER_GAUGES = frozenset({"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"})
 #: The variable naming the directory where several API servers' metrics meet.
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: What ``GET /metrics`` answers with.
@@ -171,9 +179,11 @@ class _EngineCollector(Collector):
             ),
         )
         for name, doc, value in gauges:
-            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            gauge.add_metric(self._labels, value)
-            yield gauge
+            prefixes = (PREFIX, VLLM_PREFIX) if name in ROUTER_GAUGES else (PREFIX,)
+            for prefix in prefixes:
+                gauge = GaugeMetricFamily(prefix + name, doc, labels=["model_name"])
+                gauge.add_metric(self._labels, value)
+                yield gauge
         counter = CounterMetricFamily(
             PREFIX + "num_preemptions", "Requests preempted.", labels=["model_name"]
         )

@@ -681,6 +681,8 @@ def test_metrics_move_by_what_was_served(server: Server) -> None:
     assert delta("asyncstep:inter_token_latency_seconds_count") == 10 - 2  # after each first
     assert after["asyncstep:num_requests_waiting"] == 0
     assert after["asyncstep:kv_cache_usage_perc"] == 0
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert after[f"vllm:{name}"] == after[f"asyncstep:{name}"]  # the routers' names
     assert 0 <= after["asyncstep:prefix_cache_hit_rate"] <= 1
 
 
