@@ -48,7 +48,7 @@ if DEVICE.type == "cuda" and not torch.cuda.is_available():
 #: H spans two BLOCK_K steps of the gate/up GEMM and a tail, and two column
 #: tiles of the down GEMM; INTER (I) is one partial column tile and one K step.
 H, INTER = TILE.block_k + 17, 24
-TOLERANCE = {torch.float32: (2e-6, 2e-6), torch.bfloat16: (1e-2, 1e-2)}
+TOLERANCE = {torch.float32: (2e-6, 2e-6), torch.bfloat16: (1e-2, 1e-2)}  # float16: bfloat16's
 
 
 def make_experts(
@@ -209,6 +209,33 @@ def test_the_interleaved_gate_up_layout_is_the_same_product() -> None:
     plain = fused_experts(x, **kwargs)
     kwargs.update(w13=interleaved, w13_bias=b_interleaved)
     assert torch.equal(fused_experts(x, **kwargs, interleaved_gate_up=True), plain)
+
+
+def test_an_expert_with_more_pairs_than_a_block_and_float16() -> None:
+    """Every token on experts 1 and 2 (17 pairs each: two blocks), 0 and 3
+    idle; float16 (the dot's other 16-bit input)."""
+    experts = make_experts(4, torch.float16, seed=21)
+    t = 17
+    ids = torch.tensor([[1, 2] if i % 2 else [2, 1] for i in range(t)], dtype=torch.int32)
+    weights = torch.rand(t, 2).softmax(dim=-1).to(DEVICE)
+    x = torch.randn(t, H).to(torch.float16).to(DEVICE)
+    out = fused_experts(x, **_call(experts, weights, ids.to(DEVICE), "silu"))
+    assert_near(out, reference(x, experts, weights, ids, "silu"), torch.bfloat16)
+
+
+def test_any_strides_give_the_same_bits() -> None:
+    experts = make_experts(4, torch.float32, seed=22, biases=True)
+    weights, ids = make_routing(5, 4, 2, seed=23)
+    wide = torch.randn(5, 2 * H).to(DEVICE)
+    kwargs = _call(experts, weights, ids, "swigluoai")
+    want = fused_experts(wide[:, :H].contiguous(), **kwargs)
+    w13, w2 = experts["w13"], experts["w2"]
+    assert w13 is not None and w2 is not None
+    kwargs["w13"] = w13.transpose(1, 2).contiguous().transpose(1, 2)  # K-major rows
+    kwargs["w2"] = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    ids_strided = torch.stack((ids, ids), dim=2)[:, :, 0]
+    kwargs["topk_ids"] = ids_strided
+    assert torch.equal(fused_experts(wide[:, :H], **kwargs), want)
 
 
 # --------------------------------------------------------------------------
