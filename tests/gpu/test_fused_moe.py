@@ -18,6 +18,10 @@ to bfloat16 before w2, the output rounded once).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -289,3 +293,55 @@ def test_arguments_that_do_not_fit_are_value_errors() -> None:
         fused_experts(x, **{**kwargs, "w2_bias": torch.zeros(4, H + 1)})
     empty = fused_experts(x[:0], **{**kwargs, "topk_weights": weights[:0], "topk_ids": ids[:0]})
     assert empty.shape == (0, H)
+
+
+# --------------------------------------------------------------------------
+# the compiled kernels
+
+#: Compiles the kernels for sm_90 in bfloat16 (swigluoai and both biases:
+#: the most code) with triton's own ptxas, no GPU needed; prints "mma" per
+#: GEMM whose PTX multiplies on the tensor cores.
+COMPILE = textwrap.dedent(
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+    from asyncstep.ops.triton import fused_moe_kernels as k
+
+    TILE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
+    DOT = dict(DOT_PRECISION="tf32", UPCAST=False)
+    CASES = [
+        (k.gate_up_kernel, dict(ROW_STEP=1, HAS_BIAS=True, ACTIVATION=1, **TILE, **DOT),
+         {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+          "alpha": "fp32", "limit": "fp32"}),
+        (k.down_kernel, dict(HAS_BIAS=True, **TILE, **DOT),
+         {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "route_ptr": "*fp32",
+          "out_ptr": "*fp32"}),
+        (k.combine_kernel, dict(TOP_K=4, BLOCK_H=256), {"pair_ptr": "*fp32", "out_ptr": "*bf16"}),
+    ]
+    for fn, consts, types in CASES:
+        types.update(sorted_ids_ptr="*i32", expert_ids_ptr="*i32")
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        out = compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                      options={"num_warps": 4, "num_stages": 3})
+        print(fn.__name__, len(out.asm["cubin"]) > 0, "mma" in out.asm["ptx"])
+    """
+)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="compiled by the tests above")
+def test_the_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    """The interpreter runs what the compiler may refuse: compile the three
+    kernels for Hopper (a fresh process without ``TRITON_INTERPRET``)."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton's CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [
+        *("gate_up_kernel", "True", "True"),
+        *("down_kernel", "True", "True"),
+        *("combine_kernel", "True", "False"),
+    ]
