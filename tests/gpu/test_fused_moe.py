@@ -2,12 +2,14 @@
 ``asyncstep.ops.triton.fused_moe``) against a float64 loop over tokens and
 their experts: float32 and bfloat16, T in 1, 3, 17, E in 4, 8, k in 1, 2,
 an expert no token picks, "silu" and gpt-oss's "swigluoai" with biases;
-the pairs' alignment; the interleaved gate/up layout; a token's rows the
-same bits alone and among 17; transformers' gpt-oss experts; the op sets;
-arguments that do not fit. On the CPU the kernels run under the Triton interpreter
+an expert with two blocks of pairs (float16); the pairs' alignment; the
+interleaved gate/up layout; any strides; a token's rows the same bits alone
+and among 17; transformers' gpt-oss experts; the op sets; arguments that
+do not fit. On the CPU the kernels run under the Triton interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported), which multiplies
 bfloat16 tiles as float32 copies (exact products) and rounds float32 ->
-bfloat16 by truncation; ``ASYNCSTEP_TEST_DEVICE=cuda`` compiles them.
+bfloat16 by truncation, and a fresh process compiles them for sm_90 (no
+GPU needed); ``ASYNCSTEP_TEST_DEVICE=cuda`` compiles and runs them.
 
 Tolerances, against the float64 loop on the same (rounded) inputs, as
 ``|out - ref| <= atol * max|ref| + rtol * |ref|``: float32 2e-6 / 2e-6
