@@ -7,7 +7,8 @@ store (:mod:`.attention`; its kernels in :mod:`.attention_kernels` and
 :mod:`.quant_layout`, their kernels in :mod:`.quant_kernels`, the int8
 activations' packed math in :mod:`.quant_packed`), programmatic dependent
 launch between the decode step's kernels (:mod:`.pdl`), the grammar
-bitmask (:mod:`.grammar_kernel`) and the batch-invariant op set
+bitmask (:mod:`.grammar_kernel`), the fused mixture of experts
+(:mod:`.fused_moe`; its kernels in :mod:`.fused_moe_kernels`) and the batch-invariant op set
 (:mod:`.invariant_ops`: its matmul :mod:`.invariant_matmul`, RMSNorm
 :mod:`.invariant_norm`, attention :mod:`.invariant_attention` and its
 kernels :mod:`.invariant_attention_kernels`). triton is imported by the kernel modules,

@@ -9,7 +9,9 @@ configuration for every M, no split-K), RMSNorm one program per row (the
 residual add + RMSNorm is :func:`~asyncstep.ops.triton.fused.fused_add_rms_norm`,
 one program per row already; the norm without a residual is
 :func:`~asyncstep.ops.triton.invariant_norm.rms_norm`), ``silu * up`` and
-the rotary elementwise (the Triton op set's), and the attention
+the rotary elementwise (the Triton op set's), the mixture of experts'
+``fused_experts`` (the Triton op set's: one tile for every T, no split-K,
+a token's k expert rows summed in a fixed order), and the attention
 :class:`~asyncstep.ops.triton.invariant_attention.TritonInvariantAttention`
 (fixed key splits). Decode, verify and prompt rows go through the same
 kernels: no one-row GEMV, no fused decode path, no whole-stack step path.

@@ -114,6 +114,24 @@ class TritonOps(TorchOps):
 
         return rotary_embedding(cos_sin.positions, q, k, cos_sin_cache, head_dim)
 
+    def fused_experts(
+        self,
+        hidden: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: str = "silu",
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The mixture of experts' weighted sum ``[T, H]``: the three kernels
+        of :func:`~asyncstep.ops.triton.fused_moe.fused_experts` (w13 is
+        gate rows then up rows for every activation; batch-invariant)."""
+        from asyncstep.ops.triton.fused_moe import fused_experts
+
+        return fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+
 
 def _one_row_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
