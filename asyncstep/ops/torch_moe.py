@@ -1,0 +1,79 @@
+"""The reference mixture-of-experts computation: torch's matmuls over the
+token-expert pairs sorted by expert (one grouped matmul per step: a matmul
+per expert's slice), on any device and dtype.
+
+:func:`fused_experts` takes vLLM's arguments: ``hidden`` ``[T, H]``, ``w13``
+``[E, 2 * I, H]`` (each expert's gate rows, then its up rows), ``w2``
+``[E, H, I]``, ``topk_weights`` ``[T, k]`` float32 and ``topk_ids`` ``[T, k]``
+int32, and returns ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])``
+``[T, H]`` in ``hidden``'s dtype, where ``expert_e(x) = w2[e] @ (silu(w13[e]
+gate rows @ x) * (w13[e] up rows @ x))``. Under tensor parallelism ``I`` is
+this rank's slice of every expert and the result a partial sum (the caller
+reduces it). Each pair's output is weighted in float32 and the pairs of a
+token summed in float32, in the order of their experts (``index_add_`` over
+the pairs sorted by expert, stably), then rounded once.
+
+Batch invariance: a token's result does not depend on the other tokens'
+routing order (its pairs are always summed by expert), but it does depend on
+how many rows each expert's matmul has (torch's matmul may block its sums
+differently by M); on the CPU's float32 path the tokens of a greedy request
+match one reference, not every batch bit for bit.
+
+May import torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ACTIVATIONS", "fused_experts", "sort_by_expert"]
+
+#: The experts' activations: ``act(gate) * up``.
+ACTIVATIONS = ("silu",)
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token-expert pairs sorted by expert, stably: (each sorted pair's
+    index into the flattened ``[T * k]`` pairs, each expert's pair count
+    ``[num_experts]``)."""
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts
+
+
+def fused_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The experts' weighted sum for every token (see the module doc)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_experts: unsupported activation {activation!r}")
+    num_tokens, top_k = topk_ids.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    if num_tokens == 0:
+        return out.to(hidden.dtype)
+    order, counts = sort_by_expert(topk_ids, num_experts)
+    token_of_pair = order // top_k
+    rows = hidden.index_select(0, token_of_pair)
+    weights = topk_weights.reshape(-1).index_select(0, order).float().unsqueeze(1)
+    pair_out = torch.empty(
+        order.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device
+    )
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count == 0:
+            continue
+        end = start + count
+        gate_up = F.linear(rows[start:end], w13[expert])
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        pair_out[start:end] = F.linear(act, w2[expert]).float()
+        start = end
+    out.index_add_(0, token_of_pair, pair_out * weights)
+    return out.to(hidden.dtype)
