@@ -38,6 +38,7 @@ from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.loader import Checkpoint, open_checkpoint
 from asyncstep.models.memory import check_model_fits
 from asyncstep.models.model_info import maybe_tokenizer, resolve_max_model_len
+from asyncstep.models.registry import model_class
 from asyncstep.models.weight_cache import PackedCache
 from asyncstep.ops.packed import (
     PackedWeight,
@@ -162,6 +163,10 @@ def load_model(
         config.dtype, device, cpu_blocks_fit=cpu_blocks_fit(config, checkpoint, device)
     )
     arch.validate()
+    if arch.is_moe and config.weight_packing == "q4":
+        raise ConfigError(
+            f"weight_packing q4 does not apply to {arch.architecture}: its experts stay dense"
+        )
     max_model_len = resolve_max_model_len(config.max_model_len, arch)
     tp, pp = get_tp_group(), get_pp_group()
     # On the CPU the weights load in float32 (as the checkpoint gives them:
@@ -181,6 +186,7 @@ def load_model(
     packs_cpu = weights is not None or config.weight_packing == "q4"
     packs_cpu = packs_cpu and device.type == "cpu" and config.weight_packing != "none"
     packs_cpu = packs_cpu and packs_cpu_dtype(dtype, explicit=config.dtype != "auto")
+    packs_cpu = packs_cpu and not arch.is_moe  # dense experts: no packing, no packed cache
     cache = None
     if packs_cpu and weights is not None and config.packed_weight_cache:
         options = _cache_options(config, dtype, sequence_parallel)
@@ -194,7 +200,7 @@ def load_model(
             where = shown_path(cache.path.parent)
             notice(f"packing the weights for this CPU (once, cached in {where})")
     with torch.device(device):
-        model = LlamaForCausalLM(arch, build_dtype, sequence_parallel=sequence_parallel)
+        model = model_class(arch)(arch, build_dtype, sequence_parallel=sequence_parallel)
     if weights is None:
         total = len(needed := model.expected_weight_names())
         tensors = dummy_weights(arch, seed=config.seed, device=device, names=needed)
@@ -249,7 +255,7 @@ def _load_packed_cache(
     """The CPU model of ``cache``'s entry, or None where it has none."""
     since = now_us()
     with torch.device("cpu"):
-        model = LlamaForCausalLM(arch, dtype, sequence_parallel=sequence_parallel)
+        model = model_class(arch)(arch, dtype, sequence_parallel=sequence_parallel)
     settle_dtype(model, dtype)
     if not cache.load(model, dtype):
         return None

@@ -9,8 +9,10 @@ request's outputs do not depend on its batch, issue 40) unless
 ``invariant_dense`` is off (torch's ``F.linear``); the reference's ops where
 the library does not take the input (float16, a residual stream that is not
 float32), and for the rotary embedding (the CPU attention op rotates q and
-k as it reads them). Its step path: the whole decoder stack in one call
-(:mod:`~asyncstep.ops.cpu.decode_stack`).
+k as it reads them), and for a mixture-of-experts layer's experts (the
+dense path: :mod:`~asyncstep.ops.torch_moe`'s matmul per expert). Its step
+path: the whole decoder stack in one call
+(:mod:`~asyncstep.ops.cpu.decode_stack`; a MoE model's layers decline it).
 
 May import torch and :mod:`asyncstep.ops`' base, reference and CPU library.
 """

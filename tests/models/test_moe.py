@@ -1,0 +1,267 @@
+"""The mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE) from tiny
+random checkpoints written with transformers' ``save_pretrained``
+(safetensors): greedy tokens equal transformers', 32 tokens of 3 prompts
+batched together, in fp32 on the CPU, on one rank (whole prompts and chunked
+prefill), with PP = 2 x TP = 2 and (OLMoE) TP = 2 under sequence parallelism
+(gloo, a process per rank; the engine core runs in the test's process).
+Qwen3-MoE's checkpoint has a dense layer (``mlp_only_layers``) and
+renormalised top-k weights; OLMoE's does not renormalise.
+
+Then the door: hostile or unsupported MoE configs are refused with one line
+before anything is built; the memory estimate counts the experts; the CPU's
+fused decode stack declines MoE layers; packing does not apply to them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+import asyncstep
+from asyncstep import SamplingParams
+from asyncstep.config import ModelConfig
+from asyncstep.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from asyncstep.models import memory
+from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.model_loader import load_model
+from asyncstep.models.registry import model_class
+from tests.models.test_hostile_files import as_rank
+
+MAX_TOKENS = 32
+PROMPTS = [[3, 17, 92, 5], [250, 7, 7, 41, 99, 123, 8, 64, 12, 200, 31], [77]]
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
+#: Every family's layouts (a multi-rank engine costs seconds: one of them).
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "one rank": {},
+    "one rank, chunked prefill": {"max_num_batched_tokens": 4},
+    "pp2xtp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+}
+#: And one family's under sequence parallelism: OLMoE's (its q/k norms
+#: all-gather the heads' columns, its MoE blocks the token rows).
+SEQUENCE_PARALLEL = {"tensor_parallel_size": 2, "sequence_parallel": True}
+
+
+def tiny_config(family: str) -> Any:
+    import transformers
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_experts_per_tok=2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        # Larger weights than the default make the logits far from ties.
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common,
+            head_dim=16,
+            intermediate_size=96,  # the dense layer's
+            moe_intermediate_size=32,
+            num_experts=4,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    if family == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4)
+    return transformers.OlmoeConfig(
+        **common, intermediate_size=32, num_experts=4, norm_topk_prob=False
+    )
+
+
+def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+Checkpoint = tuple[Path, list[list[int]]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Checkpoint]:
+    """A family's tiny random checkpoint and transformers' greedy tokens,
+    made once per module."""
+    made: dict[str, Checkpoint] = {}
+
+    def get(family: str) -> Checkpoint:
+        if family not in made:
+            import transformers
+
+            torch.manual_seed(0)
+            config = tiny_config(family)
+            model = transformers.AutoModelForCausalLM.from_config(config).eval()
+            path = tmp_path_factory.mktemp(family)
+            model.save_pretrained(path, safe_serialization=True)
+            made[family] = path, [hf_greedy(model, p) for p in PROMPTS]
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(
+    request: pytest.FixtureRequest, checkpoints: Callable[[str], Checkpoint]
+) -> Checkpoint:
+    return checkpoints(request.param)
+
+
+async def serve(path: Path, **options: Any) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    results: list[list[int]] = [[] for _ in PROMPTS]
+    async with asyncstep.open_engine(
+        path, device="cpu", dtype="float32", engine_process=False, **options
+    ) as engine:
+
+        async def one(i: int) -> None:
+            results[i] = (await engine.generate(PROMPTS[i], params)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(PROMPTS)):
+                nursery.start_soon(one, i)
+    return results
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_greedy_equals_transformers(checkpoint: Checkpoint, layout: str) -> None:
+    path, expected = checkpoint
+    assert trio.run(lambda: serve(path, **LAYOUTS[layout])) == expected
+
+
+def test_greedy_equals_transformers_under_sequence_parallelism(
+    checkpoints: Callable[[str], Checkpoint],
+) -> None:
+    path, expected = checkpoints("olmoe")
+    assert trio.run(lambda: serve(path, **SEQUENCE_PARALLEL)) == expected
+
+
+# -- the door -----------------------------------------------------------------
+
+
+def hf_dict(family: str, **changes: Any) -> dict[str, Any]:
+    config = tiny_config(family).to_dict()
+    config["architectures"] = [
+        {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}.get(
+            family, "OlmoeForCausalLM"
+        )
+    ]
+    config.update(changes)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "error"),
+    [
+        ("mixtral", {"num_experts_per_tok": 5}, r"num_experts_per_tok must be in \[1, 4\], got 5"),
+        ("olmoe", {"num_experts": 0}, r"num_experts must be in \[1, 1024\], got 0"),
+        ("olmoe", {"num_experts": 2**70}, "num_experts must be in .* an integer of 71 bits"),
+        ("mixtral", {"num_local_experts": None}, "'num_local_experts' is missing"),
+        ("mixtral", {"num_local_experts": "8"}, "num_local_experts must be an integer"),
+        ("qwen3_moe", {"moe_intermediate_size": -32}, "moe_intermediate_size must be in"),
+        ("olmoe", {"num_experts_per_tok": True}, "num_experts_per_tok must be an integer"),
+        ("qwen3_moe", {"mlp_only_layers": "1"}, "mlp_only_layers must be a list"),
+        ("qwen3_moe", {"mlp_only_layers": [3]}, r"mlp_only_layers must be in \[0, 2\], got 3"),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step must be in"),
+        ("olmoe", {"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+        (
+            "mixtral",
+            {"num_hidden_layers": 1000, "num_local_experts": 1000},
+            "1000 MoE layers of 1000 experts, more than 65536 experts in all",
+        ),
+    ],
+)
+def test_hostile_moe_configs_are_refused_in_one_line(
+    family: str, changes: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(ModelLoadError, match=error) as caught:
+        ModelArchConfig.from_hf_dict(hf_dict(family, **changes))
+    assert "\n" not in str(caught.value)
+
+
+def test_unsupported_moe_options_are_named() -> None:
+    with pytest.raises(UnsupportedModelError, match="clip_qkv"):
+        ModelArchConfig.from_hf_dict(hf_dict("olmoe", clip_qkv=8.0))
+    arch = ModelArchConfig.from_hf_dict(hf_dict("olmoe"))
+    with pytest.raises(UnsupportedModelError, match="router scoring 'tanh'"):
+        arch.replace(scoring_func="tanh").validate()
+    dense = arch.replace(architecture="Qwen3ForCausalLM", qk_norm_per_head=True)
+    with pytest.raises(ModelLoadError, match="Qwen3ForCausalLM takes no experts"):
+        dense.validate()
+
+
+def test_configs_read_as_each_family_says() -> None:
+    qwen = ModelArchConfig.from_hf_dict(hf_dict("qwen3_moe"))
+    assert (qwen.num_experts, qwen.moe_intermediate_size, qwen.intermediate_size) == (4, 32, 96)
+    assert qwen.norm_topk_prob and qwen.qk_norm and qwen.qk_norm_per_head
+    assert [qwen.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    mixtral = ModelArchConfig.from_hf_dict(hf_dict("mixtral", norm_topk_prob=False))
+    assert mixtral.norm_topk_prob and not mixtral.qk_norm  # Mixtral always renormalises
+    olmoe = ModelArchConfig.from_hf_dict(hf_dict("olmoe"))
+    assert not olmoe.norm_topk_prob and olmoe.qk_norm and not olmoe.qk_norm_per_head
+    assert olmoe.weight_shapes()["model.layers.0.self_attn.q_norm.weight"] == (64,)
+    # A real Qwen3-MoE config names its experts num_experts (transformers 5 writes both).
+    both = hf_dict("qwen3_moe", num_experts=8, num_local_experts=4, num_experts_per_tok=8)
+    assert ModelArchConfig.from_hf_dict(both).num_experts == 8
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 3)])
+def test_estimate_is_the_parameters_each_rank_builds(family: str, tp: int, pp: int) -> None:
+    arch = ModelArchConfig.from_hf_dict(hf_dict(family))
+    for pp_rank in range(pp):
+        with as_rank(0, tp, pp_rank, pp), torch.device("meta"):
+            model = model_class(arch)(arch, torch.float32)
+        built = sum(p.numel() for p in model.parameters())
+        assert memory.rank_param_count(arch, tp_size=tp, pp_rank=pp_rank, pp_size=pp) == built
+        assert model.expected_weight_names() <= set(arch.weight_shapes())
+
+
+def test_the_cpu_decode_stack_declines_moe_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixtral's layers have no q/k norm, so they reach the MLP check: the
+    stack must decline them (None), not read a dense MLP they lack."""
+    from asyncstep.ops.cpu import decode_stack
+
+    class FastMatmul:
+        fast = True
+
+    monkeypatch.setattr(decode_stack, "quant_matmul", lambda: FastMatmul())
+    arch = ModelArchConfig.from_hf_dict(hf_dict("mixtral"))
+    model = model_class(arch)(arch, torch.float32)
+    assert decode_stack.CpuDecodeStack.build(object(), model.model.stage_layers()) is None  # type: ignore[arg-type]
+
+
+def test_moe_models_take_no_q4_packing(checkpoint: Checkpoint) -> None:
+    path, _ = checkpoint
+    with pytest.raises(
+        ConfigError, match=r"weight_packing q4 does not apply to .*experts stay dense"
+    ):
+        load_model(ModelConfig(model=str(path), device="cpu", weight_packing="q4"))
+
+
+def test_a_bfloat16_moe_model_loads_dense(checkpoint: Checkpoint) -> None:
+    path, _ = checkpoint
+    loaded = load_model(ModelConfig(model=str(path), device="cpu", dtype="bfloat16"))
+    experts = [m for n, m in loaded.model.named_modules() if n.endswith("mlp.experts")]
+    assert experts and all(m.w13_weight.dtype == torch.bfloat16 for m in experts)
+    packed = [m for m in loaded.model.modules() if getattr(m, "packed", None) is not None]
+    assert packed == []
+    config = json.loads((path / "config.json").read_text())
+    assert loaded.arch_config.architecture == config["architectures"][0]
