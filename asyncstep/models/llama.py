@@ -1,5 +1,9 @@
 """The Llama family: Llama 2/3, Mistral, SmolLM2 (Llama), Qwen2 (q/k/v bias)
 and Qwen3 (per-head q/k RMSNorm), with tensor- and pipeline-parallel layers.
+Other families reuse its attention, decoder layer and model through their
+hooks (:meth:`LlamaDecoderLayer.make_attention` / ``make_mlp``,
+:attr:`LlamaForCausalLM.decoder_layer`, :meth:`LlamaForCausalLM.param_target`):
+the mixture-of-experts families of :mod:`asyncstep.models.moe`.
 
 ``forward`` takes a flat batch of tokens (no batch dimension): ``input_ids``
 and ``positions`` of every scheduled token of every request (then padding

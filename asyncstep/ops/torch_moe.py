@@ -13,16 +13,25 @@ reduces it). Each pair's output is weighted in float32 and the pairs of a
 token summed in float32, in the order of their experts (``index_add_`` over
 the pairs sorted by expert, stably), then rounded once.
 
-Batch invariance: a token's result does not depend on the other tokens'
-routing order (its pairs are always summed by expert), but it does depend on
-how many rows each expert's matmul has (torch's matmul may block its sums
-differently by M); on the CPU's float32 path the tokens of a greedy request
-match one reference, not every batch bit for bit.
+The matmul is ``F.linear`` unless the caller passes its own (``matmul(x,
+weight)`` of one expert's 2-D weight: the CPU op set passes its linear).
+
+Batch invariance: a token's pairs are summed in the order of their experts
+whatever the other tokens are, so its result depends on the other tokens
+only through the matmul: each expert's matmul takes the rows routed to it in
+this step, as many as the batch sends it. With a matmul that computes each
+row alone in one order of K (the CPU library's dense bfloat16 matmul, which
+the CPU op set runs under ``batch_invariant``) a token's output is the same
+in every batch; with torch's ``F.linear`` (float32 on the CPU, every dtype
+elsewhere) it may differ by roundings with the number of rows, as a dense
+layer's does.
 
 May import torch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +59,10 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> torch.Tensor:
-    """The experts' weighted sum for every token (see the module doc)."""
+    """The experts' weighted sum for every token (see the module doc);
+    ``matmul(x, weight)``: ``x @ weight.T`` of one expert's 2-D weight."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_experts: unsupported activation {activation!r}")
     num_tokens, top_k = topk_ids.shape
@@ -71,9 +82,9 @@ def fused_experts(
         if count == 0:
             continue
         end = start + count
-        gate_up = F.linear(rows[start:end], w13[expert])
+        gate_up = matmul(rows[start:end], w13[expert])
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        pair_out[start:end] = F.linear(act, w2[expert]).float()
+        pair_out[start:end] = matmul(act, w2[expert]).float()
         start = end
     out.index_add_(0, token_of_pair, pair_out * weights)
     return out.to(hidden.dtype)

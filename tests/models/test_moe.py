@@ -265,3 +265,15 @@ def test_a_bfloat16_moe_model_loads_dense(checkpoint: Checkpoint) -> None:
     assert packed == []
     config = json.loads((path / "config.json").read_text())
     assert loaded.arch_config.architecture == config["architectures"][0]
+
+
+def test_a_tp_size_that_does_not_divide_the_experts_is_refused() -> None:
+    from asyncstep.config import ParallelConfig
+    from asyncstep.models.model_info import validate_parallel_layout
+
+    arch = ModelArchConfig.from_hf_dict(hf_dict("qwen3_moe"))
+    arch = arch.replace(num_attention_heads=6, num_key_value_heads=3, head_dim=16)
+    with pytest.raises(
+        ConfigError, match=r"does not divide the model's expert intermediate size \(32\)"
+    ):
+        validate_parallel_layout(arch, ParallelConfig(tensor_parallel_size=3))

@@ -165,3 +165,26 @@ def test_sigmoid_router() -> None:
     assert torch.equal(topk_weights, want)
     with pytest.raises(ValueError, match="unsupported router scoring"):
         select_experts(logits, 2, renormalize=False, scoring_func="tanh")
+
+
+def test_cpu_bfloat16_experts_are_batch_invariant() -> None:
+    """Through the library's dense bfloat16 matmul (``invariant_dense``) a
+    token's output is the same alone and in a batch that sends its experts
+    other rows."""
+    from asyncstep.ops.cpu.dense import dense_matmul
+
+    kernels = load_cpu_kernels()
+    if kernels is None or dense_matmul() is None:
+        pytest.skip("the CPU library's dense matmul does not build here")
+    from asyncstep.ops.cpu.ops import CpuOps
+
+    ops = CpuOps(kernels.layer_ops, invariant_dense=True)
+    w13, w2 = (w.bfloat16() for w in weights(5))
+    hidden, topk_weights, topk_ids = routing(40, 2, list(range(EXPERTS)), seed=5)
+    hidden = hidden.bfloat16()
+    batch = ops.fused_experts(hidden, w13, w2, topk_weights, topk_ids)
+    for t in (0, 17, 39):
+        one = ops.fused_experts(
+            hidden[t : t + 1], w13, w2, topk_weights[t : t + 1], topk_ids[t : t + 1]
+        )
+        assert torch.equal(one[0], batch[t])
