@@ -13,6 +13,12 @@ reduces it). Each pair's output is weighted in float32 and the pairs of a
 token summed in float32, in the order of their experts (``index_add_`` over
 the pairs sorted by expert, stably), then rounded once.
 
+The sort reads each expert's row count on the host (a sync): while a CUDA
+graph is being captured, which allows none, :func:`experts_every_token`
+runs instead (every expert over every token, weighted 0 where the token did
+not pick it: the same sums in the same order, ``num_experts / k`` times the
+work).
+
 The matmul is ``F.linear`` unless the caller passes its own (``matmul(x,
 weight)`` of one expert's 2-D weight: the CPU op set passes its linear).
 
@@ -36,7 +42,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "fused_experts", "sort_by_expert"]
+__all__ = ["ACTIVATIONS", "experts_every_token", "fused_experts", "sort_by_expert"]
+
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: The experts' activations: ``act(gate) * up``.
 ACTIVATIONS = ("silu",)
@@ -59,12 +67,14 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
-    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+    matmul: Matmul = F.linear,
 ) -> torch.Tensor:
     """The experts' weighted sum for every token (see the module doc);
     ``matmul(x, weight)``: ``x @ weight.T`` of one expert's 2-D weight."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_experts: unsupported activation {activation!r}")
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        return experts_every_token(hidden, w13, w2, topk_weights, topk_ids, matmul)
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
@@ -87,4 +97,25 @@ def fused_experts(
         pair_out[start:end] = matmul(act, w2[expert]).float()
         start = end
     out.index_add_(0, token_of_pair, pair_out * weights)
+    return out.to(hidden.dtype)
+
+
+def experts_every_token(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    matmul: Matmul = F.linear,
+) -> torch.Tensor:
+    """:func:`fused_experts` without a host sync (see the module doc)."""
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    weights = torch.zeros(
+        hidden.shape[0], num_experts, dtype=torch.float32, device=hidden.device
+    ).scatter_(1, topk_ids.long(), topk_weights.float())
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in range(num_experts):
+        gate_up = matmul(hidden, w13[expert])
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out += weights[:, expert : expert + 1] * matmul(act, w2[expert]).float()
     return out.to(hidden.dtype)

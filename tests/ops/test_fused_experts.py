@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from asyncstep.models.layers.moe import select_experts
 from asyncstep.ops import TORCH_OPS
 from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.torch_moe import experts_every_token
 
 HIDDEN, INTER, EXPERTS = 48, 40, 5
 
@@ -188,3 +189,15 @@ def test_cpu_bfloat16_experts_are_batch_invariant() -> None:
             hidden[t : t + 1], w13, w2, topk_weights[t : t + 1], topk_ids[t : t + 1]
         )
         assert torch.equal(one[0], batch[t])
+
+
+def test_the_sync_free_form_gives_the_same_sums() -> None:
+    """What a CUDA graph captures (every expert over every token, weight 0
+    where not picked) equals the sorted form, tokens without experts' rows
+    included."""
+    w13, w2 = weights(6)
+    hidden, topk_weights, topk_ids = routing(21, 2, [1, 2, 4], seed=6)
+    torch.testing.assert_close(
+        experts_every_token(hidden, w13, w2, topk_weights, topk_ids),
+        TORCH_OPS.fused_experts(hidden, w13, w2, topk_weights, topk_ids),
+    )
