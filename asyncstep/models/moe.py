@@ -12,6 +12,8 @@ Checkpoints name each expert's projections apart
 (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``; Mixtral's
 ``block_sparse_moe.experts.{e}.w1.weight``): they load into the layer's
 ``mlp.experts.w13_weight`` / ``w2_weight`` (:meth:`MoeForCausalLM.param_target`).
+The op sets' whole-stack step paths are for dense layers: a MoE model runs
+layer by layer (:meth:`MoeForCausalLM.use_ops`).
 
 May import torch, :mod:`asyncstep.channels`, the model config, layers and
 :mod:`asyncstep.models.llama`.
@@ -31,6 +33,7 @@ from asyncstep.models.layers.moe import SparseMoeBlock
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.layers.rotary import RotaryEmbedding
 from asyncstep.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from asyncstep.ops.base import OpSet
 from asyncstep.ops.slot import OpSetSlot
 
 __all__ = [
@@ -80,6 +83,14 @@ class MoeForCausalLM(LlamaForCausalLM):
     weights loaded from per-expert checkpoint names."""
 
     decoder_layer: type[LlamaDecoderLayer] = MoeDecoderLayer
+
+    def use_ops(self, ops: OpSet) -> None:
+        """Every layer through ``ops``, layer by layer: an op set's
+        whole-stack paths (the CPU's decode stack, Triton's fused decode)
+        read a dense gated MLP, which a MoE layer has not, so none is asked
+        for."""
+        self.model.ops.ops = ops
+        self.model.step_path = None
 
     def param_target(self, name: str) -> tuple[str, Any]:
         """An expert projection's parameter and ``(expert id, w1 | w3 | w2)``;

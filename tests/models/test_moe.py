@@ -277,3 +277,20 @@ def test_a_tp_size_that_does_not_divide_the_experts_is_refused() -> None:
         ConfigError, match=r"does not divide the model's expert intermediate size \(32\)"
     ):
         validate_parallel_layout(arch, ParallelConfig(tensor_parallel_size=3))
+
+
+def test_moe_models_ask_no_op_set_for_a_step_path() -> None:
+    """The whole-stack paths (the CPU's decode stack, Triton's fused decode)
+    read a dense gated MLP: a MoE model runs layer by layer on every op set."""
+    from asyncstep.ops.torch_ref import TorchOps
+
+    class StackingOps(TorchOps):
+        def step_path(self, layers: list[Any]) -> Any:
+            raise AssertionError("a MoE model asked for a step path")
+
+    ops = StackingOps()
+    for family in FAMILIES:
+        arch = ModelArchConfig.from_hf_dict(hf_dict(family))
+        model = model_class(arch)(arch, torch.float32)
+        model.use_ops(ops)
+        assert model.model.ops.ops is ops and model.model.step_path is None
