@@ -92,6 +92,21 @@ class MoeForCausalLM(LlamaForCausalLM):
         self.model.ops.ops = ops
         self.model.step_path = None
 
+    def expert_load(self, *, reset: bool = False) -> dict[int, list[int]]:
+        """Load balance: for each MoE layer of this stage (by its index in
+        the model), the token rows routed to each expert since the model was
+        built or the count last reset (every TP rank routes every row, so
+        its ranks count alike; padding rows count too). Reads the device's
+        counters (a sync): call it between steps."""
+        load: dict[int, list[int]] = {}
+        for i, layer in enumerate(self.model.stage_layers(), self.model.start_layer):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                counts = layer.mlp.experts.tokens_per_expert
+                load[i] = counts.tolist()
+                if reset:
+                    counts.zero_()
+        return load
+
     def param_target(self, name: str) -> tuple[str, Any]:
         """An expert projection's parameter and ``(expert id, w1 | w3 | w2)``;
         other names as the Llama family's (the block renamed ``mlp``)."""

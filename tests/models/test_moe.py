@@ -28,7 +28,8 @@ from asyncstep.config import ModelConfig
 from asyncstep.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from asyncstep.models import memory
 from asyncstep.models.config import ModelArchConfig
-from asyncstep.models.model_loader import load_model
+from asyncstep.models.model_loader import LoadedModel, load_model
+from asyncstep.models.moe import MoeForCausalLM
 from asyncstep.models.registry import model_class
 from tests.models.test_hostile_files import as_rank
 
@@ -124,7 +125,7 @@ def checkpoint(
     return checkpoints(request.param)
 
 
-async def serve(path: Path, **options: Any) -> list[list[int]]:
+async def serve(path: Path | LoadedModel, **options: Any) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     results: list[list[int]] = [[] for _ in PROMPTS]
     async with asyncstep.open_engine(
@@ -294,3 +295,19 @@ def test_moe_models_ask_no_op_set_for_a_step_path() -> None:
         model = model_class(arch)(arch, torch.float32)
         model.use_ops(ops)
         assert model.model.ops.ops is ops and model.model.step_path is None
+
+
+def test_expert_load_counts_every_routed_row(checkpoints: Callable[[str], Checkpoint]) -> None:
+    """Each MoE layer counts top_k rows per token computed: the prompts'
+    tokens and every generated token but the last (never fed back)."""
+    path, expected = checkpoints("qwen3_moe")
+    loaded = load_model(ModelConfig(model=str(path), device="cpu", dtype="float32"))
+    model = loaded.model
+    assert isinstance(model, MoeForCausalLM)
+    assert model.expert_load() == {0: [0] * 4, 2: [0] * 4}  # layer 1 is dense
+    assert trio.run(lambda: serve(loaded)) == expected
+    rows = sum(map(len, PROMPTS)) + len(PROMPTS) * (MAX_TOKENS - 1)
+    load = model.expert_load(reset=True)
+    assert {layer: sum(counts) for layer, counts in load.items()} == {0: 2 * rows, 2: 2 * rows}
+    assert all(min(counts) > 0 for counts in load.values())
+    assert model.expert_load() == {0: [0] * 4, 2: [0] * 4}

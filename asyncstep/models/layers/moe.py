@@ -15,6 +15,11 @@ The experts' matmuls are the model's op set's
 (the CPU packing and the GPU 4-bit packing take the parallel linear layers
 only).
 
+Load balance: each :class:`FusedMoE` counts the token rows routed to each of
+its experts (``tokens_per_expert``, on the device, no host sync: a CUDA
+graph replays the count too), every row it computes: a step's padding rows
+(CUDA graph sizes, sequence parallelism) count as well.
+
 May import torch, :mod:`asyncstep.channels`, :mod:`asyncstep.ops` and the
 other layers.
 """
@@ -102,6 +107,11 @@ class FusedMoE(nn.Module):
         )
         #: The model's op set.
         self.ops = ops or OpSetSlot()
+        #: Token rows routed to each expert since the count was last reset.
+        self.tokens_per_expert: torch.Tensor
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False
+        )
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]
@@ -128,6 +138,8 @@ class FusedMoE(nn.Module):
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        ids = topk_ids.reshape(-1).long()
+        self.tokens_per_expert.index_add_(0, ids, torch.ones_like(ids))
         out = self.ops.ops.fused_experts(
             hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids
         )
