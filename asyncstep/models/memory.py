@@ -86,7 +86,8 @@ def model_memory(
     largest = max(
         arch.vocab_size * arch.hidden_size,
         arch.intermediate_size * arch.hidden_size,
-        arch.moe_intermediate_size * arch.hidden_size,
+        # A GGUF's experts are stacked in one tensor, dequantized whole.
+        arch.num_experts * arch.moe_intermediate_size * arch.hidden_size,
         arch.q_size * arch.hidden_size,
     )
     rotary = arch.max_position_embeddings * arch.head_dim * 4

@@ -116,8 +116,12 @@ def cpu_blocks_fit(
     """Whether every decoder projection of ``config``'s model will be kept in
     the CPU library's blocks: on the CPU where they run, packing not switched
     off, and 4-bit weights (a GGUF's Q4_0 / Q4_1, or any rounded by
-    ``weight_packing="q4"``)."""
+    ``weight_packing="q4"``); never a mixture-of-experts model's (its
+    experts stay dense)."""
     if device.type != "cpu" or config.weight_packing == "none" or not cpu_blocks():
+        return False
+    arch_config = getattr(checkpoint, "arch_config", None)
+    if arch_config is not None and arch_config().is_moe:
         return False
     if config.weight_packing == "q4":
         return True

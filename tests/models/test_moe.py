@@ -2,8 +2,9 @@
 random checkpoints written with transformers' ``save_pretrained``
 (safetensors): greedy tokens equal transformers', 32 tokens of 3 prompts
 batched together, in fp32 on the CPU, on one rank (whole prompts and chunked
-prefill), with PP = 2 x TP = 2 and (OLMoE) TP = 2 under sequence parallelism
-(gloo, a process per rank; the engine core runs in the test's process).
+prefill), and with PP = 2 x TP = 2 (OLMoE's under sequence parallelism)
+(gloo, a process per rank; the engine core runs in the test's process); from
+GGUF files written as llama.cpp's converter writes them, on one rank.
 Qwen3-MoE's checkpoint has a dense layer (``mlp_only_layers``) and
 renormalised top-k weights; OLMoE's does not renormalise.
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import trio
@@ -36,15 +38,16 @@ from tests.models.test_hostile_files import as_rank
 MAX_TOKENS = 32
 PROMPTS = [[3, 17, 92, 5], [250, 7, 7, 41, 99, 123, 8, 64, 12, 200, 31], [77]]
 FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
-#: Every family's layouts (a multi-rank engine costs seconds: one of them).
+#: Every family's layouts (a multi-rank engine costs seconds: one of them,
+#: TP and PP at once).
 LAYOUTS: dict[str, dict[str, Any]] = {
     "one rank": {},
     "one rank, chunked prefill": {"max_num_batched_tokens": 4},
     "pp2xtp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
 }
-#: And one family's under sequence parallelism: OLMoE's (its q/k norms
-#: all-gather the heads' columns, its MoE blocks the token rows).
-SEQUENCE_PARALLEL = {"tensor_parallel_size": 2, "sequence_parallel": True}
+#: The family whose PP = 2 x TP = 2 runs under sequence parallelism (its q/k
+#: norms all-gather the heads' columns, its MoE blocks the token rows).
+SEQUENCE_PARALLEL_FAMILY = "olmoe"
 
 
 def tiny_config(family: str) -> Any:
@@ -65,7 +68,7 @@ def tiny_config(family: str) -> Any:
         initializer_range=0.2,
         tie_word_embeddings=False,
     )
-    if family == "qwen3_moe":
+    if family.startswith("qwen3_moe"):
         return transformers.Qwen3MoeConfig(
             **common,
             head_dim=16,
@@ -73,7 +76,8 @@ def tiny_config(family: str) -> Any:
             moe_intermediate_size=32,
             num_experts=4,
             norm_topk_prob=True,
-            mlp_only_layers=[1],
+            # A GGUF has no dense layers in a MoE model.
+            mlp_only_layers=[] if family.endswith("gguf") else [1],
         )
     if family == "mixtral":
         return transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4)
@@ -119,10 +123,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Che
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def checkpoint(
-    request: pytest.FixtureRequest, checkpoints: Callable[[str], Checkpoint]
-) -> Checkpoint:
-    return checkpoints(request.param)
+def family(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(family: str, checkpoints: Callable[[str], Checkpoint]) -> Checkpoint:
+    return checkpoints(family)
 
 
 async def serve(path: Path | LoadedModel, **options: Any) -> list[list[int]]:
@@ -142,16 +149,12 @@ async def serve(path: Path | LoadedModel, **options: Any) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_greedy_equals_transformers(checkpoint: Checkpoint, layout: str) -> None:
+def test_greedy_equals_transformers(family: str, checkpoint: Checkpoint, layout: str) -> None:
     path, expected = checkpoint
-    assert trio.run(lambda: serve(path, **LAYOUTS[layout])) == expected
-
-
-def test_greedy_equals_transformers_under_sequence_parallelism(
-    checkpoints: Callable[[str], Checkpoint],
-) -> None:
-    path, expected = checkpoints("olmoe")
-    assert trio.run(lambda: serve(path, **SEQUENCE_PARALLEL)) == expected
+    options = LAYOUTS[layout]
+    if family == SEQUENCE_PARALLEL_FAMILY and "tensor_parallel_size" in options:
+        options = options | {"sequence_parallel": True}
+    assert trio.run(lambda: serve(path, **options)) == expected
 
 
 # -- the door -----------------------------------------------------------------
@@ -311,3 +314,101 @@ def test_expert_load_counts_every_routed_row(checkpoints: Callable[[str], Checkp
     assert {layer: sum(counts) for layer, counts in load.items()} == {0: 2 * rows, 2: 2 * rows}
     assert all(min(counts) > 0 for counts in load.values())
     assert model.expert_load() == {0: [0] * 4, 2: [0] * 4}
+
+
+# -- GGUF ---------------------------------------------------------------------
+
+#: Our family -> (its GGUF architecture, the checkpoint to convert).
+GGUF_FAMILIES = {"qwen3_moe": ("qwen3moe", "qwen3_moe_gguf"), "mixtral": ("llama", "mixtral")}
+GGUF_FAMILIES["olmoe"] = ("olmoe", "olmoe")
+_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+}
+_GGUF_GLOBAL = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+
+_GGUF_STACKS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}
+
+
+def write_moe_gguf(path: Path, hf_dir: Path, gguf_arch: str, *, stacked: int = 4) -> Path:
+    """``hf_dir``'s checkpoint (4 experts) as llama.cpp's converter writes
+    it: float32, each projection's first ``stacked`` experts stacked
+    ``[stacked, ...]``, q/k rows permuted for the ``llama`` architecture."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.models.test_loaders import llama_cpp_permute
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    state = {k: v.numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(256)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_expert_count(4)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if "moe_intermediate_size" in config:
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    stacks: dict[str, list[Any]] = {}
+    for name, value in state.items():
+        module, kind = name.rsplit(".", 1)
+        if module in _GGUF_GLOBAL:
+            writer.add_tensor(f"{_GGUF_GLOBAL[module]}.{kind}", value)
+            continue
+        _, _, layer, rest = module.split(".", 3)
+        if ".experts." in rest:
+            _, _, expert, proj = rest.split(".")
+            stack = f"blk.{layer}.ffn_{_GGUF_STACKS.get(proj, 'down')}_exps.weight"
+            stacks.setdefault(stack, [None] * 4)[int(expert)] = value
+            continue
+        if gguf_arch == "llama" and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"]
+            value = llama_cpp_permute(value, heads)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_BLOCK[rest]}.{kind}", value)
+    for name, values in stacks.items():
+        writer.add_tensor(name, np.stack(values[:stacked]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
+def test_gguf_greedy_equals_transformers(
+    family: str, checkpoints: Callable[[str], Checkpoint], tmp_path: Path
+) -> None:
+    gguf_arch, source = GGUF_FAMILIES[family]
+    hf_dir, expected = checkpoints(source)
+    path = write_moe_gguf(tmp_path / f"{family}.gguf", hf_dir, gguf_arch)
+    assert trio.run(lambda: serve(path)) == expected
+
+
+def test_a_gguf_stack_of_other_experts_is_refused(
+    checkpoints: Callable[[str], Checkpoint], tmp_path: Path
+) -> None:
+    hf_dir, _ = checkpoints("olmoe")
+    path = write_moe_gguf(tmp_path / "olmoe.gguf", hf_dir, "olmoe", stacked=3)
+    error = r"ffn_\w+_exps.weight. has shape \(3, \d+, \d+\), but the metadata implies 4 experts"
+    with pytest.raises(ModelLoadError, match=error) as caught:
+        load_model(ModelConfig(model=str(path), device="cpu"))
+    assert "\n" not in str(caught.value)
