@@ -8,9 +8,12 @@ GGUF files written as llama.cpp's converter writes them, on one rank.
 Qwen3-MoE's checkpoint has a dense layer (``mlp_only_layers``) and
 renormalised top-k weights; OLMoE's does not renormalise.
 
-Then the door: hostile or unsupported MoE configs are refused with one line
-before anything is built; the memory estimate counts the experts; the CPU's
-fused decode stack declines MoE layers; packing does not apply to them."""
+Then the door: hostile or unsupported MoE configs (and a GGUF stack of
+other experts) are refused with one line before anything is built; a TP
+size must divide the experts; the memory estimate counts the experts; no op
+set's whole-stack step path is asked for (the CPU's decode stack declines
+MoE layers too); packing does not apply to them; each layer counts the rows
+routed to each expert (load balance)."""
 
 from __future__ import annotations
 
