@@ -3,8 +3,11 @@
 :meth:`ModelArchConfig.validate` is the one gate every config passes before a
 model is built from it: sizes are non-bool ints within the bounds of
 :mod:`asyncstep.models.limits`, floats finite, flags bools, rope scaling of a
-known type with typed fields. :meth:`ModelArchConfig.weight_shapes` gives the
-tensors (HF names, full shapes) a checkpoint of the config must hold.
+known type with typed fields, and a mixture-of-experts config's expert
+counts bounded and consistent (top-k within the experts, every MoE layer's
+experts within :data:`~asyncstep.models.limits.MAX_EXPERT_LAYERS`).
+:meth:`ModelArchConfig.weight_shapes` gives the tensors (HF names, full
+shapes) a checkpoint of the config must hold.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from typing import Any
 from asyncstep.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from asyncstep.models.limits import (
     MAX_CONTEXT_LENGTH,
+    MAX_EXPERT_LAYERS,
     MAX_HEAD_DIM,
     MAX_HIDDEN_SIZE,
     MAX_INTERMEDIATE_SIZE,
+    MAX_NUM_EXPERTS,
     MAX_NUM_HEADS,
     MAX_NUM_LAYERS,
     MAX_ROPE_FACTOR,
@@ -35,12 +40,28 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
+#: The mixture-of-experts families -> their checkpoints' expert names:
+#: (the block's module, gate, up, down projection), e.g.
+#: ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight`` and the router
+#: ``model.layers.{i}.mlp.gate.weight``.
+MOE_FAMILIES: dict[str, tuple[str, str, str, str]] = {
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+#: A MoE router's scoring of the experts before its top-k.
+SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Shapes and options of a Llama-family model (Llama, Mistral, Qwen2, Qwen3)."""
+    """Shapes and options of a Llama-family model (Llama, Mistral, Qwen2, Qwen3)
+    and of the mixture-of-experts families built on its attention (Qwen3-MoE,
+    Mixtral, OLMoE: ``num_experts`` > 0)."""
 
     architecture: str  # an HF architectures name, e.g. "LlamaForCausalLM"
     vocab_size: int
@@ -58,15 +79,51 @@ class ModelArchConfig:
     tie_word_embeddings: bool = False
     #: Bias on q/k/v projections (Qwen2).
     attention_bias: bool = False
-    #: RMSNorm on q and k per head before rotary (Qwen3).
+    #: RMSNorm on q and k before rotary (Qwen3, OLMoE).
     qk_norm: bool = False
+    #: The q/k RMSNorm is over each head (Qwen3), or over the whole q and k
+    #: projections (OLMoE: weights of ``q_size`` and ``kv_size``).
+    qk_norm_per_head: bool = True
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    #: Mixture of experts (0: a dense model): experts of a MoE layer, how
+    #: many each token takes, and each expert's intermediate size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    #: Renormalise a token's top-k router weights to sum to 1 (Mixtral
+    #: always; Qwen3-MoE and OLMoE as their config says).
+    norm_topk_prob: bool = False
+    #: The router's scoring before its top-k (:data:`SCORING_FUNCS`).
+    scoring_func: str = "softmax"
+    #: Qwen3-MoE: layer ``i`` is a MoE layer where ``(i + 1) %
+    #: decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``;
+    #: the others have a dense MLP of ``intermediate_size``.
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def family(self) -> str:
         return ARCHITECTURES[self.architecture]
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has mixture-of-experts layers."""
+        return self.family in MOE_FAMILIES
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` has experts (else a dense MLP)."""
+        return (
+            self.is_moe
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def expert_weight_names(self) -> tuple[str, str, str, str]:
+        """The checkpoint's names of a MoE block: (its module, gate, up, down)."""
+        return MOE_FAMILIES[self.family]
 
     @property
     def q_size(self) -> int:
@@ -98,10 +155,15 @@ class ModelArchConfig:
                 f"{p}.self_attn.k_proj.weight": (kv, h),
                 f"{p}.self_attn.v_proj.weight": (kv, h),
                 f"{p}.self_attn.o_proj.weight": (h, q),
-                f"{p}.mlp.gate_proj.weight": (inter, h),
-                f"{p}.mlp.up_proj.weight": (inter, h),
-                f"{p}.mlp.down_proj.weight": (h, inter),
             }
+            if self.is_moe_layer(i):
+                shapes |= self._expert_shapes(p)
+            else:
+                shapes |= {
+                    f"{p}.mlp.gate_proj.weight": (inter, h),
+                    f"{p}.mlp.up_proj.weight": (inter, h),
+                    f"{p}.mlp.down_proj.weight": (h, inter),
+                }
             if self.attention_bias:
                 shapes |= {
                     f"{p}.self_attn.q_proj.bias": (q,),
@@ -109,10 +171,27 @@ class ModelArchConfig:
                     f"{p}.self_attn.v_proj.bias": (kv,),
                 }
             if self.qk_norm:
+                q_norm, k_norm = (self.head_dim,) * 2 if self.qk_norm_per_head else (q, kv)
                 shapes |= {
-                    f"{p}.self_attn.q_norm.weight": (self.head_dim,),
-                    f"{p}.self_attn.k_norm.weight": (self.head_dim,),
+                    f"{p}.self_attn.q_norm.weight": (q_norm,),
+                    f"{p}.self_attn.k_norm.weight": (k_norm,),
                 }
+        return shapes
+
+    def _expert_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """A MoE layer's router and per-expert projections (checkpoint names)."""
+        block, gate, up, down = self.expert_weight_names
+        h, inter = self.hidden_size, self.moe_intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {
+            f"{prefix}.{block}.gate.weight": (self.num_experts, h)
+        }
+        for e in range(self.num_experts):
+            expert = f"{prefix}.{block}.experts.{e}"
+            shapes |= {
+                f"{expert}.{gate}.weight": (inter, h),
+                f"{expert}.{up}.weight": (inter, h),
+                f"{expert}.{down}.weight": (h, inter),
+            }
         return shapes
 
     def validate(self) -> None:
@@ -136,9 +215,10 @@ class ModelArchConfig:
             raise ModelLoadError(f"config: head_dim must be even for rotary, got {self.head_dim}")
         bounded_float("config: rms_norm_eps", self.rms_norm_eps, 1.0)
         bounded_float("config: rope_theta", self.rope_theta, math.inf)
-        for flag in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+        for flag in ("tie_word_embeddings", "attention_bias", "qk_norm", "qk_norm_per_head"):
             if not isinstance(getattr(self, flag), bool):
                 raise ModelLoadError(f"config: {flag} must be true or false")
+        self._validate_moe()
         if self.bos_token_id is not None:
             bounded_int("config: bos_token_id", self.bos_token_id, MAX_TOKEN_ID, low=0)
         if not isinstance(self.eos_token_ids, tuple) or len(self.eos_token_ids) > MAX_EOS_TOKENS:
@@ -149,6 +229,36 @@ class ModelArchConfig:
             bounded_int("config: eos_token_id", eos, MAX_TOKEN_ID, low=0)
         validate_rope_scaling(self.rope_scaling)
 
+    def _validate_moe(self) -> None:
+        """A MoE family's expert fields bounded and consistent; a dense one has none."""
+        if not self.is_moe:
+            if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
+                raise ModelLoadError(f"config: {self.architecture} takes no experts")
+            return
+        bounded_int("config: num_experts", self.num_experts, MAX_NUM_EXPERTS)
+        bounded_int("config: num_experts_per_tok", self.num_experts_per_tok, self.num_experts)
+        bounded_int(
+            "config: moe_intermediate_size", self.moe_intermediate_size, MAX_INTERMEDIATE_SIZE
+        )
+        bounded_int("config: decoder_sparse_step", self.decoder_sparse_step, MAX_NUM_LAYERS)
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ModelLoadError("config: norm_topk_prob must be true or false")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise UnsupportedModelError(
+                f"unsupported router scoring {self.scoring_func!r} ({', '.join(SCORING_FUNCS)})"
+            )
+        layers = self.mlp_only_layers
+        if not isinstance(layers, tuple) or len(layers) > self.num_hidden_layers:
+            raise ModelLoadError("config: mlp_only_layers must be a list of layer indices")
+        for i in layers:
+            bounded_int("config: mlp_only_layers", i, self.num_hidden_layers - 1, low=0)
+        moe_layers = sum(map(self.is_moe_layer, range(self.num_hidden_layers)))
+        if moe_layers * self.num_experts > MAX_EXPERT_LAYERS:
+            raise ModelLoadError(
+                f"config: {moe_layers} MoE layers of {self.num_experts} experts, more than "
+                f"{MAX_EXPERT_LAYERS} experts in all"
+            )
+
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any]) -> ModelArchConfig:
         """Build from an HF ``config.json`` dict (transformers 4.x or 5.x spelling),
@@ -157,7 +267,7 @@ class ModelArchConfig:
             raise ModelLoadError(f"config: expected an object, got {type(cfg).__name__}")
         arch = _hf_architecture(cfg)
         family = ARCHITECTURES[arch]
-        sizes = {name: _hf_size(cfg, name) for name in _HF_REQUIRED_SIZES}
+        sizes: dict[str, Any] = {name: _hf_size(cfg, name) for name in _HF_REQUIRED_SIZES}
         hidden, n_heads = sizes["hidden_size"], sizes["num_attention_heads"]
         n_kv = _hf_size(cfg, "num_key_value_heads", n_heads)
         head_dim = _hf_size(cfg, "head_dim", max(hidden // n_heads, 1))
@@ -178,11 +288,13 @@ class ModelArchConfig:
             max_position_embeddings=_hf_size(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=_hf_value(cfg, "tie_word_embeddings", False),
             attention_bias=_hf_value(cfg, "attention_bias", family == "qwen2"),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_per_head=family != "olmoe",
             hidden_act=_hf_value(cfg, "hidden_act", "silu"),
             bos_token_id=_hf_value(cfg, "bos_token_id", None),
             eos_token_ids=_hf_eos(cfg.get("eos_token_id")),
             **sizes,
+            **_hf_moe(cfg, family, sizes["intermediate_size"]),
         )
         config.validate()
         return config
@@ -222,6 +334,9 @@ _HF_GUESSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 _MISSING: Any = object()
 
@@ -292,6 +407,42 @@ def _hf_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(rope, dict):
         raise ModelLoadError(f"config: rope_scaling must be an object, got {type(rope).__name__}")
     return dict(rope)
+
+
+def _hf_moe(cfg: Mapping[str, Any], family: str, intermediate_size: int) -> dict[str, Any]:
+    """The expert fields of a MoE family's HF config (none for a dense family),
+    each bounded before use. Qwen3-MoE names its expert count ``num_experts``
+    (transformers 5 writes ``num_local_experts``), OLMoE ``num_experts``,
+    Mixtral ``num_local_experts``; Mixtral and OLMoE experts are
+    ``intermediate_size`` wide, Qwen3-MoE's ``moe_intermediate_size``."""
+    if family not in MOE_FAMILIES:
+        return {}
+    if family == "olmoe" and cfg.get("clip_qkv") is not None:
+        raise UnsupportedModelError("unsupported OLMoE option clip_qkv (only null)")
+    key = "num_local_experts" if family == "mixtral" or "num_experts" not in cfg else "num_experts"
+    num_experts = bounded_int(f"config: {key}", _hf_value(cfg, key), MAX_NUM_EXPERTS)
+    top_k = _hf_value(cfg, "num_experts_per_tok")
+    bounded_int("config: num_experts_per_tok", top_k, num_experts)
+    moe = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": intermediate_size,
+        "norm_topk_prob": True if family == "mixtral" else _hf_value(cfg, "norm_topk_prob", False),
+    }
+    if family == "qwen3_moe":
+        only = _hf_value(cfg, "mlp_only_layers", [])
+        if not isinstance(only, list) or len(only) > MAX_NUM_LAYERS:
+            raise ModelLoadError("config: mlp_only_layers must be a list of layer indices")
+        moe |= {
+            "moe_intermediate_size": bounded_int(
+                "config: moe_intermediate_size",
+                _hf_value(cfg, "moe_intermediate_size"),
+                MAX_INTERMEDIATE_SIZE,
+            ),
+            "decoder_sparse_step": _hf_value(cfg, "decoder_sparse_step", 1),
+            "mlp_only_layers": tuple(only),
+        }
+    return moe
 
 
 def _hf_eos(eos: Any) -> tuple[int, ...]:

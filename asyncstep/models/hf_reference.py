@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from asyncstep.errors import UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.loader import open_checkpoint
 
@@ -18,9 +19,12 @@ _CONFIG_CLASSES = {
 
 
 def hf_config(arch: ModelArchConfig, **overrides: Any) -> Any:
-    """A transformers config of ``arch``'s shape."""
+    """A transformers config of ``arch``'s shape (a dense family's: the MoE
+    families' parity tests build transformers' model themselves)."""
     import transformers
 
+    if arch.architecture not in _CONFIG_CLASSES:
+        raise UnsupportedModelError(f"no transformers reference config for {arch.architecture}")
     cls = getattr(transformers, _CONFIG_CLASSES[arch.architecture])
     rope: dict[str, Any] = {"rope_theta": arch.rope_theta}
     if arch.rope_scaling:

@@ -32,6 +32,11 @@ MAX_HEAD_DIM = 1 << 10
 MAX_CONTEXT_LENGTH = 1 << 24
 #: A rope scaling factor (real ones: 2 to 64).
 MAX_ROPE_FACTOR = 1 << 16
+#: Experts of one MoE layer (real ones: 8 to 384).
+MAX_NUM_EXPERTS = 1 << 10
+#: MoE layers x experts of one model (each expert is 3 checkpoint tensors;
+#: Qwen3-235B-A22B: 94 x 128).
+MAX_EXPERT_LAYERS = 1 << 16
 
 #: Metadata and tensor-table sizes of one GGUF file (real files: < 100 keys,
 #: < 2,000 tensors, arrays of at most a few vocabularies' length in all).

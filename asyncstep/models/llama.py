@@ -1,5 +1,9 @@
 """The Llama family: Llama 2/3, Mistral, SmolLM2 (Llama), Qwen2 (q/k/v bias)
 and Qwen3 (per-head q/k RMSNorm), with tensor- and pipeline-parallel layers.
+Other families reuse its attention, decoder layer and model through their
+hooks (:meth:`LlamaDecoderLayer.make_attention` / ``make_mlp``,
+:attr:`LlamaForCausalLM.decoder_layer`, :meth:`LlamaForCausalLM.param_target`):
+the mixture-of-experts families of :mod:`asyncstep.models.moe`.
 
 ``forward`` takes a flat batch of tokens (no batch dimension): ``input_ids``
 and ``positions`` of every scheduled token of every request (then padding
@@ -23,6 +27,7 @@ between pipeline stages are the token shards.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,6 +105,11 @@ class LlamaAttention(nn.Module):
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape)
 
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k through their RMSNorms (Qwen3: over each head)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        return self._per_head_norm(q, self.q_norm), self._per_head_norm(k, self.k_norm)
+
     def qkv(
         self, cos_sin: RotaryCosSin, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,8 +121,8 @@ class LlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`qkv` of the projection's output ``qkv``."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self._per_head_norm(q, self.q_norm), self._per_head_norm(k, self.k_norm)
+        if self.q_norm is not None:
+            q, k = self.norm_qk(q, k)
         if not self.attn.rotates:  # else rotated by the attention's KV store
             q, k = self.rotary[0](cos_sin, q, k)
         return q, k, v
@@ -155,7 +165,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Under sequence parallelism ``hidden`` and ``residual`` (in and out) are
-    this rank's token shard; the projections gather and scatter the rows."""
+    this rank's token shard; the projections gather and scatter the rows.
+    A family whose attention or feed-forward differs overrides
+    :meth:`make_attention` / :meth:`make_mlp` (``layer_idx``: the layer's
+    index in the whole model)."""
 
     def __init__(
         self,
@@ -163,13 +176,34 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         sequence_parallel: bool = False,
+        layer_idx: int = 0,
     ):
         super().__init__()
         ops = rotary.ops
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.self_attn = LlamaAttention(config, rotary, dtype, sequence_parallel)
+        self.self_attn = self.make_attention(config, rotary, dtype, sequence_parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.mlp = LlamaMLP(config, dtype, sequence_parallel, ops)
+        self.mlp = self.make_mlp(config, layer_idx, dtype, sequence_parallel, ops)
+
+    def make_attention(
+        self,
+        config: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        sequence_parallel: bool,
+    ) -> LlamaAttention:
+        return LlamaAttention(config, rotary, dtype, sequence_parallel)
+
+    def make_mlp(
+        self,
+        config: ModelArchConfig,
+        layer_idx: int,
+        dtype: torch.dtype,
+        sequence_parallel: bool,
+        ops: OpSetSlot,
+    ) -> nn.Module:
+        """The feed-forward: ``forward(x)`` of the normed hidden rows."""
+        return LlamaMLP(config, dtype, sequence_parallel, ops)
 
     def pre_attention(
         self,
@@ -216,7 +250,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: ModelArchConfig, dtype: torch.dtype, sequence_parallel: bool = False
+        self,
+        config: ModelArchConfig,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+        decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer,
     ):
         super().__init__()
         self.sequence_parallel = sequence_parallel
@@ -245,7 +283,7 @@ class LlamaModel(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, dtype, sequence_parallel)
+            decoder_layer(config, self.rotary, dtype, sequence_parallel, layer_idx=i)
             if self.start_layer <= i < self.end_layer
             else nn.Identity()  # a layer of another stage: holds nothing here
             for i in range(config.num_hidden_layers)
@@ -306,7 +344,13 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM: ``forward`` to hidden states (or intermediate
     tensors), ``compute_logits`` on the rows to sample, ``load_weights`` from
-    HF-named tensors. ``sequence_parallel`` is a no-op for a TP group of one."""
+    HF-named tensors. ``sequence_parallel`` is a no-op for a TP group of one.
+    Another family built on these layers names its :attr:`decoder_layer`
+    and maps its checkpoint's names (:meth:`param_target`,
+    :meth:`checkpoint_names`)."""
+
+    #: The decoder layer this family's model stacks.
+    decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(
         self,
@@ -320,7 +364,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp_size = get_tp_group().world_size
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
-        self.model = LlamaModel(config, dtype, self.sequence_parallel)
+        self.model = LlamaModel(config, dtype, self.sequence_parallel, self.decoder_layer)
         self.lm_head: ParallelLMHead | None = None
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(
@@ -389,10 +433,7 @@ class LlamaForCausalLM(nn.Module):
         """Checkpoint (HF) names this rank needs: a fused parameter needs each part."""
         names: set[str] = set()
         for name, _ in self.named_parameters():
-            parts = [
-                name.replace(ours, theirs) for ours, theirs, _ in STACKED_PARAMS if ours in name
-            ]
-            names.update(parts or [name])
+            names.update(self.checkpoint_names(name))
         if self.config.tie_word_embeddings and "lm_head.weight" in names:
             names.discard("lm_head.weight")
             names.add("model.embed_tokens.weight")
@@ -411,7 +452,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if tied and name == "model.embed_tokens.weight" and name not in params:
                 name = "lm_head.weight"  # a last stage without the embedding
-            target, shard_id = _fused_name(name)
+            target, shard_id = self.param_target(name)
             if target not in params:
                 if self._on_other_stage(target):
                     continue
@@ -431,6 +472,19 @@ class LlamaForCausalLM(nn.Module):
                 loader(param, tensor, shard_id)
             loaded.add(checkpoint_name)
         return loaded
+
+    def checkpoint_names(self, param_name: str) -> list[str]:
+        """The checkpoint names loaded into parameter ``param_name``."""
+        parts = [
+            param_name.replace(ours, theirs)
+            for ours, theirs, _ in STACKED_PARAMS
+            if ours in param_name
+        ]
+        return parts or [param_name]
+
+    def param_target(self, name: str) -> tuple[str, Any]:
+        """Checkpoint tensor ``name``'s parameter and its shard id there (None: whole)."""
+        return _fused_name(name)
 
     def _on_other_stage(self, name: str) -> bool:
         parts = name.split(".")

@@ -56,12 +56,16 @@ def rank_param_count(
     inter = -(-arch.intermediate_size // tp_size)
     vocab = -(-arch.vocab_size // tp_size)
     qkv_rows = (heads + 2 * kv_heads) * d
-    layer = 2 * h + qkv_rows * h + h * heads * d + 3 * inter * h
+    layer = 2 * h + qkv_rows * h + h * heads * d
     layer += qkv_rows if arch.attention_bias else 0
-    layer += 2 * d if arch.qk_norm else 0
+    if arch.qk_norm:
+        layer += 2 * d if arch.qk_norm_per_head else arch.q_size + arch.kv_size
+    # A MoE layer: the router, and every expert's 1 / tp of its projections.
+    experts = arch.num_experts * (h + 3 * -(-arch.moe_intermediate_size // tp_size) * h)
     start, end = pp_layer_range(arch.num_hidden_layers, pp_rank, pp_size)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     count = (end - start) * layer
+    count += sum(experts if arch.is_moe_layer(i) else 3 * inter * h for i in range(start, end))
     count += vocab * h if first else 0
     if last:
         count += h + (0 if arch.tie_word_embeddings and first else vocab * h)
@@ -82,6 +86,8 @@ def model_memory(
     largest = max(
         arch.vocab_size * arch.hidden_size,
         arch.intermediate_size * arch.hidden_size,
+        # A GGUF's experts are stacked in one tensor, dequantized whole.
+        arch.num_experts * arch.moe_intermediate_size * arch.hidden_size,
         arch.q_size * arch.hidden_size,
     )
     rotary = arch.max_position_embeddings * arch.head_dim * 4

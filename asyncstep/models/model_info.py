@@ -70,6 +70,7 @@ def validate_parallel_layout(arch: ModelArchConfig, parallel: ParallelConfig) ->
         ("attention heads", arch.num_attention_heads),
         ("key/value heads", arch.num_key_value_heads),
         ("intermediate size", arch.intermediate_size),
+        ("expert intermediate size", arch.moe_intermediate_size),
     ):
         if size % tp:
             raise ConfigError(

@@ -38,6 +38,7 @@ from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.loader import Checkpoint, open_checkpoint
 from asyncstep.models.memory import check_model_fits
 from asyncstep.models.model_info import maybe_tokenizer, resolve_max_model_len
+from asyncstep.models.registry import model_class
 from asyncstep.models.weight_cache import PackedCache
 from asyncstep.ops.packed import (
     PackedWeight,
@@ -115,8 +116,12 @@ def cpu_blocks_fit(
     """Whether every decoder projection of ``config``'s model will be kept in
     the CPU library's blocks: on the CPU where they run, packing not switched
     off, and 4-bit weights (a GGUF's Q4_0 / Q4_1, or any rounded by
-    ``weight_packing="q4"``)."""
+    ``weight_packing="q4"``); never a mixture-of-experts model's (its
+    experts stay dense)."""
     if device.type != "cpu" or config.weight_packing == "none" or not cpu_blocks():
+        return False
+    arch_config = getattr(checkpoint, "arch_config", None)
+    if arch_config is not None and arch_config().is_moe:
         return False
     if config.weight_packing == "q4":
         return True
@@ -162,6 +167,10 @@ def load_model(
         config.dtype, device, cpu_blocks_fit=cpu_blocks_fit(config, checkpoint, device)
     )
     arch.validate()
+    if arch.is_moe and config.weight_packing == "q4":
+        raise ConfigError(
+            f"weight_packing q4 does not apply to {arch.architecture}: its experts stay dense"
+        )
     max_model_len = resolve_max_model_len(config.max_model_len, arch)
     tp, pp = get_tp_group(), get_pp_group()
     # On the CPU the weights load in float32 (as the checkpoint gives them:
@@ -181,6 +190,7 @@ def load_model(
     packs_cpu = weights is not None or config.weight_packing == "q4"
     packs_cpu = packs_cpu and device.type == "cpu" and config.weight_packing != "none"
     packs_cpu = packs_cpu and packs_cpu_dtype(dtype, explicit=config.dtype != "auto")
+    packs_cpu = packs_cpu and not arch.is_moe  # dense experts: no packing, no packed cache
     cache = None
     if packs_cpu and weights is not None and config.packed_weight_cache:
         options = _cache_options(config, dtype, sequence_parallel)
@@ -194,7 +204,7 @@ def load_model(
             where = shown_path(cache.path.parent)
             notice(f"packing the weights for this CPU (once, cached in {where})")
     with torch.device(device):
-        model = LlamaForCausalLM(arch, build_dtype, sequence_parallel=sequence_parallel)
+        model = model_class(arch)(arch, build_dtype, sequence_parallel=sequence_parallel)
     if weights is None:
         total = len(needed := model.expected_weight_names())
         tensors = dummy_weights(arch, seed=config.seed, device=device, names=needed)
@@ -249,7 +259,7 @@ def _load_packed_cache(
     """The CPU model of ``cache``'s entry, or None where it has none."""
     since = now_us()
     with torch.device("cpu"):
-        model = LlamaForCausalLM(arch, dtype, sequence_parallel=sequence_parallel)
+        model = model_class(arch)(arch, dtype, sequence_parallel=sequence_parallel)
     settle_dtype(model, dtype)
     if not cache.load(model, dtype):
         return None

@@ -3,7 +3,8 @@
 An :class:`OpSet` computes RMSNorm, the residual add + RMSNorm, the gated
 MLP's ``silu(gate) * up``, the rotary embedding of q and k, the paged
 attention with its KV store (an :class:`AttentionOp`, which may rotate q and
-k itself as it reads them: :attr:`OpSet.rotates_in_kv_store`) and the linear
+k itself as it reads them: :attr:`OpSet.rotates_in_kv_store`), a
+mixture-of-experts layer's experts (:meth:`OpSet.fused_experts`) and the linear
 layers' matmuls for each weight format (a packed format carries its own
 matmul, :class:`~asyncstep.ops.packed.PackedWeight`; the op set runs the
 dense weights); every implementation gives
@@ -185,6 +186,26 @@ class OpSet(Protocol):
     ) -> torch.Tensor:
         """The LM head's ``x @ weight.T``: as :meth:`linear`, in a dtype of
         the op set's choosing (float32 where its matmul sums so)."""
+        ...
+
+    def fused_experts(
+        self,
+        hidden: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        """A mixture-of-experts layer's experts (vLLM's ``fused_experts``):
+        ``hidden`` ``[T, H]``; ``w13`` ``[E_local, 2 * I_local, H]`` (each
+        expert's gate rows, then its up rows); ``w2`` ``[E_local, H,
+        I_local]``; the router's ``topk_weights`` ``[T, k]`` float32 and
+        ``topk_ids`` ``[T, k]`` int32. Returns ``[T, H]`` in ``hidden``'s
+        dtype: each token's experts' ``w2 @ (act(gate) * up)`` weighted and
+        summed (a partial sum where ``I_local`` is a TP slice). ``activation``
+        "silu": ``silu(gate) * up``
+        (:func:`asyncstep.ops.torch_moe.fused_experts`, the reference)."""
         ...
 
     def step_path(self, layers: list[Any]) -> StepPath | None:

@@ -15,7 +15,8 @@ default, :data:`BATCH_INVARIANT_DEFAULT`): on CUDA the Triton
 batch-invariant op set with its own attention (ConfigError without triton
 or with another attention backend); on the CPU the choice above, whose
 packed weights are batch-invariant already, and whose dense bfloat16
-weights go through the library's invariant matmul when asked for, or by
+weights (a MoE model's experts too) go through the library's invariant
+matmul when asked for, or by
 default where that matmul's build is its fast one (``CpuDenseMatmul.fast``:
 the AVX2 and AVX512F builds compute a row at a time, several times
 oneDNN's time at many rows).

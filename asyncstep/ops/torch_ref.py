@@ -11,10 +11,11 @@ over the layers.
 Its attention op is the one it is built with (the reference's,
 :mod:`asyncstep.ops.torch_attention`, unless a kernel runs beside the
 reference's layer ops); its linear runs a packed weight's own matmul where
-it takes the step, else ``F.linear``.
+it takes the step, else ``F.linear``; its experts are
+:mod:`~asyncstep.ops.torch_moe`'s grouped matmul.
 
 May import torch and :mod:`asyncstep.ops`' base, attention metadata, packed
-formats and reference attention.
+formats, reference attention and reference experts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from asyncstep.ops.attention import AttentionMetadata, AttentionShape
 from asyncstep.ops.base import AttentionOp, RotaryCosSin, StepPath
 from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
+from asyncstep.ops.torch_moe import fused_experts
 
 __all__ = ["TORCH_OPS", "TorchOps", "rotate"]
 
@@ -86,6 +88,19 @@ class TorchOps:
         if packed is not None and packed.applies(x):
             return packed.logits(x)
         return F.linear(x, weight)
+
+    def fused_experts(
+        self,
+        hidden: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        """The experts sorted by expert, a matmul per expert's slice
+        (:mod:`~asyncstep.ops.torch_moe`)."""
+        return fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation)
 
     def step_path(self, layers: list[Any]) -> StepPath | None:
         return None

@@ -37,7 +37,7 @@ def num_kv_blocks(
         free, total = torch.cuda.mem_get_info(device)
         activations = (
             max_num_batched_tokens
-            * ((4 * arch.hidden_size + 2 * arch.intermediate_size) * dtype.itemsize)
+            * ((4 * arch.hidden_size + 2 * _ffn_width(arch)) * dtype.itemsize)
             + max_num_running_reqs * arch.vocab_size * 4 * 3
         )
         budget = free - (1 - cache.gpu_memory_utilization) * total - activations
@@ -81,3 +81,10 @@ def zeroed_host_tensors(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> li
         tensors.append(flat[offset : offset + size].view(dtype).view(shape))
         offset += size
     return tensors
+
+
+def _ffn_width(arch: ModelArchConfig) -> int:
+    """A token's feed-forward activations' width: the dense MLP's, or its
+    ``top_k`` experts' (each token's rows are copied once per expert)."""
+    experts = arch.num_experts_per_tok * arch.moe_intermediate_size
+    return max(arch.intermediate_size, experts)

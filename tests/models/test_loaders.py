@@ -656,6 +656,21 @@ def test_unsupported_gguf_arch(tmp_path: Path) -> None:
 
 def test_unexpected_gguf_tensor(tmp_path: Path) -> None:
     path = write_gguf(
+        tmp_path / "ssm.gguf",
+        "llama",
+        {"blk.0.ssm_conv1d.weight": np.zeros((4, 32), np.float32)},
+        layers=1,
+        tokenizer=False,
+        vocab_size=8,
+    )
+    with raises_exactly(UnsupportedModelError, "unexpected GGUF tensor 'blk.0.ssm_conv1d"):
+        GGUFCheckpoint(path)
+
+
+def test_gguf_experts_in_a_dense_model_have_no_place(tmp_path: Path) -> None:
+    """A stack of experts in a ``llama`` file without ``llama.expert_count``
+    (MoE GGUFs: tests/models/test_moe.py)."""
+    path = write_gguf(
         tmp_path / "moe.gguf",
         "llama",
         {"blk.0.ffn_gate_exps.weight": np.zeros((4, 32), np.float32)},
@@ -663,7 +678,7 @@ def test_unexpected_gguf_tensor(tmp_path: Path) -> None:
         tokenizer=False,
         vocab_size=8,
     )
-    with raises_exactly(UnsupportedModelError, "unexpected GGUF tensor 'blk.0.ffn_gate_exps"):
+    with raises_exactly(ModelLoadError, "tensor 'blk.0.ffn_gate_exps.weight' has no place"):
         GGUFCheckpoint(path)
 
 

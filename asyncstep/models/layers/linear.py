@@ -1,5 +1,6 @@
-"""Tensor-parallel linear layers: column-parallel (QKV, merged gate/up) and
-row-parallel (o_proj, down_proj) with all-reduce.
+"""Tensor-parallel linear layers: column-parallel (QKV, merged gate/up),
+row-parallel (o_proj, down_proj) with all-reduce, and replicated (a MoE
+router: the whole weight on every rank, never packed).
 
 With sequence parallelism (Megatron-SP) the activations between the layers
 are split along tokens: each TP rank holds ``num_tokens / tp_size`` rows. A
@@ -60,6 +61,31 @@ def _make_param(shape: Sequence[int], dtype: torch.dtype, loader: WeightLoader) 
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
+
+
+class ReplicatedLinear(nn.Module):
+    """``y = x A^T``, the whole of A on every rank (a MoE router's gate); its
+    weight stays dense (the CPU packing takes the parallel layers only)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        ops: OpSetSlot | None = None,
+    ) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = _make_param((output_size, input_size), params_dtype, self.weight_loader)
+        #: The model's op set.
+        self.ops = ops or OpSetSlot()
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _copy_checked(param, loaded, "replicated")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.ops.linear(x, self.weight, None)
 
 
 class ColumnParallelLinear(nn.Module):

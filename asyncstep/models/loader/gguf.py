@@ -7,7 +7,11 @@ row permutation undone for the ``llama`` architecture. The file is untrusted:
 every count, offset and size it declares is checked in Python integers against
 the file (whole, aligned, no overlap) before the reader acts on it, and every
 tensor's shape and type against the config, all when the file opens.
-Supported GGUF architectures: ``llama`` (Llama, Mistral), ``qwen2``, ``qwen3``.
+Supported GGUF architectures: ``llama`` (Llama, Mistral; Mixtral where it
+has ``llama.expert_count``), ``qwen2``, ``qwen3``, ``qwen3moe``, ``olmoe``. A
+MoE block's experts are stacked in one GGUF tensor per projection
+(``blk.N.ffn_gate_exps.weight`` ``[experts, ...]``): each comes out as its
+experts' HF-named tensors, one per expert, dequantized once per stack.
 May import numpy, gguf, transformers and ``asyncstep.models.config``/``errors``/``memory``;
 torch only where tensors are read (a model is described without it).
 """
@@ -21,13 +25,13 @@ import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gguf
 import numpy as np
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
-from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.config import ARCHITECTURES, MOE_FAMILIES, ModelArchConfig
 from asyncstep.models.limits import (
     MAX_GGUF_ARRAY_ELEMENTS,
     MAX_GGUF_ARRAY_LENGTH,
@@ -50,7 +54,11 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+#: A ``llama`` GGUF with experts (llama.cpp converts Mixtral so).
+GGUF_LLAMA_MOE = "MixtralForCausalLM"
 
 #: Tensors outside the blocks: GGUF base name -> HF module name.
 _GLOBAL_NAMES: dict[str, str] = {
@@ -72,7 +80,13 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
 }
+#: A MoE block's stacked experts: GGUF base name -> the projection's index in
+#: the family's :attr:`~asyncstep.models.config.ModelArchConfig.expert_weight_names`.
+_EXPERT_STACKS: dict[str, int] = {"ffn_gate_exps": 1, "ffn_up_exps": 2, "ffn_down_exps": 3}
+#: How :func:`hf_tensor_name` names a stack until the config says how many experts.
+_STACK_NAME = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(ffn_\w+_exps)\.weight")
 
 #: GGUF tensors HF models do not have. ``rope_freqs`` holds llama3 rope factors;
 #: rope scaling is taken from the metadata instead.
@@ -256,6 +270,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
                 return None
             if base in _BLOCK_NAMES:
                 return f"model.layers.{int(layer)}.{_BLOCK_NAMES[base]}.{kind}"
+            if base in _EXPERT_STACKS and kind == "weight":
+                return f"model.layers.{int(layer)}.mlp.experts.{base}.weight"
     raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
@@ -297,6 +313,14 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
         raise ModelLoadError(f"{path}: corrupt GGUF file: {detail}") from None
 
 
+class _Weight(NamedTuple):
+    """One HF-named tensor of the file: a GGUF tensor, or one expert of a stack."""
+
+    tensor: Any
+    name: str
+    expert: int | None = None
+
+
 class GGUFCheckpoint:
     """A ``.gguf`` file of a Llama-family model; tensors come out float32, HF-named."""
 
@@ -313,6 +337,7 @@ class GGUFCheckpoint:
             )
         self._tensors = self._map_tensor_names()
         self._config = self._build_config()
+        self._tensors = self._expand_experts(self._tensors)
         self._check_tensors()
         self._check_tokenizer_arrays()
 
@@ -410,11 +435,15 @@ class GGUFCheckpoint:
         n_kv = self._metadata_int("attention.head_count_kv", n_heads)
         head_dim = self._metadata_int("attention.key_length", hidden // max(n_heads, 1))
         gguf_names = {tensor.name for tensor in self._reader.tensors}
+        architecture = GGUF_ARCHITECTURES[self._gguf_arch]
+        if self._gguf_arch == "llama" and self.metadata("llama.expert_count"):
+            architecture = GGUF_LLAMA_MOE
+        ffn = self._metadata_int("feed_forward_length")
         config = ModelArchConfig(
-            architecture=GGUF_ARCHITECTURES[self._gguf_arch],
+            architecture=architecture,
             vocab_size=self._vocab_size(),
             hidden_size=hidden,
-            intermediate_size=self._metadata_int("feed_forward_length"),
+            intermediate_size=ffn,
             num_hidden_layers=self._metadata_int("block_count"),
             num_attention_heads=n_heads,
             num_key_value_heads=n_kv,
@@ -425,9 +454,11 @@ class GGUFCheckpoint:
             max_position_embeddings=self._metadata_int("context_length", 4096),
             tie_word_embeddings="output.weight" not in gguf_names,
             attention_bias="blk.0.attn_q.bias" in gguf_names,
-            qk_norm=self._gguf_arch == "qwen3",
+            qk_norm=self._gguf_arch in ("qwen3", "qwen3moe", "olmoe"),
+            qk_norm_per_head=self._gguf_arch != "olmoe",
             bos_token_id=self.metadata("tokenizer.ggml.bos_token_id"),
             eos_token_ids=self._eos_token_ids(),
+            **self._moe_fields(architecture, ffn),
         )
         try:
             config.validate()
@@ -435,25 +466,78 @@ class GGUFCheckpoint:
             raise type(exc)(f"{self.path}: {exc}") from None
         return config
 
+    def _moe_fields(self, architecture: str, ffn: int) -> dict[str, Any]:
+        """A MoE architecture's expert fields (bounded by ``validate``): the
+        expert counts, each expert's width (``expert_feed_forward_length``,
+        else the feed-forward length) and ``expert_weights_norm`` (else the
+        family's: OLMoE does not renormalise, Qwen3-MoE and Mixtral do)."""
+        family = ARCHITECTURES[architecture]
+        if family not in MOE_FAMILIES:
+            return {}
+        norm = self.metadata(f"{self._gguf_arch}.expert_weights_norm", family != "olmoe")
+        return {
+            "num_experts": self._metadata_int("expert_count"),
+            "num_experts_per_tok": self._metadata_int("expert_used_count"),
+            "moe_intermediate_size": self._metadata_int("expert_feed_forward_length", ffn),
+            "norm_topk_prob": norm,
+        }
+
     # -- tensors ----------------------------------------------------------------------------
 
-    def _map_tensor_names(self) -> list[tuple[Any, str]]:
-        mapped: list[tuple[Any, str]] = []
+    def _map_tensor_names(self) -> list[_Weight]:
+        mapped: list[_Weight] = []
         for tensor in self._reader.tensors:
             try:
                 name = hf_tensor_name(tensor.name)
             except UnsupportedModelError as exc:
                 raise UnsupportedModelError(f"{self.path}: {exc}") from None
             if name is not None:
-                mapped.append((tensor, name))
+                mapped.append(_Weight(tensor, name))
         return mapped
+
+    def _expand_experts(self, weights: list[_Weight]) -> list[_Weight]:
+        """Each stack of experts as its experts' HF names (a model without
+        experts keeps the stack's name, which has no place in it), and the
+        router under the family's block name."""
+        config = self._config
+        if not config.is_moe:
+            return weights
+        block, *projections = config.expert_weight_names
+        expanded: list[_Weight] = []
+        for weight in weights:
+            match = _STACK_NAME.fullmatch(weight.name)
+            if match is None:
+                expanded.append(
+                    weight._replace(name=weight.name.replace(".mlp.gate.", f".{block}.gate."))
+                )
+                continue
+            proj = projections[_EXPERT_STACKS[match[2]] - 1]
+            expanded += [
+                _Weight(weight.tensor, f"{match[1]}.{block}.experts.{e}.{proj}.weight", e)
+                for e in range(config.num_experts)
+            ]
+        return expanded
+
+    def _stored_shape(self, weight: _Weight) -> tuple[int, ...]:
+        """A weight's shape as stored (an expert's: its stack's but the first
+        dimension, which must be the expert count)."""
+        stored = tuple(int(d) for d in reversed(weight.tensor.shape.tolist()))
+        if weight.expert is None:
+            return stored
+        if not stored or stored[0] != self._config.num_experts:
+            raise ModelLoadError(
+                f"{self.path}: tensor {weight.tensor.name!r} has shape {stored}, but the "
+                f"metadata implies {self._config.num_experts} experts"
+            )
+        return stored[1:]
 
     def _check_tensors(self) -> None:
         """Every tensor must be one the config implies, of that shape and of a type
         gguf can dequantize, and every tensor the config implies must be there."""
         expected = self._config.weight_shapes()
         seen: set[str] = set()
-        for tensor, name in self._tensors:
+        for weight in self._tensors:
+            tensor, name = weight.tensor, weight.name
             shape = expected.get(name)
             if shape is None:
                 raise ModelLoadError(
@@ -463,7 +547,7 @@ class GGUFCheckpoint:
             if name in seen:
                 raise ModelLoadError(f"{self.path}: two tensors are {name}")
             seen.add(name)
-            stored = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            stored = self._stored_shape(weight)
             if stored != shape:
                 raise ModelLoadError(
                     f"{self.path}: tensor {tensor.name!r} has shape {stored}, but the "
@@ -503,9 +587,8 @@ class GGUFCheckpoint:
             return self._config.num_key_value_heads
         return None
 
-    def _load_tensor(self, tensor: Any, hf_name: str) -> torch.Tensor:
-        import torch  # where tensors are read: describing a model needs no torch
-
+    def _load_tensor(self, tensor: Any, hf_name: str) -> np.ndarray[Any, Any]:
+        """``tensor`` dequantized, float32, in its stored (HF) shape."""
         from asyncstep.models.loader.gguf_blocks import dequantize_blocks
 
         fast = dequantize_blocks(tensor.data, int(tensor.tensor_type))
@@ -527,7 +610,7 @@ class GGUFCheckpoint:
         array = np.ascontiguousarray(array, dtype=np.float32)
         if not array.flags.writeable:  # an F32 tensor is a view of the read-only memory map
             array = array.copy()
-        return torch.from_numpy(array)
+        return array
 
     # -- Checkpoint protocol ----------------------------------------------------------------
 
@@ -539,18 +622,27 @@ class GGUFCheckpoint:
         return self._config
 
     def weight_names(self) -> list[str]:
-        return [name for _, name in self._tensors]
+        return [weight.name for weight in self._tensors]
 
     def decoder_weights_4bit(self) -> bool:
         """Whether every decoder projection is stored as Q4_0 or Q4_1 (the
         4-bit blocks the CPU library keeps as they are)."""
         four_bit = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1}
-        projections = [t for t, name in self._tensors if name.endswith("_proj.weight")]
+        projections = [w.tensor for w in self._tensors if w.name.endswith("_proj.weight")]
         return bool(projections) and all(t.tensor_type in four_bit for t in projections)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for tensor, name in self._tensors:
-            yield name, self._load_tensor(tensor, name)
+        import torch  # where tensors are read: describing a model needs no torch
+
+        stack: tuple[Any, np.ndarray[Any, Any]] | None = None  # the experts being read
+        for weight in self._tensors:
+            if weight.expert is None:
+                stack = None
+                yield weight.name, torch.from_numpy(self._load_tensor(weight.tensor, weight.name))
+                continue
+            if stack is None or stack[0] is not weight.tensor:
+                stack = weight.tensor, self._load_tensor(weight.tensor, weight.name)
+            yield weight.name, torch.from_numpy(stack[1][weight.expert])
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         return load_gguf_tokenizer(

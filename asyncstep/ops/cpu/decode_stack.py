@@ -9,7 +9,8 @@ silu * up) without a Python call per op.
 kept quantized for the CPU library
 (:class:`~asyncstep.ops.cpu.quant.CpuQuantWeight`) and whose
 attention is the CPU kernel with its rotary fused, on one tensor-parallel
-rank (the stack has no all-reduce), without per-head q/k norms; else None,
+rank (the stack has no all-reduce), without q/k norms, whose every layer
+has a dense gated MLP (a mixture-of-experts layer declines); else None,
 and the model keeps its layer-by-layer forward. Steps of more tokens than
 the packed weights take (or with padding rows) go layer by layer too.
 
@@ -99,6 +100,8 @@ class CpuDecodeStack:
         if not layers or matmul is None or not matmul.fast:
             return None
         for layer in layers:
+            if getattr(layer.mlp, "gate_up_proj", None) is None:
+                return None  # a mixture-of-experts layer: no dense gated MLP
             attention = layer.self_attn
             if attention.q_norm is not None or not attention.attn.rotates:
                 return None

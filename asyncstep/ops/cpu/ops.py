@@ -9,10 +9,14 @@ request's outputs do not depend on its batch, issue 40) unless
 ``invariant_dense`` is off (torch's ``F.linear``); the reference's ops where
 the library does not take the input (float16, a residual stream that is not
 float32), and for the rotary embedding (the CPU attention op rotates q and
-k as it reads them). Its step path: the whole decoder stack in one call
-(:mod:`~asyncstep.ops.cpu.decode_stack`).
+k as it reads them); a mixture-of-experts layer's experts are the
+reference's grouped matmul (:mod:`~asyncstep.ops.torch_moe`) over this op
+set's linear (so bfloat16 experts are batch-invariant as its dense
+projections are). Its step
+path: the whole decoder stack in one call
+(:mod:`~asyncstep.ops.cpu.decode_stack`; a MoE model's layers decline it).
 
-May import torch and :mod:`asyncstep.ops`' base, reference and CPU library.
+May import torch and :mod:`asyncstep.ops`' base, references (layer ops, experts) and CPU library.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.quant import CpuQuantWeight
 from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
+from asyncstep.ops.torch_moe import fused_experts
 from asyncstep.ops.torch_ref import TorchOps
 
 __all__ = ["CpuHeadOps", "CpuOps"]
@@ -97,6 +102,29 @@ class CpuOps(CpuHeadOps):
         else:  # the bias added to the float32 sums, then rounded once
             y = (matmul(rows, weight) + bias.float()).to(x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
+
+    def fused_experts(
+        self,
+        hidden: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        """The reference's grouped matmul (:mod:`~asyncstep.ops.torch_moe`)
+        through :meth:`linear`: a dense bfloat16 expert takes the library's
+        matmul where ``invariant_dense`` is on (a token's output then does
+        not depend on the rows its experts get from other tokens)."""
+        return fused_experts(
+            hidden,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            activation,
+            matmul=lambda x, weight: self.linear(x, weight, None),
+        )
 
     def step_path(self, layers: list[Any]) -> StepPath | None:
         """The library's decoder stack in one call, where the layers qualify

@@ -1,0 +1,191 @@
+"""The mixture-of-experts families on the Llama family's attention and
+decoder machinery (:mod:`asyncstep.models.llama`): Qwen3-MoE (per-head q/k
+RMSNorm, ``norm_topk_prob`` from its config, dense MLP layers where
+``mlp_only_layers`` / ``decoder_sparse_step`` say), Mixtral (top-k weights
+always renormalised) and OLMoE (q/k RMSNorm over the whole q and k
+projections). Their decoder layers swap the MLP for a
+:class:`~asyncstep.models.layers.moe.SparseMoeBlock`; tensor and pipeline
+parallelism are the Llama family's (experts split along their intermediate
+dimension, no expert parallelism).
+
+Checkpoints name each expert's projections apart
+(``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``; Mixtral's
+``block_sparse_moe.experts.{e}.w1.weight``): they load into the layer's
+``mlp.experts.w13_weight`` / ``w2_weight`` (:meth:`MoeForCausalLM.param_target`).
+The op sets' whole-stack step paths are for dense layers: a MoE model runs
+layer by layer (:meth:`MoeForCausalLM.use_ops`).
+
+May import torch, :mod:`asyncstep.channels`, the model config, layers and
+:mod:`asyncstep.models.llama`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncstep.channels import get_tp_group
+from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.layers.moe import SparseMoeBlock
+from asyncstep.models.layers.norm import RMSNorm
+from asyncstep.models.layers.rotary import RotaryEmbedding
+from asyncstep.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from asyncstep.ops.base import OpSet
+from asyncstep.ops.slot import OpSetSlot
+
+__all__ = [
+    "MixtralForCausalLM",
+    "MoeDecoderLayer",
+    "MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+]
+
+#: A checkpoint's expert projection, once its block is named ``mlp``:
+#: (layer prefix, expert id, projection name).
+_EXPERT_NAME = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+#: The experts' parameters: (layer prefix, ``w13`` or ``w2``).
+_EXPERT_PARAM = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)_weight")
+
+
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """A Llama decoder layer whose feed-forward is a sparse MoE block where
+    the config makes the layer a MoE layer (else the dense MLP)."""
+
+    def make_mlp(
+        self,
+        config: ModelArchConfig,
+        layer_idx: int,
+        dtype: torch.dtype,
+        sequence_parallel: bool,
+        ops: OpSetSlot,
+    ) -> nn.Module:
+        if not config.is_moe_layer(layer_idx):
+            return super().make_mlp(config, layer_idx, dtype, sequence_parallel, ops)
+        return SparseMoeBlock(
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            renormalize=config.norm_topk_prob,
+            scoring_func=config.scoring_func,
+            sequence_parallel=sequence_parallel,
+            params_dtype=dtype,
+            ops=ops,
+        )
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A MoE family's causal LM: the Llama family's, its MoE layers' expert
+    weights loaded from per-expert checkpoint names."""
+
+    decoder_layer: type[LlamaDecoderLayer] = MoeDecoderLayer
+
+    def use_ops(self, ops: OpSet) -> None:
+        """Every layer through ``ops``, layer by layer: an op set's
+        whole-stack paths (the CPU's decode stack, Triton's fused decode)
+        read a dense gated MLP, which a MoE layer has not, so none is asked
+        for."""
+        self.model.ops.ops = ops
+        self.model.step_path = None
+
+    def expert_load(self, *, reset: bool = False) -> dict[int, list[int]]:
+        """Load balance: for each MoE layer of this stage (by its index in
+        the model), the token rows routed to each expert since the model was
+        built or the count last reset (every TP rank routes every row, so
+        its ranks count alike; padding rows count too). Reads the device's
+        counters (a sync): call it between steps."""
+        load: dict[int, list[int]] = {}
+        for i, layer in enumerate(self.model.stage_layers(), self.model.start_layer):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                counts = layer.mlp.experts.tokens_per_expert
+                load[i] = counts.tolist()
+                if reset:
+                    counts.zero_()
+        return load
+
+    def param_target(self, name: str) -> tuple[str, Any]:
+        """An expert projection's parameter and ``(expert id, w1 | w3 | w2)``;
+        other names as the Llama family's (the block renamed ``mlp``)."""
+        block, gate, up, down = self.config.expert_weight_names
+        if block != "mlp":
+            name = name.replace(f".{block}.", ".mlp.")
+        match = _EXPERT_NAME.fullmatch(name)
+        kind = {gate: "w1", up: "w3", down: "w2"}.get(match[3]) if match else None
+        if match is None or kind is None:
+            return super().param_target(name)
+        param = "w2_weight" if kind == "w2" else "w13_weight"
+        return f"{match[1]}.mlp.experts.{param}", (int(match[2]), kind)
+
+    def checkpoint_names(self, param_name: str) -> list[str]:
+        block, gate, up, down = self.config.expert_weight_names
+        match = _EXPERT_PARAM.fullmatch(param_name)
+        if match is None:
+            names = super().checkpoint_names(param_name)
+            return [n.replace(".mlp.", f".{block}.") for n in names]
+        projections = (gate, up) if match[2] == "w13" else (down,)
+        return [
+            f"{match[1]}.{block}.experts.{e}.{p}.weight"
+            for e in range(self.config.num_experts)
+            for p in projections
+        ]
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    """Qwen3-MoE (``Qwen3MoeForCausalLM``)."""
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    """Mixtral (``MixtralForCausalLM``)."""
+
+
+class OlmoeAttention(LlamaAttention):
+    """OLMoE's attention: q and k RMSNormed over the whole projection (every
+    head at once, weights of ``q_size`` / ``kv_size``). Under tensor
+    parallelism each rank all-gathers its q and k columns, norms the whole
+    rows and keeps its own columns (as vLLM's OLMoE)."""
+
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+    ):
+        super().__init__(config, rotary, dtype, sequence_parallel)
+        ops = rotary.ops
+        self.q_norm = RMSNorm(config.q_size, config.rms_norm_eps, dtype, ops)
+        self.k_norm = RMSNorm(config.kv_size, config.rms_norm_eps, dtype, ops)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.q_norm is not None and self.k_norm is not None
+        tp = get_tp_group()
+        if tp.world_size == 1:
+            return self.q_norm(q), self.k_norm(k)
+        q_full = self.q_norm(tp.all_gather(q, dim=-1))
+        k_full = self.k_norm(tp.all_gather(k, dim=-1))
+        rank = tp.rank_in_group
+        return (
+            q_full.narrow(-1, rank * self.q_size, self.q_size),
+            k_full.narrow(-1, rank * self.kv_size, self.kv_size),
+        )
+
+
+class OlmoeDecoderLayer(MoeDecoderLayer):
+    def make_attention(
+        self,
+        config: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        sequence_parallel: bool,
+    ) -> LlamaAttention:
+        return OlmoeAttention(config, rotary, dtype, sequence_parallel)
+
+
+class OlmoeForCausalLM(MoeForCausalLM):
+    """OLMoE (``OlmoeForCausalLM``)."""
+
+    decoder_layer = OlmoeDecoderLayer
