@@ -1,0 +1,93 @@
+"""The per-layer sliding window read from HF configs and GGUF metadata:
+transformers' own config classes give the expected windows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from asyncstep.errors import ModelLoadError
+from asyncstep.models.config import ModelArchConfig
+
+TINY: dict[str, Any] = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def _hf_windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's window as transformers' attention layer takes it."""
+    types = getattr(config, "layer_types", None)
+    if config.model_type == "mistral":
+        return (config.sliding_window,) * config.num_hidden_layers
+    assert types is not None
+    return tuple(config.sliding_window if t == "sliding_attention" else None for t in types)
+
+
+@pytest.mark.parametrize(
+    ("cls", "extra"),
+    [
+        ("MistralConfig", {"sliding_window": 8}),
+        ("MistralConfig", {"sliding_window": None}),
+        ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+        ("Qwen2Config", {"use_sliding_window": False, "sliding_window": 8}),
+        (
+            "Qwen3Config",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 5,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+            },
+        ),
+        (
+            "Qwen3Config",
+            {"sliding_window": 5, "layer_types": ["sliding_attention"] * 4},
+        ),
+    ],
+)
+def test_windows_match_transformers(cls: str, extra: dict[str, Any]) -> None:
+    import transformers
+
+    config = getattr(transformers, cls)(**TINY, **extra)
+    ours = ModelArchConfig.from_hf_dict(config.to_dict())
+    assert ours.layer_windows == _hf_windows(config)
+
+
+def test_llama_has_no_window_and_gguf_style_config_slides_every_layer() -> None:
+    llama = {**TINY, "architectures": ["LlamaForCausalLM"], "sliding_window": 8}
+    assert ModelArchConfig.from_hf_dict(llama).layer_windows == (None,) * 4
+    gguf_like = ModelArchConfig.from_hf_dict(llama).replace(sliding_window=16)
+    gguf_like.validate()
+    assert gguf_like.layer_windows == (16,) * 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"sliding_window": 0}, "sliding_window must be in"),
+        ({"sliding_window": 2.5}, "sliding_window must be an integer"),
+        ({"sliding_window": True}, "sliding_window must be an integer"),
+        ({"sliding_window": "4096"}, "sliding_window must be an integer"),
+        ({"layer_types": ["sliding_attention"] * 3}, "layer_types names 3 layers"),
+        ({"layer_types": ["chunked_attention"] * 4}, "unsupported layer type"),
+        ({"layer_types": [1, 2, 3, 4]}, "unsupported layer type int"),
+        ({"layer_types": "sliding_attention"}, "layer_types must be a list"),
+        ({"max_window_layers": -1}, "max_window_layers must be in"),
+    ],
+)
+def test_hostile_window_fields_are_one_line_errors(extra: dict[str, Any], message: str) -> None:
+    cfg = {
+        **TINY,
+        "architectures": ["Qwen2ForCausalLM"],
+        "use_sliding_window": True,
+        "sliding_window": 8,
+        **extra,
+    }
+    with pytest.raises(ModelLoadError, match=message) as info:
+        ModelArchConfig.from_hf_dict(cfg)
+    assert "\n" not in str(info.value)
