@@ -29,7 +29,7 @@ from torch import nn
 
 from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.datatypes import IntermediateTensors
-from asyncstep.errors import ModelLoadError
+from asyncstep.errors import ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig, pp_layer_range
 from asyncstep.models.layers.attention import Attention, AttentionMetadata
 from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -61,6 +61,7 @@ class LlamaAttention(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         sequence_parallel: bool = False,
+        layer_idx: int = 0,
     ):
         super().__init__()
         ops = rotary.ops
@@ -95,6 +96,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             scale=config.head_dim**-0.5,
             rotary=rotary,
+            sliding_window=config.layer_window(layer_idx),
         )
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -163,11 +165,12 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         sequence_parallel: bool = False,
+        layer_idx: int = 0,
     ):
         super().__init__()
         ops = rotary.ops
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.self_attn = LlamaAttention(config, rotary, dtype, sequence_parallel)
+        self.self_attn = LlamaAttention(config, rotary, dtype, sequence_parallel, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.mlp = LlamaMLP(config, dtype, sequence_parallel, ops)
 
@@ -245,7 +248,7 @@ class LlamaModel(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, dtype, sequence_parallel)
+            LlamaDecoderLayer(config, self.rotary, dtype, sequence_parallel, i)
             if self.start_layer <= i < self.end_layer
             else nn.Identity()  # a layer of another stage: holds nothing here
             for i in range(config.num_hidden_layers)
@@ -333,6 +336,12 @@ class LlamaForCausalLM(nn.Module):
         matmuls through ``ops`` (:func:`asyncstep.ops.select_ops`; the
         reference until then), and the steps its step path takes through
         that path (built here, once the weights are loaded and packed)."""
+        windowed = any(w is not None for w in self.config.layer_windows)
+        if windowed and not ops.attention_op.supports_sliding_window:
+            raise UnsupportedModelError(
+                f"sliding-window attention: the {ops.attention_op.name!r} attention op does not "
+                "support it yet (the torch and cpu ops do)"
+            )
         self.model.ops.ops = ops
         self.model.step_path = ops.step_path(self.model.stage_layers())
 

@@ -183,8 +183,8 @@ int asyncstep_decode_stack(const StackArgs* a) {
             qkv + (q_size + kv_size) * el, qkv_size, a->slot_mapping, (int)T, L->kv_cache,
             L->num_blocks, (int)a->block_size, a->query_start_loc, a->seq_lens, (int)a->num_reqs,
             a->block_table, a->block_table_stride, (int)a->num_heads, (int)a->num_kv_heads,
-            (int)a->head_dim, (float)a->scale, a->positions, a->cos_sin, (int)a->tile_tokens,
-            num_threads);
+            (int)a->head_dim, (float)a->scale, a->positions, a->cos_sin, 0 /* no window */,
+            (int)a->tile_tokens, num_threads);
         if (status != 0) break;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
         {

@@ -102,6 +102,8 @@ class CpuDecodeStack:
             attention = layer.self_attn
             if attention.q_norm is not None or not attention.attn.rotates:
                 return None
+            if attention.attn.sliding_window is not None:
+                return None  # the stack's attention has no window
             if attention.attn.ops.ops.attention_op.name != "cpu" or attention.o_proj.tp_size != 1:
                 return None
             if _quantized(layer) is None or attention.o_proj.bias is not None:

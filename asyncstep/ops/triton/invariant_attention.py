@@ -156,6 +156,8 @@ class TritonInvariantAttention:
 
     name = "triton-invariant"
     plans_decodes = False
+    #: Not yet: a windowed model refuses this op set at load.
+    supports_sliding_window = False
     rotates = True
 
     def __call__(

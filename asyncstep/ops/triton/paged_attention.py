@@ -28,6 +28,8 @@ class TritonAttention:
 
     name = "triton"
     plans_decodes = False
+    #: Not yet: a windowed model refuses this op set at load.
+    supports_sliding_window = False
 
     def __init__(self, *, rotates: bool, fused_decode: bool = False) -> None:
         self.rotates = rotates

@@ -1,0 +1,111 @@
+"""Sliding-window attention op by op: the torch reference and the CPU
+library's kernel against dense windowed attention in float64, with the
+window smaller than the context, decodes mixed with prompt chunks, and the
+blocks before each request's window poisoned (as the KV cache manager frees
+them: an op that read one would show it). The Triton ops refuse a windowed
+model at load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncstep.errors import UnsupportedModelError
+from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.layers.attention import plan_decode_buckets
+from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.ops.attention import AttentionShape
+from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.paged_attention import CpuAttention
+from asyncstep.ops.torch_attention import TORCH_ATTENTION
+from tests.models.test_cpu_attention import PagedStep, make_step, tolerance
+
+#: Decodes of ragged lengths, a prompt with no prefix longer than the
+#: window, chunks after a cached prefix shorter and longer than the window.
+QUERY_LENS = [1, 1, 1, 1, 1, 19, 6, 11]
+COMPUTED = [3, 30, 45, 9, 70, 0, 40, 5]
+
+
+def windowed_dense(step: PagedStep, window: int) -> torch.Tensor:
+    """Each request's queries over the keys of their windows, in float64."""
+    qsl, outs = step.meta.query_start_loc_cpu, []
+    for r, (k, v) in enumerate(zip(step.full_k, step.full_v, strict=True)):
+        q = step.q[qsl[r] : qsl[r + 1]].double().view(-1, step.heads, step.dim)
+        group = step.heads // k.shape[1]
+        k = k.double().repeat_interleave(group, 1)
+        v = v.double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * step.scale
+        q_len, seq = q.shape[0], k.shape[0]
+        ones = torch.ones(q_len, seq, dtype=torch.bool)
+        mask = ones.tril(seq - q_len) & ones.triu(seq - q_len - window + 1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).flatten(1))
+    return torch.cat(outs)
+
+
+def poison_freed_blocks(step: PagedStep, window: int, block: int) -> None:
+    """Point each request's blocks wholly before its first query's window
+    at a block of huge keys and values (the manager frees those)."""
+    held = set(step.meta.block_table.flatten().tolist())
+    poison = next(b for b in range(step.kv_cache.shape[2]) if b not in held)
+    step.kv_cache[:, :, poison] = 1e4 * torch.randn_like(step.kv_cache[:, :, poison])
+    for r, computed in enumerate(COMPUTED):
+        freed = max(computed - window + 1, 0) // block
+        step.meta.block_table[r, :freed] = poison
+
+
+def windowed_step(dtype: torch.dtype, window: int, block: int) -> PagedStep:
+    step = make_step(
+        QUERY_LENS, COMPUTED, heads=6, kv_heads=2, dim=32, block=block, dtype=dtype, seed=3
+    )
+    poison_freed_blocks(step, window, block)
+    return step
+
+
+def run_op(op: object, step: PagedStep, window: int) -> torch.Tensor:
+    shape = AttentionShape(step.heads, step.k.shape[1] // step.dim, step.dim, step.scale, window)
+    meta = step.meta
+    meta.decode_buckets = plan_decode_buckets(
+        meta.seq_lens_cpu[: meta.num_decodes], meta.block_table, step.kv_cache.shape[3], 2, 1
+    )
+    return op(step.q, step.k, step.v, step.kv_cache, meta, shape, None)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(("window", "block"), [(8, 4), (5, 4), (1, 4), (16, 16)])
+def test_reference_matches_dense_windowed_attention(window: int, block: int) -> None:
+    step = windowed_step(torch.float32, window, block)
+    out = run_op(TORCH_ATTENTION, step, window)
+    torch.testing.assert_close(out.double(), windowed_dense(step, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "block"), [(8, 4), (5, 4), (1, 4), (70, 16)])
+def test_cpu_kernel_matches_dense_windowed_attention(
+    dtype: torch.dtype, window: int, block: int
+) -> None:
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels do not build here (no C compiler)")
+    step = windowed_step(dtype, window, block)
+    out = run_op(CpuAttention(kernels.attention), step, window)
+    torch.testing.assert_close(out.double(), windowed_dense(step, window), **tolerance(dtype))
+
+
+def test_triton_op_sets_refuse_a_windowed_model() -> None:
+    from asyncstep.ops.triton.ops import TritonOps
+    from asyncstep.ops.triton.paged_attention import TritonAttention
+
+    config = ModelArchConfig(
+        architecture="MistralForCausalLM",
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        sliding_window=4,
+    )
+    model = LlamaForCausalLM(config)
+    with pytest.raises(UnsupportedModelError, match="'triton' attention op does not support"):
+        model.use_ops(TritonOps(TritonAttention(rotates=False)))
