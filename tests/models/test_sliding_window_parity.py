@@ -1,0 +1,120 @@
+"""Sliding-window models against transformers: a tiny random Mistral
+(``sliding_window`` on every layer) and a tiny Qwen3 mixing sliding and full
+layers (``layer_types``), written with ``save_pretrained``; greedy tokens
+equal transformers' in fp32 on the CPU for prompts longer than the window,
+generating well past it, with whole and chunked prefill and small blocks
+(so the KV cache manager frees the windowed layers' early blocks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+import asyncstep
+from asyncstep import SamplingParams
+
+WINDOW = 8
+MAX_TOKENS = 32
+PROMPTS = [
+    [3, 17, 92, 5, 250, 7, 7, 41, 99, 123, 8],
+    [250, 7, 7, 41, 99, 123, 8, 64, 12, 200, 31, 18, 77, 140, 3, 9, 21, 60, 2, 33],
+    [77, 5, 9, 200, 14, 14, 150, 61, 8],
+]
+
+
+def tiny_config(arch: str) -> Any:
+    import transformers
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        initializer_range=0.2,  # logits far from ties
+        tie_word_embeddings=False,
+        sliding_window=WINDOW,
+        rope_theta=10000.0,
+    )
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, head_dim=16)
+    return transformers.Qwen3Config(
+        **common,
+        head_dim=16,
+        use_sliding_window=True,
+        layer_types=["sliding_attention", "full_attention"] + ["sliding_attention"] * 2,
+    )
+
+
+#: Config changes that make every layer of the checkpoint attend in full.
+NO_WINDOW: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": None},
+    "qwen3": {"layer_types": ["full_attention"] * 4},
+}
+
+
+@pytest.fixture(scope="module", params=["mistral", "qwen3"])
+def checkpoint(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """The checkpoint, transformers' greedy tokens, and its tokens with every
+    layer in full attention (which must differ: the window matters)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_config(request.param), attn_implementation="eager"
+    ).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path, safe_serialization=True)
+    full = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", **NO_WINDOW[request.param]
+    ).eval()
+    return path, [hf_greedy(model, p) for p in PROMPTS], [hf_greedy(full, p) for p in PROMPTS]
+
+
+def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize(("chunk", "block_size"), [(2048, 16), (5, 4)])
+async def test_greedy_equals_transformers(
+    checkpoint: tuple[Path, list[list[int]], list[list[int]]], chunk: int, block_size: int
+) -> None:
+    path, expected, full_attention = checkpoint
+    assert all(e != f for e, f in zip(expected, full_attention, strict=True))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    results: list[Any] = [None] * len(PROMPTS)
+    async with asyncstep.open_engine(
+        path,
+        device="cpu",
+        dtype="float32",
+        max_num_batched_tokens=chunk,
+        block_size=block_size,
+    ) as engine:
+
+        async def one(i: int) -> None:
+            results[i] = await engine.generate(PROMPTS[i], params)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(PROMPTS)):
+                nursery.start_soon(one, i)
+    assert [r.token_ids for r in results] == expected
