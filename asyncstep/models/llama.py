@@ -97,6 +97,7 @@ class LlamaAttention(nn.Module):
             scale=config.head_dim**-0.5,
             rotary=rotary,
             sliding_window=config.layer_window(layer_idx),
+            layer_idx=layer_idx,
         )
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

@@ -95,26 +95,38 @@ def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.trio
-@pytest.mark.parametrize(("chunk", "block_size"), [(2048, 16), (5, 4)])
+@pytest.mark.parametrize(("chunk", "block_size", "num_blocks"), [(2048, 16, None), (5, 4, 53)])
 async def test_greedy_equals_transformers(
-    checkpoint: tuple[Path, list[list[int]], list[list[int]]], chunk: int, block_size: int
+    checkpoint: tuple[Path, list[list[int]], list[list[int]]],
+    chunk: int,
+    block_size: int,
+    num_blocks: int | None,
 ) -> None:
+    """Twice over: the second round's prompts hit the prefix cache. With 53
+    blocks of 4 tokens the mixed model's three requests do not fit at once
+    (each group holds its own blocks): some are preempted and recomputed."""
     path, expected, full_attention = checkpoint
     assert all(e != f for e, f in zip(expected, full_attention, strict=True))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    results: list[Any] = [None] * len(PROMPTS)
     async with asyncstep.open_engine(
         path,
         device="cpu",
         dtype="float32",
         max_num_batched_tokens=chunk,
         block_size=block_size,
+        num_blocks=num_blocks,
     ) as engine:
+        for _ in range(2):
+            results: list[Any] = [None] * len(PROMPTS)
 
-        async def one(i: int) -> None:
-            results[i] = await engine.generate(PROMPTS[i], params)
+            async def one(i: int) -> None:
+                results[i] = await engine.generate(PROMPTS[i], params)
 
-        async with trio.open_nursery() as nursery:
-            for i in range(len(PROMPTS)):
-                nursery.start_soon(one, i)
-    assert [r.token_ids for r in results] == expected
+            async with trio.open_nursery() as nursery:
+                for i in range(len(PROMPTS)):
+                    nursery.start_soon(one, i)
+            assert [r.token_ids for r in results] == expected
+        stats = engine.statistics()
+    assert stats.prefix_cache_hit_rate > 0
+    if num_blocks is not None and path.name.startswith("qwen3"):
+        assert stats.num_preemptions > 0

@@ -54,6 +54,7 @@ class Attention(nn.Module):
     see :class:`~asyncstep.ops.attention.AttentionShape`). ``kv_cache_group``:
     the KV cache group the runner binds the layer to (its block table and
     slots are ``meta.kv_groups[kv_cache_group]``'s; group 0: ``meta``'s own).
+    ``layer_idx``: the model layer it belongs to.
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding | None = None,
         ops: OpSetSlot | None = None,
         sliding_window: int | None = None,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -73,6 +75,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.shape = AttentionShape(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        self.layer_idx = layer_idx
         self.kv_cache_group = 0
         self.kv_cache = torch.empty(0)
         self.rotary = [] if rotary is None else [rotary]  # shared, not a submodule
