@@ -94,6 +94,19 @@ def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+async def generate_all(engine: Any, params: SamplingParams) -> list[list[int]]:
+    """Every prompt's tokens, the prompts submitted at once."""
+    results: list[Any] = [None] * len(PROMPTS)
+
+    async def one(i: int) -> None:
+        results[i] = await engine.generate(PROMPTS[i], params)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(PROMPTS)):
+            nursery.start_soon(one, i)
+    return [r.token_ids for r in results]
+
+
 @pytest.mark.trio
 @pytest.mark.parametrize(("chunk", "block_size", "num_blocks"), [(2048, 16, None), (5, 4, 53)])
 async def test_greedy_equals_transformers(
@@ -117,15 +130,7 @@ async def test_greedy_equals_transformers(
         num_blocks=num_blocks,
     ) as engine:
         for _ in range(2):
-            results: list[Any] = [None] * len(PROMPTS)
-
-            async def one(i: int) -> None:
-                results[i] = await engine.generate(PROMPTS[i], params)
-
-            async with trio.open_nursery() as nursery:
-                for i in range(len(PROMPTS)):
-                    nursery.start_soon(one, i)
-            assert [r.token_ids for r in results] == expected
+            assert await generate_all(engine, params) == expected
         stats = engine.statistics()
     assert stats.prefix_cache_hit_rate > 0
     if num_blocks is not None and path.name.startswith("qwen3"):
