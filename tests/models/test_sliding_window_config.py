@@ -3,12 +3,17 @@ transformers' own config classes give the expected windows."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from asyncstep.errors import ModelLoadError
 from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.hf_reference import hf_config
+from asyncstep.models.loader.gguf import GGUFCheckpoint
+from tests.models.test_loaders import gguf_name, random_block_tensors, write_gguf
 
 TINY: dict[str, Any] = {
     "vocab_size": 64,
@@ -56,6 +61,8 @@ def test_windows_match_transformers(cls: str, extra: dict[str, Any]) -> None:
     config = getattr(transformers, cls)(**TINY, **extra)
     ours = ModelArchConfig.from_hf_dict(config.to_dict())
     assert ours.layer_windows == _hf_windows(config)
+    # The parity tests' reference model (hf_reference) has the same windows.
+    assert _hf_windows(hf_config(ours)) == ours.layer_windows
 
 
 def test_llama_has_no_window_and_gguf_style_config_slides_every_layer() -> None:
@@ -90,4 +97,35 @@ def test_hostile_window_fields_are_one_line_errors(extra: dict[str, Any], messag
     }
     with pytest.raises(ModelLoadError, match=message) as info:
         ModelArchConfig.from_hf_dict(cfg)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("window", "expected"), [(8, (8, 8)), (None, (None, None))])
+def test_gguf_sliding_window_slides_every_layer(
+    tmp_path: Path, window: int | None, expected: tuple[int | None, ...]
+) -> None:
+    rng = np.random.default_rng(0)
+    hf = random_block_tensors(rng, layers=2, hidden=32, ffn=64, q=32, kv=16, vocab=8)
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        "llama",
+        {gguf_name(k): v for k, v in hf.items()},
+        vocab_size=8,
+        tokenizer=False,
+        sliding_window=window,
+    )
+    assert GGUFCheckpoint(path).arch_config().layer_windows == expected
+
+
+def test_gguf_hostile_sliding_window(tmp_path: Path) -> None:
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        "llama",
+        {"token_embd.weight": np.zeros((8, 32), np.float32)},
+        vocab_size=8,
+        tokenizer=False,
+        sliding_window="4096",
+    )
+    with pytest.raises(ModelLoadError, match="sliding_window must be an integer") as info:
+        GGUFCheckpoint(path)
     assert "\n" not in str(info.value)

@@ -9,9 +9,11 @@ silu * up) without a Python call per op.
 kept quantized for the CPU library
 (:class:`~asyncstep.ops.cpu.quant.CpuQuantWeight`) and whose
 attention is the CPU kernel with its rotary fused, on one tensor-parallel
-rank (the stack has no all-reduce), without per-head q/k norms; else None,
-and the model keeps its layer-by-layer forward. Steps of more tokens than
-the packed weights take (or with padding rows) go layer by layer too.
+rank (the stack has no all-reduce), without per-head q/k norms or a sliding
+window; else None, and the model keeps its layer-by-layer forward. Steps of
+more tokens than the packed weights take (or with padding rows), and steps
+of a model with several KV cache groups (``meta.kv_groups``), go layer by
+layer too.
 
 It is the CPU op set's step path (:meth:`~asyncstep.ops.cpu.ops.CpuOps.step_path`).
 It reads a model's decoder layers by their attributes (ops import no
@@ -122,6 +124,7 @@ class CpuDecodeStack:
         return (
             0 < rows <= self.max_tokens
             and rows == meta.num_actual_tokens
+            and not meta.kv_groups
             and hidden.dtype == self.dtype
             and hidden.dim() == 2
             and hidden.stride(1) == 1
