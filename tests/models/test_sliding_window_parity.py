@@ -108,16 +108,22 @@ async def generate_all(engine: Any, params: SamplingParams) -> list[list[int]]:
 
 
 @pytest.mark.trio
-@pytest.mark.parametrize(("chunk", "block_size", "num_blocks"), [(2048, 16, None), (5, 4, 53)])
+@pytest.mark.parametrize(
+    ("chunk", "block_size", "num_blocks", "backend"),
+    [(2048, 16, None, "auto"), (5, 4, 53, "auto"), (5, 4, 53, "torch")],
+)
 async def test_greedy_equals_transformers(
     checkpoint: tuple[Path, list[list[int]], list[list[int]]],
     chunk: int,
     block_size: int,
     num_blocks: int | None,
+    backend: str,
 ) -> None:
     """Twice over: the second round's prompts hit the prefix cache. With 53
     blocks of 4 tokens the mixed model's three requests do not fit at once
-    (each group holds its own blocks): some are preempted and recomputed."""
+    (each group holds its own blocks): some are preempted and recomputed.
+    ``auto`` is the CPU library's attention where it builds; ``torch`` the
+    reference."""
     path, expected, full_attention = checkpoint
     assert all(e != f for e, f in zip(expected, full_attention, strict=True))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -128,6 +134,7 @@ async def test_greedy_equals_transformers(
         max_num_batched_tokens=chunk,
         block_size=block_size,
         num_blocks=num_blocks,
+        attention_backend=backend,
     ) as engine:
         for _ in range(2):
             assert await generate_all(engine, params) == expected

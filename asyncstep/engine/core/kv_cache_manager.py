@@ -202,6 +202,9 @@ class BlockPool:
 class KVCacheManager:
     """Per-request block tables over a :class:`BlockPool`, with automatic prefix caching."""
 
+    #: Whether block 0 is the null block (a windowed group names it for freed blocks).
+    reserves_null_block = False
+
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
     ) -> None:
@@ -209,7 +212,7 @@ class KVCacheManager:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, reserve_null=self.reserves_null_block)
         self._req_blocks: dict[str, list[KVBlock]] = {}
         # request id -> how many of its leading blocks are registered in the hash table.
         self._num_cached: dict[str, int] = {}
@@ -387,6 +390,8 @@ class HybridKVCacheManager(KVCacheManager):
     group (the module's "KV cache groups"); the block ids it takes and
     returns are the groups' interleaved."""
 
+    reserves_null_block = True
+
     def __init__(
         self,
         num_blocks: int,
@@ -397,7 +402,6 @@ class HybridKVCacheManager(KVCacheManager):
         if not groups:
             raise ValueError("a hybrid KV cache manager needs its groups")
         super().__init__(num_blocks, block_size, enable_prefix_caching)
-        self.block_pool = BlockPool(num_blocks, reserve_null=True)
         self.groups = groups
         self.windows = [g.sliding_window for g in groups]
         self._null = self.block_pool.blocks[NULL_BLOCK_ID]
