@@ -140,11 +140,8 @@ class ModelRunner:
         #: The model's KV cache groups (:mod:`asyncstep.kv_cache_interface`).
         self.kv_cache_groups = kv_cache_groups(model.config.layer_windows)
         num_kv_cache_groups = max(len(self.kv_cache_groups), 1)
-        if num_kv_cache_groups > 1 and draft_model is not None:
-            raise ConfigError(
-                "speculative decoding with a draft model does not support models that mix "
-                "sliding-window and full attention layers yet"
-            )
+        if draft_model is not None:
+            _check_draft_windows(model, draft_model, num_kv_cache_groups)
         #: Model layer -> its position within its KV cache group (its tensor).
         self._kv_group_position: dict[int, int] = {}
         group_of: dict[int, int] = {}
@@ -671,3 +668,23 @@ def _spec_grammar_rows(
         if req_id in first_row and j < first_row[req_id][1]:
             pairs.append((first_row[req_id][0] + j, mask_row))
     return pairs
+
+
+def _check_draft_windows(
+    model: LlamaForCausalLM, draft_model: LlamaForCausalLM, num_kv_cache_groups: int
+) -> None:
+    """A draft model shares the target's block table: it may read only what
+    the target's KV cache manager keeps (no block freed before its windows)."""
+    windows = [w for w in model.config.layer_windows if w is not None]
+    if not windows:
+        return
+    if num_kv_cache_groups > 1:
+        raise ConfigError(
+            "speculative decoding with a draft model does not support models that mix "
+            "sliding-window and full attention layers yet"
+        )
+    if any(w is None or w > min(windows) for w in draft_model.config.layer_windows):
+        raise ConfigError(
+            f"the target's KV cache keeps only its sliding window ({min(windows)} tokens): "
+            "a draft model must attend within it"
+        )

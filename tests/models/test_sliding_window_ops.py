@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncstep.errors import UnsupportedModelError
+from asyncstep.errors import ConfigError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.layers.attention import plan_decode_buckets
 from asyncstep.models.llama import LlamaForCausalLM
@@ -18,6 +18,7 @@ from asyncstep.ops.attention import AttentionShape
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.paged_attention import CpuAttention
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
+from asyncstep.runner.model_runner import _check_draft_windows
 from tests.models.test_cpu_attention import PagedStep, make_step, tolerance
 
 #: Decodes of ragged lengths, a prompt with no prefix longer than the
@@ -91,21 +92,37 @@ def test_cpu_kernel_matches_dense_windowed_attention(
     torch.testing.assert_close(out.double(), windowed_dense(step, window), **tolerance(dtype))
 
 
-def test_triton_op_sets_refuse_a_windowed_model() -> None:
-    from asyncstep.ops.triton.ops import TritonOps
-    from asyncstep.ops.triton.paged_attention import TritonAttention
-
+def tiny_model(window: int | None, layers: int = 1, **changes: object) -> LlamaForCausalLM:
     config = ModelArchConfig(
         architecture="MistralForCausalLM",
         vocab_size=32,
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=8,
-        sliding_window=4,
-    )
-    model = LlamaForCausalLM(config)
+        sliding_window=window,
+    ).replace(**changes)
+    return LlamaForCausalLM(config)
+
+
+def test_triton_op_sets_refuse_a_windowed_model() -> None:
+    from asyncstep.ops.triton.ops import TritonOps
+    from asyncstep.ops.triton.paged_attention import TritonAttention
+
+    model = tiny_model(4)
     with pytest.raises(UnsupportedModelError, match="'triton' attention op does not support"):
         model.use_ops(TritonOps(TritonAttention(rotates=False)))
+
+
+def test_a_draft_model_must_attend_within_the_targets_window() -> None:
+    mistral = tiny_model(8)
+    _check_draft_windows(mistral, tiny_model(8), 1)
+    _check_draft_windows(mistral, tiny_model(4), 1)
+    _check_draft_windows(tiny_model(None), tiny_model(None), 1)
+    with pytest.raises(ConfigError, match="a draft model must attend within it"):
+        _check_draft_windows(mistral, tiny_model(None), 1)
+    mixed = tiny_model(8, 2, layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(ConfigError, match="mix sliding-window and full attention"):
+        _check_draft_windows(mixed, tiny_model(4), 2)
