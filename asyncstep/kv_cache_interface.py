@@ -62,8 +62,3 @@ def kv_cache_groups(layer_windows: tuple[int | None, ...]) -> tuple[KVCacheGroup
         for start in range(0, len(layers), size):
             groups.append(KVCacheGroupSpec(tuple(layers[start : start + size]), window))
     return tuple(groups)
-
-
-def group_size(groups: tuple[KVCacheGroupSpec, ...]) -> int:
-    """Layers per group (the KV cache tensors a block spans)."""
-    return len(groups[0].layer_ids) if groups else 0

@@ -351,7 +351,7 @@ class ModelRunner:
         layers = model.attention_layers()
         index = [self._kv_tensor_index(attn) for attn in layers]
         first = {i: attn for i, attn in reversed(list(zip(index, layers, strict=True)))}
-        order = sorted(first)
+        order = list(dict.fromkeys(index))  # in layer order
         shapes = [
             kv_cache_shape(num_blocks, self.block_size, first[i].num_kv_heads, first[i].head_dim)
             for i in order

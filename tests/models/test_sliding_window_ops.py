@@ -18,7 +18,7 @@ from asyncstep.ops.attention import AttentionShape
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.paged_attention import CpuAttention
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
-from asyncstep.runner.model_runner import _check_draft_windows
+from asyncstep.runner.model_runner import ModelRunner, _check_draft_windows
 from tests.models.test_cpu_attention import PagedStep, make_step, tolerance
 
 #: Decodes of ragged lengths, a prompt with no prefix longer than the
@@ -126,3 +126,30 @@ def test_a_draft_model_must_attend_within_the_targets_window() -> None:
     mixed = tiny_model(8, 2, layer_types=("sliding_attention", "full_attention"))
     with pytest.raises(ConfigError, match="mix sliding-window and full attention"):
         _check_draft_windows(mixed, tiny_model(4), 2)
+
+
+def test_runner_binds_one_tensor_per_group_position() -> None:
+    """Two groups (sliding, full) of two layers: layers at the same position
+    of their groups share a tensor, and a block spans two layers; a model of
+    one group keeps a tensor per layer, in layer order."""
+    types = ("sliding_attention", "full_attention", "full_attention", "sliding_attention")
+    mixed = tiny_model(8, 4, layer_types=types)
+    runner = ModelRunner(
+        mixed, device=torch.device("cpu"), dtype=torch.float32, max_model_len=64,
+        max_num_reqs=2, block_size=4,
+    )  # fmt: skip
+    runner.initialize_kv_cache(10)
+    layers = mixed.attention_layers()
+    assert [a.kv_cache_group for a in layers] == [1, 0, 0, 1]
+    assert layers[0].kv_cache is layers[1].kv_cache and layers[2].kv_cache is layers[3].kv_cache
+    assert len(runner.kv_caches) == 2
+    assert runner.kv_cache_block_bytes() == 2 * (2 * 1 * 8) * 4 * 4
+    full = tiny_model(None, 3)
+    runner = ModelRunner(
+        full, device=torch.device("cpu"), dtype=torch.float32, max_model_len=64,
+        max_num_reqs=2, block_size=4,
+    )  # fmt: skip
+    runner.initialize_kv_cache(10)
+    bound = [id(a.kv_cache) for a in full.attention_layers()]
+    assert bound == [id(t) for t in runner.kv_caches] and len(set(bound)) == 3
+    assert runner.kv_cache_block_bytes() == 3 * (2 * 1 * 8) * 4 * 4
