@@ -2,8 +2,9 @@
 library's kernel against dense windowed attention in float64, with the
 window smaller than the context, decodes mixed with prompt chunks, and the
 blocks before each request's window poisoned (as the KV cache manager frees
-them: an op that read one would show it). The Triton ops refuse a windowed
-model at load."""
+them: an op that read one would show it); the Triton op's are in
+``tests/gpu/test_triton_sliding_window.py``. The batch-invariant Triton op
+set refuses a windowed model at load."""
 
 from __future__ import annotations
 
@@ -44,14 +45,17 @@ def windowed_dense(step: PagedStep, window: int) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def poison_freed_blocks(step: PagedStep, window: int, block: int) -> None:
+def poison_freed_blocks(
+    step: PagedStep, window: int, block: int, computed: list[int] = COMPUTED
+) -> None:
     """Point each request's blocks wholly before its first query's window
-    at a block of huge keys and values (the manager frees those)."""
+    at a block of huge keys and values (the manager frees those);
+    ``computed``: each request's cached tokens before the step."""
     held = set(step.meta.block_table.flatten().tolist())
     poison = next(b for b in range(step.kv_cache.shape[2]) if b not in held)
     step.kv_cache[:, :, poison] = 1e4 * torch.randn_like(step.kv_cache[:, :, poison])
-    for r, computed in enumerate(COMPUTED):
-        freed = max(computed - window + 1, 0) // block
+    for r, num_computed in enumerate(computed):
+        freed = max(num_computed - window + 1, 0) // block
         step.meta.block_table[r, :freed] = poison
 
 
@@ -107,13 +111,12 @@ def tiny_model(window: int | None, layers: int = 1, **changes: object) -> LlamaF
     return LlamaForCausalLM(config)
 
 
-def test_triton_op_sets_refuse_a_windowed_model() -> None:
-    from asyncstep.ops.triton.ops import TritonOps
-    from asyncstep.ops.triton.paged_attention import TritonAttention
+def test_the_invariant_triton_op_set_refuses_a_windowed_model() -> None:
+    from asyncstep.ops.triton.invariant_ops import TritonInvariantOps
 
     model = tiny_model(4)
-    with pytest.raises(UnsupportedModelError, match="'triton' attention op does not support"):
-        model.use_ops(TritonOps(TritonAttention(rotates=False)))
+    with pytest.raises(UnsupportedModelError, match="'triton-invariant' attention op does not"):
+        model.use_ops(TritonInvariantOps())
 
 
 def test_a_draft_model_must_attend_within_the_targets_window() -> None:
