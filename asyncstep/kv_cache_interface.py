@@ -22,7 +22,7 @@ Contract:
 * A windowed group's blocks that fall wholly before its window (the query at
   position ``p`` sees keys ``p - W + 1 .. p``) are freed by the KV cache
   manager; the request's table then names :data:`NULL_BLOCK_ID` there (or
-  the stale id the runner already had), which no attention op reads.
+  the stale id the runner already had), whose contents no attention op uses.
 """
 
 from __future__ import annotations

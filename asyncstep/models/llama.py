@@ -341,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
         if windowed and not ops.attention_op.supports_sliding_window:
             raise UnsupportedModelError(
                 f"sliding-window attention: the {ops.attention_op.name!r} attention op does not "
-                "support it yet (the torch, cpu and triton ops do)"
+                "support it"
             )
         self.model.ops.ops = ops
         self.model.step_path = ops.step_path(self.model.stage_layers())

@@ -149,7 +149,8 @@ class AttentionShape:
     window: with ``sliding_window`` ``W`` the query at position ``p`` sees
     the keys at ``p - W + 1 .. p`` only (None: every earlier key). A windowed
     layer's metadata may name any block for the keys before its window (the
-    KV cache manager frees those blocks); its attention reads none of them."""
+    KV cache manager frees those blocks, which other requests may then
+    hold): an op uses none of them (it may read them and mask them out)."""
 
     num_heads: int
     num_kv_heads: int

@@ -1,7 +1,8 @@
-"""The Triton attention op with a sliding window against dense windowed
+"""The Triton attention ops with a sliding window against dense windowed
 attention in float64: decodes mixed with prompt chunks, a decode-only batch
 (which leaves the split-KV kernels for the query-tiled one), the blocks
-before each request's window poisoned. On the CPU under the Triton
+before each request's window poisoned; the batch-invariant op both ways
+(split programs + combine, and the tile loop). On the CPU under the Triton
 interpreter (``TRITON_INTERPRET=1``, set before triton is imported)."""
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ if TEST_DEVICE == "cpu":
 
 pytest.importorskip("triton", reason="the Triton kernels need triton")
 
+from asyncstep.ops.triton.invariant_attention import (  # noqa: E402
+    TritonInvariantAttention,
+    invariant_paged_attention,
+)
 from asyncstep.ops.triton.paged_attention import TritonAttention  # noqa: E402
 from tests.models.test_cpu_attention import make_step  # noqa: E402
 from tests.models.test_sliding_window_ops import (  # noqa: E402
@@ -46,3 +51,23 @@ def test_decode_batch_matches_dense_windowed_attention() -> None:
     poison_freed_blocks(step, window, block, COMPUTED[:num])
     out = run_op(TritonAttention(rotates=False), step, window)
     torch.testing.assert_close(out.double(), windowed_dense(step, window), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_invariant_attention_matches_dense_windowed_attention(parallel: bool) -> None:
+    window, block = 5, 4
+    step = windowed_step(torch.float32, window, block)
+    run_op(TritonInvariantAttention(), step, window)  # stores the keys, attends
+    meta = step.meta
+    out = invariant_paged_attention(
+        step.q.view(len(step.q), step.heads, step.dim),
+        step.kv_cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_table,
+        step.scale,
+        parallel=parallel,
+        sliding_window=window,
+    )
+    expected = windowed_dense(step, window)
+    torch.testing.assert_close(out.flatten(1).double(), expected, atol=1e-4, rtol=1e-4)

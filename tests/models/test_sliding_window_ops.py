@@ -2,9 +2,8 @@
 library's kernel against dense windowed attention in float64, with the
 window smaller than the context, decodes mixed with prompt chunks, and the
 blocks before each request's window poisoned (as the KV cache manager frees
-them: an op that read one would show it); the Triton op's are in
-``tests/gpu/test_triton_sliding_window.py``. The batch-invariant Triton op
-set refuses a windowed model at load."""
+them: an op that read one would show it); the Triton ops' are in
+``tests/gpu/test_triton_sliding_window.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.ops.attention import AttentionShape
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.paged_attention import CpuAttention
-from asyncstep.ops.torch_attention import TORCH_ATTENTION
+from asyncstep.ops.torch_attention import TORCH_ATTENTION, TorchAttention
+from asyncstep.ops.torch_ref import TorchOps
 from asyncstep.runner.model_runner import ModelRunner, _check_draft_windows
 from tests.models.test_cpu_attention import PagedStep, make_step, tolerance
 
@@ -111,12 +111,15 @@ def tiny_model(window: int | None, layers: int = 1, **changes: object) -> LlamaF
     return LlamaForCausalLM(config)
 
 
-def test_the_invariant_triton_op_set_refuses_a_windowed_model() -> None:
-    from asyncstep.ops.triton.invariant_ops import TritonInvariantOps
+class _NoWindowAttention(TorchAttention):
+    name = "no-window"
+    supports_sliding_window = False
 
-    model = tiny_model(4)
-    with pytest.raises(UnsupportedModelError, match="'triton-invariant' attention op does not"):
-        model.use_ops(TritonInvariantOps())
+
+def test_an_op_set_without_windows_is_refused_by_a_windowed_model() -> None:
+    tiny_model(None).use_ops(TorchOps(_NoWindowAttention()))
+    with pytest.raises(UnsupportedModelError, match="'no-window' attention op does not"):
+        tiny_model(4).use_ops(TorchOps(_NoWindowAttention()))
 
 
 def test_a_draft_model_must_attend_within_the_targets_window() -> None:

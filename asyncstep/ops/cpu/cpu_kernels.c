@@ -26,8 +26,8 @@
  * Request r's query token i (of q_len) sees keys [0, seq_len - q_len + i]
  * (causal); with a sliding window W > 0, only the last W of them
  * [seq_len - q_len + i - W + 1, seq_len - q_len + i] (the blocks before are
- * never read, so the block table may hold anything there). The query heads sharing a KV head (grouped-query attention) are
- * attended together, with tq query tokens of a request per work item, so a
+ * never read, so the block table may hold anything there). The query heads
+ * sharing a KV head (grouped-query attention) are attended together, with tq query tokens of a request per work item, so a
  * key or value row read from the cache serves tq * group query rows. Scores,
  * softmax (online, per chunk of keys) and accumulation are float32; bfloat16
  * inputs are widened on load and the output is rounded to nearest even.
