@@ -16,6 +16,7 @@ import trio
 
 import asyncstep
 from asyncstep import SamplingParams
+from tests.gguf_weights import q4_0_weight
 
 WINDOW = 8
 MAX_TOKENS = 32
@@ -142,3 +143,39 @@ async def test_greedy_equals_transformers(
     assert stats.prefix_cache_hit_rate > 0
     if num_blocks is not None and path.name.startswith("qwen3"):
         assert stats.num_preemptions > 0
+
+
+@pytest.mark.trio
+async def test_the_cpu_decode_stack_keeps_the_window(tmp_path: Path) -> None:
+    """The CPU library's decoder stack (packed weights) passes each layer's
+    window to its attention: the windowed Mistral's tokens through the stack
+    equal its layer-by-layer tokens (the same packed weights)."""
+    import transformers
+
+    from asyncstep.config import ModelConfig
+    from asyncstep.models.model_loader import load_model, pack_weights
+    from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
+    from asyncstep.ops.cpu.quant import quant_matmul
+
+    matmul = quant_matmul()
+    if matmul is None or not matmul.fast:
+        pytest.skip("the stack runs on the vector build only (AVX512-VNNI or AVX2)")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("mistral"))
+    for layer in model.model.layers:  # weights a Q4_0 GGUF would hold: packable
+        for linear in (*vars(layer.self_attn)["_modules"].values(), *layer.mlp.children()):
+            if isinstance(linear, torch.nn.Linear):
+                linear.weight.data = q4_0_weight(*linear.weight.shape)
+    model.save_pretrained(tmp_path)
+    loaded = load_model(ModelConfig(model=str(tmp_path), device="cpu", dtype="float32"))
+    pack_weights(loaded.model, torch.float32, max_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    tokens = []
+    for stack in (True, False):
+        async with asyncstep.open_engine(loaded, block_size=4) as engine:
+            assert isinstance(loaded.model.model.step_path, CpuDecodeStack)
+            if not stack:
+                loaded.model.model.step_path = None
+            tokens.append(await generate_all(engine, params))
+    assert tokens[0] == tokens[1]
+    assert all(len(t) == MAX_TOKENS for t in tokens[0])

@@ -9,8 +9,9 @@ silu * up) without a Python call per op.
 kept quantized for the CPU library
 (:class:`~asyncstep.ops.cpu.quant.CpuQuantWeight`) and whose
 attention is the CPU kernel with its rotary fused, on one tensor-parallel
-rank (the stack has no all-reduce), without per-head q/k norms or a sliding
-window; else None, and the model keeps its layer-by-layer forward. Steps of
+rank (the stack has no all-reduce), without per-head q/k norms (a layer's
+sliding window goes to its attention); else None, and the model keeps its
+layer-by-layer forward. Steps of
 more tokens than the packed weights take (or with padding rows), and steps
 of a model with several KV cache groups (``meta.kv_groups``), go layer by
 layer too.
@@ -48,8 +49,9 @@ __all__ = ["CpuDecodeStack"]
 DecoderLayer = Any
 
 #: ``StackLayer``: input norm, qkv (kind, data, out, in), qkv bias, o, post
-#: norm, gate_up, down, KV cache, its blocks. 8 bytes per field.
-_LAYER = struct.Struct("<" + "q" * 21)
+#: norm, gate_up, down, KV cache, its blocks, the sliding window (0: none).
+#: 8 bytes per field.
+_LAYER = struct.Struct("<" + "q" * 22)
 #: ``StackArgs`` (see cpu_decode.c): 8 bytes per field.
 _ARGS = struct.Struct(
     "<qqq"  # dtype, layers, layer array
@@ -104,8 +106,6 @@ class CpuDecodeStack:
             attention = layer.self_attn
             if attention.q_norm is not None or not attention.attn.rotates:
                 return None
-            if attention.attn.sliding_window is not None:
-                return None  # the stack's attention has no window
             if attention.attn.ops.ops.attention_op.name != "cpu" or attention.o_proj.tp_size != 1:
                 return None
             if _quantized(layer) is None or attention.o_proj.bias is not None:
@@ -216,6 +216,7 @@ class CpuDecodeStack:
             *_weight_fields(down),
             kv_cache.data_ptr(),
             kv_cache.shape[2],
+            layer.self_attn.attn.sliding_window or 0,
         )
 
 
