@@ -15,7 +15,8 @@ layer's ``W`` (None: full attention). From an HF config: Mistral's
 transformers ignores it); Qwen2/Qwen3 use a window only with
 ``use_sliding_window``, on the layers ``layer_types`` names
 ``sliding_attention`` or, without ``layer_types``, on layers
-``>= max_window_layers``; Llama has none. From GGUF:
+``>= max_window_layers``; Llama (any other architecture) has none
+(:data:`EVERY_LAYER_WINDOW`, :data:`QWEN_STYLE_WINDOW`). From GGUF:
 ``{arch}.attention.sliding_window``, on every layer.
 """
 
@@ -247,6 +248,12 @@ SLIDING_ATTENTION = "sliding_attention"
 FULL_ATTENTION = "full_attention"
 #: The ``layer_types`` names asyncstep runs.
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+#: Architectures whose ``sliding_window`` applies to every layer (transformers'
+#: Mistral attention; its ``layer_types`` is ignored).
+EVERY_LAYER_WINDOW = frozenset({"MistralForCausalLM"})
+#: Architectures with Qwen2's rule: a window only with ``use_sliding_window``,
+#: on the layers ``layer_types`` (or ``max_window_layers``) names.
+QWEN_STYLE_WINDOW = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 #: transformers' older ``layer_types`` names -> today's (``remap_legacy_layer_types``).
 _LEGACY_LAYER_TYPES = {"attention": FULL_ATTENTION}
 #: The rope scaling fields each type needs.
@@ -318,17 +325,19 @@ def validate_layer_types(layer_types: Any, num_layers: int) -> None:
 def _hf_windows(
     cfg: Mapping[str, Any], arch: str, num_layers: int
 ) -> tuple[int | None, tuple[str, ...]]:
-    """``sliding_window`` and ``layer_types`` as transformers 5 reads them for ``arch``."""
-    family = ARCHITECTURES[arch]
-    window = cfg.get("sliding_window")
-    if family == "llama" and arch != "MistralForCausalLM":
+    """``sliding_window`` and ``layer_types`` as transformers 5 reads them for
+    ``arch``: :data:`EVERY_LAYER_WINDOW` architectures on every layer,
+    :data:`QWEN_STYLE_WINDOW` ones per layer with ``use_sliding_window``,
+    any other none."""
+    if arch not in EVERY_LAYER_WINDOW and arch not in QWEN_STYLE_WINDOW:
         return None, ()
-    if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window") is not True:
+    window = cfg.get("sliding_window")
+    if arch in QWEN_STYLE_WINDOW and cfg.get("use_sliding_window") is not True:
         window = None  # Qwen2Config.__post_init__: no window without use_sliding_window
     if window is None:
         return None, ()
     window = bounded_int("config: sliding_window", window, MAX_CONTEXT_LENGTH)
-    if arch == "MistralForCausalLM":
+    if arch in EVERY_LAYER_WINDOW:
         return window, ()  # every layer (Mistral ignores layer_types)
     types = cfg.get("layer_types")
     if types is None:
