@@ -3,11 +3,26 @@
 :meth:`ModelArchConfig.validate` is the one gate every config passes before a
 model is built from it: sizes are non-bool ints within the bounds of
 :mod:`asyncstep.models.limits`, floats finite, flags bools, rope scaling of a
-known type with typed fields, and a mixture-of-experts config's expert
+known type with typed fields, a mixture-of-experts config's expert
 counts bounded and consistent (top-k within the experts, every MoE layer's
-experts within :data:`~asyncstep.models.limits.MAX_EXPERT_LAYERS`).
-:meth:`ModelArchConfig.weight_shapes` gives the tensors (HF names, full
-shapes) a checkpoint of the config must hold.
+experts within :data:`~asyncstep.models.limits.MAX_EXPERT_LAYERS`), the
+sliding window a positive int and ``layer_types`` one known name per
+layer. :meth:`ModelArchConfig.weight_shapes` gives the tensors (HF names,
+full shapes) a checkpoint of the config must hold.
+
+Sliding-window attention (transformers' semantics): a layer with window ``W``
+lets the query at position ``p`` see the keys at positions ``p - W + 1 .. p``
+(``W`` keys, itself included). :meth:`ModelArchConfig.layer_window` gives each
+layer's ``W`` (None: full attention). From an HF config: Mistral's
+``sliding_window`` applies to every layer (its ``layer_types`` is ignored, as
+transformers ignores it); Qwen2/Qwen3 use a window only with
+``use_sliding_window``, on the layers ``layer_types`` names
+``sliding_attention`` or, without ``layer_types``, on layers
+``>= max_window_layers``; Mixtral's applies to every layer, Qwen3-MoE's
+to every layer with ``use_sliding_window``; Llama (any other architecture)
+has none (:data:`EVERY_LAYER_WINDOW`, :data:`QWEN_STYLE_WINDOW`,
+:data:`EVERY_LAYER_WINDOW_WHEN_USED`). From GGUF:
+``{arch}.attention.sliding_window``, on every layer.
 """
 
 from __future__ import annotations
@@ -102,6 +117,11 @@ class ModelArchConfig:
     #: the others have a dense MLP of ``intermediate_size``.
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    #: The attention window of the sliding layers, in tokens (None: none).
+    sliding_window: int | None = None
+    #: One of :data:`LAYER_TYPES` per layer; empty: every layer sliding where
+    #: ``sliding_window`` is set, else full.
+    layer_types: tuple[str, ...] = ()
 
     @property
     def family(self) -> str:
@@ -132,6 +152,19 @@ class ModelArchConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window in tokens; None: full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != SLIDING_ATTENTION:
+            return None
+        return self.sliding_window
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """:meth:`layer_window` of every layer."""
+        return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
     def replace(self, **changes: Any) -> ModelArchConfig:
         return dataclasses.replace(self, **changes)
@@ -228,6 +261,12 @@ class ModelArchConfig:
         for eos in self.eos_token_ids:
             bounded_int("config: eos_token_id", eos, MAX_TOKEN_ID, low=0)
         validate_rope_scaling(self.rope_scaling)
+        self._validate_windows()
+
+    def _validate_windows(self) -> None:
+        if self.sliding_window is not None:
+            bounded_int("config: sliding_window", self.sliding_window, MAX_CONTEXT_LENGTH)
+        validate_layer_types(self.layer_types, self.num_hidden_layers)
 
     def _validate_moe(self) -> None:
         """A MoE family's expert fields bounded and consistent; a dense one has none."""
@@ -276,6 +315,7 @@ class ModelArchConfig:
         theta = _hf_value(cfg, "rope_theta", 10000.0) if theta is None else theta
         validate_rope_scaling(rope)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        window, layer_types = _hf_windows(cfg, arch, sizes["num_hidden_layers"])
         config = cls(
             architecture=arch,
             num_key_value_heads=n_kv,
@@ -293,6 +333,8 @@ class ModelArchConfig:
             hidden_act=_hf_value(cfg, "hidden_act", "silu"),
             bos_token_id=_hf_value(cfg, "bos_token_id", None),
             eos_token_ids=_hf_eos(cfg.get("eos_token_id")),
+            sliding_window=window,
+            layer_types=layer_types,
             **sizes,
             **_hf_moe(cfg, family, sizes["intermediate_size"]),
         )
@@ -316,6 +358,21 @@ MAX_TOKEN_ID = 2**31 - 1
 #: End-of-sequence ids a config may list (real ones: 1 to 4).
 MAX_EOS_TOKENS = 256
 ROPE_TYPES = ("default", "linear", "llama3")
+SLIDING_ATTENTION = "sliding_attention"
+FULL_ATTENTION = "full_attention"
+#: The ``layer_types`` names asyncstep runs.
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+#: Architectures whose ``sliding_window`` applies to every layer (transformers'
+#: Mistral attention; its ``layer_types`` is ignored).
+EVERY_LAYER_WINDOW = frozenset({"MistralForCausalLM", "MixtralForCausalLM"})
+#: Architectures whose window, with ``use_sliding_window``, is on every layer
+#: (Qwen3MoeConfig.__post_init__; no ``layer_types``).
+EVERY_LAYER_WINDOW_WHEN_USED = frozenset({"Qwen3MoeForCausalLM"})
+#: Architectures with Qwen2's rule: a window only with ``use_sliding_window``,
+#: on the layers ``layer_types`` (or ``max_window_layers``) names.
+QWEN_STYLE_WINDOW = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+#: transformers' older ``layer_types`` names -> today's (``remap_legacy_layer_types``).
+_LEGACY_LAYER_TYPES = {"attention": FULL_ATTENTION}
 #: The rope scaling fields each type needs.
 _ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -367,6 +424,54 @@ def validate_rope_scaling(scaling: Any) -> None:
             raise ModelLoadError(f"config: rope_scaling of type {rope_type} lacks {key}")
     if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ModelLoadError("config: rope_scaling.high_freq_factor must exceed low_freq_factor")
+
+
+def validate_layer_types(layer_types: Any, num_layers: int) -> None:
+    """``layer_types`` must be empty or a tuple of one known name per layer."""
+    if not isinstance(layer_types, tuple):
+        raise ModelLoadError("config: layer_types must be a list of names")
+    if layer_types and len(layer_types) != num_layers:
+        raise ModelLoadError(
+            f"config: layer_types names {len(layer_types)} layers; the model has {num_layers}"
+        )
+    for name in layer_types:
+        if name not in LAYER_TYPES:
+            shown = repr(name)[:40] if isinstance(name, str) else type(name).__name__
+            raise UnsupportedModelError(
+                f"config: unsupported layer type {shown} ({', '.join(LAYER_TYPES)})"
+            )
+
+
+def _hf_windows(
+    cfg: Mapping[str, Any], arch: str, num_layers: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """``sliding_window`` and ``layer_types`` as transformers 5 reads them for
+    ``arch``: :data:`EVERY_LAYER_WINDOW` architectures on every layer,
+    :data:`EVERY_LAYER_WINDOW_WHEN_USED` ones too with ``use_sliding_window``,
+    :data:`QWEN_STYLE_WINDOW` ones per layer with ``use_sliding_window``,
+    any other none."""
+    used_only = QWEN_STYLE_WINDOW | EVERY_LAYER_WINDOW_WHEN_USED
+    if arch not in EVERY_LAYER_WINDOW and arch not in used_only:
+        return None, ()
+    window = cfg.get("sliding_window")
+    if arch in used_only and cfg.get("use_sliding_window") is not True:
+        window = None  # Qwen2Config.__post_init__: no window without use_sliding_window
+    if window is None:
+        return None, ()
+    window = bounded_int("config: sliding_window", window, MAX_CONTEXT_LENGTH)
+    if arch not in QWEN_STYLE_WINDOW:
+        return window, ()  # every layer (Mistral ignores layer_types)
+    types = cfg.get("layer_types")
+    if types is None:
+        first = bounded_int(
+            "config: max_window_layers", _hf_value(cfg, "max_window_layers", 28), 2**31, low=0
+        )
+        types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) > MAX_NUM_LAYERS:
+        raise ModelLoadError("config: layer_types must be a list of names")
+    layer_types = tuple(_LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in types)
+    validate_layer_types(layer_types, num_layers)
+    return window, layer_types
 
 
 def _hf_value(cfg: Mapping[str, Any], key: str, default: Any = _MISSING) -> Any:

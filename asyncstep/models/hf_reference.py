@@ -12,7 +12,7 @@ from asyncstep.models.loader import open_checkpoint
 
 _CONFIG_CLASSES = {
     "LlamaForCausalLM": "LlamaConfig",
-    "MistralForCausalLM": "LlamaConfig",  # same layers; Mistral's sliding window is not used
+    "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
 }
@@ -44,9 +44,21 @@ def hf_config(arch: ModelArchConfig, **overrides: Any) -> Any:
         eos_token_id=list(arch.eos_token_ids) or None,
         **rope,
     )
-    if arch.family == "llama":
+    if arch.architecture == "LlamaForCausalLM":
         fields["attention_bias"] = arch.attention_bias
-    return cls(**(fields | overrides))
+    return cls(**(fields | _hf_windows(arch) | overrides))
+
+
+def _hf_windows(arch: ModelArchConfig) -> dict[str, Any]:
+    """The config fields that give transformers ``arch``'s sliding windows
+    (a Llama has none: a GGUF's window is not in its reference)."""
+    if arch.architecture == "MistralForCausalLM":
+        return {"sliding_window": arch.sliding_window}
+    if arch.family == "llama" or arch.sliding_window is None:
+        return {}
+    n = arch.num_hidden_layers
+    types = list(arch.layer_types) or ["sliding_attention"] * n
+    return {"use_sliding_window": True, "sliding_window": arch.sliding_window, "layer_types": types}
 
 
 def hf_reference_model(model: str | Path | None = None, **config_overrides: Any) -> Any:

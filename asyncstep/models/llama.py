@@ -34,7 +34,7 @@ from torch import nn
 
 from asyncstep.channels import get_pp_group, get_tp_group
 from asyncstep.datatypes import IntermediateTensors
-from asyncstep.errors import ModelLoadError
+from asyncstep.errors import ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig, pp_layer_range
 from asyncstep.models.layers.attention import Attention, AttentionMetadata
 from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -66,6 +66,7 @@ class LlamaAttention(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         sequence_parallel: bool = False,
+        layer_idx: int = 0,
     ):
         super().__init__()
         ops = rotary.ops
@@ -100,6 +101,8 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             scale=config.head_dim**-0.5,
             rotary=rotary,
+            sliding_window=config.layer_window(layer_idx),
+            layer_idx=layer_idx,
         )
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -181,7 +184,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         ops = rotary.ops
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.self_attn = self.make_attention(config, rotary, dtype, sequence_parallel)
+        self.self_attn = self.make_attention(config, rotary, dtype, sequence_parallel, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.mlp = self.make_mlp(config, layer_idx, dtype, sequence_parallel, ops)
 
@@ -191,8 +194,9 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         sequence_parallel: bool,
+        layer_idx: int,
     ) -> LlamaAttention:
-        return LlamaAttention(config, rotary, dtype, sequence_parallel)
+        return LlamaAttention(config, rotary, dtype, sequence_parallel, layer_idx)
 
     def make_mlp(
         self,
@@ -377,6 +381,12 @@ class LlamaForCausalLM(nn.Module):
         matmuls through ``ops`` (:func:`asyncstep.ops.select_ops`; the
         reference until then), and the steps its step path takes through
         that path (built here, once the weights are loaded and packed)."""
+        windowed = any(w is not None for w in self.config.layer_windows)
+        if windowed and not ops.attention_op.supports_sliding_window:
+            raise UnsupportedModelError(
+                f"sliding-window attention: the {ops.attention_op.name!r} attention op does not "
+                "support it"
+            )
         self.model.ops.ops = ops
         self.model.step_path = ops.step_path(self.model.stage_layers())
 

@@ -154,8 +154,9 @@ class OlmoeAttention(LlamaAttention):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         sequence_parallel: bool = False,
+        layer_idx: int = 0,
     ):
-        super().__init__(config, rotary, dtype, sequence_parallel)
+        super().__init__(config, rotary, dtype, sequence_parallel, layer_idx)
         ops = rotary.ops
         self.q_norm = RMSNorm(config.q_size, config.rms_norm_eps, dtype, ops)
         self.k_norm = RMSNorm(config.kv_size, config.rms_norm_eps, dtype, ops)
@@ -181,8 +182,9 @@ class OlmoeDecoderLayer(MoeDecoderLayer):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         sequence_parallel: bool,
+        layer_idx: int,
     ) -> LlamaAttention:
-        return OlmoeAttention(config, rotary, dtype, sequence_parallel)
+        return OlmoeAttention(config, rotary, dtype, sequence_parallel, layer_idx)
 
 
 class OlmoeForCausalLM(MoeForCausalLM):

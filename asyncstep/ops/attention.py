@@ -40,6 +40,8 @@ class DecodeBucket:
     rows: torch.Tensor  # [n] int64: request (= token) rows of the bucket
     block_ids: torch.Tensor  # [n * num_blocks] int64, row-major
     max_len: int
+    #: [n] host copy of each request's length (the sliding window's mask reads it).
+    lens: np.ndarray
     #: [n, 1, 1, max_len] keys past a request's end masked; None when all are max_len long.
     mask: torch.Tensor | None
 
@@ -66,6 +68,10 @@ class AttentionMetadata:
     #: An attention op's own view of this metadata, made by the step's
     #: first layer and shared by the others (the CPU kernel's arguments).
     kernel_args: object | None = field(default=None, repr=False)
+    #: With several KV cache groups: each group's metadata (``[0]`` is this
+    #: one), which differ in ``block_table``, ``slot_mapping``,
+    #: ``decode_buckets`` and ``kernel_args``; empty with one group.
+    kv_groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
 
     @property
     def num_reqs(self) -> int:
@@ -106,7 +112,7 @@ def plan_decode_buckets(
         if int(lens.min()) != max_len:
             valid = np.arange(max_len)[None, :] < lens[:, None]
             mask = to_device(f"bucket{i}_mask", valid)[:, None, None, :]
-        buckets.append(DecodeBucket(rows_t, blocks.reshape(-1).long(), max_len, mask))
+        buckets.append(DecodeBucket(rows_t, blocks.reshape(-1).long(), max_len, lens, mask))
     return buckets
 
 
@@ -139,9 +145,15 @@ def kv_cache_shape(
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """One attention layer's heads (this rank's) and softmax scale."""
+    """One attention layer's heads (this rank's), softmax scale and sliding
+    window: with ``sliding_window`` ``W`` the query at position ``p`` sees
+    the keys at ``p - W + 1 .. p`` only (None: every earlier key). A windowed
+    layer's metadata may name any block for the keys before its window (the
+    KV cache manager frees those blocks, which other requests may then
+    hold): an op uses none of them (it may read them and mask them out)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scale: float
+    sliding_window: int | None = None

@@ -56,6 +56,9 @@ class AttentionOp(Protocol):
     #: Whether the op reads the reference's host-made plan of the decodes
     #: (``meta.decode_buckets``; then no FULL CUDA graph runs over it).
     plans_decodes: bool
+    #: Whether the op honours :attr:`AttentionShape.sliding_window` (a model
+    #: with a windowed layer refuses an op set whose attention does not).
+    supports_sliding_window: bool
 
     def __call__(
         self,

@@ -3,7 +3,9 @@ CPU and CUDA). It stores a step's keys and values at their slots, runs the
 decodes as one batched gather per bucket of similar lengths (the step's
 host-made plan, :func:`~asyncstep.ops.attention.plan_decode_buckets`), and
 prompt chunks one request at a time over their cached prefix plus the new
-tokens. It reads host copies of the metadata: no FULL CUDA graph over it.
+tokens. A sliding window masks the keys before it (a windowed decode
+gathers from the first block its window reaches). It reads host copies of
+the metadata: no FULL CUDA graph over it.
 
 May import torch, numpy and :mod:`asyncstep.ops.attention`.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -58,7 +61,11 @@ def _gather_kv(
 
 
 def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    bucket: DecodeBucket,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One bucket of decodes: q [n, heads, dim] -> [n, heads, dim].
 
@@ -66,13 +73,35 @@ def _decode_attention(
     (``[n, kv_heads, group, dim]``), so keys and values are never repeated."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[1]
-    k, v = _gather_kv(kv_cache, bucket.block_ids, n, bucket.max_len)
+    mask: torch.Tensor | None
+    if window is not None and window < bucket.max_len:
+        block_ids, length, mask = _window_decode_plan(kv_cache.shape[3], bucket, window)
+    else:
+        block_ids, length, mask = bucket.block_ids, bucket.max_len, bucket.mask
+    k, v = _gather_kv(kv_cache, block_ids, n, length)
     grouped = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if q.device.type == "cpu":
-        out = _decode_attention_matmul(grouped, k, v, bucket.mask, scale)
+        out = _decode_attention_matmul(grouped, k, v, mask, scale)
     else:
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=bucket.mask, scale=scale)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
     return out.reshape(n, num_heads, head_dim)
+
+
+def _window_decode_plan(
+    block_size: int, bucket: DecodeBucket, window: int
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """A windowed bucket's blocks from the first one any of its requests'
+    windows reaches, the keys' length from there, and the mask of each
+    request's window (keys ``len - window .. len - 1``)."""
+    lens = torch.from_numpy(bucket.lens.astype(np.int64))
+    first_block = max(int(bucket.lens.min()) - window, 0) // block_size
+    start = first_block * block_size
+    n = len(lens)
+    blocks = bucket.block_ids.view(n, -1)[:, first_block:].reshape(-1)
+    length = bucket.max_len - start
+    pos = torch.arange(start, bucket.max_len)[None, :]
+    mask = (pos < lens[:, None]) & (pos >= (lens - window)[:, None])
+    return blocks, length, mask.to(bucket.block_ids.device)[:, None, None, :]
 
 
 def _decode_attention_matmul(
@@ -95,16 +124,26 @@ def _prefill_attention(
     meta: AttentionMetadata,
     req: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One request's query chunk [q_len, heads, dim] over its prefix and itself."""
+    """One request's query chunk [q_len, heads, dim] over its prefix and itself
+    (with a ``window``: over the keys in each query's window)."""
     q_len, seq_len = q.shape[0], int(meta.seq_lens_cpu[req])
-    if seq_len == q_len:  # no cached prefix: the new keys are the whole sequence
+    context = seq_len - q_len
+    windowed = window is not None and window < seq_len
+    if context == 0 and not windowed:  # the new keys are the whole sequence
         k, v, mask, causal = k_new.transpose(0, 1), v_new.transpose(0, 1), None, True
     else:
         block_size = kv_cache.shape[3]
-        blocks = meta.block_table[req, : -(-seq_len // block_size)].long()
-        k, v = (t[0] for t in _gather_kv(kv_cache, blocks, 1, seq_len))
-        mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
+        # Keys from the first block the first query's window reaches.
+        first_block = max(context - window + 1, 0) // block_size if window is not None else 0
+        start = first_block * block_size
+        blocks = meta.block_table[req, first_block : -(-seq_len // block_size)].long()
+        k, v = (t[0] for t in _gather_kv(kv_cache, blocks, 1, seq_len - start))
+        mask = torch.ones(q_len, seq_len - start, dtype=torch.bool, device=q.device)
+        mask = mask.tril(context - start)
+        if window is not None:
+            mask = mask.triu(context - start - window + 1)
         causal = False
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),  # [heads, q_len, dim]
@@ -136,9 +175,11 @@ def reference_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention in plain torch. q [tokens, heads, dim], k/v [tokens, kv_heads, dim]
-    (already written to the cache). Returns [tokens, heads, dim].
+    (already written to the cache). Returns [tokens, heads, dim]. ``window``:
+    the sliding window (:class:`~asyncstep.ops.attention.AttentionShape`'s).
 
     Run the forward inside :func:`reference_attention_backends`."""
     out = torch.empty_like(q)
@@ -146,12 +187,12 @@ def reference_attention(
         out.index_copy_(
             0,
             bucket.rows,
-            _decode_attention(q.index_select(0, bucket.rows), kv_cache, bucket, scale),
+            _decode_attention(q.index_select(0, bucket.rows), kv_cache, bucket, scale, window),
         )
     qsl = meta.query_start_loc_cpu
     for req in range(meta.num_decodes, meta.num_reqs):
         s, e = int(qsl[req]), int(qsl[req + 1])
-        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], kv_cache, meta, req, scale)
+        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], kv_cache, meta, req, scale, window)
     return out
 
 
@@ -166,6 +207,7 @@ class TorchAttention:
     rotates = False
     #: The step's decodes need the host's plan (``decode_buckets``).
     plans_decodes = True
+    supports_sliding_window = True
 
     @classmethod
     def chosen(cls, *, fused_kernels: bool, fused_decode: bool) -> TorchAttention:
@@ -187,7 +229,7 @@ class TorchAttention:
         k = k[:n].view(n, shape.num_kv_heads, shape.head_dim)
         v = v[:n].view(n, shape.num_kv_heads, shape.head_dim)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = reference_attention(q, k, v, kv_cache, meta, shape.scale)
+        out = reference_attention(q, k, v, kv_cache, meta, shape.scale, shape.sliding_window)
         out = out.reshape(n, shape.num_heads * shape.head_dim)
         return F.pad(out, (0, 0, 0, num_padding)) if num_padding else out
 

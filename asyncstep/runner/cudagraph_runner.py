@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -66,6 +66,9 @@ class HostInputs:
     #: The table ``block_table`` views (its rows ``[0, num_reqs)``): the graph
     #: runner then restages only the rows it marks as changed. None: restage all.
     block_table_source: BlockTable | None = None
+    #: With several KV cache groups: groups 1.. slot mappings (``slot_mapping``
+    #: and ``block_table`` are group 0's); empty with one group.
+    group_slot_mappings: list[np.ndarray] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -55,6 +55,7 @@ class InputBatch:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -73,7 +74,9 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
-        self.block_table = BlockTable(max_num_reqs, -(-max_model_len // block_size), block_size)
+        self.block_table = BlockTable(
+            max_num_reqs, -(-max_model_len // block_size), block_size, num_kv_cache_groups
+        )
         self.sampling_params: list[SamplingParams | None] = []
         self.generators: dict[int, torch.Generator] = {}
         #: (layout_version, rows, metadata) of the last ``sampling_metadata`` call.

@@ -26,11 +26,13 @@ def num_kv_blocks(
     arch: ModelArchConfig,
     device: torch.device,
     dtype: torch.dtype,
+    num_kv_cache_groups: int = 1,
 ) -> int:
     """As configured, else what the memory allows: ``kv_cache_memory_gib`` on
     the CPU; on CUDA, ``gpu_memory_utilization`` of the device less the weights
     already loaded and an activation estimate. Never more than ``max_num_running_reqs``
-    sequences of ``max_model_len`` tokens need."""
+    sequences of ``max_model_len`` tokens need (in each of ``num_kv_cache_groups``
+    KV cache groups: ``block_bytes`` is one group's block)."""
     if cache.num_blocks is not None:
         return _fitting(cache.num_blocks, block_bytes, device)
     if device.type == "cuda":
@@ -44,7 +46,7 @@ def num_kv_blocks(
         budget -= ACTIVATION_RESERVE_BYTES
     else:
         budget = cache.kv_cache_memory_gib * 2**30
-    blocks_per_seq = -(-max_model_len // cache.block_size)
+    blocks_per_seq = -(-max_model_len // cache.block_size) * num_kv_cache_groups
     num_blocks = min(int(budget // block_bytes), max_num_running_reqs * blocks_per_seq)
     if num_blocks < min(blocks_per_seq, 16):
         raise ConfigError(

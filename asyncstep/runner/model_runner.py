@@ -54,7 +54,11 @@ from asyncstep.datatypes import (
     SchedulerOutput,
 )
 from asyncstep.device.stream import record_event
+from asyncstep.errors import ConfigError
+from asyncstep.kv_cache_interface import kv_cache_groups
+from asyncstep.logging import get_logger
 from asyncstep.logging.spans import tracing
+from asyncstep.models.layers.attention import Attention
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.ops.attention import BLOCK_DIM, kv_cache_shape
 from asyncstep.ops.select import resolve_attention_backend, select_ops
@@ -84,6 +88,8 @@ from asyncstep.runner.staging import StagingBuffers
 from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs
 from asyncstep.runner.step_state import ExecuteModelState, StepEvents, StepTimings
 from asyncstep.runner.ubatch_forward import forward_ubatches
+
+log = get_logger(__name__)
 
 REENTRY_ERROR = "sample_tokens() must be called after execute_model() returns None"
 
@@ -131,6 +137,20 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.is_last_stage = model.lm_head is not None
+        #: The model's KV cache groups (:mod:`asyncstep.kv_cache_interface`).
+        self.kv_cache_groups = kv_cache_groups(model.config.layer_windows)
+        num_kv_cache_groups = max(len(self.kv_cache_groups), 1)
+        if draft_model is not None:
+            _check_draft_windows(model, draft_model, num_kv_cache_groups)
+        #: Model layer -> its position within its KV cache group (its tensor).
+        self._kv_group_position: dict[int, int] = {}
+        group_of: dict[int, int] = {}
+        for g, group in enumerate(self.kv_cache_groups):
+            for position, layer in enumerate(group.layer_ids):
+                self._kv_group_position[layer] = position
+                group_of[layer] = g
+        for attn in model.attention_layers():  # this stage's
+            attn.kv_cache_group = group_of[attn.layer_idx] if num_kv_cache_groups > 1 else 0
         #: The requests' states and the persistent batches holding their rows.
         self.batches = PersistentBatches(
             num_input_batches,
@@ -139,6 +159,7 @@ class ModelRunner:
             block_size=block_size,
             device=device,
             is_last_stage=self.is_last_stage,
+            num_kv_cache_groups=num_kv_cache_groups,
         )
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
@@ -265,10 +286,13 @@ class ModelRunner:
         return self.kv_caches[0].shape[BLOCK_DIM] if self.kv_caches else 0
 
     def kv_cache_block_bytes(self) -> int:
-        """Bytes one KV block takes over all of this rank's layers."""
+        """Bytes one KV block takes over this rank's KV cache tensors (all
+        its layers; with several KV cache groups, one group's layers: a block
+        belongs to one group)."""
         layers = self.model.attention_layers()
         per_layer = sum(2 * a.num_kv_heads * a.head_dim for a in layers[:1])
-        target = per_layer * len(layers) * self.block_size * self.dtype.itemsize
+        num_tensors = len({self._kv_tensor_index(a) for a in layers})
+        target = per_layer * num_tensors * self.block_size * self.dtype.itemsize
         draft = self.drafter.kv_cache_block_bytes(self.dtype) if self.drafter else 0
         return target + draft
 
@@ -276,6 +300,12 @@ class ModelRunner:
         """Capture the CUDA graphs the dispatcher lists (after the KV cache
         is bound: graphs hold its address), largest first; returns how many."""
         if self.dispatcher.mode is CUDAGraphMode.NONE or not self.dispatcher.capture_sizes:
+            return 0
+        if len(self.kv_cache_groups) > 1:
+            log.warning(
+                "no CUDA graphs: the model mixes sliding-window and full attention layers "
+                "(several KV cache groups), which the graphs' static metadata does not hold"
+            )
             return 0
         assert self.kv_caches, "initialize the KV cache before capturing graphs"
         self.graph_runner = CudaGraphRunner(
@@ -315,18 +345,31 @@ class ModelRunner:
             self.drafter.kv_caches = self._bind_kv_caches(self.drafter.model, num_blocks)
 
     def _bind_kv_caches(self, model: LlamaForCausalLM, num_blocks: int) -> list[torch.Tensor]:
+        """One tensor per layer; with several KV cache groups one per layer
+        position within a group, shared by the groups' layers at that
+        position (:mod:`asyncstep.kv_cache_interface`)."""
         layers = model.attention_layers()
+        index = [self._kv_tensor_index(attn) for attn in layers]
+        first = {i: attn for i, attn in reversed(list(zip(index, layers, strict=True)))}
+        order = list(dict.fromkeys(index))  # in layer order
         shapes = [
-            kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            for attn in layers
+            kv_cache_shape(num_blocks, self.block_size, first[i].num_kv_heads, first[i].head_dim)
+            for i in order
         ]
         if self.device.type == "cpu":
             caches = zeroed_host_tensors(shapes, self.dtype)
         else:
             caches = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes]
-        for attn, cache in zip(layers, caches, strict=True):
-            attn.kv_cache = cache
+        by_index = dict(zip(order, caches, strict=True))
+        for attn, i in zip(layers, index, strict=True):
+            attn.kv_cache = by_index[i]
         return caches
+
+    def _kv_tensor_index(self, attn: Attention) -> int:
+        """The KV cache tensor ``attn`` uses (its own layer's, with one group)."""
+        if len(self.kv_cache_groups) <= 1:
+            return id(attn)
+        return self._kv_group_position[attn.layer_idx]
 
     # -- the step ---------------------------------------------------------
 
@@ -625,3 +668,23 @@ def _spec_grammar_rows(
         if req_id in first_row and j < first_row[req_id][1]:
             pairs.append((first_row[req_id][0] + j, mask_row))
     return pairs
+
+
+def _check_draft_windows(
+    model: LlamaForCausalLM, draft_model: LlamaForCausalLM, num_kv_cache_groups: int
+) -> None:
+    """A draft model shares the target's block table: it may read only what
+    the target's KV cache manager keeps (no block freed before its windows)."""
+    windows = [w for w in model.config.layer_windows if w is not None]
+    if not windows:
+        return
+    if num_kv_cache_groups > 1:
+        raise ConfigError(
+            "speculative decoding with a draft model does not support models that mix "
+            "sliding-window and full attention layers yet"
+        )
+    if any(w is None or w > min(windows) for w in draft_model.config.layer_windows):
+        raise ConfigError(
+            f"the target's KV cache keeps only its sliding window ({min(windows)} tokens): "
+            "a draft model must attend within it"
+        )

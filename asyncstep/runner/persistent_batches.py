@@ -45,19 +45,21 @@ class PersistentBatches:
         block_size: int,
         device: torch.device,
         is_last_stage: bool,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         """``num_input_batches``: batches kept (pipeline parallelism: one per
         step in flight, whose requests differ, so alternating steps do not
         rebuild every row each step). ``is_last_stage``: this stage samples
         (it appends its sampled tokens itself; other stages get them in the
-        scheduler output)."""
+        scheduler output). ``num_kv_cache_groups``: the block ids come
+        interleaved by group (:mod:`asyncstep.kv_cache_interface`)."""
         if num_input_batches < 1:
             raise ValueError(f"num_input_batches must be >= 1, got {num_input_batches}")
         self.device = device
         self.is_last_stage = is_last_stage
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batches = [
-            InputBatch(max_num_reqs, max_model_len, block_size, device)
+            InputBatch(max_num_reqs, max_model_len, block_size, device, num_kv_cache_groups)
             for _ in range(num_input_batches)
         ]
         #: The persistent batch of the current step.

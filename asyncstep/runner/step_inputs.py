@@ -14,6 +14,7 @@ block table rows that changed, when the table is large (long contexts).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -218,14 +219,19 @@ class StepInputBuilder:
         computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         positions = computed[req_indices] + offsets
         token_index = req_indices * batch.max_model_len + positions
+        table = batch.block_table
         return HostInputs(
             input_ids=batch.token_ids_flat[token_index].astype(np.int64),
             positions=positions,
-            slot_mapping=batch.block_table.compute_slot_mapping(req_indices, positions),
+            slot_mapping=table.compute_slot_mapping(req_indices, positions),
             query_start_loc=np.concatenate([[0], cu_num_tokens]).astype(np.int32),
             seq_lens=(computed + num_sched).astype(np.int32),
-            block_table=batch.block_table.block_table_np[:num_reqs],
-            block_table_source=batch.block_table if self.fast_paths else None,
+            block_table=table.group_table(0, num_reqs),
+            block_table_source=table if self.fast_paths else None,
+            group_slot_mappings=[
+                table.compute_slot_mapping(req_indices, positions, g)
+                for g in range(1, table.num_groups)
+            ],
         )
 
     def _decode_host_inputs(self) -> HostInputs:
@@ -244,8 +250,11 @@ class StepInputBuilder:
             slot_mapping=table.decode_slot_mapping(positions),
             query_start_loc=self._query_start_loc[: num_reqs + 1],
             seq_lens=computed + 1,
-            block_table=table.block_table_np[:num_reqs],
+            block_table=table.group_table(0, num_reqs),
             block_table_source=table,  # (the fast path only)
+            group_slot_mappings=[
+                table.decode_slot_mapping(positions, g) for g in range(1, table.num_groups)
+            ],
         )
 
     def _choose_mode(
@@ -281,6 +290,9 @@ class StepInputBuilder:
         config = self.compilation
         if not config.enable_ubatching or self.sequence_parallel:
             return None
+        if self.input_batch.block_table.num_groups > 1:
+            return None  # a micro-batch's metadata would need every group's
+
         return maybe_create_ubatch_slices(
             num_sched,
             num_input_tokens,
@@ -369,7 +381,36 @@ class StepInputBuilder:
         input_ids = to_device("input_ids", _pad(host.input_ids, num_input_tokens, 0))
         positions = to_device("positions", _pad(host.positions, num_input_tokens, 0))
         meta.positions = positions
+        if host.group_slot_mappings:
+            meta.kv_groups = [meta] + [
+                self._group_meta(meta, host, g, num_input_tokens, num_blocks)
+                for g in range(1, len(host.group_slot_mappings) + 1)
+            ]
         return input_ids, positions, meta
+
+    def _group_meta(
+        self,
+        meta: AttentionMetadata,
+        host: HostInputs,
+        group: int,
+        num_input_tokens: int,
+        num_blocks: int,
+    ) -> AttentionMetadata:
+        """KV cache group ``group``'s metadata: ``meta`` with the group's
+        block table, slots and decode plan."""
+        to_device = self.staging.to_device
+        table = self.input_batch.block_table.group_table(group, host.num_reqs)
+        slots = _pad(host.group_slot_mappings[group - 1], num_input_tokens, -1)
+        group_meta = dataclasses.replace(
+            meta,
+            block_table=to_device(f"block_table_g{group}", table[:, :num_blocks]),
+            slot_mapping=to_device(f"slot_mapping_g{group}", slots),
+            decode_buckets=[],
+            kernel_args=None,
+            kv_groups=[],
+        )
+        self._plan_buckets(group_meta, host.seq_lens)
+        return group_meta
 
 
 def is_arange(indices: np.ndarray) -> bool:

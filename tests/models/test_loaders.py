@@ -195,9 +195,14 @@ def write_gguf(
     key_length: int | None = None,
     vocab_size: int | None = None,
     tokenizer: bool = True,
+    sliding_window: object = None,
 ) -> Path:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
+    if isinstance(sliding_window, int):
+        writer.add_sliding_window(sliding_window)
+    elif sliding_window is not None:
+        writer.add_string(f"{arch}.attention.sliding_window", str(sliding_window))
     writer.add_context_length(256)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)

@@ -53,6 +53,7 @@ from asyncstep.engine.messages.core_messages import (
 )
 from asyncstep.engine.structured_output.manager import StructuredOutputManager
 from asyncstep.errors import InvalidRequestError
+from asyncstep.kv_cache_interface import KVCacheGroupSpec
 from asyncstep.logging import get_logger
 from asyncstep.logging.spans import now_us, record_span, span
 
@@ -87,12 +88,15 @@ class EngineCore:
         vocab_size: int,
         load_tokenizer: Callable[[], PreTrainedTokenizerBase | None] = lambda: None,
         freeze_heap: bool = False,
+        kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (),
     ) -> None:
         """``vocab_size`` and ``load_tokenizer`` (called in a worker thread
         for the first request with ``structured_outputs``): the grammars'
         vocabulary. ``freeze_heap``: once the ranks are up, move every
         object alive into the garbage collector's permanent generation (see
-        :func:`freeze_gc_heap`); for a process the core owns."""
+        :func:`freeze_gc_heap`); for a process the core owns.
+        ``kv_cache_groups``: the model's (the scheduler's KV cache manager's)."""
+        self.kv_cache_groups = kv_cache_groups
         self.config = config
         self.freeze_heap = freeze_heap
         self.executor = executor
@@ -156,6 +160,7 @@ class EngineCore:
             max_num_running_reqs=config.max_num_running_reqs,
             max_model_len=config.model.max_model_len or 0,
             speculative_config=config.speculative_config,
+            kv_cache_groups=self.kv_cache_groups,
         )
 
     def stats(self) -> CoreStats:

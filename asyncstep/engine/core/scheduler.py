@@ -17,10 +17,10 @@ them is back, and is reported in ``finished_req_ids`` only then; rejected
 draft tokens are rolled back before any stop rule or free runs.
 
 Pure Python; may import only the standard library and ``asyncstep.datatypes``
-/ ``asyncstep.config`` / ``asyncstep.errors`` (plus its siblings ``request``,
-``kv_cache_manager``, ``step_plan`` and ``step_results``, the messages
-``asyncstep.engine.messages.core_messages`` and the speculation of
-``asyncstep.engine.spec_decode``).
+/ ``asyncstep.config`` / ``asyncstep.errors`` / ``asyncstep.kv_cache_interface``
+(plus its siblings ``request``, ``kv_cache_manager``, ``step_plan`` and
+``step_results``, the messages ``asyncstep.engine.messages.core_messages``
+and the speculation of ``asyncstep.engine.spec_decode``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ from dataclasses import dataclass
 
 from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
-from asyncstep.engine.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from asyncstep.engine.core.kv_cache_manager import (
+    KVCacheStats,
+    make_kv_cache_manager,
+)
 from asyncstep.engine.core.request import Request, RequestStatus
 from asyncstep.engine.core.step_plan import StepPlan
 from asyncstep.engine.core.step_results import add_prompt_logprobs, collect_step_results
@@ -40,6 +43,7 @@ from asyncstep.engine.spec_decode.draft_model_drafts import DraftModelDrafts
 from asyncstep.engine.spec_decode.metrics import SpecDecodingStats
 from asyncstep.engine.spec_decode.ngram_proposer import NgramProposer
 from asyncstep.errors import ConfigError, InvalidRequestError
+from asyncstep.kv_cache_interface import KVCacheGroupSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,7 @@ class Scheduler:
         max_num_running_reqs: int | None = None,
         max_model_len: int,
         speculative_config: SpeculativeConfig | None = None,
+        kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (),
     ) -> None:
         """``max_num_running_reqs``: requests admitted at once (default
         ``max_num_seqs``); more with a pipeline, whose steps in flight hold
@@ -97,7 +102,9 @@ class Scheduler:
         resolved too (ConfigError while None).
 
         ``speculative_config``: propose draft tokens for decodes (see the
-        module doc)."""
+        module doc). ``kv_cache_groups``: the model's KV cache groups
+        (:func:`~asyncstep.kv_cache_interface.kv_cache_groups`; none: one
+        full-attention group)."""
         if max_model_len <= 0:
             raise ConfigError(
                 "max_model_len must be resolved (positive) before building the scheduler, "
@@ -144,11 +151,11 @@ class Scheduler:
             )
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        self.kv_cache_manager = make_kv_cache_manager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_cache_groups
         )
         #: Longest a sequence may grow: the model's context, or the whole cache.
-        self.max_seq_len = min(self.max_model_len, num_blocks * self.block_size)
+        self.max_seq_len = min(self.max_model_len, self.kv_cache_manager.token_capacity)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -598,10 +605,10 @@ class Scheduler:
                 f"the model's context (max_model_len) is {self.max_model_len}"
             )
         kv = self.kv_cache_manager
-        if kv.num_blocks_for(num_prompt) > kv.num_blocks:
+        if num_prompt > kv.token_capacity:
             raise InvalidRequestError(
                 f"prompt has {num_prompt} tokens; the KV cache holds only "
-                f"{kv.num_blocks * self.block_size} ({kv.num_blocks} blocks of {self.block_size})"
+                f"{kv.token_capacity} ({kv.num_blocks} blocks of {self.block_size})"
             )
         if not self.enable_chunked_prefill and num_prompt > self.max_num_batched_tokens:
             raise InvalidRequestError(

@@ -15,7 +15,9 @@ The output's conventions, which the runner relies on:
   after a preemption comes here with ``resumed_from_preemption=True`` and
   ``new_block_ids`` = ALL its block ids, which REPLACE the runner's (its
   ``num_computed_tokens`` restarts from its prefix-cache hits, often 0); for
-  the others ``new_block_ids`` are the blocks appended this step.
+  the others ``new_block_ids`` are the blocks appended this step. With
+  several KV cache groups every such list holds the groups' ids interleaved
+  (:mod:`asyncstep.kv_cache_interface`).
   ``new_token_ids`` holds, with ``send_new_token_ids`` (pipeline parallelism),
   the output tokens each request produced since the ranks last heard of it
   (stages that do not sample need them as inputs); else empty lists.

@@ -22,6 +22,7 @@ from asyncstep.engine.front_end.engine import Engine
 from asyncstep.engine.front_end.input_processor import tokenizer_eos
 from asyncstep.engine.transport.core_client import CoreClient, CoreConnection, CoreProcess
 from asyncstep.errors import ConfigError, EngineDeadError, describe
+from asyncstep.kv_cache_interface import kv_cache_groups
 from asyncstep.logging import get_logger, json_log_file
 from asyncstep.logging.spans import STARTUP, span
 
@@ -94,6 +95,7 @@ async def open_engine(
                 eos,
                 vocab_size=arch.vocab_size,
                 load_tokenizer=lambda: opened.tokenizer,
+                kv_cache_groups=kv_cache_groups(arch.layer_windows),
             )
         async with _running(Engine(config, arch, tokenizer, core)) as engine:
             yield engine

@@ -47,6 +47,7 @@ from asyncstep.engine.messages.core_messages import (
 )
 from asyncstep.engine.transport.front_ends import PEER_GONE, FrontEnds
 from asyncstep.errors import describe, error_kind, root_cause
+from asyncstep.kv_cache_interface import kv_cache_groups
 from asyncstep.logging import configure_logging, get_logger
 from asyncstep.logging.spans import CORE_STARTUP, process_start_us, record_startup, span
 from asyncstep.models.model_info import describe_model
@@ -150,6 +151,7 @@ async def _run(front_ends: FrontEnds, config: EngineConfig, primary: MessageStre
                 vocab_size=opened.arch_config.vocab_size,
                 load_tokenizer=lambda: describe_model(config.model).tokenizer,
                 freeze_heap=True,
+                kv_cache_groups=kv_cache_groups(opened.arch_config.layer_windows),
             )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(front_ends.read, inputs_tx)

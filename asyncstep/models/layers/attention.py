@@ -50,6 +50,11 @@ class Attention(nn.Module):
     output rows are zeros. q and k come rotated unless the op set's KV
     store rotates them (:attr:`~asyncstep.ops.base.OpSet.rotates_in_kv_store`,
     with ``rotary``'s cache; a layer without ``rotary`` is never rotated).
+    ``sliding_window``: the layer's window in tokens (None: full attention;
+    see :class:`~asyncstep.ops.attention.AttentionShape`). ``kv_cache_group``:
+    the KV cache group the runner binds the layer to (its block table and
+    slots are ``meta.kv_groups[kv_cache_group]``'s; group 0: ``meta``'s own).
+    ``layer_idx``: the model layer it belongs to.
     """
 
     def __init__(
@@ -60,13 +65,18 @@ class Attention(nn.Module):
         scale: float,
         rotary: RotaryEmbedding | None = None,
         ops: OpSetSlot | None = None,
+        sliding_window: int | None = None,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.shape = AttentionShape(num_heads, num_kv_heads, head_dim, scale)
+        self.sliding_window = sliding_window
+        self.shape = AttentionShape(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        self.layer_idx = layer_idx
+        self.kv_cache_group = 0
         self.kv_cache = torch.empty(0)
         self.rotary = [] if rotary is None else [rotary]  # shared, not a submodule
         self.ops = ops or (rotary.ops if rotary is not None else OpSetSlot())
@@ -81,4 +91,6 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         cos_sin_cache = self.rotary[0].cos_sin_cache if self.rotary else None
+        if self.kv_cache_group:
+            meta = meta.kv_groups[self.kv_cache_group]
         return self.ops.ops.attention(q, k, v, self.kv_cache, meta, self.shape, cos_sin_cache)

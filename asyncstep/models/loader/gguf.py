@@ -429,6 +429,12 @@ class GGUFCheckpoint:
                 ids.append(value)
         return tuple(ids)
 
+    def _sliding_window(self) -> int | None:
+        """``<arch>.attention.sliding_window`` (every layer's), where present."""
+        if self.metadata(f"{self._gguf_arch}.attention.sliding_window") is None:
+            return None
+        return self._metadata_int("attention.sliding_window")
+
     def _build_config(self) -> ModelArchConfig:
         hidden = self._metadata_int("embedding_length")
         n_heads = self._metadata_int("attention.head_count")
@@ -458,6 +464,7 @@ class GGUFCheckpoint:
             qk_norm_per_head=self._gguf_arch != "olmoe",
             bos_token_id=self.metadata("tokenizer.ggml.bos_token_id"),
             eos_token_ids=self._eos_token_ids(),
+            sliding_window=self._sliding_window(),
             **self._moe_fields(architecture, ffn),
         )
         try:

@@ -38,6 +38,7 @@ _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     _INT, _INT, _INT,  # num_heads, num_kv_heads, head_dim
     ctypes.c_float,  # scale
     _PTR, _PTR,  # positions, rotary cos_sin cache (NULL: no rotary)
+    _INT,  # sliding window (0: none)
     _INT, _INT,  # query tokens per tile, threads
 ]  # fmt: skip
 
@@ -115,6 +116,7 @@ class CpuPagedAttention:
         scale: float,
         cos_sin_cache: torch.Tensor | None = None,
         num_threads: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         """Store ``k``/``v`` (the step's first ``step.num_tokens`` rows; None:
         already stored) at their slots, then write every query row's attention
@@ -125,7 +127,8 @@ class CpuPagedAttention:
         tokens are not written. With ``cos_sin_cache`` (a rotary's, float32
         ``[max_position, head_dim]``) q and k come unrotated and are rotated
         at the step's positions (``step`` built with them); q/k are not
-        modified. ``num_threads``: default torch's."""
+        modified. ``num_threads``: default torch's. ``sliding_window`` ``W``:
+        a query at position ``p`` sees keys ``p - W + 1 .. p`` only."""
         _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         dtype = CPU_ATTENTION_DTYPES[kv_cache.dtype]
         if not kv_cache.is_contiguous():
@@ -169,6 +172,7 @@ class CpuPagedAttention:
             scale,
             step.positions if cos_sin else 0,
             cos_sin,
+            sliding_window or 0,
             max(1, TILE_ROWS // group),
             num_threads or torch.get_num_threads(),
         )

@@ -35,6 +35,7 @@ typedef struct {
     QWeight down;
     void* kv_cache; /* [2, kv_heads, num_blocks, block_size, head_dim], model dtype */
     int64_t num_blocks;
+    int64_t window; /* the layer's sliding window in keys; 0: none */
 } StackLayer;
 
 typedef struct {
@@ -183,8 +184,8 @@ int asyncstep_decode_stack(const StackArgs* a) {
             qkv + (q_size + kv_size) * el, qkv_size, a->slot_mapping, (int)T, L->kv_cache,
             L->num_blocks, (int)a->block_size, a->query_start_loc, a->seq_lens, (int)a->num_reqs,
             a->block_table, a->block_table_stride, (int)a->num_heads, (int)a->num_kv_heads,
-            (int)a->head_dim, (float)a->scale, a->positions, a->cos_sin, (int)a->tile_tokens,
-            num_threads);
+            (int)a->head_dim, (float)a->scale, a->positions, a->cos_sin, (int)L->window,
+            (int)a->tile_tokens, num_threads);
         if (status != 0) break;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
         {

@@ -24,8 +24,10 @@
  * q as it is loaded; the inputs are not modified.
  *
  * Request r's query token i (of q_len) sees keys [0, seq_len - q_len + i]
- * (causal). The query heads sharing a KV head (grouped-query attention) are
- * attended together, with tq query tokens of a request per work item, so a
+ * (causal); with a sliding window W > 0, only the last W of them
+ * [seq_len - q_len + i - W + 1, seq_len - q_len + i] (the blocks before are
+ * never read, so the block table may hold anything there). The query heads
+ * sharing a KV head (grouped-query attention) are attended together, with tq query tokens of a request per work item, so a
  * key or value row read from the cache serves tq * group query rows. Scores,
  * softmax (online, per chunk of keys) and accumulation are float32; bfloat16
  * inputs are widened on load and the output is rounded to nearest even.
@@ -55,7 +57,7 @@
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
-#define ASYNCSTEP_ABI_VERSION 4
+#define ASYNCSTEP_ABI_VERSION 5
 #define CHUNK 64 /* keys per online-softmax step */
 /* Query-key dot products below which a call runs on one thread: a parallel
  * region's fork and join cost more than splitting so little work saves (on
@@ -75,6 +77,7 @@ typedef struct {
     float scale;
     const int64_t* positions; /* NULL: q and k come rotated */
     const float* cos_sin;
+    int window; /* sliding window in keys; 0: none */
 } Layout;
 
 typedef struct {
@@ -99,7 +102,9 @@ static inline __attribute__((always_inline)) void rotate(const Layout* lay, floa
 /*
  * One work item: request tile->req's query tokens [token_begin, +num_tokens)
  * (absolute rows), KV head h; token j of the tile sees keys
- * [0, context_begin + j]. D is a compile-time constant where inlined.
+ * [first(j), context_begin + j], first(j) = 0, or with a window W
+ * context_begin + j - W + 1 (at least 0). D is a compile-time constant where
+ * inlined.
  */
 #define DEFINE_ATTEND_TILE(NAME, T, LOAD, STORE)                                              \
     static inline __attribute__((always_inline)) void NAME(                                   \
@@ -120,10 +125,12 @@ static inline __attribute__((always_inline)) void rotate(const Layout* lay, floa
             l[row] = 0.0f;                                                                     \
         }                                                                                      \
         const int num_keys = tile->context_begin + tile->num_tokens;                           \
+        const int W = lay->window;                                                             \
+        const int key0 = W > 0 && tile->context_begin - W + 1 > 0 ? tile->context_begin - W + 1 : 0; \
         const int32_t* blocks = lay->block_table + (int64_t)tile->req * lay->block_table_stride; \
         const T* keys = cache + (int64_t)h * lay->head_stride;                                 \
         const T* values = keys + lay->value_offset;                                            \
-        for (int c0 = 0; c0 < num_keys; c0 += CHUNK) {                                         \
+        for (int c0 = key0; c0 < num_keys; c0 += CHUNK) {                                      \
             const int cn = num_keys - c0 < CHUNK ? num_keys - c0 : CHUNK;                      \
             for (int t = 0; t < cn; t++) {                                                     \
                 const int pos = c0 + t;                                                        \
@@ -134,8 +141,11 @@ static inline __attribute__((always_inline)) void rotate(const Layout* lay, floa
             for (int row = 0; row < rows; row++) {                                             \
                 const int visible = tile->context_begin + row / group + 1 - c0;                \
                 const int valid = visible < cn ? visible : cn;                                 \
+                const int hidden = W > 0 ? visible - W : 0; /* keys before the window */       \
+                const int lo = hidden > 0 ? hidden : 0;                                        \
+                if (lo >= valid) continue;                                                     \
                 float top = m[row];                                                            \
-                for (int t = 0; t < valid; t++) {                                              \
+                for (int t = lo; t < valid; t++) {                                             \
                     float dot = 0.0f;                                                          \
                     for (int d = 0; d < D; d++) dot += qf[row][d] * kf[t][d];                  \
                     s[row][t] = dot;                                                           \
@@ -143,7 +153,7 @@ static inline __attribute__((always_inline)) void rotate(const Layout* lay, floa
                 }                                                                              \
                 const float rescale = exp_nonpositive(m[row] - top);                           \
                 float sum = 0.0f;                                                              \
-                for (int t = 0; t < valid; t++) {                                              \
+                for (int t = lo; t < valid; t++) {                                             \
                     const float e = exp_nonpositive(s[row][t] - top);                          \
                     s[row][t] = e;                                                             \
                     sum += e;                                                                  \
@@ -151,7 +161,7 @@ static inline __attribute__((always_inline)) void rotate(const Layout* lay, floa
                 l[row] = l[row] * rescale + sum;                                               \
                 m[row] = top;                                                                  \
                 for (int d = 0; d < D; d++) acc[row][d] *= rescale;                            \
-                for (int t = 0; t < valid; t++) {                                              \
+                for (int t = lo; t < valid; t++) {                                             \
                     const float w = s[row][t];                                                 \
                     for (int d = 0; d < D; d++) acc[row][d] += w * vf[t][d];                   \
                 }                                                                              \
@@ -250,13 +260,13 @@ int asyncstep_cpu_paged_attention(
     int num_tokens, void* kv_cache, int64_t num_blocks, int block_size,
     const int32_t* query_start_loc, const int32_t* seq_lens, int num_reqs,
     const int32_t* block_table, int64_t block_table_stride, int num_heads, int num_kv_heads,
-    int head_dim, float scale, const int64_t* positions, const float* cos_sin, int tq,
-    int num_threads) {
+    int head_dim, float scale, const int64_t* positions, const float* cos_sin, int window,
+    int tq, int num_threads) {
     const int64_t head_stride = num_blocks * block_size * head_dim;
     const Layout lay = {q_stride,   out_stride,         num_heads,   num_kv_heads,
                         head_dim,   block_size,         head_stride, head_stride * num_kv_heads,
                         block_table, block_table_stride, scale,      positions,
-                        positions != NULL ? cos_sin : NULL};
+                        positions != NULL ? cos_sin : NULL, window};
     if (k != NULL && v != NULL) {
         if (dtype == DTYPE_BFLOAT16)
             store_kv_bf16(&lay, kv_cache, k, k_stride, v, v_stride, slot_mapping, num_tokens);

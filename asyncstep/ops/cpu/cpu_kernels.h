@@ -14,7 +14,7 @@ int asyncstep_cpu_paged_attention(
     int num_tokens, void* kv_cache, int64_t num_blocks, int block_size,
     const int32_t* query_start_loc, const int32_t* seq_lens, int num_reqs,
     const int32_t* block_table, int64_t block_table_stride, int num_heads, int num_kv_heads,
-    int head_dim, float scale, const int64_t* positions, const float* cos_sin, int tq,
-    int num_threads);
+    int head_dim, float scale, const int64_t* positions, const float* cos_sin, int window,
+    int tq, int num_threads);
 
 #endif

@@ -9,10 +9,12 @@ silu * up) without a Python call per op.
 kept quantized for the CPU library
 (:class:`~asyncstep.ops.cpu.quant.CpuQuantWeight`) and whose
 attention is the CPU kernel with its rotary fused, on one tensor-parallel
-rank (the stack has no all-reduce), without q/k norms, whose every layer
-has a dense gated MLP (a mixture-of-experts layer declines); else None,
-and the model keeps its layer-by-layer forward. Steps of more tokens than
-the packed weights take (or with padding rows) go layer by layer too.
+rank (the stack has no all-reduce), without per-head q/k norms (a layer's
+sliding window goes to its attention), whose every layer has a dense gated
+MLP (a mixture-of-experts layer declines); else None, and the model keeps
+its layer-by-layer forward. Steps of more tokens than the packed weights
+take (or with padding rows), and steps of a model with several KV cache
+groups (``meta.kv_groups``), go layer by layer too.
 
 It is the CPU op set's step path (:meth:`~asyncstep.ops.cpu.ops.CpuOps.step_path`).
 It reads a model's decoder layers by their attributes (ops import no
@@ -47,8 +49,9 @@ __all__ = ["CpuDecodeStack"]
 DecoderLayer = Any
 
 #: ``StackLayer``: input norm, qkv (kind, data, out, in), qkv bias, o, post
-#: norm, gate_up, down, KV cache, its blocks. 8 bytes per field.
-_LAYER = struct.Struct("<" + "q" * 21)
+#: norm, gate_up, down, KV cache, its blocks, the sliding window (0: none).
+#: 8 bytes per field.
+_LAYER = struct.Struct("<" + "q" * 22)
 #: ``StackArgs`` (see cpu_decode.c): 8 bytes per field.
 _ARGS = struct.Struct(
     "<qqq"  # dtype, layers, layer array
@@ -123,6 +126,7 @@ class CpuDecodeStack:
         return (
             0 < rows <= self.max_tokens
             and rows == meta.num_actual_tokens
+            and not meta.kv_groups
             and hidden.dtype == self.dtype
             and hidden.dim() == 2
             and hidden.stride(1) == 1
@@ -214,6 +218,7 @@ class CpuDecodeStack:
             *_weight_fields(down),
             kv_cache.data_ptr(),
             kv_cache.shape[2],
+            layer.self_attn.attn.sliding_window or 0,
         )
 
 

@@ -39,6 +39,7 @@ class CpuAttention:
     name = "cpu"
     rotates = True
     plans_decodes = False
+    supports_sliding_window = True
 
     def __init__(self, kernel: CpuPagedAttention) -> None:
         self.kernel = kernel
@@ -65,5 +66,15 @@ class CpuAttention:
         if q.shape[0] > meta.num_actual_tokens:
             out[meta.num_actual_tokens :].zero_()
         step = cpu_step_args(meta)
-        self.kernel(out, q, k, v, kv_cache, step, shape.scale, cos_sin_cache)
+        self.kernel(
+            out,
+            q,
+            k,
+            v,
+            kv_cache,
+            step,
+            shape.scale,
+            cos_sin_cache,
+            sliding_window=shape.sliding_window,
+        )
         return out

@@ -177,6 +177,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's queries over its keys in the paged cache.
 
@@ -199,6 +200,11 @@ def paged_attention(
     speculative verify step) runs the split-KV kernels, one program row
     block per token; other batches the query-tiled kernel. Only the shapes
     decide (a CUDA graph replays its kernels for any values).
+
+    ``sliding_window`` ``W``: query i sees only the last ``W`` of its keys
+    (``seq_len - q_len + i - W + 1 ..``); every batch then runs the
+    query-tiled kernel, which reads no block before a query tile's first
+    window.
     """
     _check_attention_args(q, kv_cache, query_start_loc, seq_lens, block_table, out)
     num_tokens, num_heads, head_dim = q.shape
@@ -213,7 +219,7 @@ def paged_attention(
     # fp32 stays exact (the default would be tf32); 16-bit inputs ignore it.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     short = max_query_len is not None and max_query_len <= MAX_SPLIT_KV_QUERY_LEN
-    if num_tokens == num_reqs or short:
+    if not sliding_window and (num_tokens == num_reqs or short):
         _paged_decode(q, kv_cache, query_start_loc, seq_lens, block_table, scale, out, precision)
         return out
     launch = _attention_launch(group, head_dim_pad, q.dtype)
@@ -239,6 +245,7 @@ def paged_attention(
         BLOCK_M=launch.block_m,
         TILE_N=launch.tile_n,
         DOT_PRECISION=precision,
+        WINDOW=sliding_window or 0,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )

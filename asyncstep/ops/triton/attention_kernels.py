@@ -39,6 +39,11 @@ per token and query head, combines the non-empty segments into ``out`` and
 zeros the padding rows. With ``NUM_SPLITS == 1`` the first kernel writes
 ``out`` itself. A request of several tokens in such a batch is still right
 (a program per token).
+
+A sliding window (``WINDOW > 0``, a constexpr: a kernel per window) is the
+tile kernel's alone (the launcher sends every windowed batch there): a
+query tile reads keys from the ``TILE_N`` tile its first query's window
+starts in, every key tile masked (causal, and ``key > q_pos - WINDOW``).
 """
 
 from __future__ import annotations
@@ -220,12 +225,14 @@ def _attend_keys(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One online-softmax step over keys ``start .. start + TILE_N``.
 
     ``m_i``/``l_i`` are the running row maxima (log2 units) and sums, ``acc``
     the unnormalised output. When MASKED, key j is visible to row m only if
-    ``j <= q_pos[m]`` (causal) and ``j < keys_end``."""
+    ``j <= q_pos[m]`` (causal) and ``j < keys_end``, and with a WINDOW (> 0)
+    ``j > q_pos[m] - WINDOW``."""
     k = _load_kv_tile(
         bt_row_ptr,
         stride_btb,
@@ -246,6 +253,8 @@ def _attend_keys(
     if MASKED:
         keys = start + tl.arange(0, TILE_N)
         visible = (keys[None, :] <= q_pos[:, None]) & (keys < keys_end)[None, :]
+        if WINDOW > 0:
+            visible = visible & (keys[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
@@ -304,9 +313,12 @@ def _attend_tile(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ) -> None:
     """Attention of one query tile (a request's queries ``first .. first +
-    BLOCK_Q`` times the GROUP heads of ``kv_head``); nothing if the tile is empty."""
+    BLOCK_Q`` times the GROUP heads of ``kv_head``); nothing if the tile is empty.
+    With a WINDOW (> 0): every key tile masked, from the tile the first
+    query's window starts in (no block before it is read)."""
     req = _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
@@ -341,54 +353,82 @@ def _attend_tile(
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-        for start in range(0, unmasked_end, TILE_N):
-            m_i, l_i, acc = _attend_keys(
-                q,
-                m_i,
-                l_i,
-                acc,
-                q_pos,
-                bt_row_ptr,
-                stride_btb,
-                k_head_ptr,
-                v_head_ptr,
-                stride_cb,
-                stride_cs,
-                stride_cd,
-                start,
-                keys_end,
-                scale_log2,
-                False,
-                HEAD_DIM,
-                HEAD_DIM_PAD,
-                BLOCK_SIZE,
-                TILE_N,
-                DOT_PRECISION,
-            )
-        for start in range(unmasked_end, keys_end, TILE_N):
-            m_i, l_i, acc = _attend_keys(
-                q,
-                m_i,
-                l_i,
-                acc,
-                q_pos,
-                bt_row_ptr,
-                stride_btb,
-                k_head_ptr,
-                v_head_ptr,
-                stride_cb,
-                stride_cs,
-                stride_cd,
-                start,
-                keys_end,
-                scale_log2,
-                True,
-                HEAD_DIM,
-                HEAD_DIM_PAD,
-                BLOCK_SIZE,
-                TILE_N,
-                DOT_PRECISION,
-            )
+        if WINDOW > 0:
+            lo = tl.maximum(first_pos - WINDOW + 1, 0) // TILE_N * TILE_N
+            for start in range(lo, keys_end, TILE_N):
+                m_i, l_i, acc = _attend_keys(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    q_pos,
+                    bt_row_ptr,
+                    stride_btb,
+                    k_head_ptr,
+                    v_head_ptr,
+                    stride_cb,
+                    stride_cs,
+                    stride_cd,
+                    start,
+                    keys_end,
+                    scale_log2,
+                    True,
+                    HEAD_DIM,
+                    HEAD_DIM_PAD,
+                    BLOCK_SIZE,
+                    TILE_N,
+                    DOT_PRECISION,
+                    WINDOW,
+                )
+        else:
+            for start in range(0, unmasked_end, TILE_N):
+                m_i, l_i, acc = _attend_keys(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    q_pos,
+                    bt_row_ptr,
+                    stride_btb,
+                    k_head_ptr,
+                    v_head_ptr,
+                    stride_cb,
+                    stride_cs,
+                    stride_cd,
+                    start,
+                    keys_end,
+                    scale_log2,
+                    False,
+                    HEAD_DIM,
+                    HEAD_DIM_PAD,
+                    BLOCK_SIZE,
+                    TILE_N,
+                    DOT_PRECISION,
+                )
+            for start in range(unmasked_end, keys_end, TILE_N):
+                m_i, l_i, acc = _attend_keys(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    q_pos,
+                    bt_row_ptr,
+                    stride_btb,
+                    k_head_ptr,
+                    v_head_ptr,
+                    stride_cb,
+                    stride_cs,
+                    stride_cd,
+                    start,
+                    keys_end,
+                    scale_log2,
+                    True,
+                    HEAD_DIM,
+                    HEAD_DIM_PAD,
+                    BLOCK_SIZE,
+                    TILE_N,
+                    DOT_PRECISION,
+                )
         acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         _store_rows(
             out_ptr,
@@ -437,6 +477,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ) -> None:
     """Grid ``(tiles, num_kv_heads)``: tile numbers below the last request's
     end attend a query tile, those past it zero padding rows."""
@@ -476,6 +517,7 @@ def _paged_attention_kernel(
             BLOCK_M,
             TILE_N,
             DOT_PRECISION,
+            WINDOW,
         )
     else:
         # Padding rows qsl[num_reqs]..num_tokens, BLOCK_Q tokens per spare program.

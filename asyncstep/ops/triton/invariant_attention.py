@@ -55,13 +55,14 @@ def invariant_paged_attention(
     scale: float,
     *,
     parallel: bool | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's queries over its keys in the paged
     cache, as :func:`~asyncstep.ops.triton.attention.paged_attention` (same
     arguments, same ValueErrors, padding rows zeros), each row's bits
     independent of the step's other rows. ``parallel``: force the split
     programs + combine (True) or the tile loop (False); None: by the
-    scratch size."""
+    scratch size. ``sliding_window``: as ``paged_attention``'s."""
     import triton
 
     from asyncstep.ops.triton.attention import _attention_launch, _check_attention_args
@@ -123,6 +124,7 @@ def invariant_paged_attention(
         SPLIT=SPLIT_KEYS,
         PARALLEL=parallel,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WINDOW=sliding_window or 0,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         enable_fp_fusion=False,
@@ -156,6 +158,7 @@ class TritonInvariantAttention:
 
     name = "triton-invariant"
     plans_decodes = False
+    supports_sliding_window = True
     rotates = True
 
     def __call__(
@@ -196,5 +199,6 @@ class TritonInvariantAttention:
             meta.seq_lens,
             meta.block_table,
             shape.scale,
+            sliding_window=shape.sliding_window,
         )
         return out.view(n, width)

@@ -13,7 +13,11 @@ head: ``BLOCK_M`` rows, fixed for the engine): the tile reads keys up to
 its last query's end, and the keys past a row's own end are masked, which
 leaves that row's running sums exactly as they are (a weight of 0 adds
 nothing, a scale of ``exp2(0)`` is 1). So a row's bits depend only on its
-request's keys, not on the tile's other rows nor on the grid.
+request's keys, not on the tile's other rows nor on the grid. A sliding
+window (``WINDOW > 0``) masks a row's keys before its window the same way:
+every split is still computed (a split the row sees nothing of folds in as
+nothing), so the blocks before a window are read (whatever they hold: the
+KV cache manager may have given them to another request) and masked.
 
 :func:`_invariant_attention_kernel`, grid ``(tiles, num_kv_heads,
 splits)``, tiles numbered as in :mod:`asyncstep.ops.triton.attention_kernels`:
@@ -61,10 +65,12 @@ def _attend_split(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ) -> tuple[tl.tensor, tl.tensor]:
     """One split's ``(lse, part)`` per row: keys ``split_start ..
-    split_end`` (causal per row), log2-sum-exp and the normalised output;
-    a row that sees none of them: lse -inf, part zeros."""
+    split_end`` (causal per row; with a WINDOW, only the row's last WINDOW),
+    log2-sum-exp and the normalised output; a row that sees none of them:
+    lse -inf, part zeros."""
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -91,6 +97,7 @@ def _attend_split(
             BLOCK_SIZE,
             TILE_N,
             DOT_PRECISION,
+            WINDOW,
         )
     seen = l_i > 0.0
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
@@ -154,6 +161,7 @@ def _invariant_attention_kernel(
     SPLIT: tl.constexpr,
     PARALLEL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ) -> None:
     """Grid ``(tiles, num_kv_heads, splits)``: a query tile's splits (see
     the module docstring); spare tile numbers zero the padding rows (not
@@ -210,6 +218,7 @@ def _invariant_attention_kernel(
                         BLOCK_SIZE,
                         TILE_N,
                         DOT_PRECISION,
+                        WINDOW,
                     )
                     _store_rows(
                         part_ptr + split.to(tl.int64) * stride_ps,
@@ -249,6 +258,7 @@ def _invariant_attention_kernel(
                         BLOCK_SIZE,
                         TILE_N,
                         DOT_PRECISION,
+                        WINDOW,
                     )
                     m, total, acc = _merge_split(m, total, acc, lse, part)
                 acc = acc / tl.where(total > 0.0, total, 1.0)[:, None]

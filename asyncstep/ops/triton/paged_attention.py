@@ -8,7 +8,8 @@ too: a pad stores nothing (slot -1) and attends to nothing (past
 place as it stores the keys (:func:`~asyncstep.ops.triton.fused.rotary_and_store_kv`);
 with ``fused_decode`` a uniform decode batch rotates and stores inside the
 split-KV attention kernel (one kernel fewer). Not ``rotates``: q and k
-come rotated and the store only stores.
+come rotated and the store only stores. A layer with a sliding window runs
+every batch through the query-tiled kernel with its window.
 
 May import torch, triton (on use) and :mod:`asyncstep.ops`' attention
 metadata and Triton kernels.
@@ -28,6 +29,9 @@ class TritonAttention:
 
     name = "triton"
     plans_decodes = False
+    #: A windowed layer's batches all run the query-tiled kernel (not the
+    #: split-KV decode kernels, nor the fused decode's store-and-attend).
+    supports_sliding_window = True
 
     def __init__(self, *, rotates: bool, fused_decode: bool = False) -> None:
         self.rotates = rotates
@@ -59,7 +63,7 @@ class TritonAttention:
         n, width = q.shape[0], shape.num_heads * shape.head_dim
         if self.rotates and cos_sin_cache is not None:
             assert meta.positions is not None, "a rotating KV store needs the positions"
-            if self.fused_decode:
+            if self.fused_decode and shape.sliding_window is None:
                 out = rotary_store_and_attend(
                     meta.positions[:n],
                     q,
@@ -98,5 +102,6 @@ class TritonAttention:
             meta.block_table,
             shape.scale,
             max_query_len=meta.max_query_len,
+            sliding_window=shape.sliding_window,
         )
         return out.view(n, width)
