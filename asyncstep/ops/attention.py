@@ -68,7 +68,7 @@ class AttentionMetadata:
     #: An attention op's own view of this metadata, made by the step's
     #: first layer and shared by the others (the CPU kernel's arguments).
     kernel_args: object | None = field(default=None, repr=False)
-    #: With several KV cache groups: each group's metadata (``[0]`` is this
+    #: With several KV cache groups: groups 1.. metadata (group 0's is this
     #: one), which differ in ``block_table``, ``slot_mapping``,
     #: ``decode_buckets`` and ``kernel_args``; empty with one group.
     kv_groups: list[AttentionMetadata] = field(default_factory=list, repr=False)

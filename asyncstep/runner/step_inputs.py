@@ -382,7 +382,7 @@ class StepInputBuilder:
         positions = to_device("positions", _pad(host.positions, num_input_tokens, 0))
         meta.positions = positions
         if host.group_slot_mappings:
-            meta.kv_groups = [meta] + [
+            meta.kv_groups = [
                 self._group_meta(meta, host, g, num_input_tokens, num_blocks)
                 for g in range(1, len(host.group_slot_mappings) + 1)
             ]

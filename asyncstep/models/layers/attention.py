@@ -53,7 +53,7 @@ class Attention(nn.Module):
     ``sliding_window``: the layer's window in tokens (None: full attention;
     see :class:`~asyncstep.ops.attention.AttentionShape`). ``kv_cache_group``:
     the KV cache group the runner binds the layer to (its block table and
-    slots are ``meta.kv_groups[kv_cache_group]``'s; group 0: ``meta``'s own).
+    slots are ``meta.kv_groups[kv_cache_group - 1]``'s; group 0: ``meta``'s own).
     ``layer_idx``: the model layer it belongs to.
     """
 
@@ -92,5 +92,5 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         cos_sin_cache = self.rotary[0].cos_sin_cache if self.rotary else None
         if self.kv_cache_group:
-            meta = meta.kv_groups[self.kv_cache_group]
+            meta = meta.kv_groups[self.kv_cache_group - 1]
         return self.ops.ops.attention(q, k, v, self.kv_cache, meta, self.shape, cos_sin_cache)
