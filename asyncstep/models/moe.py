@@ -84,6 +84,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     weights loaded from per-expert checkpoint names."""
 
     decoder_layer: type[LlamaDecoderLayer] = MoeDecoderLayer
+    #: :meth:`step_expert_tokens`'s last total.
+    _expert_tokens_seen: torch.Tensor | None = None
 
     def use_ops(self, ops: OpSet) -> None:
         """Every layer through ``ops``, layer by layer: an op set's
@@ -107,7 +109,27 @@ class MoeForCausalLM(LlamaForCausalLM):
                 load[i] = counts.tolist()
                 if reset:
                     counts.zero_()
+        if reset:
+            self._expert_tokens_seen = None
         return load
+
+    def step_expert_tokens(self) -> torch.Tensor | None:
+        """The rows routed to each expert since the last call, summed over
+        this stage's MoE layers (``[num_experts]`` int64 on the device, no
+        host sync: read it once the step's output is on the host); None
+        where the stage has no MoE layer. The layers' own counts
+        (:meth:`expert_load`) go on."""
+        counts = [
+            layer.mlp.experts.tokens_per_expert
+            for layer in self.model.stage_layers()
+            if isinstance(layer.mlp, SparseMoeBlock)
+        ]
+        if not counts:
+            return None
+        total = torch.stack(counts).sum(dim=0)
+        seen = getattr(self, "_expert_tokens_seen", None)
+        self._expert_tokens_seen = total
+        return total if seen is None else total - seen
 
     def param_target(self, name: str) -> tuple[str, Any]:
         """An expert projection's parameter and ``(expert id, w1 | w3 | w2)``;

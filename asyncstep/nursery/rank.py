@@ -37,11 +37,13 @@ import concurrent.futures
 import contextvars
 import dataclasses
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio
+import msgspec
+import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -87,6 +89,8 @@ class _StepResult:
     next_launched: concurrent.futures.Future[None] = field(
         default_factory=concurrent.futures.Future
     )
+    #: A MoE model's rows per expert in this step (on the device; None: no MoE).
+    expert_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -125,6 +129,11 @@ class RankActor:
             launch_inline = runner.device.type == "cuda" and pp.world_size == 1
         self.runner = runner
         self.rank = rank
+        #: A MoE model's per-step rows per expert (:meth:`MoeForCausalLM.step_expert_tokens`).
+        self.timed_expert_tokens: Callable[[], torch.Tensor | None] | None = getattr(
+            getattr(runner, "model", None), "step_expert_tokens", None
+        )
+        self._expert_tokens: torch.Tensor | None = None
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
         #: The rank whose outputs the engine reads: first TP rank of the last stage.
         self.is_driver = self.is_last_stage and tp.is_first_rank
@@ -286,6 +295,7 @@ class RankActor:
             in_flight = SendInFlight(pending, scheduler_output.step_id, events)
         ready = result if isinstance(result, ModelRunnerOutput) else None
         step = _StepResult(seq, scheduler_output, ready, timings, sampled, events)
+        step.expert_tokens, self._expert_tokens = self._expert_tokens, None
         if timings.forward:
             self._record_host_spans(start_us, timings, sample_us)
         return step, in_flight
@@ -315,6 +325,9 @@ class RankActor:
         finally:
             if received is not None and self.pipe is not None:
                 self.pipe.done_with(received)
+        if self.timed_expert_tokens is not None and self.runner.timings.forward:
+            # Enqueued before sampling: read once the step's tokens are on the host.
+            self._expert_tokens = self.timed_expert_tokens()
         sampled = self.runner.sample_tokens() if result is None and not defer_sample else None
         # Only now, with the whole step enqueued: waking the event loop
         # earlier hands it the GIL while this thread still has kernels to
@@ -359,9 +372,15 @@ class RankActor:
                     output = step.output
                     if step.sampled is not None:
                         output = await self._wait_output(step, step.sampled)
-                    self._log_step(step)
+                    expert_tokens = None
+                    if step.expert_tokens is not None:
+                        expert_tokens = step.expert_tokens.tolist()
+                        if output is not None:
+                            output = msgspec.structs.replace(output, expert_tokens=expert_tokens)
+                    self._log_step(step, expert_tokens)
                     if output is not None:
-                        with span("output", "sampler"):
+                        fields = {} if expert_tokens is None else {"expert_tokens": expert_tokens}
+                        with span("output", "sampler", **fields):
                             await outbox.send(output)
 
     async def _wait_output(
@@ -403,8 +422,9 @@ class RankActor:
             if timings.grammar:
                 record_span("grammar_apply", "step", sample_start, int(timings.grammar * 1e6))
 
-    def _log_step(self, step: _StepResult) -> None:
-        """One ``step`` event per step (DEBUG), with the host phases' times."""
+    def _log_step(self, step: _StepResult, expert_tokens: list[int] | None = None) -> None:
+        """One ``step`` event per step (DEBUG), with the host phases' times
+        (and a MoE model's rows per expert)."""
         so = step.scheduler_output
         self._stats.steps += 1
         self._stats.tokens += so.total_num_scheduled_tokens
@@ -418,6 +438,7 @@ class RankActor:
             prepare_ms=round(step.timings.prepare * 1e3, 3),
             forward_ms=round(step.timings.forward * 1e3, 3),
             sample_ms=round(step.timings.sample * 1e3, 3),
+            **({} if expert_tokens is None else {"expert_tokens": expert_tokens}),
         )
 
 

@@ -11,6 +11,9 @@ The engine: the MoE families' tiny checkpoints of ``test_moe`` give
 transformers' greedy tokens (32 tokens, 3 prompts, fp32) with TP = 2 + EP
 (OLMoE's under sequence parallelism) and Qwen3-MoE's with PP = 2 x TP = 2 + EP.
 
+Load balance: a MoE model's rows per expert of each step reach its
+``output`` span, the engine's statistics and ``/metrics``.
+
 The door: EP for a dense model, or a TP size that does not divide the
 experts, is refused in one line; with EP a TP size need not divide the
 experts' intermediate size; one TP rank makes it a no-op. Each rank builds
@@ -20,17 +23,23 @@ for them only.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import trio
 
+import asyncstep
+from asyncstep import SamplingParams
 from asyncstep.channels import GroupCoordinator, get_ep_group, set_parallel_groups
 from asyncstep.channels.parallel_state import ParallelGroups, get_pp_group, get_tp_group
 from asyncstep.config import ParallelConfig
+from asyncstep.engine.front_end.statistics import EngineStatistics
 from asyncstep.errors import ConfigError
+from asyncstep.logging import configure_logging
 from asyncstep.models import memory
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.layers.moe import SparseMoeBlock
@@ -38,6 +47,8 @@ from asyncstep.models.model_info import validate_parallel_layout
 from asyncstep.models.registry import model_class
 from tests.distributed import World
 from tests.models.test_moe import (  # noqa: F401 (checkpoints: a fixture)
+    MAX_TOKENS,
+    PROMPTS,
     Checkpoint,
     checkpoints,
     hf_dict,
@@ -255,3 +266,55 @@ def test_expert_parallel_on_a_gpu_runs_eagerly() -> None:
     config("none").resolve_for_device("cuda")
     config("piecewise").resolve_for_device("cpu")
     config("piecewise", tp=1).resolve_for_device("cuda")  # EP of one: a no-op
+
+
+# -- load balance: tokens per expert per step -----------------------------------
+
+
+async def serve_with_statistics(path: Path) -> tuple[list[list[int]], EngineStatistics]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    async with asyncstep.open_engine(
+        path, device="cpu", dtype="float32", engine_process=False
+    ) as engine:
+        results = [(await engine.generate(p, params)).token_ids for p in PROMPTS]
+        return results, engine.statistics()
+
+
+def test_tokens_per_expert_reach_the_step_spans_and_metrics(
+    checkpoints: Callable[[str], Checkpoint],  # noqa: F811 (test_moe's fixture)
+    tmp_path: Path,
+) -> None:
+    """Every step's rows per expert (both MoE layers summed: 2 x top_k per
+    token computed) in its ``output`` span, their sums in the engine's
+    statistics and in ``/metrics``'s ``moe_expert_tokens_total``."""
+    from asyncstep.server.metrics import _EngineCollector
+
+    path, expected = checkpoints("qwen3_moe")
+    log = tmp_path / "log.jsonl"
+    configure_logging("warning", log, console=False)
+    try:
+        tokens, stats = trio.run(serve_with_statistics, path)
+    finally:
+        configure_logging("warning", console=False)
+    assert tokens == expected
+    rows = sum(map(len, PROMPTS)) + len(PROMPTS) * (MAX_TOKENS - 1)
+    assert len(stats.moe_expert_tokens) == 4
+    assert sum(stats.moe_expert_tokens) == 2 * 2 * rows  # 2 MoE layers, top 2
+    assert min(stats.moe_expert_tokens) > 0
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [e for e in events if e.get("event") == "span" and "expert_tokens" in e]
+    assert steps and all(e["name"] == "output" and e["step"] is not None for e in steps)
+    summed = [sum(column) for column in zip(*(e["expert_tokens"] for e in steps), strict=True)]
+    assert summed == list(stats.moe_expert_tokens)
+
+    class Engine:
+        def statistics(self) -> EngineStatistics:
+            return stats
+
+    samples = {
+        s.labels["expert"]: s.value
+        for family in _EngineCollector(Engine(), "m").collect()  # type: ignore[arg-type]
+        for s in family.samples
+        if s.name == "asyncstep:moe_expert_tokens_total"
+    }
+    assert samples == {str(e): float(n) for e, n in enumerate(stats.moe_expert_tokens)}
