@@ -318,3 +318,41 @@ def test_tokens_per_expert_reach_the_step_spans_and_metrics(
         if s.name == "asyncstep:moe_expert_tokens_total"
     }
     assert samples == {str(e): float(n) for e, n in enumerate(stats.moe_expert_tokens)}
+
+
+# -- the qwen3-30b-a3b dummy shape ----------------------------------------------
+
+
+def test_qwen3_30b_a3b_shape_is_the_real_model() -> None:
+    """Its sizes as Qwen3-30B-A3B's config.json gives them (30.5 B
+    parameters, 3.3 B active), and each rank of TP = 2 + EP = 2 builds (on
+    the meta device: nothing allocated) what the estimate counts, half the
+    experts whole."""
+    from asyncstep.models.dummy import SHAPES
+
+    arch = SHAPES["qwen3-30b-a3b"]
+    arch.validate()
+    assert arch.family == "qwen3_moe" and all(map(arch.is_moe_layer, range(48)))
+    total = memory.rank_param_count(arch)
+    assert 30.4e9 < total < 30.6e9
+    expert = 3 * arch.moe_intermediate_size * arch.hidden_size
+    active = total - (arch.num_experts - arch.num_experts_per_tok) * expert * 48
+    assert 3.2e9 < active < 3.4e9
+    validate_parallel_layout(
+        arch, ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True)
+    )
+    small = arch.replace(num_hidden_layers=2)  # the layers alike: two of them suffice
+    old = get_tp_group(), get_pp_group(), get_ep_group()
+    try:
+        tp, pp = as_ep_rank(1, 2)
+        set_parallel_groups(tp, pp, tp)
+        with torch.device("meta"):
+            model = model_class(small)(small, torch.bfloat16)
+        experts = model.model.layers[0].mlp.experts
+        assert experts.w13_weight.shape == (64, 2 * 768, 2048)
+        assert experts.w2_weight.shape == (64, 2048, 768)
+        assert experts.expert_start == 64
+        built = sum(p.numel() for p in model.parameters())
+        assert memory.rank_param_count(small, tp_size=2, ep_size=2) == built
+    finally:
+        set_parallel_groups(*old)
