@@ -280,9 +280,13 @@ class RankActor:
         # A constrained step samples once its bitmask is here: the engine
         # fills it from the previous step's tokens while this forward runs.
         defer_sample = scheduler_output.has_structured_output_requests and self.is_last_stage
-        result, sampled, pending = await self.stream.run(
-            self._execute, scheduler_output, received, launched, order_after, defer_sample
-        )
+        args = (scheduler_output, received, launched, order_after, defer_sample)
+        if tracing():  # spans recorded inside the forward (micro-batches) name the step
+            with bound_step(scheduler_output.step_id):
+                context = contextvars.copy_context()
+            result, sampled, pending = await self.stream.run(context.run, self._execute, *args)
+        else:
+            result, sampled, pending = await self.stream.run(self._execute, *args)
         sample_us = 0
         if defer_sample and result is None:
             grammar_output = await _receive_grammar(grammars, scheduler_output.step_id)

@@ -356,3 +356,46 @@ def test_qwen3_30b_a3b_shape_is_the_real_model() -> None:
         assert memory.rank_param_count(small, tp_size=2, ep_size=2) == built
     finally:
         set_parallel_groups(*old)
+
+
+# -- micro-batches: one's all-to-all in flight while the other's experts run ----
+
+
+def test_ubatched_ep_gives_the_tokens_and_overlaps_the_exchange(
+    checkpoints: Callable[[str], Checkpoint],  # noqa: F811 (test_moe's fixture)
+    tmp_path: Path,
+) -> None:
+    """TP = 2 + EP with micro-batches: transformers' tokens, and in each
+    rank's timeline micro-batch 1's dispatch is in flight across micro-batch
+    0's expert compute, and 0's combine across 1's, in every MoE layer of
+    every micro-batched step."""
+    path, expected = checkpoints("mixtral")
+    log = tmp_path / "log.jsonl"
+    options: dict[str, Any] = {
+        "tensor_parallel_size": 2,
+        "enable_expert_parallel": True,
+        "enable_ubatching": True,
+        "ubatch_decode_threshold": 2,
+        "ubatch_prefill_threshold": 4,
+        "rank_log_json": str(log),
+    }
+    configure_logging("warning", log, console=False)
+    try:
+        assert trio.run(lambda: serve(path, **options)) == expected
+    finally:
+        configure_logging("warning", console=False)
+    for rank in range(2):
+        events = [json.loads(line) for line in (tmp_path / f"log.jsonl.rank{rank}").open()]
+        spans: dict[tuple[int, int, str, str], tuple[int, int]] = {
+            (e["step"], e["layer"], e["task"], e["name"]): (e["ts_us"], e["ts_us"] + e["dur_us"])
+            for e in events
+            if e.get("event") == "span" and e.get("task", "").startswith("ubatch")
+        }
+        steps = {(step, layer) for step, layer, _, _ in spans}
+        assert len(steps) >= 2 * 3  # prefill and decodes, 3 MoE layers each
+        for step, layer in steps:
+            at = {(ub, name): spans[step, layer, ub, name] for _, _, ub, name in spans}
+            experts0, dispatch1 = at["ubatch0", "ep_experts"], at["ubatch1", "ep_dispatch"]
+            assert dispatch1[0] <= experts0[0] and experts0[1] <= dispatch1[1]
+            experts1, combine0 = at["ubatch1", "ep_experts"], at["ubatch0", "ep_combine"]
+            assert combine0[0] <= experts1[0] and experts1[1] <= combine0[1]

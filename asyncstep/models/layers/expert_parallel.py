@@ -23,9 +23,12 @@ Contracts:
   the pairs of a token are weighted in float32 and summed (``index_add_``)
   in the order of their experts, then rounded once: the same sums in the
   same order as :func:`~asyncstep.ops.torch_moe.fused_experts` on one rank.
-* The collectives are started asynchronously
-  (:meth:`~asyncstep.channels.parallel_state.GroupCoordinator.all_to_all_async`);
-  the functions here wait for them before returning.
+* The all-to-alls are started asynchronously
+  (:meth:`~asyncstep.channels.parallel_state.GroupCoordinator.all_to_all_async`):
+  :func:`start_dispatch` and :func:`start_combine` return the Work to wait
+  (:func:`wait`) before the result is read, so that a caller may compute
+  something else meanwhile (the other micro-batch's experts:
+  :mod:`asyncstep.runner.ubatch_forward`).
 
 May import torch and :mod:`asyncstep.channels`.
 """
@@ -35,10 +38,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import Work
 
 from asyncstep.channels.parallel_state import GroupCoordinator
 
-__all__ = ["DispatchPlan", "combine", "dispatch", "gather_rows", "local_rows", "plan_dispatch"]
+__all__ = [
+    "DispatchPlan",
+    "gather_rows",
+    "local_rows",
+    "plan_dispatch",
+    "start_combine",
+    "start_dispatch",
+    "wait",
+    "weighted_sum",
+]
 
 
 def local_rows(num_tokens: int, ep: GroupCoordinator) -> tuple[int, int, int]:
@@ -94,34 +107,37 @@ def plan_dispatch(topk_ids: torch.Tensor, num_experts: int, ep: GroupCoordinator
     return DispatchPlan(order, send_splits, recv_splits, recv_ids, every.sum(dim=0))
 
 
-def dispatch(
+def start_dispatch(
     hidden: torch.Tensor, top_k: int, plan: DispatchPlan, ep: GroupCoordinator
-) -> torch.Tensor:
-    """Send each pair's token row to its expert's rank: the rows this rank's
-    experts compute, ``[sum(plan.recv_splits), H]`` (their local expert
-    ids: ``plan.recv_expert_ids``)."""
+) -> tuple[torch.Tensor, Work | None]:
+    """Start sending each pair's token row to its expert's rank: (the rows
+    this rank's experts will compute, ``[sum(plan.recv_splits), H]``, their
+    local expert ids ``plan.recv_expert_ids``; the Work to wait first)."""
     rows = hidden.index_select(0, plan.order // top_k)
-    received, work = ep.all_to_all_async(rows, plan.recv_splits, plan.send_splits)
-    if work is not None:
-        work.wait()
-    return received
+    return ep.all_to_all_async(rows, plan.recv_splits, plan.send_splits)
 
 
-def combine(
-    expert_out: torch.Tensor,
-    topk_weights: torch.Tensor,
-    plan: DispatchPlan,
-    ep: GroupCoordinator,
+def start_combine(
+    expert_out: torch.Tensor, plan: DispatchPlan, ep: GroupCoordinator
+) -> tuple[torch.Tensor, Work | None]:
+    """Start sending each computed row back to its token's rank: (the rows
+    in the order this rank sent its pairs; the Work to wait first)."""
+    return ep.all_to_all_async(expert_out, plan.send_splits, plan.recv_splits)
+
+
+def weighted_sum(
+    back: torch.Tensor, topk_weights: torch.Tensor, plan: DispatchPlan
 ) -> torch.Tensor:
-    """Send each computed row back to its token's rank and sum each token's
-    pairs, weighted (see the module doc): ``[T, H]`` in ``expert_out``'s dtype."""
+    """Each token's pairs, weighted in float32 and summed in the order of
+    their experts, rounded once: ``[T, H]`` in ``back``'s dtype."""
     num_tokens, top_k = topk_weights.shape
-    back, work = ep.all_to_all_async(expert_out, plan.send_splits, plan.recv_splits)
+    weights = topk_weights.reshape(-1).index_select(0, plan.order).float().unsqueeze(1)
+    out = torch.zeros(num_tokens, back.shape[1], dtype=torch.float32, device=back.device)
+    out.index_add_(0, plan.order // top_k, back.float() * weights)
+    return out.to(back.dtype)
+
+
+def wait(work: Work | None) -> None:
+    """Block until ``work`` is done (None: nothing in flight)."""
     if work is not None:
         work.wait()
-    weights = topk_weights.reshape(-1).index_select(0, plan.order).float().unsqueeze(1)
-    out = torch.zeros(
-        num_tokens, expert_out.shape[1], dtype=torch.float32, device=expert_out.device
-    )
-    out.index_add_(0, plan.order // top_k, back.float() * weights)
-    return out.to(expert_out.dtype)

@@ -39,6 +39,8 @@ other layers.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -54,7 +56,14 @@ from asyncstep.models.layers.linear import (
 )
 from asyncstep.ops.slot import OpSetSlot
 
-__all__ = ["EXPERT_SHARDS", "FusedMoE", "SparseMoeBlock", "select_experts"]
+__all__ = [
+    "EXPERT_SHARDS",
+    "ExpertParallelStage",
+    "FusedMoE",
+    "SparseMoeBlock",
+    "SparseMoeStage",
+    "select_experts",
+]
 
 #: vLLM's names of an expert's projections: gate (w1), down (w2), up (w3).
 EXPERT_SHARDS = ("w1", "w2", "w3")
@@ -185,18 +194,67 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """Dispatch this rank's pairs to the experts' ranks, compute the pairs
         sent here on the local experts, combine the results back."""
-        ep = get_ep_group()
-        plan = expert_parallel.plan_dispatch(topk_ids, self.num_experts, ep)
-        self.tokens_per_expert += plan.tokens_per_expert
-        rows = expert_parallel.dispatch(hidden, topk_ids.shape[1], plan, ep)
-        expert_out = self.ops.ops.fused_experts(
+        stage = ExpertParallelStage(self, hidden, topk_weights, topk_ids)
+        stage.compute()
+        return stage.finish()
+
+    def compute_local(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Each received row through its local expert, unweighted."""
+        return self.ops.ops.fused_experts(
             rows,
             self.w13_weight,
             self.w2_weight,
             torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device),
-            plan.recv_expert_ids.to(torch.int32).unsqueeze(1),
+            local_ids.to(torch.int32).unsqueeze(1),
         )
-        return expert_parallel.combine(expert_out, topk_weights, plan, ep)
+
+
+class ExpertParallelStage:
+    """One pass of token rows through an expert-parallel :class:`FusedMoE`,
+    in three calls so that a caller can run other work while each
+    all-to-all is in flight: the constructor plans (one all-gather of the
+    counts) and starts the dispatch; :meth:`compute` waits for it, runs the
+    local experts and starts the combine; :meth:`finish` waits for that and
+    returns the rows' weighted sums. Each call records its host interval
+    (``time.time_ns() // 1000``) in :attr:`intervals_us` for the step
+    timeline."""
+
+    def __init__(
+        self,
+        experts: FusedMoE,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> None:
+        self.experts, self.topk_weights = experts, topk_weights
+        self.ep = get_ep_group()
+        #: (name, start, end): ``dispatch`` (its start to the end of its
+        #: wait), ``experts``, ``combine`` (likewise).
+        self.intervals_us: list[tuple[str, int, int]] = []
+        self._dispatch_start = _now_us()
+        self.plan = expert_parallel.plan_dispatch(topk_ids, experts.num_experts, self.ep)
+        experts.tokens_per_expert += self.plan.tokens_per_expert
+        self._rows, self._work = expert_parallel.start_dispatch(
+            hidden, topk_ids.shape[1], self.plan, self.ep
+        )
+
+    def compute(self) -> None:
+        expert_parallel.wait(self._work)
+        start = _now_us()
+        self.intervals_us.append(("dispatch", self._dispatch_start, start))
+        out = self.experts.compute_local(self._rows, self.plan.recv_expert_ids)
+        self._back, self._work = expert_parallel.start_combine(out, self.plan, self.ep)
+        self._combine_start = _now_us()
+        self.intervals_us.append(("experts", start, self._combine_start))
+
+    def finish(self) -> torch.Tensor:
+        expert_parallel.wait(self._work)
+        self.intervals_us.append(("combine", self._combine_start, _now_us()))
+        return expert_parallel.weighted_sum(self._back, self.topk_weights, self.plan)
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
 
 
 class SparseMoeBlock(nn.Module):
@@ -250,10 +308,32 @@ class SparseMoeBlock(nn.Module):
         """Expert parallelism: route and compute this rank's rows (its own
         under sequence parallelism, else its slice of the replicated rows,
         all-gathered after)."""
-        if self.sequence_parallel:
-            return self.experts(x, *self.route(x))
+        stage = self.begin_ep(x)
+        stage.compute()
+        return stage.finish()
+
+    def begin_ep(self, x: torch.Tensor) -> SparseMoeStage:
+        """:meth:`forward_ep` in stages (:class:`SparseMoeStage`): routes this
+        rank's rows and starts their dispatch."""
+        return SparseMoeStage(self, x)
+
+
+class SparseMoeStage(ExpertParallelStage):
+    """:meth:`SparseMoeBlock.forward_ep` in :class:`ExpertParallelStage`'s
+    three calls: this rank's share of ``x`` routed, the result put back
+    together (all-gathered, or this rank's rows under sequence parallelism)."""
+
+    def __init__(self, block: SparseMoeBlock, x: torch.Tensor) -> None:
         ep = get_ep_group()
-        start, end, chunk = expert_parallel.local_rows(x.shape[0], ep)
-        mine = x[start:end]
-        out = self.experts(mine, *self.route(mine))
-        return expert_parallel.gather_rows(out, x.shape[0], chunk, ep)
+        self.num_tokens, self.chunk = x.shape[0], 0
+        self.gather = not block.sequence_parallel
+        if self.gather:
+            start, end, self.chunk = expert_parallel.local_rows(x.shape[0], ep)
+            x = x[start:end]
+        super().__init__(block.experts, x, *block.route(x))
+
+    def finish(self) -> torch.Tensor:
+        out = super().finish()
+        if not self.gather:
+            return out
+        return expert_parallel.gather_rows(out, self.num_tokens, self.chunk, self.ep)
