@@ -130,7 +130,7 @@ class RankActor:
         self.runner = runner
         self.rank = rank
         #: A MoE model's per-step rows per expert (:meth:`MoeForCausalLM.step_expert_tokens`).
-        self.timed_expert_tokens: Callable[[], torch.Tensor | None] | None = getattr(
+        self.step_expert_tokens: Callable[[], torch.Tensor | None] | None = getattr(
             getattr(runner, "model", None), "step_expert_tokens", None
         )
         self._expert_tokens: torch.Tensor | None = None
@@ -329,9 +329,9 @@ class RankActor:
         finally:
             if received is not None and self.pipe is not None:
                 self.pipe.done_with(received)
-        if self.timed_expert_tokens is not None and self.runner.timings.forward:
+        if self.step_expert_tokens is not None and self.runner.timings.forward:
             # Enqueued before sampling: read once the step's tokens are on the host.
-            self._expert_tokens = self.timed_expert_tokens()
+            self._expert_tokens = self.step_expert_tokens()
         sampled = self.runner.sample_tokens() if result is None and not defer_sample else None
         # Only now, with the whole step enqueued: waking the event loop
         # earlier hands it the GIL while this thread still has kernels to
