@@ -89,7 +89,8 @@ class _StepResult:
     next_launched: concurrent.futures.Future[None] = field(
         default_factory=concurrent.futures.Future
     )
-    #: A MoE model's rows per expert in this step (on the device; None: no MoE).
+    #: A MoE model's rows per expert in this step: a host copy, pinned (in
+    #: flight) after a GPU step (None: no MoE).
     expert_tokens: torch.Tensor | None = None
 
 
@@ -330,8 +331,9 @@ class RankActor:
             if received is not None and self.pipe is not None:
                 self.pipe.done_with(received)
         if self.step_expert_tokens is not None and self.runner.timings.forward:
-            # Enqueued before sampling: read once the step's tokens are on the host.
-            self._expert_tokens = self.step_expert_tokens()
+            # Copied before sampling is enqueued: on the host once the step's tokens are.
+            counts = self.step_expert_tokens()
+            self._expert_tokens = None if counts is None else counts.to("cpu", non_blocking=True)
         sampled = self.runner.sample_tokens() if result is None and not defer_sample else None
         # Only now, with the whole step enqueued: waking the event loop
         # earlier hands it the GIL while this thread still has kernels to
@@ -377,7 +379,10 @@ class RankActor:
                     if step.sampled is not None:
                         output = await self._wait_output(step, step.sampled)
                     expert_tokens = None
-                    if step.expert_tokens is not None:
+                    # A GPU step without sampled tokens has no copy event to wait on.
+                    if step.expert_tokens is not None and (
+                        step.sampled is not None or not step.expert_tokens.is_pinned()
+                    ):
                         expert_tokens = step.expert_tokens.tolist()
                         if output is not None:
                             output = msgspec.structs.replace(output, expert_tokens=expert_tokens)
