@@ -301,6 +301,13 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     ``launch_ranks`` is False (ranks started elsewhere, e.g. by torchrun,
     connect to that address).
 
+    ``enable_expert_parallel`` (vLLM's name): a MoE model's experts are
+    sharded whole over the TP group (expert parallelism, EP = TP): each rank
+    holds ``num_experts / tensor_parallel_size`` experts and token rows are
+    dispatched to them and combined back with all-to-all
+    (:mod:`asyncstep.models.layers.moe`). A no-op with one TP rank; refused
+    for a dense model or an expert count the TP size does not divide.
+
     ``pp_tensor_lanes``: between pipeline stages with TP, each TP rank sends
     ``1 / tp_size`` of every replicated tensor to its peer and the receiving
     stage all-gathers (vLLM's way; pays where the stage-to-stage link is slower
@@ -313,6 +320,13 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     pipeline_parallel_size: Annotated[int, _doc("pipeline stages")] = 1
     sequence_parallel: Annotated[
         bool, _doc("keep activations split along tokens over the TP group (Megatron-SP)")
+    ] = False
+    enable_expert_parallel: Annotated[
+        bool,
+        _doc(
+            "MoE models: shard the experts whole over the TP ranks and dispatch tokens "
+            "to them with all-to-all (expert parallelism; no-op with one TP rank)"
+        ),
     ] = False
     launch_ranks: Annotated[
         bool,
@@ -762,7 +776,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         else :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`: without chunked prefill
         the budget bounds the prompt), and on the CPU with one pipeline
         stage ``max_concurrent_batches`` 1 (see :class:`SchedulerConfig`).
-        A value given is kept."""
+        A value given is kept. Expert parallelism on a GPU needs
+        ``cudagraph_mode`` NONE (ConfigError)."""
         scheduler, cpu = self.scheduler, device_type == "cpu"
         if scheduler.max_num_batched_tokens is None:
             small = cpu and scheduler.enable_chunked_prefill
@@ -772,6 +787,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         one_stage = self.parallel.pipeline_parallel_size == 1
         if scheduler.max_concurrent_batches == 0 and cpu and one_stage:
             scheduler.max_concurrent_batches = 1
+        expert_parallel = self.parallel.enable_expert_parallel
+        expert_parallel = expert_parallel and self.parallel.tensor_parallel_size > 1
+        if expert_parallel and not cpu and self.compilation.cudagraph_mode != "NONE":
+            raise ConfigError(
+                "enable_expert_parallel runs eagerly (its all-to-all sizes are read on "
+                "the host each step): pass cudagraph_mode none"
+            )
 
     @property
     def max_num_batched_tokens(self) -> int:

@@ -475,6 +475,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True):
     #: ``draft_model`` speculation: request id -> the draft tokens the draft
     #: model proposes to follow this step's tokens (None: none proposed).
     draft_token_ids: dict[str, list[int]] | None = None
+    #: A MoE model: the token rows routed to each expert in this step, summed
+    #: over the MoE layers of the stage that sends the output (None: no MoE).
+    expert_tokens: list[int] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

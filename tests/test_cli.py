@@ -415,6 +415,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "tensor_parallel_size": (["2"], 2),
     "pipeline_parallel_size": (["2"], 2),
     "sequence_parallel": ([], True),
+    "enable_expert_parallel": ([], True),
     "launch_ranks": ([], False),
     "listen": (["0.0.0.0:5555"], "0.0.0.0:5555"),
     "pp_tensor_lanes": ([], False),

@@ -14,12 +14,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from asyncstep.channels.parallel_state import (
         GroupCoordinator,
+        get_ep_group,
         get_pp_group,
         get_tp_group,
         set_parallel_groups,
     )
 
-__all__ = ["GroupCoordinator", "get_pp_group", "get_tp_group", "set_parallel_groups"]
+__all__ = [
+    "GroupCoordinator",
+    "get_ep_group",
+    "get_pp_group",
+    "get_tp_group",
+    "set_parallel_groups",
+]
 
 
 def __getattr__(name: str) -> Any:

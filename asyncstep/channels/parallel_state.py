@@ -1,5 +1,5 @@
-"""Process groups of this rank: the tensor-parallel (TP) and pipeline-parallel
-(PP) groups, vLLM's ``GroupCoordinator`` shape.
+"""Process groups of this rank: the tensor-parallel (TP), pipeline-parallel
+(PP) and expert-parallel (EP) groups, vLLM's ``GroupCoordinator`` shape.
 
 Rank layout: ``rank = pp_rank * tp_size + tp_rank``. A TP group holds the
 ranks of one pipeline stage; a PP group holds the ranks with the same
@@ -8,8 +8,13 @@ ranks of one pipeline stage; a PP group holds the ranks with the same
 
 A group of one rank needs no ``torch.distributed`` at all: its collectives are
 the identity, so a single-rank run never initialises a process group. The
-model's layers ask ``get_tp_group()`` / ``get_pp_group()``; the rank's launcher
-sets them once (:func:`init_distributed`) before the model is built.
+model's layers ask ``get_tp_group()`` / ``get_pp_group()`` / ``get_ep_group()``;
+the rank's launcher sets them once (:func:`init_distributed`) before the model
+is built.
+
+The EP group is the TP group when expert parallelism is on (there is no
+data parallelism to widen it), else a group of one: a MoE layer built under
+an EP group of one is vLLM's TP layout (every expert on every rank).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import datetime
 import os
 import socket
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -107,6 +112,44 @@ class GroupCoordinator:
         reduce_scatter_tensor(out, x, group=self.device_group)
         return out.movedim(0, dim)
 
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+    ) -> torch.Tensor:
+        """Send rows ``x[sum(input_split_sizes[:r]):...]`` (dim 0) to group
+        rank ``r`` and return the rows every rank sent here, in group rank
+        order (``output_split_sizes[r]`` from rank ``r``)."""
+        out, work = self.all_to_all_async(x, output_split_sizes, input_split_sizes)
+        if work is not None:
+            work.wait()
+        return out
+
+    def all_to_all_async(
+        self,
+        x: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+    ) -> tuple[torch.Tensor, dist.Work | None]:
+        """:meth:`all_to_all` started: (the output tensor, its ``Work``
+        handle; None for a group of one, where the output is ``x``). Read
+        the output only once the handle is done
+        (:func:`asyncstep.device.work.wait_work`)."""
+        if self.world_size == 1:
+            return x, None
+        x = x.contiguous()
+        out = torch.empty((sum(output_split_sizes), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        work = dist.all_to_all_single(
+            out,
+            x,
+            output_split_sizes,
+            input_split_sizes,
+            group=self.device_group,
+            async_op=True,
+        )
+        return out, work
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.cpu_group)
@@ -117,6 +160,8 @@ class ParallelGroups:
     world: GroupCoordinator
     tp: GroupCoordinator
     pp: GroupCoordinator
+    #: The TP group under expert parallelism, else a group of one.
+    ep: GroupCoordinator = field(default_factory=GroupCoordinator.single)
 
     @property
     def tp_rank(self) -> int:
@@ -129,12 +174,16 @@ class ParallelGroups:
 
 _TP = GroupCoordinator.single()
 _PP = GroupCoordinator.single()
+_EP = GroupCoordinator.single()
 
 
-def set_parallel_groups(tp: GroupCoordinator, pp: GroupCoordinator) -> None:
-    """Set this process's TP and PP groups (once, before building the model)."""
-    global _TP, _PP
-    _TP, _PP = tp, pp
+def set_parallel_groups(
+    tp: GroupCoordinator, pp: GroupCoordinator, ep: GroupCoordinator | None = None
+) -> None:
+    """Set this process's TP, PP and EP groups (once, before building the
+    model); ``ep`` None: a group of one (no expert parallelism)."""
+    global _TP, _PP, _EP
+    _TP, _PP, _EP = tp, pp, ep or GroupCoordinator.single()
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -143,6 +192,12 @@ def get_tp_group() -> GroupCoordinator:
 
 def get_pp_group() -> GroupCoordinator:
     return _PP
+
+
+def get_ep_group() -> GroupCoordinator:
+    """The expert-parallel group: the TP group under expert parallelism,
+    else a group of one."""
+    return _EP
 
 
 def check_layout(world_size: int, tp_size: int, pp_size: int) -> None:
@@ -165,9 +220,11 @@ def init_distributed(
     backend: str = "gloo",
     timeout_s: float = 120.0,
     store_fd: int | None = None,
+    enable_expert_parallel: bool = False,
 ) -> ParallelGroups:
     """Join the world, create every TP and PP group (device and CPU), and set
-    this rank's. Every rank calls it with the same sizes.
+    this rank's (the EP group: the TP group where ``enable_expert_parallel``).
+    Every rank calls it with the same sizes.
 
     ``init_method``: ``tcp://HOST:PORT``, ``env://`` (``MASTER_ADDR``,
     ``MASTER_PORT``) or ``file://PATH``. For the first two, rank 0 serves the
@@ -202,8 +259,9 @@ def init_distributed(
         if lane == tp_rank:
             pp = group
     assert tp is not None and pp is not None
-    set_parallel_groups(tp, pp)
-    return ParallelGroups(world, tp, pp)
+    ep = tp if enable_expert_parallel else GroupCoordinator.single()
+    set_parallel_groups(tp, pp, ep)
+    return ParallelGroups(world, tp, pp, ep)
 
 
 def open_tcp_store(

@@ -109,6 +109,26 @@ SHAPES: dict[str, ModelArchConfig] = {
         qk_norm=True,
         eos_token_ids=(151645,),
     ),
+    # Qwen/Qwen3-30B-A3B's config.json: 128 experts, 8 per token, every layer MoE.
+    "qwen3-30b-a3b": ModelArchConfig(
+        architecture="Qwen3MoeForCausalLM",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        qk_norm=True,
+        eos_token_ids=(151645,),
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
 }
 
 

@@ -232,11 +232,16 @@ class LlamaDecoderLayer(nn.Module):
         """From the attention's output on: (hidden, residual). ``residual``
         is :meth:`pre_attention`'s, the layer's own: the norm may add into it
         in place."""
-        hidden = self.self_attn.o_proj(attn_out)
-        hidden, residual = self.post_attention_layernorm.forward_residual(
-            hidden, residual, own_residual=True
-        )
+        hidden, residual = self.pre_mlp(attn_out, residual)
         return self.mlp(hidden), residual
+
+    def pre_mlp(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`post_attention` up to the feed-forward: (its input, the
+        residual)."""
+        hidden = self.self_attn.o_proj(attn_out)
+        return self.post_attention_layernorm.forward_residual(hidden, residual, own_residual=True)
 
     def forward(
         self,

@@ -47,9 +47,16 @@ class ModelMemory:
 
 
 def rank_param_count(
-    arch: ModelArchConfig, *, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1
+    arch: ModelArchConfig,
+    *,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    ep_size: int = 1,
 ) -> int:
-    """Parameters one TP x PP rank of ``arch`` holds, as ``LlamaForCausalLM`` builds them."""
+    """Parameters one TP x PP rank of ``arch`` holds, as ``LlamaForCausalLM``
+    builds them (``ep_size`` > 1: expert parallelism, each rank holding
+    ``1 / ep_size`` of the experts whole)."""
     h, d = arch.hidden_size, arch.head_dim
     heads = -(-arch.num_attention_heads // tp_size)
     kv_heads = -(-arch.num_key_value_heads // tp_size)
@@ -60,8 +67,10 @@ def rank_param_count(
     layer += qkv_rows if arch.attention_bias else 0
     if arch.qk_norm:
         layer += 2 * d if arch.qk_norm_per_head else arch.q_size + arch.kv_size
-    # A MoE layer: the router, and every expert's 1 / tp of its projections.
-    experts = arch.num_experts * (h + 3 * -(-arch.moe_intermediate_size // tp_size) * h)
+    # A MoE layer: the router, and every expert's 1 / tp of its projections
+    # (under EP: 1 / ep of the experts, whole).
+    expert_inter = -(-arch.moe_intermediate_size // (tp_size if ep_size == 1 else 1))
+    experts = arch.num_experts * h + arch.num_experts // ep_size * 3 * expert_inter * h
     start, end = pp_layer_range(arch.num_hidden_layers, pp_rank, pp_size)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     count = (end - start) * layer
@@ -80,9 +89,12 @@ def model_memory(
     tp_size: int = 1,
     pp_rank: int = 0,
     pp_size: int = 1,
+    ep_size: int = 1,
 ) -> ModelMemory:
     """What one rank of ``arch`` takes while it loads and after (see the module doc)."""
-    params = rank_param_count(arch, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+    params = rank_param_count(
+        arch, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, ep_size=ep_size
+    )
     largest = max(
         arch.vocab_size * arch.hidden_size,
         arch.intermediate_size * arch.hidden_size,
@@ -144,6 +156,7 @@ def check_model_fits(
     tp_size: int = 1,
     pp_rank: int = 0,
     pp_size: int = 1,
+    ep_size: int = 1,
 ) -> None:
     """Refuse a model this rank cannot hold, before any of it is built.
 
@@ -157,6 +170,7 @@ def check_model_fits(
         tp_size=tp_size,
         pp_rank=pp_rank,
         pp_size=pp_size,
+        ep_size=ep_size,
     )
     on_device = need.weights + need.rotary
     on_host = need.loading

@@ -66,12 +66,15 @@ def describe_model(
 def validate_parallel_layout(arch: ModelArchConfig, parallel: ParallelConfig) -> None:
     """Refuse a layout that cannot work, before any rank starts."""
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    for what, size in (
+    validate_expert_parallel(arch, parallel)
+    sizes = [
         ("attention heads", arch.num_attention_heads),
         ("key/value heads", arch.num_key_value_heads),
         ("intermediate size", arch.intermediate_size),
-        ("expert intermediate size", arch.moe_intermediate_size),
-    ):
+    ]
+    if not parallel.enable_expert_parallel:  # under EP the experts stay whole
+        sizes.append(("expert intermediate size", arch.moe_intermediate_size))
+    for what, size in sizes:
         if size % tp:
             raise ConfigError(
                 f"tensor_parallel_size {tp} does not divide the model's {what} ({size})"
@@ -79,6 +82,25 @@ def validate_parallel_layout(arch: ModelArchConfig, parallel: ParallelConfig) ->
     if pp > arch.num_hidden_layers:
         raise ConfigError(
             f"pipeline_parallel_size {pp} is larger than the layer count ({arch.num_hidden_layers})"
+        )
+
+
+def validate_expert_parallel(arch: ModelArchConfig, parallel: ParallelConfig) -> None:
+    """Refuse ``enable_expert_parallel`` for a dense model, or where the TP
+    size (the EP size) does not divide the experts; with one TP rank it is a
+    no-op."""
+    if not parallel.enable_expert_parallel:
+        return
+    if not arch.is_moe:
+        raise ConfigError(
+            f"enable_expert_parallel needs a mixture-of-experts model; "
+            f"{arch.architecture} has no experts"
+        )
+    ep = parallel.tensor_parallel_size
+    if arch.num_experts % ep:
+        raise ConfigError(
+            f"enable_expert_parallel: tensor_parallel_size {ep} (the EP size) does not "
+            f"divide the model's {arch.num_experts} experts"
         )
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncstep.channels import get_pp_group, get_tp_group
+from asyncstep.channels import get_ep_group, get_pp_group, get_tp_group
 from asyncstep.config import ModelConfig, ParallelConfig
 from asyncstep.cpu_features import cpu_has_bf16, cpu_has_quant_vectors
 from asyncstep.errors import ConfigError, ModelLoadError
@@ -185,6 +185,7 @@ def load_model(
         tp_size=tp.world_size,
         pp_rank=pp.rank_in_group,
         pp_size=pp.world_size,
+        ep_size=get_ep_group().world_size,
     )
     tokenizer = maybe_tokenizer(checkpoint) if checkpoint is not None and with_tokenizer else None
     packs_cpu = weights is not None or config.weight_packing == "q4"

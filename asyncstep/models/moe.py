@@ -6,7 +6,8 @@ always renormalised) and OLMoE (q/k RMSNorm over the whole q and k
 projections). Their decoder layers swap the MLP for a
 :class:`~asyncstep.models.layers.moe.SparseMoeBlock`; tensor and pipeline
 parallelism are the Llama family's (experts split along their intermediate
-dimension, no expert parallelism).
+dimension), or with expert parallelism each rank holds its experts whole
+(:mod:`asyncstep.models.layers.moe`).
 
 Checkpoints name each expert's projections apart
 (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``; Mixtral's
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncstep.channels import get_tp_group
+from asyncstep.channels import get_ep_group, get_tp_group
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.layers.moe import SparseMoeBlock
 from asyncstep.models.layers.norm import RMSNorm
@@ -83,6 +84,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     weights loaded from per-expert checkpoint names."""
 
     decoder_layer: type[LlamaDecoderLayer] = MoeDecoderLayer
+    #: :meth:`step_expert_tokens`'s last total.
+    _expert_tokens_seen: torch.Tensor | None = None
 
     def use_ops(self, ops: OpSet) -> None:
         """Every layer through ``ops``, layer by layer: an op set's
@@ -96,7 +99,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         """Load balance: for each MoE layer of this stage (by its index in
         the model), the token rows routed to each expert since the model was
         built or the count last reset (every TP rank routes every row, so
-        its ranks count alike; padding rows count too). Reads the device's
+        its ranks count alike, and under expert parallelism every rank counts
+        the whole group's rows; padding rows count too). Reads the device's
         counters (a sync): call it between steps."""
         load: dict[int, list[int]] = {}
         for i, layer in enumerate(self.model.stage_layers(), self.model.start_layer):
@@ -105,7 +109,27 @@ class MoeForCausalLM(LlamaForCausalLM):
                 load[i] = counts.tolist()
                 if reset:
                     counts.zero_()
+        if reset:
+            self._expert_tokens_seen = None
         return load
+
+    def step_expert_tokens(self) -> torch.Tensor | None:
+        """The rows routed to each expert since the last call, summed over
+        this stage's MoE layers (``[num_experts]`` int64 on the device, no
+        host sync: read it once the step's output is on the host); None
+        where the stage has no MoE layer. The layers' own counts
+        (:meth:`expert_load`) go on."""
+        counts = [
+            layer.mlp.experts.tokens_per_expert
+            for layer in self.model.stage_layers()
+            if isinstance(layer.mlp, SparseMoeBlock)
+        ]
+        if not counts:
+            return None
+        total = torch.stack(counts).sum(dim=0)
+        seen = getattr(self, "_expert_tokens_seen", None)
+        self._expert_tokens_seen = total
+        return total if seen is None else total - seen
 
     def param_target(self, name: str) -> tuple[str, Any]:
         """An expert projection's parameter and ``(expert id, w1 | w3 | w2)``;
@@ -127,9 +151,12 @@ class MoeForCausalLM(LlamaForCausalLM):
             names = super().checkpoint_names(param_name)
             return [n.replace(".mlp.", f".{block}.") for n in names]
         projections = (gate, up) if match[2] == "w13" else (down,)
+        ep = get_ep_group()  # under expert parallelism: this rank's experts
+        per_rank = self.config.num_experts // ep.world_size
+        start = ep.rank_in_group * per_rank
         return [
             f"{match[1]}.{block}.experts.{e}.{p}.weight"
-            for e in range(self.config.num_experts)
+            for e in range(start, start + per_rank)
             for p in projections
         ]
 

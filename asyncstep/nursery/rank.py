@@ -37,11 +37,13 @@ import concurrent.futures
 import contextvars
 import dataclasses
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio
+import msgspec
+import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -87,6 +89,9 @@ class _StepResult:
     next_launched: concurrent.futures.Future[None] = field(
         default_factory=concurrent.futures.Future
     )
+    #: A MoE model's rows per expert in this step: a host copy, pinned (in
+    #: flight) after a GPU step (None: no MoE).
+    expert_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -125,6 +130,11 @@ class RankActor:
             launch_inline = runner.device.type == "cuda" and pp.world_size == 1
         self.runner = runner
         self.rank = rank
+        #: A MoE model's per-step rows per expert (:meth:`MoeForCausalLM.step_expert_tokens`).
+        self.step_expert_tokens: Callable[[], torch.Tensor | None] | None = getattr(
+            getattr(runner, "model", None), "step_expert_tokens", None
+        )
+        self._expert_tokens: torch.Tensor | None = None
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
         #: The rank whose outputs the engine reads: first TP rank of the last stage.
         self.is_driver = self.is_last_stage and tp.is_first_rank
@@ -271,9 +281,13 @@ class RankActor:
         # A constrained step samples once its bitmask is here: the engine
         # fills it from the previous step's tokens while this forward runs.
         defer_sample = scheduler_output.has_structured_output_requests and self.is_last_stage
-        result, sampled, pending = await self.stream.run(
-            self._execute, scheduler_output, received, launched, order_after, defer_sample
-        )
+        args = (scheduler_output, received, launched, order_after, defer_sample)
+        if tracing():  # spans recorded inside the forward (micro-batches) name the step
+            with bound_step(scheduler_output.step_id):
+                context = contextvars.copy_context()
+            result, sampled, pending = await self.stream.run(context.run, self._execute, *args)
+        else:
+            result, sampled, pending = await self.stream.run(self._execute, *args)
         sample_us = 0
         if defer_sample and result is None:
             grammar_output = await _receive_grammar(grammars, scheduler_output.step_id)
@@ -286,6 +300,7 @@ class RankActor:
             in_flight = SendInFlight(pending, scheduler_output.step_id, events)
         ready = result if isinstance(result, ModelRunnerOutput) else None
         step = _StepResult(seq, scheduler_output, ready, timings, sampled, events)
+        step.expert_tokens, self._expert_tokens = self._expert_tokens, None
         if timings.forward:
             self._record_host_spans(start_us, timings, sample_us)
         return step, in_flight
@@ -315,6 +330,10 @@ class RankActor:
         finally:
             if received is not None and self.pipe is not None:
                 self.pipe.done_with(received)
+        if self.step_expert_tokens is not None and self.runner.timings.forward:
+            # Copied before sampling is enqueued: on the host once the step's tokens are.
+            counts = self.step_expert_tokens()
+            self._expert_tokens = None if counts is None else counts.to("cpu", non_blocking=True)
         sampled = self.runner.sample_tokens() if result is None and not defer_sample else None
         # Only now, with the whole step enqueued: waking the event loop
         # earlier hands it the GIL while this thread still has kernels to
@@ -359,9 +378,18 @@ class RankActor:
                     output = step.output
                     if step.sampled is not None:
                         output = await self._wait_output(step, step.sampled)
-                    self._log_step(step)
+                    expert_tokens = None
+                    # A GPU step without sampled tokens has no copy event to wait on.
+                    if step.expert_tokens is not None and (
+                        step.sampled is not None or not step.expert_tokens.is_pinned()
+                    ):
+                        expert_tokens = step.expert_tokens.tolist()
+                        if output is not None:
+                            output = msgspec.structs.replace(output, expert_tokens=expert_tokens)
+                    self._log_step(step, expert_tokens)
                     if output is not None:
-                        with span("output", "sampler"):
+                        fields = {} if expert_tokens is None else {"expert_tokens": expert_tokens}
+                        with span("output", "sampler", **fields):
                             await outbox.send(output)
 
     async def _wait_output(
@@ -403,8 +431,9 @@ class RankActor:
             if timings.grammar:
                 record_span("grammar_apply", "step", sample_start, int(timings.grammar * 1e6))
 
-    def _log_step(self, step: _StepResult) -> None:
-        """One ``step`` event per step (DEBUG), with the host phases' times."""
+    def _log_step(self, step: _StepResult, expert_tokens: list[int] | None = None) -> None:
+        """One ``step`` event per step (DEBUG), with the host phases' times
+        (and a MoE model's rows per expert)."""
         so = step.scheduler_output
         self._stats.steps += 1
         self._stats.tokens += so.total_num_scheduled_tokens
@@ -418,6 +447,7 @@ class RankActor:
             prepare_ms=round(step.timings.prepare * 1e3, 3),
             forward_ms=round(step.timings.forward * 1e3, 3),
             sample_ms=round(step.timings.sample * 1e3, 3),
+            **({} if expert_tokens is None else {"expert_tokens": expert_tokens}),
         )
 
 

@@ -343,6 +343,7 @@ def build_rank(
         init_method=setup.init_method or "env://",
         backend="nccl" if device.type == "cuda" else "gloo",
         store_fd=store_fd if identity.rank == 0 else None,
+        enable_expert_parallel=parallel.enable_expert_parallel,
     )
     # The same seed on every rank: TP ranks of the last stage sample identically.
     torch.manual_seed(config.model.seed)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from asyncstep.datatypes import IntermediateTensors
-from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.logging.spans import record_span, tracing
+from asyncstep.models.layers.moe import SparseMoeBlock, SparseMoeStage
+from asyncstep.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from asyncstep.ops.attention import AttentionMetadata
 from asyncstep.ops.base import RotaryCosSin
 
@@ -61,7 +63,10 @@ def forward_ubatches(
             hidden, residual = inner.begin(ub.input_ids, ub.intermediate_tensors)
             cos_sin = inner.rotary.cos_sin(ub.positions, hidden.dtype)
             states.append(_State(cos_sin, hidden, residual))
-    for layer in inner.stage_layers():
+    for index, layer in enumerate(inner.stage_layers(), inner.start_layer):
+        if _expert_parallel(layer):
+            _ep_layer(layer, index, ubatches, streams, states)
+            continue
         for ub, stream, st in zip(ubatches, streams, states, strict=True):
             with _on(stream):
                 st.hidden, st.residual = layer(st.cos_sin, st.hidden, st.residual, ub.attn_metadata)
@@ -80,3 +85,37 @@ def forward_ubatches(
         return IntermediateTensors({k: torch.cat([first[k], second[k]]) for k in first.tensors})
     assert isinstance(second, torch.Tensor)
     return torch.cat([first, second])
+
+
+def _expert_parallel(layer: torch.nn.Module) -> bool:
+    mlp = getattr(layer, "mlp", None)
+    return isinstance(mlp, SparseMoeBlock) and mlp.experts.use_ep
+
+
+def _ep_layer(
+    layer: torch.nn.Module,
+    index: int,
+    ubatches: list[UBatchInputs],
+    streams: list[torch.cuda.Stream | None],
+    states: list[_State],
+) -> None:
+    """An expert-parallel MoE layer over both micro-batches, in stages (see
+    the module doc)."""
+    assert isinstance(layer, LlamaDecoderLayer) and isinstance(layer.mlp, SparseMoeBlock)
+    stages: list[SparseMoeStage] = []
+    for ub, stream, st in zip(ubatches, streams, states, strict=True):
+        with _on(stream):
+            q, k, v, residual = layer.pre_attention(st.cos_sin, st.hidden, st.residual)
+            hidden, st.residual = layer.pre_mlp(
+                layer.self_attn.attn(q, k, v, ub.attn_metadata), residual
+            )
+            stages.append(layer.mlp.begin_ep(hidden))
+    for stream, stage in zip(streams, stages, strict=True):
+        with _on(stream):
+            stage.compute()
+    for i, (stream, stage, st) in enumerate(zip(streams, stages, states, strict=True)):
+        with _on(stream):
+            st.hidden = stage.finish()
+        if tracing():
+            for name, start, end in stage.intervals_us:
+                record_span(f"ep_{name}", f"ubatch{i}", start, end - start, layer=index)

@@ -10,6 +10,9 @@ several apps in one process do not clash):
   ``spec_decode_num_draft_tokens_total``,
   ``spec_decode_num_accepted_tokens_total`` and
   ``spec_decode_num_accepted_tokens_per_pos_total`` (label ``position``);
+  for a MoE model the counter ``moe_expert_tokens_total`` (label ``expert``:
+  token rows routed to that expert, summed over the MoE layers of the
+  stage that reports the steps, the last pipeline stage: a hot expert shows);
 * the first three gauges also as ``vllm:num_requests_running``,
   ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc``: the names
   external routers (llm-d's scorers, KServe) read, so that they route to an
@@ -191,6 +194,15 @@ class _EngineCollector(Collector):
         yield counter
         if stats.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is on
             yield from self._spec_decode(stats)
+        if stats.moe_expert_tokens:  # a MoE model
+            experts = CounterMetricFamily(
+                PREFIX + "moe_expert_tokens",
+                "Token rows routed to each expert (summed over the MoE layers).",
+                labels=["model_name", "expert"],
+            )
+            for expert, value in enumerate(stats.moe_expert_tokens):
+                experts.add_metric([*self._labels, str(expert)], value)
+            yield experts
 
     def _spec_decode(self, stats: EngineStatistics) -> Iterator[Metric]:
         """vLLM's speculative decoding counters."""

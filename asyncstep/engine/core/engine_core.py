@@ -104,6 +104,8 @@ class EngineCore:
         # Built by run() once the ranks report how many KV blocks they hold.
         self.scheduler: Scheduler = None  # type: ignore[assignment]
         self._rejected: list[RejectedRequest] = []
+        #: A MoE model's rows per expert since the start (``CoreStats.moe_expert_tokens``).
+        self._expert_tokens: list[int] = []
         self.structured_output = StructuredOutputManager(
             load_tokenizer, vocab_size, eos_token_ids, config.structured_outputs
         )
@@ -163,6 +165,16 @@ class EngineCore:
             kv_cache_groups=self.kv_cache_groups,
         )
 
+    def _count_expert_tokens(self, step: list[int] | None) -> None:
+        """Add a step's rows per expert to the totals (:class:`CoreStats`)."""
+        if not step:
+            return
+        totals = self._expert_tokens
+        if len(totals) != len(step):
+            totals[:] = [0] * len(step)
+        for expert, count in enumerate(step):
+            totals[expert] += count
+
     def stats(self) -> CoreStats:
         stats = self.scheduler.statistics()
         kv = stats.kv_cache
@@ -181,6 +193,7 @@ class EngineCore:
             spec_decode_num_accepted_tokens_per_pos=(
                 list(spec.num_accepted_tokens_per_pos) if spec else []
             ),
+            moe_expert_tokens=list(self._expert_tokens),
         )
 
     # -- inputs -----------------------------------------------------------
@@ -344,6 +357,7 @@ class EngineCore:
                     scheduler_output = in_flight.popleft()
                     with span("update", "engine", step=scheduler_output.step_id):
                         news = scheduler.update_from_output(scheduler_output, output)
+                        self._count_expert_tokens(output.expert_tokens)
                     await self._advance_grammars(to_rank, news, in_flight)
                     await self._send_outputs(events, scheduler_output.step_id, list(news.values()))
                 else:

@@ -29,6 +29,9 @@ class EngineStatistics:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    #: A MoE model: token rows routed to each expert since the engine started
+    #: (its reporting stage's MoE layers summed; () for a dense model).
+    moe_expert_tokens: tuple[int, ...] = ()
 
     @property
     def spec_decode_acceptance_rate(self) -> float:
@@ -56,4 +59,5 @@ def engine_statistics(
         spec_decode_num_draft_tokens=core.spec_decode_num_draft_tokens,
         spec_decode_num_accepted_tokens=core.spec_decode_num_accepted_tokens,
         spec_decode_num_accepted_tokens_per_pos=tuple(core.spec_decode_num_accepted_tokens_per_pos),
+        moe_expert_tokens=tuple(core.moe_expert_tokens),
     )

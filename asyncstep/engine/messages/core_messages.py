@@ -70,6 +70,9 @@ class CoreStats(msgspec.Struct, frozen=True, array_like=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    #: A MoE model: the token rows routed to each expert since the engine
+    #: started (the reporting stage's MoE layers, summed; [] for a dense model).
+    moe_expert_tokens: list[int] = msgspec.field(default_factory=list)
 
 
 # -- front end -> core ----------------------------------------------------------

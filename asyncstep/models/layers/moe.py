@@ -8,7 +8,18 @@ rows; ``w2`` ``[E, H, I / tp]``), so each rank's result is a partial sum,
 all-reduced like :class:`~asyncstep.models.layers.linear.RowParallelLinear`'s
 (reduce-scattered along tokens under sequence parallelism, where the block
 all-gathers its input rows first). The router's gate is replicated: every
-rank routes every token alike. Expert parallelism is not implemented.
+rank routes every token alike.
+
+Expert parallelism (the EP group of :func:`~asyncstep.channels.get_ep_group`
+larger than one: the TP group): each rank holds ``E / ep`` whole experts
+(``w13`` ``[E / ep, 2 * I, H]``, ``w2`` ``[E / ep, H, I]``; rank ``r`` the
+experts ``[r * E / ep, (r + 1) * E / ep)``; the checkpoint's other experts
+are skipped as they load), routes its share of the token rows (a slice of
+the replicated rows, or its own rows under sequence parallelism), and
+exchanges the rows with the experts' ranks by all-to-all
+(:mod:`asyncstep.models.layers.expert_parallel`); the results are all-gathered
+back to every rank (no all-reduce), or stay this rank's rows under sequence
+parallelism.
 
 The experts' matmuls are the model's op set's
 (:meth:`~asyncstep.ops.base.OpSet.fused_experts`); their weights stay dense
@@ -18,7 +29,9 @@ only).
 Load balance: each :class:`FusedMoE` counts the token rows routed to each of
 its experts (``tokens_per_expert``, on the device, no host sync: a CUDA
 graph replays the count too), every row it computes: a step's padding rows
-(CUDA graph sizes, sequence parallelism) count as well.
+(CUDA graph sizes, sequence parallelism) count as well. Under expert
+parallelism every rank counts the whole group's rows for every expert (the
+counts come with the dispatch plan), as every TP rank does without it.
 
 May import torch, :mod:`asyncstep.channels`, :mod:`asyncstep.ops` and the
 other layers.
@@ -26,11 +39,14 @@ other layers.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
-from asyncstep.channels import get_tp_group
+from asyncstep.channels import get_ep_group, get_tp_group
 from asyncstep.errors import ModelLoadError
+from asyncstep.models.layers import expert_parallel
 from asyncstep.models.layers.linear import (
     ReplicatedLinear,
     _make_param,
@@ -40,7 +56,14 @@ from asyncstep.models.layers.linear import (
 )
 from asyncstep.ops.slot import OpSetSlot
 
-__all__ = ["EXPERT_SHARDS", "FusedMoE", "SparseMoeBlock", "select_experts"]
+__all__ = [
+    "EXPERT_SHARDS",
+    "ExpertParallelStage",
+    "FusedMoE",
+    "SparseMoeBlock",
+    "SparseMoeStage",
+    "select_experts",
+]
 
 #: vLLM's names of an expert's projections: gate (w1), down (w2), up (w3).
 EXPERT_SHARDS = ("w1", "w2", "w3")
@@ -72,10 +95,10 @@ def select_experts(
 
 
 class FusedMoE(nn.Module):
-    """Every expert's gate/up and down projections, this rank's slice of
-    each (see the module doc). ``forward`` takes the router's choice and
-    returns the experts' weighted sum, reduced over the TP group where
-    ``reduce_results``."""
+    """This rank's experts' gate/up and down projections: every expert's
+    slice, or under expert parallelism its experts whole (see the module
+    doc). ``forward`` takes the router's choice and returns the experts'
+    weighted sum, reduced over the TP group where ``reduce_results``."""
 
     def __init__(
         self,
@@ -83,28 +106,36 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         *,
+        top_k: int = 1,
         reduce_results: bool = True,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
         ops: OpSetSlot | None = None,
     ) -> None:
         super().__init__()
-        tp = get_tp_group()
+        tp, ep = get_tp_group(), get_ep_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.ep_rank, self.ep_size = ep.rank_in_group, ep.world_size
+        self.use_ep = self.ep_size > 1
         self.num_experts = num_experts
+        self.top_k = top_k
+        #: This rank's experts: ``[expert_start, expert_start + num_local_experts)``.
+        self.num_local_experts = divide(num_experts, self.ep_size, "expert count")
+        self.expert_start = self.ep_rank * self.num_local_experts
         self.hidden_size = hidden_size
+        # Under EP each expert is whole; else split over the TP ranks.
+        split = 1 if self.use_ep else self.tp_size
         self.intermediate_size_per_partition = divide(
-            intermediate_size, self.tp_size, "expert intermediate size"
+            intermediate_size, split, "expert intermediate size"
         )
         inter = self.intermediate_size_per_partition
         self.reduce_results = reduce_results
         self.sequence_parallel = sequence_parallel
+        local = self.num_local_experts
         self.w13_weight = _make_param(
-            (num_experts, 2 * inter, hidden_size), params_dtype, self.weight_loader
+            (local, 2 * inter, hidden_size), params_dtype, self.weight_loader
         )
-        self.w2_weight = _make_param(
-            (num_experts, hidden_size, inter), params_dtype, self.weight_loader
-        )
+        self.w2_weight = _make_param((local, hidden_size, inter), params_dtype, self.weight_loader)
         #: The model's op set.
         self.ops = ops or OpSetSlot()
         #: Token rows routed to each expert since the count was last reset.
@@ -117,17 +148,23 @@ class FusedMoE(nn.Module):
         self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]
     ) -> None:
         """One expert's checkpoint projection (``shard``: its expert id and
-        ``w1`` gate, ``w3`` up or ``w2`` down), narrowed to this rank's slice."""
+        ``w1`` gate, ``w3`` up or ``w2`` down), narrowed to this rank's slice
+        (under expert parallelism: whole, and skipped unless this rank holds
+        the expert)."""
         expert, kind = shard
         if not 0 <= expert < self.num_experts or kind not in EXPERT_SHARDS:
             raise ModelLoadError(f"expert weight {shard} has no place in the model")
+        local = expert - self.expert_start
+        if not 0 <= local < self.num_local_experts:
+            return  # another EP rank's expert
         inter = self.intermediate_size_per_partition
+        rank = 0 if self.use_ep else self.tp_rank
         if kind == "w2":
-            target = param.data[expert]
-            part = loaded.narrow(-1, self.tp_rank * inter, inter)
+            target = param.data[local]
+            part = loaded.narrow(-1, rank * inter, inter)
         else:
-            target = param.data[expert].narrow(0, 0 if kind == "w1" else inter, inter)
-            part = loaded.narrow(0, self.tp_rank * inter, inter)
+            target = param.data[local].narrow(0, 0 if kind == "w1" else inter, inter)
+            part = loaded.narrow(0, rank * inter, inter)
         if target.shape != part.shape:
             raise ModelLoadError(
                 f"expert {expert} {kind}: checkpoint shape {tuple(loaded.shape)} does not "
@@ -138,6 +175,11 @@ class FusedMoE(nn.Module):
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        """The weighted sum of each row's experts. Under expert parallelism
+        ``hidden`` holds this rank's share of the rows (see the module doc)
+        and so does the result (no reduction)."""
+        if self.use_ep:
+            return self.forward_ep(hidden, topk_weights, topk_ids)
         ids = topk_ids.reshape(-1).long()
         self.tokens_per_expert.index_add_(0, ids, torch.ones_like(ids))
         out = self.ops.ops.fused_experts(
@@ -146,6 +188,73 @@ class FusedMoE(nn.Module):
         if self.reduce_results:
             out = reduce_partial_sums(out, self.sequence_parallel)
         return out
+
+    def forward_ep(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Dispatch this rank's pairs to the experts' ranks, compute the pairs
+        sent here on the local experts, combine the results back."""
+        stage = ExpertParallelStage(self, hidden, topk_weights, topk_ids)
+        stage.compute()
+        return stage.finish()
+
+    def compute_local(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Each received row through its local expert, unweighted."""
+        return self.ops.ops.fused_experts(
+            rows,
+            self.w13_weight,
+            self.w2_weight,
+            torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device),
+            local_ids.to(torch.int32).unsqueeze(1),
+        )
+
+
+class ExpertParallelStage:
+    """One pass of token rows through an expert-parallel :class:`FusedMoE`,
+    in three calls so that a caller can run other work while each
+    all-to-all is in flight: the constructor plans (one all-gather of the
+    counts) and starts the dispatch; :meth:`compute` waits for it, runs the
+    local experts and starts the combine; :meth:`finish` waits for that and
+    returns the rows' weighted sums. Each call records its host interval
+    (``time.time_ns() // 1000``) in :attr:`intervals_us` for the step
+    timeline."""
+
+    def __init__(
+        self,
+        experts: FusedMoE,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> None:
+        self.experts, self.topk_weights = experts, topk_weights
+        self.ep = get_ep_group()
+        #: (name, start, end): ``dispatch`` (its start to the end of its
+        #: wait), ``experts``, ``combine`` (likewise).
+        self.intervals_us: list[tuple[str, int, int]] = []
+        self._dispatch_start = _now_us()
+        self.plan = expert_parallel.plan_dispatch(topk_ids, experts.num_experts, self.ep)
+        experts.tokens_per_expert += self.plan.tokens_per_expert
+        self._rows, self._work = expert_parallel.start_dispatch(
+            hidden, topk_ids.shape[1], self.plan, self.ep
+        )
+
+    def compute(self) -> None:
+        expert_parallel.wait(self._work)
+        start = _now_us()
+        self.intervals_us.append(("dispatch", self._dispatch_start, start))
+        out = self.experts.compute_local(self._rows, self.plan.recv_expert_ids)
+        self._back, self._work = expert_parallel.start_combine(out, self.plan, self.ep)
+        self._combine_start = _now_us()
+        self.intervals_us.append(("experts", start, self._combine_start))
+
+    def finish(self) -> torch.Tensor:
+        expert_parallel.wait(self._work)
+        self.intervals_us.append(("combine", self._combine_start, _now_us()))
+        return expert_parallel.weighted_sum(self._back, self.topk_weights, self.plan)
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
 
 
 class SparseMoeBlock(nn.Module):
@@ -177,14 +286,54 @@ class SparseMoeBlock(nn.Module):
             num_experts,
             hidden_size,
             intermediate_size,
+            top_k=top_k,
             sequence_parallel=sequence_parallel,
             params_dtype=params_dtype,
             ops=self.ops,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts.use_ep:
+            return self.forward_ep(x)
         x = gather_tokens(x, self.sequence_parallel)
-        topk_weights, topk_ids = select_experts(
+        return self.experts(x, *self.route(x))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's ``(topk_weights, topk_ids)`` (:func:`select_experts`)."""
+        return select_experts(
             self.gate(x), self.top_k, renormalize=self.renormalize, scoring_func=self.scoring_func
         )
-        return self.experts(x, topk_weights, topk_ids)
+
+    def forward_ep(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: route and compute this rank's rows (its own
+        under sequence parallelism, else its slice of the replicated rows,
+        all-gathered after)."""
+        stage = self.begin_ep(x)
+        stage.compute()
+        return stage.finish()
+
+    def begin_ep(self, x: torch.Tensor) -> SparseMoeStage:
+        """:meth:`forward_ep` in stages (:class:`SparseMoeStage`): routes this
+        rank's rows and starts their dispatch."""
+        return SparseMoeStage(self, x)
+
+
+class SparseMoeStage(ExpertParallelStage):
+    """:meth:`SparseMoeBlock.forward_ep` in :class:`ExpertParallelStage`'s
+    three calls: this rank's share of ``x`` routed, the result put back
+    together (all-gathered, or this rank's rows under sequence parallelism)."""
+
+    def __init__(self, block: SparseMoeBlock, x: torch.Tensor) -> None:
+        ep = get_ep_group()
+        self.num_tokens, self.chunk = x.shape[0], 0
+        self.gather = not block.sequence_parallel
+        if self.gather:
+            start, end, self.chunk = expert_parallel.local_rows(x.shape[0], ep)
+            x = x[start:end]
+        super().__init__(block.experts, x, *block.route(x))
+
+    def finish(self) -> torch.Tensor:
+        out = super().finish()
+        if not self.gather:
+            return out
+        return expert_parallel.gather_rows(out, self.num_tokens, self.chunk, self.ep)
