@@ -47,9 +47,13 @@ def build(isa: str, tmp_path: Path) -> CpuDenseMatmul:
     source = Path(asyncstep.__file__).parent / "ops/cpu/cpu_dense.c"
     target = tmp_path / "cpu_dense.so"
     flags = ["-O2", "-std=gnu11", "-fPIC", "-shared", *BUILDS[isa]]
-    subprocess.run(
-        [compiler, *flags, str(source), "-o", str(target)], check=True, capture_output=True
-    )
+    for openmp in (["-fopenmp"], []):  # threads where the compiler has OpenMP
+        done = subprocess.run(
+            [compiler, *flags, *openmp, str(source), "-o", str(target)], capture_output=True
+        )
+        if done.returncode == 0:
+            break
+    done.check_returncode()
     built = CpuDenseMatmul(ctypes.CDLL(str(target)))
     assert built.isa == isa
     return built
@@ -182,20 +186,44 @@ def test_the_op_set_s_linear_runs_dense_bfloat16_weights_row_by_row() -> None:
     assert torch.equal(half, torch.nn.functional.linear(x.half(), weight.half()))
 
 
-@pytest.mark.parametrize("isa", ["library", "AVX512-BF16", "AVX512F"])
+@pytest.mark.parametrize("isa", ["library", "AVX512-BF16", "AVX512F", "AVX2"])
 def test_every_tile_shape_gives_a_row_its_outputs_alone(isa: str, tmp_path: Path) -> None:
     """Weights of 1 to 13 rows (every count of weight rows a tile holds)
-    against 1 to 9 rows of x (every count of x rows): each tile's shape is
-    compiled on its own (the library's build with its reassociating flags
-    too), and each gives a row the bits it has alone."""
+    against 1 to 9 rows of x (every count of x rows), and 33 to 41 (the
+    packed paths' leftover tiles): each tile's shape is compiled on its own
+    (the library's build with its reassociating flags too), and each gives
+    a row the bits it has alone."""
     matmul = MATMUL if isa == "library" else build(isa, tmp_path)
     assert matmul is not None
-    x = torch.randn(9, 64)
+    x = torch.randn(41, 64)
     for n in range(1, 14):
         weight = torch.randn(n, 64).bfloat16()
-        alone = torch.cat([matmul(x[r : r + 1], weight) for r in range(9)])
-        for rows in range(1, 10):
+        alone = torch.cat([matmul(x[r : r + 1], weight) for r in range(41)])
+        for rows in (*range(1, 10), *range(33, 42)):
             assert torch.equal(matmul(x[:rows], weight), alone[:rows]), (n, rows)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_blocks_and_chunks_give_a_row_its_outputs_alone(isa: str, tmp_path: Path) -> None:
+    """A wide K (kp 4096: blocks of 12 rows of W, chunks of 32 rows of x, so
+    50 rows of W span 5 blocks and 70 rows of x 3 chunks), on 1 and 2
+    threads: a row's outputs are the bits it has alone."""
+    matmul = build(isa, tmp_path)
+    weight = torch.randn(50, 4000).bfloat16()
+    x = torch.randn(70, 4000)
+    alone = torch.cat([matmul(x[r : r + 1], weight) for r in (0, 33, 69)])
+    magnitude = x.abs().double() @ weight.abs().double().T
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            full = matmul(x, weight)
+            assert torch.equal(full[[0, 33, 69]], alone), count
+            assert torch.equal(matmul(x[30:40], weight), full[30:40]), count
+    finally:
+        torch.set_num_threads(threads)
+    error = (full.double() - reference(x, weight, isa)).abs()
+    assert (error <= 1e-5 * magnitude + 1e-6).all()
 
 
 def test_batch_invariant_chooses_the_dense_matmul_on_the_cpu() -> None:
