@@ -14,7 +14,8 @@
  * each count of rows, the registers' worth) share the loads, never the
  * sums, and every slot of a tile, leftover tiles too, gives an output the
  * same tree. Rows of W run in blocks (L2's worth) against every tile of x's
- * rows, chunks of x's rows in turn. From OUTER_MIN_ROWS rows AVX512-BF16
+ * rows, chunks of x's rows in turn; up to STREAM_MAX_ROWS rows of x, tiles
+ * one row of W wide (W read in memory's order). From OUTER_MIN_ROWS rows AVX512-BF16
  * packs W into pairs of K and sums outer products, one accumulator per lane
  * of the few-row kernel: the same sums, bit for bit, at oneDNN's blocking's
  * speed (outer_matmul); from PACK_MIN_ROWS the AVX2 build widens a block of
@@ -60,6 +61,13 @@ enum { DENSE_FLOAT32 = 0, DENSE_BFLOAT16 = 1 };
 #define W_TILE 6     /* at most (AVX2: tile_width; 16 registers) */
 #endif
 #define W_GROUP 12   /* every tile width divides it */
+/* Up to this many rows of x W's rows are read one at a time, in memory's
+ * order (tiles one row of W wide): a decode step's weights stream from
+ * DRAM, and several rows at once halved the rate the hardware streams them
+ * at (benchmarks/results/cpu/dense_avx2_1205). */
+#ifndef STREAM_MAX_ROWS
+#define STREAM_MAX_ROWS 8
+#endif
 #if DENSE_ISA == 3
 /* From this many rows the AVX2 build widens W's blocks to float32 once
  * (pack_rows) for all of them, and runs 4 x 3 tiles (4 x 2 where it widens
@@ -597,7 +605,7 @@ int asyncstep_dense_matmul(const DenseMatmulArgs* a) {
                 const int64_t end = rows - c0 < chunk ? rows : c0 + chunk;
                 for (int64_t r0 = c0; r0 < end; r0 += ROW_TILE) {
                     const int count = end - r0 < ROW_TILE ? (int)(end - r0) : ROW_TILE;
-                    const int width = tile_width(count, packed);
+                    const int width = rows <= STREAM_MAX_ROWS ? 1 : tile_width(count, packed);
                     for (int64_t i0 = 0; i0 < nb; i0 += width) {
                         const int nw = nb - i0 < width ? (int)(nb - i0) : width;
                         float sums[W_TILE][ROW_TILE];

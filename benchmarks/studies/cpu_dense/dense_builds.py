@@ -10,6 +10,9 @@ logits are one row per sequence). Ours takes bf16 x and writes bf16 (the
 layers' call). A figure is the best call of ``--rounds`` x ``--repeats``;
 read the ratios (torch / ours: above 1, ours faster). ``--ref REV`` also
 times ``cpu_dense.c`` as of a git revision (the same ISA's build).
+``--step``: instead, a decode step's 120 projections (30 layers' qkv, o,
+gate_up, down: 212 MB of distinct weights, streamed from DRAM as in a
+model's step) at ``--rows`` rows (default 1, 2, 4, 8, 16).
 
     python3 benchmarks/studies/cpu_dense/dense_builds.py \\
         --out benchmarks/results/cpu/dense_avx2_1205/builds.json
@@ -54,6 +57,8 @@ SHAPES = {
     "lm_head": (576, 49152),
 }
 ROWS = (1, 4, 16, 64, 256, 2048)
+#: --step's rows (a decode step's batch).
+STEP_ROWS = (1, 2, 4, 8, 16)
 #: Rows the LM head runs at most (one per sequence of a step).
 HEAD_ROWS = 256
 SOURCE = Path(asyncstep.__file__).parent / "ops/cpu/cpu_dense.c"
@@ -103,6 +108,9 @@ def worker(args: argparse.Namespace) -> None:
         ).stdout
         ref = build(args.worker, text, "ref")
         variants["ref"] = lambda x, w: ref(x, w, torch.bfloat16)
+    if args.step:
+        step(args, variants)
+        return
     for name in args.shapes:
         k, n = SHAPES[name]
         weight = (torch.randn(n, k) * 0.05).bfloat16()
@@ -130,18 +138,52 @@ def worker(args: argparse.Namespace) -> None:
             print(json.dumps(line), flush=True)
 
 
+def step(
+    args: argparse.Namespace, variants: dict[str, Callable[[torch.Tensor, torch.Tensor], object]]
+) -> None:
+    """A decode step's projections, each weight its own (the step's weights
+    do not fit a cache), as JSON lines."""
+    layer = [SHAPES[name] for name in ("qkv", "o", "gate_up", "down")]
+    weights = [(torch.randn(n, k) * 0.05).bfloat16() for _ in range(30) for k, n in layer]
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k).bfloat16() for k, _ in layer}
+
+        def run(
+            call: Callable[[torch.Tensor, torch.Tensor], object], xs: dict[int, torch.Tensor] = xs
+        ) -> None:
+            for w in weights:
+                call(xs[w.shape[1]], w)
+
+        best = {v: float("inf") for v in variants}
+        for _ in range(args.rounds):
+            for v, call in variants.items():
+                best[v] = min(best[v], best_us(lambda c=call: run(c), args.repeats))
+        line = {
+            "isa": args.worker,
+            "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "shape": "step",
+            "rows": rows,
+            "threads": args.threads,
+            **{f"{v}_us": round(t, 1) for v, t in best.items()},
+        }
+        print(json.dumps(line), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--isa", nargs="+", default=list(BUILDS), choices=list(BUILDS))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    parser.add_argument("--rows", nargs="+", type=int)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ref", help="also time cpu_dense.c as of this git revision")
+    parser.add_argument("--step", action="store_true", help="a decode step's projections")
     parser.add_argument("--out", type=Path, help="JSON lines here too")
     parser.add_argument("--worker", choices=list(BUILDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rows is None:
+        args.rows = list(STEP_ROWS if args.step else ROWS)
     if args.worker:
         worker(args)
         return
@@ -151,6 +193,7 @@ def main() -> None:
         command += ["--rounds", str(args.rounds), "--repeats", str(args.repeats)]
         command += ["--shapes", *args.shapes, "--rows", *map(str, args.rows)]
         command += ["--ref", args.ref] if args.ref else []
+        command += ["--step"] if args.step else []
         env = {**os.environ, **BUILDS[isa][1]}
         run = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
         for text in run.stdout.splitlines():
