@@ -16,10 +16,9 @@ batch-invariant op set with its own attention (ConfigError without triton
 or with another attention backend); on the CPU the choice above, whose
 packed weights are batch-invariant already, and whose dense bfloat16
 weights (a MoE model's experts too) go through the library's invariant
-matmul when asked for, or by
-default where that matmul's build is its fast one (``CpuDenseMatmul.fast``:
-the AVX2 and AVX512F builds compute a row at a time, several times
-oneDNN's time at many rows).
+matmul when asked for, or by default where that matmul's build is a
+blocked one (``CpuDenseMatmul.fast``: AVX512-BF16, AVX512F, AVX2; not
+plain C, which computes a row at a time).
 
 May import torch, :mod:`asyncstep.errors` and :mod:`asyncstep.ops`.
 """
@@ -58,7 +57,7 @@ ATTENTION_BACKENDS = tuple(ATTENTION_OPS)
 
 
 #: ``batch_invariant=None`` by device type: the CPU's kernels are invariant
-#: (dense bfloat16 where the library's fast build runs); CUDA's invariant op
+#: (dense bfloat16 where the library's build is a blocked one); CUDA's invariant op
 #: set costs over 10 % of a decode step (docs/performance.md, "Batch
 #: invariance"). Types not listed: off.
 BATCH_INVARIANT_DEFAULT = {"cpu": True, "cuda": False}
@@ -143,7 +142,7 @@ def select_ops(
 
 def _cpu_dense_invariant(batch_invariant: bool | None) -> bool:
     """Whether dense bfloat16 weights run the library's invariant matmul:
-    ``batch_invariant`` if given, else where its build is the fast one."""
+    ``batch_invariant`` if given, else where its build is a blocked one."""
     if batch_invariant is not None:
         return batch_invariant
     from asyncstep.ops.cpu.dense import dense_matmul

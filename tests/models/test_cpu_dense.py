@@ -17,6 +17,7 @@ import torch
 import asyncstep
 from asyncstep.cpu_features import cpu_flags
 from asyncstep.models.layers.embedding import ParallelLMHead
+from asyncstep.ops.cpu import library
 from asyncstep.ops.cpu.dense import CpuDenseMatmul, dense_matmul
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.ops import CpuOps
@@ -47,9 +48,13 @@ def build(isa: str, tmp_path: Path) -> CpuDenseMatmul:
     source = Path(asyncstep.__file__).parent / "ops/cpu/cpu_dense.c"
     target = tmp_path / "cpu_dense.so"
     flags = ["-O2", "-std=gnu11", "-fPIC", "-shared", *BUILDS[isa]]
-    subprocess.run(
-        [compiler, *flags, str(source), "-o", str(target)], check=True, capture_output=True
-    )
+    for openmp in (["-fopenmp"], []):  # threads where the compiler has OpenMP
+        done = subprocess.run(
+            [compiler, *flags, *openmp, str(source), "-o", str(target)], capture_output=True
+        )
+        if done.returncode == 0:
+            break
+    done.check_returncode()
     built = CpuDenseMatmul(ctypes.CDLL(str(target)))
     assert built.isa == isa
     return built
@@ -182,26 +187,76 @@ def test_the_op_set_s_linear_runs_dense_bfloat16_weights_row_by_row() -> None:
     assert torch.equal(half, torch.nn.functional.linear(x.half(), weight.half()))
 
 
-@pytest.mark.parametrize("isa", ["library", "AVX512-BF16", "AVX512F"])
+@pytest.mark.parametrize("isa", ["library", "AVX512-BF16", "AVX512F", "AVX2"])
 def test_every_tile_shape_gives_a_row_its_outputs_alone(isa: str, tmp_path: Path) -> None:
     """Weights of 1 to 13 rows (every count of weight rows a tile holds)
-    against 1 to 9 rows of x (every count of x rows): each tile's shape is
-    compiled on its own (the library's build with its reassociating flags
-    too), and each gives a row the bits it has alone."""
+    against 1 to 12 rows of x (one row of W at a time up to 8 rows, then
+    every count of x rows a tile holds), and 33 to 41 (the packed paths'
+    leftover tiles): each tile's shape is compiled on its own
+    (the library's build with its reassociating flags too), and each gives
+    a row the bits it has alone."""
     matmul = MATMUL if isa == "library" else build(isa, tmp_path)
     assert matmul is not None
-    x = torch.randn(9, 64)
+    x = torch.randn(41, 64)
     for n in range(1, 14):
         weight = torch.randn(n, 64).bfloat16()
-        alone = torch.cat([matmul(x[r : r + 1], weight) for r in range(9)])
-        for rows in range(1, 10):
+        alone = torch.cat([matmul(x[r : r + 1], weight) for r in range(41)])
+        for rows in (*range(1, 13), *range(33, 42)):
             assert torch.equal(matmul(x[:rows], weight), alone[:rows]), (n, rows)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_blocks_and_chunks_give_a_row_its_outputs_alone(isa: str, tmp_path: Path) -> None:
+    """A wide K (kp 4096: blocks of 12 rows of W, chunks of 32 rows of x, so
+    50 rows of W span 5 blocks and 70 rows of x 3 chunks), on 1 and 2
+    threads: a row's outputs are the bits it has alone."""
+    matmul = build(isa, tmp_path)
+    weight = torch.randn(50, 4000).bfloat16()
+    x = torch.randn(70, 4000)
+    alone = torch.cat([matmul(x[r : r + 1], weight) for r in (0, 33, 69)])
+    magnitude = x.abs().double() @ weight.abs().double().T
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            full = matmul(x, weight)
+            assert torch.equal(full[[0, 33, 69]], alone), count
+            assert torch.equal(matmul(x[30:40], weight), full[30:40]), count
+    finally:
+        torch.set_num_threads(threads)
+    error = (full.double() - reference(x, weight, isa)).abs()
+    assert (error <= 1e-5 * magnitude + 1e-6).all()
+
+
+def test_the_library_builds_for_avx2_when_asked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``ASYNCSTEP_CPU_KERNELS_ISA=avx2``: the whole library built as a CPU
+    with AVX2 + FMA + F16C only builds it (its own cache key); its dense
+    matmul is the AVX2 build, taken by default, the same bits as that build's."""
+    if {"avx2", "fma", "f16c"} - cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    monkeypatch.setenv(library.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(library.ISA_ENV, "avx2")
+    load_cpu_kernels.cache_clear()
+    try:
+        kernels = load_cpu_kernels()
+    finally:
+        load_cpu_kernels.cache_clear()
+    assert kernels is not None
+    matmul = CpuDenseMatmul(kernels.library)
+    assert matmul.isa == "AVX2" and matmul.fast
+    weight, x = torch.randn(40, 96).bfloat16(), torch.randn(70, 96)
+    alone = build("AVX2", tmp_path)(x[3:4], weight)
+    assert torch.equal(matmul(x, weight)[3:4], alone)
+    assert torch.equal(matmul(x[3:4], weight), alone)
 
 
 def test_batch_invariant_chooses_the_dense_matmul_on_the_cpu() -> None:
     """Dense bfloat16 projections run the library's invariant matmul when
     ``batch_invariant`` asks for it, torch's ``F.linear`` when it is off,
-    and by default where the library's build is its fast one (AVX512-BF16)."""
+    and by default where the library's build is a blocked one (every build
+    but plain C)."""
     cpu = torch.device("cpu")
     chosen = {
         asked: select_ops(cpu, "torch", fused_kernels=True, batch_invariant=asked)
@@ -209,7 +264,7 @@ def test_batch_invariant_chooses_the_dense_matmul_on_the_cpu() -> None:
     }
     assert all(isinstance(ops, CpuOps) for ops in chosen.values())
     assert [ops.invariant_dense for ops in chosen.values()] == [True, False, MATMUL.fast]
-    assert MATMUL.fast == (MATMUL.isa == "AVX512-BF16")
+    assert MATMUL.fast == (MATMUL.isa != "plain C")
     x, weight = torch.randn(3, 64).bfloat16(), torch.randn(32, 64).bfloat16()
     off = chosen[False].linear(x, weight, None)
     assert torch.equal(off, torch.nn.functional.linear(x, weight))

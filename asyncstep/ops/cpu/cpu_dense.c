@@ -5,14 +5,23 @@
  * no copy), x float32 or bfloat16, out float32 or bfloat16.
  *
  * Each output is one row of x against one row of W along K in one order,
- * into one float32 vector (AVX512-BF16: 8 lanes, 16 inputs a step; AVX512F,
- * AVX2, plain C: 16, 8 or 32 lanes, 32 inputs a step), that vector summed
- * at the end by one tree; tiles of rows of x by rows of W (4 x 6 with
- * AVX512-BF16, 4 x 4 elsewhere) share the loads, never the sums, and every
- * slot of a tile, leftover tiles too, gives an output the same tree. From
- * OUTER_MIN_ROWS rows AVX512-BF16 packs W into pairs of K and sums outer
- * products, one accumulator per lane of the few-row kernel: the same sums,
- * bit for bit, at oneDNN's blocking's speed (outer_matmul). So an
+ * into one float32 vector (AVX512-BF16: 8 lanes, 16 inputs a step; AVX512F
+ * and AVX2: 16 or 8 lanes, twice as many inputs a step, the even k's
+ * products then the odd k's; plain C: 32 lanes, 32 inputs a step), that
+ * vector summed at the end by one tree (8 lanes: (l[i] + l[i+4]), then
+ * (0 + 2) + (1 + 3); AVX512F folds i + 8 onto i first); tiles of rows of x
+ * by rows of W (4 x 6 with AVX512-BF16; with AVX2 and AVX512F a width for
+ * each count of rows, the registers' worth) share the loads, never the
+ * sums, and every slot of a tile, leftover tiles too, gives an output the
+ * same tree. Rows of W run in blocks (L2's worth) against every tile of x's
+ * rows, chunks of x's rows in turn; up to STREAM_MAX_ROWS rows of x, tiles
+ * one row of W wide (W read in memory's order). From OUTER_MIN_ROWS rows AVX512-BF16
+ * packs W into pairs of K and sums outer products, one accumulator per lane
+ * of the few-row kernel: the same sums, bit for bit, at oneDNN's blocking's
+ * speed (outer_matmul); from PACK_MIN_ROWS the AVX2 build widens a block of
+ * W to float32 once for all the rows (pack_rows: the values its few-row
+ * tiles widen in registers, the same products in the same order, in wider
+ * tiles with the registers the widening took). So an
  * output does not depend on the other rows of x (the batch: issue 40) nor
  * on the thread count (rows of W are spread over OpenMP threads, never K).
  * With AVX512-BF16 the products are vdpbf16ps's (x rounded to bfloat16 on
@@ -46,8 +55,37 @@ enum { DENSE_FLOAT32 = 0, DENSE_BFLOAT16 = 1 };
 #define ROW_TILE 4   /* rows of x per pass */
 #if DENSE_ISA == 1
 #define W_TILE 6     /* rows of W per pass: 24 accumulators, 10 loads per 24 products */
+#elif DENSE_ISA == 2
+#define W_TILE 6     /* at most (tile_width; 32 registers) */
 #else
-#define W_TILE 4     /* rows of W per pass */
+#define W_TILE 6     /* at most (AVX2: tile_width; 16 registers) */
+#endif
+#define W_GROUP 12   /* every tile width divides it */
+/* Up to this many rows of x W's rows are read one at a time, in memory's
+ * order (tiles one row of W wide): a decode step's weights stream from
+ * DRAM, and several rows at once halved the rate the hardware streams them
+ * at (benchmarks/results/cpu/dense_avx2_1205). */
+#ifndef STREAM_MAX_ROWS
+#define STREAM_MAX_ROWS 8
+#endif
+#if DENSE_ISA == 3
+/* From this many rows the AVX2 build widens W's blocks to float32 once
+ * (pack_rows) for all of them, and runs 4 x 3 tiles (4 x 2 where it widens
+ * in registers: the mask and the halves take the registers). AVX512F widens
+ * in registers at every row count (packing gained nothing measured:
+ * benchmarks/results/cpu/dense_avx2_1205). */
+#ifndef PACK_MIN_ROWS
+#define PACK_MIN_ROWS 32
+#endif
+#define PACKS 1
+#else
+#define PACKS 0 /* (the AVX512-BF16 build packs its own way: outer_matmul) */
+#endif
+#ifndef BLOCK_BYTES
+#define BLOCK_BYTES (96 << 10) /* rows of W a thread runs every row of x against (L2) */
+#endif
+#ifndef X_CHUNK_BYTES
+#define X_CHUNK_BYTES (512 << 10) /* rows of x run against every block in turn */
 #endif
 #define MIN_PARALLEL_WORK (1 << 16)
 
@@ -75,11 +113,7 @@ static inline void store_value(void* out, int64_t dtype, int64_t i, float v) {
         ((float*)out)[i] = v;
 }
 
-#if DENSE_ISA == 1
-/* x rows as bfloat16 (K values each, zero-padded to a multiple of 32). */
-typedef bf16_t XValue;
-static inline XValue to_x(float v) { return f32_to_bf16(v); }
-
+#if DENSE_ISA >= 1
 /* Eight accumulators' lanes summed by one network (halves of 128 bits, then
  * of 64, then pairs): every output gets the same tree, (l[i] + l[i+4]) for
  * i < 4, then (p0 + p2) + (p1 + p3), whichever of the eight slots it holds.
@@ -100,6 +134,12 @@ static inline __attribute__((always_inline)) void sum8(const __m256 v[8], float 
     const __m256i where = _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0);
     _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(w, where));
 }
+#endif
+
+#if DENSE_ISA == 1
+/* x rows as bfloat16 (K values each, zero-padded to a multiple of 32). */
+typedef bf16_t XValue;
+static inline XValue to_x(float v) { return f32_to_bf16(v); }
 
 /* sums[i][e] = W row i . x row e for nw (<= W_TILE) rows of W and `rows`
  * (<= ROW_TILE) rows of x: one 8-lane accumulator each along K (16 at a
@@ -128,65 +168,152 @@ static inline __attribute__((always_inline)) void dot_tile_n(
 }
 
 /* dot_tile_n with constant counts (its accumulators in registers). */
-static void dot_tile(const bf16_t* const* w, int nw, const XValue* x, int64_t kp, int rows,
-                     float sums[W_TILE][ROW_TILE]) {
+static void dot_tile(const void* const* w, int packed, int nw, const XValue* x, int64_t kp,
+                     int rows, float sums[W_TILE][ROW_TILE]) {
+    (void)packed;
     switch (nw * 8 + rows) {
 #define CASE(NW, ROWS) \
-    case NW * 8 + ROWS: dot_tile_n(w, NW, x, kp, ROWS, sums); break;
+    case NW * 8 + ROWS: dot_tile_n((const bf16_t* const*)w, NW, x, kp, ROWS, sums); break;
 #define CASES(NW) CASE(NW, 1) CASE(NW, 2) CASE(NW, 3) CASE(NW, 4)
         CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
 #undef CASES
 #undef CASE
     }
 }
+
+static inline int tile_width(int rows, int packed) { (void)rows; (void)packed; return W_TILE; }
 #else
 /* x rows as float32 (K values each, zero-padded to a multiple of 32). */
 typedef float XValue;
 static inline XValue to_x(float v) { return v; }
 
+#if DENSE_ISA == 2 || DENSE_ISA == 3
 #if DENSE_ISA == 2
-static inline __m512 widen16(const bf16_t* p) {
-    const __m256i h = _mm256_loadu_si256((const __m256i*)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#define LANES 16
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+/* 32 bfloat16 of W as float32: the even k (the low halves of the 32-bit
+ * words, shifted up) or the odd k (the high halves, masked). */
+static inline vec vwiden(const bf16_t* p, int odd) {
+    const __m512i u = _mm512_loadu_si512((const void*)p);
+    return _mm512_castsi512_ps(odd ? _mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u))
+                                   : _mm512_slli_epi32(u, 16));
+}
+/* lane i + lane i + 8: 8 lanes for sum8 */
+static inline __m256 vfold(vec v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+#define LANES 8
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+/* 16 bfloat16 of W as float32: the even k or the odd k (as the AVX512F build's). */
+static inline vec vwiden(const bf16_t* p, int odd) {
+    const __m256i u = _mm256_loadu_si256((const __m256i*)p);
+    return _mm256_castsi256_ps(odd ? _mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u))
+                                   : _mm256_slli_epi32(u, 16));
+}
+static inline __m256 vfold(vec v) { return v; }
+#endif
+#define STEP (2 * LANES) /* k per step: one vector of W's bfloat16 pairs */
+
+/* Which k a prepared row of x holds at k: per STEP, the even k then the odd. */
+static inline int64_t x_slot(int64_t k) {
+    const int64_t j = k % STEP;
+    return k - j + (j & 1) * LANES + j / 2;
 }
 
-static inline void dot_row(const bf16_t* w, const XValue* x, int64_t kp, int rows,
-                            float* sums) {
-    __m512 acc[ROW_TILE];
-    for (int e = 0; e < rows; e++) acc[e] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kp; k += 32) {
-        const __m512 w0 = widen16(w + k), w1 = widen16(w + k + 16);
-        for (int e = 0; e < rows; e++) {
-            acc[e] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + e * kp + k), acc[e]);
-            acc[e] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + e * kp + k + 16), acc[e]);
+/* sums[i][e] = W row i . x row e for nw rows of W and `rows` rows of x
+ * (constants where inlined): one float32 vector per output along K, a STEP
+ * at a time in order (the even k's products, then the odd k's: x prepared
+ * as x_slot), lanes folded to 8 (AVX512F: i + 8 onto i) and summed by sum8,
+ * whichever slot of the tile the output holds. W's rows as bfloat16
+ * (widened here) or, `packed`, as float32 in x_slot's order (pack_rows):
+ * the same values, the same products in the same order. */
+static inline __attribute__((always_inline)) void dot_tile_n(
+    const void* const* w, const int packed, const int nw, const XValue* x, int64_t kp,
+    const int rows, float sums[W_TILE][ROW_TILE]) {
+    vec acc[ROW_TILE][W_TILE];
+    for (int e = 0; e < rows; e++)
+        for (int i = 0; i < nw; i++) acc[e][i] = vzero();
+    for (int64_t k = 0; k < kp; k += STEP)
+        for (int half = 0; half < 2; half++) { /* the even k's products, then the odd k's */
+            vec wv[W_TILE];
+            for (int i = 0; i < nw; i++)
+                wv[i] = packed ? vload((const float*)w[i] + k + half * LANES)
+                               : vwiden((const bf16_t*)w[i] + k, half);
+            for (int e = 0; e < rows; e++) {
+                const vec xv = vload(x + e * kp + k + half * LANES);
+                for (int i = 0; i < nw; i++) acc[e][i] = vfma(wv[i], xv, acc[e][i]);
+            }
+        }
+    __m256 lanes[((W_TILE * ROW_TILE + 7) / 8) * 8];
+    float flat[((W_TILE * ROW_TILE + 7) / 8) * 8];
+    const int used = nw * rows, groups = (used + 7) / 8;
+    for (int e = 0; e < rows; e++)
+        for (int i = 0; i < nw; i++) lanes[e * nw + i] = vfold(acc[e][i]);
+    for (int j = used; j < groups * 8; j++) lanes[j] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) sum8(lanes + 8 * g, flat + 8 * g);
+    for (int e = 0; e < rows; e++)
+        for (int i = 0; i < nw; i++) sums[i][e] = flat[e * nw + i];
+}
+
+/* dot_tile_n with constant counts (its accumulators in registers). */
+static void dot_tile(const void* const* w, int packed, int nw, const XValue* x, int64_t kp,
+                     int rows, float sums[W_TILE][ROW_TILE]) {
+    switch (packed * 64 + nw * 8 + rows) {
+#define CASE(P, NW, ROWS) \
+    case P * 64 + NW * 8 + ROWS: dot_tile_n(w, P, NW, x, kp, ROWS, sums); break;
+#define CASES(P, NW) CASE(P, NW, 1) CASE(P, NW, 2) CASE(P, NW, 3) CASE(P, NW, 4)
+        CASES(0, 1) CASES(0, 2) CASES(0, 3) CASES(0, 4) CASES(0, 5) CASES(0, 6)
+#if PACKS
+        CASES(1, 1) CASES(1, 2) CASES(1, 3) CASES(1, 4) CASES(1, 5) CASES(1, 6)
+#endif
+#undef CASES
+#undef CASE
+    }
+}
+
+/* Rows of W per tile for a tile of `rows` rows of x: the accumulators, W's
+ * vectors, one of x and the widening's mask in the registers, none spilled
+ * (16 with AVX2, 32 with AVX512F); each divides W_GROUP. */
+static inline int tile_width(int rows, int packed) {
+#if DENSE_ISA == 2
+    (void)packed;
+    return rows == 4 ? 4 : 6;
+#else
+    return rows == 1 ? 6 : rows == 2 ? 4 : rows == 3 || packed ? 3 : 2;
+#endif
+}
+
+
+#if PACKS
+/* rows[i][x_slot(k)] = W row n0 + i's k as float32, zero from K to kp. */
+static void pack_rows(const DenseMatmulArgs* a, int64_t n0, int64_t nb, int64_t kp,
+                      float* rows) {
+    const int64_t K = a->in_features;
+    for (int64_t i = 0; i < nb; i++) {
+        const bf16_t* src = a->weight + (n0 + i) * a->weight_stride;
+        float* dst = rows + i * kp;
+        for (int64_t k0 = 0; k0 < kp; k0 += STEP) {
+            if (k0 + STEP <= K) {
+                const bf16_t* p = src + k0;
+                for (int half = 0; half < 2; half++) vstore(dst + k0 + half * LANES, vwiden(p, half));
+            } else {
+                for (int j = 0; j < STEP; j++)
+                    dst[k0 + (j & 1) * LANES + j / 2] = k0 + j < K ? bf16_to_f32(src[k0 + j]) : 0.0f;
+            }
         }
     }
-    for (int e = 0; e < rows; e++) sums[e] = _mm512_reduce_add_ps(acc[e]);
 }
-#elif DENSE_ISA == 3
-static inline __m256 widen8(const bf16_t* p) {
-    const __m128i h = _mm_loadu_si128((const __m128i*)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float sum8(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
-static inline void dot_row(const bf16_t* w, const XValue* x, int64_t kp, int rows,
-                            float* sums) {
-    __m256 acc[ROW_TILE];
-    for (int e = 0; e < rows; e++) acc[e] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < kp; k += 32)
-        for (int j = 0; j < 32; j += 8) {
-            const __m256 wv = widen8(w + k + j);
-            for (int e = 0; e < rows; e++)
-                acc[e] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + e * kp + k + j), acc[e]);
-        }
-    for (int e = 0; e < rows; e++) sums[e] = sum8(acc[e]);
-}
+#endif
 #else
 static inline void dot_row(const bf16_t* w, const XValue* x, int64_t kp, int rows,
                             float* sums) {
@@ -200,16 +327,21 @@ static inline void dot_row(const bf16_t* w, const XValue* x, int64_t kp, int row
         sums[e] = sum;
     }
 }
-#endif
 
-static inline void dot_tile(const bf16_t* const* w, int nw, const XValue* x, int64_t kp,
-                            int rows, float sums[W_TILE][ROW_TILE]) {
+static inline int64_t x_slot(int64_t k) { return k; }
+
+static inline void dot_tile(const void* const* w, int packed, int nw, const XValue* x,
+                            int64_t kp, int rows, float sums[W_TILE][ROW_TILE]) {
+    (void)packed;
     for (int i = 0; i < nw; i++) {
         float row_sums[ROW_TILE];
-        dot_row(w[i], x, kp, rows, row_sums);
+        dot_row((const bf16_t*)w[i], x, kp, rows, row_sums);
         for (int e = 0; e < rows; e++) sums[i][e] = row_sums[e];
     }
 }
+
+static inline int tile_width(int rows, int packed) { (void)rows; (void)packed; return W_TILE; }
+#endif
 #endif
 
 #if DENSE_ISA == 1
@@ -371,10 +503,32 @@ static void prepare_row(const DenseMatmulArgs* a, int64_t r, int64_t kp, XValue*
     }
 }
 #else
+#if DENSE_ISA == 2 || DENSE_ISA == 3
+/* Row r of x as float32, zero from K to kp, in x_slot's order (a STEP at a time). */
+static void prepare_row(const DenseMatmulArgs* a, int64_t r, int64_t kp, XValue* row) {
+    const int64_t K = a->in_features;
+    for (int64_t k0 = 0; k0 < kp; k0 += STEP) {
+        float v[STEP];
+        if (a->x_dtype == DENSE_BFLOAT16) {
+            const bf16_t* src = (const bf16_t*)a->x + r * a->x_stride;
+            for (int j = 0; j < STEP; j++) v[j] = k0 + j < K ? bf16_to_f32(src[k0 + j]) : 0.0f;
+        } else {
+            const float* src = (const float*)a->x + r * a->x_stride;
+            for (int j = 0; j < STEP; j++) v[j] = k0 + j < K ? src[k0 + j] : 0.0f;
+        }
+        for (int j = 0; j < LANES; j++) {
+            row[k0 + j] = v[2 * j];
+            row[k0 + LANES + j] = v[2 * j + 1];
+        }
+    }
+}
+#else
+/* Row r of x as float32, zero from K to kp. */
 static void prepare_row(const DenseMatmulArgs* a, int64_t r, int64_t kp, XValue* row) {
     for (int64_t k = 0; k < kp; k++)
         row[k] = to_x(k < a->in_features ? load_value(a->x, a->x_dtype, r * a->x_stride + k) : 0.0f);
 }
+#endif
 #endif
 
 /* out = x @ W.T; 0 on success, -1 when scratch memory cannot be had or the
@@ -395,41 +549,77 @@ int asyncstep_dense_matmul(const DenseMatmulArgs* a) {
         return status;
     }
 #endif
+#if PACKS
+    const int packed = rows >= PACK_MIN_ROWS;
+#else
+    const int packed = 0;
+#endif
     const int padded = kp != K;
+    /* blocks of W_GROUP-multiple rows of W (BLOCK_BYTES of bfloat16, at least one per
+     * thread), each run against every tile of rows of x, tile after tile of W */
+    int64_t block = BLOCK_BYTES / (kp * (int64_t)sizeof(bf16_t)) / W_GROUP * W_GROUP;
+    const int64_t share = (N + num_threads - 1) / num_threads;
+    if (block > share) block = (share + W_GROUP - 1) / W_GROUP * W_GROUP;
+    if (block < W_GROUP) block = W_GROUP;
+    const int64_t blocks = (N + block - 1) / block;
+    /* many rows: chunks of x (X_CHUNK_BYTES, L2) each against every block */
+    int64_t chunk = X_CHUNK_BYTES / (kp * (int64_t)sizeof(XValue)) / ROW_TILE * ROW_TILE;
+    if (chunk < ROW_TILE) chunk = ROW_TILE;
+    /* W's rows as read: packed (float32), copied where the last vector would read
+     * past K (bfloat16, zero-padded), else in place */
+    const size_t scratch_bytes =
+        packed ? sizeof(float) * (size_t)(block * kp)
+               : padded ? sizeof(bf16_t) * (size_t)(block * kp) : 0;
     int failed = 0;
-    const int64_t tiles = (N + W_TILE - 1) / W_TILE;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-        /* rows of W whose last vector would read past K: copied, zero-padded */
-        bf16_t* copies = padded ? calloc((size_t)(W_TILE * kp), sizeof(bf16_t)) : NULL;
-        if (padded && copies == NULL) {
+        void* scratch = scratch_bytes ? aligned_alloc(64, (scratch_bytes + 63) / 64 * 64) : NULL;
+        const void** w = malloc(sizeof(*w) * (size_t)block);
+        const int ok = (scratch_bytes == 0 || scratch != NULL) && w != NULL;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < tiles; tile++) {
-            if (padded && copies == NULL) continue;
-            const int64_t n0 = tile * W_TILE;
-            const int nw = N - n0 < W_TILE ? (int)(N - n0) : W_TILE;
-            const bf16_t* w[W_TILE];
-            for (int i = 0; i < nw; i++) {
-                w[i] = a->weight + (n0 + i) * a->weight_stride;
-                if (padded) {
-                    memcpy(copies + i * kp, w[i], sizeof(bf16_t) * (size_t)K);
-                    w[i] = copies + i * kp;
+        if (padded && !packed && scratch != NULL) memset(scratch, 0, scratch_bytes);
+        for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+#pragma omp for schedule(static) nowait
+            for (int64_t b = 0; b < blocks; b++) {
+                if (!ok) continue;
+                const int64_t n0 = b * block;
+                const int64_t nb = N - n0 < block ? N - n0 : block;
+#if PACKS
+                if (packed) pack_rows(a, n0, nb, kp, scratch);
+#endif
+                for (int64_t i = 0; i < nb; i++) {
+                    if (packed) {
+                        w[i] = (const float*)scratch + i * kp;
+                    } else if (padded) {
+                        bf16_t* copy = (bf16_t*)scratch + i * kp;
+                        memcpy(copy, a->weight + (n0 + i) * a->weight_stride,
+                               sizeof(bf16_t) * (size_t)K);
+                        w[i] = copy;
+                    } else {
+                        w[i] = a->weight + (n0 + i) * a->weight_stride;
+                    }
+                }
+                const int64_t end = rows - c0 < chunk ? rows : c0 + chunk;
+                for (int64_t r0 = c0; r0 < end; r0 += ROW_TILE) {
+                    const int count = end - r0 < ROW_TILE ? (int)(end - r0) : ROW_TILE;
+                    const int width = rows <= STREAM_MAX_ROWS ? 1 : tile_width(count, packed);
+                    for (int64_t i0 = 0; i0 < nb; i0 += width) {
+                        const int nw = nb - i0 < width ? (int)(nb - i0) : width;
+                        float sums[W_TILE][ROW_TILE];
+                        dot_tile(w + i0, packed, nw, x + r0 * kp, kp, count, sums);
+                        for (int e = 0; e < count; e++)
+                            for (int i = 0; i < nw; i++)
+                                store_value(a->out, a->out_dtype,
+                                            (r0 + e) * a->out_stride + n0 + i0 + i, sums[i][e]);
+                    }
                 }
             }
-            for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-                const int count = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-                float sums[W_TILE][ROW_TILE];
-                dot_tile(w, nw, x + r0 * kp, kp, count, sums);
-                for (int e = 0; e < count; e++)
-                    for (int i = 0; i < nw; i++)
-                        store_value(a->out, a->out_dtype, (r0 + e) * a->out_stride + n0 + i,
-                                    sums[i][e]);
-            }
         }
-        free(copies);
+        free(scratch);
+        free(w);
     }
     free(x);
     return failed ? -1 : 0;

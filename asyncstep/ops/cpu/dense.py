@@ -43,9 +43,11 @@ class CpuDenseMatmul:
         self._matmul.restype = ctypes.c_int
         #: The build the kernel runs.
         self.isa = _ISAS[int(library.asyncstep_dense_matmul_isa())]
-        #: Whether that build is blocked for many rows (AVX512-BF16's tiles
-        #: and packed panels); the others compute a row at a time.
-        self.fast = self.isa == "AVX512-BF16"
+        #: Whether that build is blocked (tiles of rows of x by rows of W,
+        #: blocks of W against chunks of x: every build but plain C, which
+        #: computes a row at a time); select_ops makes the invariant matmul
+        #: the default where it is.
+        self.fast = self.isa != "plain C"
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32

@@ -8,7 +8,9 @@ kept quantized (``cpu_quant.c``, bound by
 bfloat16 weights with float32 outputs (``cpu_dense.c``, bound by
 :func:`~asyncstep.ops.cpu.dense.dense_matmul`).
 
-The shared library is built for this CPU (``-march=native``) into
+The shared library is built for this CPU (``-march=native``; with
+``ASYNCSTEP_CPU_KERNELS_ISA=avx2`` for AVX2 + FMA + F16C only, the build a
+CPU without AVX-512 runs: to test or time that build on a newer CPU) into
 ``$ASYNCSTEP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/asyncstep`` or
 ``~/.cache/asyncstep``), keyed by the source, the flags and the CPU's
 feature flags, so later processes load it without compiling; the build,
@@ -61,6 +63,11 @@ ABI_VERSION = 5
 #: Environment variables: ``torch`` turns the library off (torch runs instead).
 SWITCH_ENVS = ("ASYNCSTEP_CPU_KERNELS", "ASYNCSTEP_CPU_ATTENTION")
 CACHE_ENV = "ASYNCSTEP_CACHE_DIR"
+#: Environment variable: the ISA the library is built for (:data:`ISA_FLAGS`).
+ISA_ENV = "ASYNCSTEP_CPU_KERNELS_ISA"
+#: The compiler's target flags per ISA: ``native`` (the default) this CPU's,
+#: ``avx2`` a CPU with AVX2 + FMA + F16C only (CI's).
+ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-mavx2", "-mfma", "-mf16c")}
 #: Tried in order; the first that builds is used (without OpenMP: one thread).
 FLAG_SETS = (
     ("-fopenmp",),
@@ -68,7 +75,6 @@ FLAG_SETS = (
 )
 BASE_FLAGS = (
     "-O3",
-    "-march=native",
     "-std=gnu11",
     "-fPIC",
     "-shared",
@@ -119,7 +125,8 @@ def load_cpu_kernels() -> CpuKernels | None:
         log.warning("no C compiler: the CPU kernels are off", compiler="cc")
         return None
     errors: list[str] = []
-    for flags in FLAG_SETS:
+    for openmp in FLAG_SETS:
+        flags = (*_isa_flags(), *openmp)
         target = _cache_dir() / f"cpu_kernels_{_build_key(compiler, flags)}.so"
         try:
             if not target.exists():
@@ -134,7 +141,7 @@ def load_cpu_kernels() -> CpuKernels | None:
         if library.asyncstep_cpu_kernels_abi_version() != ABI_VERSION:
             errors.append(f"{target}: ABI version mismatch")
             continue
-        if not flags:
+        if not openmp:
             log.warning("CPU kernels built without OpenMP: one thread", path=str(target))
         return CpuKernels.bind(library, target)
     log.warning("the CPU kernels do not build: they are off", errors=errors)
@@ -144,6 +151,15 @@ def load_cpu_kernels() -> CpuKernels | None:
 def cpu_kernels_off() -> bool:
     """Whether the environment switched the library off (torch runs instead)."""
     return any(os.environ.get(name) == "torch" for name in SWITCH_ENVS)
+
+
+def _isa_flags() -> tuple[str, ...]:
+    """The target flags :data:`ISA_ENV` asks for (unknown: native, logged)."""
+    isa = os.environ.get(ISA_ENV, "native")
+    if isa not in ISA_FLAGS:
+        log.warning("unknown CPU kernel ISA: building for this CPU", isa=isa, known=list(ISA_FLAGS))
+        isa = "native"
+    return ISA_FLAGS[isa]
 
 
 def _cache_dir() -> Path:
