@@ -21,8 +21,9 @@
  * in its low nibbles and vector c + 4's in its high nibbles. Rows past N
  * are zero (scale and offset 0).
  *
- * Rows of x are taken QTILE / levels at a time: a block's codes, unpacked
- * once, serve every row of the tile. Groups of 16 output rows are spread over OpenMP
+ * Rows of x are taken QTILE / levels at a time (QTILE: 12 in the AVX-512
+ * build, else 8): a block's codes, unpacked once, serve every row of the
+ * tile. Groups of 16 output rows are spread over OpenMP
  * threads (each computed by one thread, in a fixed order: results do not
  * depend on the thread count). On AVX2 (with FMA and F16C) the same
  * arithmetic runs 8 rows at a time with vpmaddubsw, and elsewhere in plain C
@@ -44,6 +45,17 @@
 #include <immintrin.h>
 #else
 #define QMATMUL_ISA QMATMUL_ISA_PLAIN
+#endif
+
+/* Quantized rows (rows x levels) per pass over a group's weights: the
+ * AVX-512 build keeps 12 accumulators in its 32 vector registers (a block's
+ * codes, unpacked once, serve 12 dot products; 16 spill), the others 8. */
+#ifndef QTILE
+#if QMATMUL_ISA == QMATMUL_ISA_VNNI
+#define QTILE 12
+#else
+#define QTILE 8
+#endif
 #endif
 
 /* Multiply-adds below which a call runs on one thread. */
@@ -368,6 +380,10 @@ static void group_rows(const QWeight* w, int64_t g, const QuantizedRows* x, int6
         TILE_CASE(1, 1) TILE_CASE(2, 1) TILE_CASE(3, 1) TILE_CASE(4, 1)
         TILE_CASE(5, 1) TILE_CASE(6, 1) TILE_CASE(7, 1) TILE_CASE(8, 1)
         TILE_CASE(2, 2) TILE_CASE(4, 2) TILE_CASE(6, 2) TILE_CASE(8, 2)
+#if QTILE > 8
+        TILE_CASE(9, 1) TILE_CASE(10, 1) TILE_CASE(11, 1) TILE_CASE(12, 1)
+        TILE_CASE(10, 2) TILE_CASE(12, 2)
+#endif
 #undef TILE_CASE
     }
     const int64_t n0 = g * QGROUP;
