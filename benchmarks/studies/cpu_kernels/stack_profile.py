@@ -9,8 +9,9 @@ prompts of ``--input-len`` tokens, ``--output-len`` greedy tokens each (as
 the prompt steps (more than ``--num-prompts`` rows) and the steps of
 exactly ``--num-prompts`` rows (every request decoding). Per op: milliseconds
 a step, the multiply-adds of the matmuls, and the floor of the int8
-products (multiply-adds x activation levels / (64 a cycle a core x cores x
-``--ghz``)).
+products (multiply-adds x 2 activation levels / (``--peak``, the int8
+multiply-adds a second of one core, x 2 cores): ``peak/vnni_peak.c``
+measures it).
 
     python3 benchmarks/studies/cpu_kernels/stack_profile.py --num-prompts 64 \\
         --out benchmarks/results/cpu/q4m_1205/profile64.json
@@ -52,7 +53,9 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--ghz", type=float, default=2.6, help="core clock for the floor")
+    parser.add_argument(
+        "--peak", type=float, default=226.0, help="G int8 multiply-adds a second, one core"
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -135,7 +138,7 @@ def main() -> int:
         "gate_up matmul": hidden * 2 * inter * layers,
         "down matmul": inter * hidden * layers,
     }
-    peak = 64 * 2 * args.ghz * 1e9  # int8 multiply-adds a second, both cores
+    peak = 2 * args.peak * 1e9  # int8 multiply-adds a second, both cores
     report: dict[str, Any] = {
         "command": " ".join(["python3", *sys.argv]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
