@@ -22,6 +22,7 @@ from gguf_weights import q4_0_weight, q4_1_weight, q8_0_weight
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.config import ModelConfig
+from asyncstep.cpu_features import cpu_flags
 from asyncstep.models.model_loader import LoadedModel, load_model, pack_weights
 from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
 from asyncstep.ops.cpu.library import load_cpu_kernels
@@ -42,15 +43,20 @@ BLOCK = 32
 def quantized_reference(x: torch.Tensor, weight: torch.Tensor, levels: int) -> torch.Tensor:
     """The kernel's contract in float64: x quantized per block of 32 to int8
     (nearest even, scale max|x| / 127; a second level quantizes the
-    remainder), times the weight exactly."""
+    remainder with 1/256 of that scale, codes clamped to +-127), times the
+    weight exactly."""
     rows, cols = x.shape
     rest = x.float().reshape(rows, cols // BLOCK, BLOCK)
     rebuilt = torch.zeros_like(rest, dtype=torch.float64)
-    for _ in range(levels):
-        scale = rest.abs().amax(dim=-1, keepdim=True) / 127
+    scale = rest.abs().amax(dim=-1, keepdim=True) / 127
+    for level in range(levels):
+        if level:
+            scale = scale / 256
         codes = torch.round(rest * torch.where(scale > 0, 1 / scale, torch.zeros_like(scale)))
+        if level:
+            codes = codes.clamp(-127, 127)
         rebuilt += codes.double() * scale.double()
-        rest = rest - scale * codes
+        rest = torch.addcmul(rest, scale, codes, value=-1)
     return rebuilt.reshape(rows, cols) @ weight.double().T
 
 
@@ -76,13 +82,14 @@ PACKERS = {
 @pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_matmul_computes_its_contract(kind: str, levels: int, dtype: torch.dtype) -> None:
-    """Every tile height (rows 1..17 cross the tiles of 8 and 4 quantized
-    rows) and an output width that is not a multiple of 16."""
+    """Every tile height (rows 1..25 cross the tiles of 12 rows of the
+    AVX-512 build and of 8 and 4 of the AVX2 build) and an output width
+    that is not a multiple of 16."""
     make, pack = PACKERS[kind]
     weight = make(40, 96)
     packed = pack(weight, dtype, 32, levels)
     assert packed is not None and packed.levels == levels
-    for rows in (1, 2, 3, 4, 5, 8, 9, 17):
+    for rows in (1, 2, 3, 4, 5, 8, 9, 12, 13, 17, 25):
         x = torch.randn(rows, 96).to(dtype)
         out = packed.mm(x)
         assert out.dtype == dtype and out.shape == (rows, 40)
@@ -144,32 +151,47 @@ def test_bad_inputs_are_refused_in_one_line() -> None:
     assert packed.mm(torch.randn(0, 64)).shape == (0, 16)
 
 
-def plain_c_build(tmp_path: Path) -> CpuQuantMatmul:
-    """cpu_quant.c alone, built for the baseline x86-64 (its plain C path)."""
+#: Other builds of cpu_quant.c alone: the flags, the ISA it must report, and
+#: the CPU flags it needs to run here.
+BUILDS = {
+    "plain C": (["-O2", "-mno-avx512vnni"], set()),
+    "AVX2": (["-O3", "-mavx2", "-mfma", "-mf16c", "-mno-avx512f"], {"avx2", "fma", "f16c"}),
+}
+
+
+def other_build(isa: str, tmp_path: Path) -> CpuQuantMatmul:
+    """cpu_quant.c alone, built for the baseline x86-64 (its plain C path)
+    or for AVX2 (CI's machine), skipped where this CPU cannot run it."""
     compiler = shutil.which("cc")
     if compiler is None:
         pytest.skip("no C compiler")
+    flags, needs = BUILDS[isa]
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU does not run the {isa} build")
     source = Path(asyncstep.__file__).parent / "ops/cpu/cpu_quant.c"
-    target = tmp_path / "cpu_quant_plain.so"
-    flags = ["-O2", "-std=gnu11", "-fPIC", "-shared", "-mno-avx512vnni"]
+    target = tmp_path / "cpu_quant_other.so"
     subprocess.run(
-        [compiler, *flags, str(source), "-o", str(target)],
+        [compiler, *flags, "-std=gnu11", "-fPIC", "-shared", str(source), "-o", str(target)],
         check=True,
         capture_output=True,
     )
     return CpuQuantMatmul(ctypes.CDLL(str(target)))
 
 
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("kind", PACKERS)
-def test_the_plain_c_build_gives_what_the_vector_build_gives(kind: str, tmp_path: Path) -> None:
-    plain = plain_c_build(tmp_path)
-    assert not plain.fast
+def test_other_builds_give_what_the_vector_build_gives(
+    kind: str, levels: int, isa: str, tmp_path: Path
+) -> None:
+    other = other_build(isa, tmp_path)
+    assert other.isa == isa
     make, pack = PACKERS[kind]
     weight = make(48, 128)
-    packed = pack(weight, torch.float32, 8)
+    packed = pack(weight, torch.float32, 8, levels)
     assert packed is not None
-    x = torch.randn(6, 128)
-    out = plain(packed, x)
+    x = torch.randn(13, 128)
+    out = other(packed, x)
     assert_matches_contract(out, x, weight, packed.levels)
     assert KERNELS is not None
     assert MATMUL is not None

@@ -24,6 +24,36 @@
 #include "cpu_kernels.h"
 #include "cpu_quant.h"
 
+/* Built with -DASYNCSTEP_STACK_PROFILE (benchmarks/studies/cpu_kernels/
+ * stack_profile.py only): each phase's wall seconds, summed over calls,
+ * read and reset by asyncstep_stack_profile(). */
+#ifdef ASYNCSTEP_STACK_PROFILE
+#include <time.h>
+enum { PROFILE_PHASES = 10 };
+static double stack_profile[PROFILE_PHASES];
+static double profile_at;
+static double profile_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+/* After a worksharing loop's barrier: the time since the last mark to `phase`. */
+#define PROFILE_MARK(phase)                                 \
+    _Pragma("omp master") {                                 \
+        const double now_ = profile_now();                  \
+        stack_profile[phase] += now_ - profile_at;          \
+        profile_at = now_;                                  \
+    }
+void asyncstep_stack_profile(double* out) {
+    for (int i = 0; i < PROFILE_PHASES; i++) {
+        out[i] = stack_profile[i];
+        stack_profile[i] = 0.0;
+    }
+}
+#else
+#define PROFILE_MARK(phase)
+#endif
+
 /* One layer's weights (all fields 8 bytes: built by ctypes). */
 typedef struct {
     const float* input_norm; /* [hidden] */
@@ -156,6 +186,9 @@ int asyncstep_decode_stack(const StackArgs* a) {
     const float eps = (float)a->eps;
     const int num_threads = (int)a->num_threads;
     float* r = a->residual_out;
+#ifdef ASYNCSTEP_STACK_PROFILE
+    profile_at = profile_now();
+#endif
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < H; i++) {
             const float base = a->residual_in != NULL ? a->residual_in[t * a->residual_in_stride + i]
@@ -176,7 +209,9 @@ int asyncstep_decode_stack(const StackArgs* a) {
             for (int64_t t = 0; t < T; t++)
                 add_norm_quantize(r + t * H, l > 0 ? buf.hidden + t * H : NULL, L->input_norm, H,
                                   eps, t, &buf.by_hidden);
+            PROFILE_MARK(0)
             asyncstep_q_matmul_rows(&L->qkv, &buf.by_hidden, T, &qkv_biased);
+            PROFILE_MARK(1)
         }
         const uint8_t* qkv = buf.qkv;
         status = asyncstep_cpu_paged_attention(
@@ -187,17 +222,24 @@ int asyncstep_decode_stack(const StackArgs* a) {
             (int)a->head_dim, (float)a->scale, a->positions, a->cos_sin, (int)L->window,
             (int)a->tile_tokens, num_threads);
         if (status != 0) break;
+        PROFILE_MARK(2)
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
         {
             asyncstep_q_quantize(buf.attn, a->dtype, q_size, T, &buf.by_heads);
+            PROFILE_MARK(3)
             asyncstep_q_matmul_rows(&L->o, &buf.by_heads, T, &o_out);
+            PROFILE_MARK(4)
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 add_norm_quantize(r + t * H, buf.o + t * H, L->post_norm, H, eps, t,
                                   &buf.by_hidden);
+            PROFILE_MARK(5)
             asyncstep_q_matmul_rows(&L->gate_up, &buf.by_hidden, T, &gate_up_out);
+            PROFILE_MARK(6)
             silu_mul_quantize(buf.gate_up, T, I, &buf.by_intermediate);
+            PROFILE_MARK(7)
             asyncstep_q_matmul_rows(&L->down, &buf.by_intermediate, T, &down_out);
+            PROFILE_MARK(8)
         }
     }
     if (status == 0) {
@@ -208,6 +250,7 @@ int asyncstep_decode_stack(const StackArgs* a) {
                 ((float*)a->hidden_out)[i] = buf.hidden[i];
         }
     }
+    PROFILE_MARK(9)
     free(memory);
     return status;
 }

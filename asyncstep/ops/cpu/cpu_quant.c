@@ -11,6 +11,11 @@
  * is d_w * d_x * sum(q_w * q_x) + m_w * d_x * sum(q_x): integer products of
  * unsigned weight codes and signed activation codes (AVX512-VNNI's
  * vpdpbusd, 64 a instruction), then two float32 multiply-adds a block.
+ * With two levels (asyncstep_q_quantize_block) the second code is the
+ * remainder's at 1/256 of the first scale, so a value's codes are one 16-bit
+ * code 256 q1 + q2 at scale d2: the two integer sums combine exactly
+ * (256 s1 + s2, in int32) and the block still costs two float32
+ * multiply-adds, not four.
  *
  * Layout: 16 output rows are interleaved so that one vector holds one
  * partial sum per row. W is [ceil(N / 16), K / 32, BLOCK_BYTES]: for each
@@ -21,11 +26,11 @@
  * in its low nibbles and vector c + 4's in its high nibbles. Rows past N
  * are zero (scale and offset 0).
  *
- * Rows of x are taken QTILE / levels at a time: a block's codes, unpacked
+ * Rows of x are taken QTILE_ROWS at a time: a block's codes, unpacked
  * once, serve every row of the tile. Groups of 16 output rows are spread over OpenMP
  * threads (each computed by one thread, in a fixed order: results do not
  * depend on the thread count). On AVX2 (with FMA and F16C) the same
- * arithmetic runs 8 rows at a time with vpmaddubsw, and elsewhere in plain C
+ * arithmetic runs 8 output rows at a time with vpmaddubsw, and elsewhere in plain C
  * (both exact: integer sums, then the same float32 operations in the same
  * order); asyncstep_qmatmul_fast() says which build runs (QMATMUL_ISA_*).
  */
@@ -44,6 +49,19 @@
 #include <immintrin.h>
 #else
 #define QMATMUL_ISA QMATMUL_ISA_PLAIN
+#endif
+
+/* Rows of x per pass over a group's weights (one level, two): the AVX-512
+ * build keeps 12 accumulators in its 32 vector registers (a block's codes,
+ * unpacked once, serve 12 rows; 16 spill), the AVX2 build 8 or 4 in its 16. */
+#if QMATMUL_ISA == QMATMUL_ISA_VNNI
+#define QTILE_ROWS_1 12
+#define QTILE_ROWS_2 12
+#define QTILE_ROWS_MAX 12
+#else
+#define QTILE_ROWS_1 8
+#define QTILE_ROWS_2 4
+#define QTILE_ROWS_MAX 8
 #endif
 
 /* Multiply-adds below which a call runs on one thread. */
@@ -99,35 +117,77 @@ static inline void store_out(void* out, int64_t dtype, int64_t i, float v) {
 }
 
 /* One block of 32 values as int8 codes (nearest even) with the scale
- * max|v| / 127; with two levels, the remainder (at most half the first
- * scale) again with its own scale: v ~ d1 q1 + d2 q2, 254 times finer. */
+ * d1 = max|v| / 127; with two levels, the remainder r = v - d1 q1 (one
+ * rounding: a fused multiply-add; |r| <= d1 / 2) again, with the scale
+ * d2 = d1 / 256 and codes clamped to +-127: v ~ d2 (256 q1 + q2), one
+ * 16-bit code a value (QLEVEL_SHIFT). d holds d1, then d2 (the scale the
+ * matmul applies); s is d2 * (256 sum(q1) + sum(q2)) (one level: d1 sum(q1)).
+ * The AVX-512 build computes the same values 16 at a time. */
+#define QLEVEL_SHIFT 8
+#if QMATMUL_ISA == QMATMUL_ISA_VNNI
+static inline __attribute__((always_inline)) __m512i block_codes(__m512 v, float inv, int clamp) {
+    __m512 c = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (clamp) c = _mm512_min_ps(_mm512_max_ps(c, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+    return _mm512_cvtps_epi32(c);
+}
+
+void asyncstep_q_quantize_block(const float* values, int64_t row, int64_t block,
+                                const QuantizedRows* out) {
+    const int64_t K = out->in_features, blocks = K / QBLOCK, levels = out->levels;
+    __m512 v0 = _mm512_loadu_ps(values), v1 = _mm512_loadu_ps(values + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    float scale = amax * (1.0f / 127.0f); /* what -freciprocal-math makes of amax / 127 */
+    int32_t sum = 0;
+    for (int64_t level = 0; level < levels; level++) {
+        if (level > 0) scale = scale * (1.0f / (1 << QLEVEL_SHIFT));
+        const float inv = scale == 0.0f ? 0.0f : level == 0 ? 127.0f / amax : 1.0f / scale;
+        const int64_t entry = row * levels + level;
+        int8_t* codes = out->q + entry * K + block * QBLOCK;
+        const __m512i i0 = block_codes(v0, inv, level > 0), i1 = block_codes(v1, inv, level > 0);
+        _mm_storeu_si128((__m128i*)codes, _mm512_cvtepi32_epi8(i0));
+        _mm_storeu_si128((__m128i*)(codes + 16), _mm512_cvtepi32_epi8(i1));
+        sum = sum * (1 << QLEVEL_SHIFT) + _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        if (level == 0 && levels > 1) {
+            v0 = _mm512_fnmadd_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(i0), v0);
+            v1 = _mm512_fnmadd_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(i1), v1);
+        }
+        out->d[entry * blocks + block] = scale;
+    }
+    out->s[row * blocks + block] = scale * (float)sum;
+}
+#else
 void asyncstep_q_quantize_block(const float* values, int64_t row, int64_t block,
                                 const QuantizedRows* out) {
     const int64_t K = out->in_features, blocks = K / QBLOCK, levels = out->levels;
     float v[QBLOCK];
     memcpy(v, values, sizeof(v));
-    float s = 0.0f;
+    float amax = 0.0f;
+    for (int i = 0; i < QBLOCK; i++) {
+        const float a = v[i] < 0 ? -v[i] : v[i];
+        amax = a > amax ? a : amax;
+    }
+    float scale = amax * (1.0f / 127.0f); /* what -freciprocal-math makes of amax / 127 */
+    int32_t sum = 0;
     for (int64_t level = 0; level < levels; level++) {
-        float amax = 0.0f;
-        for (int i = 0; i < QBLOCK; i++) {
-            const float a = v[i] < 0 ? -v[i] : v[i];
-            amax = a > amax ? a : amax;
-        }
-        const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        if (level > 0) scale = scale * (1.0f / (1 << QLEVEL_SHIFT));
+        const float inv = scale == 0.0f ? 0.0f : level == 0 ? 127.0f / amax : 1.0f / scale;
         const int64_t entry = row * levels + level;
         int8_t* codes = out->q + entry * K + block * QBLOCK;
-        int32_t sum = 0;
+        int32_t level_sum = 0;
         for (int i = 0; i < QBLOCK; i++) {
-            const int32_t c = (int32_t)__builtin_rintf(v[i] * inv);
-            codes[i] = (int8_t)c;
-            sum += c;
-            v[i] -= scale * (float)c;
+            float c = __builtin_rintf(v[i] * inv);
+            if (level > 0) c = c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c);
+            codes[i] = (int8_t)(int32_t)c;
+            level_sum += (int32_t)c;
+            if (level == 0 && levels > 1) v[i] = __builtin_fmaf(-scale, c, v[i]);
         }
+        sum = sum * (1 << QLEVEL_SHIFT) + level_sum;
         out->d[entry * blocks + block] = scale;
-        s += scale * (float)sum;
     }
-    out->s[row * blocks + block] = s;
+    out->s[row * blocks + block] = scale * (float)sum;
 }
+#endif
 
 void asyncstep_q_quantize(const void* x, int64_t dtype, int64_t x_stride, int64_t rows,
                           const QuantizedRows* out) {
@@ -172,13 +232,15 @@ static inline __attribute__((always_inline)) __m512i block_dot(const __m512i v[8
     return _mm512_add_epi32(s0, s1);
 }
 
-/* Partial sums of one group for `entries` (<= QTILE) quantized rows of x,
- * `levels` entries a row (both constants once inlined): out[t * 16 + r]. */
+/* Partial sums of one group for `rows` (<= QTILE_ROWS) rows of x, `levels`
+ * code entries a row (both constants once inlined): out[t * 16 + r]. With
+ * two levels a block's integer sums combine as 256 sum(q_w q1) + sum(q_w q2)
+ * (exact in int32) before the one float32 multiply-add by d_w d2. */
 static inline __attribute__((always_inline)) void group_tile(
     const uint8_t* w, int64_t kind, int64_t blocks, const QuantizedRows* x, int64_t K,
-    float* out, const int entries, const int levels) {
-    __m512 acc[QTILE];
-    for (int e = 0; e < entries; e++) acc[e] = _mm512_setzero_ps();
+    float* out, const int rows, const int levels) {
+    __m512 acc[QTILE_ROWS_MAX];
+    for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
     const int64_t bytes = block_bytes(kind), codes = code_bytes(kind);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t* p = w + b * bytes;
@@ -186,19 +248,18 @@ static inline __attribute__((always_inline)) void group_tile(
         unpack_codes(p, kind, v);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + codes)));
         const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + codes + 32)));
-        for (int e = 0; e < entries; e++) {
-            const __m512 dot = _mm512_cvtepi32_ps(block_dot(v, x->q + e * K + b * QBLOCK));
-            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x->d[e * blocks + b]));
-            acc[e] = _mm512_fmadd_ps(dot, scale, acc[e]);
-            if (e % levels == 0)
-                acc[e] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x->s[e / levels * blocks + b]), acc[e]);
+        for (int t = 0; t < rows; t++) {
+            const int8_t* q = x->q + t * levels * K + b * QBLOCK;
+            __m512i dot = block_dot(v, q);
+            if (levels == 2)
+                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, QLEVEL_SHIFT), block_dot(v, q + K));
+            const __m512 scale =
+                _mm512_mul_ps(dw, _mm512_set1_ps(x->d[(t * levels + levels - 1) * blocks + b]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
+            acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x->s[t * blocks + b]), acc[t]);
         }
     }
-    for (int e = 0; e < entries; e += levels) {
-        __m512 sum = acc[e];
-        for (int level = 1; level < levels; level++) sum = _mm512_add_ps(sum, acc[e + level]);
-        _mm512_storeu_ps(out + e / levels * QGROUP, sum);
-    }
+    for (int t = 0; t < rows; t++) _mm512_storeu_ps(out + t * QGROUP, acc[t]);
 }
 #elif QMATMUL_ISA == QMATMUL_ISA_AVX2
 /* Half h of a block's codes (rows 8 h .. 8 h + 7) as eight vectors of bytes:
@@ -252,11 +313,11 @@ static inline __attribute__((always_inline)) __m256i half_dot(const __m256i v[8]
  * same order, 8 rows (half a group) at a time. */
 static inline __attribute__((always_inline)) void group_tile(
     const uint8_t* w, int64_t kind, int64_t blocks, const QuantizedRows* x, int64_t K,
-    float* out, const int entries, const int levels) {
+    float* out, const int rows, const int levels) {
     const int64_t bytes = block_bytes(kind), codes = code_bytes(kind);
     for (int h = 0; h < 2; h++) {
-        __m256 acc[QTILE];
-        for (int e = 0; e < entries; e++) acc[e] = _mm256_setzero_ps();
+        __m256 acc[QTILE_ROWS_MAX];
+        for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t* p = w + b * bytes;
             __m256i v[8];
@@ -264,26 +325,25 @@ static inline __attribute__((always_inline)) void group_tile(
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + codes + 16 * h)));
             const __m256 mw =
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + codes + 32 + 16 * h)));
-            for (int e = 0; e < entries; e++) {
-                const __m256 dot = _mm256_cvtepi32_ps(half_dot(v, x->q + e * K + b * QBLOCK, kind));
-                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x->d[e * blocks + b]));
-                acc[e] = _mm256_fmadd_ps(dot, scale, acc[e]);
-                if (e % levels == 0)
-                    acc[e] =
-                        _mm256_fmadd_ps(mw, _mm256_set1_ps(x->s[e / levels * blocks + b]), acc[e]);
+            for (int t = 0; t < rows; t++) {
+                const int8_t* q = x->q + t * levels * K + b * QBLOCK;
+                __m256i dot = half_dot(v, q, kind);
+                if (levels == 2)
+                    dot = _mm256_add_epi32(_mm256_slli_epi32(dot, QLEVEL_SHIFT),
+                                           half_dot(v, q + K, kind));
+                const __m256 scale =
+                    _mm256_mul_ps(dw, _mm256_set1_ps(x->d[(t * levels + levels - 1) * blocks + b]));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[t]);
+                acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->s[t * blocks + b]), acc[t]);
             }
         }
-        for (int e = 0; e < entries; e += levels) {
-            __m256 sum = acc[e];
-            for (int level = 1; level < levels; level++) sum = _mm256_add_ps(sum, acc[e + level]);
-            _mm256_storeu_ps(out + e / levels * QGROUP + 8 * h, sum);
-        }
+        for (int t = 0; t < rows; t++) _mm256_storeu_ps(out + t * QGROUP + 8 * h, acc[t]);
     }
 }
 #else
 static void group_tile(const uint8_t* w, int64_t kind, int64_t blocks, const QuantizedRows* x,
-                       int64_t K, float* out, const int entries, const int levels) {
-    float acc[QTILE][QGROUP] = {{0}};
+                       int64_t K, float* out, const int rows, const int levels) {
+    float acc[QTILE_ROWS_MAX][QGROUP] = {{0}};
     const int64_t bytes = block_bytes(kind), codes = code_bytes(kind);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t* p = w + b * bytes;
@@ -292,32 +352,32 @@ static void group_tile(const uint8_t* w, int64_t kind, int64_t blocks, const Qua
             memcpy(&dh, p + codes + 2 * r, 2);
             memcpy(&mh, p + codes + 32 + 2 * r, 2);
             const float dw = half_to_float(dh), mw = half_to_float(mh);
-            for (int e = 0; e < entries; e++) {
-                const int8_t* a = x->q + e * K + b * QBLOCK;
+            for (int t = 0; t < rows; t++) {
                 int32_t dot = 0;
-                for (int k = 0; k < QBLOCK; k++) {
-                    const int j = k / 4, i = k % 4;
-                    uint8_t code;
-                    if (kind == QKIND_Q4) {
-                        const uint8_t byte = p[64 * (j % 4) + 4 * r + i];
-                        code = j < 4 ? (byte & 0x0f) : (byte >> 4);
-                    } else {
-                        code = p[64 * j + 4 * r + i];
+                for (int level = 0; level < levels; level++) {
+                    const int8_t* a = x->q + (t * levels + level) * K + b * QBLOCK;
+                    int32_t sum = 0;
+                    for (int k = 0; k < QBLOCK; k++) {
+                        const int j = k / 4, i = k % 4;
+                        uint8_t code;
+                        if (kind == QKIND_Q4) {
+                            const uint8_t byte = p[64 * (j % 4) + 4 * r + i];
+                            code = j < 4 ? (byte & 0x0f) : (byte >> 4);
+                        } else {
+                            code = p[64 * j + 4 * r + i];
+                        }
+                        sum += (int32_t)code * (int32_t)a[k];
                     }
-                    dot += (int32_t)code * (int32_t)a[k];
+                    dot = dot * (1 << QLEVEL_SHIFT) + sum;
                 }
-                acc[e][r] = __builtin_fmaf((float)dot, dw * x->d[e * blocks + b], acc[e][r]);
-                if (e % levels == 0)
-                    acc[e][r] = __builtin_fmaf(mw, x->s[e / levels * blocks + b], acc[e][r]);
+                const float d = x->d[(t * levels + levels - 1) * blocks + b];
+                acc[t][r] = __builtin_fmaf((float)dot, dw * d, acc[t][r]);
+                acc[t][r] = __builtin_fmaf(mw, x->s[t * blocks + b], acc[t][r]);
             }
         }
     }
-    for (int e = 0; e < entries; e += levels)
-        for (int r = 0; r < QGROUP; r++) {
-            float sum = acc[e][r];
-            for (int level = 1; level < levels; level++) sum += acc[e + level][r];
-            out[e / levels * QGROUP + r] = sum;
-        }
+    for (int t = 0; t < rows; t++)
+        for (int r = 0; r < QGROUP; r++) out[t * QGROUP + r] = acc[t][r];
 }
 #endif
 
@@ -328,15 +388,22 @@ static void group_rows(const QWeight* w, int64_t g, const QuantizedRows* x, int6
     const uint8_t* data = w->data + g * blocks * block_bytes(w->kind);
     const QuantizedRows tile = {x->q + row0 * levels * K, x->d + row0 * levels * blocks,
                                 x->s + row0 * blocks, K, levels};
-    float partial[QTILE * QGROUP];
-    switch (rows * levels * 2 + levels - 1) { /* constants for each inlined copy */
-#define TILE_CASE(E, L)                                                \
-    case E * 2 + L - 1:                                                \
-        group_tile(data, w->kind, blocks, &tile, K, partial, E, L);    \
+    float partial[QTILE_ROWS_MAX * QGROUP];
+    switch (rows * 2 + levels - 1) { /* constants for each inlined copy */
+#define TILE_CASE(R, L)                                                \
+    case R * 2 + L - 1:                                                \
+        group_tile(data, w->kind, blocks, &tile, K, partial, R, L);    \
         break;
         TILE_CASE(1, 1) TILE_CASE(2, 1) TILE_CASE(3, 1) TILE_CASE(4, 1)
         TILE_CASE(5, 1) TILE_CASE(6, 1) TILE_CASE(7, 1) TILE_CASE(8, 1)
-        TILE_CASE(2, 2) TILE_CASE(4, 2) TILE_CASE(6, 2) TILE_CASE(8, 2)
+        TILE_CASE(1, 2) TILE_CASE(2, 2) TILE_CASE(3, 2) TILE_CASE(4, 2)
+#if QTILE_ROWS_MAX > 4
+        TILE_CASE(5, 2) TILE_CASE(6, 2) TILE_CASE(7, 2) TILE_CASE(8, 2)
+#endif
+#if QTILE_ROWS_MAX > 8
+        TILE_CASE(9, 1) TILE_CASE(10, 1) TILE_CASE(11, 1) TILE_CASE(12, 1)
+        TILE_CASE(9, 2) TILE_CASE(10, 2) TILE_CASE(11, 2) TILE_CASE(12, 2)
+#endif
 #undef TILE_CASE
     }
     const int64_t n0 = g * QGROUP;
@@ -351,7 +418,8 @@ static void group_rows(const QWeight* w, int64_t g, const QuantizedRows* x, int6
 
 void asyncstep_q_matmul_rows(const QWeight* w, const QuantizedRows* x, int64_t rows,
                              const QOutput* out) {
-    const int64_t groups = (w->out_features + QGROUP - 1) / QGROUP, tile = QTILE / x->levels;
+    const int64_t groups = (w->out_features + QGROUP - 1) / QGROUP;
+    const int64_t tile = x->levels == 2 ? QTILE_ROWS_2 : QTILE_ROWS_1;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++)
         for (int64_t row0 = 0; row0 < rows; row0 += tile)

@@ -11,7 +11,6 @@
 
 #define QBLOCK 32 /* input features per block */
 #define QGROUP 16 /* output rows per group (one float32 vector) */
-#define QTILE 8   /* quantized rows (rows x levels) per pass over a group's weights */
 
 enum { QKIND_Q4 = 0, QKIND_Q8 = 1 };
 enum { QDTYPE_FLOAT32 = 0, QDTYPE_BFLOAT16 = 1 };

@@ -125,7 +125,8 @@ class CpuQuantWeight(PackedWeight):
         return ROWS_PER_GROUP * GROUP_SIZE * code_bits // 8 + 2 * ROWS_PER_GROUP * 2
 
     #: Activation codes per value: 1 (int8, as llama.cpp) or 2 (the
-    #: remainder too: ~15 bits, twice the integer products).
+    #: remainder too, at 1/256 of the first scale: one ~15-bit code, twice
+    #: the integer products).
     levels: int = 2
 
     def applies(self, x: torch.Tensor) -> bool:

@@ -1,0 +1,86 @@
+"""The CPU library's quantized matmul (``cpu_quant.c``) of two source trees
+in one process: each tree's library built with the library's flags into
+``--build-dir``, SmolLM2's shapes (30 layers' four Q4 projections and the Q8
+LM head, random GGUF-like weights) timed alternately A, B, A, B, ... at
+each row count, the best of ``--repeats`` each, and the ratio B / A; also
+whether B's output equals A's bit for bit. Alternating in one process keeps
+a busy machine's noise out of the ratio.
+
+    python3 benchmarks/studies/cpu_kernels/quant_builds.py /tmp/before . --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from cpu_quant_matmul import q4_weight, q8_weight
+
+from asyncstep.ops.cpu import library
+from asyncstep.ops.cpu.quant import CpuQuantMatmul, pack_q4_cpu, pack_q8_cpu
+
+SHAPES = {
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "head": (49152, 576),
+}
+SOURCES = ("cpu_kernels.c", "cpu_quant.c", "cpu_decode.c", "cpu_dense.c")
+
+
+def build(tree: Path, target: Path) -> CpuQuantMatmul:
+    sources = [str(tree / "asyncstep/ops/cpu" / name) for name in SOURCES]
+    flags = [*library.BASE_FLAGS, "-fopenmp"]
+    subprocess.run(["cc", *flags, *sources, "-o", str(target), *library.LIBS], check=True)
+    return CpuQuantMatmul(ctypes.CDLL(str(target)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("a", type=Path, help="source tree A (the baseline)")
+    parser.add_argument("b", type=Path, help="source tree B")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--levels", type=int, default=2)
+    parser.add_argument("--build-dir", type=Path, default=Path("/tmp"))
+    args = parser.parse_args()
+    a = build(args.a, args.build_dir / "quant_builds_a.so")
+    b = build(args.b, args.build_dir / "quant_builds_b.so")
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    print(f"threads {args.threads}, levels {args.levels}, best of {args.repeats}, alternating")
+    for name, (n, k) in SHAPES.items():
+        head = name == "head"
+        weight = (q8_weight if head else q4_weight)(n, k, gen)
+        packed = (pack_q8_cpu if head else pack_q4_cpu)(weight, torch.float32, 4096, args.levels)
+        assert packed is not None
+        for rows in (1, 16, 64) if head else (1, 64, 256, 2048):
+            x = torch.randn(rows, k, generator=gen)
+            same = torch.equal(a(packed, x), b(packed, x))
+            ta = tb = float("inf")
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                a(packed, x)
+                ta = min(ta, time.perf_counter() - start)
+                start = time.perf_counter()
+                b(packed, x)
+                tb = min(tb, time.perf_counter() - start)
+            rate = args.levels * rows * n * k / tb / 1e9
+            print(
+                f"{name:8s} rows {rows:5d}: A {ta * 1e3:8.3f} ms  B {tb * 1e3:8.3f} ms  "
+                f"B/A {tb / ta:5.3f}  B {rate:6.1f} G int8 multiply-adds/s  same={same}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
