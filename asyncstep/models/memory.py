@@ -90,7 +90,9 @@ def model_memory(
         arch.num_experts * arch.moe_intermediate_size * arch.hidden_size,
         arch.q_size * arch.hidden_size,
     )
-    rotary = arch.max_position_embeddings * arch.head_dim * 4
+    # Gemma 3's sliding layers have a rotary of their own.
+    rotaries = 2 if arch.is_gemma else 1
+    rotary = arch.max_position_embeddings * arch.head_dim * 4 * rotaries
     return ModelMemory(
         weights=params * dtype.itemsize,
         rotary=int(rotary * ROTARY_BUILD_PEAK),
