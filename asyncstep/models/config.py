@@ -584,7 +584,8 @@ def _hf_gemma_rope(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
     ``rope_parameters`` or 4.x's fields (global base 1e6, local 1e4 by default)."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and (FULL_ATTENTION in params or SLIDING_ATTENTION in params):
-        full, local = params.get(FULL_ATTENTION) or {}, params.get(SLIDING_ATTENTION) or {}
+        full, local = (params.get(kind) for kind in (FULL_ATTENTION, SLIDING_ATTENTION))
+        full, local = ({} if p is None else p for p in (full, local))
         if not isinstance(full, dict) or not isinstance(local, dict):
             raise ModelLoadError("config: rope_parameters must map layer types to objects")
         full = {"rope_theta": 1_000_000.0} | full
