@@ -7,8 +7,10 @@ known type with typed fields, a mixture-of-experts config's expert
 counts bounded and consistent (top-k within the experts, every MoE layer's
 experts within :data:`~asyncstep.models.limits.MAX_EXPERT_LAYERS`), the
 sliding window a positive int and ``layer_types`` one known name per
-layer. :meth:`ModelArchConfig.weight_shapes` gives the tensors (HF names,
-full shapes) a checkpoint of the config must hold.
+layer, Gemma's fields (``query_pre_attn_scalar``, ``rope_local_base_freq``,
+the activation) bounded and its soft caps refused.
+:meth:`ModelArchConfig.weight_shapes` gives the tensors (HF names, full
+shapes) a checkpoint of the config must hold.
 
 Sliding-window attention (transformers' semantics): a layer with window ``W``
 lets the query at position ``p`` see the keys at positions ``p - W + 1 .. p``
@@ -19,8 +21,10 @@ transformers ignores it); Qwen2/Qwen3 use a window only with
 ``use_sliding_window``, on the layers ``layer_types`` names
 ``sliding_attention`` or, without ``layer_types``, on layers
 ``>= max_window_layers``; Mixtral's applies to every layer, Qwen3-MoE's
-to every layer with ``use_sliding_window``; Llama (any other architecture)
-has none (:data:`EVERY_LAYER_WINDOW`, :data:`QWEN_STYLE_WINDOW`,
+to every layer with ``use_sliding_window``; Gemma 3's (4096 when absent) to
+the layers ``layer_types`` names sliding or, without ``layer_types``, every
+layer but each ``sliding_window_pattern``-th (6 when absent); Llama (any
+other architecture) has none (:data:`EVERY_LAYER_WINDOW`, :data:`QWEN_STYLE_WINDOW`,
 :data:`EVERY_LAYER_WINDOW_WHEN_USED`). From GGUF:
 ``{arch}.attention.sliding_window``, on every layer.
 """
@@ -83,9 +87,10 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Shapes and options of a Llama-family model (Llama, Mistral, Qwen2, Qwen3)
-    and of the mixture-of-experts families built on its attention (Qwen3-MoE,
-    Mixtral, OLMoE: ``num_experts`` > 0)."""
+    """Shapes and options of a Llama-family model (Llama, Mistral, Qwen2, Qwen3),
+    of the mixture-of-experts families built on its attention (Qwen3-MoE,
+    Mixtral, OLMoE: ``num_experts`` > 0) and of Gemma 3's text model (its
+    fields below: ``query_pre_attn_scalar`` .. ``attn_logit_softcapping``)."""
 
     architecture: str  # an HF architectures name, e.g. "LlamaForCausalLM"
     vocab_size: int
