@@ -56,7 +56,8 @@ def rank_param_count(
     inter = -(-arch.intermediate_size // tp_size)
     vocab = -(-arch.vocab_size // tp_size)
     qkv_rows = (heads + 2 * kv_heads) * d
-    layer = 2 * h + qkv_rows * h + h * heads * d
+    norms = 4 if arch.is_gemma else 2  # Gemma's sandwich: two more per layer
+    layer = norms * h + qkv_rows * h + h * heads * d
     layer += qkv_rows if arch.attention_bias else 0
     if arch.qk_norm:
         layer += 2 * d if arch.qk_norm_per_head else arch.q_size + arch.kv_size

@@ -11,7 +11,8 @@ with every layer in full attention differ (the window matters).
 Then the door: hostile Gemma fields are refused with one line, unsupported
 options (soft caps, bidirectional attention, a scaled sliding rope) named;
 a config in transformers 4.x's spelling reads as transformers 5 reads it;
-no op set's whole-stack step path is asked for."""
+the memory estimate counts every parameter each rank builds; no op set's
+whole-stack step path is asked for."""
 
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ import trio
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
+from asyncstep.models import memory
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.gemma3 import Gemma3ForCausalLM
 from asyncstep.models.registry import model_class
+from tests.models.test_hostile_files import as_rank
 
 WINDOW = 8
 MAX_TOKENS = 32
@@ -220,6 +223,19 @@ def test_other_families_take_no_gemma_fields() -> None:
     llama = arch.replace(architecture="LlamaForCausalLM", hidden_act="silu")
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM takes no Gemma fields"):
         llama.validate()
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 3)])
+def test_estimate_is_the_parameters_each_rank_builds(tp: int, pp: int) -> None:
+    """The memory estimate counts the sandwich norms; every parameter has a
+    checkpoint name the config expects."""
+    arch = ModelArchConfig.from_hf_dict(hf_dict())
+    for pp_rank in range(pp):
+        with as_rank(0, tp, pp_rank, pp), torch.device("meta"):
+            model = model_class(arch)(arch, torch.float32)
+        built = sum(p.numel() for p in model.parameters())
+        assert memory.rank_param_count(arch, tp_size=tp, pp_rank=pp_rank, pp_size=pp) == built
+        assert model.expected_weight_names() <= set(arch.weight_shapes())
 
 
 def test_gemma_asks_no_op_set_for_a_step_path() -> None:
