@@ -3,7 +3,11 @@ and Qwen3 (per-head q/k RMSNorm), with tensor- and pipeline-parallel layers.
 Other families reuse its attention, decoder layer and model through their
 hooks (:meth:`LlamaDecoderLayer.make_attention` / ``make_mlp``,
 :attr:`LlamaForCausalLM.decoder_layer`, :meth:`LlamaForCausalLM.param_target`):
-the mixture-of-experts families of :mod:`asyncstep.models.moe`.
+the mixture-of-experts families of :mod:`asyncstep.models.moe`; and Gemma 3
+(:mod:`asyncstep.models.gemma3`) through the norms' ``norm_class``, the
+model's :attr:`LlamaForCausalLM.decoder_model` (its
+:meth:`LlamaModel.make_rotary` / :meth:`LlamaModel.layer_rotary` /
+:meth:`LlamaModel.begin`) and :attr:`LlamaForCausalLM.takes_step_path`.
 
 ``forward`` takes a flat batch of tokens (no batch dimension): ``input_ids``
 and ``positions`` of every scheduled token of every request (then padding
