@@ -133,6 +133,28 @@ def test_greedy_equals_transformers(checkpoint: Checkpoint, layout: str) -> None
     assert trio.run(lambda: serve(path, **LAYOUTS[layout])) == expected
 
 
+def test_the_norms_hold_one_plus_the_offsets_through_the_packed_cache(
+    checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bfloat16 CPU model keeps its norms in float32 as ``1 + w``; the
+    packed cache's entry (the state dict) gives the next load the same."""
+    from safetensors.torch import load_file
+
+    from asyncstep.config import ModelConfig
+    from asyncstep.models.model_loader import load_model
+
+    monkeypatch.setenv("ASYNCSTEP_CACHE_DIR", str(tmp_path))
+    path, _ = checkpoint
+    offsets = {n: w for n, w in load_file(path / "model.safetensors").items() if "norm" in n}
+    config = ModelConfig(model=str(path), device="cpu", dtype="bfloat16")
+    for _ in range(2):
+        state = load_model(config, with_tokenizer=False).model.state_dict()
+        for name, offset in offsets.items():
+            assert state[name].dtype == torch.float32
+            assert torch.equal(state[name], offset.float() + 1), name
+    assert list(tmp_path.rglob("*.safetensors")), "no packed cache entry written"
+
+
 # -- the door -----------------------------------------------------------------
 
 
