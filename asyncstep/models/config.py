@@ -7,8 +7,10 @@ known type with typed fields, a mixture-of-experts config's expert
 counts bounded and consistent (top-k within the experts, every MoE layer's
 experts within :data:`~asyncstep.models.limits.MAX_EXPERT_LAYERS`), the
 sliding window a positive int and ``layer_types`` one known name per
-layer. :meth:`ModelArchConfig.weight_shapes` gives the tensors (HF names,
-full shapes) a checkpoint of the config must hold.
+layer, Gemma's fields (``query_pre_attn_scalar``, ``rope_local_base_freq``,
+the activation) bounded and its soft caps refused.
+:meth:`ModelArchConfig.weight_shapes` gives the tensors (HF names, full
+shapes) a checkpoint of the config must hold.
 
 Sliding-window attention (transformers' semantics): a layer with window ``W``
 lets the query at position ``p`` see the keys at positions ``p - W + 1 .. p``
@@ -19,8 +21,10 @@ transformers ignores it); Qwen2/Qwen3 use a window only with
 ``use_sliding_window``, on the layers ``layer_types`` names
 ``sliding_attention`` or, without ``layer_types``, on layers
 ``>= max_window_layers``; Mixtral's applies to every layer, Qwen3-MoE's
-to every layer with ``use_sliding_window``; Llama (any other architecture)
-has none (:data:`EVERY_LAYER_WINDOW`, :data:`QWEN_STYLE_WINDOW`,
+to every layer with ``use_sliding_window``; Gemma 3's (4096 when absent) to
+the layers ``layer_types`` names sliding or, without ``layer_types``, every
+layer but each ``sliding_window_pattern``-th (6 when absent); Llama (any
+other architecture) has none (:data:`EVERY_LAYER_WINDOW`, :data:`QWEN_STYLE_WINDOW`,
 :data:`EVERY_LAYER_WINDOW_WHEN_USED`). From GGUF:
 ``{arch}.attention.sliding_window``, on every layer.
 """
@@ -58,7 +62,16 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "Gemma3ForCausalLM": "gemma3",
 }
+#: The families whose layers are Gemma's: RMSNorm weights stored as offsets
+#: from 1, sandwich norms (``pre_feedforward_layernorm`` /
+#: ``post_feedforward_layernorm`` too), embeddings scaled by
+#: ``sqrt(hidden_size)``, ``gelu_pytorch_tanh`` gating, a local rotary base
+#: for the sliding layers (:mod:`asyncstep.models.gemma3`).
+GEMMA_FAMILIES = frozenset({"gemma3"})
+#: Each family's MLP activations (HF ``hidden_act`` / ``hidden_activation``).
+ACTIVATIONS: dict[str, tuple[str, ...]] = {"gemma3": ("gelu_pytorch_tanh",)}
 #: The mixture-of-experts families -> their checkpoints' expert names:
 #: (the block's module, gate, up, down projection), e.g.
 #: ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight`` and the router
@@ -74,9 +87,10 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Shapes and options of a Llama-family model (Llama, Mistral, Qwen2, Qwen3)
-    and of the mixture-of-experts families built on its attention (Qwen3-MoE,
-    Mixtral, OLMoE: ``num_experts`` > 0)."""
+    """Shapes and options of a Llama-family model (Llama, Mistral, Qwen2, Qwen3),
+    of the mixture-of-experts families built on its attention (Qwen3-MoE,
+    Mixtral, OLMoE: ``num_experts`` > 0) and of Gemma 3's text model (its
+    fields below: ``query_pre_attn_scalar`` .. ``attn_logit_softcapping``)."""
 
     architecture: str  # an HF architectures name, e.g. "LlamaForCausalLM"
     vocab_size: int
@@ -122,6 +136,16 @@ class ModelArchConfig:
     #: One of :data:`LAYER_TYPES` per layer; empty: every layer sliding where
     #: ``sliding_window`` is set, else full.
     layer_types: tuple[str, ...] = ()
+    #: Gemma: the attention scale is ``query_pre_attn_scalar ** -0.5`` (None:
+    #: ``head_dim ** -0.5``).
+    query_pre_attn_scalar: float | None = None
+    #: Gemma 3: the rotary base of the sliding layers (the full layers take
+    #: ``rope_theta`` and ``rope_scaling``); None: every layer's is ``rope_theta``.
+    rope_local_base_freq: float | None = None
+    #: Gemma's tanh soft caps of the logits and of the attention scores
+    #: (None: none; asyncstep runs none, and refuses a config that sets one).
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
     @property
     def family(self) -> str:
@@ -144,6 +168,18 @@ class ModelArchConfig:
     def expert_weight_names(self) -> tuple[str, str, str, str]:
         """The checkpoint's names of a MoE block: (its module, gate, up, down)."""
         return MOE_FAMILIES[self.family]
+
+    @property
+    def is_gemma(self) -> bool:
+        """Whether the layers are Gemma's (:data:`GEMMA_FAMILIES`)."""
+        return self.family in GEMMA_FAMILIES
+
+    @property
+    def attention_scale(self) -> float:
+        """The attention's softmax scale."""
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar**-0.5)
+        return float(self.head_dim**-0.5)
 
     @property
     def q_size(self) -> int:
@@ -189,6 +225,11 @@ class ModelArchConfig:
                 f"{p}.self_attn.v_proj.weight": (kv, h),
                 f"{p}.self_attn.o_proj.weight": (h, q),
             }
+            if self.is_gemma:
+                shapes |= {
+                    f"{p}.pre_feedforward_layernorm.weight": (h,),
+                    f"{p}.post_feedforward_layernorm.weight": (h,),
+                }
             if self.is_moe_layer(i):
                 shapes |= self._expert_shapes(p)
             else:
@@ -235,8 +276,12 @@ class ModelArchConfig:
                 f"unsupported architecture {self.architecture!r}; asyncstep runs "
                 f"{', '.join(sorted(ARCHITECTURES))}"
             )
-        if self.hidden_act != "silu":
-            raise UnsupportedModelError(f"unsupported activation {self.hidden_act!r} (only silu)")
+        activations = ACTIVATIONS.get(self.family, ("silu",))
+        if self.hidden_act not in activations:
+            shown = repr(self.hidden_act)[:40]
+            raise UnsupportedModelError(
+                f"unsupported activation {shown} for {self.architecture} ({', '.join(activations)})"
+            )
         for name, high in SIZE_BOUNDS.items():
             bounded_int(f"config: {name}", getattr(self, name), high)
         if self.num_attention_heads % self.num_key_value_heads:
@@ -252,6 +297,7 @@ class ModelArchConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise ModelLoadError(f"config: {flag} must be true or false")
         self._validate_moe()
+        self._validate_gemma()
         if self.bos_token_id is not None:
             bounded_int("config: bos_token_id", self.bos_token_id, MAX_TOKEN_ID, low=0)
         if not isinstance(self.eos_token_ids, tuple) or len(self.eos_token_ids) > MAX_EOS_TOKENS:
@@ -267,6 +313,20 @@ class ModelArchConfig:
         if self.sliding_window is not None:
             bounded_int("config: sliding_window", self.sliding_window, MAX_CONTEXT_LENGTH)
         validate_layer_types(self.layer_types, self.num_hidden_layers)
+
+    def _validate_gemma(self) -> None:
+        """Gemma's fields bounded (another family has none); soft caps refused."""
+        gemma_fields = ("query_pre_attn_scalar", "rope_local_base_freq")
+        if not self.is_gemma and any(getattr(self, f) is not None for f in gemma_fields):
+            raise ModelLoadError(f"config: {self.architecture} takes no Gemma fields")
+        for name in gemma_fields:
+            if getattr(self, name) is not None:
+                bounded_float(f"config: {name}", getattr(self, name), math.inf)
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            value = getattr(self, cap)
+            if value is not None:
+                bounded_float(f"config: {cap}", value, math.inf)
+                raise UnsupportedModelError(f"unsupported option {cap} (only null)")
 
     def _validate_moe(self) -> None:
         """A MoE family's expert fields bounded and consistent; a dense one has none."""
@@ -310,13 +370,14 @@ class ModelArchConfig:
         hidden, n_heads = sizes["hidden_size"], sizes["num_attention_heads"]
         n_kv = _hf_size(cfg, "num_key_value_heads", n_heads)
         head_dim = _hf_size(cfg, "head_dim", max(hidden // n_heads, 1))
-        rope = _hf_rope(cfg)
+        gemma = _hf_gemma(cfg, sizes["num_hidden_layers"]) if family in GEMMA_FAMILIES else {}
+        rope = _hf_rope(cfg) if not gemma else gemma.pop("rope_parameters")
         theta = rope.pop("rope_theta", None)
         theta = _hf_value(cfg, "rope_theta", 10000.0) if theta is None else theta
         validate_rope_scaling(rope)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         window, layer_types = _hf_windows(cfg, arch, sizes["num_hidden_layers"])
-        config = cls(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             num_key_value_heads=n_kv,
             head_dim=head_dim,
@@ -338,6 +399,7 @@ class ModelArchConfig:
             **sizes,
             **_hf_moe(cfg, family, sizes["intermediate_size"]),
         )
+        config = cls(**(fields | gemma))
         config.validate()
         return config
 
@@ -394,6 +456,7 @@ _HF_GUESSES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 _MISSING: Any = object()
 
@@ -472,6 +535,73 @@ def _hf_windows(
     layer_types = tuple(_LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in types)
     validate_layer_types(layer_types, num_layers)
     return window, layer_types
+
+
+def _hf_gemma(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """A Gemma 3 text config's fields as transformers 5 reads them
+    (``Gemma3TextConfig``; its defaults where a field is absent): the full
+    layers' rope (``rope_parameters["full_attention"]``, or 4.x's
+    ``rope_theta`` / ``rope_scaling``) under ``"rope_parameters"`` for the
+    caller, the sliding layers' base (``rope_parameters["sliding_attention"]``
+    or ``rope_local_base_freq``: default rope only), ``layer_types`` (or every
+    ``sliding_window_pattern``-th layer full), tied embeddings by default."""
+    for option in ("use_bidirectional_attention", "attention_bias"):
+        if cfg.get(option) not in (None, False):
+            raise UnsupportedModelError(f"unsupported Gemma 3 option {option} (only false)")
+    full, local = _hf_gemma_rope(cfg)
+    window = cfg.get("sliding_window", 4096)
+    if window is not None:
+        window = bounded_int("config: sliding_window", window, MAX_CONTEXT_LENGTH)
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = bounded_int(
+            "config: sliding_window_pattern",
+            _hf_value(cfg, "sliding_window_pattern", 6),
+            MAX_NUM_LAYERS,
+        )
+        types = [
+            SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
+        ]
+    if not isinstance(types, list) or len(types) > MAX_NUM_LAYERS:
+        raise ModelLoadError("config: layer_types must be a list of names")
+    layer_types = tuple(types)
+    validate_layer_types(layer_types, num_layers)
+    return {
+        "rope_parameters": full,
+        "rope_local_base_freq": local,
+        "query_pre_attn_scalar": _hf_value(cfg, "query_pre_attn_scalar", 256),
+        "hidden_act": _hf_value(cfg, "hidden_activation", "gelu_pytorch_tanh"),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+        "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
+        "sliding_window": window,
+        "layer_types": layer_types,
+        "tie_word_embeddings": _hf_value(cfg, "tie_word_embeddings", True),
+        "max_position_embeddings": _hf_size(cfg, "max_position_embeddings", 131072),
+        "attention_bias": False,
+        "qk_norm": True,
+        "qk_norm_per_head": True,
+    }
+
+
+def _hf_gemma_rope(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """Gemma 3's full layers' rope (a copy, ``rope_theta`` in it) and its
+    sliding layers' base, from transformers 5's per-layer-type
+    ``rope_parameters`` or 4.x's fields (global base 1e6, local 1e4 by default)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and (FULL_ATTENTION in params or SLIDING_ATTENTION in params):
+        full, local = (params.get(kind) for kind in (FULL_ATTENTION, SLIDING_ATTENTION))
+        full, local = ({} if p is None else p for p in (full, local))
+        if not isinstance(full, dict) or not isinstance(local, dict):
+            raise ModelLoadError("config: rope_parameters must map layer types to objects")
+        full = {"rope_theta": 1_000_000.0} | full
+        local_type = local.get("rope_type", local.get("type", "default"))
+        if local_type != "default":
+            shown = repr(local_type)[:40]
+            raise UnsupportedModelError(f"unsupported sliding-layer rope {shown} (default)")
+        return full, local.get("rope_theta", 10_000.0)
+    full = _hf_rope(cfg)
+    full.setdefault("rope_theta", _hf_value(cfg, "rope_theta", 1_000_000.0))
+    return full, _hf_value(cfg, "rope_local_base_freq", 10_000.0)
 
 
 def _hf_value(cfg: Mapping[str, Any], key: str, default: Any = _MISSING) -> Any:

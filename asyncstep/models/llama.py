@@ -3,7 +3,11 @@ and Qwen3 (per-head q/k RMSNorm), with tensor- and pipeline-parallel layers.
 Other families reuse its attention, decoder layer and model through their
 hooks (:meth:`LlamaDecoderLayer.make_attention` / ``make_mlp``,
 :attr:`LlamaForCausalLM.decoder_layer`, :meth:`LlamaForCausalLM.param_target`):
-the mixture-of-experts families of :mod:`asyncstep.models.moe`.
+the mixture-of-experts families of :mod:`asyncstep.models.moe`; and Gemma 3
+(:mod:`asyncstep.models.gemma3`) through the norms' ``norm_class``, the
+model's :attr:`LlamaForCausalLM.decoder_model` (its
+:meth:`LlamaModel.make_rotary` / :meth:`LlamaModel.layer_rotary` /
+:meth:`LlamaModel.begin`) and :attr:`LlamaForCausalLM.takes_step_path`.
 
 ``forward`` takes a flat batch of tokens (no batch dimension): ``input_ids``
 and ``positions`` of every scheduled token of every request (then padding
@@ -60,6 +64,12 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v projections, q/k norms (Qwen3), rotary, the paged attention and
+    o_proj. A family whose q/k norms differ names its :attr:`norm_class`."""
+
+    #: The q/k norms' class.
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(
         self,
         config: ModelArchConfig,
@@ -92,14 +102,14 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, ops)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, ops)
+            self.q_norm = self.norm_class(config.head_dim, config.rms_norm_eps, dtype, ops)
+            self.k_norm = self.norm_class(config.head_dim, config.rms_norm_eps, dtype, ops)
         self.rotary = [rotary]  # a list: shared by every layer, not a submodule of each
         self.attn = Attention(
             self.qkv_proj.num_heads,
             config.head_dim,
             self.qkv_proj.num_kv_heads,
-            scale=config.head_dim**-0.5,
+            scale=config.attention_scale,
             rotary=rotary,
             sliding_window=config.layer_window(layer_idx),
             layer_idx=layer_idx,
@@ -171,7 +181,10 @@ class LlamaDecoderLayer(nn.Module):
     this rank's token shard; the projections gather and scatter the rows.
     A family whose attention or feed-forward differs overrides
     :meth:`make_attention` / :meth:`make_mlp` (``layer_idx``: the layer's
-    index in the whole model)."""
+    index in the whole model), and its norms' class :attr:`norm_class`."""
+
+    #: The layer norms' class.
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(
         self,
@@ -183,9 +196,11 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         ops = rotary.ops
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.self_attn = self.make_attention(config, rotary, dtype, sequence_parallel, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = self.norm_class(
+            config.hidden_size, config.rms_norm_eps, dtype, ops
+        )
         self.mlp = self.make_mlp(config, layer_idx, dtype, sequence_parallel, ops)
 
     def make_attention(
@@ -258,6 +273,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """A pipeline stage's embedding, decoder layers and final norm. A family
+    whose model differs overrides :meth:`make_rotary` / :meth:`layer_rotary`
+    (a rotary per layer type), :meth:`begin` (the embedding's scale) or
+    names its final norm's :attr:`norm_class`."""
+
+    #: The final norm's class.
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(
         self,
         config: ModelArchConfig,
@@ -274,13 +297,7 @@ class LlamaModel(nn.Module):
         )
         #: The op set every layer calls (:meth:`LlamaForCausalLM.use_ops`).
         self.ops = OpSetSlot()
-        self.rotary = RotaryEmbedding(
-            config.head_dim,
-            config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling,
-            self.ops,
-        )
+        self.rotary = self.make_rotary(config)
         self.embed_tokens = (
             VocabParallelEmbedding(
                 config.vocab_size,
@@ -292,19 +309,33 @@ class LlamaModel(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            decoder_layer(config, self.rotary, dtype, sequence_parallel, layer_idx=i)
+            decoder_layer(config, self.layer_rotary(i), dtype, sequence_parallel, layer_idx=i)
             if self.start_layer <= i < self.end_layer
             else nn.Identity()  # a layer of another stage: holds nothing here
             for i in range(config.num_hidden_layers)
         )
         self.norm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.ops)
+            self.norm_class(config.hidden_size, config.rms_norm_eps, dtype, self.ops)
             if self.is_last_stage
             else None
         )
         #: The op set's whole-stack path over this stage's layers, for the
         #: steps it takes (:meth:`LlamaForCausalLM.use_ops`; None: layer by layer).
         self.step_path: StepPath | None = None
+
+    def make_rotary(self, config: ModelArchConfig) -> RotaryEmbedding:
+        """The rotary of ``rope_theta`` and ``rope_scaling`` (:attr:`rotary`)."""
+        return RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            self.ops,
+        )
+
+    def layer_rotary(self, layer_idx: int) -> RotaryEmbedding:
+        """Layer ``layer_idx``'s rotary (every layer's: :attr:`rotary`)."""
+        return self.rotary
 
     def stage_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's decoder layers, in order."""
@@ -360,6 +391,11 @@ class LlamaForCausalLM(nn.Module):
 
     #: The decoder layer this family's model stacks.
     decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    #: The model (a stage's embedding, layers and final norm).
+    decoder_model: type[LlamaModel] = LlamaModel
+    #: Whether :meth:`use_ops` asks the op set for its whole-stack step path
+    #: (the CPU's decode stack, Triton's fused decode: Llama layers only).
+    takes_step_path: bool = True
 
     def __init__(
         self,
@@ -373,7 +409,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp_size = get_tp_group().world_size
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
-        self.model = LlamaModel(config, dtype, self.sequence_parallel, self.decoder_layer)
+        self.model = self.decoder_model(config, dtype, self.sequence_parallel, self.decoder_layer)
         self.lm_head: ParallelLMHead | None = None
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(
@@ -393,7 +429,8 @@ class LlamaForCausalLM(nn.Module):
                 "support it"
             )
         self.model.ops.ops = ops
-        self.model.step_path = ops.step_path(self.model.stage_layers())
+        layers = self.model.stage_layers()
+        self.model.step_path = ops.step_path(layers) if self.takes_step_path else None
 
     def tie_weights(self) -> None:
         """The LM head reads the input embedding's weight where the config

@@ -63,7 +63,8 @@ def rank_param_count(
     inter = -(-arch.intermediate_size // tp_size)
     vocab = -(-arch.vocab_size // tp_size)
     qkv_rows = (heads + 2 * kv_heads) * d
-    layer = 2 * h + qkv_rows * h + h * heads * d
+    norms = 4 if arch.is_gemma else 2  # Gemma's sandwich: two more per layer
+    layer = norms * h + qkv_rows * h + h * heads * d
     layer += qkv_rows if arch.attention_bias else 0
     if arch.qk_norm:
         layer += 2 * d if arch.qk_norm_per_head else arch.q_size + arch.kv_size
@@ -102,7 +103,9 @@ def model_memory(
         arch.num_experts * arch.moe_intermediate_size * arch.hidden_size,
         arch.q_size * arch.hidden_size,
     )
-    rotary = arch.max_position_embeddings * arch.head_dim * 4
+    # Gemma 3's sliding layers have a rotary of their own.
+    rotaries = 2 if arch.is_gemma else 1
+    rotary = arch.max_position_embeddings * arch.head_dim * 4 * rotaries
     return ModelMemory(
         weights=params * dtype.itemsize,
         rotary=int(rotary * ROTARY_BUILD_PEAK),
