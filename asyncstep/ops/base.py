@@ -59,6 +59,9 @@ class AttentionOp(Protocol):
     #: Whether the op honours :attr:`AttentionShape.sliding_window` (a model
     #: with a windowed layer refuses an op set whose attention does not).
     supports_sliding_window: bool
+    #: Whether the op honours :attr:`AttentionShape.sinks` (a model with
+    #: attention sinks refuses an op set whose attention does not).
+    supports_sinks: bool
 
     def __call__(
         self,
