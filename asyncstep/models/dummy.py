@@ -109,6 +109,40 @@ SHAPES: dict[str, ModelArchConfig] = {
         qk_norm=True,
         eos_token_ids=(151645,),
     ),
+    # openai/gpt-oss-20b's config.json (its experts as unquantized tensors:
+    # the checkpoint's MXFP4 experts are not read).
+    "gpt-oss-20b": ModelArchConfig(
+        architecture="GptOssForCausalLM",
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        max_position_embeddings=131072,
+        attention_bias=True,
+        attention_sinks=True,
+        bos_token_id=199998,
+        eos_token_ids=(200002,),
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=2880,
+        scoring_func="topk_softmax",
+        moe_activation="swigluoai",
+        sliding_window=128,
+        layer_types=("sliding_attention", "full_attention") * 12,
+    ),
 }
 
 

@@ -6,6 +6,7 @@ May import the model files.
 from __future__ import annotations
 
 from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.gpt_oss import GptOssForCausalLM
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.moe import MixtralForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -19,6 +20,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
     "olmoe": OlmoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

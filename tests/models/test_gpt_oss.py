@@ -1,0 +1,235 @@
+"""gpt-oss from a tiny random checkpoint written with transformers'
+``save_pretrained`` (safetensors, unquantized): greedy tokens equal
+transformers' (eager attention with sinks), 32 tokens of 3 prompts longer
+than its sliding window of 4, batched, in fp32 on the CPU, on one rank
+(the CPU op set: its attention runs the reference for sinks) and with
+PP = 2 x TP = 2 in one 4-rank engine (gloo). Its layers alternate sliding
+and full attention, its rope is YaRN, its router is biased and softmaxes
+its top-k logits, its experts are biased swigluoai.
+
+Then the door: hostile gpt-oss config fields are refused in one line, an
+MXFP4 checkpoint is refused, the Triton op sets (no sinks) are refused at
+load, the CPU decode stack declines its layers; the ``gpt-oss-20b``
+dummy preset's config (not allocated)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+import asyncstep
+from asyncstep import SamplingParams
+from asyncstep.errors import ModelLoadError, UnsupportedModelError
+from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.gpt_oss import GptOssForCausalLM
+
+MAX_TOKENS = 32
+PROMPTS = [
+    [3, 17, 92, 5, 44, 61, 2, 9, 130],
+    [250, 7, 7, 41, 99, 123, 8, 64, 12, 200, 31],
+    [77, 1, 180, 33, 4, 58],
+]
+WINDOW = 4
+
+
+def tiny_config(**changes: Any) -> Any:
+    import transformers
+
+    fields: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    config = transformers.GptOssConfig(**(fields | changes))
+    config._attn_implementation = "eager"
+    return config
+
+
+def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config()).eval()
+    with torch.no_grad():  # biases are zeros at init: make them count
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                param.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp("gpt_oss")
+    model.save_pretrained(path, safe_serialization=True)
+    return path, [hf_greedy(model, p) for p in PROMPTS]
+
+
+async def serve(path: Path, **options: Any) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    results: list[list[int]] = [[] for _ in PROMPTS]
+    async with asyncstep.open_engine(
+        path, device="cpu", dtype="float32", engine_process=False, **options
+    ) as engine:
+
+        async def one(i: int) -> None:
+            results[i] = (await engine.generate(PROMPTS[i], params)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(PROMPTS)):
+                nursery.start_soon(one, i)
+    return results
+
+
+def test_the_checkpoint_reads_as_gpt_oss(checkpoint: tuple[Path, list[list[int]]]) -> None:
+    from asyncstep.models.loader.hf import read_arch_config
+
+    arch = read_arch_config(checkpoint[0])
+    assert arch.family == "gpt_oss" and arch.attention_sinks and arch.attention_bias
+    assert arch.layer_windows == (WINDOW, None, WINDOW, None)
+    assert arch.scoring_func == "topk_softmax" and arch.moe_activation == "swigluoai"
+    assert arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "yarn"
+    assert all(len(p) > WINDOW for p in PROMPTS)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}],
+    ids=["one rank", "pp2xtp2"],
+)
+def test_greedy_equals_transformers(
+    checkpoint: tuple[Path, list[list[int]]], layout: dict[str, Any]
+) -> None:
+    path, expected = checkpoint
+    assert trio.run(lambda: serve(path, **layout)) == expected
+
+
+# -- the door -----------------------------------------------------------------
+
+
+def hf_dict(**changes: Any) -> dict[str, Any]:
+    config = tiny_config().to_dict()
+    config["architectures"] = ["GptOssForCausalLM"]
+    config.update(changes)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"num_local_experts": 0}, r"num_local_experts must be in \[1, 1024\], got 0"),
+        ({"num_experts_per_tok": 9}, r"num_experts_per_tok must be in \[1, 4\], got 9"),
+        ({"sliding_window": -1}, "sliding_window must be in"),
+        ({"layer_types": ["sliding_attention"] * 3}, "layer_types names 3 layers"),
+        ({"layer_types": "full"}, "layer_types must be a list"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "lacks original_max"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 2.0,
+                    "beta_fast": "x",
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "beta_fast must be",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 2.0,
+                    "truncate": 1,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "truncate must be true or false",
+        ),
+    ],
+)
+def test_hostile_gpt_oss_configs_are_refused_in_one_line(
+    changes: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(ModelLoadError, match=error) as caught:
+        ModelArchConfig.from_hf_dict(hf_dict(**changes))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization 'mxfp4'"),
+        ({"swiglu_limit": 10.0}, "swiglu_limit 10.0"),
+        ({"swiglu_alpha": "1.702"}, "swiglu_alpha '1.702'"),
+        ({"layer_types": ["chunked_attention"] * 4}, "layer type 'chunked_attention'"),
+    ],
+)
+def test_unsupported_gpt_oss_options_are_named(changes: dict[str, Any], error: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=error) as caught:
+        ModelArchConfig.from_hf_dict(hf_dict(**changes))
+    assert "\n" not in str(caught.value)
+
+
+def test_op_sets_without_sinks_are_refused_and_the_decode_stack_declines() -> None:
+    from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
+    from asyncstep.ops.cpu.library import load_cpu_kernels
+    from asyncstep.ops.torch_attention import TorchAttention
+    from asyncstep.ops.torch_ref import TorchOps
+    from asyncstep.ops.triton.paged_attention import TritonAttention
+
+    model = GptOssForCausalLM(ModelArchConfig.from_hf_dict(hf_dict()))
+    assert all(layer.self_attn.attn.shape.sinks is not None for layer in model.model.layers)
+    with pytest.raises(UnsupportedModelError, match="'triton' attention op does not support"):
+        model.use_ops(TorchOps(TritonAttention(rotates=False)))  # type: ignore[arg-type]
+    model.use_ops(TorchOps(TorchAttention()))
+    assert model.model.step_path is None
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        assert CpuDecodeStack.build(kernels, model.model.stage_layers()) is None
+
+
+def test_the_gpt_oss_20b_preset() -> None:
+    from asyncstep.models.dummy import get_shape
+
+    arch = get_shape("gpt-oss-20b")
+    arch.validate()
+    assert (arch.num_hidden_layers, arch.num_experts, arch.num_experts_per_tok) == (24, 32, 4)
+    assert arch.layer_windows[:2] == (128, None) and arch.attention_sinks
+    shapes = arch.weight_shapes()
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (32, 2880, 5760)
+    assert shapes["model.layers.0.self_attn.sinks"] == (64,)
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    assert 20.5e9 < params < 21.5e9  # transformers counts 20.9e9
