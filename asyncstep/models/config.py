@@ -135,6 +135,10 @@ class ModelArchConfig:
     attention_sinks: bool = False
     #: The experts' activation (:data:`MOE_ACTIVATIONS`; gpt-oss: swigluoai).
     moe_activation: str = "silu"
+    #: gpt-oss: the checkpoint stores the experts' projections as MXFP4
+    #: (``{proj}_blocks`` / ``{proj}_scales``, :mod:`asyncstep.models.mxfp4`),
+    #: dequantized at load.
+    experts_mxfp4: bool = False
 
     @property
     def family(self) -> str:
@@ -227,21 +231,30 @@ class ModelArchConfig:
         return shapes
 
     def _gpt_oss_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        """A gpt-oss layer's router, experts (one tensor per projection),
-        output bias and sinks (checkpoint names, unquantized)."""
+        """A gpt-oss layer's router, experts (one tensor per projection; MXFP4
+        ones as their uint8 blocks and scales), output bias and sinks
+        (checkpoint names)."""
         h, inter, e = self.hidden_size, self.moe_intermediate_size, self.num_experts
+        experts = f"{prefix}.mlp.experts"
         shapes: dict[str, tuple[int, ...]] = {
             f"{prefix}.mlp.router.weight": (e, h),
             f"{prefix}.mlp.router.bias": (e,),
-            f"{prefix}.mlp.experts.gate_up_proj": (e, h, 2 * inter),
-            f"{prefix}.mlp.experts.gate_up_proj_bias": (e, 2 * inter),
-            f"{prefix}.mlp.experts.down_proj": (e, inter, h),
-            f"{prefix}.mlp.experts.down_proj_bias": (e, h),
+            f"{experts}.gate_up_proj_bias": (e, 2 * inter),
+            f"{experts}.down_proj_bias": (e, h),
             f"{prefix}.self_attn.sinks": (self.num_attention_heads,),
         }
-        if self.attention_bias:
-            shapes[f"{prefix}.self_attn.o_proj.bias"] = (h,)
-        return shapes
+        if not self.experts_mxfp4:
+            shapes[f"{experts}.gate_up_proj"] = (e, h, 2 * inter)
+            shapes[f"{experts}.down_proj"] = (e, inter, h)
+            return shapes | self._o_bias_shape(prefix)
+        for proj, rows, cols in (("gate_up_proj", 2 * inter, h), ("down_proj", h, inter)):
+            shapes[f"{experts}.{proj}_blocks"] = (e, rows, cols // 32, 16)
+            shapes[f"{experts}.{proj}_scales"] = (e, rows, cols // 32)
+        return shapes | self._o_bias_shape(prefix)
+
+    def _o_bias_shape(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h = self.hidden_size
+        return {f"{prefix}.self_attn.o_proj.bias": (h,)} if self.attention_bias else {}
 
     def _expert_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         """A MoE layer's router and per-expert projections (checkpoint names)."""
@@ -281,7 +294,7 @@ class ModelArchConfig:
         bounded_float("config: rms_norm_eps", self.rms_norm_eps, 1.0)
         bounded_float("config: rope_theta", self.rope_theta, math.inf)
         flags = ("tie_word_embeddings", "attention_bias", "qk_norm", "qk_norm_per_head")
-        for flag in (*flags, "attention_sinks"):
+        for flag in (*flags, "attention_sinks", "experts_mxfp4"):
             if not isinstance(getattr(self, flag), bool):
                 raise ModelLoadError(f"config: {flag} must be true or false")
         self._validate_moe()
@@ -635,16 +648,22 @@ def _hf_moe(cfg: Mapping[str, Any], family: str, intermediate_size: int) -> dict
 def _hf_gpt_oss_moe(cfg: Mapping[str, Any], intermediate_size: int) -> dict[str, Any]:
     """gpt-oss's experts: ``num_local_experts`` of ``intermediate_size``, the
     router's top-k logits softmaxed, swigluoai with transformers' constants
-    (the ops compute no others); MXFP4-quantized experts refused."""
+    (the ops compute no others); MXFP4 experts (``quantization_config``'s
+    ``quant_method`` "mxfp4", sizes multiples of 32) dequantized at load,
+    any other quantization refused."""
     quant = cfg.get("quantization_config")
+    mxfp4 = False
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
-        shown = repr(method)[:40]
-        raise UnsupportedModelError(
-            f"unsupported quantization {shown} of gpt-oss's experts: asyncstep loads "
-            "unquantized (bf16/fp32) gpt-oss checkpoints only; dequantize the MXFP4 experts "
-            "first (transformers: Mxfp4Config(dequantize=True))"
-        )
+        if method != "mxfp4":
+            raise UnsupportedModelError(
+                f"unsupported quantization {repr(method)[:40]} of gpt-oss's experts (mxfp4, "
+                "or none)"
+            )
+        mxfp4 = True
+        for key in ("hidden_size", "intermediate_size"):
+            if _hf_size(cfg, key) % 32:
+                raise ModelLoadError(f"config: MXFP4 experts need {key} a multiple of 32")
     num_experts = bounded_int(
         "config: num_local_experts", _hf_value(cfg, "num_local_experts"), MAX_NUM_EXPERTS
     )
@@ -663,6 +682,7 @@ def _hf_gpt_oss_moe(cfg: Mapping[str, Any], intermediate_size: int) -> dict[str,
         "moe_intermediate_size": intermediate_size,
         "scoring_func": "topk_softmax",
         "moe_activation": "swigluoai",
+        "experts_mxfp4": mxfp4,
     }
 
 

@@ -16,9 +16,12 @@ up interleaved) and ``gate_up_proj_bias``, ``down_proj`` ``[E, I, H]`` and
 ``down_proj_bias`` into the experts' ``w13`` / ``w2`` parameters (gate rows
 then up rows, converted once at load); ``self_attn.sinks`` whole, narrowed to
 this rank's heads. Tensor and pipeline parallelism are the Llama family's
-(experts split along their intermediate dimension). Unquantized checkpoints
-only: an MXFP4 one is refused at its config
-(:func:`asyncstep.models.config.ModelArchConfig.from_hf_dict`).
+(experts split along their intermediate dimension). MXFP4 experts
+(``gate_up_proj_blocks`` / ``_scales``, ``down_proj_blocks`` / ``_scales``:
+the released checkpoints) are dequantized at load to the model's dtype
+(:func:`~asyncstep.models.mxfp4.dequantize_mxfp4`; each projection's blocks
+and scales kept until both have come), then loaded as the unquantized
+tensors; the experts are held dense (not kept packed).
 
 An op set must honour attention sinks (:attr:`AttentionOp.supports_sinks`:
 the reference and the CPU op set do, the Triton ops do not) and sliding
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +49,7 @@ from asyncstep.models.layers.moe import SparseMoeBlock
 from asyncstep.models.layers.rotary import RotaryEmbedding
 from asyncstep.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from asyncstep.models.moe import MoeForCausalLM
+from asyncstep.models.mxfp4 import dequantize_mxfp4
 from asyncstep.ops.base import OpSet
 from asyncstep.ops.slot import OpSetSlot
 
@@ -58,6 +63,7 @@ _EXPERT_TENSORS: dict[str, tuple[str, str]] = {
     "down_proj_bias": ("w2_bias", "w2_bias"),
 }
 _CHECKPOINT_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.(\w+)")
+_MXFP4_PART = re.compile(r"(.*\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)")
 _PARAM_EXPERT = re.compile(
     r"(model\.layers\.\d+\.mlp)\.experts\.(w13_weight|w13_bias|w2_weight|w2_bias)"
 )
@@ -175,5 +181,43 @@ class GptOssForCausalLM(MoeForCausalLM):
         match = _PARAM_EXPERT.fullmatch(param_name)
         if match is not None:
             theirs = next(k for k, (p, _) in _EXPERT_TENSORS.items() if p == match[2])
-            return [f"{match[1]}.experts.{theirs}"]
+            name = f"{match[1]}.experts.{theirs}"
+            if self.config.experts_mxfp4 and not theirs.endswith("bias"):
+                return [f"{name}_blocks", f"{name}_scales"]
+            return [name]
         return LlamaForCausalLM.checkpoint_names(self, param_name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """As the Llama family's, MXFP4 experts dequantized first (the
+        module's docstring); the names consumed include both parts."""
+        consumed: set[str] = set()
+        loaded = super().load_weights(self._dequantized(weights, consumed))
+        return loaded | consumed
+
+    def _dequantized(
+        self, weights: Iterable[tuple[str, torch.Tensor]], consumed: set[str]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` with each MXFP4 projection's blocks and scales as the
+        unquantized tensor (transformers' ``[E, H, 2I]`` / ``[E, I, H]``)."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        dtype = next(self.parameters()).dtype
+        for name, tensor in weights:
+            match = _MXFP4_PART.fullmatch(name)
+            if match is None or not self.config.experts_mxfp4:
+                yield name, tensor
+                continue
+            parts = pending.setdefault(match[1], {})
+            parts[match[2]] = tensor
+            if len(parts) < 2:
+                continue
+            del pending[match[1]]
+            consumed.update((f"{match[1]}_blocks", f"{match[1]}_scales"))
+            try:
+                dense = dequantize_mxfp4(parts["blocks"], parts["scales"], dtype)
+            except ValueError as exc:
+                raise ModelLoadError(f"{match[1]}: {exc}") from None
+            yield match[1], dense.transpose(1, 2)
+        if pending:
+            raise ModelLoadError(
+                f"MXFP4 experts: {sorted(pending)[0]} lacks its blocks or its scales"
+            )

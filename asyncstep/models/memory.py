@@ -62,6 +62,9 @@ def rank_param_count(
         layer += 2 * d if arch.qk_norm_per_head else arch.q_size + arch.kv_size
     # A MoE layer: the router, and every expert's 1 / tp of its projections.
     experts = arch.num_experts * (h + 3 * -(-arch.moe_intermediate_size // tp_size) * h)
+    if arch.family == "gpt_oss":  # o bias, sinks; router and expert biases
+        layer += h + heads
+        experts += arch.num_experts * (1 + 2 * -(-arch.moe_intermediate_size // tp_size) + h)
     start, end = pp_layer_range(arch.num_hidden_layers, pp_rank, pp_size)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     count = (end - start) * layer

@@ -20,9 +20,9 @@ dequantized bfloat16 copy 16 bits: :func:`mxfp4_bytes`. gpt-oss-20b's
 experts (24 layers x 32 experts x (5760 + 2880) x 2880 = 19.1e9 values) are
 10.2 GB packed and 38.2 GB as bfloat16 (float32: 76.4 GB).
 
-The loader does not read MXFP4 checkpoints yet (an MXFP4 config is refused
-at the door, :mod:`asyncstep.models.config`): this module is the decode it
-will use, tested against a bit-level reference.
+gpt-oss's loader (:meth:`asyncstep.models.gpt_oss.GptOssForCausalLM.load_weights`)
+dequantizes each projection once at load to the model's dtype: the experts
+are held dense, not kept packed (no op set computes on MXFP4 yet).
 
 May import torch.
 """

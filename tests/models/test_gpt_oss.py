@@ -5,27 +5,34 @@ than its sliding window of 4, batched, in fp32 on the CPU, on one rank
 (the CPU op set: its attention runs the reference for sinks) and with
 PP = 2 x TP = 2 in one 4-rank engine (gloo). Its layers alternate sliding
 and full attention, its rope is YaRN, its router is biased and softmaxes
-its top-k logits, its experts are biased swigluoai.
+its top-k logits, its experts are biased swigluoai. The same model with
+MXFP4 experts (``_blocks`` / ``_scales`` uint8 tensors and an MXFP4
+``quantization_config``, as the released checkpoints) loads, dequantized,
+to transformers' tokens on its dequantized weights.
 
-Then the door: hostile gpt-oss config fields are refused in one line, an
-MXFP4 checkpoint is refused, the Triton op sets (no sinks) are refused at
-load, the CPU decode stack declines its layers; the ``gpt-oss-20b``
+Then the door: hostile gpt-oss config fields are refused in one line,  another
+quantization is refused, the Triton op sets (no sinks) are refused at
+load, the CPU decode stack declines its layers, the memory estimate counts
+its parameters; the ``gpt-oss-20b``
 dummy preset's config (not allocated)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import trio
+from safetensors.torch import load_file, save_file
 
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.gpt_oss import GptOssForCausalLM
+from asyncstep.models.mxfp4 import dequantize_mxfp4
 
 MAX_TOKENS = 32
 PROMPTS = [
@@ -83,8 +90,7 @@ def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+def tiny_model() -> Any:
     import transformers
 
     torch.manual_seed(0)
@@ -93,8 +99,52 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
         for name, param in model.named_parameters():
             if name.endswith(("bias", "sinks")):
                 param.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    model = tiny_model()
     path = tmp_path_factory.mktemp("gpt_oss")
     model.save_pretrained(path, safe_serialization=True)
+    return path, [hf_greedy(model, p) for p in PROMPTS]
+
+
+def random_mxfp4(g: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random blocks and scales of a ``[..., rows, cols]`` projection."""
+    *lead, cols = shape
+    blocks = torch.randint(0, 256, (*lead, cols // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(122, 125, (*lead, cols // 32), generator=g, dtype=torch.uint8)
+    return blocks, scales
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """The tiny model with MXFP4 experts: transformers runs their
+    dequantized values; the checkpoint holds them packed."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    packed: dict[str, torch.Tensor] = {}
+    experts, hidden, inter = 4, 64, 32
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            prefix = f"model.layers.{i}.mlp.experts"
+            for proj, rows, cols in (
+                ("gate_up_proj", 2 * inter, hidden),
+                ("down_proj", hidden, inter),
+            ):
+                blocks, scales = random_mxfp4(g, experts, rows, cols)
+                dense = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2)
+                getattr(layer.mlp.experts, proj).copy_(dense)
+                packed |= {f"{prefix}.{proj}_blocks": blocks, f"{prefix}.{proj}_scales": scales}
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    model.save_pretrained(path, safe_serialization=True)
+    tensors = load_file(path / "model.safetensors")
+    tensors = {k: v for k, v in tensors.items() if not k.endswith(("gate_up_proj", "down_proj"))}
+    save_file(tensors | packed, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (path / "config.json").write_text(json.dumps(config))
     return path, [hf_greedy(model, p) for p in PROMPTS]
 
 
@@ -135,6 +185,16 @@ def test_greedy_equals_transformers(
 ) -> None:
     path, expected = checkpoint
     assert trio.run(lambda: serve(path, **layout)) == expected
+
+
+def test_mxfp4_experts_are_dequantized_at_load(
+    mxfp4_checkpoint: tuple[Path, list[list[int]]],
+) -> None:
+    from asyncstep.models.loader.hf import read_arch_config
+
+    path, expected = mxfp4_checkpoint
+    assert read_arch_config(path).experts_mxfp4
+    assert trio.run(lambda: serve(path)) == expected
 
 
 # -- the door -----------------------------------------------------------------
@@ -191,7 +251,7 @@ def test_hostile_gpt_oss_configs_are_refused_in_one_line(
 @pytest.mark.parametrize(
     ("changes", "error"),
     [
-        ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization 'mxfp4'"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization 'fp8'"),
         ({"swiglu_limit": 10.0}, "swiglu_limit 10.0"),
         ({"swiglu_alpha": "1.702"}, "swiglu_alpha '1.702'"),
         ({"layer_types": ["chunked_attention"] * 4}, "layer type 'chunked_attention'"),
@@ -204,13 +264,16 @@ def test_unsupported_gpt_oss_options_are_named(changes: dict[str, Any], error: s
 
 
 def test_op_sets_without_sinks_are_refused_and_the_decode_stack_declines() -> None:
+    from asyncstep.models.memory import rank_param_count
     from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
     from asyncstep.ops.cpu.library import load_cpu_kernels
     from asyncstep.ops.torch_attention import TorchAttention
     from asyncstep.ops.torch_ref import TorchOps
     from asyncstep.ops.triton.paged_attention import TritonAttention
 
-    model = GptOssForCausalLM(ModelArchConfig.from_hf_dict(hf_dict()))
+    arch = ModelArchConfig.from_hf_dict(hf_dict())
+    model = GptOssForCausalLM(arch)
+    assert rank_param_count(arch) == sum(p.numel() for p in model.parameters())
     assert all(layer.self_attn.attn.shape.sinks is not None for layer in model.model.layers)
     with pytest.raises(UnsupportedModelError, match="'triton' attention op does not support"):
         model.use_ops(TorchOps(TritonAttention(rotates=False)))  # type: ignore[arg-type]
