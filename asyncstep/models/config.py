@@ -19,7 +19,9 @@ transformers ignores it); Qwen2/Qwen3 use a window only with
 ``use_sliding_window``, on the layers ``layer_types`` names
 ``sliding_attention`` or, without ``layer_types``, on layers
 ``>= max_window_layers``; Mixtral's applies to every layer, Qwen3-MoE's
-to every layer with ``use_sliding_window``; Llama (any other architecture)
+to every layer with ``use_sliding_window``; gpt-oss's ``sliding_window``
+(default 128) on the layers ``layer_types`` names sliding (default: the even
+layers, :data:`LAYER_TYPES_WINDOW`); Llama (any other architecture)
 has none (:data:`EVERY_LAYER_WINDOW`, :data:`QWEN_STYLE_WINDOW`,
 :data:`EVERY_LAYER_WINDOW_WHEN_USED`). From GGUF:
 ``{arch}.attention.sliding_window``, on every layer.

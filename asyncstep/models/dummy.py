@@ -179,7 +179,8 @@ def dummy_weights(
     the model's output depends on its whole context and layouts can be checked
     against each other by their greedy tokens (a fixed tiny scale makes every
     layer's contribution vanish next to the residual: the next token would be a
-    function of the current one alone).
+    function of the current one alone). MXFP4 experts' blocks and scales
+    (gpt-oss) are random uint8 codes and scales of values below 0.5.
     """
     import torch  # here: the shapes above are read by processes without torch
 
@@ -189,6 +190,15 @@ def dummy_weights(
         generator = torch.Generator(device=device).manual_seed(
             seed * 1_000_003 + zlib.crc32(name.encode())
         )
+        if name.endswith(("_blocks", "_scales")):  # MXFP4 experts: codes, scales near 2^-4
+            low, high = (0, 256) if name.endswith("_blocks") else (120, 124)
+            yield (
+                name,
+                torch.randint(
+                    low, high, shape, generator=generator, dtype=torch.uint8, device=device
+                ),
+            )
+            continue
         norm = name.endswith("norm.weight")
         bound = 1e-3 if norm else scale if scale is not None else shape[-1] ** -0.5
         tensor = torch.empty(shape, device=device).uniform_(-bound, bound, generator=generator)

@@ -192,7 +192,8 @@ class GptOssForCausalLM(MoeForCausalLM):
         module's docstring); the names consumed include both parts."""
         consumed: set[str] = set()
         loaded = super().load_weights(self._dequantized(weights, consumed))
-        return loaded | consumed
+        made = {name.rsplit("_", 1)[0] for name in consumed}  # the dequantized tensors
+        return (loaded - made) | consumed
 
     def _dequantized(
         self, weights: Iterable[tuple[str, torch.Tensor]], consumed: set[str]

@@ -284,6 +284,16 @@ def test_op_sets_without_sinks_are_refused_and_the_decode_stack_declines() -> No
         assert CpuDecodeStack.build(kernels, model.model.stage_layers()) is None
 
 
+def test_dummy_weights_of_mxfp4_experts_load() -> None:
+    from asyncstep.models.dummy import dummy_weights
+
+    arch = ModelArchConfig.from_hf_dict(hf_dict(quantization_config={"quant_method": "mxfp4"}))
+    model = GptOssForCausalLM(arch)
+    assert model.load_weights(dummy_weights(arch)) == model.expected_weight_names()
+    w13 = model.model.layers[0].mlp.experts.w13_weight
+    assert 0 < float(w13.abs().max()) <= 6 * 2.0**-4
+
+
 def test_the_gpt_oss_20b_preset() -> None:
     from asyncstep.models.dummy import get_shape
 
