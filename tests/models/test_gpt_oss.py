@@ -2,7 +2,8 @@
 ``save_pretrained`` (safetensors, unquantized): greedy tokens equal
 transformers' (eager attention with sinks), 32 tokens of 3 prompts longer
 than its sliding window of 4, batched, in fp32 on the CPU, on one rank
-(whole prompts and chunked prefill; the CPU op set: its attention runs the reference for sinks) and with
+(whole prompts and chunked prefill; the CPU library's attention, which
+runs the reference for sinks, and the torch attention backend) and with
 PP = 2 x TP = 2 in one 4-rank engine (gloo). Its layers alternate sliding
 and full attention, its rope is YaRN, its router is biased and softmaxes
 its top-k logits, its experts are biased swigluoai. The same model with
@@ -180,9 +181,10 @@ def test_the_checkpoint_reads_as_gpt_oss(checkpoint: tuple[Path, list[list[int]]
     [
         {},
         {"max_num_batched_tokens": 4},
+        {"attention_backend": "torch"},
         {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
     ],
-    ids=["one rank", "one rank, chunked prefill", "pp2xtp2"],
+    ids=["one rank", "one rank, chunked prefill", "one rank, torch attention", "pp2xtp2"],
 )
 def test_greedy_equals_transformers(
     checkpoint: tuple[Path, list[list[int]]], layout: dict[str, Any]
