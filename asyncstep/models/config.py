@@ -23,8 +23,10 @@ transformers ignores it); Qwen2/Qwen3 use a window only with
 ``>= max_window_layers``; Mixtral's applies to every layer, Qwen3-MoE's
 to every layer with ``use_sliding_window``; Gemma 3's (4096 when absent) to
 the layers ``layer_types`` names sliding or, without ``layer_types``, every
-layer but each ``sliding_window_pattern``-th (6 when absent); Llama (any
-other architecture) has none (:data:`EVERY_LAYER_WINDOW`, :data:`QWEN_STYLE_WINDOW`,
+layer but each ``sliding_window_pattern``-th (6 when absent); gpt-oss's
+``sliding_window`` (default 128) on the layers ``layer_types`` names sliding
+(default: the even layers, :data:`LAYER_TYPES_WINDOW`); Llama (any other
+architecture) has none (:data:`EVERY_LAYER_WINDOW`, :data:`QWEN_STYLE_WINDOW`,
 :data:`EVERY_LAYER_WINDOW_WHEN_USED`). From GGUF:
 ``{arch}.attention.sliding_window``, on every layer.
 """
@@ -63,6 +65,7 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 #: The families whose layers are Gemma's: RMSNorm weights stored as offsets
 #: from 1, sandwich norms (``pre_feedforward_layernorm`` /
@@ -80,9 +83,17 @@ MOE_FAMILIES: dict[str, tuple[str, str, str, str]] = {
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    # gpt-oss: every expert in one tensor per projection
+    # (``mlp.experts.gate_up_proj`` [E, H, 2I], gate and up interleaved).
+    "gpt_oss": ("mlp", "gate_up_proj", "gate_up_proj", "down_proj"),
 }
-#: A MoE router's scoring of the experts before its top-k.
-SCORING_FUNCS = ("softmax", "sigmoid")
+#: A MoE router's scoring of the experts: softmax or sigmoid of every
+#: logit, then the top-k; or (gpt-oss) the top-k logits, then their softmax.
+SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
+#: The experts' activations (:data:`asyncstep.ops.torch_moe.ACTIVATIONS`).
+MOE_ACTIVATIONS = ("silu", "swigluoai")
+#: gpt-oss's swigluoai constants, the only ones the experts' ops compute.
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,14 @@ class ModelArchConfig:
     #: (None: none; asyncstep runs none, and refuses a config that sets one).
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    #: gpt-oss: a learned sink logit per attention head (``self_attn.sinks``).
+    attention_sinks: bool = False
+    #: The experts' activation (:data:`MOE_ACTIVATIONS`; gpt-oss: swigluoai).
+    moe_activation: str = "silu"
+    #: gpt-oss: the checkpoint stores the experts' projections as MXFP4
+    #: (``{proj}_blocks`` / ``{proj}_scales``, :mod:`asyncstep.models.mxfp4`),
+    #: dequantized at load.
+    experts_mxfp4: bool = False
 
     @property
     def family(self) -> str:
@@ -230,7 +249,9 @@ class ModelArchConfig:
                     f"{p}.pre_feedforward_layernorm.weight": (h,),
                     f"{p}.post_feedforward_layernorm.weight": (h,),
                 }
-            if self.is_moe_layer(i):
+            if self.family == "gpt_oss":
+                shapes |= self._gpt_oss_shapes(p)
+            elif self.is_moe_layer(i):
                 shapes |= self._expert_shapes(p)
             else:
                 shapes |= {
@@ -251,6 +272,32 @@ class ModelArchConfig:
                     f"{p}.self_attn.k_norm.weight": (k_norm,),
                 }
         return shapes
+
+    def _gpt_oss_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """A gpt-oss layer's router, experts (one tensor per projection; MXFP4
+        ones as their uint8 blocks and scales), output bias and sinks
+        (checkpoint names)."""
+        h, inter, e = self.hidden_size, self.moe_intermediate_size, self.num_experts
+        experts = f"{prefix}.mlp.experts"
+        shapes: dict[str, tuple[int, ...]] = {
+            f"{prefix}.mlp.router.weight": (e, h),
+            f"{prefix}.mlp.router.bias": (e,),
+            f"{experts}.gate_up_proj_bias": (e, 2 * inter),
+            f"{experts}.down_proj_bias": (e, h),
+            f"{prefix}.self_attn.sinks": (self.num_attention_heads,),
+        }
+        if not self.experts_mxfp4:
+            shapes[f"{experts}.gate_up_proj"] = (e, h, 2 * inter)
+            shapes[f"{experts}.down_proj"] = (e, inter, h)
+            return shapes | self._o_bias_shape(prefix)
+        for proj, rows, cols in (("gate_up_proj", 2 * inter, h), ("down_proj", h, inter)):
+            shapes[f"{experts}.{proj}_blocks"] = (e, rows, cols // 32, 16)
+            shapes[f"{experts}.{proj}_scales"] = (e, rows, cols // 32)
+        return shapes | self._o_bias_shape(prefix)
+
+    def _o_bias_shape(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h = self.hidden_size
+        return {f"{prefix}.self_attn.o_proj.bias": (h,)} if self.attention_bias else {}
 
     def _expert_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         """A MoE layer's router and per-expert projections (checkpoint names)."""
@@ -293,7 +340,8 @@ class ModelArchConfig:
             raise ModelLoadError(f"config: head_dim must be even for rotary, got {self.head_dim}")
         bounded_float("config: rms_norm_eps", self.rms_norm_eps, 1.0)
         bounded_float("config: rope_theta", self.rope_theta, math.inf)
-        for flag in ("tie_word_embeddings", "attention_bias", "qk_norm", "qk_norm_per_head"):
+        flags = ("tie_word_embeddings", "attention_bias", "qk_norm", "qk_norm_per_head")
+        for flag in (*flags, "attention_sinks", "experts_mxfp4"):
             if not isinstance(getattr(self, flag), bool):
                 raise ModelLoadError(f"config: {flag} must be true or false")
         self._validate_moe()
@@ -333,6 +381,8 @@ class ModelArchConfig:
         if not self.is_moe:
             if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
                 raise ModelLoadError(f"config: {self.architecture} takes no experts")
+            if self.moe_activation != "silu":
+                raise ModelLoadError(f"config: {self.architecture} has no expert activation")
             return
         bounded_int("config: num_experts", self.num_experts, MAX_NUM_EXPERTS)
         bounded_int("config: num_experts_per_tok", self.num_experts_per_tok, self.num_experts)
@@ -345,6 +395,11 @@ class ModelArchConfig:
         if self.scoring_func not in SCORING_FUNCS:
             raise UnsupportedModelError(
                 f"unsupported router scoring {self.scoring_func!r} ({', '.join(SCORING_FUNCS)})"
+            )
+        if self.moe_activation not in MOE_ACTIVATIONS:
+            shown = repr(self.moe_activation)[:40]
+            raise UnsupportedModelError(
+                f"unsupported expert activation {shown} ({', '.join(MOE_ACTIVATIONS)})"
             )
         layers = self.mlp_only_layers
         if not isinstance(layers, tuple) or len(layers) > self.num_hidden_layers:
@@ -388,8 +443,9 @@ class ModelArchConfig:
             rope_scaling=rope if rope and rope_type != "default" else None,
             max_position_embeddings=_hf_size(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=_hf_value(cfg, "tie_word_embeddings", False),
-            attention_bias=_hf_value(cfg, "attention_bias", family == "qwen2"),
+            attention_bias=_hf_value(cfg, "attention_bias", family in ("qwen2", "gpt_oss")),
             qk_norm=family in ("qwen3", "qwen3_moe", "olmoe"),
+            attention_sinks=family == "gpt_oss",
             qk_norm_per_head=family != "olmoe",
             hidden_act=_hf_value(cfg, "hidden_act", "silu"),
             bos_token_id=_hf_value(cfg, "bos_token_id", None),
@@ -419,7 +475,7 @@ SIZE_BOUNDS: dict[str, int] = {
 MAX_TOKEN_ID = 2**31 - 1
 #: End-of-sequence ids a config may list (real ones: 1 to 4).
 MAX_EOS_TOKENS = 256
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SLIDING_ATTENTION = "sliding_attention"
 FULL_ATTENTION = "full_attention"
 #: The ``layer_types`` names asyncstep runs.
@@ -430,6 +486,9 @@ EVERY_LAYER_WINDOW = frozenset({"MistralForCausalLM", "MixtralForCausalLM"})
 #: Architectures whose window, with ``use_sliding_window``, is on every layer
 #: (Qwen3MoeConfig.__post_init__; no ``layer_types``).
 EVERY_LAYER_WINDOW_WHEN_USED = frozenset({"Qwen3MoeForCausalLM"})
+#: Architectures whose window is on the layers ``layer_types`` names
+#: (GptOssConfig.__post_init__: without ``layer_types``, the even layers).
+LAYER_TYPES_WINDOW = frozenset({"GptOssForCausalLM"})
 #: Architectures with Qwen2's rule: a window only with ``use_sliding_window``,
 #: on the layers ``layer_types`` (or ``max_window_layers``) names.
 QWEN_STYLE_WINDOW = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM"})
@@ -440,7 +499,10 @@ _ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+#: YaRN's optional float fields (transformers' ``_compute_yarn_parameters``).
+_YARN_FLOATS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
 _HF_REQUIRED_SIZES = (
     "vocab_size",
     "hidden_size",
@@ -457,6 +519,7 @@ _HF_GUESSES = {
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 _MISSING: Any = object()
 
@@ -487,6 +550,20 @@ def validate_rope_scaling(scaling: Any) -> None:
             raise ModelLoadError(f"config: rope_scaling of type {rope_type} lacks {key}")
     if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ModelLoadError("config: rope_scaling.high_freq_factor must exceed low_freq_factor")
+    if rope_type == "yarn":
+        _validate_yarn(scaling)
+
+
+def _validate_yarn(scaling: dict[str, Any]) -> None:
+    """YaRN's optional fields: floats (null: the default), ``truncate`` a bool,
+    no partial rotary."""
+    for key in _YARN_FLOATS:
+        if scaling.get(key) is not None:
+            bounded_float(f"config: rope_scaling.{key}", scaling[key], MAX_ROPE_FACTOR)
+    if not isinstance(scaling.get("truncate", True), bool):
+        raise ModelLoadError("config: rope_scaling.truncate must be true or false")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("unsupported rope scaling: partial_rotary_factor (only 1.0)")
 
 
 def validate_layer_types(layer_types: Any, num_layers: int) -> None:
@@ -514,6 +591,8 @@ def _hf_windows(
     :data:`QWEN_STYLE_WINDOW` ones per layer with ``use_sliding_window``,
     any other none."""
     used_only = QWEN_STYLE_WINDOW | EVERY_LAYER_WINDOW_WHEN_USED
+    if arch in LAYER_TYPES_WINDOW:
+        return _gpt_oss_windows(cfg, num_layers)
     if arch not in EVERY_LAYER_WINDOW and arch not in used_only:
         return None, ()
     window = cfg.get("sliding_window")
@@ -530,11 +609,27 @@ def _hf_windows(
             "config: max_window_layers", _hf_value(cfg, "max_window_layers", 28), 2**31, low=0
         )
         types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
+    return window, _hf_layer_types(types, num_layers)
+
+
+def _hf_layer_types(types: Any, num_layers: int) -> tuple[str, ...]:
     if not isinstance(types, list) or len(types) > MAX_NUM_LAYERS:
         raise ModelLoadError("config: layer_types must be a list of names")
     layer_types = tuple(_LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in types)
     validate_layer_types(layer_types, num_layers)
-    return window, layer_types
+    return layer_types
+
+
+def _gpt_oss_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """gpt-oss: ``sliding_window`` (default 128) on the layers ``layer_types``
+    names sliding (default: the even layers, GptOssConfig's)."""
+    window = bounded_int(
+        "config: sliding_window", _hf_value(cfg, "sliding_window", 128), MAX_CONTEXT_LENGTH
+    )
+    types = cfg.get("layer_types")
+    if types is None:
+        types = [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)]
+    return window, _hf_layer_types(types, num_layers)
 
 
 def _hf_gemma(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
@@ -652,6 +747,8 @@ def _hf_moe(cfg: Mapping[str, Any], family: str, intermediate_size: int) -> dict
     ``intermediate_size`` wide, Qwen3-MoE's ``moe_intermediate_size``."""
     if family not in MOE_FAMILIES:
         return {}
+    if family == "gpt_oss":
+        return _hf_gpt_oss_moe(cfg, intermediate_size)
     if family == "olmoe" and cfg.get("clip_qkv") is not None:
         raise UnsupportedModelError("unsupported OLMoE option clip_qkv (only null)")
     key = "num_local_experts" if family == "mixtral" or "num_experts" not in cfg else "num_experts"
@@ -678,6 +775,47 @@ def _hf_moe(cfg: Mapping[str, Any], family: str, intermediate_size: int) -> dict
             "mlp_only_layers": tuple(only),
         }
     return moe
+
+
+def _hf_gpt_oss_moe(cfg: Mapping[str, Any], intermediate_size: int) -> dict[str, Any]:
+    """gpt-oss's experts: ``num_local_experts`` of ``intermediate_size``, the
+    router's top-k logits softmaxed, swigluoai with transformers' constants
+    (the ops compute no others); MXFP4 experts (``quantization_config``'s
+    ``quant_method`` "mxfp4", sizes multiples of 32) dequantized at load,
+    any other quantization refused."""
+    quant = cfg.get("quantization_config")
+    mxfp4 = False
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        if method != "mxfp4":
+            raise UnsupportedModelError(
+                f"unsupported quantization {repr(method)[:40]} of gpt-oss's experts (mxfp4, "
+                "or none)"
+            )
+        mxfp4 = True
+        for key in ("hidden_size", "intermediate_size"):
+            if _hf_size(cfg, key) % 32:
+                raise ModelLoadError(f"config: MXFP4 experts need {key} a multiple of 32")
+    num_experts = bounded_int(
+        "config: num_local_experts", _hf_value(cfg, "num_local_experts"), MAX_NUM_EXPERTS
+    )
+    top_k = bounded_int(
+        "config: num_experts_per_tok", _hf_value(cfg, "num_experts_per_tok"), num_experts
+    )
+    for key, value in (("swiglu_alpha", SWIGLU_ALPHA), ("swiglu_limit", SWIGLU_LIMIT)):
+        given = _hf_value(cfg, key, value)
+        if given != value or isinstance(given, bool):
+            raise UnsupportedModelError(
+                f"unsupported gpt-oss {key} {repr(given)[:40]} (only {value})"
+            )
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": intermediate_size,
+        "scoring_func": "topk_softmax",
+        "moe_activation": "swigluoai",
+        "experts_mxfp4": mxfp4,
+    }
 
 
 def _hf_eos(eos: Any) -> tuple[int, ...]:

@@ -129,6 +129,40 @@ SHAPES: dict[str, ModelArchConfig] = {
         moe_intermediate_size=768,
         norm_topk_prob=True,
     ),
+    # openai/gpt-oss-20b's config.json (its experts as unquantized tensors:
+    # the checkpoint's MXFP4 experts are not read).
+    "gpt-oss-20b": ModelArchConfig(
+        architecture="GptOssForCausalLM",
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        max_position_embeddings=131072,
+        attention_bias=True,
+        attention_sinks=True,
+        bos_token_id=199998,
+        eos_token_ids=(200002,),
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=2880,
+        scoring_func="topk_softmax",
+        moe_activation="swigluoai",
+        sliding_window=128,
+        layer_types=("sliding_attention", "full_attention") * 12,
+    ),
 }
 
 
@@ -165,7 +199,8 @@ def dummy_weights(
     the model's output depends on its whole context and layouts can be checked
     against each other by their greedy tokens (a fixed tiny scale makes every
     layer's contribution vanish next to the residual: the next token would be a
-    function of the current one alone).
+    function of the current one alone). MXFP4 experts' blocks and scales
+    (gpt-oss) are random uint8 codes and scales of values below 0.5.
     """
     import torch  # here: the shapes above are read by processes without torch
 
@@ -175,6 +210,15 @@ def dummy_weights(
         generator = torch.Generator(device=device).manual_seed(
             seed * 1_000_003 + zlib.crc32(name.encode())
         )
+        if name.endswith(("_blocks", "_scales")):  # MXFP4 experts: codes, scales near 2^-4
+            low, high = (0, 256) if name.endswith("_blocks") else (120, 124)
+            yield (
+                name,
+                torch.randint(
+                    low, high, shape, generator=generator, dtype=torch.uint8, device=device
+                ),
+            )
+            continue
         norm = name.endswith("norm.weight")
         bound = 1e-3 if norm else scale if scale is not None else shape[-1] ** -0.5
         tensor = torch.empty(shape, device=device).uniform_(-bound, bound, generator=generator)

@@ -71,7 +71,11 @@ def rank_param_count(
     # A MoE layer: the router, and every expert's 1 / tp of its projections
     # (under EP: 1 / ep of the experts, whole).
     expert_inter = -(-arch.moe_intermediate_size // (tp_size if ep_size == 1 else 1))
-    experts = arch.num_experts * h + arch.num_experts // ep_size * 3 * expert_inter * h
+    local_experts = arch.num_experts // ep_size
+    experts = arch.num_experts * h + local_experts * 3 * expert_inter * h
+    if arch.family == "gpt_oss":  # o bias, sinks; router and expert biases
+        layer += h + heads
+        experts += arch.num_experts + local_experts * (2 * expert_inter + h)
     start, end = pp_layer_range(arch.num_hidden_layers, pp_rank, pp_size)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     count = (end - start) * layer

@@ -86,9 +86,9 @@ def validate_parallel_layout(arch: ModelArchConfig, parallel: ParallelConfig) ->
 
 
 def validate_expert_parallel(arch: ModelArchConfig, parallel: ParallelConfig) -> None:
-    """Refuse ``enable_expert_parallel`` for a dense model, or where the TP
-    size (the EP size) does not divide the experts; with one TP rank it is a
-    no-op."""
+    """Refuse ``enable_expert_parallel`` for a dense model, for gpt-oss (not
+    yet), or where the TP size (the EP size) does not divide the experts;
+    with one TP rank it is a no-op."""
     if not parallel.enable_expert_parallel:
         return
     if not arch.is_moe:
@@ -96,6 +96,8 @@ def validate_expert_parallel(arch: ModelArchConfig, parallel: ParallelConfig) ->
             f"enable_expert_parallel needs a mixture-of-experts model; "
             f"{arch.architecture} has no experts"
         )
+    if arch.family == "gpt_oss":  # its stacked, biased experts load for TP only
+        raise ConfigError("enable_expert_parallel: gpt-oss runs its experts split by TP only")
     ep = parallel.tensor_parallel_size
     if arch.num_experts % ep:
         raise ConfigError(

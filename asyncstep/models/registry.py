@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.gemma3 import Gemma3ForCausalLM
+from asyncstep.models.gpt_oss import GptOssForCausalLM
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.models.moe import MixtralForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -21,6 +22,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "mixtral": MixtralForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

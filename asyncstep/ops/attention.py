@@ -150,10 +150,18 @@ class AttentionShape:
     the keys at ``p - W + 1 .. p`` only (None: every earlier key). A windowed
     layer's metadata may name any block for the keys before its window (the
     KV cache manager frees those blocks, which other requests may then
-    hold): an op uses none of them (it may read them and mask them out)."""
+    hold): an op uses none of them (it may read them and mask them out).
+
+    ``sinks`` (gpt-oss): a learned logit per query head ``[num_heads]``
+    (this rank's heads, float32) that joins each query's softmax
+    denominator without a value: ``p_i = exp(s_i) / (sum_j exp(s_j) +
+    exp(sink))`` (transformers' ``eager_attention_forward``); None: none.
+    The layer's parameter itself (loaded in place after the shape is made);
+    not compared."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scale: float
     sliding_window: int | None = None
+    sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)

@@ -59,6 +59,9 @@ class AttentionOp(Protocol):
     #: Whether the op honours :attr:`AttentionShape.sliding_window` (a model
     #: with a windowed layer refuses an op set whose attention does not).
     supports_sliding_window: bool
+    #: Whether the op honours :attr:`AttentionShape.sinks` (a model with
+    #: attention sinks refuses an op set whose attention does not).
+    supports_sinks: bool
 
     def __call__(
         self,
@@ -199,6 +202,8 @@ class OpSet(Protocol):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         activation: str = "silu",
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A mixture-of-experts layer's experts (vLLM's ``fused_experts``):
         ``hidden`` ``[T, H]``; ``w13`` ``[E_local, 2 * I_local, H]`` (each
@@ -207,7 +212,11 @@ class OpSet(Protocol):
         ``topk_ids`` ``[T, k]`` int32. Returns ``[T, H]`` in ``hidden``'s
         dtype: each token's experts' ``w2 @ (act(gate) * up)`` weighted and
         summed (a partial sum where ``I_local`` is a TP slice). ``activation``
-        "silu": ``silu(gate) * up``
+        "silu": ``silu(gate) * up``; "swigluoai" (gpt-oss): the clamped
+        ``(up + 1) * gate * sigmoid(1.702 * gate)``. Optional biases
+        ``w13_bias`` ``[E_local, 2 * I_local]`` (added to ``gate_up``) and
+        ``w2_bias`` ``[E_local, H]`` (added to the expert's output before the
+        routing weight multiplies it)
         (:func:`asyncstep.ops.torch_moe.fused_experts`, the reference)."""
         ...
 

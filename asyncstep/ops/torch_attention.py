@@ -4,8 +4,14 @@ decodes as one batched gather per bucket of similar lengths (the step's
 host-made plan, :func:`~asyncstep.ops.attention.plan_decode_buckets`), and
 prompt chunks one request at a time over their cached prefix plus the new
 tokens. A sliding window masks the keys before it (a windowed decode
-gathers from the first block its window reaches). It reads host copies of
-the metadata: no FULL CUDA graph over it.
+gathers from the first block its window reaches). A layer with attention
+sinks (:attr:`~asyncstep.ops.attention.AttentionShape.sinks`) attends
+through explicit matmuls and a softmax over its scores and its head's sink
+logit (float32 scores where q is 16-bit), as transformers' eager gpt-oss
+attention. It reads host copies of the metadata: no FULL CUDA graph over
+it; :func:`reference_attention` with ``planned=False`` runs without the
+decode plan (every request as a query chunk), for an op that falls back
+to it.
 
 May import torch, numpy and :mod:`asyncstep.ops.attention`.
 """
@@ -25,6 +31,7 @@ __all__ = [
     "TorchAttention",
     "reference_attention",
     "reference_attention_backends",
+    "sink_attention",
     "write_kv_cache",
 ]
 
@@ -66,6 +73,7 @@ def _decode_attention(
     bucket: DecodeBucket,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One bucket of decodes: q [n, heads, dim] -> [n, heads, dim].
 
@@ -80,7 +88,10 @@ def _decode_attention(
         block_ids, length, mask = bucket.block_ids, bucket.max_len, bucket.mask
     k, v = _gather_kv(kv_cache, block_ids, n, length)
     grouped = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if q.device.type == "cpu":
+    if sinks is not None:
+        sink_logits = sinks.view(1, num_kv_heads, -1, 1)
+        out = sink_attention(grouped, k, v, mask, scale, sink_logits)
+    elif q.device.type == "cpu":
         out = _decode_attention_matmul(grouped, k, v, mask, scale)
     else:
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
@@ -116,6 +127,28 @@ def _decode_attention_matmul(
     return torch.matmul(scores.softmax(dim=-1), v)
 
 
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention whose softmax has one more logit per row, its head's sink,
+    that takes no value: q ``[..., rows, dim]``, k and v ``[..., keys,
+    dim]``, ``mask`` (True: attended) and ``sinks`` broadcastable to the
+    scores ``[..., rows, keys]`` and ``[..., rows, 1]``. Scores and softmax
+    in float32 at least; the output in q's dtype."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    sink = sinks.to(dtype).expand(*scores.shape[:-1], 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs, v.to(dtype)).to(q.dtype)
+
+
 def _prefill_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -125,13 +158,14 @@ def _prefill_attention(
     req: int,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One request's query chunk [q_len, heads, dim] over its prefix and itself
     (with a ``window``: over the keys in each query's window)."""
     q_len, seq_len = q.shape[0], int(meta.seq_lens_cpu[req])
     context = seq_len - q_len
     windowed = window is not None and window < seq_len
-    if context == 0 and not windowed:  # the new keys are the whole sequence
+    if context == 0 and not windowed and sinks is None:  # the new keys are the whole sequence
         k, v, mask, causal = k_new.transpose(0, 1), v_new.transpose(0, 1), None, True
     else:
         block_size = kv_cache.shape[3]
@@ -145,6 +179,8 @@ def _prefill_attention(
         if window is not None:
             mask = mask.triu(context - start - window + 1)
         causal = False
+    if sinks is not None:
+        return _prefill_sink_attention(q, k, v, mask, scale, sinks)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),  # [heads, q_len, dim]
         k,
@@ -155,6 +191,27 @@ def _prefill_attention(
         enable_gqa=True,
     )
     return out.transpose(0, 1)
+
+
+def _prefill_sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`sink_attention` of a query chunk q ``[q_len, heads, dim]``
+    over k, v ``[kv_heads, keys, dim]`` and ``mask`` ``[q_len, keys]``: the
+    query heads sharing a KV head ride as its rows (no repeated keys)."""
+    q_len, num_heads, head_dim = q.shape
+    num_kv_heads, group = k.shape[0], num_heads // k.shape[0]
+    rows = q.permute(1, 0, 2).reshape(num_kv_heads, group * q_len, head_dim)
+    sink_rows = sinks.view(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+    sink_rows = sink_rows.reshape(num_kv_heads, group * q_len, 1)
+    row_mask = None if mask is None else mask.repeat(group, 1)
+    out = sink_attention(rows, k, v, row_mask, scale, sink_rows)
+    return out.view(num_heads, q_len, head_dim).transpose(0, 1)
 
 
 def reference_attention_backends() -> AbstractContextManager[None]:
@@ -176,23 +233,29 @@ def reference_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    *,
+    planned: bool = True,
 ) -> torch.Tensor:
     """Paged attention in plain torch. q [tokens, heads, dim], k/v [tokens, kv_heads, dim]
-    (already written to the cache). Returns [tokens, heads, dim]. ``window``:
-    the sliding window (:class:`~asyncstep.ops.attention.AttentionShape`'s).
+    (already written to the cache). Returns [tokens, heads, dim]. ``window``
+    and ``sinks``: :class:`~asyncstep.ops.attention.AttentionShape`'s.
+    ``planned``: the decodes through ``meta.decode_buckets`` (else every
+    request as a query chunk: a step without the plan).
 
     Run the forward inside :func:`reference_attention_backends`."""
     out = torch.empty_like(q)
-    for bucket in meta.decode_buckets:
-        out.index_copy_(
-            0,
-            bucket.rows,
-            _decode_attention(q.index_select(0, bucket.rows), kv_cache, bucket, scale, window),
+    for bucket in meta.decode_buckets if planned else ():
+        decoded = _decode_attention(
+            q.index_select(0, bucket.rows), kv_cache, bucket, scale, window, sinks
         )
+        out.index_copy_(0, bucket.rows, decoded)
     qsl = meta.query_start_loc_cpu
-    for req in range(meta.num_decodes, meta.num_reqs):
+    for req in range(meta.num_decodes if planned else 0, meta.num_reqs):
         s, e = int(qsl[req]), int(qsl[req + 1])
-        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], kv_cache, meta, req, scale, window)
+        out[s:e] = _prefill_attention(
+            q[s:e], k[s:e], v[s:e], kv_cache, meta, req, scale, window, sinks
+        )
     return out
 
 
@@ -208,6 +271,7 @@ class TorchAttention:
     #: The step's decodes need the host's plan (``decode_buckets``).
     plans_decodes = True
     supports_sliding_window = True
+    supports_sinks = True
 
     @classmethod
     def chosen(cls, *, fused_kernels: bool, fused_decode: bool) -> TorchAttention:
@@ -229,7 +293,9 @@ class TorchAttention:
         k = k[:n].view(n, shape.num_kv_heads, shape.head_dim)
         v = v[:n].view(n, shape.num_kv_heads, shape.head_dim)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = reference_attention(q, k, v, kv_cache, meta, shape.scale, shape.sliding_window)
+        out = reference_attention(
+            q, k, v, kv_cache, meta, shape.scale, shape.sliding_window, shape.sinks
+        )
         out = out.reshape(n, shape.num_heads * shape.head_dim)
         return F.pad(out, (0, 0, 0, num_padding)) if num_padding else out
 

@@ -5,11 +5,21 @@ per expert's slice), on any device and dtype.
 :func:`fused_experts` takes vLLM's arguments: ``hidden`` ``[T, H]``, ``w13``
 ``[E, 2 * I, H]`` (each expert's gate rows, then its up rows), ``w2``
 ``[E, H, I]``, ``topk_weights`` ``[T, k]`` float32 and ``topk_ids`` ``[T, k]``
-int32, and returns ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])``
-``[T, H]`` in ``hidden``'s dtype, where ``expert_e(x) = w2[e] @ (silu(w13[e]
-gate rows @ x) * (w13[e] up rows @ x))``. Under tensor parallelism ``I`` is
+int32, and optional biases ``w13_bias`` ``[E, 2 * I]`` and ``w2_bias``
+``[E, H]`` (gpt-oss's experts), and returns ``sum_j topk_weights[t, j] *
+expert_{topk_ids[t, j]}(hidden[t])`` ``[T, H]`` in ``hidden``'s dtype, where
+``expert_e(x) = w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]`` (the down bias
+added before the routing weight multiplies, as transformers' gpt-oss and the
+Triton op :mod:`asyncstep.ops.triton.fused_moe` do). **w13 is the expert's I
+gate rows, then its I up rows, for every activation** (an interleaved
+gpt-oss checkpoint is converted once at load:
+:func:`gate_up_from_interleaved`). The activations: ``"silu"``:
+``silu(gate) * up``; ``"swigluoai"`` (gpt-oss): ``gate = min(gate, 7)``,
+``up = clamp(up, -7, 7)``, ``(up + 1) * gate * sigmoid(1.702 * gate)``.
+Under tensor parallelism ``I`` is
 this rank's slice of every expert and the result a partial sum (the caller
-reduces it). Each pair's output is weighted in float32 and the pairs of a
+reduces it; ``w2_bias`` is then added by one rank only: the caller passes
+it on TP rank 0 alone). Each pair's output is weighted in float32 and the pairs of a
 token summed in float32, in the order of their experts (``index_add_`` over
 the pairs sorted by expert, stably), then rounded once.
 
@@ -42,12 +52,47 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "experts_every_token", "fused_experts", "sort_by_expert"]
+__all__ = [
+    "ACTIVATIONS",
+    "SWIGLU_ALPHA",
+    "SWIGLU_LIMIT",
+    "activate",
+    "experts_every_token",
+    "fused_experts",
+    "gate_up_from_interleaved",
+    "sort_by_expert",
+]
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-#: The experts' activations: ``act(gate) * up``.
-ACTIVATIONS = ("silu",)
+#: The experts' activations (of ``[gate | up]`` rows).
+ACTIVATIONS = ("silu", "swigluoai")
+#: gpt-oss's swigluoai constants (``swiglu_alpha``, ``swiglu_limit``).
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+
+def activate(gate_up: torch.Tensor, inter: int, activation: str) -> torch.Tensor:
+    """The activation of ``gate_up`` rows ``[n, 2 * inter]`` (gate columns,
+    then up columns): ``[n, inter]``."""
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=SWIGLU_LIMIT)
+    up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+
+
+def gate_up_from_interleaved(
+    w13: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """w13 ``[E, 2I, H]`` (and bias ``[E, 2I]``) with gate and up rows
+    interleaved (gate at even positions: gpt-oss's ``gate_up_proj``
+    transposed) as gate rows then up rows, new contiguous tensors (the
+    Triton module's function, without importing triton)."""
+    w = torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1).contiguous()
+    b = None if bias is None else torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1).contiguous()
+    return w, b
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +112,8 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
     matmul: Matmul = F.linear,
 ) -> torch.Tensor:
     """The experts' weighted sum for every token (see the module doc);
@@ -74,9 +121,11 @@ def fused_experts(
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_experts: unsupported activation {activation!r}")
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-        return experts_every_token(hidden, w13, w2, topk_weights, topk_ids, matmul)
+        return experts_every_token(
+            hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, matmul
+        )
     num_tokens, top_k = topk_ids.shape
-    num_experts, inter = w13.shape[0], w2.shape[2]
+    num_experts = w13.shape[0]
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     if num_tokens == 0:
         return out.to(hidden.dtype)
@@ -92,9 +141,9 @@ def fused_experts(
         if count == 0:
             continue
         end = start + count
-        gate_up = matmul(rows[start:end], w13[expert])
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        pair_out[start:end] = matmul(act, w2[expert]).float()
+        pair_out[start:end] = _expert(
+            rows[start:end], expert, w13, w2, activation, w13_bias, w2_bias, matmul
+        )
         start = end
     out.index_add_(0, token_of_pair, pair_out * weights)
     return out.to(hidden.dtype)
@@ -106,16 +155,39 @@ def experts_every_token(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
     matmul: Matmul = F.linear,
 ) -> torch.Tensor:
     """:func:`fused_experts` without a host sync (see the module doc)."""
-    num_experts, inter = w13.shape[0], w2.shape[2]
+    num_experts = w13.shape[0]
     weights = torch.zeros(
         hidden.shape[0], num_experts, dtype=torch.float32, device=hidden.device
     ).scatter_(1, topk_ids.long(), topk_weights.float())
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for expert in range(num_experts):
-        gate_up = matmul(hidden, w13[expert])
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out += weights[:, expert : expert + 1] * matmul(act, w2[expert]).float()
+        expert_out = _expert(hidden, expert, w13, w2, activation, w13_bias, w2_bias, matmul)
+        out += weights[:, expert : expert + 1] * expert_out
     return out.to(hidden.dtype)
+
+
+def _expert(
+    rows: torch.Tensor,
+    expert: int,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    matmul: Matmul,
+) -> torch.Tensor:
+    """One expert over its ``rows``: float32 ``[n, H]``, the down bias added."""
+    gate_up = matmul(rows, w13[expert])
+    if w13_bias is not None:
+        gate_up = gate_up + w13_bias[expert].to(gate_up.dtype)
+    act = activate(gate_up, w2.shape[2], activation)
+    out = matmul(act, w2[expert]).float()
+    if w2_bias is not None:
+        out = out + w2_bias[expert].float()
+    return out

@@ -97,10 +97,12 @@ class TorchOps:
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         activation: str = "silu",
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The experts sorted by expert, a matmul per expert's slice
         (:mod:`~asyncstep.ops.torch_moe`)."""
-        return fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation)
+        return fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
 
     def step_path(self, layers: list[Any]) -> StepPath | None:
         return None

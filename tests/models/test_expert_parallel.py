@@ -202,6 +202,11 @@ def test_bad_expert_parallel_layouts_are_refused_in_one_line() -> None:
             4,
             r"tensor_parallel_size 4 \(the EP size\) does not divide the model's 6 experts",
         ),
+        (
+            moe.replace(architecture="GptOssForCausalLM", qk_norm=False),
+            2,
+            "gpt-oss runs its experts split by TP only",
+        ),
     ]
     for arch, tp, error in cases:
         parallel = ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=True)

@@ -513,9 +513,9 @@ CASES: dict[str, Case] = {
         "rope_scaling must be an object",
     ),
     "hf rope of an unknown type": (
-        hf_case(hf_with(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+        hf_case(hf_with(rope_scaling={"rope_type": "longrope", "factor": 4.0})),
         "UnsupportedModelError",
-        "unsupported rope scaling 'yarn'",
+        "unsupported rope scaling 'longrope'",
     ),
     "hf llama3 rope without its fields": (
         hf_case(hf_with(rope_scaling={"rope_type": "llama3", "factor": 8.0})),

@@ -64,7 +64,7 @@ def _make_param(shape: Sequence[int], dtype: torch.dtype, loader: WeightLoader) 
 
 
 class ReplicatedLinear(nn.Module):
-    """``y = x A^T``, the whole of A on every rank (a MoE router's gate); its
+    """``y = x A^T (+ b)``, the whole of A on every rank (a MoE router's gate); its
     weight stays dense (the CPU packing takes the parallel layers only)."""
 
     def __init__(
@@ -72,12 +72,14 @@ class ReplicatedLinear(nn.Module):
         input_size: int,
         output_size: int,
         *,
+        bias: bool = False,
         params_dtype: torch.dtype = torch.float32,
         ops: OpSetSlot | None = None,
     ) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.weight = _make_param((output_size, input_size), params_dtype, self.weight_loader)
+        self.bias = _make_param((output_size,), params_dtype, self.weight_loader) if bias else None
         #: The model's op set.
         self.ops = ops or OpSetSlot()
 
@@ -85,7 +87,7 @@ class ReplicatedLinear(nn.Module):
         _copy_checked(param, loaded, "replicated")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.ops.linear(x, self.weight, None)
+        return self.ops.ops.linear(x, self.weight, None, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):

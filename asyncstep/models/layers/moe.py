@@ -21,6 +21,14 @@ exchanges the rows with the experts' ranks by all-to-all
 back to every rank (no all-reduce), or stay this rank's rows under sequence
 parallelism.
 
+gpt-oss's experts (:mod:`asyncstep.models.gpt_oss`) carry biases
+(``w13_bias`` ``[E, 2 * I / tp]``, this rank's gate then up columns;
+``w2_bias`` ``[E, H]`` whole on every rank and added by TP rank 0 alone, so
+the reduced sum holds it once), take the "swigluoai" activation and load
+from one checkpoint tensor per projection (every expert's, gate and up
+interleaved: :meth:`FusedMoE.weight_loader`'s string shards); their router
+is biased and softmaxes its top-k logits (``scoring_func`` "topk_softmax").
+
 The experts' matmuls are the model's op set's
 (:meth:`~asyncstep.ops.base.OpSet.fused_experts`); their weights stay dense
 (the CPU packing and the GPU 4-bit packing take the parallel linear layers
@@ -58,6 +66,7 @@ from asyncstep.ops.slot import OpSetSlot
 
 __all__ = [
     "EXPERT_SHARDS",
+    "STACKED_SHARDS",
     "ExpertParallelStage",
     "FusedMoE",
     "SparseMoeBlock",
@@ -67,6 +76,9 @@ __all__ = [
 
 #: vLLM's names of an expert's projections: gate (w1), down (w2), up (w3).
 EXPERT_SHARDS = ("w1", "w2", "w3")
+#: Every expert's projection in one checkpoint tensor (gpt-oss):
+#: :meth:`FusedMoE._load_stacked`'s kinds.
+STACKED_SHARDS = ("w13_interleaved", "w13_bias_interleaved", "w2", "w2_bias")
 
 
 def select_experts(
@@ -80,8 +92,12 @@ def select_experts(
     int32)``, the top ``k`` of the float32 softmax (or sigmoid) of
     ``router_logits`` ``[T, E]``, renormalised to sum to 1 where
     ``renormalize`` (torch's ``topk``: ties go to the lower expert id, as
-    in transformers)."""
+    in transformers). "topk_softmax" (gpt-oss): the top ``k`` logits, then
+    the softmax of those ``k``."""
     logits = router_logits.float()
+    if scoring_func == "topk_softmax":
+        top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top_logits, dim=-1), topk_ids.to(torch.int32)
     if scoring_func == "softmax":
         scores = torch.softmax(logits, dim=-1)
     elif scoring_func == "sigmoid":
@@ -111,8 +127,11 @@ class FusedMoE(nn.Module):
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
         ops: OpSetSlot | None = None,
+        bias: bool = False,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        self.activation = activation
         tp, ep = get_tp_group(), get_ep_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
         self.ep_rank, self.ep_size = ep.rank_in_group, ep.world_size
@@ -136,6 +155,11 @@ class FusedMoE(nn.Module):
             (local, 2 * inter, hidden_size), params_dtype, self.weight_loader
         )
         self.w2_weight = _make_param((local, hidden_size, inter), params_dtype, self.weight_loader)
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if bias:
+            self.w13_bias = _make_param((num_experts, 2 * inter), params_dtype, self.weight_loader)
+            self.w2_bias = _make_param((num_experts, hidden_size), params_dtype, self.weight_loader)
         #: The model's op set.
         self.ops = ops or OpSetSlot()
         #: Token rows routed to each expert since the count was last reset.
@@ -145,12 +169,16 @@ class FusedMoE(nn.Module):
         )
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str] | str
     ) -> None:
         """One expert's checkpoint projection (``shard``: its expert id and
         ``w1`` gate, ``w3`` up or ``w2`` down), narrowed to this rank's slice
         (under expert parallelism: whole, and skipped unless this rank holds
-        the expert)."""
+        the expert); or (``shard`` a string, :data:`STACKED_SHARDS`, no
+        expert parallelism) every expert's."""
+        if isinstance(shard, str):
+            self._load_stacked(param, loaded, shard)
+            return
         expert, kind = shard
         if not 0 <= expert < self.num_experts or kind not in EXPERT_SHARDS:
             raise ModelLoadError(f"expert weight {shard} has no place in the model")
@@ -172,6 +200,38 @@ class FusedMoE(nn.Module):
             )
         target.copy_(part)
 
+    def _load_stacked(self, param: nn.Parameter, loaded: torch.Tensor, kind: str) -> None:
+        """Every expert's projection in one tensor (gpt-oss, transformers'
+        layout): "w13_interleaved" ``[E, H, 2I]`` (``x @ w``, gate and up
+        columns interleaved), "w13_bias_interleaved" ``[E, 2I]``, "w2"
+        ``[E, I, H]``, "w2_bias" ``[E, H]`` (whole on every rank)."""
+        e, h = self.num_experts, self.hidden_size
+        inter = self.intermediate_size_per_partition
+        full = inter * self.tp_size
+        expected = {
+            "w13_interleaved": (e, h, 2 * full),
+            "w13_bias_interleaved": (e, 2 * full),
+            "w2": (e, full, h),
+            "w2_bias": (e, h),
+        }.get(kind)
+        if expected is None:
+            raise ModelLoadError(f"stacked expert weight {kind!r} has no place in the model")
+        if tuple(loaded.shape) != expected:
+            raise ModelLoadError(
+                f"experts {kind}: checkpoint shape {tuple(loaded.shape)} does not match the "
+                f"model's {expected}"
+            )
+        start = self.tp_rank * inter
+        if kind == "w2":
+            part = loaded.transpose(1, 2).narrow(2, start, inter)
+        elif kind == "w2_bias":
+            part = loaded
+        else:
+            rows = loaded.transpose(1, 2) if kind == "w13_interleaved" else loaded
+            gate, up = rows[:, 0::2].narrow(1, start, inter), rows[:, 1::2].narrow(1, start, inter)
+            part = torch.cat((gate, up), dim=1)
+        param.data.copy_(part)
+
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
@@ -182,8 +242,16 @@ class FusedMoE(nn.Module):
             return self.forward_ep(hidden, topk_weights, topk_ids)
         ids = topk_ids.reshape(-1).long()
         self.tokens_per_expert.index_add_(0, ids, torch.ones_like(ids))
+        w2_bias = self.w2_bias if self.tp_rank == 0 else None  # the reduced sum holds it once
         out = self.ops.ops.fused_experts(
-            hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids
+            hidden,
+            self.w13_weight,
+            self.w2_weight,
+            topk_weights,
+            topk_ids,
+            self.activation,
+            self.w13_bias,
+            w2_bias,
         )
         if self.reduce_results:
             out = reduce_partial_sums(out, self.sequence_parallel)
@@ -274,13 +342,16 @@ class SparseMoeBlock(nn.Module):
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
         ops: OpSetSlot | None = None,
+        bias: bool = False,
+        activation: str = "silu",
     ) -> None:
+        """``bias``: the router and the experts carry biases (gpt-oss)."""
         super().__init__()
         self.ops = ops or OpSetSlot()
         self.top_k, self.renormalize, self.scoring_func = top_k, renormalize, scoring_func
         self.sequence_parallel = sequence_parallel
         self.gate = ReplicatedLinear(
-            hidden_size, num_experts, params_dtype=params_dtype, ops=self.ops
+            hidden_size, num_experts, bias=bias, params_dtype=params_dtype, ops=self.ops
         )
         self.experts = FusedMoE(
             num_experts,
@@ -290,6 +361,8 @@ class SparseMoeBlock(nn.Module):
             sequence_parallel=sequence_parallel,
             params_dtype=params_dtype,
             ops=self.ops,
+            bias=bias,
+            activation=activation,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

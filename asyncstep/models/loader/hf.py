@@ -130,6 +130,8 @@ SAFETENSORS_DTYPES: dict[str, int] = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }  # fmt: skip
 WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
+#: An MXFP4 projection's uint8 tensors (gpt-oss's experts, ``experts_mxfp4``).
+MXFP4_SUFFIXES = ("_blocks", "_scales")
 
 
 def read_safetensors_header(path: Path, max_tensors: int) -> dict[str, TensorInfo]:
@@ -309,7 +311,8 @@ class HFCheckpoint:
             raise ModelLoadError(
                 f"{file}: tensor {name!r} has shape {info.shape}, but the config implies {shape}"
             )
-        if info.dtype not in WEIGHT_DTYPES:
+        mxfp4 = self._config.experts_mxfp4 and name.endswith(MXFP4_SUFFIXES)
+        if info.dtype not in WEIGHT_DTYPES and not (mxfp4 and info.dtype == "U8"):
             raise UnsupportedModelError(
                 f"{file}: tensor {name!r} is {info.dtype}; weights must be "
                 f"{', '.join(WEIGHT_DTYPES)}"

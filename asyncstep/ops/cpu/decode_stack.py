@@ -10,8 +10,9 @@ kept quantized for the CPU library
 (:class:`~asyncstep.ops.cpu.quant.CpuQuantWeight`) and whose
 attention is the CPU kernel with its rotary fused, on one tensor-parallel
 rank (the stack has no all-reduce), without per-head q/k norms (a layer's
-sliding window goes to its attention), whose every layer has a dense gated
-MLP (a mixture-of-experts layer declines); else None, and the model keeps
+sliding window goes to its attention) nor attention sinks (gpt-oss's
+layers decline), whose every layer has a dense gated MLP (a
+mixture-of-experts layer declines); else None, and the model keeps
 its layer-by-layer forward. Steps of more tokens than the packed weights
 take (or with padding rows), and steps of a model with several KV cache
 groups (``meta.kv_groups``), go layer by layer too.
@@ -108,6 +109,8 @@ class CpuDecodeStack:
             attention = layer.self_attn
             if attention.q_norm is not None or not attention.attn.rotates:
                 return None
+            if attention.attn.shape.sinks is not None:
+                return None  # attention sinks: not the kernel's
             if attention.attn.ops.ops.attention_op.name != "cpu" or attention.o_proj.tp_size != 1:
                 return None
             if _quantized(layer) is None or attention.o_proj.bias is not None:

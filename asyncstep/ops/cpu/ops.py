@@ -111,6 +111,8 @@ class CpuOps(CpuHeadOps):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         activation: str = "silu",
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The reference's grouped matmul (:mod:`~asyncstep.ops.torch_moe`)
         through :meth:`linear`: a dense bfloat16 expert takes the library's
@@ -123,6 +125,8 @@ class CpuOps(CpuHeadOps):
             topk_weights,
             topk_ids,
             activation,
+            w13_bias,
+            w2_bias,
             matmul=lambda x, weight: self.linear(x, weight, None),
         )
 

@@ -159,6 +159,8 @@ class TritonInvariantAttention:
     name = "triton-invariant"
     plans_decodes = False
     supports_sliding_window = True
+    #: No attention sinks (gpt-oss): a model with them refuses this op at load.
+    supports_sinks = False
     rotates = True
 
     def __call__(

@@ -32,6 +32,8 @@ class TritonAttention:
     #: A windowed layer's batches all run the query-tiled kernel (not the
     #: split-KV decode kernels, nor the fused decode's store-and-attend).
     supports_sliding_window = True
+    #: No attention sinks (gpt-oss): a model with them refuses this op at load.
+    supports_sinks = False
 
     def __init__(self, *, rotates: bool, fused_decode: bool = False) -> None:
         self.rotates = rotates

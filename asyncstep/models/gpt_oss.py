@@ -1,0 +1,224 @@
+"""gpt-oss (``GptOssForCausalLM``) on the Llama family's attention and
+decoder machinery (:mod:`asyncstep.models.llama`) and the MoE families'
+model (:mod:`asyncstep.models.moe`), as transformers' ``modeling_gpt_oss``:
+
+* attention: q/k/v and o biases (``attention_bias``), a learned sink logit
+  per head joining each query's softmax denominator
+  (:attr:`~asyncstep.ops.attention.AttentionShape.sinks`), layers sliding
+  (``sliding_window``) or full as ``layer_types`` says, YaRN rope
+  (:mod:`asyncstep.models.layers.rotary`);
+* every layer a MoE layer: the router a linear with bias whose top-k logits
+  are softmaxed; the experts with biases and the "swigluoai" activation.
+
+Checkpoint names are transformers': ``mlp.router.{weight,bias}`` load into
+the block's ``gate``; ``mlp.experts.gate_up_proj`` ``[E, H, 2I]`` (gate and
+up interleaved) and ``gate_up_proj_bias``, ``down_proj`` ``[E, I, H]`` and
+``down_proj_bias`` into the experts' ``w13`` / ``w2`` parameters (gate rows
+then up rows, converted once at load); ``self_attn.sinks`` whole, narrowed to
+this rank's heads. Tensor and pipeline parallelism are the Llama family's
+(experts split along their intermediate dimension). MXFP4 experts
+(``gate_up_proj_blocks`` / ``_scales``, ``down_proj_blocks`` / ``_scales``:
+the released checkpoints) are dequantized at load to the model's dtype
+(:func:`~asyncstep.models.mxfp4.dequantize_mxfp4`; each projection's blocks
+and scales kept until both have come), then loaded as the unquantized
+tensors; the experts are held dense (not kept packed).
+
+An op set must honour attention sinks (:attr:`AttentionOp.supports_sinks`:
+the reference and the CPU op set do, the Triton ops do not) and sliding
+windows; the model runs layer by layer (no whole-stack step path).
+
+May import torch, :mod:`asyncstep.channels`, the model config, layers and
+the Llama and MoE models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncstep.channels import get_tp_group
+from asyncstep.errors import ModelLoadError, UnsupportedModelError
+from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.layers.linear import RowParallelLinear, _make_param
+from asyncstep.models.layers.moe import SparseMoeBlock
+from asyncstep.models.layers.rotary import RotaryEmbedding
+from asyncstep.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from asyncstep.models.moe import MoeForCausalLM
+from asyncstep.models.mxfp4 import dequantize_mxfp4
+from asyncstep.ops.base import OpSet
+from asyncstep.ops.slot import OpSetSlot
+
+__all__ = ["GptOssAttention", "GptOssDecoderLayer", "GptOssForCausalLM"]
+
+#: A checkpoint's expert tensor -> (our parameter, the loader's shard kind).
+_EXPERT_TENSORS: dict[str, tuple[str, str]] = {
+    "gate_up_proj": ("w13_weight", "w13_interleaved"),
+    "gate_up_proj_bias": ("w13_bias", "w13_bias_interleaved"),
+    "down_proj": ("w2_weight", "w2"),
+    "down_proj_bias": ("w2_bias", "w2_bias"),
+}
+_CHECKPOINT_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.(\w+)")
+_MXFP4_PART = re.compile(r"(.*\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)")
+_PARAM_EXPERT = re.compile(
+    r"(model\.layers\.\d+\.mlp)\.experts\.(w13_weight|w13_bias|w2_weight|w2_bias)"
+)
+
+
+class GptOssAttention(LlamaAttention):
+    """Llama's attention with an output bias and per-head sinks (this
+    rank's heads)."""
+
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+        layer_idx: int = 0,
+    ):
+        super().__init__(config, rotary, dtype, sequence_parallel, layer_idx)
+        self.o_proj = RowParallelLinear(
+            config.q_size,
+            config.hidden_size,
+            bias=config.attention_bias,
+            sequence_parallel=sequence_parallel,
+            params_dtype=dtype,
+            ops=rotary.ops,
+        )
+        num_heads = self.qkv_proj.num_heads
+        self.sinks = _make_param((num_heads,), dtype, self._load_sinks)
+        self.attn.shape = dataclasses.replace(self.attn.shape, sinks=self.sinks)
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Every head's sink, narrowed to this rank's heads."""
+        tp = get_tp_group()
+        n = param.shape[0]
+        if tuple(loaded.shape) != (n * tp.world_size,):
+            raise ModelLoadError(
+                f"attention sinks: checkpoint shape {tuple(loaded.shape)} does not match the "
+                f"model's ({n * tp.world_size},)"
+            )
+        param.data.copy_(loaded.narrow(0, tp.rank_in_group * n, n))
+
+
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    """A gpt-oss layer: :class:`GptOssAttention`, then a biased sparse MoE
+    block (every layer)."""
+
+    def make_attention(
+        self,
+        config: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        sequence_parallel: bool,
+        layer_idx: int,
+    ) -> LlamaAttention:
+        return GptOssAttention(config, rotary, dtype, sequence_parallel, layer_idx)
+
+    def make_mlp(
+        self,
+        config: ModelArchConfig,
+        layer_idx: int,
+        dtype: torch.dtype,
+        sequence_parallel: bool,
+        ops: OpSetSlot,
+    ) -> nn.Module:
+        return SparseMoeBlock(
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            renormalize=False,
+            scoring_func=config.scoring_func,
+            sequence_parallel=sequence_parallel,
+            params_dtype=dtype,
+            ops=ops,
+            bias=True,
+            activation=config.moe_activation,
+        )
+
+
+class GptOssForCausalLM(MoeForCausalLM):
+    """gpt-oss's causal LM (the module's docstring)."""
+
+    decoder_layer = GptOssDecoderLayer
+
+    def use_ops(self, ops: OpSet) -> None:
+        """Layer by layer through ``ops``, whose attention must honour
+        sinks and sliding windows."""
+        attention = ops.attention_op
+        if not getattr(attention, "supports_sinks", False):
+            raise UnsupportedModelError(
+                f"gpt-oss's attention sinks: the {attention.name!r} attention op does not "
+                "support them (use the torch or cpu op set)"
+            )
+        windowed = any(w is not None for w in self.config.layer_windows)
+        if windowed and not attention.supports_sliding_window:
+            raise UnsupportedModelError(
+                f"sliding-window attention: the {attention.name!r} attention op does not support it"
+            )
+        super().use_ops(ops)
+
+    def param_target(self, name: str) -> tuple[str, Any]:
+        """The router's and the experts' tensors (the module's docstring);
+        others as the Llama family's."""
+        if ".mlp.router." in name:
+            return name.replace(".mlp.router.", ".mlp.gate."), None
+        match = _CHECKPOINT_EXPERT.fullmatch(name)
+        if match is not None and match[2] in _EXPERT_TENSORS:
+            param, kind = _EXPERT_TENSORS[match[2]]
+            return f"{match[1]}.experts.{param}", kind
+        return LlamaForCausalLM.param_target(self, name)
+
+    def checkpoint_names(self, param_name: str) -> list[str]:
+        if ".mlp.gate." in param_name:
+            return [param_name.replace(".mlp.gate.", ".mlp.router.")]
+        match = _PARAM_EXPERT.fullmatch(param_name)
+        if match is not None:
+            theirs = next(k for k, (p, _) in _EXPERT_TENSORS.items() if p == match[2])
+            name = f"{match[1]}.experts.{theirs}"
+            if self.config.experts_mxfp4 and not theirs.endswith("bias"):
+                return [f"{name}_blocks", f"{name}_scales"]
+            return [name]
+        return LlamaForCausalLM.checkpoint_names(self, param_name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """As the Llama family's, MXFP4 experts dequantized first (the
+        module's docstring); the names consumed include both parts."""
+        consumed: set[str] = set()
+        loaded = super().load_weights(self._dequantized(weights, consumed))
+        made = {name.rsplit("_", 1)[0] for name in consumed}  # the dequantized tensors
+        return (loaded - made) | consumed
+
+    def _dequantized(
+        self, weights: Iterable[tuple[str, torch.Tensor]], consumed: set[str]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` with each MXFP4 projection's blocks and scales as the
+        unquantized tensor (transformers' ``[E, H, 2I]`` / ``[E, I, H]``)."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        dtype = next(self.parameters()).dtype
+        for name, tensor in weights:
+            match = _MXFP4_PART.fullmatch(name)
+            if match is None or not self.config.experts_mxfp4:
+                yield name, tensor
+                continue
+            parts = pending.setdefault(match[1], {})
+            parts[match[2]] = tensor
+            if len(parts) < 2:
+                continue
+            del pending[match[1]]
+            consumed.update((f"{match[1]}_blocks", f"{match[1]}_scales"))
+            try:
+                dense = dequantize_mxfp4(parts["blocks"], parts["scales"], dtype)
+            except ValueError as exc:
+                raise ModelLoadError(f"{match[1]}: {exc}") from None
+            yield match[1], dense.transpose(1, 2)
+        if pending:
+            raise ModelLoadError(
+                f"MXFP4 experts: {sorted(pending)[0]} lacks its blocks or its scales"
+            )

@@ -1,0 +1,314 @@
+"""gpt-oss from a tiny random checkpoint written with transformers'
+``save_pretrained`` (safetensors, unquantized): greedy tokens equal
+transformers' (eager attention with sinks), 32 tokens of 3 prompts longer
+than its sliding window of 4, batched, in fp32 on the CPU, on one rank
+(whole prompts and chunked prefill; the CPU library's attention, which
+runs the reference for sinks, and the torch attention backend) and with
+PP = 2 x TP = 2 in one 4-rank engine (gloo). Its layers alternate sliding
+and full attention, its rope is YaRN, its router is biased and softmaxes
+its top-k logits, its experts are biased swigluoai. The same model with
+MXFP4 experts (``_blocks`` / ``_scales`` uint8 tensors and an MXFP4
+``quantization_config``, as the released checkpoints) loads, dequantized,
+to transformers' tokens on its dequantized weights.
+
+Then the door: hostile gpt-oss config fields are refused in one line,  another
+quantization is refused, the Triton op sets (no sinks) are refused at
+load, the CPU decode stack declines its layers, the memory estimate counts
+its parameters; the ``gpt-oss-20b``
+dummy preset's config (not allocated)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+from safetensors.torch import load_file, save_file
+
+import asyncstep
+from asyncstep import SamplingParams
+from asyncstep.errors import ModelLoadError, UnsupportedModelError
+from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.gpt_oss import GptOssForCausalLM
+from asyncstep.models.mxfp4 import dequantize_mxfp4
+
+MAX_TOKENS = 32
+PROMPTS = [
+    [3, 17, 92, 5, 44, 61, 2, 9, 130],
+    [250, 7, 7, 41, 99, 123, 8, 64, 12, 200, 31],
+    [77, 1, 180, 33, 4, 58],
+]
+WINDOW = 4
+
+
+def tiny_config(**changes: Any) -> Any:
+    import transformers
+
+    fields: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    config = transformers.GptOssConfig(**(fields | changes))
+    config._attn_implementation = "eager"
+    return config
+
+
+def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def tiny_model() -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config()).eval()
+    with torch.no_grad():  # biases are zeros at init: make them count
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                param.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    model = tiny_model()
+    path = tmp_path_factory.mktemp("gpt_oss")
+    model.save_pretrained(path, safe_serialization=True)
+    return path, [hf_greedy(model, p) for p in PROMPTS]
+
+
+def random_mxfp4(g: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random blocks and scales of a ``[..., rows, cols]`` projection."""
+    *lead, cols = shape
+    blocks = torch.randint(0, 256, (*lead, cols // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(122, 125, (*lead, cols // 32), generator=g, dtype=torch.uint8)
+    return blocks, scales
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """The tiny model with MXFP4 experts: transformers runs their
+    dequantized values; the checkpoint holds them packed."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    packed: dict[str, torch.Tensor] = {}
+    experts, hidden, inter = 4, 64, 32
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            prefix = f"model.layers.{i}.mlp.experts"
+            for proj, rows, cols in (
+                ("gate_up_proj", 2 * inter, hidden),
+                ("down_proj", hidden, inter),
+            ):
+                blocks, scales = random_mxfp4(g, experts, rows, cols)
+                dense = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2)
+                getattr(layer.mlp.experts, proj).copy_(dense)
+                packed |= {f"{prefix}.{proj}_blocks": blocks, f"{prefix}.{proj}_scales": scales}
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    model.save_pretrained(path, safe_serialization=True)
+    tensors = load_file(path / "model.safetensors")
+    tensors = {k: v for k, v in tensors.items() if not k.endswith(("gate_up_proj", "down_proj"))}
+    save_file(tensors | packed, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (path / "config.json").write_text(json.dumps(config))
+    return path, [hf_greedy(model, p) for p in PROMPTS]
+
+
+async def serve(path: Path, **options: Any) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    results: list[list[int]] = [[] for _ in PROMPTS]
+    async with asyncstep.open_engine(
+        path, device="cpu", dtype="float32", engine_process=False, **options
+    ) as engine:
+
+        async def one(i: int) -> None:
+            results[i] = (await engine.generate(PROMPTS[i], params)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(PROMPTS)):
+                nursery.start_soon(one, i)
+    return results
+
+
+def test_the_checkpoint_reads_as_gpt_oss(checkpoint: tuple[Path, list[list[int]]]) -> None:
+    from asyncstep.models.loader.hf import read_arch_config
+
+    arch = read_arch_config(checkpoint[0])
+    assert arch.family == "gpt_oss" and arch.attention_sinks and arch.attention_bias
+    assert arch.layer_windows == (WINDOW, None, WINDOW, None)
+    assert arch.scoring_func == "topk_softmax" and arch.moe_activation == "swigluoai"
+    assert arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "yarn"
+    assert all(len(p) > WINDOW for p in PROMPTS)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {},
+        {"max_num_batched_tokens": 4},
+        {"attention_backend": "torch"},
+        {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+    ],
+    ids=["one rank", "one rank, chunked prefill", "one rank, torch attention", "pp2xtp2"],
+)
+def test_greedy_equals_transformers(
+    checkpoint: tuple[Path, list[list[int]]], layout: dict[str, Any]
+) -> None:
+    path, expected = checkpoint
+    assert trio.run(lambda: serve(path, **layout)) == expected
+
+
+def test_mxfp4_experts_are_dequantized_at_load(
+    mxfp4_checkpoint: tuple[Path, list[list[int]]],
+) -> None:
+    from asyncstep.models.loader.hf import read_arch_config
+
+    path, expected = mxfp4_checkpoint
+    assert read_arch_config(path).experts_mxfp4
+    assert trio.run(lambda: serve(path)) == expected
+
+
+# -- the door -----------------------------------------------------------------
+
+
+def hf_dict(**changes: Any) -> dict[str, Any]:
+    config = tiny_config().to_dict()
+    config["architectures"] = ["GptOssForCausalLM"]
+    config.update(changes)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"num_local_experts": 0}, r"num_local_experts must be in \[1, 1024\], got 0"),
+        ({"num_experts_per_tok": 9}, r"num_experts_per_tok must be in \[1, 4\], got 9"),
+        ({"sliding_window": -1}, "sliding_window must be in"),
+        ({"layer_types": ["sliding_attention"] * 3}, "layer_types names 3 layers"),
+        ({"layer_types": "full"}, "layer_types must be a list"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "lacks original_max"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 2.0,
+                    "beta_fast": "x",
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "beta_fast must be",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 2.0,
+                    "truncate": 1,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "truncate must be true or false",
+        ),
+    ],
+)
+def test_hostile_gpt_oss_configs_are_refused_in_one_line(
+    changes: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(ModelLoadError, match=error) as caught:
+        ModelArchConfig.from_hf_dict(hf_dict(**changes))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization 'fp8'"),
+        ({"swiglu_limit": 10.0}, "swiglu_limit 10.0"),
+        ({"swiglu_alpha": "1.702"}, "swiglu_alpha '1.702'"),
+        ({"layer_types": ["chunked_attention"] * 4}, "layer type 'chunked_attention'"),
+    ],
+)
+def test_unsupported_gpt_oss_options_are_named(changes: dict[str, Any], error: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=error) as caught:
+        ModelArchConfig.from_hf_dict(hf_dict(**changes))
+    assert "\n" not in str(caught.value)
+
+
+def test_op_sets_without_sinks_are_refused_and_the_decode_stack_declines() -> None:
+    from asyncstep.models.memory import rank_param_count
+    from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
+    from asyncstep.ops.cpu.library import load_cpu_kernels
+    from asyncstep.ops.torch_attention import TorchAttention
+    from asyncstep.ops.torch_ref import TorchOps
+    from asyncstep.ops.triton.paged_attention import TritonAttention
+
+    arch = ModelArchConfig.from_hf_dict(hf_dict())
+    model = GptOssForCausalLM(arch)
+    assert rank_param_count(arch) == sum(p.numel() for p in model.parameters())
+    assert all(layer.self_attn.attn.shape.sinks is not None for layer in model.model.layers)
+    with pytest.raises(UnsupportedModelError, match="'triton' attention op does not support"):
+        model.use_ops(TorchOps(TritonAttention(rotates=False)))  # type: ignore[arg-type]
+    model.use_ops(TorchOps(TorchAttention()))
+    assert model.model.step_path is None
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        assert CpuDecodeStack.build(kernels, model.model.stage_layers()) is None
+
+
+def test_dummy_weights_of_mxfp4_experts_load() -> None:
+    from asyncstep.models.dummy import dummy_weights
+
+    arch = ModelArchConfig.from_hf_dict(hf_dict(quantization_config={"quant_method": "mxfp4"}))
+    model = GptOssForCausalLM(arch)
+    assert model.load_weights(dummy_weights(arch)) == model.expected_weight_names()
+    w13 = model.model.layers[0].mlp.experts.w13_weight
+    assert 0 < float(w13.abs().max()) <= 6 * 2.0**-4
+
+
+def test_the_gpt_oss_20b_preset() -> None:
+    from asyncstep.models.dummy import get_shape
+
+    arch = get_shape("gpt-oss-20b")
+    arch.validate()
+    assert (arch.num_hidden_layers, arch.num_experts, arch.num_experts_per_tok) == (24, 32, 4)
+    assert arch.layer_windows[:2] == (128, None) and arch.attention_sinks
+    shapes = arch.weight_shapes()
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (32, 2880, 5760)
+    assert shapes["model.layers.0.self_attn.sinks"] == (64,)
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    assert 20.5e9 < params < 21.5e9  # transformers counts 20.9e9
