@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "checks": 1,
     "ops": 1,  # the kernels: over the device runtime, under the models
     "cpu_features": 0,
+    "kv_cache_interface": 0,  # the KV cache groups: the scheduler's and the runner's
     "device": 0,
     "logging": 0,
     "errors": 0,

@@ -30,11 +30,12 @@ from torch import nn
 
 from asyncstep.channels import get_ep_group, get_tp_group
 from asyncstep.models.config import ModelArchConfig
-from asyncstep.models.layers.moe import SparseMoeBlock
+from asyncstep.models.layers.moe import SparseMoeBlock, SparseMoeStage
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.layers.rotary import RotaryEmbedding
 from asyncstep.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from asyncstep.ops.base import OpSet
+from asyncstep.ops.attention import AttentionMetadata
+from asyncstep.ops.base import OpSet, RotaryCosSin
 from asyncstep.ops.slot import OpSetSlot
 
 __all__ = [
@@ -55,6 +56,26 @@ _EXPERT_PARAM = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)_weight
 class MoeDecoderLayer(LlamaDecoderLayer):
     """A Llama decoder layer whose feed-forward is a sparse MoE block where
     the config makes the layer a MoE layer (else the dense MLP)."""
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the feed-forward is an expert-parallel MoE block (then
+        :meth:`begin_ep` runs the layer in stages)."""
+        return isinstance(self.mlp, SparseMoeBlock) and self.mlp.experts.use_ep
+
+    def begin_ep(
+        self,
+        cos_sin: RotaryCosSin,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[SparseMoeStage, torch.Tensor]:
+        """The layer up to its experts' dispatch (an expert-parallel layer):
+        the MoE stage begun (:meth:`SparseMoeBlock.begin_ep`) and the residual."""
+        assert isinstance(self.mlp, SparseMoeBlock)
+        q, k, v, residual = self.pre_attention(cos_sin, hidden, residual)
+        x, residual = self.pre_mlp(self.self_attn.attn(q, k, v, meta), residual)
+        return self.mlp.begin_ep(x), residual
 
     def make_mlp(
         self,

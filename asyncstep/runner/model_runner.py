@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -58,7 +59,6 @@ from asyncstep.errors import ConfigError
 from asyncstep.kv_cache_interface import kv_cache_groups
 from asyncstep.logging import get_logger
 from asyncstep.logging.spans import tracing
-from asyncstep.models.layers.attention import Attention
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.ops.attention import BLOCK_DIM, kv_cache_shape
 from asyncstep.ops.select import resolve_attention_backend, select_ops
@@ -92,6 +92,14 @@ from asyncstep.runner.ubatch_forward import forward_ubatches
 log = get_logger(__name__)
 
 REENTRY_ERROR = "sample_tokens() must be called after execute_model() returns None"
+
+
+class _KVLayer(Protocol):
+    """An attention layer as the KV cache binding reads it (the runner sets
+    its ``kv_cache``; it imports no layer class)."""
+
+    @property
+    def layer_idx(self) -> int: ...
 
 
 class ModelRunner:
@@ -365,7 +373,7 @@ class ModelRunner:
             attn.kv_cache = by_index[i]
         return caches
 
-    def _kv_tensor_index(self, attn: Attention) -> int:
+    def _kv_tensor_index(self, attn: _KVLayer) -> int:
         """The KV cache tensor ``attn`` uses (its own layer's, with one group)."""
         if len(self.kv_cache_groups) <= 1:
             return id(attn)

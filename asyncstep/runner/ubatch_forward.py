@@ -17,8 +17,8 @@ import torch
 
 from asyncstep.datatypes import IntermediateTensors
 from asyncstep.logging.spans import record_span, tracing
-from asyncstep.models.layers.moe import SparseMoeBlock, SparseMoeStage
-from asyncstep.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from asyncstep.models.llama import LlamaForCausalLM
+from asyncstep.models.moe import MoeDecoderLayer
 from asyncstep.ops.attention import AttentionMetadata
 from asyncstep.ops.base import RotaryCosSin
 
@@ -64,7 +64,7 @@ def forward_ubatches(
             cos_sin = inner.rotary.cos_sin(ub.positions, hidden.dtype)
             states.append(_State(cos_sin, hidden, residual))
     for index, layer in enumerate(inner.stage_layers(), inner.start_layer):
-        if _expert_parallel(layer):
+        if isinstance(layer, MoeDecoderLayer) and layer.expert_parallel:
             _ep_layer(layer, index, ubatches, streams, states)
             continue
         for ub, stream, st in zip(ubatches, streams, states, strict=True):
@@ -87,13 +87,8 @@ def forward_ubatches(
     return torch.cat([first, second])
 
 
-def _expert_parallel(layer: torch.nn.Module) -> bool:
-    mlp = getattr(layer, "mlp", None)
-    return isinstance(mlp, SparseMoeBlock) and mlp.experts.use_ep
-
-
 def _ep_layer(
-    layer: torch.nn.Module,
+    layer: MoeDecoderLayer,
     index: int,
     ubatches: list[UBatchInputs],
     streams: list[torch.cuda.Stream | None],
@@ -101,15 +96,13 @@ def _ep_layer(
 ) -> None:
     """An expert-parallel MoE layer over both micro-batches, in stages (see
     the module doc)."""
-    assert isinstance(layer, LlamaDecoderLayer) and isinstance(layer.mlp, SparseMoeBlock)
-    stages: list[SparseMoeStage] = []
+    stages = []  # the layer's MoE stage per micro-batch
     for ub, stream, st in zip(ubatches, streams, states, strict=True):
         with _on(stream):
-            q, k, v, residual = layer.pre_attention(st.cos_sin, st.hidden, st.residual)
-            hidden, st.residual = layer.pre_mlp(
-                layer.self_attn.attn(q, k, v, ub.attn_metadata), residual
+            stage, st.residual = layer.begin_ep(
+                st.cos_sin, st.hidden, st.residual, ub.attn_metadata
             )
-            stages.append(layer.mlp.begin_ep(hidden))
+            stages.append(stage)
     for stream, stage in zip(streams, stages, strict=True):
         with _on(stream):
             stage.compute()

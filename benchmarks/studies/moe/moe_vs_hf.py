@@ -8,7 +8,7 @@ throughput`` (a child process, every request at once) and HF through
 ``generate`` on one static batch of 16 (its own process, the same
 threads). Output tokens a second of each, and the ratio.
 
-    python3 benchmarks/studies/moe/cpu_vs_hf.py --out RESULT.json
+    python3 benchmarks/studies/moe/moe_vs_hf.py --out RESULT.json
 """
 
 from __future__ import annotations
