@@ -493,6 +493,25 @@ class PackedReads(msgspec.Struct, frozen=True, array_like=True):
     dense_bytes: int
 
 
+class ExpertReads(msgspec.Struct, frozen=True, array_like=True):
+    """The experts of the MoE layers routing ``top_k`` of ``num_experts``:
+    the bytes of the experts a rank holds (weights and biases, summed over
+    those layers). A step reads the experts its tokens are routed to: of
+    one token, exactly ``top_k`` (``top_k / num_experts`` of the bytes); of
+    ``T`` tokens, each held expert is read when any token picks it, with
+    probability ``1 - (1 - top_k / num_experts) ** T`` under uniform
+    routing (the expectation a step of ``T`` tokens counts)."""
+
+    num_experts: int
+    top_k: int
+    resident_bytes: int
+
+    def step_bytes(self, num_tokens: int) -> float:
+        """The expert bytes a step of ``num_tokens`` tokens reads (see above)."""
+        missed = (1 - self.top_k / self.num_experts) ** max(num_tokens, 1)
+        return self.resident_bytes * (1 - missed)
+
+
 class WeightReads(msgspec.Struct, frozen=True):
     """The bytes of weights a forward step reads, by its number of tokens
     (a rank's, or an engine's: its ranks' summed): what the memory floor of
@@ -506,13 +525,16 @@ class WeightReads(msgspec.Struct, frozen=True):
     packed: list[PackedReads] = msgspec.field(default_factory=list)
     #: One row of the input embedding: a step reads one per token.
     embedding_row_bytes: int = 0
+    #: A MoE model's experts, by their layers' routing (not in ``dense_bytes``).
+    experts: list[ExpertReads] = msgspec.field(default_factory=list)
 
     def step_bytes(self, num_tokens: int) -> int:
         """The weight bytes a step of ``num_tokens`` tokens reads."""
         packed = sum(
             p.packed_bytes if num_tokens <= p.max_tokens else p.dense_bytes for p in self.packed
         )
-        return self.dense_bytes + packed + num_tokens * self.embedding_row_bytes
+        experts = sum(e.step_bytes(num_tokens) for e in self.experts)
+        return self.dense_bytes + packed + num_tokens * self.embedding_row_bytes + round(experts)
 
     def plus(self, other: WeightReads) -> WeightReads:
         """Two ranks' reads together (a token's embedding row is on one
@@ -525,10 +547,15 @@ class WeightReads(msgspec.Struct, frozen=True):
                 have.packed_bytes + more.packed_bytes,
                 have.dense_bytes + more.dense_bytes,
             )
+        routes: dict[tuple[int, int], int] = {}
+        for e in (*self.experts, *other.experts):
+            key = (e.num_experts, e.top_k)
+            routes[key] = routes.get(key, 0) + e.resident_bytes
         return WeightReads(
             self.dense_bytes + other.dense_bytes,
             [tiers[k] for k in sorted(tiers)],
             max(self.embedding_row_bytes, other.embedding_row_bytes),
+            [ExpertReads(e, k, b) for (e, k), b in sorted(routes.items())],
         )
 
 

@@ -15,12 +15,16 @@ _CONFIG_CLASSES = {
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+    "MixtralForCausalLM": "MixtralConfig",
+    "OlmoeForCausalLM": "OlmoeConfig",
+    "GptOssForCausalLM": "GptOssConfig",
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
 }
 
 
 def hf_config(arch: ModelArchConfig, **overrides: Any) -> Any:
-    """A transformers config of ``arch``'s shape (a dense family's: the MoE
-    families' parity tests build transformers' model themselves)."""
+    """A transformers config of ``arch``'s shape, for every family we run."""
     import transformers
 
     if arch.architecture not in _CONFIG_CLASSES:
@@ -44,9 +48,45 @@ def hf_config(arch: ModelArchConfig, **overrides: Any) -> Any:
         eos_token_id=list(arch.eos_token_ids) or None,
         **rope,
     )
-    if arch.architecture == "LlamaForCausalLM":
+    if arch.architecture in ("LlamaForCausalLM", "GptOssForCausalLM"):
         fields["attention_bias"] = arch.attention_bias
-    return cls(**(fields | _hf_windows(arch) | overrides))
+    return cls(**(fields | _hf_windows(arch) | _hf_experts(arch) | _hf_gemma3(arch) | overrides))
+
+
+def _hf_experts(arch: ModelArchConfig) -> dict[str, Any]:
+    """A MoE family's expert fields, by the names its transformers config reads."""
+    if not arch.is_moe:
+        return {}
+    fields: dict[str, Any] = {"num_experts_per_tok": arch.num_experts_per_tok}
+    name = arch.architecture
+    if name in ("MixtralForCausalLM", "GptOssForCausalLM"):
+        fields["num_local_experts"] = arch.num_experts
+    else:
+        fields["num_experts"] = arch.num_experts
+    if name in ("OlmoeForCausalLM", "GptOssForCausalLM"):
+        fields["intermediate_size"] = arch.moe_intermediate_size
+    if name == "Qwen3MoeForCausalLM":
+        fields |= {
+            "moe_intermediate_size": arch.moe_intermediate_size,
+            "decoder_sparse_step": arch.decoder_sparse_step,
+            "mlp_only_layers": list(arch.mlp_only_layers),
+        }
+    if name in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
+        fields["norm_topk_prob"] = arch.norm_topk_prob
+    return fields
+
+
+def _hf_gemma3(arch: ModelArchConfig) -> dict[str, Any]:
+    """Gemma 3's own fields: its attention scale, local rotary base and softcaps."""
+    if arch.architecture != "Gemma3ForCausalLM":
+        return {}
+    return {
+        "query_pre_attn_scalar": arch.query_pre_attn_scalar,
+        "rope_local_base_freq": arch.rope_local_base_freq,
+        "final_logit_softcapping": arch.final_logit_softcapping,
+        "attn_logit_softcapping": arch.attn_logit_softcapping,
+        "hidden_activation": arch.hidden_act,
+    }
 
 
 def _hf_windows(arch: ModelArchConfig) -> dict[str, Any]:

@@ -13,9 +13,11 @@ import torch
 
 import asyncstep
 from asyncstep.config import ModelConfig
-from asyncstep.datatypes import PackedReads, WeightReads
+from asyncstep.datatypes import ExpertReads, PackedReads, WeightReads
+from asyncstep.models.dummy import SHAPES
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncstep.models.model_loader import load_model
+from asyncstep.models.registry import model_class
 from asyncstep.models.weight_reads import weight_reads
 from asyncstep.ops.cpu.quant import CpuQuantWeight
 from asyncstep.ops.packed import PackedWeight
@@ -80,6 +82,26 @@ def test_a_small_step_reads_the_packed_copies() -> None:
     assert reads.step_bytes(17) == NORMS + LINEARS + TABLE + 17 * ROW
 
 
+def test_a_moe_step_reads_the_experts_its_tokens_pick() -> None:
+    """gpt-oss-20b's shape (32 experts, top 4, biased experts), built on the
+    meta device: the experts apart from the dense bytes, one token reads 4
+    of 32 of them, 32 tokens the expectation under uniform routing."""
+    arch = SHAPES["gpt-oss-20b"]
+    with torch.device("meta"):
+        model = model_class(arch)(arch, torch.bfloat16)
+    reads = weight_reads(model)
+    hidden, inter = arch.hidden_size, arch.moe_intermediate_size
+    layer = 3 * hidden * inter + 2 * inter + hidden  # w13 and w2 of one expert, and their biases
+    experts = arch.num_hidden_layers * arch.num_experts * layer * 2
+    assert reads.experts == [ExpertReads(32, 4, experts)]
+    everything = sum(p.numel() for p in model.parameters()) * 2
+    embed_table = arch.vocab_size * arch.hidden_size * 2
+    assert reads.dense_bytes == everything - experts - embed_table
+    assert reads.step_bytes(1) == reads.dense_bytes + experts // 8 + reads.embedding_row_bytes
+    uniform = experts * (1 - (28 / 32) ** 32)
+    assert reads.step_bytes(32) == reads.dense_bytes + round(uniform) + 32 * hidden * 2
+
+
 def test_ranks_add_up_their_reads() -> None:
     first = WeightReads(10, [PackedReads(16, 3, 9)], embedding_row_bytes=5)
     last = WeightReads(20, [PackedReads(8, 1, 4), PackedReads(16, 2, 6)], embedding_row_bytes=0)
@@ -87,6 +109,10 @@ def test_ranks_add_up_their_reads() -> None:
     assert both == WeightReads(30, [PackedReads(8, 1, 4), PackedReads(16, 5, 15)], 5)
     assert both.step_bytes(8) == 30 + 1 + 5 + 8 * 5
     assert both.step_bytes(9) == 30 + 4 + 5 + 9 * 5
+    # Two expert-parallel ranks, each half of the experts: one token reads top_k of them.
+    half = WeightReads(0, experts=[ExpertReads(8, 2, 400)])
+    assert half.plus(half) == WeightReads(0, experts=[ExpertReads(8, 2, 800)])
+    assert half.plus(half).step_bytes(1) == 200
 
 
 @pytest.mark.trio
