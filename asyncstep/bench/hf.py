@@ -101,9 +101,10 @@ def build_model(arch: ModelArchConfig, options: HfOptions) -> Any:
     return model
 
 
-def free_model(model: Any) -> None:
-    """Drop the model, its static cache and compiled graphs (and their memory pools)."""
-    del model
+def free_model(holder: list[Any]) -> None:
+    """Drop the model ``holder`` holds (its only reference), its static cache
+    and compiled graphs, and their memory pools."""
+    holder.clear()
     gc.collect()
     torch._dynamo.reset()
     gc.collect()
@@ -113,11 +114,11 @@ def free_model(model: Any) -> None:
 
 def with_model(arch: ModelArchConfig, options: HfOptions, work: Callable[[Any], Any]) -> Any:
     """Build the model, return ``work(model)``, free the model (before our engine runs)."""
-    model = build_model(arch, options)
+    holder = [build_model(arch, options)]
     try:
-        return work(model)
+        return work(holder[0])
     finally:
-        free_model(model)
+        free_model(holder)
 
 
 def guarded(label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

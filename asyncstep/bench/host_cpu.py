@@ -180,16 +180,16 @@ def hf_run(arch: ModelArchConfig, prompts: list[list[int]], output_len: int, rep
     options = bench_hf.HfOptions(
         device=torch.device("cpu"), dtype=torch.float32, compile=False, warmups=1, repeats=repeats
     )
-    model = bench_hf.build_model(arch, options)
-    try:
-        ids, mask = bench_hf.left_pad(prompts, max(len(p) for p in prompts), options.device)
+    ids, mask = bench_hf.left_pad(prompts, max(len(p) for p in prompts), options.device)
+
+    def work(model: Any) -> list[float]:
         bench_hf.timed_generate(model, ids, mask, output_len, output_len)  # warm-up
-        seconds = [
+        return [
             bench_hf.timed_generate(model, ids, mask, output_len, output_len)
             for _ in range(repeats)
         ]
-    finally:
-        bench_hf.free_model(model)
+
+    seconds = bench_hf.with_model(arch, options, work)
     return {
         "tok_s": tok_s(seconds, len(prompts) * output_len),
         "seconds": seconds,
