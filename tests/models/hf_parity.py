@@ -196,3 +196,32 @@ def write_hf_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# -- a MoE block, op by op -----------------------------------------------------
+
+
+def moe_block_differences(path: Path, rows: int = 13) -> list[float]:
+    """Each MoE layer's largest difference between our block (router and
+    experts, loaded from ``path``) and transformers' (the same checkpoint),
+    on the same random rows in fp32, relative to transformers' largest
+    output; dense layers are passed over."""
+    import transformers
+
+    from asyncstep.config import ModelConfig
+    from asyncstep.models.layers.moe import SparseMoeBlock
+    from asyncstep.models.model_loader import load_model
+
+    ours = load_model(ModelConfig(model=str(path), device="cpu", dtype="float32")).model
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    x = torch.randn(rows, theirs.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    differences = []
+    with torch.inference_mode():
+        for our_layer, their_layer in zip(ours.model.layers, theirs.model.layers, strict=True):
+            if not isinstance(our_layer.mlp, SparseMoeBlock):
+                continue
+            want = their_layer.mlp(x[None])
+            want = want[0] if isinstance(want, tuple) else want  # gpt-oss's: (rows, scores)
+            error = (our_layer.mlp(x) - want[0]).abs().max() / want.abs().max()
+            differences.append(float(error))
+    return differences

@@ -30,7 +30,13 @@ from asyncstep.errors import ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.gpt_oss import GptOssForCausalLM
 from asyncstep.models.mxfp4 import dequantize_mxfp4
-from tests.models.hf_parity import Checkpoint, Parity, random_model, tiny_fields
+from tests.models.hf_parity import (
+    Checkpoint,
+    Parity,
+    moe_block_differences,
+    random_model,
+    tiny_fields,
+)
 
 PROMPTS = [
     [3, 17, 92, 5, 44, 61, 2, 9, 130],
@@ -141,6 +147,14 @@ def test_the_checkpoint_reads_as_gpt_oss(checkpoint: Checkpoint) -> None:
 def test_greedy_equals_transformers(checkpoint: Checkpoint, layout: dict[str, Any]) -> None:
     path, expected = checkpoint
     assert PARITY.serve(path, **layout) == expected
+
+
+def test_each_moe_block_equals_transformers(checkpoint: Checkpoint) -> None:
+    """Op by op: each layer's block (the biased router's softmax over its
+    top-k logits, the biased swigluoai experts) on random rows gives
+    transformers' ``GptOssMLP``'s rows."""
+    differences = moe_block_differences(checkpoint[0])
+    assert len(differences) == 4 and max(differences) < 1e-6, differences
 
 
 def test_mxfp4_experts_are_dequantized_at_load(

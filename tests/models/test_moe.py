@@ -42,6 +42,7 @@ from tests.models.hf_parity import (
     PROMPTS,
     Checkpoint,
     Parity,
+    moe_block_differences,
     random_model,
     tiny_fields,
     write_hf_gguf,
@@ -141,6 +142,18 @@ def test_windowed_mixtral_past_its_window_equals_transformers(
     full = AutoModelForCausalLM.from_pretrained(path, sliding_window=None).eval()
     assert all(e != f for e, f in zip(expected, WINDOW_PARITY.expected(full), strict=True))
     assert WINDOW_PARITY.serve(path) == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_moe_block_equals_transformers(
+    family: str, checkpoints: Callable[[str], Checkpoint]
+) -> None:
+    """Op by op: each MoE layer's block (router, top-k, renormalised or not,
+    the experts) on random rows gives transformers' block's rows."""
+    path, _ = checkpoints(family)
+    differences = moe_block_differences(path)
+    assert len(differences) == (2 if family == "qwen3_moe" else 3)  # Qwen3-MoE's layer 1 is dense
+    assert max(differences) < 1e-6, differences
 
 
 # -- the door -----------------------------------------------------------------
