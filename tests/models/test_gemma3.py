@@ -24,12 +24,11 @@ import pytest
 import torch
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
-from asyncstep.models import memory
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.gemma3 import Gemma3ForCausalLM
 from asyncstep.models.registry import model_class
 from tests.models.hf_parity import LONG_PROMPTS, Checkpoint, Parity, random_model, tiny_fields
-from tests.models.test_hostile_files import as_rank
+from tests.models.test_hostile_files import assert_each_rank_builds_the_estimate
 
 WINDOW = 8
 PARITY = Parity(LONG_PROMPTS)
@@ -203,12 +202,7 @@ def test_estimate_is_the_parameters_each_rank_builds(tp: int, pp: int) -> None:
     """The memory estimate counts the sandwich norms; every parameter has a
     checkpoint name the config expects."""
     arch = ModelArchConfig.from_hf_dict(hf_dict())
-    for pp_rank in range(pp):
-        with as_rank(0, tp, pp_rank, pp), torch.device("meta"):
-            model = model_class(arch)(arch, torch.float32)
-        built = sum(p.numel() for p in model.parameters())
-        assert memory.rank_param_count(arch, tp_size=tp, pp_rank=pp_rank, pp_size=pp) == built
-        assert model.expected_weight_names() <= set(arch.weight_shapes())
+    assert_each_rank_builds_the_estimate(arch, tp, pp)
 
 
 def test_gemma_asks_no_op_set_for_a_step_path() -> None:

@@ -31,7 +31,6 @@ from transformers import AutoModelForCausalLM
 
 from asyncstep.config import ModelConfig
 from asyncstep.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from asyncstep.models import memory
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.model_loader import load_model
 from asyncstep.models.moe import MoeForCausalLM
@@ -47,7 +46,7 @@ from tests.models.hf_parity import (
     tiny_fields,
     write_hf_gguf,
 )
-from tests.models.test_hostile_files import as_rank
+from tests.models.test_hostile_files import assert_each_rank_builds_the_estimate
 
 PARITY = Parity(PROMPTS)
 #: The windowed Mixtral's window, and prompts longer than it.
@@ -229,12 +228,7 @@ def test_configs_read_as_each_family_says() -> None:
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 3)])
 def test_estimate_is_the_parameters_each_rank_builds(family: str, tp: int, pp: int) -> None:
     arch = ModelArchConfig.from_hf_dict(hf_dict(family))
-    for pp_rank in range(pp):
-        with as_rank(0, tp, pp_rank, pp), torch.device("meta"):
-            model = model_class(arch)(arch, torch.float32)
-        built = sum(p.numel() for p in model.parameters())
-        assert memory.rank_param_count(arch, tp_size=tp, pp_rank=pp_rank, pp_size=pp) == built
-        assert model.expected_weight_names() <= set(arch.weight_shapes())
+    assert_each_rank_builds_the_estimate(arch, tp, pp)
 
 
 def test_the_cpu_decode_stack_declines_moe_layers(monkeypatch: pytest.MonkeyPatch) -> None:
