@@ -9,7 +9,9 @@ and full attention, its rope is YaRN, its router is biased and softmaxes
 its top-k logits, its experts are biased swigluoai. The same model with
 MXFP4 experts (``_blocks`` / ``_scales`` uint8 tensors and an MXFP4
 ``quantization_config``, as the released checkpoints) loads, dequantized,
-to transformers' tokens on its dequantized weights.
+to transformers' tokens on its dequantized weights. The window matters
+(full attention gives other tokens); each layer's MoE block gives
+transformers' ``GptOssMLP``'s rows, op by op.
 
 Then the door: hostile gpt-oss config fields are refused in one line,  another
 quantization is refused, the Triton op sets (no sinks) are refused at
@@ -25,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig
@@ -33,6 +36,7 @@ from asyncstep.models.mxfp4 import dequantize_mxfp4
 from tests.models.hf_parity import (
     Checkpoint,
     Parity,
+    hf_greedy,
     moe_block_differences,
     random_model,
     tiny_fields,
@@ -132,6 +136,12 @@ def test_the_checkpoint_reads_as_gpt_oss(checkpoint: Checkpoint) -> None:
     assert arch.scoring_func == "topk_softmax" and arch.moe_activation == "swigluoai"
     assert arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "yarn"
     assert all(len(p) > WINDOW for p in PROMPTS)
+    # The window matters: the same weights in full attention give the
+    # longest prompt other tokens.
+    full = AutoModelForCausalLM.from_pretrained(
+        checkpoint[0], attn_implementation="eager", layer_types=["full_attention"] * 4
+    ).eval()
+    assert hf_greedy(full, PROMPTS[1]) != checkpoint[1][1]
 
 
 @pytest.mark.parametrize(

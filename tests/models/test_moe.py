@@ -8,8 +8,9 @@ GGUF files written as llama.cpp's converter writes them, on one rank.
 Qwen3-MoE's checkpoint has a dense layer (``mlp_only_layers``) and
 renormalised top-k weights; OLMoE's does not renormalise. A Mixtral with a
 ``sliding_window`` of 8 gives transformers' tokens past its window (its
-EP = 4 engine is in ``test_expert_parallel``). The scaffolding (random
-model, HF's greedy tokens, ours) is ``tests.models.hf_parity``'s.
+EP = 4 engine is in ``test_expert_parallel``). Op by op, each family's MoE
+block gives transformers' block's rows. The scaffolding (random model, HF's
+greedy tokens, ours, the GGUF conversion) is ``tests.models.hf_parity``'s.
 
 Then the door: hostile or unsupported MoE configs (and a GGUF stack of
 other experts) are refused with one line before anything is built; a TP
