@@ -572,6 +572,24 @@ def test_the_layers_drawn_are_those_kept() -> None:
     assert drawn_layers(page, "`engine/` sub-packages") == engine
 
 
+def test_the_parity_matrix_names_tests_that_exist() -> None:
+    """docs/python-api.md's matrix of the families against transformers
+    names tests that are defined: each ``test_*`` it quotes (after a file,
+    or alone) is a function of a test file the section quotes (a bare file
+    name is under ``tests/models/``)."""
+    page = (ROOT / "docs" / "python-api.md").read_text()
+    section = page.split("### What is tested against transformers")[1].split("\n## ")[0]
+    files = set(re.findall(r"`((?:tests/\w+/)?test_\w+\.py)", section))
+    defined: set[str] = set()
+    for name in files:
+        path = ROOT / (name if name.startswith("tests/") else f"tests/models/{name}")
+        assert path.is_file(), name
+        tree = ast.parse(path.read_text())
+        defined |= {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    named = set(re.findall(r"(?:::|`)(test_\w+)(?=[`\[])", section))
+    assert len(named) > 20 and named <= defined, sorted(named - defined)
+
+
 def test_the_multi_machine_recipe_is_the_one_test_parallel_runs() -> None:
     """Its commands need several machines; tests/channels/test_parallel.py runs the
     same recipe on one (torchrun's ranks, ``-m asyncstep.rank --engine``)."""

@@ -9,7 +9,9 @@ rows than ranks.
 
 The engine: the MoE families' tiny checkpoints of ``test_moe`` give
 transformers' greedy tokens (32 tokens, 3 prompts, fp32) with TP = 2 + EP
-(OLMoE's under sequence parallelism) and Qwen3-MoE's with PP = 2 x TP = 2 + EP.
+(OLMoE's under sequence parallelism; Mixtral's in micro-batches, below) and
+Qwen3-MoE's with PP = 2 x TP = 2 + EP; the windowed Mixtral's (past its
+window) with TP = 4 + EP (EP = 4).
 
 Load balance: a MoE model's rows per expert of each step reach its
 ``output`` span, the engine's statistics and ``/metrics``.
@@ -33,7 +35,6 @@ import torch
 import trio
 
 import asyncstep
-from asyncstep import SamplingParams
 from asyncstep.channels import GroupCoordinator, get_ep_group, set_parallel_groups
 from asyncstep.channels.parallel_state import ParallelGroups, get_pp_group, get_tp_group
 from asyncstep.config import ParallelConfig
@@ -46,13 +47,12 @@ from asyncstep.models.layers.moe import SparseMoeBlock
 from asyncstep.models.model_info import validate_parallel_layout
 from asyncstep.models.registry import model_class
 from tests.distributed import World
+from tests.models.hf_parity import MAX_TOKENS, PROMPTS, Checkpoint
 from tests.models.test_moe import (  # noqa: F401 (checkpoints: a fixture)
-    MAX_TOKENS,
-    PROMPTS,
-    Checkpoint,
+    PARITY,
+    WINDOW_PARITY,
     checkpoints,
     hf_dict,
-    serve,
 )
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 16, 12
@@ -171,9 +171,11 @@ def test_ep_block_equals_one_rank(world: World) -> None:
 
 # -- the engine: transformers' greedy tokens ----------------------------------
 
+#: Mixtral's EP = 2 engine is the micro-batched one (its tokens are
+#: transformers'), its plain EP path the EP = 4 one's: a multi-rank engine
+#: costs seconds of CI.
 EP_LAYOUTS: dict[str, dict[str, Any]] = {
     "qwen3_moe tp2+ep": {"tensor_parallel_size": 2},
-    "mixtral tp2+ep": {"tensor_parallel_size": 2},
     "olmoe tp2+ep+sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
     "qwen3_moe pp2xtp2+ep": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
 }
@@ -186,7 +188,17 @@ def test_ep_greedy_equals_transformers(
 ) -> None:
     path, expected = checkpoints(layout.split()[0])
     options = EP_LAYOUTS[layout] | {"enable_expert_parallel": True}
-    assert trio.run(lambda: serve(path, **options)) == expected
+    assert PARITY.serve(path, **options) == expected
+
+
+def test_ep4_windowed_mixtral_equals_transformers(
+    checkpoints: Callable[[str], Checkpoint],  # noqa: F811 (test_moe's fixture)
+) -> None:
+    """EP = 4 (TP = 4, one expert a rank, 4 processes on gloo): the windowed
+    Mixtral's tokens past its window of 8, as transformers gives them."""
+    path, expected = checkpoints("mixtral_window")
+    options = {"tensor_parallel_size": 4, "enable_expert_parallel": True, "block_size": 4}
+    assert WINDOW_PARITY.serve(path, **options) == expected
 
 
 # -- the door -----------------------------------------------------------------
@@ -277,11 +289,10 @@ def test_expert_parallel_on_a_gpu_runs_eagerly() -> None:
 
 
 async def serve_with_statistics(path: Path) -> tuple[list[list[int]], EngineStatistics]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     async with asyncstep.open_engine(
         path, device="cpu", dtype="float32", engine_process=False
     ) as engine:
-        results = [(await engine.generate(p, params)).token_ids for p in PROMPTS]
+        results = [(await engine.generate(p, PARITY.params)).token_ids for p in PROMPTS]
         return results, engine.statistics()
 
 
@@ -386,7 +397,7 @@ def test_ubatched_ep_gives_the_tokens_and_overlaps_the_exchange(
     }
     configure_logging("warning", log, console=False)
     try:
-        assert trio.run(lambda: serve(path, **options)) == expected
+        assert PARITY.serve(path, **options) == expected
     finally:
         configure_logging("warning", console=False)
     for rank in range(2):

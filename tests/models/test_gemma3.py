@@ -22,24 +22,16 @@ from typing import Any
 
 import pytest
 import torch
-import trio
 
-import asyncstep
-from asyncstep import SamplingParams
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
-from asyncstep.models import memory
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.gemma3 import Gemma3ForCausalLM
 from asyncstep.models.registry import model_class
-from tests.models.test_hostile_files import as_rank
+from tests.models.hf_parity import LONG_PROMPTS, Checkpoint, Parity, random_model, tiny_fields
+from tests.models.test_hostile_files import assert_each_rank_builds_the_estimate
 
 WINDOW = 8
-MAX_TOKENS = 32
-PROMPTS = [
-    [3, 17, 92, 5, 250, 7, 7, 41, 99, 123, 8],
-    [250, 7, 7, 41, 99, 123, 8, 64, 12, 200, 31, 18, 77, 140, 3, 9, 21, 60, 2, 33],
-    [77, 5, 9, 200, 14, 14, 150, 61, 8],
-]
+PARITY = Parity(LONG_PROMPTS)
 LAYOUTS: dict[str, dict[str, Any]] = {
     "one rank": {},
     "one rank, chunked prefill, small blocks": {"max_num_batched_tokens": 5, "block_size": 4},
@@ -54,38 +46,16 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 def tiny_config(**changes: Any) -> Any:
     import transformers
 
-    fields: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=64,
+    fields = tiny_fields(
         intermediate_size=128,
         num_hidden_layers=6,  # sliding_window_pattern 6: layers 0-4 sliding, 5 full
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         query_pre_attn_scalar=24,
-        max_position_embeddings=256,
         sliding_window=WINDOW,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
         initializer_range=0.03,  # tied embeddings: larger ones repeat the last token
+        tie_word_embeddings=True,
     )
     return transformers.Gemma3TextConfig(**(fields | changes))
-
-
-def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-Checkpoint = tuple[Path, list[list[int]]]
 
 
 @pytest.fixture(scope="module")
@@ -95,42 +65,22 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     must differ."""
     import transformers
 
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(tiny_config()).eval()
+    model = random_model(tiny_config(), attn_implementation="eager")
     for name, param in model.named_parameters():
         if "norm" in name:
             param.data.normal_(0, 0.5)
-    path = tmp_path_factory.mktemp("gemma3")
-    model.save_pretrained(path, safe_serialization=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
-    expected = [hf_greedy(model.eval(), p) for p in PROMPTS]
+    path, expected = PARITY.save(model, tmp_path_factory.mktemp("gemma3"))
     full = transformers.AutoModelForCausalLM.from_pretrained(
         path, attn_implementation="eager", layer_types=["full_attention"] * 6
     ).eval()
-    assert all(e != hf_greedy(full, p) for e, p in zip(expected, PROMPTS, strict=True))
+    assert all(e != f for e, f in zip(expected, PARITY.expected(full), strict=True))
     return path, expected
-
-
-async def serve(path: Path, **options: Any) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    results: list[list[int]] = [[] for _ in PROMPTS]
-    async with asyncstep.open_engine(
-        path, device="cpu", dtype="float32", engine_process=False, **options
-    ) as engine:
-
-        async def one(i: int) -> None:
-            results[i] = (await engine.generate(PROMPTS[i], params)).token_ids
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(PROMPTS)):
-                nursery.start_soon(one, i)
-    return results
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_greedy_equals_transformers(checkpoint: Checkpoint, layout: str) -> None:
     path, expected = checkpoint
-    assert trio.run(lambda: serve(path, **LAYOUTS[layout])) == expected
+    assert PARITY.serve(path, **LAYOUTS[layout]) == expected
 
 
 def test_the_norms_hold_one_plus_the_offsets_through_the_packed_cache(
@@ -252,12 +202,7 @@ def test_estimate_is_the_parameters_each_rank_builds(tp: int, pp: int) -> None:
     """The memory estimate counts the sandwich norms; every parameter has a
     checkpoint name the config expects."""
     arch = ModelArchConfig.from_hf_dict(hf_dict())
-    for pp_rank in range(pp):
-        with as_rank(0, tp, pp_rank, pp), torch.device("meta"):
-            model = model_class(arch)(arch, torch.float32)
-        built = sum(p.numel() for p in model.parameters())
-        assert memory.rank_param_count(arch, tp_size=tp, pp_rank=pp_rank, pp_size=pp) == built
-        assert model.expected_weight_names() <= set(arch.weight_shapes())
+    assert_each_rank_builds_the_estimate(arch, tp, pp)
 
 
 def test_gemma_asks_no_op_set_for_a_step_path() -> None:

@@ -9,7 +9,9 @@ and full attention, its rope is YaRN, its router is biased and softmaxes
 its top-k logits, its experts are biased swigluoai. The same model with
 MXFP4 experts (``_blocks`` / ``_scales`` uint8 tensors and an MXFP4
 ``quantization_config``, as the released checkpoints) loads, dequantized,
-to transformers' tokens on its dequantized weights.
+to transformers' tokens on its dequantized weights. The window matters
+(full attention gives other tokens); each layer's MoE block gives
+transformers' ``GptOssMLP``'s rows, op by op.
 
 Then the door: hostile gpt-oss config fields are refused in one line,  another
 quantization is refused, the Triton op sets (no sinks) are refused at
@@ -20,45 +22,45 @@ dummy preset's config (not allocated)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import trio
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
-import asyncstep
-from asyncstep import SamplingParams
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.gpt_oss import GptOssForCausalLM
 from asyncstep.models.mxfp4 import dequantize_mxfp4
+from tests.models.hf_parity import (
+    Checkpoint,
+    Parity,
+    hf_greedy,
+    moe_block_differences,
+    random_model,
+    tiny_fields,
+)
 
-MAX_TOKENS = 32
 PROMPTS = [
     [3, 17, 92, 5, 44, 61, 2, 9, 130],
     [250, 7, 7, 41, 99, 123, 8, 64, 12, 200, 31],
     [77, 1, 180, 33, 4, 58],
 ]
+PARITY = Parity(PROMPTS)
 WINDOW = 4
 
 
 def tiny_config(**changes: Any) -> Any:
     import transformers
 
-    fields: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=64,
+    fields = tiny_fields(
         intermediate_size=32,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=WINDOW,
-        max_position_embeddings=256,
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": 10000.0,
@@ -68,34 +70,14 @@ def tiny_config(**changes: Any) -> Any:
             "truncate": False,
             "original_max_position_embeddings": 64,
         },
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
     )
     config = transformers.GptOssConfig(**(fields | changes))
     config._attn_implementation = "eager"
     return config
 
 
-def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def tiny_model() -> Any:
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config()).eval()
+    model = random_model(tiny_config())
     with torch.no_grad():  # biases are zeros at init: make them count
         for name, param in model.named_parameters():
             if name.endswith(("bias", "sinks")):
@@ -104,11 +86,8 @@ def tiny_model() -> Any:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
-    model = tiny_model()
-    path = tmp_path_factory.mktemp("gpt_oss")
-    model.save_pretrained(path, safe_serialization=True)
-    return path, [hf_greedy(model, p) for p in PROMPTS]
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return PARITY.save(tiny_model(), tmp_path_factory.mktemp("gpt_oss"))
 
 
 def random_mxfp4(g: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +99,7 @@ def random_mxfp4(g: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch.T
 
 
 @pytest.fixture(scope="module")
-def mxfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+def mxfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     """The tiny model with MXFP4 experts: transformers runs their
     dequantized values; the checkpoint holds them packed."""
     model = tiny_model()
@@ -138,34 +117,17 @@ def mxfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, li
                 dense = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2)
                 getattr(layer.mlp.experts, proj).copy_(dense)
                 packed |= {f"{prefix}.{proj}_blocks": blocks, f"{prefix}.{proj}_scales": scales}
-    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
-    model.save_pretrained(path, safe_serialization=True)
+    path, expected = PARITY.save(model, tmp_path_factory.mktemp("gpt_oss_mxfp4"))
     tensors = load_file(path / "model.safetensors")
     tensors = {k: v for k, v in tensors.items() if not k.endswith(("gate_up_proj", "down_proj"))}
     save_file(tensors | packed, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (path / "config.json").write_text(json.dumps(config))
-    return path, [hf_greedy(model, p) for p in PROMPTS]
+    return path, expected
 
 
-async def serve(path: Path, **options: Any) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    results: list[list[int]] = [[] for _ in PROMPTS]
-    async with asyncstep.open_engine(
-        path, device="cpu", dtype="float32", engine_process=False, **options
-    ) as engine:
-
-        async def one(i: int) -> None:
-            results[i] = (await engine.generate(PROMPTS[i], params)).token_ids
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(PROMPTS)):
-                nursery.start_soon(one, i)
-    return results
-
-
-def test_the_checkpoint_reads_as_gpt_oss(checkpoint: tuple[Path, list[list[int]]]) -> None:
+def test_the_checkpoint_reads_as_gpt_oss(checkpoint: Checkpoint) -> None:
     from asyncstep.models.loader.hf import read_arch_config
 
     arch = read_arch_config(checkpoint[0])
@@ -174,6 +136,12 @@ def test_the_checkpoint_reads_as_gpt_oss(checkpoint: tuple[Path, list[list[int]]
     assert arch.scoring_func == "topk_softmax" and arch.moe_activation == "swigluoai"
     assert arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "yarn"
     assert all(len(p) > WINDOW for p in PROMPTS)
+    # The window matters: the same weights in full attention give the
+    # longest prompt other tokens.
+    full = AutoModelForCausalLM.from_pretrained(
+        checkpoint[0], attn_implementation="eager", layer_types=["full_attention"] * 4
+    ).eval()
+    assert hf_greedy(full, PROMPTS[1]) != checkpoint[1][1]
 
 
 @pytest.mark.parametrize(
@@ -186,21 +154,27 @@ def test_the_checkpoint_reads_as_gpt_oss(checkpoint: tuple[Path, list[list[int]]
     ],
     ids=["one rank", "one rank, chunked prefill", "one rank, torch attention", "pp2xtp2"],
 )
-def test_greedy_equals_transformers(
-    checkpoint: tuple[Path, list[list[int]]], layout: dict[str, Any]
-) -> None:
+def test_greedy_equals_transformers(checkpoint: Checkpoint, layout: dict[str, Any]) -> None:
     path, expected = checkpoint
-    assert trio.run(lambda: serve(path, **layout)) == expected
+    assert PARITY.serve(path, **layout) == expected
+
+
+def test_each_moe_block_equals_transformers(checkpoint: Checkpoint) -> None:
+    """Op by op: each layer's block (the biased router's softmax over its
+    top-k logits, the biased swigluoai experts) on random rows gives
+    transformers' ``GptOssMLP``'s rows."""
+    differences = moe_block_differences(checkpoint[0])
+    assert len(differences) == 4 and max(differences) < 1e-6, differences
 
 
 def test_mxfp4_experts_are_dequantized_at_load(
-    mxfp4_checkpoint: tuple[Path, list[list[int]]],
+    mxfp4_checkpoint: Checkpoint,
 ) -> None:
     from asyncstep.models.loader.hf import read_arch_config
 
     path, expected = mxfp4_checkpoint
     assert read_arch_config(path).experts_mxfp4
-    assert trio.run(lambda: serve(path)) == expected
+    assert PARITY.serve(path) == expected
 
 
 # -- the door -----------------------------------------------------------------

@@ -682,6 +682,20 @@ def as_rank(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> Iterator[
         set_parallel_groups(old_tp, old_pp)
 
 
+def assert_each_rank_builds_the_estimate(arch: ModelArchConfig, tp: int, pp: int) -> None:
+    """Each PP rank (of TP rank 0 of ``tp``) builds, on the meta device, the
+    parameters the memory estimate counts, each of a checkpoint name the
+    config expects."""
+    from asyncstep.models.registry import model_class
+
+    for pp_rank in range(pp):
+        with as_rank(0, tp, pp_rank, pp), torch.device("meta"):
+            model = model_class(arch)(arch, torch.float32)
+        built = sum(p.numel() for p in model.parameters())
+        assert memory.rank_param_count(arch, tp_size=tp, pp_rank=pp_rank, pp_size=pp) == built
+        assert model.expected_weight_names() <= set(arch.weight_shapes())
+
+
 QWEN2 = BASE.replace(architecture="Qwen2ForCausalLM", attention_bias=True)
 
 

@@ -6,7 +6,11 @@ prefill), and with PP = 2 x TP = 2 (OLMoE's under sequence parallelism)
 (gloo, a process per rank; the engine core runs in the test's process); from
 GGUF files written as llama.cpp's converter writes them, on one rank.
 Qwen3-MoE's checkpoint has a dense layer (``mlp_only_layers``) and
-renormalised top-k weights; OLMoE's does not renormalise.
+renormalised top-k weights; OLMoE's does not renormalise. A Mixtral with a
+``sliding_window`` of 8 gives transformers' tokens past its window (its
+EP = 4 engine is in ``test_expert_parallel``). Op by op, each family's MoE
+block gives transformers' block's rows. The scaffolding (random model, HF's
+greedy tokens, ours, the GGUF conversion) is ``tests.models.hf_parity``'s.
 
 Then the door: hostile or unsupported MoE configs (and a GGUF stack of
 other experts) are refused with one line before anything is built; a TP
@@ -22,24 +26,34 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-import trio
+from transformers import AutoModelForCausalLM
 
-import asyncstep
-from asyncstep import SamplingParams
 from asyncstep.config import ModelConfig
 from asyncstep.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from asyncstep.models import memory
 from asyncstep.models.config import ModelArchConfig
-from asyncstep.models.model_loader import LoadedModel, load_model
+from asyncstep.models.model_loader import load_model
 from asyncstep.models.moe import MoeForCausalLM
 from asyncstep.models.registry import model_class
-from tests.models.test_hostile_files import as_rank
+from tests.models.hf_parity import (
+    LONG_PROMPTS,
+    MAX_TOKENS,
+    PROMPTS,
+    Checkpoint,
+    Parity,
+    hf_greedy,
+    moe_block_differences,
+    random_model,
+    tiny_fields,
+    write_hf_gguf,
+)
+from tests.models.test_hostile_files import assert_each_rank_builds_the_estimate
 
-MAX_TOKENS = 32
-PROMPTS = [[3, 17, 92, 5], [250, 7, 7, 41, 99, 123, 8, 64, 12, 200, 31], [77]]
+PARITY = Parity(PROMPTS)
+#: The windowed Mixtral's window, and prompts longer than it.
+WINDOW = 8
+WINDOW_PARITY = Parity(LONG_PROMPTS)
 FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
 #: Every family's layouts (a multi-rank engine costs seconds: one of them,
 #: TP and PP at once).
@@ -56,21 +70,7 @@ SEQUENCE_PARALLEL_FAMILY = "olmoe"
 def tiny_config(family: str) -> Any:
     import transformers
 
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        num_experts_per_tok=2,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
-        # Larger weights than the default make the logits far from ties.
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-    )
+    common = tiny_fields(num_hidden_layers=3, num_experts_per_tok=2)
     if family.startswith("qwen3_moe"):
         return transformers.Qwen3MoeConfig(
             **common,
@@ -84,42 +84,30 @@ def tiny_config(family: str) -> Any:
         )
     if family == "mixtral":
         return transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4)
+    if family == "mixtral_window":  # 4 KV heads: TP = 4 (EP = 4) divides them
+        return transformers.MixtralConfig(
+            **common | {"num_key_value_heads": 4},
+            intermediate_size=32,
+            num_local_experts=4,
+            sliding_window=WINDOW,
+        )
     return transformers.OlmoeConfig(
         **common, intermediate_size=32, num_experts=4, norm_topk_prob=False
     )
 
 
-def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-Checkpoint = tuple[Path, list[list[int]]]
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Checkpoint]:
     """A family's tiny random checkpoint and transformers' greedy tokens,
-    made once per module."""
+    made once per module (``mixtral_window``'s of the longer prompts)."""
     made: dict[str, Checkpoint] = {}
 
     def get(family: str) -> Checkpoint:
         if family not in made:
-            import transformers
-
-            torch.manual_seed(0)
-            config = tiny_config(family)
-            model = transformers.AutoModelForCausalLM.from_config(config).eval()
-            path = tmp_path_factory.mktemp(family)
-            model.save_pretrained(path, safe_serialization=True)
-            made[family] = path, [hf_greedy(model, p) for p in PROMPTS]
+            parity = WINDOW_PARITY if family == "mixtral_window" else PARITY
+            attention = "eager" if family == "mixtral_window" else None
+            model = random_model(tiny_config(family), attn_implementation=attention)
+            made[family] = parity.save(model, tmp_path_factory.mktemp(family))
         return made[family]
 
     return get
@@ -135,29 +123,38 @@ def checkpoint(family: str, checkpoints: Callable[[str], Checkpoint]) -> Checkpo
     return checkpoints(family)
 
 
-async def serve(path: Path | LoadedModel, **options: Any) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    results: list[list[int]] = [[] for _ in PROMPTS]
-    async with asyncstep.open_engine(
-        path, device="cpu", dtype="float32", engine_process=False, **options
-    ) as engine:
-
-        async def one(i: int) -> None:
-            results[i] = (await engine.generate(PROMPTS[i], params)).token_ids
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(PROMPTS)):
-                nursery.start_soon(one, i)
-    return results
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_greedy_equals_transformers(family: str, checkpoint: Checkpoint, layout: str) -> None:
     path, expected = checkpoint
     options = LAYOUTS[layout]
     if family == SEQUENCE_PARALLEL_FAMILY and "tensor_parallel_size" in options:
         options = options | {"sequence_parallel": True}
-    assert trio.run(lambda: serve(path, **options)) == expected
+    assert PARITY.serve(path, **options) == expected
+
+
+def test_windowed_mixtral_past_its_window_equals_transformers(
+    checkpoints: Callable[[str], Checkpoint],
+) -> None:
+    """Mixtral's ``sliding_window`` (every layer), prompts longer than the
+    window, 32 tokens well past it: transformers' tokens; the same weights
+    in full attention give the longest prompt others (the window matters)."""
+    path, expected = checkpoints("mixtral_window")
+    assert all(len(p) > WINDOW for p in WINDOW_PARITY.prompts)
+    full = AutoModelForCausalLM.from_pretrained(path, sliding_window=None).eval()
+    assert hf_greedy(full, LONG_PROMPTS[1]) != expected[1]
+    assert WINDOW_PARITY.serve(path) == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_moe_block_equals_transformers(
+    family: str, checkpoints: Callable[[str], Checkpoint]
+) -> None:
+    """Op by op: each MoE layer's block (router, top-k, renormalised or not,
+    the experts) on random rows gives transformers' block's rows."""
+    path, _ = checkpoints(family)
+    differences = moe_block_differences(path)
+    assert len(differences) == (2 if family == "qwen3_moe" else 3)  # Qwen3-MoE's layer 1 is dense
+    assert max(differences) < 1e-6, differences
 
 
 # -- the door -----------------------------------------------------------------
@@ -233,12 +230,7 @@ def test_configs_read_as_each_family_says() -> None:
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 3)])
 def test_estimate_is_the_parameters_each_rank_builds(family: str, tp: int, pp: int) -> None:
     arch = ModelArchConfig.from_hf_dict(hf_dict(family))
-    for pp_rank in range(pp):
-        with as_rank(0, tp, pp_rank, pp), torch.device("meta"):
-            model = model_class(arch)(arch, torch.float32)
-        built = sum(p.numel() for p in model.parameters())
-        assert memory.rank_param_count(arch, tp_size=tp, pp_rank=pp_rank, pp_size=pp) == built
-        assert model.expected_weight_names() <= set(arch.weight_shapes())
+    assert_each_rank_builds_the_estimate(arch, tp, pp)
 
 
 def test_the_cpu_decode_stack_declines_moe_layers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -311,7 +303,7 @@ def test_expert_load_counts_every_routed_row(checkpoints: Callable[[str], Checkp
     model = loaded.model
     assert isinstance(model, MoeForCausalLM)
     assert model.expert_load() == {0: [0] * 4, 2: [0] * 4}  # layer 1 is dense
-    assert trio.run(lambda: serve(loaded)) == expected
+    assert PARITY.serve(loaded) == expected
     rows = sum(map(len, PROMPTS)) + len(PROMPTS) * (MAX_TOKENS - 1)
     load = model.expert_load(reset=True)
     assert {layer: sum(counts) for layer, counts in load.items()} == {0: 2 * rows, 2: 2 * rows}
@@ -324,76 +316,6 @@ def test_expert_load_counts_every_routed_row(checkpoints: Callable[[str], Checkp
 #: Our family -> (its GGUF architecture, the checkpoint to convert).
 GGUF_FAMILIES = {"qwen3_moe": ("qwen3moe", "qwen3_moe_gguf"), "mixtral": ("llama", "mixtral")}
 GGUF_FAMILIES["olmoe"] = ("olmoe", "olmoe")
-_GGUF_BLOCK = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate": "ffn_gate_inp",
-    "block_sparse_moe.gate": "ffn_gate_inp",
-}
-_GGUF_GLOBAL = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-}
-
-
-_GGUF_STACKS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}
-
-
-def write_moe_gguf(path: Path, hf_dir: Path, gguf_arch: str, *, stacked: int = 4) -> Path:
-    """``hf_dir``'s checkpoint (4 experts) as llama.cpp's converter writes
-    it: float32, each projection's first ``stacked`` experts stacked
-    ``[stacked, ...]``, q/k rows permuted for the ``llama`` architecture."""
-    import gguf
-    from safetensors.torch import load_file
-
-    from tests.models.test_loaders import llama_cpp_permute
-
-    config = json.loads((hf_dir / "config.json").read_text())
-    state = {k: v.numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
-    writer = gguf.GGUFWriter(str(path), gguf_arch)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(256)
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_expert_count(4)
-    writer.add_expert_used_count(config["num_experts_per_tok"])
-    if "moe_intermediate_size" in config:
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    stacks: dict[str, list[Any]] = {}
-    for name, value in state.items():
-        module, kind = name.rsplit(".", 1)
-        if module in _GGUF_GLOBAL:
-            writer.add_tensor(f"{_GGUF_GLOBAL[module]}.{kind}", value)
-            continue
-        _, _, layer, rest = module.split(".", 3)
-        if ".experts." in rest:
-            _, _, expert, proj = rest.split(".")
-            stack = f"blk.{layer}.ffn_{_GGUF_STACKS.get(proj, 'down')}_exps.weight"
-            stacks.setdefault(stack, [None] * 4)[int(expert)] = value
-            continue
-        if gguf_arch == "llama" and rest in ("self_attn.q_proj", "self_attn.k_proj"):
-            heads = config["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"]
-            value = llama_cpp_permute(value, heads)
-        writer.add_tensor(f"blk.{layer}.{_GGUF_BLOCK[rest]}.{kind}", value)
-    for name, values in stacks.items():
-        writer.add_tensor(name, np.stack(values[:stacked]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.mark.parametrize("family", list(GGUF_FAMILIES))
@@ -402,15 +324,15 @@ def test_gguf_greedy_equals_transformers(
 ) -> None:
     gguf_arch, source = GGUF_FAMILIES[family]
     hf_dir, expected = checkpoints(source)
-    path = write_moe_gguf(tmp_path / f"{family}.gguf", hf_dir, gguf_arch)
-    assert trio.run(lambda: serve(path)) == expected
+    path = write_hf_gguf(tmp_path / f"{family}.gguf", hf_dir, gguf_arch)
+    assert PARITY.serve(path) == expected
 
 
 def test_a_gguf_stack_of_other_experts_is_refused(
     checkpoints: Callable[[str], Checkpoint], tmp_path: Path
 ) -> None:
     hf_dir, _ = checkpoints("olmoe")
-    path = write_moe_gguf(tmp_path / "olmoe.gguf", hf_dir, "olmoe", stacked=3)
+    path = write_hf_gguf(tmp_path / "olmoe.gguf", hf_dir, "olmoe", stacked=3)
     error = r"ffn_\w+_exps.weight. has shape \(3, \d+, \d+\), but the metadata implies 4 experts"
     with pytest.raises(ModelLoadError, match=error) as caught:
         load_model(ModelConfig(model=str(path), device="cpu"))

@@ -3,46 +3,33 @@
 layers (``layer_types``), written with ``save_pretrained``; greedy tokens
 equal transformers' in fp32 on the CPU for prompts longer than the window,
 generating well past it, with whole and chunked prefill and small blocks
-(so the KV cache manager frees the windowed layers' early blocks)."""
+(so the KV cache manager frees the windowed layers' early blocks). The
+Mistral also with PP = 2 x TP = 2 (gloo), and from a GGUF (``llama`` with
+``sliding_window``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import trio
 
 import asyncstep
-from asyncstep import SamplingParams
 from tests.gguf_weights import q4_0_weight
+from tests.models.hf_parity import LONG_PROMPTS, Parity, random_model, tiny_fields, write_hf_gguf
 
 WINDOW = 8
-MAX_TOKENS = 32
-PROMPTS = [
-    [3, 17, 92, 5, 250, 7, 7, 41, 99, 123, 8],
-    [250, 7, 7, 41, 99, 123, 8, 64, 12, 200, 31, 18, 77, 140, 3, 9, 21, 60, 2, 33],
-    [77, 5, 9, 200, 14, 14, 150, 61, 8],
-]
+PARITY = Parity(LONG_PROMPTS)
 
 
 def tiny_config(arch: str) -> Any:
     import transformers
 
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
+    common = tiny_fields(
         intermediate_size=128,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
-        initializer_range=0.2,  # logits far from ties
-        tie_word_embeddings=False,
         sliding_window=WINDOW,
         rope_theta=10000.0,
     )
@@ -62,50 +49,38 @@ NO_WINDOW: dict[str, dict[str, Any]] = {
     "qwen3": {"layer_types": ["full_attention"] * 4},
 }
 
+#: The checkpoint, transformers' greedy tokens, and its tokens with every
+#: layer in full attention (which must differ: the window matters).
+WindowedCheckpoint = tuple[Path, list[list[int]], list[list[int]]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str], WindowedCheckpoint]:
+    """An architecture's windowed checkpoint, made once per module."""
+    import transformers
+
+    made: dict[str, WindowedCheckpoint] = {}
+
+    def get(arch: str) -> WindowedCheckpoint:
+        if arch not in made:
+            model = random_model(tiny_config(arch), attn_implementation="eager")
+            path, expected = PARITY.save(model, tmp_path_factory.mktemp(arch))
+            full = transformers.AutoModelForCausalLM.from_pretrained(
+                path, attn_implementation="eager", **NO_WINDOW[arch]
+            ).eval()
+            made[arch] = path, expected, PARITY.expected(full)
+        return made[arch]
+
+    return get
+
 
 @pytest.fixture(scope="module", params=["mistral", "qwen3"])
 def checkpoint(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, list[list[int]], list[list[int]]]:
-    """The checkpoint, transformers' greedy tokens, and its tokens with every
-    layer in full attention (which must differ: the window matters)."""
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        tiny_config(request.param), attn_implementation="eager"
-    ).eval()
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path, safe_serialization=True)
-    full = transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", **NO_WINDOW[request.param]
-    ).eval()
-    return path, [hf_greedy(model, p) for p in PROMPTS], [hf_greedy(full, p) for p in PROMPTS]
-
-
-def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-async def generate_all(engine: Any, params: SamplingParams) -> list[list[int]]:
-    """Every prompt's tokens, the prompts submitted at once."""
-    results: list[Any] = [None] * len(PROMPTS)
-
-    async def one(i: int) -> None:
-        results[i] = await engine.generate(PROMPTS[i], params)
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(PROMPTS)):
-            nursery.start_soon(one, i)
-    return [r.token_ids for r in results]
+    request: pytest.FixtureRequest, checkpoints: Callable[[str], WindowedCheckpoint]
+) -> WindowedCheckpoint:
+    return checkpoints(request.param)
 
 
 @pytest.mark.trio
@@ -114,7 +89,7 @@ async def generate_all(engine: Any, params: SamplingParams) -> list[list[int]]:
     [(2048, 16, None, "auto"), (5, 4, 53, "auto"), (5, 4, 53, "torch")],
 )
 async def test_greedy_equals_transformers(
-    checkpoint: tuple[Path, list[list[int]], list[list[int]]],
+    checkpoint: WindowedCheckpoint,
     chunk: int,
     block_size: int,
     num_blocks: int | None,
@@ -127,7 +102,6 @@ async def test_greedy_equals_transformers(
     reference."""
     path, expected, full_attention = checkpoint
     assert all(e != f for e, f in zip(expected, full_attention, strict=True))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     async with asyncstep.open_engine(
         path,
         device="cpu",
@@ -138,11 +112,36 @@ async def test_greedy_equals_transformers(
         attention_backend=backend,
     ) as engine:
         for _ in range(2):
-            assert await generate_all(engine, params) == expected
+            assert await PARITY.generate_all(engine) == expected
         stats = engine.statistics()
     assert stats.prefix_cache_hit_rate > 0
     if num_blocks is not None and path.name.startswith("qwen3"):
         assert stats.num_preemptions > 0
+
+
+def test_mistral_with_pp2xtp2_equals_transformers(
+    checkpoints: Callable[[str], WindowedCheckpoint],
+) -> None:
+    """The windowed Mistral on 4 ranks (PP = 2 x TP = 2, gloo, a process a
+    rank): every stage's layers keep the window and free the blocks before
+    it; transformers' tokens past the window."""
+    path, expected, _ = checkpoints("mistral")
+    layout = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "block_size": 4}
+    assert PARITY.serve(path, **layout) == expected
+
+
+def test_a_mistral_gguf_keeps_the_window(
+    checkpoints: Callable[[str], WindowedCheckpoint], tmp_path: Path
+) -> None:
+    """The windowed Mistral as llama.cpp's converter writes it (architecture
+    ``llama``, q/k rows permuted, ``llama.attention.sliding_window``):
+    every layer slides, and the tokens are transformers'."""
+    from asyncstep.models.loader.gguf import GGUFCheckpoint
+
+    path, expected, _ = checkpoints("mistral")
+    gguf = write_hf_gguf(tmp_path / "mistral.gguf", path, "llama", sliding_window=WINDOW)
+    assert GGUFCheckpoint(gguf).arch_config().layer_windows == (WINDOW,) * 4
+    assert PARITY.serve(gguf, block_size=4) == expected
 
 
 @pytest.mark.trio
@@ -150,8 +149,6 @@ async def test_the_cpu_decode_stack_keeps_the_window(tmp_path: Path) -> None:
     """The CPU library's decoder stack (packed weights) passes each layer's
     window to its attention: the windowed Mistral's tokens through the stack
     equal its layer-by-layer tokens (the same packed weights)."""
-    import transformers
-
     from asyncstep.config import ModelConfig
     from asyncstep.models.model_loader import load_model, pack_weights
     from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
@@ -160,8 +157,7 @@ async def test_the_cpu_decode_stack_keeps_the_window(tmp_path: Path) -> None:
     matmul = quant_matmul()
     if matmul is None or not matmul.fast:
         pytest.skip("the stack runs on the vector build only (AVX512-VNNI or AVX2)")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config("mistral"))
+    model = random_model(tiny_config("mistral"))
     for layer in model.model.layers:  # weights a Q4_0 GGUF would hold: packable
         for linear in (*vars(layer.self_attn)["_modules"].values(), *layer.mlp.children()):
             if isinstance(linear, torch.nn.Linear):
@@ -169,13 +165,12 @@ async def test_the_cpu_decode_stack_keeps_the_window(tmp_path: Path) -> None:
     model.save_pretrained(tmp_path)
     loaded = load_model(ModelConfig(model=str(tmp_path), device="cpu", dtype="float32"))
     pack_weights(loaded.model, torch.float32, max_tokens=8)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     tokens = []
     for stack in (True, False):
         async with asyncstep.open_engine(loaded, block_size=4) as engine:
             assert isinstance(loaded.model.model.step_path, CpuDecodeStack)
             if not stack:
                 loaded.model.model.step_path = None
-            tokens.append(await generate_all(engine, params))
+            tokens.append(await PARITY.generate_all(engine))
     assert tokens[0] == tokens[1]
-    assert all(len(t) == MAX_TOKENS for t in tokens[0])
+    assert all(len(t) == PARITY.max_tokens for t in tokens[0])
