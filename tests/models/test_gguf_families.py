@@ -347,6 +347,22 @@ def test_the_configs_read_as_transformers_reads_them(
         assert ours.replace(**same) == theirs.replace(**same), name
 
 
+def test_gemma3_without_a_window_is_full_attention_on_one_rotary(
+    gemma3: Checkpoint, tmp_path: Path
+) -> None:
+    """As llama.cpp reads such a file (the converter writes none for
+    ``sliding_window_pattern`` 1); a ``rope.freq_base_swa`` key is the
+    sliding layers' base where there are some."""
+    path = gemma3_file(tmp_path / "full.gguf", gemma3[0], **{"attention.sliding_window": 0})
+    config = GGUFCheckpoint(path).arch_config()
+    assert config.layer_windows == (None,) * 6 and not config.layer_types
+    assert config.rope_local_base_freq is None
+    path = gemma3_file(tmp_path / "swa.gguf", gemma3[0], **{"rope.freq_base_swa": 5000.0})
+    config = GGUFCheckpoint(path).arch_config()
+    assert config.layer_windows == (8, 8, 8, 8, 8, None)
+    assert config.rope_local_base_freq == 5000.0
+
+
 def test_mxfp4_blocks_dequantize_as_the_reference() -> None:
     """ggml's MXFP4 bytes of some codes and scales (every scale 0..254, every
     code) give the reference's values of the same codes in transformers'
