@@ -17,6 +17,9 @@ nibble of byte ``j``, ``j + 16`` in its high nibble) dequantize to
 :func:`asyncstep.models.mxfp4.dequantize_mxfp4`'s values of the same codes
 in transformers' layout (even column low, odd high).
 
+A Gemma 3 file without a window is full attention on one rotary; the load
+estimate holds gpt-oss's gate and up stacks paired.
+
 Then the door: a missing tensor or key, an unpaired or misshapen expert
 stack, wrong sinks, a soft cap are refused in one line."""
 
@@ -461,3 +464,17 @@ def rewrite(path: Path, reader: gguf.GGUFReader, tensors: Tensors, meta: dict[st
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def test_the_load_estimate_holds_gpt_oss_gate_and_up_stacks_paired() -> None:
+    """gpt-oss-120b's shape (gpt-oss-20b's with 36 layers of 128 experts):
+    its largest tensor in flight is a layer's gate and up experts together
+    (the GGUF's two stacks interleaved, as transformers' one
+    ``gate_up_proj``), three float32 copies alive."""
+    from asyncstep.models.dummy import SHAPES
+    from asyncstep.models.memory import CHECKPOINT_LOADING_COPIES, model_memory
+
+    arch = SHAPES["gpt-oss-20b"].replace(num_experts=128, num_hidden_layers=36)
+    gate_up = arch.num_experts * 2 * arch.moe_intermediate_size * arch.hidden_size
+    loading = model_memory(arch, torch.bfloat16).loading
+    assert loading == gate_up * 4 * CHECKPOINT_LOADING_COPIES == 25_480_396_800
