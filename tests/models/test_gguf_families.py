@@ -408,18 +408,20 @@ def test_a_gemma3_soft_cap_is_refused(gemma3: Checkpoint, tmp_path: Path) -> Non
     refused(UnsupportedModelError, path, "unsupported option final_logit_softcapping")
 
 
+#: (the change, the error class, its message).
+HOSTILE_GPT_OSS = [
+    ("no window", ModelLoadError, "GGUF metadata lacks gpt-oss.attention.sliding_window"),
+    ("no up stack", ModelLoadError, r"'blk.1.ffn_gate_exps.bias' has no ffn_up_exps.bias"),
+    ("no gate stack", ModelLoadError, r"'blk.0.ffn_up_exps.weight' has no ffn_gate_exps"),
+    ("odd up stack", ModelLoadError, r"'blk.0.ffn_up_exps.weight' has \(4, 16, 64\)"),
+    ("odd down stack", ModelLoadError, r"'blk.3.ffn_down_exps.weight' has shape \(4, 64\)"),
+    ("sinks", ModelLoadError, r"'blk.0.attn_sinks.weight' has shape \(3,\), but .* \(4,\)"),
+    ("a dense MLP", ModelLoadError, "'blk.0.ffn_gate.weight' has no place in the model"),
+]
+
+
 @pytest.mark.parametrize(
-    ("change", "cls", "error"),
-    [
-        ("no window", ModelLoadError, "GGUF metadata lacks gpt-oss.attention.sliding_window"),
-        ("no up stack", ModelLoadError, r"'blk.1.ffn_gate_exps.bias' has no ffn_up_exps.bias"),
-        ("no gate stack", ModelLoadError, r"'blk.0.ffn_up_exps.weight' has no ffn_gate_exps"),
-        ("odd up stack", ModelLoadError, r"'blk.0.ffn_up_exps.weight' has \(4, 16, 64\)"),
-        ("odd down stack", ModelLoadError, r"'blk.3.ffn_down_exps.weight' has shape \(4, 64\)"),
-        ("sinks", ModelLoadError, r"'blk.0.attn_sinks.weight' has shape \(3,\), but .* \(4,\)"),
-        ("a dense MLP", ModelLoadError, "'blk.0.ffn_gate.weight' has no place in the model"),
-    ],
-    ids=lambda value: value if isinstance(value, str) and " " in value else "",
+    ("change", "cls", "error"), HOSTILE_GPT_OSS, ids=[row[0] for row in HOSTILE_GPT_OSS]
 )
 def test_hostile_gpt_oss_files_are_refused_in_one_line(
     gpt_oss: Checkpoint, tmp_path: Path, change: str, cls: type[Exception], error: str
