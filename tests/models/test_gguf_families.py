@@ -42,6 +42,7 @@ from asyncstep.models.loader.gguf import GGUFCheckpoint
 from asyncstep.models.loader.gguf_blocks import dequantize_blocks
 from asyncstep.models.loader.hf import read_arch_config
 from asyncstep.models.mxfp4 import dequantize_mxfp4
+from tests.models.test_loaders import TINY_TOKENS
 
 MAX_TOKENS = 32
 PROMPTS = [
@@ -215,7 +216,8 @@ def gguf_name(arch: gguf.MODEL_ARCH, layers: int) -> Callable[[str], str]:
 
 
 def write(path: Path, arch: str, config: Any, meta: dict[str, Any], tensors: Tensors) -> Path:
-    """A GGUF of ``tensors`` and the metadata the converter writes."""
+    """A GGUF of ``tensors`` and the metadata the converter writes (a tiny
+    byte-level BPE vocabulary where ``meta`` asks for ``tokens``)."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -227,6 +229,13 @@ def write(path: Path, arch: str, config: Any, meta: dict[str, Any], tensors: Ten
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if meta.pop("tokens", False):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(TINY_TOKENS)
+        writer.add_token_types([3, 3, 3] + [1] * (len(TINY_TOKENS) - 3))
+        writer.add_token_merges(["a b", "Ġ a"])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
     for key, value in meta.items():
         if isinstance(value, int):
             writer.add_uint32(f"{arch}.{key}", value)
@@ -364,6 +373,20 @@ def test_gemma3_without_a_window_is_full_attention_on_one_rotary(
     config = GGUFCheckpoint(path).arch_config()
     assert config.layer_windows == (8, 8, 8, 8, 8, None)
     assert config.rope_local_base_freq == 5000.0
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_the_tokenizer_loads(
+    family: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers converts a ``gemma3`` or ``gpt-oss`` file's tokenizer."""
+    monkeypatch.setenv("ASYNCSTEP_CACHE_DIR", str(tmp_path / "cache"))
+    model = request.getfixturevalue(family)[0]
+    write_file = gemma3_file if family == "gemma3" else gpt_oss_file
+    checkpoint = GGUFCheckpoint(write_file(tmp_path / "t.gguf", model, tokens=True))
+    tokenizer = checkpoint.load_tokenizer()
+    assert tokenizer("ab a").input_ids[-2:] == [TINY_TOKENS.index("ab"), TINY_TOKENS.index("Ġa")]
+    assert checkpoint.arch_config().eos_token_ids == (2,)
 
 
 def test_mxfp4_blocks_dequantize_as_the_reference() -> None:

@@ -774,6 +774,7 @@ class GGUFCheckpoint:
             self.path,
             chat_template=self.metadata("tokenizer.chat_template"),
             before_convert=self._check_conversion_fits,
+            architecture=self._gguf_arch,
         )
 
     def _check_conversion_fits(self) -> None:
