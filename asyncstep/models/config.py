@@ -28,7 +28,8 @@ layer but each ``sliding_window_pattern``-th (6 when absent); gpt-oss's
 (default: the even layers, :data:`LAYER_TYPES_WINDOW`); Llama (any other
 architecture) has none (:data:`EVERY_LAYER_WINDOW`, :data:`QWEN_STYLE_WINDOW`,
 :data:`EVERY_LAYER_WINDOW_WHEN_USED`). From GGUF:
-``{arch}.attention.sliding_window``, on every layer.
+``{arch}.attention.sliding_window``, on every layer (Gemma 3's and gpt-oss's
+on llama.cpp's patterns: :mod:`asyncstep.models.loader.gguf`).
 """
 
 from __future__ import annotations

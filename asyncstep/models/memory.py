@@ -100,11 +100,13 @@ def model_memory(
     params = rank_param_count(
         arch, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, ep_size=ep_size
     )
+    gate_up = 2 if arch.family == "gpt_oss" else 1
     largest = max(
         arch.vocab_size * arch.hidden_size,
         arch.intermediate_size * arch.hidden_size,
-        # A GGUF's experts are stacked in one tensor, dequantized whole.
-        arch.num_experts * arch.moe_intermediate_size * arch.hidden_size,
+        # A GGUF's experts are stacked in one tensor, dequantized whole;
+        # gpt-oss's gate and up are one tensor (a GGUF's two stacks, paired).
+        arch.num_experts * arch.moe_intermediate_size * arch.hidden_size * gate_up,
         arch.q_size * arch.hidden_size,
     )
     # Gemma 3's sliding layers have a rotary of their own.

@@ -55,6 +55,7 @@ _SOURCES = (
     "models/llama.py",
     "models/loader/gguf.py",
     "models/loader/gguf_blocks.py",
+    "models/loader/gguf_layouts.py",
     "models/loader/hf.py",
     "ops/cpu/quant.py",
     "ops/weights.py",

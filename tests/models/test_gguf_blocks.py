@@ -1,4 +1,4 @@
-"""GGUF's Q4_0 / Q4_1 / Q8_0 dequantized with torch (``loader/gguf_blocks``)
+"""GGUF's Q4_0 / Q4_1 / Q8_0 / MXFP4 dequantized with torch (``loader/gguf_blocks``)
 give gguf-py's values bit for bit; other types are left to gguf-py."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ TYPES = [
     gguf.GGMLQuantizationType.Q4_0,
     gguf.GGMLQuantizationType.Q4_1,
     gguf.GGMLQuantizationType.Q8_0,
+    gguf.GGMLQuantizationType.MXFP4,
 ]
 
 

@@ -8,12 +8,26 @@ every count, offset and size it declares is checked in Python integers against
 the file (whole, aligned, no overlap) before the reader acts on it, and every
 tensor's shape and type against the config, all when the file opens.
 Supported GGUF architectures: ``llama`` (Llama, Mistral; Mixtral where it
-has ``llama.expert_count``), ``qwen2``, ``qwen3``, ``qwen3moe``, ``olmoe``. A
-MoE block's experts are stacked in one GGUF tensor per projection
-(``blk.N.ffn_gate_exps.weight`` ``[experts, ...]``): each comes out as its
-experts' HF-named tensors, one per expert, dequantized once per stack.
-May import numpy, gguf, transformers and ``asyncstep.models.config``/``errors``/``memory``;
-torch only where tensors are read (a model is described without it).
+has ``llama.expert_count``), ``qwen2``, ``qwen3``, ``qwen3moe``, ``olmoe``,
+``gemma3`` (Gemma 3's text model) and ``gpt-oss``. A MoE block's experts are
+stacked in one GGUF tensor per projection (``blk.N.ffn_gate_exps.weight``
+``[experts, ...]``): each comes out as its experts' HF-named tensors, one per
+expert, dequantized once per stack (gpt-oss's: as transformers' one tensor
+per projection, :mod:`~asyncstep.models.loader.gguf_layouts`, which also
+undoes Gemma 3's ``1 + w`` norms).
+
+What llama.cpp hard-codes for an architecture rather than writing it, read
+as llama.cpp reads it: Gemma 3's every sixth layer full (the others sliding
+when ``gemma3.attention.sliding_window`` is set; without it every layer is
+full, on one rotary), its sliding layers' rotary base 10000 (or
+``gemma3.rope.freq_base_swa``), its ``query_pre_attn_scalar`` the head
+size (``hidden / heads`` for the 62-layer 27B), ``gelu_pytorch_tanh``;
+gpt-oss's even layers sliding, its YaRN not truncated (its HF config's;
+``rope.scaling.yarn_beta_fast`` / ``_slow`` read where given, as for every
+architecture), its router's top-k logits softmaxed, its experts swigluoai.
+May import numpy, gguf, transformers and ``asyncstep.models.config``/``errors``/``memory``
+and the loader's GGUF modules; torch only where tensors are read (a model is
+described without it).
 """
 
 from __future__ import annotations
@@ -25,13 +39,19 @@ import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
-from asyncstep.models.config import ARCHITECTURES, MOE_FAMILIES, ModelArchConfig
+from asyncstep.models.config import (
+    ARCHITECTURES,
+    FULL_ATTENTION,
+    MOE_FAMILIES,
+    SLIDING_ATTENTION,
+    ModelArchConfig,
+)
 from asyncstep.models.limits import (
     MAX_GGUF_ARRAY_ELEMENTS,
     MAX_GGUF_ARRAY_LENGTH,
@@ -39,6 +59,15 @@ from asyncstep.models.limits import (
     MAX_GGUF_TENSORS,
     MAX_TENSOR_DIMS,
     is_int,
+)
+from asyncstep.models.loader.gguf_layouts import (
+    ARCH_BLOCK_NAMES,
+    GPT_OSS_STACKS,
+    GGUFWeight,
+    gpt_oss_experts,
+    hf_layout_shape,
+    tensor_layout,
+    to_hf_layout,
 )
 from asyncstep.models.loader.tokenizer import load_gguf_tokenizer
 from asyncstep.models.memory import check_host_fits
@@ -56,9 +85,15 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 #: A ``llama`` GGUF with experts (llama.cpp converts Mixtral so).
 GGUF_LLAMA_MOE = "MixtralForCausalLM"
+#: Gemma 3: every sixth layer full (llama.cpp's ``set_swa_pattern(6)``); the
+#: 27B (62 layers) scales its queries by ``hidden / heads``, not the head size.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_27B_LAYERS = 62
 
 #: Tensors outside the blocks: GGUF base name -> HF module name.
 _GLOBAL_NAMES: dict[str, str] = {
@@ -252,8 +287,11 @@ class _CheckedReader(gguf.GGUFReader):
         return begin, end, name
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a GGUF tensor; None for tensors HF has no use for.
+def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str | None:
+    """The HF parameter name of a GGUF tensor of architecture ``gguf_arch``;
+    None for tensors HF has no use for. A stack of experts is named
+    ``model.layers.N.mlp.experts.<its GGUF base name>.weight`` until the
+    config says how many experts it holds (gpt-oss's stacks: also ``.bias``).
 
     Raises :class:`UnsupportedModelError` for a tensor no supported model has.
     """
@@ -268,8 +306,13 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         else:
             if base in _IGNORED_BLOCK:
                 return None
-            if base in _BLOCK_NAMES:
-                return f"model.layers.{int(layer)}.{_BLOCK_NAMES[base]}.{kind}"
+            module = ARCH_BLOCK_NAMES.get(gguf_arch, {}).get(base, _BLOCK_NAMES.get(base))
+            if module == "self_attn.sinks" and kind == "weight":
+                return f"model.layers.{int(layer)}.{module}"  # a parameter, not a module
+            if module is not None:
+                return f"model.layers.{int(layer)}.{module}.{kind}"
+            if gguf_arch == "gpt-oss" and base in GPT_OSS_STACKS:
+                return f"model.layers.{int(layer)}.mlp.experts.{base}.{kind}"
             if base in _EXPERT_STACKS and kind == "weight":
                 return f"model.layers.{int(layer)}.mlp.experts.{base}.weight"
     raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
@@ -289,6 +332,11 @@ def unpermute_qk(weight: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, A
     return (
         weight.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
     )
+
+
+def _stored(tensor: Any) -> tuple[int, ...]:
+    """A GGUF tensor's shape as numpy (and HF) order it: its dimensions reversed."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
 def _open_reader(path: Path) -> gguf.GGUFReader:
@@ -311,14 +359,6 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
     except Exception as exc:  # the reader raises ValueError, KeyError, IndexError, ...
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(f"{path}: corrupt GGUF file: {detail}") from None
-
-
-class _Weight(NamedTuple):
-    """One HF-named tensor of the file: a GGUF tensor, or one expert of a stack."""
-
-    tensor: Any
-    name: str
-    expert: int | None = None
 
 
 class GGUFCheckpoint:
@@ -419,6 +459,10 @@ class GGUFCheckpoint:
         original = self.metadata(f"{arch}.rope.scaling.original_context_length")
         if original:
             scaling["original_max_position_embeddings"] = original
+        for key in ("beta_fast", "beta_slow"):
+            value = self.metadata(f"{arch}.rope.scaling.yarn_{key}")
+            if value is not None and kind == "yarn":
+                scaling[key] = value
         return scaling  # its fields are type-checked by ModelArchConfig.validate
 
     def _eos_token_ids(self) -> tuple[int, ...]:
@@ -445,7 +489,7 @@ class GGUFCheckpoint:
         if self._gguf_arch == "llama" and self.metadata("llama.expert_count"):
             architecture = GGUF_LLAMA_MOE
         ffn = self._metadata_int("feed_forward_length")
-        config = ModelArchConfig(
+        fields: dict[str, Any] = dict(
             architecture=architecture,
             vocab_size=self._vocab_size(),
             hidden_size=hidden,
@@ -467,11 +511,61 @@ class GGUFCheckpoint:
             sliding_window=self._sliding_window(),
             **self._moe_fields(architecture, ffn),
         )
+        if self._gguf_arch == "gemma3":
+            fields |= self._gemma3_fields(fields)
+        elif self._gguf_arch == "gpt-oss":
+            fields |= self._gpt_oss_fields(fields)
+        config = ModelArchConfig(**fields)
         try:
             config.validate()
         except ModelLoadError as exc:
             raise type(exc)(f"{self.path}: {exc}") from None
         return config
+
+    def _gemma3_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Gemma 3's fields, as llama.cpp reads a ``gemma3`` file (the module doc)."""
+        layers, window = fields["num_hidden_layers"], fields["sliding_window"]
+        types: tuple[str, ...] = ()
+        if window:
+            types = tuple(
+                FULL_ATTENTION if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else SLIDING_ATTENTION
+                for i in range(layers)
+            )
+        scalar = fields["head_dim"]
+        if layers == GEMMA3_27B_LAYERS:
+            scalar = fields["hidden_size"] // max(fields["num_attention_heads"], 1)
+        arch = self._gguf_arch
+        return {
+            "hidden_act": "gelu_pytorch_tanh",
+            "qk_norm": True,
+            "sliding_window": window or None,
+            "layer_types": types,
+            "query_pre_attn_scalar": float(scalar),
+            "rope_local_base_freq": self._metadata_float("rope.freq_base_swa", 10000.0)
+            if window
+            else None,
+            "max_position_embeddings": self._metadata_int("context_length", 131072),
+            "final_logit_softcapping": self.metadata(f"{arch}.final_logit_softcapping"),
+            "attn_logit_softcapping": self.metadata(f"{arch}.attn_logit_softcapping"),
+        }
+
+    def _gpt_oss_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """gpt-oss's fields, as llama.cpp reads a ``gpt-oss`` file (the module doc)."""
+        layers = fields["num_hidden_layers"]
+        rope = fields["rope_scaling"]
+        if rope is not None and rope["rope_type"] == "yarn":
+            rope = rope | {"truncate": False}
+        return {
+            "sliding_window": self._metadata_int("attention.sliding_window"),
+            "layer_types": tuple(
+                SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(layers)
+            ),
+            "rope_scaling": rope,
+            "attention_sinks": True,
+            "scoring_func": "topk_softmax",
+            "moe_activation": "swigluoai",
+            "norm_topk_prob": False,
+        }
 
     def _moe_fields(self, architecture: str, ffn: int) -> dict[str, Any]:
         """A MoE architecture's expert fields (bounded by ``validate``): the
@@ -491,26 +585,32 @@ class GGUFCheckpoint:
 
     # -- tensors ----------------------------------------------------------------------------
 
-    def _map_tensor_names(self) -> list[_Weight]:
-        mapped: list[_Weight] = []
+    def _map_tensor_names(self) -> list[GGUFWeight]:
+        mapped: list[GGUFWeight] = []
         for tensor in self._reader.tensors:
             try:
-                name = hf_tensor_name(tensor.name)
+                name = hf_tensor_name(tensor.name, self._gguf_arch)
             except UnsupportedModelError as exc:
                 raise UnsupportedModelError(f"{self.path}: {exc}") from None
             if name is not None:
-                mapped.append(_Weight(tensor, name))
+                layout = tensor_layout(self._gguf_arch, name)
+                mapped.append(GGUFWeight(tensor, name, layout=layout))
         return mapped
 
-    def _expand_experts(self, weights: list[_Weight]) -> list[_Weight]:
+    def _expand_experts(self, weights: list[GGUFWeight]) -> list[GGUFWeight]:
         """Each stack of experts as its experts' HF names (a model without
         experts keeps the stack's name, which has no place in it), and the
         router under the family's block name."""
         config = self._config
+        if config.family == "gpt_oss":
+            try:
+                return gpt_oss_experts(weights)
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"{self.path}: {exc}") from None
         if not config.is_moe:
             return weights
         block, *projections = config.expert_weight_names
-        expanded: list[_Weight] = []
+        expanded: list[GGUFWeight] = []
         for weight in weights:
             match = _STACK_NAME.fullmatch(weight.name)
             if match is None:
@@ -520,15 +620,26 @@ class GGUFCheckpoint:
                 continue
             proj = projections[_EXPERT_STACKS[match[2]] - 1]
             expanded += [
-                _Weight(weight.tensor, f"{match[1]}.{block}.experts.{e}.{proj}.weight", e)
+                GGUFWeight(weight.tensor, f"{match[1]}.{block}.experts.{e}.{proj}.weight", e)
                 for e in range(config.num_experts)
             ]
         return expanded
 
-    def _stored_shape(self, weight: _Weight) -> tuple[int, ...]:
+    def _stored_shape(self, weight: GGUFWeight) -> tuple[int, ...]:
         """A weight's shape as stored (an expert's: its stack's but the first
-        dimension, which must be the expert count)."""
-        stored = tuple(int(d) for d in reversed(weight.tensor.shape.tolist()))
+        dimension, which must be the expert count; a stack in another layout:
+        the HF shape it makes, :func:`hf_layout_shape`)."""
+        stored = _stored(weight.tensor)
+        if weight.layout:
+            pair = None if weight.pair is None else _stored(weight.pair)
+            shape = hf_layout_shape(weight.layout, stored, pair)
+            if shape is None:
+                shown = "" if pair is None else f" and {weight.pair.name!r} has {pair}"
+                raise ModelLoadError(
+                    f"{self.path}: tensor {weight.tensor.name!r} has shape {stored}{shown}, "
+                    f"which make no {weight.name}"
+                )
+            return shape
         if weight.expert is None:
             return stored
         if not stored or stored[0] != self._config.num_experts:
@@ -560,11 +671,12 @@ class GGUFCheckpoint:
                     f"{self.path}: tensor {tensor.name!r} has shape {stored}, but the "
                     f"metadata implies {shape}"
                 )
-            if tensor.tensor_type not in DEQUANTIZABLE:
-                raise UnsupportedModelError(
-                    f"{self.path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
-                    f"which gguf {getattr(gguf, '__version__', '')} cannot dequantize"
-                )
+            for part in (tensor,) if weight.pair is None else (tensor, weight.pair):
+                if part.tensor_type not in DEQUANTIZABLE:
+                    raise UnsupportedModelError(
+                        f"{self.path}: tensor {part.name!r} has type {part.tensor_type.name}, "
+                        f"which gguf {getattr(gguf, '__version__', '')} cannot dequantize"
+                    )
         missing = sorted(expected.keys() - seen)
         if missing:
             raise ModelLoadError(
@@ -619,6 +731,12 @@ class GGUFCheckpoint:
             array = array.copy()
         return array
 
+    def _load_weight(self, weight: GGUFWeight) -> np.ndarray[Any, Any]:
+        """A (non-expert) weight dequantized, float32, in its HF layout."""
+        array = self._load_tensor(weight.tensor, weight.name)
+        pair = None if weight.pair is None else self._load_tensor(weight.pair, weight.name)
+        return to_hf_layout(weight.layout, array, pair)
+
     # -- Checkpoint protocol ----------------------------------------------------------------
 
     @property
@@ -645,7 +763,7 @@ class GGUFCheckpoint:
         for weight in self._tensors:
             if weight.expert is None:
                 stack = None
-                yield weight.name, torch.from_numpy(self._load_tensor(weight.tensor, weight.name))
+                yield weight.name, torch.from_numpy(self._load_weight(weight))
                 continue
             if stack is None or stack[0] is not weight.tensor:
                 stack = weight.tensor, self._load_tensor(weight.tensor, weight.name)
@@ -656,6 +774,7 @@ class GGUFCheckpoint:
             self.path,
             chat_template=self.metadata("tokenizer.chat_template"),
             before_convert=self._check_conversion_fits,
+            architecture=self._gguf_arch,
         )
 
     def _check_conversion_fits(self) -> None:

@@ -3,7 +3,11 @@ decoder layers, the embedding, the final norm and the LM head as they are
 (their quantized blocks copied byte for byte), every metadata key but the
 layer count unchanged, so the tokenizer is the same. A layer-truncated
 copy is a draft model for ``draft_model`` speculation that needs no second
-download (self-speculation by early exit).
+download (self-speculation by early exit). Or (:func:`write_tokenizer_gguf`)
+its tokenizer alone: the architecture and the ``tokenizer.*`` keys, no
+layers, no tensors, for transformers to convert where it misreads the rest
+(transformers 5.25 reads a ``gpt-oss`` file's ``rope.scaling.*`` values
+from the wrong part of each key and fails).
 
 May import numpy and gguf.
 """
@@ -15,7 +19,7 @@ from pathlib import Path
 
 import gguf
 
-__all__ = ["write_truncated_gguf"]
+__all__ = ["write_tokenizer_gguf", "write_truncated_gguf"]
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -54,6 +58,25 @@ def write_truncated_gguf(source: str | Path, target: str | Path, num_layers: int
             raw_shape=tensor.data.shape,
             raw_dtype=tensor.tensor_type,
         )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(target)
+
+
+def write_tokenizer_gguf(source: str | Path, target: str | Path) -> Path:
+    """Write ``source``'s architecture and ``tokenizer.*`` keys, no tensors,
+    as a GGUF file at ``target`` (returned)."""
+    reader = gguf.GGUFReader(source)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(target, arch)
+    writer.add_block_count(0)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), vtype, sub_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

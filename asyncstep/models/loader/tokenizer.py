@@ -6,7 +6,11 @@ whole vocabulary); :func:`load_gguf_tokenizer` saves the result under
 absolute path, size and mtime (and the transformers version), and later loads
 read that copy. A cache entry is written to a temporary directory and renamed
 into place, so a concurrent reader sees a whole entry or none.
-May import transformers and ``asyncstep.errors``.
+A file of an architecture in :data:`TOKENIZER_ONLY_ARCHITECTURES` is
+converted from a copy of its tokenizer keys alone
+(:func:`~asyncstep.models.loader.gguf_truncate.write_tokenizer_gguf`, in a
+temporary directory).
+May import transformers, ``asyncstep.errors`` and ``gguf_truncate``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncstep.errors import ModelLoadError
+from asyncstep.models.loader.gguf_truncate import write_tokenizer_gguf
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -29,6 +34,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "ASYNCSTEP_CACHE_DIR"
+#: GGUF architectures whose other metadata transformers cannot read (5.25:
+#: ``gpt-oss``'s ``rope.scaling.*``): their tokenizer converts from its keys alone.
+TOKENIZER_ONLY_ARCHITECTURES = frozenset({"gpt-oss"})
 DEFAULT_CACHE_DIR = "~/.cache/asyncstep"
 
 
@@ -52,11 +60,18 @@ def tokenizer_cache_path(path: Path) -> Path:
     return cache_root() / "tokenizers" / tokenizer_cache_key(path)
 
 
-def _convert(path: Path, chat_template: str | None) -> PreTrainedTokenizerBase:
+def _convert(
+    path: Path, chat_template: str | None, architecture: str | None
+) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if architecture in TOKENIZER_ONLY_ARCHITECTURES:
+            with tempfile.TemporaryDirectory() as tmp:
+                copy = write_tokenizer_gguf(path, Path(tmp) / path.name)
+                tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=copy.name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise ModelLoadError(
             f"{path}: cannot build a tokenizer from the GGUF metadata: {exc}"
@@ -120,12 +135,14 @@ def load_gguf_tokenizer(
     chat_template: str | None = None,
     *,
     before_convert: Callable[[], None] | None = None,
+    architecture: str | None = None,
 ) -> PreTrainedTokenizerBase:
     """The tokenizer of a GGUF file, from the on-disk cache when it holds one.
 
     ``chat_template`` (the file's ``tokenizer.chat_template``) is set on the
     tokenizer when transformers' conversion left it out. ``before_convert``
     runs before a conversion (to refuse one the machine cannot afford).
+    ``architecture`` is the file's ``general.architecture``.
     """
     path = path.resolve()
     cache_dir = tokenizer_cache_path(path)
@@ -138,6 +155,6 @@ def load_gguf_tokenizer(
             broken = True
     if before_convert is not None:
         before_convert()
-    tokenizer = _convert(path, chat_template)
+    tokenizer = _convert(path, chat_template, architecture)
     _store(tokenizer, cache_dir, replace=broken)
     return tokenizer
