@@ -1,8 +1,9 @@
 """asyncstep on a local Ray cluster (one machine, loopback): ranks as Ray
 actors give the single rank's greedy tokens (fp32, TP = 2 and PP = 2);
-a Ray Serve application of two replicas, two ranks each, answers the
-``openai`` client's chat (streamed, with a tool call) and, shut down,
-leaves no replica, engine core, rank actor or placement group behind.
+docs/ray.md's Ray Serve application (its block, as it is), two replicas of
+two ranks each, answers the ``openai`` client's chat (streamed, with a tool
+call) and, shut down, leaves no replica, engine core, rank actor or
+placement group behind.
 
 One Ray cluster for the module, its logical CPUs fractions of this
 machine's (a rank asks half a CPU): Ray runs nothing it did not schedule."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from processes import alive, wait_for
 
 import asyncstep
 from asyncstep import SamplingParams
-from asyncstep.integrations.ray import RayPlacement, build_serve_app, open_ray_engine
+from asyncstep.integrations.ray import RayPlacement, open_ray_engine
 
 ray = pytest.importorskip("ray")
 
@@ -113,6 +115,13 @@ def test_ranks_as_ray_actors_give_the_single_rank_tokens(
     assert set(rank_actors()) == {"DEAD"}
 
 
+def docs_example(marker: str) -> str:
+    """The Python block of docs/ray.md that holds ``marker``."""
+    page = (Path(__file__).parents[2] / "docs" / "ray.md").read_text()
+    (code,) = [b for b in re.findall(r"^```python\n(.*?)^```", page, re.S | re.M) if marker in b]
+    return code
+
+
 def chat_with_a_tool(url: str) -> tuple[dict[str, Any], str | None]:
     """One streamed chat that must call ``get_weather``: its arguments, and
     the finish reason."""
@@ -140,14 +149,9 @@ def test_a_serve_app_of_two_replicas_answers_chats_and_tears_down(ray_cluster: N
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_serve_app(
-        num_replicas=2,
-        placement=HALF,
-        ray_actor_options={"num_cpus": 0.5},
-        pipeline_parallel_size=2,  # (SmolLM2-135M's 9 heads do not split in two)
-        device="cpu",
-        max_model_len=512,
-    )
+    namespace: dict[str, Any] = {}
+    exec(docs_example("build_serve_app("), namespace)  # docs/ray.md's app, as it is
+    app = namespace["app"]
     pids: dict[int, int | None] = {}
     try:
         handle = serve.run(app, name="asyncstep", route_prefix="/")
@@ -169,8 +173,6 @@ def test_a_serve_app_of_two_replicas_answers_chats_and_tears_down(ray_cluster: N
         wait_for(lambda r=replica: not alive(r), f"replica {replica} to end", timeout_s=60)
         if core is not None:
             wait_for(lambda c=core: not alive(c), f"engine core {core} to end", timeout_s=60)
-    wait_for(
-        lambda: set(rank_actors()) == {"DEAD"}, "the ranks to end", 60
-    )
+    wait_for(lambda: set(rank_actors()) == {"DEAD"}, "the ranks to end", 60)
     groups = ray.util.placement_group_table().values()
     assert all(group["state"] == "REMOVED" for group in groups)

@@ -15,7 +15,8 @@ so it needs vLLM or SGLang installed, and this engine has its own OpenAI
 layer, which the app serves whole (streams, tools, reasoning, errors).
 
 A replica (:class:`EngineReplica`) opens its engine in a task of its own on
-the replica's event loop when it starts, and closes it when Serve stops
+the replica's event loop when it starts (Serve's late-bound app:
+``__serve_build_asgi_app__``), and closes it when Serve stops
 the replica (requests in flight were given Serve's graceful shutdown
 first); Serve's health check fails once the engine has stopped, and Serve
 then replaces the replica. The configs reach the replicas as msgspec JSON.
@@ -47,14 +48,13 @@ class EngineReplica:
     """One Serve replica: an engine, and the OpenAI app over it (Serve's
     ``__serve_build_asgi_app__``). Its arguments are msgspec JSON."""
 
-    async def __init__(self, engine_config: bytes, server_config: bytes, placement: bytes) -> None:
-        config = msgspec.json.decode(engine_config, type=EngineConfig)
+    def __init__(self, engine_config: bytes, server_config: bytes, placement: bytes) -> None:
+        self.config = msgspec.json.decode(engine_config, type=EngineConfig)
         self.server_config = msgspec.json.decode(server_config, type=ServerConfig)
-        where = msgspec.json.decode(placement, type=RayPlacement)
+        self.placement = msgspec.json.decode(placement, type=RayPlacement)
         self._stop = asyncio.Event()
-        opened: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
-        self._task = asyncio.create_task(self._run(config, where, opened))
-        self.engine = await opened
+        self._task: asyncio.Task[None] | None = None
+        self.engine: Engine | None = None
 
     async def _run(
         self, config: EngineConfig, placement: RayPlacement, opened: asyncio.Future[Engine]
@@ -69,22 +69,31 @@ class EngineReplica:
                 raise
             opened.set_exception(exc)
 
-    def __serve_build_asgi_app__(self) -> Any:
+    async def __serve_build_asgi_app__(self) -> Any:
+        """Open the engine (in a task of its own, which outlives this call),
+        then the app over it."""
+        opened: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._run(self.config, self.placement, opened))
+        self.engine = await opened
         return build_app(self.engine, self.server_config)
 
     async def check_health(self) -> None:
         """Serve's health check: the engine is still running."""
+        if self.engine is None or self._task is None:
+            return  # (still starting: Serve waits for the constructor)
         if self._task.done() or self.engine.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.engine.error}")
 
     def pids(self) -> dict[str, int | None]:
         """This replica's process id, and its engine core's (None: the core
         runs in the replica's process)."""
-        return {"replica": os.getpid(), "core": getattr(self.engine.core, "pid", None)}
+        core = getattr(self.engine, "core", None)
+        return {"replica": os.getpid(), "core": getattr(core, "pid", None)}
 
     async def __del__(self) -> None:
         self._stop.set()
-        await self._task
+        if self._task is not None:
+            await self._task
 
 
 def build_serve_app(
@@ -129,7 +138,7 @@ def build_serve_app(
             own["GPU"] = float(actor_options["num_gpus"])
         deployment_options["placement_group_bundles"] = [own, *placement.bundles(config)]
         deployment_options["placement_group_strategy"] = placement.strategy
-    deployment = serve.deployment(serve.ingress()(EngineReplica), **deployment_options)
+    deployment: Any = serve.deployment(serve.ingress()(EngineReplica), **deployment_options)
     return deployment.bind(
         msgspec.json.encode(config),
         msgspec.json.encode(server_config or ServerConfig()),
