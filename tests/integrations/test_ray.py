@@ -5,14 +5,18 @@ two ranks each, answers the ``openai`` client's chat (streamed, with a tool
 call) and, shut down, leaves no replica, engine core, rank actor or
 placement group behind.
 
-One Ray cluster for the module, its logical CPUs fractions of this
-machine's (a rank asks half a CPU): Ray runs nothing it did not schedule."""
+Without a cluster: importing the integration imports neither ray nor torch,
+and a layout the model cannot take is refused before Serve starts. One Ray
+cluster for the module's other tests: three logical CPUs, a rank and a Serve
+replica asking half a CPU each (two replicas and their four ranks fit)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,15 +24,14 @@ from typing import Any
 import anyio
 import openai
 import pytest
+import ray
 import trio
 from distributed import free_port
 from processes import alive, wait_for
 
 import asyncstep
-from asyncstep import SamplingParams
-from asyncstep.integrations.ray import RayPlacement, open_ray_engine
-
-ray = pytest.importorskip("ray")
+from asyncstep import ConfigError, SamplingParams
+from asyncstep.integrations.ray import RayPlacement, build_serve_app, open_ray_engine
 
 PROMPTS = [[5, 9, 2], list(range(40, 80)), [7] * 17]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -98,6 +101,20 @@ def rank_actors() -> list[str]:
     from ray._private.state import actors
 
     return [a["State"] for a in actors().values() if a["ActorClassName"] == "RankWorker"]
+
+
+def test_importing_the_integration_imports_neither_ray_nor_torch() -> None:
+    code = (
+        "import sys, asyncstep.integrations.ray.serve, asyncstep.integrations.ray.ranks; "
+        "print(sorted({'ray', 'torch'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_layout_the_model_cannot_take_is_refused_before_serve_starts() -> None:
+    with pytest.raises(ConfigError, match="does not divide the model's attention heads"):
+        build_serve_app(tensor_parallel_size=2, device="cpu")  # SmolLM2-135M: 9 heads
 
 
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])

@@ -7,8 +7,9 @@ engine.
 Imports ray lazily: importing this package (or any module of it) imports
 neither ray nor torch; each function imports ray when it runs. It may
 import asyncstep's face, its server, the rank entry
-(:mod:`asyncstep.nursery.rank_main`), the configs, the control plane's
-secret helpers and the process helpers; nothing in asyncstep imports it.
+(:mod:`asyncstep.nursery.rank_main`), the model's description (a layout's
+check), the configs, the errors, the logging and the control plane's secret
+helpers; nothing in asyncstep imports it.
 
 What crosses Ray's wires is Ray's: an actor call's arguments and results
 are pickled by Ray (here only strings, numbers and lists of them, and

@@ -96,6 +96,14 @@ class EngineReplica:
             await self._task
 
 
+def _check_layout(config: EngineConfig) -> None:
+    """A layout the model cannot take is refused here, once, rather than by
+    every replica Serve starts (and starts again)."""
+    from asyncstep.models.model_info import model_arch, validate_parallel_layout
+
+    validate_parallel_layout(model_arch(config.model)[0], config.parallel)
+
+
 def build_serve_app(
     model: str | Path | None = None,
     *,
@@ -116,7 +124,8 @@ def build_serve_app(
     business and unused). ``autoscaling_config`` (Serve's, passed as it is)
     replaces ``num_replicas``; ``ray_actor_options`` (default one CPU) is
     each replica's own share, the first bundle of its placement group when
-    its ranks are actors (``placement``, default :class:`RayPlacement`)."""
+    its ranks are actors (``placement``, default :class:`RayPlacement`).
+    A layout the model cannot take raises :class:`ConfigError` here."""
     from ray import serve
 
     if config is None:
@@ -125,6 +134,7 @@ def build_serve_app(
         raise ConfigError("pass either config or model/options to build_serve_app, not both")
     if num_replicas is not None and autoscaling_config is not None:
         raise ConfigError("give num_replicas or autoscaling_config, not both")
+    _check_layout(config)
     placement = placement or RayPlacement()
     actor_options = dict(ray_actor_options or {"num_cpus": 1})
     deployment_options: dict[str, Any] = {"name": name, "ray_actor_options": actor_options}
