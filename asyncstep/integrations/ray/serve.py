@@ -116,8 +116,8 @@ def build_serve_app(
     ray_actor_options: dict[str, Any] | None = None,
     **options: object,
 ) -> Any:
-    """The Serve application (``serve.run(app)``; a ``serve run`` import
-    path may name a function that returns it): ``num_replicas`` replicas
+    """The Serve application (``serve.run(app)``; for ``serve run``, a
+    builder of yours returns it): ``num_replicas`` replicas
     (default one) of an engine of ``model`` / ``options`` / ``config`` (as
     :func:`asyncstep.open_engine` takes them) under the OpenAI routes of
     ``server_config`` (its host, port and API server count are Serve's
