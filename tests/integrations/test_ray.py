@@ -1,5 +1,6 @@
 """asyncstep on a local Ray cluster (one machine, loopback): ranks as Ray
-actors give the single rank's greedy tokens (fp32, TP = 2 and PP = 2);
+actors give the single rank's greedy tokens (fp32, TP = 2 and PP = 2), and
+a rank that raises ends the engine with its error;
 docs/ray.md's Ray Serve application (its block, as it is), two replicas of
 two ranks each, answers the ``openai`` client's chat (streamed, with a tool
 call) and, shut down, leaves no replica, engine core, rank actor or
@@ -30,8 +31,9 @@ from distributed import free_port
 from processes import alive, wait_for
 
 import asyncstep
-from asyncstep import ConfigError, SamplingParams
+from asyncstep import ConfigError, EngineDeadError, SamplingParams
 from asyncstep.integrations.ray import RayPlacement, build_serve_app, open_ray_engine
+from asyncstep.nursery.rank_main import FAULT_ENV
 
 PROMPTS = [[5, 9, 2], list(range(40, 80)), [7] * 17]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -130,6 +132,25 @@ def test_ranks_as_ray_actors_give_the_single_rank_tokens(
 
     assert trio.run(run) == single_rank_tokens
     assert set(rank_actors()) == {"DEAD"}
+
+
+def test_a_failing_ray_rank_ends_the_engine_with_its_error(
+    ray_cluster: None, peaked_llama: Path
+) -> None:
+    """A rank's error reaches the engine over the control plane, as from a
+    rank process; its actors are gone after."""
+    placement = RayPlacement(cpus_per_rank=0.5, rank_env={FAULT_ENV: "1:2"})
+
+    async def run() -> None:
+        async with open_ray_engine(
+            peaked_llama, placement=placement, pipeline_parallel_size=2, **ENGINE
+        ) as engine:
+            with pytest.raises(EngineDeadError, match="injected fault in rank 1 at step 2"):
+                await engine.generate(PROMPTS[1], GREEDY)
+
+    with pytest.raises(EngineDeadError, match="rank 1 failed: RuntimeError: injected fault"):
+        trio.run(run)
+    wait_for(lambda: set(rank_actors()) == {"DEAD"}, "the ranks to end", 60)
 
 
 def docs_example(marker: str) -> str:

@@ -30,12 +30,15 @@ Strategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 class RayPlacement(msgspec.Struct, frozen=True, kw_only=True):
     """How an engine's ranks are placed (see the module's docstring);
     ``ready_timeout_s``: how long to wait for the cluster to grant the
-    bundles before giving up with a ``TimeoutError``."""
+    bundles before giving up with a ``TimeoutError``; ``rank_env``: more
+    environment for every rank (e.g. ``NCCL_SOCKET_IFNAME``; it wins over
+    the launch's own, the secret and rendezvous excepted)."""
 
     strategy: Strategy = "STRICT_PACK"
     cpus_per_rank: float = 1.0
     gpus_per_rank: float | None = None
     ready_timeout_s: float = 300.0
+    rank_env: dict[str, str] = msgspec.field(default_factory=dict)
 
     def bundle(self, config: EngineConfig) -> dict[str, float]:
         """One rank's bundle of resources."""

@@ -112,7 +112,7 @@ async def ray_ranks(config: EngineConfig, placement: RayPlacement) -> AsyncItera
             options = {"scheduling_strategy": scheduling(slots, rank), "max_concurrency": 2}
             options.update(_resources(placement.bundle(config)))
             actors.append(actor_class.options(**options).remote())
-        engine_config, argvs, env = await _launch_plan(config, actors)
+        engine_config, argvs, env = await _launch_plan(config, actors, placement.rank_env)
         done = [actor.serve.remote(argv, env) for actor, argv in zip(actors, argvs, strict=True)]
         log.info(
             "ranks started as Ray actors",
@@ -132,7 +132,7 @@ def _resources(bundle: dict[str, float]) -> dict[str, float]:
 
 
 async def _launch_plan(
-    config: EngineConfig, actors: Sequence[Any]
+    config: EngineConfig, actors: Sequence[Any], rank_env: dict[str, str]
 ) -> tuple[EngineConfig, list[list[str]], dict[str, str]]:
     """The engine's config, each rank's command line and the ranks'
     environment (see the module's docstring, steps 3 to 5)."""
@@ -151,9 +151,10 @@ async def _launch_plan(
     engine_config = copy.deepcopy(config)
     engine_config.parallel.launch_ranks = False
     engine_config.parallel.listen = f"{host}:{port}"
-    env = {"MASTER_ADDR": master_host, "MASTER_PORT": str(master_port), SECRET_ENV: _secret()}
-    if len(nodes) == 1 and master_host == "127.0.0.1":
-        env.update(_loopback_sockets())
+    env = _loopback_sockets() if len(nodes) == 1 and master_host == "127.0.0.1" else {}
+    env.update(rank_env)
+    env.update(MASTER_ADDR=master_host, MASTER_PORT=str(master_port))
+    env[SECRET_ENV] = _secret()
     argvs = [_rank_argv(config, f"{connect}:{port}", rank) for rank in range(len(actors))]
     return engine_config, argvs, env
 
