@@ -59,6 +59,7 @@ WEATHER = {
 def ray_cluster() -> Iterator[None]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(
+        address="local",  # a new cluster of this test's, whatever else runs here
         num_cpus=3,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
