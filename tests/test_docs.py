@@ -101,6 +101,8 @@ NOT_RUN = {
 }
 MAIN_JOB = 'asyncstep generate "What is the capital of France?"'
 CHAT_EXAMPLE = "engine.chat("
+#: The page whose Python examples need a Ray cluster: tests/integrations/test_ray.py runs them.
+RAY_PAGE = "docs/ray.md"
 PLACEHOLDER = "/path/to/hf-checkpoint"
 DOCS_URL = "http://127.0.0.1:8000"
 MARK = re.compile(r"# \(not run by tests/test_docs\.py: (.+)\)")
@@ -515,6 +517,8 @@ def test_python_examples(monkeypatch: pytest.MonkeyPatch, tiny_hf_dir: Path) -> 
         for page in PAGES:
             namespace: dict[str, object] = {}
             for lang, code in blocks(page):
+                if name(page) == RAY_PAGE:
+                    continue  # test_the_ray_examples_are_run_where_ray_is
                 if lang == "python" and not is_client_page(page) and code not in seen:
                     if CHAT_EXAMPLE in code:
                         continue  # tests/engine/test_chat_api.py runs it
@@ -537,6 +541,20 @@ def test_the_chat_example_is_run_on_the_embedded_model() -> None:
     source = (ROOT / "tests" / "engine" / "test_chat_api.py").read_text()
     assert "read_text()" in source and '"docs" / "python-api.md"' in source
     assert 'if "engine.chat(" in b' in source
+
+
+def test_the_ray_examples_are_run_where_ray_is() -> None:
+    """docs/ray.md's examples need a Ray cluster: they compile here, and
+    tests/integrations/test_ray.py runs the Serve application's block as it
+    is and the ranks' calls on its tiny checkpoint."""
+    page = ROOT / RAY_PAGE
+    examples = [code for lang, code in blocks(page) if lang == "python"]
+    assert len(examples) == 2
+    for code in examples:
+        compile(code, RAY_PAGE, "exec")
+    source = (ROOT / "tests" / "integrations" / "test_ray.py").read_text()
+    assert '"docs" / "ray.md"' in source and 'docs_example("build_serve_app(")' in source
+    assert "open_ray_engine(" in source and "open_ray_engine(" in examples[0]
 
 
 def test_the_notebook_and_the_wsgi_app_run_for_real() -> None:

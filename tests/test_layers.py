@@ -11,6 +11,7 @@ PACKAGE = Path(__file__).parents[1] / "asyncstep"
 
 #: Each top-level unit's layer: a unit imports only units of its layer or below.
 LAYERS: dict[str, int] = {
+    "integrations": 14,  # asyncstep run by other systems (Ray): nothing imports it
     "__main__": 13,
     "cli": 12,
     "bench": 11,  # ``asyncstep bench``: the CLI lends it its flag builder (no import up)
