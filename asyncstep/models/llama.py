@@ -8,6 +8,9 @@ the mixture-of-experts families of :mod:`asyncstep.models.moe`; and Gemma 3
 model's :attr:`LlamaForCausalLM.decoder_model` (its
 :meth:`LlamaModel.make_rotary` / :meth:`LlamaModel.layer_rotary` /
 :meth:`LlamaModel.begin`) and :attr:`LlamaForCausalLM.takes_step_path`.
+The decoder layer, its attention and MLP (and their hooks) are
+:mod:`asyncstep.models.llama_decoder_layer`'s, handed on here; this module
+holds the model around them and its weights' loading.
 
 ``forward`` takes a flat batch of tokens (no batch dimension): ``input_ids``
 and ``positions`` of every scheduled token of every request (then padding
@@ -42,16 +45,23 @@ from asyncstep.errors import ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig, pp_layer_range
 from asyncstep.models.layers.attention import Attention, AttentionMetadata
 from asyncstep.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from asyncstep.models.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    gather_tokens,
-)
+from asyncstep.models.layers.linear import gather_tokens
 from asyncstep.models.layers.norm import RMSNorm
-from asyncstep.models.layers.rotary import RotaryCosSin, RotaryEmbedding
+from asyncstep.models.layers.rotary import RotaryEmbedding
+from asyncstep.models.llama_decoder_layer import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from asyncstep.ops.base import OpSet, StepPath
 from asyncstep.ops.slot import OpSetSlot
+
+#: The decoder layer's classes are handed on from
+#: :mod:`asyncstep.models.llama_decoder_layer`, where they live.
+__all__ = [
+    "STACKED_PARAMS",
+    "LlamaAttention",
+    "LlamaDecoderLayer",
+    "LlamaForCausalLM",
+    "LlamaMLP",
+    "LlamaModel",
+]
 
 # Checkpoint names folded into our fused parameters: (ours, theirs, shard id).
 STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
@@ -61,215 +71,6 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
     (".gate_up_proj", ".gate_proj", 0),
     (".gate_up_proj", ".up_proj", 1),
 )
-
-
-class LlamaAttention(nn.Module):
-    """q/k/v projections, q/k norms (Qwen3), rotary, the paged attention and
-    o_proj. A family whose q/k norms differ names its :attr:`norm_class`."""
-
-    #: The q/k norms' class.
-    norm_class: type[RMSNorm] = RMSNorm
-
-    def __init__(
-        self,
-        config: ModelArchConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        sequence_parallel: bool = False,
-        layer_idx: int = 0,
-    ):
-        super().__init__()
-        ops = rotary.ops
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            config.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=config.attention_bias,
-            sequence_parallel=sequence_parallel,
-            params_dtype=dtype,
-            ops=ops,
-        )
-        self.o_proj = RowParallelLinear(
-            config.q_size,
-            config.hidden_size,
-            bias=False,
-            sequence_parallel=sequence_parallel,
-            params_dtype=dtype,
-            ops=ops,
-        )
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.head_dim = config.head_dim
-        self.q_norm = self.k_norm = None
-        if config.qk_norm:
-            self.q_norm = self.norm_class(config.head_dim, config.rms_norm_eps, dtype, ops)
-            self.k_norm = self.norm_class(config.head_dim, config.rms_norm_eps, dtype, ops)
-        self.rotary = [rotary]  # a list: shared by every layer, not a submodule of each
-        self.attn = Attention(
-            self.qkv_proj.num_heads,
-            config.head_dim,
-            self.qkv_proj.num_kv_heads,
-            scale=config.attention_scale,
-            rotary=rotary,
-            sliding_window=config.layer_window(layer_idx),
-            layer_idx=layer_idx,
-        )
-
-    def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape)
-
-    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k through their RMSNorms (Qwen3: over each head)."""
-        assert self.q_norm is not None and self.k_norm is not None
-        return self._per_head_norm(q, self.q_norm), self._per_head_norm(k, self.k_norm)
-
-    def qkv(
-        self, cos_sin: RotaryCosSin, hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The attention's inputs: projected, normed (Qwen3) and rotated q, k, v."""
-        return self.split_qkv(cos_sin, self.qkv_proj(hidden))
-
-    def split_qkv(
-        self, cos_sin: RotaryCosSin, qkv: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`qkv` of the projection's output ``qkv``."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
-        if self.q_norm is not None:
-            q, k = self.norm_qk(q, k)
-        if not self.attn.rotates:  # else rotated by the attention's KV store
-            q, k = self.rotary[0](cos_sin, q, k)
-        return q, k, v
-
-    def forward(
-        self, cos_sin: RotaryCosSin, hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        q, k, v = self.qkv(cos_sin, hidden)
-        return self.o_proj(self.attn(q, k, v, meta))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(
-        self,
-        config: ModelArchConfig,
-        dtype: torch.dtype,
-        sequence_parallel: bool = False,
-        ops: OpSetSlot | None = None,
-    ):
-        super().__init__()
-        self.ops = ops or OpSetSlot()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size,
-            [config.intermediate_size] * 2,
-            sequence_parallel=sequence_parallel,
-            params_dtype=dtype,
-            ops=self.ops,
-        )
-        self.down_proj = RowParallelLinear(
-            config.intermediate_size,
-            config.hidden_size,
-            sequence_parallel=sequence_parallel,
-            params_dtype=dtype,
-            ops=self.ops,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.ops.silu_and_mul(self.gate_up_proj(x)))
-
-
-class LlamaDecoderLayer(nn.Module):
-    """Under sequence parallelism ``hidden`` and ``residual`` (in and out) are
-    this rank's token shard; the projections gather and scatter the rows.
-    A family whose attention or feed-forward differs overrides
-    :meth:`make_attention` / :meth:`make_mlp` (``layer_idx``: the layer's
-    index in the whole model), and its norms' class :attr:`norm_class`."""
-
-    #: The layer norms' class.
-    norm_class: type[RMSNorm] = RMSNorm
-
-    def __init__(
-        self,
-        config: ModelArchConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        sequence_parallel: bool = False,
-        layer_idx: int = 0,
-    ):
-        super().__init__()
-        ops = rotary.ops
-        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.self_attn = self.make_attention(config, rotary, dtype, sequence_parallel, layer_idx)
-        self.post_attention_layernorm = self.norm_class(
-            config.hidden_size, config.rms_norm_eps, dtype, ops
-        )
-        self.mlp = self.make_mlp(config, layer_idx, dtype, sequence_parallel, ops)
-
-    def make_attention(
-        self,
-        config: ModelArchConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        sequence_parallel: bool,
-        layer_idx: int,
-    ) -> LlamaAttention:
-        return LlamaAttention(config, rotary, dtype, sequence_parallel, layer_idx)
-
-    def make_mlp(
-        self,
-        config: ModelArchConfig,
-        layer_idx: int,
-        dtype: torch.dtype,
-        sequence_parallel: bool,
-        ops: OpSetSlot,
-    ) -> nn.Module:
-        """The feed-forward: ``forward(x)`` of the normed hidden rows."""
-        return LlamaMLP(config, dtype, sequence_parallel, ops)
-
-    def pre_attention(
-        self,
-        cos_sin: RotaryCosSin,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        *,
-        own_residual: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Up to the attention: (q, k, v, residual). ``own_residual``: the
-        caller gives ``residual`` up (an earlier layer's, read by no one
-        else), so the norm may add into it in place."""
-        hidden, residual = self.input_layernorm.forward_residual(
-            hidden, residual, own_residual=own_residual
-        )
-        q, k, v = self.self_attn.qkv(cos_sin, hidden)
-        return q, k, v, residual
-
-    def post_attention(
-        self, attn_out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """From the attention's output on: (hidden, residual). ``residual``
-        is :meth:`pre_attention`'s, the layer's own: the norm may add into it
-        in place."""
-        hidden, residual = self.pre_mlp(attn_out, residual)
-        return self.mlp(hidden), residual
-
-    def pre_mlp(
-        self, attn_out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`post_attention` up to the feed-forward: (its input, the
-        residual)."""
-        hidden = self.self_attn.o_proj(attn_out)
-        return self.post_attention_layernorm.forward_residual(hidden, residual, own_residual=True)
-
-    def forward(
-        self,
-        cos_sin: RotaryCosSin,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        *,
-        own_residual: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``own_residual``: as :meth:`pre_attention`'s."""
-        q, k, v, residual = self.pre_attention(cos_sin, hidden, residual, own_residual=own_residual)
-        return self.post_attention(self.self_attn.attn(q, k, v, meta), residual)
 
 
 class LlamaModel(nn.Module):

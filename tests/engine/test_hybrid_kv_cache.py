@@ -5,11 +5,11 @@ group, and everything back in the pool after a free (preemption)."""
 from __future__ import annotations
 
 from asyncstep.datatypes import SamplingParams
-from asyncstep.engine.core.kv_cache_manager import (
+from asyncstep.engine.core.hybrid_kv_cache_manager import (
     HybridKVCacheManager,
-    KVCacheManager,
     make_kv_cache_manager,
 )
+from asyncstep.engine.core.kv_cache_manager import KVCacheManager
 from asyncstep.engine.core.request import Request
 from asyncstep.kv_cache_interface import NULL_BLOCK_ID, KVCacheGroupSpec, kv_cache_groups
 

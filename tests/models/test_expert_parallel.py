@@ -42,7 +42,7 @@ from asyncstep.engine.front_end.statistics import EngineStatistics
 from asyncstep.errors import ConfigError
 from asyncstep.logging import configure_logging
 from asyncstep.models import memory
-from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.hf_config import parse_hf_config
 from asyncstep.models.layers.moe import SparseMoeBlock
 from asyncstep.models.model_info import validate_parallel_layout
 from asyncstep.models.registry import model_class
@@ -205,7 +205,7 @@ def test_ep4_windowed_mixtral_equals_transformers(
 
 
 def test_bad_expert_parallel_layouts_are_refused_in_one_line() -> None:
-    moe = ModelArchConfig.from_hf_dict(hf_dict("olmoe"))  # 4 experts
+    moe = parse_hf_config(hf_dict("olmoe"))  # 4 experts
     dense = moe.replace(architecture="LlamaForCausalLM", num_experts=0, qk_norm=False)
     cases = [
         (dense, 2, "enable_expert_parallel needs a mixture-of-experts model; LlamaForCausalLM"),
@@ -244,7 +244,7 @@ def as_ep_rank(rank: int, size: int) -> tuple[GroupCoordinator, GroupCoordinator
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
 def test_each_rank_builds_and_loads_its_experts_only(family: str) -> None:
-    arch = ModelArchConfig.from_hf_dict(hf_dict(family))
+    arch = parse_hf_config(hf_dict(family))
     old = get_tp_group(), get_pp_group(), get_ep_group()
     try:
         for rank in range(2):

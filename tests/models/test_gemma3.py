@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
-from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.gemma3 import Gemma3ForCausalLM
+from asyncstep.models.hf_config import parse_hf_config
 from asyncstep.models.registry import model_class
 from tests.models.hf_parity import LONG_PROMPTS, Checkpoint, Parity, random_model, tiny_fields
 from tests.models.test_hostile_files import assert_each_rank_builds_the_estimate
@@ -115,7 +115,7 @@ def hf_dict(**changes: Any) -> dict[str, Any]:
 
 
 def test_the_config_reads_as_transformers_reads_it() -> None:
-    arch = ModelArchConfig.from_hf_dict(hf_dict())
+    arch = parse_hf_config(hf_dict())
     assert arch.family == "gemma3" and arch.tie_word_embeddings and arch.qk_norm
     assert arch.layer_windows == (WINDOW,) * 5 + (None,)
     assert (arch.rope_theta, arch.rope_local_base_freq) == (1e6, 1e4)
@@ -138,7 +138,7 @@ def test_a_transformers_4_config_reads_as_transformers_5_reads_it() -> None:
         "rope_scaling": {"rope_type": "linear", "factor": 8.0},
         "sliding_window_pattern": 3,
     }
-    ours = ModelArchConfig.from_hf_dict(old)
+    ours = parse_hf_config(old)
     theirs = transformers.Gemma3TextConfig(**{k: v for k, v in old.items() if k != "architectures"})
     assert list(ours.layer_types) == theirs.layer_types
     rope = theirs.rope_parameters
@@ -167,7 +167,7 @@ def test_a_transformers_4_config_reads_as_transformers_5_reads_it() -> None:
 )
 def test_hostile_gemma_configs_are_refused_in_one_line(changes: dict[str, Any], error: str) -> None:
     with pytest.raises(ModelLoadError, match=error) as info:
-        ModelArchConfig.from_hf_dict(hf_dict(**changes))
+        parse_hf_config(hf_dict(**changes))
     assert "\n" not in str(info.value)
 
 
@@ -187,11 +187,11 @@ def test_hostile_gemma_configs_are_refused_in_one_line(changes: dict[str, Any], 
 )
 def test_unsupported_gemma_options_are_named(changes: dict[str, Any], error: str) -> None:
     with pytest.raises(UnsupportedModelError, match=error):
-        ModelArchConfig.from_hf_dict(hf_dict(**changes))
+        parse_hf_config(hf_dict(**changes))
 
 
 def test_other_families_take_no_gemma_fields() -> None:
-    arch = ModelArchConfig.from_hf_dict(hf_dict())
+    arch = parse_hf_config(hf_dict())
     llama = arch.replace(architecture="LlamaForCausalLM", hidden_act="silu")
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM takes no Gemma fields"):
         llama.validate()
@@ -201,7 +201,7 @@ def test_other_families_take_no_gemma_fields() -> None:
 def test_estimate_is_the_parameters_each_rank_builds(tp: int, pp: int) -> None:
     """The memory estimate counts the sandwich norms; every parameter has a
     checkpoint name the config expects."""
-    arch = ModelArchConfig.from_hf_dict(hf_dict())
+    arch = parse_hf_config(hf_dict())
     assert_each_rank_builds_the_estimate(arch, tp, pp)
 
 
@@ -214,7 +214,7 @@ def test_gemma_asks_no_op_set_for_a_step_path() -> None:
         def step_path(self, layers: list[Any]) -> Any:
             raise AssertionError("a Gemma model asked for a step path")
 
-    arch = ModelArchConfig.from_hf_dict(hf_dict())
+    arch = parse_hf_config(hf_dict())
     model = model_class(arch)(arch, torch.float32)
     assert isinstance(model, Gemma3ForCausalLM)
     ops = StackingOps()

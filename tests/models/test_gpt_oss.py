@@ -30,8 +30,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
-from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.gpt_oss import GptOssForCausalLM
+from asyncstep.models.hf_config import parse_hf_config
 from asyncstep.models.mxfp4 import dequantize_mxfp4
 from tests.models.hf_parity import (
     Checkpoint,
@@ -224,7 +224,7 @@ def test_hostile_gpt_oss_configs_are_refused_in_one_line(
     changes: dict[str, Any], error: str
 ) -> None:
     with pytest.raises(ModelLoadError, match=error) as caught:
-        ModelArchConfig.from_hf_dict(hf_dict(**changes))
+        parse_hf_config(hf_dict(**changes))
     assert "\n" not in str(caught.value)
 
 
@@ -239,7 +239,7 @@ def test_hostile_gpt_oss_configs_are_refused_in_one_line(
 )
 def test_unsupported_gpt_oss_options_are_named(changes: dict[str, Any], error: str) -> None:
     with pytest.raises(UnsupportedModelError, match=error) as caught:
-        ModelArchConfig.from_hf_dict(hf_dict(**changes))
+        parse_hf_config(hf_dict(**changes))
     assert "\n" not in str(caught.value)
 
 
@@ -251,7 +251,7 @@ def test_op_sets_without_sinks_are_refused_and_the_decode_stack_declines() -> No
     from asyncstep.ops.torch_ref import TorchOps
     from asyncstep.ops.triton.paged_attention import TritonAttention
 
-    arch = ModelArchConfig.from_hf_dict(hf_dict())
+    arch = parse_hf_config(hf_dict())
     model = GptOssForCausalLM(arch)
     assert rank_param_count(arch) == sum(p.numel() for p in model.parameters())
     assert all(layer.self_attn.attn.shape.sinks is not None for layer in model.model.layers)
@@ -267,7 +267,7 @@ def test_op_sets_without_sinks_are_refused_and_the_decode_stack_declines() -> No
 def test_dummy_weights_of_mxfp4_experts_load() -> None:
     from asyncstep.models.dummy import dummy_weights
 
-    arch = ModelArchConfig.from_hf_dict(hf_dict(quantization_config={"quant_method": "mxfp4"}))
+    arch = parse_hf_config(hf_dict(quantization_config={"quant_method": "mxfp4"}))
     model = GptOssForCausalLM(arch)
     assert model.load_weights(dummy_weights(arch)) == model.expected_weight_names()
     w13 = model.model.layers[0].mlp.experts.w13_weight

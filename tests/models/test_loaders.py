@@ -19,6 +19,7 @@ import torch
 
 from asyncstep.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.hf_config import parse_hf_config
 from asyncstep.models.loader import (
     Checkpoint,
     GGUFCheckpoint,
@@ -717,9 +718,7 @@ def test_tiny_hf_llama_loads(tiny_llama: Any) -> None:
         assert tensor.dtype == state[name].dtype
         assert torch.equal(tensor, state[name]), name
     arch = ckpt.arch_config()
-    assert arch == ModelArchConfig.from_hf_dict(config.to_dict()).replace(
-        eos_token_ids=arch.eos_token_ids
-    )
+    assert arch == parse_hf_config(config.to_dict()).replace(eos_token_ids=arch.eos_token_ids)
     assert (arch.hidden_size, arch.num_key_value_heads, arch.tie_word_embeddings) == (32, 2, False)
     assert arch.eos_token_ids == (2,)
     assert ckpt.tensor_info("lm_head.weight").shape == (128, 32)

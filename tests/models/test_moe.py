@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncstep.config import ModelConfig
 from asyncstep.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.hf_config import parse_hf_config
 from asyncstep.models.model_loader import load_model
 from asyncstep.models.moe import MoeForCausalLM
 from asyncstep.models.registry import model_class
@@ -196,14 +196,14 @@ def test_hostile_moe_configs_are_refused_in_one_line(
     family: str, changes: dict[str, Any], error: str
 ) -> None:
     with pytest.raises(ModelLoadError, match=error) as caught:
-        ModelArchConfig.from_hf_dict(hf_dict(family, **changes))
+        parse_hf_config(hf_dict(family, **changes))
     assert "\n" not in str(caught.value)
 
 
 def test_unsupported_moe_options_are_named() -> None:
     with pytest.raises(UnsupportedModelError, match="clip_qkv"):
-        ModelArchConfig.from_hf_dict(hf_dict("olmoe", clip_qkv=8.0))
-    arch = ModelArchConfig.from_hf_dict(hf_dict("olmoe"))
+        parse_hf_config(hf_dict("olmoe", clip_qkv=8.0))
+    arch = parse_hf_config(hf_dict("olmoe"))
     with pytest.raises(UnsupportedModelError, match="router scoring 'tanh'"):
         arch.replace(scoring_func="tanh").validate()
     dense = arch.replace(architecture="Qwen3ForCausalLM", qk_norm_per_head=True)
@@ -212,24 +212,24 @@ def test_unsupported_moe_options_are_named() -> None:
 
 
 def test_configs_read_as_each_family_says() -> None:
-    qwen = ModelArchConfig.from_hf_dict(hf_dict("qwen3_moe"))
+    qwen = parse_hf_config(hf_dict("qwen3_moe"))
     assert (qwen.num_experts, qwen.moe_intermediate_size, qwen.intermediate_size) == (4, 32, 96)
     assert qwen.norm_topk_prob and qwen.qk_norm and qwen.qk_norm_per_head
     assert [qwen.is_moe_layer(i) for i in range(3)] == [True, False, True]
-    mixtral = ModelArchConfig.from_hf_dict(hf_dict("mixtral", norm_topk_prob=False))
+    mixtral = parse_hf_config(hf_dict("mixtral", norm_topk_prob=False))
     assert mixtral.norm_topk_prob and not mixtral.qk_norm  # Mixtral always renormalises
-    olmoe = ModelArchConfig.from_hf_dict(hf_dict("olmoe"))
+    olmoe = parse_hf_config(hf_dict("olmoe"))
     assert not olmoe.norm_topk_prob and olmoe.qk_norm and not olmoe.qk_norm_per_head
     assert olmoe.weight_shapes()["model.layers.0.self_attn.q_norm.weight"] == (64,)
     # A real Qwen3-MoE config names its experts num_experts (transformers 5 writes both).
     both = hf_dict("qwen3_moe", num_experts=8, num_local_experts=4, num_experts_per_tok=8)
-    assert ModelArchConfig.from_hf_dict(both).num_experts == 8
+    assert parse_hf_config(both).num_experts == 8
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 3)])
 def test_estimate_is_the_parameters_each_rank_builds(family: str, tp: int, pp: int) -> None:
-    arch = ModelArchConfig.from_hf_dict(hf_dict(family))
+    arch = parse_hf_config(hf_dict(family))
     assert_each_rank_builds_the_estimate(arch, tp, pp)
 
 
@@ -242,7 +242,7 @@ def test_the_cpu_decode_stack_declines_moe_layers(monkeypatch: pytest.MonkeyPatc
         fast = True
 
     monkeypatch.setattr(decode_stack, "quant_matmul", lambda: FastMatmul())
-    arch = ModelArchConfig.from_hf_dict(hf_dict("mixtral"))
+    arch = parse_hf_config(hf_dict("mixtral"))
     model = model_class(arch)(arch, torch.float32)
     assert decode_stack.CpuDecodeStack.build(object(), model.model.stage_layers()) is None  # type: ignore[arg-type]
 
@@ -270,7 +270,7 @@ def test_a_tp_size_that_does_not_divide_the_experts_is_refused() -> None:
     from asyncstep.config import ParallelConfig
     from asyncstep.models.model_info import validate_parallel_layout
 
-    arch = ModelArchConfig.from_hf_dict(hf_dict("qwen3_moe"))
+    arch = parse_hf_config(hf_dict("qwen3_moe"))
     arch = arch.replace(num_attention_heads=6, num_key_value_heads=3, head_dim=16)
     with pytest.raises(
         ConfigError, match=r"does not divide the model's expert intermediate size \(32\)"
@@ -289,7 +289,7 @@ def test_moe_models_ask_no_op_set_for_a_step_path() -> None:
 
     ops = StackingOps()
     for family in FAMILIES:
-        arch = ModelArchConfig.from_hf_dict(hf_dict(family))
+        arch = parse_hf_config(hf_dict(family))
         model = model_class(arch)(arch, torch.float32)
         model.use_ops(ops)
         assert model.model.ops.ops is ops and model.model.step_path is None

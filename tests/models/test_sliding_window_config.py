@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from asyncstep.errors import ModelLoadError
-from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.hf_config import parse_hf_config
 from asyncstep.models.hf_reference import hf_config
 from asyncstep.models.loader.gguf import GGUFCheckpoint
 from tests.models.test_loaders import gguf_name, random_block_tensors, write_gguf
@@ -59,7 +59,7 @@ def test_windows_match_transformers(cls: str, extra: dict[str, Any]) -> None:
     import transformers
 
     config = getattr(transformers, cls)(**TINY, **extra)
-    ours = ModelArchConfig.from_hf_dict(config.to_dict())
+    ours = parse_hf_config(config.to_dict())
     assert ours.layer_windows == _hf_windows(config)
     # The parity tests' reference model (hf_reference) has the same windows.
     assert _hf_windows(hf_config(ours)) == ours.layer_windows
@@ -80,14 +80,14 @@ def test_moe_windows_match_transformers(cls: str, extra: dict[str, Any]) -> None
     import transformers
 
     config = getattr(transformers, cls)(**TINY, **extra)
-    ours = ModelArchConfig.from_hf_dict(config.to_dict())
+    ours = parse_hf_config(config.to_dict())
     assert ours.layer_windows == (config.sliding_window,) * config.num_hidden_layers
 
 
 def test_llama_has_no_window_and_gguf_style_config_slides_every_layer() -> None:
     llama = {**TINY, "architectures": ["LlamaForCausalLM"], "sliding_window": 8}
-    assert ModelArchConfig.from_hf_dict(llama).layer_windows == (None,) * 4
-    gguf_like = ModelArchConfig.from_hf_dict(llama).replace(sliding_window=16)
+    assert parse_hf_config(llama).layer_windows == (None,) * 4
+    gguf_like = parse_hf_config(llama).replace(sliding_window=16)
     gguf_like.validate()
     assert gguf_like.layer_windows == (16,) * 4
 
@@ -115,7 +115,7 @@ def test_hostile_window_fields_are_one_line_errors(extra: dict[str, Any], messag
         **extra,
     }
     with pytest.raises(ModelLoadError, match=message) as info:
-        ModelArchConfig.from_hf_dict(cfg)
+        parse_hf_config(cfg)
     assert "\n" not in str(info.value)
 
 

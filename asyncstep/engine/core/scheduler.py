@@ -18,7 +18,8 @@ draft tokens are rolled back before any stop rule or free runs.
 
 Pure Python; may import only the standard library and ``asyncstep.datatypes``
 / ``asyncstep.config`` / ``asyncstep.errors`` / ``asyncstep.kv_cache_interface``
-(plus its siblings ``request``, ``kv_cache_manager``, ``step_plan`` and
+(plus its siblings ``request``, ``kv_cache_manager``,
+``hybrid_kv_cache_manager``, ``step_plan`` and
 ``step_results``, the messages ``asyncstep.engine.messages.core_messages``
 and the speculation of ``asyncstep.engine.spec_decode``).
 """
@@ -31,10 +32,8 @@ from dataclasses import dataclass
 
 from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
-from asyncstep.engine.core.kv_cache_manager import (
-    KVCacheStats,
-    make_kv_cache_manager,
-)
+from asyncstep.engine.core.hybrid_kv_cache_manager import make_kv_cache_manager
+from asyncstep.engine.core.kv_cache_manager import KVCacheStats
 from asyncstep.engine.core.request import Request, RequestStatus
 from asyncstep.engine.core.step_plan import StepPlan
 from asyncstep.engine.core.step_results import add_prompt_logprobs, collect_step_results

@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from asyncstep.errors import ModelLoadError, UnsupportedModelError, describe
 from asyncstep.models.config import MAX_EOS_TOKENS, ModelArchConfig
+from asyncstep.models.hf_config import parse_hf_config
 from asyncstep.models.limits import (
     MAX_JSON_BYTES,
     MAX_SAFETENSORS_HEADER_BYTES,
@@ -92,7 +93,7 @@ def read_arch_config(directory: Path) -> ModelArchConfig:
     if not config_path.is_file():
         raise ModelLoadError(f"{directory}: no {CONFIG_FILE} (not an HF checkpoint directory)")
     try:
-        config = ModelArchConfig.from_hf_dict(_read_json(config_path))
+        config = parse_hf_config(_read_json(config_path))
     except ModelLoadError as exc:
         if str(exc).startswith(str(config_path)):
             raise

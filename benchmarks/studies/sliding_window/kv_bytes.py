@@ -32,7 +32,7 @@ import trio
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.kv_cache_interface import kv_cache_groups
-from asyncstep.models.config import ModelArchConfig
+from asyncstep.models.hf_config import parse_hf_config
 
 PROMPT_TOKENS = 8192
 DECODE_TOKENS = 16
@@ -123,7 +123,7 @@ async def held_blocks(path: Path, shape: Shape) -> dict[str, Any]:
             if seen >= DECODE_TOKENS and stats is None:
                 stats = engine.statistics()
         assert stats is not None
-    arch = ModelArchConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    arch = parse_hf_config(json.loads((path / "config.json").read_text()))
     groups = kv_cache_groups(arch.layer_windows)
     used = round(stats.kv_cache_usage * stats.num_kv_blocks)
     held = used - (1 if any(g.sliding_window for g in groups) else 0)  # the null block
