@@ -30,6 +30,7 @@ from asyncstep.config import (
 )
 from asyncstep.datatypes import FinishReason, Logprobs, SamplingParams
 from asyncstep.engine.front_end.api import make_config, open_engine
+from asyncstep.engine.front_end.data_parallel import DataParallelEngine, open_data_parallel_engine
 from asyncstep.engine.front_end.engine import Engine
 from asyncstep.engine.front_end.llm import LLM
 from asyncstep.engine.front_end.statistics import EngineStatistics
@@ -57,6 +58,8 @@ from asyncstep.structured_params import StructuredOutputsParams
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataParallelEngine",
+    "open_data_parallel_engine",
     "LLM",
     "AsyncstepError",
     "CacheConfig",
