@@ -58,8 +58,6 @@ from asyncstep.structured_params import StructuredOutputsParams
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataParallelEngine",
-    "open_data_parallel_engine",
     "LLM",
     "AsyncstepError",
     "CacheConfig",
@@ -71,6 +69,7 @@ __all__ = [
     "CompletionChunk",
     "CompletionOutput",
     "ConfigError",
+    "DataParallelEngine",
     "DeltaToolCall",
     "Engine",
     "EngineConfig",
@@ -89,5 +88,6 @@ __all__ = [
     "ToolCall",
     "UnsupportedModelError",
     "make_config",
+    "open_data_parallel_engine",
     "open_engine",
 ]

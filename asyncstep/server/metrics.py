@@ -5,8 +5,10 @@ several apps in one process do not clash):
 * gauges read from :meth:`Engine.statistics` when scraped:
   ``num_requests_running``, ``num_requests_waiting``,
   ``kv_cache_usage_perc`` (a fraction, 1 = full, as vLLM's),
-  ``prefix_cache_hit_rate``; counter ``num_preemptions_total`` (with
-  data-parallel replicas these five carry a ``replica`` label: one sample
+  ``prefix_cache_hit_rate``; counters ``num_preemptions_total``,
+  ``prefix_cache_queries_total`` and ``prefix_cache_hits_total`` (prompt
+  tokens looked up and found, vLLM's; with
+  data-parallel replicas these seven carry a ``replica`` label: one sample
   per replica, ``0``, ``1``, ..., and their sum, ``all``; the hit rate's
   from the summed hits and queries); with
   speculative decoding the counters ``spec_decode_num_drafts_total``,
@@ -193,11 +195,19 @@ class _EngineCollector(Collector):
                 gauge = GaugeMetricFamily(prefix + name, doc, labels=labels)
                 self._add(gauge, stats, per_replica, field)
                 yield gauge
-        counter = CounterMetricFamily(
-            PREFIX + "num_preemptions", "Requests preempted.", labels=labels
+        counters = (
+            ("num_preemptions", "Requests preempted.", "num_preemptions"),
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                "prefix_cache_queries",
+            ),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
         )
-        self._add(counter, stats, per_replica, "num_preemptions")
-        yield counter
+        for name, doc, field in counters:
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            self._add(counter, stats, per_replica, field)
+            yield counter
         if stats.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is on
             yield from self._spec_decode(stats)
         if stats.moe_expert_tokens:  # a MoE model

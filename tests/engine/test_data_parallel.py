@@ -48,10 +48,10 @@ def test_the_load_weighs_waiting_four_times_running() -> None:
 
 def test_the_replica_holding_the_longest_prefix_wins() -> None:
     router = DataParallelRouter(2, "prefix", block_size=16, balance_threshold=8)
-    assert router.route(SYSTEM + [1, 2], [0, 0], BOTH) == 0  # nothing held: the least loaded
+    assert router.route([*SYSTEM, 1, 2], [0, 0], BOTH) == 0  # nothing held: the least loaded
     assert router.route([7] * 64, [4, 0], BOTH) == 1
     # The same system prompt goes back to replica 0 though it is a little busier.
-    assert router.route(SYSTEM + [3, 4], [6, 1], BOTH) == 0
+    assert router.route([*SYSTEM, 3, 4], [6, 1], BOTH) == 0
     assert router.route([7] * 64 + [5], [6, 5], BOTH) == 1
     # Longest run of leading blocks: replica 1 holds 3 blocks of this one, 0 holds 2.
     router.route(SYSTEM[:32] + [9] * 32, [0, 0], BOTH)  # replica 0 again (2 blocks held)
