@@ -262,6 +262,7 @@ FRONT_END = {
     "asyncstep.procs",
     "asyncstep.structured_params",
     "asyncstep.engine.front_end.api",
+    "asyncstep.engine.front_end.data_parallel",
     "asyncstep.engine.front_end.engine",
     "asyncstep.engine.front_end.statistics",
     "asyncstep.engine.messages.outputs",
