@@ -53,7 +53,7 @@ from asyncstep.engine.front_end.engine import Engine
 from asyncstep.engine.front_end.input_processor import Prompt, check_request_id
 from asyncstep.engine.front_end.statistics import EngineStatistics
 from asyncstep.engine.messages.outputs import Completion, CompletionChunk
-from asyncstep.errors import EngineDeadError, InvalidRequestError, describe
+from asyncstep.errors import EngineDeadError, InvalidRequestError, describe, leaves
 from asyncstep.logging import get_logger
 
 if TYPE_CHECKING:
@@ -373,9 +373,9 @@ async def open_data_parallel_engine(
             finally:
                 stop.set()
     except BaseExceptionGroup as group:
-        if len(group.exceptions) == 1:
-            error = group.exceptions[0]
-            raise error from error.__cause__
-        raise
+        # The caller's error, or a replica's that failed to start (the
+        # replicas of one config fail alike: the first says why).
+        error = group.exceptions[0] if len(group.exceptions) == 1 else leaves(group)[0]
+        raise error from error.__cause__
     if len(failures) == size:
         raise EngineDeadError(f"the engine stopped: {describe(failures[0])}")
