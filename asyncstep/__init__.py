@@ -30,6 +30,7 @@ from asyncstep.config import (
 )
 from asyncstep.datatypes import FinishReason, Logprobs, SamplingParams
 from asyncstep.engine.front_end.api import make_config, open_engine
+from asyncstep.engine.front_end.data_parallel import DataParallelEngine, open_data_parallel_engine
 from asyncstep.engine.front_end.engine import Engine
 from asyncstep.engine.front_end.llm import LLM
 from asyncstep.engine.front_end.statistics import EngineStatistics
@@ -68,6 +69,7 @@ __all__ = [
     "CompletionChunk",
     "CompletionOutput",
     "ConfigError",
+    "DataParallelEngine",
     "DeltaToolCall",
     "Engine",
     "EngineConfig",
@@ -86,5 +88,6 @@ __all__ = [
     "ToolCall",
     "UnsupportedModelError",
     "make_config",
+    "open_data_parallel_engine",
     "open_engine",
 ]

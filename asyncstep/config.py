@@ -35,6 +35,11 @@ CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PI
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 #: How the GPU's Q4 / Q8 GEMVs take a 16-bit x (``gpu_q4_activations``).
 GPU_Q4_ACTIVATIONS = ("float", "int8")
+#: How the front end picks a data-parallel replica per request
+#: (:mod:`asyncstep.engine.front_end.dp_router`).
+DATA_PARALLEL_ROUTINGS = ("prefix", "load", "round-robin")
+#: Most data-parallel replicas of one front end.
+MAX_DATA_PARALLEL_SIZE = 64
 #: A step's token budget (``max_num_batched_tokens``) when none is given, on CUDA.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 #: ... and on the CPU, where a step's time grows with its tokens (about a
@@ -308,6 +313,15 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     (:mod:`asyncstep.models.layers.moe`). A no-op with one TP rank; refused
     for a dense model or an expert count the TP size does not divide.
 
+    ``data_parallel_size`` (vLLM's name): that many engine cores, each with
+    its own ranks (TP x PP) and KV cache, behind one front end; each request
+    goes to one replica, picked by ``data_parallel_routing``
+    (:mod:`asyncstep.engine.front_end.dp_router`; ``prefix``: the replica
+    holding the request's longest prompt prefix unless its load exceeds the
+    least loaded replica's by more than ``data_parallel_balance_threshold``).
+    ``data_parallel_rank`` set: this engine is that one replica (its CPU
+    threads a ``1 / data_parallel_size`` share), for a router outside.
+
     ``pp_tensor_lanes``: between pipeline stages with TP, each TP rank sends
     ``1 / tp_size`` of every replicated tensor to its peer and the receiving
     stage all-gathers (vLLM's way; pays where the stage-to-stage link is slower
@@ -364,15 +378,76 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
             "use, divided among the ranks of this machine"
         ),
     ] = None
+    data_parallel_size: Annotated[
+        int, _doc("engine cores (replicas, each with its own ranks) behind the front end")
+    ] = 1
+    data_parallel_routing: Annotated[
+        str,
+        _doc(
+            "how a request's replica is picked: by prompt prefix then load, by load alone "
+            "(waiting*4 + running), or in turn",
+            choices=DATA_PARALLEL_ROUTINGS,
+        ),
+    ] = "prefix"
+    data_parallel_balance_threshold: Annotated[
+        int,
+        _doc(
+            "prefix routing: the replica holding the longest prefix is skipped when its "
+            "load exceeds the least loaded one's by more than this"
+        ),
+    ] = 32
+    data_parallel_rank: Annotated[
+        int | None,
+        _doc(
+            "this engine is that one replica of data_parallel_size (an outside router "
+            "in front); none: all of them, behind this front end's router"
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if not 1 <= self.data_parallel_size <= MAX_DATA_PARALLEL_SIZE:
+            raise ConfigError(
+                f"data_parallel_size must be in [1, {MAX_DATA_PARALLEL_SIZE}], "
+                f"got {self.data_parallel_size}"
+            )
+        if self.data_parallel_routing not in DATA_PARALLEL_ROUTINGS:
+            raise ConfigError(
+                f"data_parallel_routing must be one of {DATA_PARALLEL_ROUTINGS}, "
+                f"got {self.data_parallel_routing!r}"
+            )
+        rank = self.data_parallel_rank
+        if rank is not None and not 0 <= rank < self.data_parallel_size:
+            raise ConfigError(
+                f"data_parallel_rank must be in [0, {self.data_parallel_size}), got {rank}"
+            )
+        if self.data_parallel_balance_threshold < 0:
+            raise ConfigError(
+                "data_parallel_balance_threshold must be >= 0, "
+                f"got {self.data_parallel_balance_threshold}"
+            )
+        replicas_here = self.data_parallel_size > 1 and rank is None
+        if replicas_here and not self.engine_process:
+            raise ConfigError(
+                "data_parallel_size > 1 runs each replica's engine core in its own process "
+                "(engine_process must be on)"
+            )
+        if replicas_here and not self.launch_ranks:
+            raise ConfigError(
+                "data_parallel_size > 1 starts each replica's ranks itself "
+                "(launch_ranks must be on)"
+            )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1 (or none), got {self.cpu_threads}")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"listen must be HOST:PORT, got {self.listen!r}")
+        if self.data_parallel_size > 1 and self.world_size > 1 and int(port) != 0:
+            raise ConfigError(
+                "data_parallel_size > 1: each replica's ranks connect to a port of its own "
+                f"(listen's port must be 0, got {self.listen!r})"
+            )
 
     @property
     def world_size(self) -> int:

@@ -120,6 +120,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Values argparse's types cannot refuse alone."""
     positive = ["num_iters", "num_prompts", "output_len", "repeats", "client_processes"]
     positive += ["copy_repeats", "hf_repeats", "hf_batch", "max_concurrency", "min_len"]
+    positive += ["num_prefixes"]
     for name in positive:
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -134,6 +135,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--request-rate must be > 0, got {args.request_rate}")
     if isinstance(getattr(args, "input_len", None), int) and args.input_len < 1:
         parser.error(f"--input-len must be >= 1, got {args.input_len}")
+    if getattr(args, "prefix_len", 0) < 0:
+        parser.error(f"--prefix-len must be >= 0, got {args.prefix_len}")
     ratio = getattr(args, "range_ratio", 0.0)
     if not 0 <= ratio < 1:
         parser.error(f"--range-ratio must be in [0, 1), got {ratio}")
@@ -355,6 +358,20 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
         help="requests/s, Poisson arrivals; inf: all at once (default: inf)",
     )
     group.add_argument("--max-concurrency", type=int, metavar="N", help="most requests in flight")
+    group.add_argument(
+        "--prefix-len",
+        type=int,
+        metavar="N",
+        default=0,
+        help="tokens of a shared prefix before each prompt's own --input-len (default: 0)",
+    )
+    group.add_argument(
+        "--num-prefixes",
+        type=int,
+        metavar="N",
+        default=1,
+        help="distinct shared prefixes (system prompts), one drawn per request (default: 1)",
+    )
     group.add_argument(
         "--num-warmups",
         type=int,

@@ -23,7 +23,7 @@ import trio
 
 from asyncstep.bench.workload import Request
 from asyncstep.datatypes import SamplingParams
-from asyncstep.engine.front_end.engine import Engine
+from asyncstep.engine.front_end.data_parallel import ServedEngine
 from asyncstep.errors import AsyncstepError
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def http_sender(client: httpx.AsyncClient, model: str | None) -> Send:
     return send
 
 
-def engine_sender(engine: Engine) -> Send:
+def engine_sender(engine: ServedEngine) -> Send:
     async def send(request: Request) -> RequestResult:
         params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
         timing = Timing()

@@ -15,8 +15,11 @@ between chunks, spread over its tokens), TPOT ((E2E - TTFT) / (output -
 1)), E2E; token counts from ``stream_options.continuous_usage_stats``.
 Figures: completed and failed requests, request throughput, output and
 total tokens/s, mean / p50 / p90 / p99 of each latency (ms), goodput
-(requests/s meeting every ``--goodput`` SLO). ``--in-process``: the same
-load through ``Engine.stream`` with the same engine flags, after the
+(requests/s meeting every ``--goodput`` SLO), and the server's
+prefix-cache hit rate over the run (from its ``/metrics``; per replica too
+with ``--data-parallel-size``). ``--prefix-len`` / ``--num-prefixes``:
+each prompt behind one of a few shared prefixes (system prompts).
+``--in-process``: the same load through ``Engine.stream`` with the same engine flags, after the
 server stopped. ``--cpu-usage``: CPU seconds of the server process, its
 children (the engine core) and the client over the HTTP run (Linux).
 The exit status is 1 when a request failed.
@@ -24,6 +27,7 @@ The exit status is 1 when a request failed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import queue
@@ -34,9 +38,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+if TYPE_CHECKING:
+    import httpx
 
 from asyncstep.bench.args import BenchArgs
 from asyncstep.bench.client import (
@@ -53,6 +60,7 @@ from asyncstep.bench.results import Case, Column, make_result, now, percentile, 
 from asyncstep.bench.workload import Request, workload
 from asyncstep.config import EngineConfig
 from asyncstep.engine.front_end.api import open_engine
+from asyncstep.engine.front_end.data_parallel import ServedEngine, open_data_parallel_engine
 from asyncstep.errors import AsyncstepError
 from asyncstep.models.model_info import describe_model
 from asyncstep.server.config import API_KEY_ENV
@@ -75,6 +83,7 @@ COLUMNS: list[Column] = [
     ("ITL p99 ms", "figures.p99_itl_ms", ".2f"),
     ("E2E p50 ms", "figures.p50_e2el_ms", ".1f"),
     ("goodput req/s", "figures.goodput", ".2f"),
+    ("prefix hit", "figures.prefix_cache_hit_rate", ".3f"),
     ("server CPU %", "figures.server_cpu_pct", ".0f"),
     ("core CPU %", "figures.engine_core_cpu_pct", ".0f"),
     ("client CPU %", "figures.client_cpu_pct", ".0f"),
@@ -225,6 +234,43 @@ class CpuMeter:
         return out
 
 
+# -- the prefix cache, from the server's /metrics ----------------------------------------
+
+#: ``asyncstep:prefix_cache_{hits,queries}_total`` samples: (replica or "", kind) -> value.
+PrefixCounts = dict[tuple[str, str], float]
+
+
+async def prefix_cache_counts(client: httpx.AsyncClient) -> PrefixCounts:
+    """The server's prefix-cache hit and query counters (per replica, and
+    ``all``, with data-parallel replicas); empty if it has none."""
+    response = await client.get("/metrics")
+    counts: PrefixCounts = {}
+    if response.status_code != 200:
+        return counts
+    for line in response.text.splitlines():
+        for kind in ("hits", "queries"):
+            name = f"asyncstep:prefix_cache_{kind}_total"
+            if line.startswith(name + "{"):
+                labels, _, value = line[len(name) :].rpartition(" ")
+                replica = labels.partition('replica="')[2].partition('"')[0]
+                counts[(replica, kind)] = float(value)
+    return counts
+
+
+def prefix_cache_figures(before: PrefixCounts, after: PrefixCounts) -> dict[str, float | None]:
+    """The prefix-cache hit rate over the run (prompt tokens found in the
+    cache over those looked up), summed and, with replicas, per replica."""
+    out: dict[str, float | None] = {}
+    for replica in sorted({r for r, _ in after}):
+        hits = after[(replica, "hits")] - before.get((replica, "hits"), 0.0)
+        queries = after[(replica, "queries")] - before.get((replica, "queries"), 0.0)
+        key = "prefix_cache_hit_rate" if replica in ("", "all") else f"replica_{replica}_hit_rate"
+        out[key] = hits / queries if queries else None
+        if replica not in ("", "all"):
+            out[f"replica_{replica}_prompt_tokens"] = queries
+    return out
+
+
 # -- the runs ---------------------------------------------------------------------------
 
 
@@ -244,6 +290,7 @@ async def http_run(
         async with http_client(url, api_key) as client:
             send = http_sender(client, args.served_model)
             await run_load(warmups, None, send)
+            before = await prefix_cache_counts(client)
             meter = CpuMeter(proc.pid) if proc is not None and args.cpu_usage else None
             if args.client_processes > 1:
                 run = await trio.to_thread.run_sync(client_processes, args, requests, url, api_key)
@@ -251,6 +298,7 @@ async def http_run(
                 run = await run_load(requests, args.max_concurrency, send)
             if meter is not None:
                 cpu = meter.stop()
+            cpu |= prefix_cache_figures(before, await prefix_cache_counts(client))
     finally:
         if proc is not None:
             code = await trio.to_thread.run_sync(stop_server, proc)
@@ -265,7 +313,12 @@ async def in_process_run(
     warmups: list[Request],
     max_concurrency: int | None,
 ) -> Run:
-    async with open_engine(config=config) as engine:
+    async with contextlib.AsyncExitStack() as stack:
+        engine: ServedEngine
+        if config.parallel.data_parallel_size > 1 and config.parallel.data_parallel_rank is None:
+            engine = await stack.enter_async_context(open_data_parallel_engine(config))
+        else:
+            engine = await stack.enter_async_context(open_engine(config=config))
         send = engine_sender(engine)
         await run_load(warmups, None, send)
         return await run_load(requests, max_concurrency, send)
@@ -287,6 +340,8 @@ def run(bench: BenchArgs) -> int:
         range_ratio=args.range_ratio,
         request_rate=args.request_rate,
         seed=args.seed,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
     )
     warmups, requests = load[: args.num_warmups], load[args.num_warmups :]
     first = requests[0].arrival_s if requests else 0.0
@@ -297,6 +352,8 @@ def run(bench: BenchArgs) -> int:
         "output_len": args.output_len,
         "request_rate": str(args.request_rate),
         "max_concurrency": args.max_concurrency,
+        "prefix_len": args.prefix_len,
+        "num_prefixes": args.num_prefixes,
     }
     cases = []
     errors: dict[str, list[str]] = {}

@@ -1,6 +1,8 @@
 """The benchmarks' random workloads: prompts of random token ids (ids from
 3 up: clear of the usual special tokens), lengths fixed, spread within a
-ratio (vLLM's random dataset) or uniform in a range, seeded."""
+ratio (vLLM's random dataset) or uniform in a range, seeded; optionally
+each behind one of a few shared prefixes (system prompts: vLLM's
+``prefix_repetition`` dataset)."""
 
 from __future__ import annotations
 
@@ -52,14 +54,23 @@ def workload(
     uniform: tuple[int, int] = (1, 1),
     request_rate: float = math.inf,
     seed: int = 0,
+    prefix_len: int = 0,
+    num_prefixes: int = 1,
 ) -> list[Request]:
     """``count`` requests of random prompts; input and output lengths as
     :func:`lengths`; arrivals a Poisson process of ``request_rate`` per
-    second (inf: all at 0)."""
+    second (inf: all at 0). ``prefix_len`` > 0: each prompt is one of
+    ``num_prefixes`` random prefixes of that many tokens (drawn at random
+    per request) followed by its own random tokens (the input length)."""
+    if prefix_len < 0 or num_prefixes < 1:
+        raise ValueError(f"prefix_len >= 0 and num_prefixes >= 1, got {prefix_len}, {num_prefixes}")
     rng = random.Random(seed)
     ins = lengths(rng, count, input_len, range_ratio, uniform)
     outs = lengths(rng, count, output_len, range_ratio, uniform)
     prompts = random_prompts(vocab_size, ins, seed + 1)
+    if prefix_len:
+        prefixes = random_prompts(vocab_size, [prefix_len] * num_prefixes, seed + 2)
+        prompts = [prefixes[rng.randrange(num_prefixes)] + p for p in prompts]
     requests, at = [], 0.0
     for prompt, out in zip(prompts, outs, strict=True):
         requests.append(Request(prompt, out, at))

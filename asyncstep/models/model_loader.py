@@ -132,14 +132,16 @@ def cpu_blocks_fit(
 def cpu_threads(parallel: ParallelConfig) -> int:
     """Torch threads of one rank's forward on the CPU: ``parallel.cpu_threads``,
     or the cores this process may use divided among the ranks started on
-    this machine, less one core for the front end where there are more than
-    four (on fewer, the forward needs them more than the front end does)."""
+    this machine (every data-parallel replica's), less one core for the
+    front end where there are more than four (on fewer, the forward needs
+    them more than the front end does)."""
     if parallel.cpu_threads is not None:
         return parallel.cpu_threads
     cores = len(os.sched_getaffinity(0))
     if cores > 4:
         cores -= 1
     ranks = parallel.world_size if parallel.launch_ranks else 1
+    ranks *= parallel.data_parallel_size
     return max(1, cores // ranks)
 
 

@@ -7,7 +7,9 @@ asyncio, alone or mounted in a service's own ASGI app):
   streamed as server-sent events (``stream_options.include_usage``: a last
   chunk with the usage);
 * ``GET /v1/models``; ``GET /health`` (503 once the engine is dead or the
-  server drains); ``GET /metrics`` (:mod:`asyncstep.server.metrics`);
+  server drains; with data-parallel replicas, 200 while one lives, its
+  body ``{"replicas": [{"replica": 0, "alive": true, "error": null}, ...]}``
+  saying which died and why); ``GET /metrics`` (:mod:`asyncstep.server.metrics`);
   ``POST /tokenize``, ``POST /detokenize``; ``GET /version``.
 
 A request is read (at most ``max_request_body_bytes``: else 413; within
@@ -45,7 +47,7 @@ from starlette.routing import Route
 from asyncstep.engine.chat.chat_replies import ReplyReader
 from asyncstep.engine.chat.reasoning import ReasoningParser
 from asyncstep.engine.chat.tool_parsers import ToolParser, tool_parser
-from asyncstep.engine.front_end.engine import Engine
+from asyncstep.engine.front_end.data_parallel import DataParallelEngine, ServedEngine
 from asyncstep.errors import InvalidRequestError, describe
 from asyncstep.logging import get_logger
 from asyncstep.server import sse
@@ -85,20 +87,20 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 METRICS_REFRESH_S = 0.5
 
 
-def build_app(engine: Engine, config: ServerConfig | None = None) -> Starlette:
+def build_app(engine: ServedEngine, config: ServerConfig | None = None) -> Starlette:
     """The OpenAI-compatible app over ``engine`` (its :class:`OpenAIServer`
     is ``app.state.openai_server``)."""
     return OpenAIServer(engine, config).app
 
 
-def default_model_name(engine: Engine) -> str:
+def default_model_name(engine: ServedEngine) -> str:
     return engine.config.model.model or EMBEDDED_MODEL_NAME
 
 
 class OpenAIServer:
     """The routes and the state of one server over one engine."""
 
-    def __init__(self, engine: Engine, config: ServerConfig | None = None) -> None:
+    def __init__(self, engine: ServedEngine, config: ServerConfig | None = None) -> None:
         self.engine = engine
         self.config = config or ServerConfig()
         self.model_names = list(self.config.served_model_name or [default_model_name(engine)])
@@ -200,6 +202,9 @@ class OpenAIServer:
 
     async def health(self, request: Request) -> Response:
         self.generations.check_serving()
+        if isinstance(self.engine, DataParallelEngine):
+            body = msgspec.json.encode({"replicas": self.engine.replicas()})
+            return Response(body, media_type="application/json")
         return Response(status_code=200)
 
     async def metrics_text(self, request: Request) -> Response:

@@ -18,7 +18,7 @@ import hypercorn.trio
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from asyncstep.engine.front_end.engine import Engine
+from asyncstep.engine.front_end.data_parallel import ServedEngine
 from asyncstep.errors import ConfigError
 from asyncstep.logging import get_logger
 from asyncstep.server.app import OpenAIServer
@@ -46,7 +46,7 @@ def hypercorn_config(
 
 
 async def serve_app(
-    engine: Engine,
+    engine: ServedEngine,
     server_config: ServerConfig,
     listener: socket.socket,
     ready: Callable[[str, str], None] | None,

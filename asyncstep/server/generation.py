@@ -32,7 +32,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from asyncstep.datatypes import Logprobs
-from asyncstep.engine.front_end.engine import Engine
+from asyncstep.engine.front_end.data_parallel import DataParallelEngine, ServedEngine
 from asyncstep.engine.messages.outputs import CompletionChunk
 from asyncstep.errors import describe, leaves
 from asyncstep.logging import get_logger
@@ -72,7 +72,7 @@ class InFlight:
 class Generations:
     """The generation requests in flight of one server over one engine."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics, config: ServerConfig) -> None:
+    def __init__(self, engine: ServedEngine, metrics: ServerMetrics, config: ServerConfig) -> None:
         self.engine = engine
         self.metrics = metrics
         self.config = config
@@ -150,8 +150,10 @@ class Generations:
     @property
     def batch_share(self) -> int:
         """This server's share of the batch's capacity (API servers of one
-        engine core share it evenly)."""
+        engine core share it evenly; data-parallel replicas add theirs)."""
         capacity = self.engine.config.max_num_running_reqs
+        if isinstance(self.engine, DataParallelEngine):
+            capacity *= len(self.engine.engines)
         return -(-capacity // self.config.api_server_count)
 
     def release(self, rid: str) -> None:

@@ -5,7 +5,12 @@ several apps in one process do not clash):
 * gauges read from :meth:`Engine.statistics` when scraped:
   ``num_requests_running``, ``num_requests_waiting``,
   ``kv_cache_usage_perc`` (a fraction, 1 = full, as vLLM's),
-  ``prefix_cache_hit_rate``; counter ``num_preemptions_total``; with
+  ``prefix_cache_hit_rate``; counters ``num_preemptions_total``,
+  ``prefix_cache_queries_total`` and ``prefix_cache_hits_total`` (prompt
+  tokens looked up and found, vLLM's; with
+  data-parallel replicas these seven carry a ``replica`` label: one sample
+  per replica, ``0``, ``1``, ..., and their sum, ``all``; the hit rate's
+  from the summed hits and queries); with
   speculative decoding the counters ``spec_decode_num_drafts_total``,
   ``spec_decode_num_draft_tokens_total``,
   ``spec_decode_num_accepted_tokens_total`` and
@@ -56,10 +61,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from asyncstep.engine.front_end.data_parallel import DataParallelEngine
 from asyncstep.errors import ConfigError
 
 if TYPE_CHECKING:
-    from asyncstep.engine.front_end.engine import Engine
+    from asyncstep.engine.front_end.data_parallel import ServedEngine
     from asyncstep.engine.front_end.statistics import EngineStatistics
 
 PREFIX = "asyncstep:"
@@ -165,33 +171,43 @@ def _multiprocess_registry(path: str) -> CollectorRegistry:
 class _EngineCollector(Collector):
     """The engine's counters, read when scraped."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: ServedEngine, model_name: str) -> None:
         self._engine = engine
         self._labels = [model_name]
 
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.statistics()
+        per_replica = self._per_replica()
+        labels = ["model_name", "replica"] if per_replica else ["model_name"]
         gauges = (
-            ("num_requests_running", "Requests in the running batch.", stats.num_running_reqs),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting_reqs),
-            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use.", stats.kv_cache_usage),
+            ("num_requests_running", "Requests in the running batch.", "num_running_reqs"),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting_reqs"),
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use.", "kv_cache_usage"),
             (
                 "prefix_cache_hit_rate",
                 "Fraction of prompt tokens found in the prefix cache.",
-                stats.prefix_cache_hit_rate,
+                "prefix_cache_hit_rate",
             ),
         )
-        for name, doc, value in gauges:
+        for name, doc, field in gauges:
             prefixes = (PREFIX, VLLM_PREFIX) if name in ROUTER_GAUGES else (PREFIX,)
             for prefix in prefixes:
-                gauge = GaugeMetricFamily(prefix + name, doc, labels=["model_name"])
-                gauge.add_metric(self._labels, value)
+                gauge = GaugeMetricFamily(prefix + name, doc, labels=labels)
+                self._add(gauge, stats, per_replica, field)
                 yield gauge
-        counter = CounterMetricFamily(
-            PREFIX + "num_preemptions", "Requests preempted.", labels=["model_name"]
+        counters = (
+            ("num_preemptions", "Requests preempted.", "num_preemptions"),
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                "prefix_cache_queries",
+            ),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
         )
-        counter.add_metric(self._labels, stats.num_preemptions)
-        yield counter
+        for name, doc, field in counters:
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            self._add(counter, stats, per_replica, field)
+            yield counter
         if stats.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is on
             yield from self._spec_decode(stats)
         if stats.moe_expert_tokens:  # a MoE model
@@ -203,6 +219,27 @@ class _EngineCollector(Collector):
             for expert, value in enumerate(stats.moe_expert_tokens):
                 experts.add_metric([*self._labels, str(expert)], value)
             yield experts
+
+    def _per_replica(self) -> list[EngineStatistics]:
+        """Each data-parallel replica's counters (none: one engine)."""
+        engine = self._engine
+        return engine.replica_statistics() if isinstance(engine, DataParallelEngine) else []
+
+    def _add(
+        self,
+        family: GaugeMetricFamily | CounterMetricFamily,
+        stats: EngineStatistics,
+        per_replica: list[EngineStatistics],
+        field: str,
+    ) -> None:
+        """``field``'s sample: one engine's, or each replica's and their sum
+        (``replica="all"``)."""
+        if not per_replica:
+            family.add_metric(self._labels, getattr(stats, field))
+            return
+        for index, replica in enumerate(per_replica):
+            family.add_metric([*self._labels, str(index)], getattr(replica, field))
+        family.add_metric([*self._labels, "all"], getattr(stats, field))
 
     def _spec_decode(self, stats: EngineStatistics) -> Iterator[Metric]:
         """vLLM's speculative decoding counters."""
@@ -236,7 +273,7 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The metrics of one server over one engine."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: ServedEngine, model_name: str) -> None:
         path = multiprocess_dir()
         #: What :meth:`render` collects.
         self.registry = CollectorRegistry() if path is None else _multiprocess_registry(path)

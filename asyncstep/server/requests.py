@@ -31,7 +31,7 @@ from asyncstep.checks import shown
 from asyncstep.datatypes import MAX_LOGPROBS, SamplingParams
 from asyncstep.engine.chat.tool_parsers import ToolParser
 from asyncstep.engine.chat.tools import ForcedCalls, ToolMode, check_tools
-from asyncstep.engine.front_end.engine import Engine
+from asyncstep.engine.front_end.data_parallel import ServedEngine
 from asyncstep.errors import InvalidRequestError
 from asyncstep.server.errors import bad_request
 from asyncstep.server.protocol import (
@@ -86,7 +86,7 @@ class GenerationJob:
         return self.n * len(self.prompts)
 
 
-async def completion_job(engine: Engine, request: CompletionRequest) -> GenerationJob:
+async def completion_job(engine: ServedEngine, request: CompletionRequest) -> GenerationJob:
     if request.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
     if request.best_of is not None and request.best_of != request.n:
@@ -116,7 +116,7 @@ async def completion_job(engine: Engine, request: CompletionRequest) -> Generati
 
 
 async def chat_job(
-    engine: Engine,
+    engine: ServedEngine,
     request: ChatCompletionRequest,
     parser: ToolParser | None = None,
     *,
@@ -211,7 +211,7 @@ def check_choices(n: object, num_prompts: int) -> None:
         )
 
 
-def check_prompt_logprobs(engine: Engine, prompts: list[list[int]], k: object) -> None:
+def check_prompt_logprobs(engine: ServedEngine, prompts: list[list[int]], k: object) -> None:
     """A request's prompt log-probs (``k + 1`` per prompt position after the
     first, over every prompt) are at most one whole-context prompt's at the
     largest ``k``: they are held and sent whole (a bad ``k`` is left for
@@ -265,7 +265,7 @@ def _is_token_ids(value: object) -> bool:
 
 
 async def _encoded(
-    engine: Engine,
+    engine: ServedEngine,
     prompt: Any,
     param: str = "prompt",
     tools: list[dict[str, Any]] | None = None,
@@ -287,7 +287,7 @@ async def _encoded(
 
 
 def _max_tokens(
-    engine: Engine, prompt_len: int, given: int | None, name: str, *, completion: bool
+    engine: ServedEngine, prompt_len: int, given: int | None, name: str, *, completion: bool
 ) -> int | None:
     """The output budget: ``given``, else the default: a completion's 16
     at most what the context leaves, a chat's None (what the context

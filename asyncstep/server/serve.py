@@ -22,6 +22,12 @@ exits 1).
 With ``api_server_count`` > 1 this process supervises that many API
 server processes on the one socket and one engine core
 (:mod:`asyncstep.server.api_servers`); each runs :func:`serve_app`.
+
+With ``data_parallel_size`` > 1 the app serves a
+:class:`~asyncstep.engine.front_end.data_parallel.DataParallelEngine`
+(replicas behind one router): a replica's death fails its own requests and
+the server goes on with the others; it stops once none is left. That takes
+one API server (``api_server_count`` > 1 with it is refused at the door).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from collections.abc import Callable
 
 from asyncstep.config import EngineConfig
 from asyncstep.engine.front_end.api import open_engine
+from asyncstep.engine.front_end.data_parallel import open_data_parallel_engine
+from asyncstep.errors import ConfigError
 from asyncstep.logging import get_logger
 from asyncstep.server.api_servers import serve_api_servers
 from asyncstep.server.app_server import is_loopback, listen, serve_app
@@ -49,6 +57,7 @@ async def serve(
     notice: Callable[[str], None] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT (see the module's docstring)."""
+    check_layout(engine_config, server_config)
     if not is_loopback(server_config.host):
         log.warning(
             "listening off loopback: other machines can reach the API",
@@ -75,5 +84,21 @@ async def _serve(
             engine_config, server_config, listener, ready, progress, log_level, notice
         )
         return
+    parallel = engine_config.parallel
+    if parallel.data_parallel_size > 1 and parallel.data_parallel_rank is None:
+        async with open_data_parallel_engine(engine_config, progress) as replicas:
+            await serve_app(replicas, server_config, listener, ready, log_level, notice)
+        return
     async with open_engine(config=engine_config, progress=progress) as engine:
         await serve_app(engine, server_config, listener, ready, log_level, notice)
+
+
+def check_layout(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """The engine's and the server's processes fit together (ConfigError)."""
+    parallel = engine_config.parallel
+    replicas_here = parallel.data_parallel_size > 1 and parallel.data_parallel_rank is None
+    if replicas_here and server_config.api_server_count > 1:
+        raise ConfigError(
+            "data_parallel_size > 1 is served by one API server "
+            "(api_server_count must be 1 with it)"
+        )

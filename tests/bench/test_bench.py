@@ -155,6 +155,10 @@ def test_serve_figures(runs: dict[str, tuple[Result, str]]) -> None:
         assert math.isclose(f["output_throughput"] * f["duration_s"], 30)  # type: ignore[operator]
     http = cases["http"].figures
     assert positive(http["client_cpu_s"]) and positive(http["server_cpu_s"])
+    # Two replicas (--data-parallel-size 2): both cores measured, both looked up prompts.
+    assert positive(http["engine_core_0_cpu_s"]) and positive(http["engine_core_1_cpu_s"])
+    assert positive(http["replica_0_prompt_tokens"]) and positive(http["replica_1_prompt_tokens"])
+    assert http["prefix_cache_hit_rate"] is not None
     assert result.extra["http_over_in_process"]["mean_e2el_ms"] > 0
 
 
@@ -224,6 +228,8 @@ def test_help_lists_every_engine_flag(
         (["latency", "--block-size", "3"], 1, "block_size must be a power of two"),
         (["latency", "--load-format", "dummy", "--model", "nope"], 1, "known: tiny-llama"),
         (["serve", "--goodput", "ttft=5"], 1, "--goodput takes KEY:MS"),
+        (["serve", "--prefix-len", "-1"], 1, "--prefix-len must be >= 0, got -1"),
+        (["serve", "--data-parallel-size", "0"], 1, "data_parallel_size must be in [1, 64]"),
         (["startup", "--load-format", "dummy", "--model", "tiny-llama", "--cases", "x"], 1, "x"),
     ],
 )
@@ -345,3 +351,20 @@ def test_layout_tokens_with_ranks_started_outside_the_engine(tmp_path: Path) -> 
     assert reference["probe"]["output_changes"]  # the check can see the context
     assert all(len(t) == 6 for t in reference["tokens"])
     assert all(runs[name].detail["equal"] for name in ("overlap_on", "overlap_off"))
+
+
+def test_a_shared_prefix_workload_and_its_hit_rate() -> None:
+    from asyncstep.bench.serve import prefix_cache_figures
+    from asyncstep.bench.workload import workload
+
+    load = workload(1000, 40, 5, 3, prefix_len=8, num_prefixes=4, seed=1)
+    heads = {tuple(r.prompt[:8]) for r in load}
+    assert len(heads) == 4 and all(len(r.prompt) == 13 for r in load)
+    assert len({tuple(r.prompt[8:]) for r in load}) == 40
+    before = {("0", "hits"): 10.0, ("0", "queries"): 20.0, ("all", "hits"): 10.0}
+    before[("all", "queries")] = 20.0
+    after = {("0", "hits"): 40.0, ("0", "queries"): 60.0, ("all", "hits"): 40.0}
+    after[("all", "queries")] = 60.0
+    figures = prefix_cache_figures(before, after)
+    assert figures["prefix_cache_hit_rate"] == 0.75 and figures["replica_0_hit_rate"] == 0.75
+    assert figures["replica_0_prompt_tokens"] == 40.0

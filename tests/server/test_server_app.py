@@ -4,7 +4,8 @@ asyncio; under Trio, requests past ``max_waiting_requests`` get 429 (and the
 server serves again once the queue has room); a model without a tokenizer
 serves token ids; once the engine is dead, ``/health`` and the routes answer
 503; ``asyncstep serve``'s first Ctrl-C says what the stop waits for, and
-new requests meanwhile get 503."""
+new requests meanwhile get 503; with two data-parallel replicas it outlives
+one (``/health`` names it) and stops once both are dead."""
 
 from __future__ import annotations
 
@@ -262,6 +263,7 @@ FRONT_END = {
     "asyncstep.procs",
     "asyncstep.structured_params",
     "asyncstep.engine.front_end.api",
+    "asyncstep.engine.front_end.data_parallel",
     "asyncstep.engine.front_end.engine",
     "asyncstep.engine.front_end.statistics",
     "asyncstep.engine.messages.outputs",
@@ -385,3 +387,47 @@ def test_the_first_ctrl_c_says_what_it_waits_for_and_new_requests_get_503(
     line = f"asyncstep: stopping: waiting up to 120 s for {waited}; Ctrl-C again to abort them"
     assert [li for li in err.splitlines() if "stopping" in li] == [line], err
     assert "Traceback" not in err
+
+
+def test_asyncstep_serve_outlives_one_data_parallel_replica_not_both() -> None:
+    """``--data-parallel-size 2``: a replica's core killed, ``/health``
+    names it and the other serves on; the last one killed stops the server
+    (exit 1, one line), leaving no process behind."""
+    argv = [sys.executable, "-m", "asyncstep", "serve", "--model", "tiny-llama", "--port", "0"]
+    argv += ["--load-format", "dummy", "--device", "cpu", "--dtype", "float32"]
+    argv += ["--data-parallel-size", "2"]
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()  # blocks until serving (or the process ended)
+        assert line.startswith("asyncstep: serving"), line
+        url = line.split()[-1]
+        tasks = Path(f"/proc/{server.pid}/task").glob("*/children")  # any thread's children
+        cores = sorted(int(pid) for task in tasks for pid in task.read_text().split())
+        assert len(cores) == 2
+        os.kill(cores[0], signal.SIGKILL)
+
+        def one_dead() -> list[dict[str, Any]] | None:
+            replicas: list[dict[str, Any]] = httpx.get(url + "/health").json()["replicas"]
+            return replicas if sum(r["alive"] for r in replicas) == 1 else None
+
+        replicas = wait_for(one_dead, "/health to name the dead replica")
+        dead = next(r for r in replicas if not r["alive"])
+        assert "SIGKILL" in dead["error"]
+        body = {"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
+        for _ in range(2):  # both go to the live replica
+            served = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
+        os.kill(cores[1], signal.SIGKILL)
+        code = server.wait(timeout=30)
+        stderr = server.stderr.read() if server.stderr is not None else ""
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert code == 1
+    lines = [line for line in stderr.splitlines() if line.startswith("asyncstep: error:")]
+    assert lines and "Traceback" not in stderr
+    assert "SIGKILL" in lines[-1], lines
+    for pid in cores:
+        assert wait_gone(pid, 15), f"engine core {pid} outlived the server"

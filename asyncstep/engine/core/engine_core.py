@@ -194,6 +194,8 @@ class EngineCore:
                 list(spec.num_accepted_tokens_per_pos) if spec else []
             ),
             moe_expert_tokens=list(self._expert_tokens),
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
         )
 
     # -- inputs -----------------------------------------------------------

@@ -62,7 +62,9 @@ async def open_engine(
     ``LoadedModel`` always runs in this process. ``progress(done, total)`` is
     called as weights load. On exit, requests still in flight fail with
     :class:`EngineDeadError`; if the engine stopped on an error, leaving the
-    block raises it as :class:`EngineDeadError`.
+    block raises it as :class:`EngineDeadError`. A ``data_parallel_size``
+    over 1 is :func:`~asyncstep.engine.front_end.data_parallel.open_data_parallel_engine`'s,
+    unless ``data_parallel_rank`` says which one replica this engine is.
     """
     preloaded = _preloaded(model)
     if config is None:
@@ -71,6 +73,11 @@ async def open_engine(
         raise ConfigError("pass either config or model/options to open_engine, not both")
     else:
         config = copy.deepcopy(config)  # max_model_len is resolved in it: keep the caller's
+    parallel = config.parallel
+    if parallel.data_parallel_size > 1 and parallel.data_parallel_rank is None:
+        raise ConfigError(
+            "data_parallel_size > 1 opens several engines: use open_data_parallel_engine"
+        )
 
     async with contextlib.AsyncExitStack() as stack:
         if preloaded is None and config.parallel.engine_process:

@@ -32,6 +32,9 @@ class EngineStatistics:
     #: A MoE model: token rows routed to each expert since the engine started
     #: (its reporting stage's MoE layers summed; () for a dense model).
     moe_expert_tokens: tuple[int, ...] = ()
+    #: Prompt tokens looked up in the prefix cache, and those found.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:
@@ -60,4 +63,6 @@ def engine_statistics(
         spec_decode_num_accepted_tokens=core.spec_decode_num_accepted_tokens,
         spec_decode_num_accepted_tokens_per_pos=tuple(core.spec_decode_num_accepted_tokens_per_pos),
         moe_expert_tokens=tuple(core.moe_expert_tokens),
+        prefix_cache_queries=core.prefix_cache_queries,
+        prefix_cache_hits=core.prefix_cache_hits,
     )

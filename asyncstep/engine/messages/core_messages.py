@@ -73,6 +73,10 @@ class CoreStats(msgspec.Struct, frozen=True, array_like=True):
     #: A MoE model: the token rows routed to each expert since the engine
     #: started (the reporting stage's MoE layers, summed; [] for a dense model).
     moe_expert_tokens: list[int] = msgspec.field(default_factory=list)
+    #: Prompt tokens looked up in the prefix cache, and those found (the
+    #: hit rate's terms: data-parallel replicas' rates sum through them).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 # -- front end -> core ----------------------------------------------------------
