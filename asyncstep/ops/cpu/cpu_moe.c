@@ -1,0 +1,311 @@
+/*
+ * A mixture-of-experts layer's experts on the CPU in one call (built into
+ * the library of library.py beside cpu_kernels.c): float32 hidden rows,
+ * float32 weights as torch holds them (w13 [E, 2I, H]: each expert's I gate
+ * rows then its I up rows; w2 [E, H, I]; contiguous, no copy), the
+ * token-expert pairs sorted by expert (torch_moe.sort_by_expert's order and
+ * counts), float32 routing weights; silu(gate) * up between the two
+ * matmuls. out[t] = sum over t's pairs, in the order of their experts, of
+ * weight * expert(hidden[t]), summed in float32 from 0.
+ *
+ * No python loop over the experts and no gathered copy of the rows: the
+ * work is items of (expert, block of W's rows), shared by OpenMP threads
+ * dynamically (a decode step's ~30 experts of 1 to 4 rows each: one
+ * parallel region a layer instead of a parallel matmul per expert), the
+ * gate/up items, then the down items, then the token sums. Each output is
+ * one row of x against one row of W along K in one order, into one vector
+ * of LANES float32 lanes (k = lane mod LANES), then the lanes summed by one
+ * tree (halves, then halves again); tiles of rows of x by rows of W share
+ * the loads, never the sums, and every slot of a tile gives its output the
+ * same tree. Up to STREAM_MAX_ROWS rows an expert's W rows are read one at
+ * a time in memory's order (a decode step streams the weights from DRAM).
+ * So a row's result does not depend on the other rows routed to its
+ * experts (the batch: issue 40) nor on the thread count. The silu is
+ * x * sigmoid(x) with cpu_common.h's exp (torch's differs by roundings).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__)
+#define MOE_ISA 2
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MOE_ISA 3
+#include <immintrin.h>
+#else
+#define MOE_ISA 0
+#endif
+
+#if MOE_ISA == 2
+#define LANES 16
+#define ROW_TILE 4 /* rows of x per tile */
+#define W_TILE 6   /* rows of W per tile: 24 accumulators, 31 of 32 registers */
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+/* (lanes i + lanes i + 8), then i + 4, i + 2, i + 1: one tree for every output */
+static inline float vsum(vec v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+    return _mm_cvtss_f32(q);
+}
+#elif MOE_ISA == 3
+#define LANES 8
+#define ROW_TILE 2
+#define W_TILE 4 /* 8 accumulators, 4 of W, 1 of x: 13 of 16 registers */
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+    return _mm_cvtss_f32(q);
+}
+#else
+/* Plain C: the library's flags let the compiler reassociate loops of
+ * scalars, differently where a tile shape is inlined; GCC is told not to
+ * here, and the lanes' tree is one function for every output. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-associative-math")
+#endif
+#define LANES 8
+#define ROW_TILE 2
+#define W_TILE 4
+typedef struct { float v[LANES]; } vec;
+static inline vec vzero(void) { vec r; memset(&r, 0, sizeof r); return r; }
+static inline vec vload(const float* p) { vec r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline vec vfma(vec a, vec b, vec c) {
+    for (int i = 0; i < LANES; i++) c.v[i] += a.v[i] * b.v[i];
+    return c;
+}
+static __attribute__((noinline)) float vsum(vec v) {
+    float s[4];
+    for (int i = 0; i < 4; i++) s[i] = v.v[i] + v.v[i + 4];
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+#endif
+
+/* Up to this many rows an expert's W rows are read one at a time (tiles
+ * one row of W wide), in memory's order. */
+#ifndef STREAM_MAX_ROWS
+#define STREAM_MAX_ROWS 8
+#endif
+#define GATE_BLOCK 64  /* an item's gate columns (and as many up columns) */
+#define DOWN_BLOCK 128 /* an item's output columns */
+
+typedef struct {
+    const float* hidden;
+    int64_t hidden_stride;
+    const float* w13; /* [E, 2I, H] contiguous */
+    const float* w2;  /* [E, H, I] contiguous */
+    int64_t num_experts, hidden_size, inter;
+    const int64_t* order;        /* [P]: each sorted pair's index into the [T * k] pairs */
+    const int64_t* counts;       /* [E]: each expert's pair count */
+    const float* topk_weights;   /* [T * k] */
+    int64_t num_tokens, top_k;
+    float* act;      /* scratch [P, I]: silu(gate) * up of each sorted pair */
+    float* gate_up;  /* scratch [P, 2I] */
+    float* pair_out; /* scratch [P, H]: each sorted pair's weighted output */
+    float* out;      /* [T, H] */
+    int64_t num_threads;
+} MoeArgs;
+
+int asyncstep_moe_lanes(void) { return LANES; }
+
+/* sums[e][i] = x row e . w row i for `rows` rows of x and nw rows of W
+ * along K (a multiple of LANES), constants where inlined. */
+static inline __attribute__((always_inline)) void dot_tile_n(
+    const float* const* x, const int rows, const float* const* w, const int nw, int64_t K,
+    float sums[ROW_TILE][W_TILE]) {
+    vec acc[ROW_TILE][W_TILE];
+    for (int e = 0; e < rows; e++)
+        for (int i = 0; i < nw; i++) acc[e][i] = vzero();
+    for (int64_t k = 0; k < K; k += LANES) {
+        vec wv[W_TILE];
+        for (int i = 0; i < nw; i++) wv[i] = vload(w[i] + k);
+        for (int e = 0; e < rows; e++) {
+            const vec xv = vload(x[e] + k);
+            for (int i = 0; i < nw; i++) acc[e][i] = vfma(wv[i], xv, acc[e][i]);
+        }
+    }
+    for (int e = 0; e < rows; e++)
+        for (int i = 0; i < nw; i++) sums[e][i] = vsum(acc[e][i]);
+}
+
+static void dot_tile(const float* const* x, int rows, const float* const* w, int nw, int64_t K,
+                     float sums[ROW_TILE][W_TILE]) {
+    switch (nw * 8 + rows) {
+#define CASE(NW, ROWS) \
+    case NW * 8 + ROWS: dot_tile_n(x, ROWS, w, NW, K, sums); break;
+#if ROW_TILE == 4
+#define CASES(NW) CASE(NW, 1) CASE(NW, 2) CASE(NW, 3) CASE(NW, 4)
+#else
+#define CASES(NW) CASE(NW, 1) CASE(NW, 2)
+#endif
+#if W_TILE == 6
+        CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
+#else
+        CASES(1) CASES(2) CASES(3) CASES(4)
+#endif
+#undef CASES
+#undef CASE
+    }
+}
+
+/* out[e * out_stride + i] = x[e] . w[i] for `rows` rows of x and nw rows of
+ * W (the tiles: W's tiles outer, so W is read once, x's tiles inner). */
+static void matmul_rows(const float* const* x, int64_t rows, const float* const* w, int64_t nw,
+                        int64_t K, float* out, int64_t out_stride) {
+    const int width = rows <= STREAM_MAX_ROWS ? 1 : W_TILE;
+    for (int64_t i0 = 0; i0 < nw; i0 += width) {
+        const int n = nw - i0 < width ? (int)(nw - i0) : width;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int count = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+            float sums[ROW_TILE][W_TILE];
+            dot_tile(x + r0, count, w + i0, n, K, sums);
+            for (int e = 0; e < count; e++)
+                for (int i = 0; i < n; i++) out[(r0 + e) * out_stride + i0 + i] = sums[e][i];
+        }
+    }
+}
+
+/* silu(g) * u: g * sigmoid(g) * u, sigmoid from exp(-|g|) (no overflow). */
+static inline float silu_mul(float g, float u) {
+    const float e = exp_nonpositive(g < 0 ? g : -g);
+    const float sigmoid = g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+    return g * sigmoid * u;
+}
+
+typedef struct {
+    int64_t expert, start, count; /* the expert's sorted pairs [start, start + count) */
+} Group;
+
+/* The gate and up columns [i0, i0 + ni) of one expert's pairs, then their act. */
+static void gate_up_item(const MoeArgs* a, const Group* g, const float** x, const float** w,
+                         int64_t i0, int64_t ni) {
+    const int64_t H = a->hidden_size, I = a->inter;
+    for (int64_t r = 0; r < g->count; r++)
+        x[r] = a->hidden + (a->order[g->start + r] / a->top_k) * a->hidden_stride;
+    const float* w13 = a->w13 + g->expert * 2 * I * H;
+    for (int64_t i = 0; i < ni; i++) {
+        w[i] = w13 + (i0 + i) * H;
+        w[ni + i] = w13 + (I + i0 + i) * H;
+    }
+    float* gu = a->gate_up + g->start * 2 * I;
+    matmul_rows(x, g->count, w, ni, H, gu + i0, 2 * I);
+    matmul_rows(x, g->count, w + ni, ni, H, gu + I + i0, 2 * I);
+    for (int64_t r = 0; r < g->count; r++) {
+        const float* row = gu + r * 2 * I;
+        float* act = a->act + (g->start + r) * I;
+        for (int64_t i = i0; i < i0 + ni; i++) act[i] = silu_mul(row[i], row[I + i]);
+    }
+}
+
+/* The output columns [h0, h0 + nh) of one expert's pairs, weighted. */
+static void down_item(const MoeArgs* a, const Group* g, const float** x, const float** w,
+                      int64_t h0, int64_t nh) {
+    const int64_t H = a->hidden_size, I = a->inter;
+    for (int64_t r = 0; r < g->count; r++) x[r] = a->act + (g->start + r) * I;
+    const float* w2 = a->w2 + g->expert * H * I;
+    for (int64_t i = 0; i < nh; i++) w[i] = w2 + (h0 + i) * I;
+    float* po = a->pair_out + g->start * H;
+    matmul_rows(x, g->count, w, nh, I, po + h0, H);
+    for (int64_t r = 0; r < g->count; r++) {
+        const float weight = a->topk_weights[a->order[g->start + r]];
+        float* row = po + r * H;
+        for (int64_t h = h0; h < h0 + nh; h++) row[h] = row[h] * weight;
+    }
+}
+
+/* out[t] = its pairs' weighted outputs summed from 0 in sorted order (the
+ * order of their experts). */
+static void token_sum(const MoeArgs* a, const int64_t* position, int64_t t) {
+    const int64_t H = a->hidden_size, k = a->top_k;
+    int64_t at[64];
+    for (int64_t j = 0; j < k; j++) { /* insertion sort of t's sorted positions */
+        int64_t p = position[t * k + j], m = j;
+        for (; m > 0 && at[m - 1] > p; m--) at[m] = at[m - 1];
+        at[m] = p;
+    }
+    float* out = a->out + t * H;
+    for (int64_t h = 0; h < H; h++) out[h] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const float* po = a->pair_out + at[j] * H;
+        for (int64_t h = 0; h < H; h++) out[h] = out[h] + po[h];
+    }
+}
+
+/* The experts' weighted sums into out; 0 on success, -1 when the arguments
+ * are out of range (K not whole vectors, top_k > 64) or scratch memory
+ * cannot be had (nothing written). */
+int asyncstep_moe_experts(const MoeArgs* a) {
+    const int64_t E = a->num_experts, H = a->hidden_size, I = a->inter;
+    const int64_t T = a->num_tokens, k = a->top_k, P = T * k;
+    if (E < 1 || H < 1 || I < 1 || H % LANES || I % LANES || k < 1 || k > 64 || T < 0) return -1;
+    if (T == 0) return 0;
+    Group* groups = malloc(sizeof(Group) * (size_t)E);
+    int64_t* position = malloc(sizeof(int64_t) * (size_t)P);
+    if (groups == NULL || position == NULL) {
+        free(groups);
+        free(position);
+        return -1;
+    }
+    int64_t used = 0, start = 0, most = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t c = a->counts[e];
+        if (c > 0) groups[used++] = (Group){e, start, c};
+        if (c > most) most = c;
+        start += c;
+    }
+    if (start != P) {
+        free(groups);
+        free(position);
+        return -1;
+    }
+    for (int64_t p = 0; p < P; p++) position[a->order[p]] = p;
+    const int64_t gate_blocks = (I + GATE_BLOCK - 1) / GATE_BLOCK;
+    const int64_t down_blocks = (H + DOWN_BLOCK - 1) / DOWN_BLOCK;
+    const int num_threads = a->num_threads > 1 ? (int)a->num_threads : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        const float** x = malloc(sizeof(*x) * (size_t)most);
+        const float** w = malloc(sizeof(*w) * (size_t)(2 * GATE_BLOCK + DOWN_BLOCK));
+        const int ok = x != NULL && w != NULL;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < used * gate_blocks; j++) {
+            if (!ok) continue;
+            const int64_t i0 = (j % gate_blocks) * GATE_BLOCK;
+            gate_up_item(a, &groups[j / gate_blocks], x, w, i0,
+                         I - i0 < GATE_BLOCK ? I - i0 : GATE_BLOCK);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < used * down_blocks; j++) {
+            if (!ok) continue;
+            const int64_t h0 = (j % down_blocks) * DOWN_BLOCK;
+            down_item(a, &groups[j / down_blocks], x, w, h0,
+                      H - h0 < DOWN_BLOCK ? H - h0 : DOWN_BLOCK);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            if (ok) token_sum(a, position, t);
+        free(x);
+        free(w);
+    }
+    free(groups);
+    free(position);
+    return failed ? -1 : 0;
+}
