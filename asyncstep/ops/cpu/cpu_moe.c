@@ -99,8 +99,6 @@ static __attribute__((noinline)) float vsum(vec v) {
 #ifndef STREAM_MAX_ROWS
 #define STREAM_MAX_ROWS 8
 #endif
-#define GATE_BLOCK 64  /* an item's gate columns (and as many up columns) */
-#define DOWN_BLOCK 128 /* an item's output columns */
 
 typedef struct {
     const float* hidden;
@@ -189,40 +187,31 @@ typedef struct {
     int64_t expert, start, count; /* the expert's sorted pairs [start, start + count) */
 } Group;
 
-/* The gate and up columns [i0, i0 + ni) of one expert's pairs, then their act. */
-static void gate_up_item(const MoeArgs* a, const Group* g, const float** x, const float** w,
-                         int64_t i0, int64_t ni) {
+/* One expert over its pairs: the gate and up rows, their act, the down
+ * rows, each pair's output weighted (x and w: room for its rows' and W's
+ * row pointers). */
+static void expert_item(const MoeArgs* a, const Group* g, const float** x, const float** w) {
     const int64_t H = a->hidden_size, I = a->inter;
     for (int64_t r = 0; r < g->count; r++)
         x[r] = a->hidden + (a->order[g->start + r] / a->top_k) * a->hidden_stride;
     const float* w13 = a->w13 + g->expert * 2 * I * H;
-    for (int64_t i = 0; i < ni; i++) {
-        w[i] = w13 + (i0 + i) * H;
-        w[ni + i] = w13 + (I + i0 + i) * H;
-    }
+    for (int64_t i = 0; i < 2 * I; i++) w[i] = w13 + i * H;
     float* gu = a->gate_up + g->start * 2 * I;
-    matmul_rows(x, g->count, w, ni, H, gu + i0, 2 * I);
-    matmul_rows(x, g->count, w + ni, ni, H, gu + I + i0, 2 * I);
+    matmul_rows(x, g->count, w, 2 * I, H, gu, 2 * I);
     for (int64_t r = 0; r < g->count; r++) {
         const float* row = gu + r * 2 * I;
         float* act = a->act + (g->start + r) * I;
-        for (int64_t i = i0; i < i0 + ni; i++) act[i] = silu_mul(row[i], row[I + i]);
+        for (int64_t i = 0; i < I; i++) act[i] = silu_mul(row[i], row[I + i]);
+        x[r] = act;
     }
-}
-
-/* The output columns [h0, h0 + nh) of one expert's pairs, weighted. */
-static void down_item(const MoeArgs* a, const Group* g, const float** x, const float** w,
-                      int64_t h0, int64_t nh) {
-    const int64_t H = a->hidden_size, I = a->inter;
-    for (int64_t r = 0; r < g->count; r++) x[r] = a->act + (g->start + r) * I;
     const float* w2 = a->w2 + g->expert * H * I;
-    for (int64_t i = 0; i < nh; i++) w[i] = w2 + (h0 + i) * I;
+    for (int64_t h = 0; h < H; h++) w[h] = w2 + h * I;
     float* po = a->pair_out + g->start * H;
-    matmul_rows(x, g->count, w, nh, I, po + h0, H);
+    matmul_rows(x, g->count, w, H, I, po, H);
     for (int64_t r = 0; r < g->count; r++) {
         const float weight = a->topk_weights[a->order[g->start + r]];
         float* row = po + r * H;
-        for (int64_t h = h0; h < h0 + nh; h++) row[h] = row[h] * weight;
+        for (int64_t h = 0; h < H; h++) row[h] = row[h] * weight;
     }
 }
 
@@ -272,39 +261,28 @@ int asyncstep_moe_experts(const MoeArgs* a) {
         return -1;
     }
     for (int64_t p = 0; p < P; p++) position[a->order[p]] = p;
-    const int64_t gate_blocks = (I + GATE_BLOCK - 1) / GATE_BLOCK;
-    const int64_t down_blocks = (H + DOWN_BLOCK - 1) / DOWN_BLOCK;
+    const int64_t pointers = most > (2 * I > H ? 2 * I : H) ? most : (2 * I > H ? 2 * I : H);
     const int num_threads = a->num_threads > 1 ? (int)a->num_threads : 1;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    /* one item an expert (no barrier between its matmuls), the token sums
+     * after the threads join */
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && used > 1)
     {
-        const float** x = malloc(sizeof(*x) * (size_t)most);
-        const float** w = malloc(sizeof(*w) * (size_t)(2 * GATE_BLOCK + DOWN_BLOCK));
+        const float** x = malloc(sizeof(*x) * (size_t)pointers);
+        const float** w = malloc(sizeof(*w) * (size_t)pointers);
         const int ok = x != NULL && w != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < used * gate_blocks; j++) {
-            if (!ok) continue;
-            const int64_t i0 = (j % gate_blocks) * GATE_BLOCK;
-            gate_up_item(a, &groups[j / gate_blocks], x, w, i0,
-                         I - i0 < GATE_BLOCK ? I - i0 : GATE_BLOCK);
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < used * down_blocks; j++) {
-            if (!ok) continue;
-            const int64_t h0 = (j % down_blocks) * DOWN_BLOCK;
-            down_item(a, &groups[j / down_blocks], x, w, h0,
-                      H - h0 < DOWN_BLOCK ? H - h0 : DOWN_BLOCK);
-        }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            if (ok) token_sum(a, position, t);
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t j = 0; j < used; j++)
+            if (ok) expert_item(a, &groups[j], x, w);
         free(x);
         free(w);
     }
+    if (!failed)
+        for (int64_t t = 0; t < T; t++) token_sum(a, position, t);
     free(groups);
     free(position);
     return failed ? -1 : 0;
