@@ -2,17 +2,18 @@
  * A mixture-of-experts layer's experts on the CPU in one call (built into
  * the library of library.py beside cpu_kernels.c): float32 hidden rows,
  * float32 weights as torch holds them (w13 [E, 2I, H]: each expert's I gate
- * rows then its I up rows; w2 [E, H, I]; contiguous, no copy), the
- * token-expert pairs sorted by expert (torch_moe.sort_by_expert's order and
- * counts), float32 routing weights; silu(gate) * up between the two
+ * rows then its I up rows; w2 [E, H, I]; contiguous, no copy), int32 expert
+ * ids and float32 routing weights [T, k] (the pairs sorted by expert here,
+ * stably: torch_moe.sort_by_expert's order); silu(gate) * up between the two
  * matmuls. out[t] = sum over t's pairs, in the order of their experts, of
  * weight * expert(hidden[t]), summed in float32 from 0.
  *
- * No python loop over the experts and no gathered copy of the rows: the
- * work is items of (expert, block of W's rows), shared by OpenMP threads
- * dynamically (a decode step's ~30 experts of 1 to 4 rows each: one
- * parallel region a layer instead of a parallel matmul per expert), the
- * gate/up items, then the down items, then the token sums. Each output is
+ * No python loop over the experts and no gathered copy of the rows: an
+ * item is one expert over its rows (gate/up, act, down, weighted), the
+ * items shared by OpenMP threads dynamically (a decode step's ~30 experts
+ * of 1 to 4 rows each: one parallel region a layer, no barrier inside it,
+ * instead of a parallel matmul per expert), the token sums after the
+ * threads join. Each output is
  * one row of x against one row of W along K in one order, into one vector
  * of LANES float32 lanes (k = lane mod LANES), then the lanes summed by one
  * tree (halves, then halves again); tiles of rows of x by rows of W share
@@ -106,16 +107,21 @@ typedef struct {
     const float* w13; /* [E, 2I, H] contiguous */
     const float* w2;  /* [E, H, I] contiguous */
     int64_t num_experts, hidden_size, inter;
-    const int64_t* order;        /* [P]: each sorted pair's index into the [T * k] pairs */
-    const int64_t* counts;       /* [E]: each expert's pair count */
-    const float* topk_weights;   /* [T * k] */
+    const int32_t* topk_ids;   /* [T * k] */
+    const float* topk_weights; /* [T * k] */
     int64_t num_tokens, top_k;
-    float* act;      /* scratch [P, I]: silu(gate) * up of each sorted pair */
-    float* gate_up;  /* scratch [P, 2I] */
-    float* pair_out; /* scratch [P, H]: each sorted pair's weighted output */
-    float* out;      /* [T, H] */
+    float* scratch; /* [P * (3I + H)]: gate_up [P, 2I], act [P, I], pair_out [P, H] */
+    float* out;     /* [T, H] */
     int64_t num_threads;
 } MoeArgs;
+
+/* The pass's arrays: the pairs sorted by expert, stably (order[p]: the
+ * sorted pair's index into the [T * k] pairs; position its inverse). */
+typedef struct {
+    const MoeArgs* args;
+    const int64_t* order;
+    float *gate_up, *act, *pair_out;
+} Pass;
 
 int asyncstep_moe_lanes(void) { return LANES; }
 
@@ -190,26 +196,27 @@ typedef struct {
 /* One expert over its pairs: the gate and up rows, their act, the down
  * rows, each pair's output weighted (x and w: room for its rows' and W's
  * row pointers). */
-static void expert_item(const MoeArgs* a, const Group* g, const float** x, const float** w) {
+static void expert_item(const Pass* pass, const Group* g, const float** x, const float** w) {
+    const MoeArgs* a = pass->args;
     const int64_t H = a->hidden_size, I = a->inter;
     for (int64_t r = 0; r < g->count; r++)
-        x[r] = a->hidden + (a->order[g->start + r] / a->top_k) * a->hidden_stride;
+        x[r] = a->hidden + (pass->order[g->start + r] / a->top_k) * a->hidden_stride;
     const float* w13 = a->w13 + g->expert * 2 * I * H;
     for (int64_t i = 0; i < 2 * I; i++) w[i] = w13 + i * H;
-    float* gu = a->gate_up + g->start * 2 * I;
+    float* gu = pass->gate_up + g->start * 2 * I;
     matmul_rows(x, g->count, w, 2 * I, H, gu, 2 * I);
     for (int64_t r = 0; r < g->count; r++) {
         const float* row = gu + r * 2 * I;
-        float* act = a->act + (g->start + r) * I;
+        float* act = pass->act + (g->start + r) * I;
         for (int64_t i = 0; i < I; i++) act[i] = silu_mul(row[i], row[I + i]);
         x[r] = act;
     }
     const float* w2 = a->w2 + g->expert * H * I;
     for (int64_t h = 0; h < H; h++) w[h] = w2 + h * I;
-    float* po = a->pair_out + g->start * H;
+    float* po = pass->pair_out + g->start * H;
     matmul_rows(x, g->count, w, H, I, po, H);
     for (int64_t r = 0; r < g->count; r++) {
-        const float weight = a->topk_weights[a->order[g->start + r]];
+        const float weight = a->topk_weights[pass->order[g->start + r]];
         float* row = po + r * H;
         for (int64_t h = 0; h < H; h++) row[h] = row[h] * weight;
     }
@@ -217,7 +224,8 @@ static void expert_item(const MoeArgs* a, const Group* g, const float** x, const
 
 /* out[t] = its pairs' weighted outputs summed from 0 in sorted order (the
  * order of their experts). */
-static void token_sum(const MoeArgs* a, const int64_t* position, int64_t t) {
+static void token_sum(const MoeArgs* a, const float* pair_out, const int64_t* position,
+                      int64_t t) {
     const int64_t H = a->hidden_size, k = a->top_k;
     int64_t at[64];
     for (int64_t j = 0; j < k; j++) { /* insertion sort of t's sorted positions */
@@ -228,39 +236,48 @@ static void token_sum(const MoeArgs* a, const int64_t* position, int64_t t) {
     float* out = a->out + t * H;
     for (int64_t h = 0; h < H; h++) out[h] = 0.0f;
     for (int64_t j = 0; j < k; j++) {
-        const float* po = a->pair_out + at[j] * H;
+        const float* po = pair_out + at[j] * H;
         for (int64_t h = 0; h < H; h++) out[h] = out[h] + po[h];
     }
 }
 
-/* The experts' weighted sums into out; 0 on success, -1 when the arguments
+/* The experts' weighted sums into out; 0 on success, -1 when the shapes
  * are out of range (K not whole vectors, top_k > 64) or scratch memory
- * cannot be had (nothing written). */
+ * cannot be had, -2 when an expert id is not in [0, E) (nothing written). */
 int asyncstep_moe_experts(const MoeArgs* a) {
     const int64_t E = a->num_experts, H = a->hidden_size, I = a->inter;
     const int64_t T = a->num_tokens, k = a->top_k, P = T * k;
     if (E < 1 || H < 1 || I < 1 || H % LANES || I % LANES || k < 1 || k > 64 || T < 0) return -1;
+    for (int64_t f = 0; f < P; f++)
+        if (a->topk_ids[f] < 0 || a->topk_ids[f] >= E) return -2;
     if (T == 0) return 0;
     Group* groups = malloc(sizeof(Group) * (size_t)E);
+    int64_t* counts = calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t* order = malloc(sizeof(int64_t) * (size_t)P);
     int64_t* position = malloc(sizeof(int64_t) * (size_t)P);
-    if (groups == NULL || position == NULL) {
+    if (groups == NULL || counts == NULL || order == NULL || position == NULL) {
         free(groups);
+        free(counts);
+        free(order);
         free(position);
         return -1;
     }
-    int64_t used = 0, start = 0, most = 0;
+    /* counting sort by expert, stable: counts[e + 1] pairs of expert e, then
+     * their starts, then each pair placed in the pairs' order */
+    for (int64_t f = 0; f < P; f++) counts[a->topk_ids[f] + 1]++;
+    int64_t used = 0, most = 0;
     for (int64_t e = 0; e < E; e++) {
-        const int64_t c = a->counts[e];
-        if (c > 0) groups[used++] = (Group){e, start, c};
+        const int64_t c = counts[e + 1];
+        if (c > 0) groups[used++] = (Group){e, counts[e], c};
         if (c > most) most = c;
-        start += c;
+        counts[e + 1] += counts[e];
     }
-    if (start != P) {
-        free(groups);
-        free(position);
-        return -1;
+    for (int64_t f = 0; f < P; f++) {
+        const int64_t p = counts[a->topk_ids[f]]++;
+        order[p] = f;
+        position[f] = p;
     }
-    for (int64_t p = 0; p < P; p++) position[a->order[p]] = p;
+    const Pass pass = {a, order, a->scratch, a->scratch + P * 2 * I, a->scratch + P * 3 * I};
     const int64_t pointers = most > (2 * I > H ? 2 * I : H) ? most : (2 * I > H ? 2 * I : H);
     const int num_threads = a->num_threads > 1 ? (int)a->num_threads : 1;
     int failed = 0;
@@ -277,13 +294,15 @@ int asyncstep_moe_experts(const MoeArgs* a) {
         }
 #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t j = 0; j < used; j++)
-            if (ok) expert_item(a, &groups[j], x, w);
+            if (ok) expert_item(&pass, &groups[j], x, w);
         free(x);
         free(w);
     }
     if (!failed)
-        for (int64_t t = 0; t < T; t++) token_sum(a, position, t);
+        for (int64_t t = 0; t < T; t++) token_sum(a, pass.pair_out, position, t);
     free(groups);
+    free(counts);
+    free(order);
     free(position);
     return failed ? -1 : 0;
 }

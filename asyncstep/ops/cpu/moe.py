@@ -7,7 +7,7 @@ from 0 in the order of their experts), the matmuls each row alone in one K
 order (a row's result does not depend on the other rows: issue 40), no
 python loop over the experts. Its use: the CPU op set's experts where the
 hidden rows and the weights are float32 (:meth:`CpuMoeExperts.applies`).
-Imports torch, the reference's sort and the library's loader only.
+Imports torch and the library's loader only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import struct
 import torch
 
 from asyncstep.ops.cpu.library import load_cpu_kernels
-from asyncstep.ops.torch_moe import sort_by_expert
 
 __all__ = ["CpuMoeExperts", "moe_experts"]
 
@@ -28,9 +27,9 @@ _ARGS = struct.Struct(
     "<qq"  # hidden, its row stride
     "qq"  # w13, w2
     "qqq"  # experts, hidden size, intermediate size
-    "qqq"  # order, counts, topk weights
+    "qq"  # topk ids, topk weights
     "qq"  # tokens, top k
-    "qqqq"  # act, gate_up, pair_out, out
+    "qq"  # scratch, out
     "q"  # threads
 )
 #: The most experts a token may pick (the C side sorts a token's pairs on its stack).
@@ -88,14 +87,15 @@ class CpuMoeExperts:
         if size != hidden.shape[1] or w2.shape != (num_experts, size, inter):
             raise ValueError(f"expert weights {tuple(w13.shape)}, {tuple(w2.shape)} do not match")
         tokens, top_k = topk_ids.shape
-        order, counts = sort_by_expert(topk_ids, num_experts)
-        if counts.numel() != num_experts:
-            raise ValueError(f"expert ids must lie in [0, {num_experts})")
-        weights = topk_weights.reshape(-1).float().contiguous()
+        if topk_weights.shape != topk_ids.shape or tokens != hidden.shape[0]:
+            raise ValueError(
+                f"{tokens} rows of {top_k} expert ids, weights {tuple(topk_weights.shape)}, "
+                f"hidden {tuple(hidden.shape)}: they must match"
+            )
+        ids = topk_ids.to(torch.int32).contiguous()
+        weights = topk_weights.float().contiguous()
         pairs = tokens * top_k
-        act = torch.empty(pairs, inter)
-        gate_up = torch.empty(pairs, two_inter)
-        pair_out = torch.empty(pairs, size)
+        scratch = torch.empty(pairs * (3 * inter + size))
         out = torch.empty(tokens, size)
         args = _ARGS.pack(
             hidden.data_ptr(),
@@ -105,18 +105,18 @@ class CpuMoeExperts:
             num_experts,
             size,
             inter,
-            order.data_ptr(),
-            counts.data_ptr(),
+            ids.data_ptr(),
             weights.data_ptr(),
             tokens,
             top_k,
-            act.data_ptr(),
-            gate_up.data_ptr(),
-            pair_out.data_ptr(),
+            scratch.data_ptr(),
             out.data_ptr(),
             torch.get_num_threads(),
         )
-        if self._experts(args) != 0:
+        status = self._experts(args)
+        if status == -2:
+            raise ValueError(f"expert ids must lie in [0, {num_experts})")
+        if status != 0:
             raise MemoryError("the CPU experts found no scratch memory")
         return out
 
