@@ -1,7 +1,8 @@
 """The CPU library's grouped float32 experts (``cpu_moe.c``): the
 reference's contract (:func:`~asyncstep.ops.torch_moe.fused_experts`: a
 few ulps of float32 from it), in every build this machine compiles
-(AVX-512, AVX2, plain C, with the library's flags); a row's result the same
+(AVX-512, AVX2, plain C, with the library's flags; the whole library built
+for AVX2 runs the AVX2 build); a row's result the same
 bits alone and among other rows (issue 40), on 1 and 2 threads; the CPU op
 set takes it for float32 silu experts and the reference for the others;
 bad inputs refused in one line; a float32 Qwen3-MoE through it greedy
@@ -166,6 +167,30 @@ def test_bad_inputs_are_refused_in_one_line() -> None:
         EXPERTS(x, w13, w2, topk_weights, topk_ids + 3)
     empty = EXPERTS(x[:0], w13, w2, topk_weights[:0], topk_ids[:0])
     assert empty.shape == (0, 64)
+
+
+def test_the_library_built_for_avx2_runs_the_avx2_experts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``ASYNCSTEP_CPU_KERNELS_ISA=avx2``: the whole library's experts are
+    the AVX2 build's (8 lanes), the same bits as cpu_moe.c built alone."""
+    if {"avx2", "fma", "f16c"} - cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    monkeypatch.setenv(library.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(library.ISA_ENV, "avx2")
+    load_cpu_kernels.cache_clear()
+    try:
+        kernels = load_cpu_kernels()
+    finally:
+        load_cpu_kernels.cache_clear()
+    assert kernels is not None
+    experts = CpuMoeExperts(kernels.library)
+    assert experts.lanes == 8
+    w13, w2 = weights(8, 64, 48)
+    x, topk_weights, topk_ids = route(20, 8, 2)
+    got = experts(x, w13, w2, topk_weights, topk_ids)
+    assert torch.equal(got, build("AVX2", tmp_path)(x, w13, w2, topk_weights, topk_ids))
+    assert within_reference(got, x, w13, w2, topk_weights, topk_ids)
 
 
 def tiny_qwen3_moe() -> Any:

@@ -120,9 +120,9 @@ class CpuOps(CpuHeadOps):
         (:mod:`~asyncstep.ops.cpu.moe`) where they apply; else the
         reference's grouped matmul (:mod:`~asyncstep.ops.torch_moe`)
         through :meth:`linear`: a dense bfloat16 expert takes the library's
-        matmul where ``invariant_dense`` is on. Either way a token's output
-        does not depend on the rows its experts get from other tokens
-        (float16 experts excepted: torch's matmul)."""
+        matmul where ``invariant_dense`` is on. A token's output then does
+        not depend on the rows its experts get from other tokens (float32
+        always; bfloat16 where ``invariant_dense`` is on)."""
         experts = moe_experts()
         biased = w13_bias is not None or w2_bias is not None
         if experts is not None and experts.applies(hidden, w13, w2, topk_ids, activation, biased):
