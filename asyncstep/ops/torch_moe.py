@@ -38,9 +38,10 @@ only through the matmul: each expert's matmul takes the rows routed to it in
 this step, as many as the batch sends it. With a matmul that computes each
 row alone in one order of K (the CPU library's dense bfloat16 matmul, which
 the CPU op set runs under ``batch_invariant``) a token's output is the same
-in every batch; with torch's ``F.linear`` (float32 on the CPU, every dtype
-elsewhere) it may differ by roundings with the number of rows, as a dense
-layer's does.
+in every batch; with torch's ``F.linear`` it may differ by roundings with
+the number of rows, as a dense layer's does. (The CPU op set's float32
+experts do not come here: the library's grouped kernel,
+:mod:`asyncstep.ops.cpu.moe`, computes each row alone.)
 
 May import torch.
 """
@@ -141,11 +142,15 @@ def fused_experts(
         if count == 0:
             continue
         end = start + count
-        pair_out[start:end] = _expert(
-            rows[start:end], expert, w13, w2, activation, w13_bias, w2_bias, matmul
+        # The expert's rows weighted straight into their slice (one pass:
+        # the same float32 products as weighting the whole after).
+        torch.mul(
+            _expert(rows[start:end], expert, w13, w2, activation, w13_bias, w2_bias, matmul),
+            weights[start:end],
+            out=pair_out[start:end],
         )
         start = end
-    out.index_add_(0, token_of_pair, pair_out * weights)
+    out.index_add_(0, token_of_pair, pair_out)
     return out.to(hidden.dtype)
 
 

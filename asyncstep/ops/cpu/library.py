@@ -6,7 +6,9 @@ a decoder layer's non-matmul ops
 kept quantized (``cpu_quant.c``, bound by
 :func:`~asyncstep.ops.cpu.quant.quant_matmul`) and of dense
 bfloat16 weights with float32 outputs (``cpu_dense.c``, bound by
-:func:`~asyncstep.ops.cpu.dense.dense_matmul`).
+:func:`~asyncstep.ops.cpu.dense.dense_matmul`) and a mixture-of-experts
+layer's float32 experts (``cpu_moe.c``, bound by
+:func:`~asyncstep.ops.cpu.moe.moe_experts`).
 
 The shared library is built for this CPU (``-march=native``; with
 ``ASYNCSTEP_CPU_KERNELS_ISA=avx2`` for AVX2 + FMA + F16C only, the build a
@@ -54,7 +56,8 @@ log = structlog.get_logger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = tuple(
-    _HERE / name for name in ("cpu_kernels.c", "cpu_quant.c", "cpu_decode.c", "cpu_dense.c")
+    _HERE / name
+    for name in ("cpu_kernels.c", "cpu_quant.c", "cpu_decode.c", "cpu_dense.c", "cpu_moe.c")
 )
 #: Included by the sources (part of the build key).
 HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "cpu_kernels.h", "cpu_quant.h"))

@@ -9,9 +9,10 @@ request's outputs do not depend on its batch, issue 40) unless
 ``invariant_dense`` is off (torch's ``F.linear``); the reference's ops where
 the library does not take the input (float16, a residual stream that is not
 float32), and for the rotary embedding (the CPU attention op rotates q and
-k as it reads them); a mixture-of-experts layer's experts are the
-reference's grouped matmul (:mod:`~asyncstep.ops.torch_moe`) over this op
-set's linear (so bfloat16 experts are batch-invariant as its dense
+k as it reads them); a mixture-of-experts layer's float32 experts are the
+library's grouped experts in one call (``cpu_moe.c``), its other experts
+the reference's grouped matmul (:mod:`~asyncstep.ops.torch_moe`) over this
+op set's linear (so bfloat16 experts are batch-invariant as its dense
 projections are). Its step
 path: the whole decoder stack in one call
 (:mod:`~asyncstep.ops.cpu.decode_stack`; a MoE model's layers decline it).
@@ -30,6 +31,7 @@ from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
 from asyncstep.ops.cpu.dense import dense_matmul
 from asyncstep.ops.cpu.layer_ops import CpuLayerOps
 from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.moe import moe_experts
 from asyncstep.ops.cpu.quant import CpuQuantWeight
 from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
@@ -114,10 +116,17 @@ class CpuOps(CpuHeadOps):
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The reference's grouped matmul (:mod:`~asyncstep.ops.torch_moe`)
+        """float32 experts: the library's grouped experts in one call
+        (:mod:`~asyncstep.ops.cpu.moe`) where they apply; else the
+        reference's grouped matmul (:mod:`~asyncstep.ops.torch_moe`)
         through :meth:`linear`: a dense bfloat16 expert takes the library's
-        matmul where ``invariant_dense`` is on (a token's output then does
-        not depend on the rows its experts get from other tokens)."""
+        matmul where ``invariant_dense`` is on. A token's output then does
+        not depend on the rows its experts get from other tokens (float32
+        always; bfloat16 where ``invariant_dense`` is on)."""
+        experts = moe_experts()
+        biased = w13_bias is not None or w2_bias is not None
+        if experts is not None and experts.applies(hidden, w13, w2, topk_ids, activation, biased):
+            return experts(hidden, w13, w2, topk_weights, topk_ids)
         return fused_experts(
             hidden,
             w13,

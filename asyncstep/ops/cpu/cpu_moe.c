@@ -1,0 +1,308 @@
+/*
+ * A mixture-of-experts layer's experts on the CPU in one call (built into
+ * the library of library.py beside cpu_kernels.c): float32 hidden rows,
+ * float32 weights as torch holds them (w13 [E, 2I, H]: each expert's I gate
+ * rows then its I up rows; w2 [E, H, I]; contiguous, no copy), int32 expert
+ * ids and float32 routing weights [T, k] (the pairs sorted by expert here,
+ * stably: torch_moe.sort_by_expert's order); silu(gate) * up between the two
+ * matmuls. out[t] = sum over t's pairs, in the order of their experts, of
+ * weight * expert(hidden[t]), summed in float32 from 0.
+ *
+ * No python loop over the experts and no gathered copy of the rows: an
+ * item is one expert over its rows (gate/up, act, down, weighted), the
+ * items shared by OpenMP threads dynamically (a decode step's ~30 experts
+ * of 1 to 4 rows each: one parallel region a layer, no barrier inside it,
+ * instead of a parallel matmul per expert), the token sums after the
+ * threads join. Each output is
+ * one row of x against one row of W along K in one order, into one vector
+ * of LANES float32 lanes (k = lane mod LANES), then the lanes summed by one
+ * tree (halves, then halves again); tiles of rows of x by rows of W share
+ * the loads, never the sums, and every slot of a tile gives its output the
+ * same tree. Up to STREAM_MAX_ROWS rows an expert's W rows are read one at
+ * a time in memory's order (a decode step streams the weights from DRAM).
+ * So a row's result does not depend on the other rows routed to its
+ * experts (the batch: issue 40) nor on the thread count. The silu is
+ * x * sigmoid(x) with cpu_common.h's exp (torch's differs by roundings).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__)
+#define MOE_ISA 2
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MOE_ISA 3
+#include <immintrin.h>
+#else
+#define MOE_ISA 0
+#endif
+
+#if MOE_ISA == 2
+#define LANES 16
+#define ROW_TILE 4 /* rows of x per tile */
+#define W_TILE 6   /* rows of W per tile: 24 accumulators, 31 of 32 registers */
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+/* (lanes i + lanes i + 8), then i + 4, i + 2, i + 1: one tree for every output */
+static inline float vsum(vec v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+    return _mm_cvtss_f32(q);
+}
+#elif MOE_ISA == 3
+#define LANES 8
+#define ROW_TILE 2
+#define W_TILE 4 /* 8 accumulators, 4 of W, 1 of x: 13 of 16 registers */
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+    return _mm_cvtss_f32(q);
+}
+#else
+/* Plain C: the library's flags let the compiler reassociate loops of
+ * scalars, differently where a tile shape is inlined; GCC is told not to
+ * here, and the lanes' tree is one function for every output. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-associative-math")
+#endif
+#define LANES 8
+#define ROW_TILE 2
+#define W_TILE 4
+typedef struct { float v[LANES]; } vec;
+static inline vec vzero(void) { vec r; memset(&r, 0, sizeof r); return r; }
+static inline vec vload(const float* p) { vec r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline vec vfma(vec a, vec b, vec c) {
+    for (int i = 0; i < LANES; i++) c.v[i] += a.v[i] * b.v[i];
+    return c;
+}
+static __attribute__((noinline)) float vsum(vec v) {
+    float s[4];
+    for (int i = 0; i < 4; i++) s[i] = v.v[i] + v.v[i + 4];
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+#endif
+
+/* Up to this many rows an expert's W rows are read one at a time (tiles
+ * one row of W wide), in memory's order. */
+#ifndef STREAM_MAX_ROWS
+#define STREAM_MAX_ROWS 8
+#endif
+
+typedef struct {
+    const float* hidden;
+    int64_t hidden_stride;
+    const float* w13; /* [E, 2I, H] contiguous */
+    const float* w2;  /* [E, H, I] contiguous */
+    int64_t num_experts, hidden_size, inter;
+    const int32_t* topk_ids;   /* [T * k] */
+    const float* topk_weights; /* [T * k] */
+    int64_t num_tokens, top_k;
+    float* scratch; /* [P * (3I + H)]: gate_up [P, 2I], act [P, I], pair_out [P, H] */
+    float* out;     /* [T, H] */
+    int64_t num_threads;
+} MoeArgs;
+
+/* The pass's arrays: the pairs sorted by expert, stably (order[p]: the
+ * sorted pair's index into the [T * k] pairs; position its inverse). */
+typedef struct {
+    const MoeArgs* args;
+    const int64_t* order;
+    float *gate_up, *act, *pair_out;
+} Pass;
+
+int asyncstep_moe_lanes(void) { return LANES; }
+
+/* sums[e][i] = x row e . w row i for `rows` rows of x and nw rows of W
+ * along K (a multiple of LANES), constants where inlined. */
+static inline __attribute__((always_inline)) void dot_tile_n(
+    const float* const* x, const int rows, const float* const* w, const int nw, int64_t K,
+    float sums[ROW_TILE][W_TILE]) {
+    vec acc[ROW_TILE][W_TILE];
+    for (int e = 0; e < rows; e++)
+        for (int i = 0; i < nw; i++) acc[e][i] = vzero();
+    for (int64_t k = 0; k < K; k += LANES) {
+        vec wv[W_TILE];
+        for (int i = 0; i < nw; i++) wv[i] = vload(w[i] + k);
+        for (int e = 0; e < rows; e++) {
+            const vec xv = vload(x[e] + k);
+            for (int i = 0; i < nw; i++) acc[e][i] = vfma(wv[i], xv, acc[e][i]);
+        }
+    }
+    for (int e = 0; e < rows; e++)
+        for (int i = 0; i < nw; i++) sums[e][i] = vsum(acc[e][i]);
+}
+
+static void dot_tile(const float* const* x, int rows, const float* const* w, int nw, int64_t K,
+                     float sums[ROW_TILE][W_TILE]) {
+    switch (nw * 8 + rows) {
+#define CASE(NW, ROWS) \
+    case NW * 8 + ROWS: dot_tile_n(x, ROWS, w, NW, K, sums); break;
+#if ROW_TILE == 4
+#define CASES(NW) CASE(NW, 1) CASE(NW, 2) CASE(NW, 3) CASE(NW, 4)
+#else
+#define CASES(NW) CASE(NW, 1) CASE(NW, 2)
+#endif
+#if W_TILE == 6
+        CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
+#else
+        CASES(1) CASES(2) CASES(3) CASES(4)
+#endif
+#undef CASES
+#undef CASE
+    }
+}
+
+/* out[e * out_stride + i] = x[e] . w[i] for `rows` rows of x and nw rows of
+ * W (the tiles: W's tiles outer, so W is read once, x's tiles inner). */
+static void matmul_rows(const float* const* x, int64_t rows, const float* const* w, int64_t nw,
+                        int64_t K, float* out, int64_t out_stride) {
+    const int width = rows <= STREAM_MAX_ROWS ? 1 : W_TILE;
+    for (int64_t i0 = 0; i0 < nw; i0 += width) {
+        const int n = nw - i0 < width ? (int)(nw - i0) : width;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int count = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+            float sums[ROW_TILE][W_TILE];
+            dot_tile(x + r0, count, w + i0, n, K, sums);
+            for (int e = 0; e < count; e++)
+                for (int i = 0; i < n; i++) out[(r0 + e) * out_stride + i0 + i] = sums[e][i];
+        }
+    }
+}
+
+/* silu(g) * u: g * sigmoid(g) * u, sigmoid from exp(-|g|) (no overflow). */
+static inline float silu_mul(float g, float u) {
+    const float e = exp_nonpositive(g < 0 ? g : -g);
+    const float sigmoid = g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+    return g * sigmoid * u;
+}
+
+typedef struct {
+    int64_t expert, start, count; /* the expert's sorted pairs [start, start + count) */
+} Group;
+
+/* One expert over its pairs: the gate and up rows, their act, the down
+ * rows, each pair's output weighted (x and w: room for its rows' and W's
+ * row pointers). */
+static void expert_item(const Pass* pass, const Group* g, const float** x, const float** w) {
+    const MoeArgs* a = pass->args;
+    const int64_t H = a->hidden_size, I = a->inter;
+    for (int64_t r = 0; r < g->count; r++)
+        x[r] = a->hidden + (pass->order[g->start + r] / a->top_k) * a->hidden_stride;
+    const float* w13 = a->w13 + g->expert * 2 * I * H;
+    for (int64_t i = 0; i < 2 * I; i++) w[i] = w13 + i * H;
+    float* gu = pass->gate_up + g->start * 2 * I;
+    matmul_rows(x, g->count, w, 2 * I, H, gu, 2 * I);
+    for (int64_t r = 0; r < g->count; r++) {
+        const float* row = gu + r * 2 * I;
+        float* act = pass->act + (g->start + r) * I;
+        for (int64_t i = 0; i < I; i++) act[i] = silu_mul(row[i], row[I + i]);
+        x[r] = act;
+    }
+    const float* w2 = a->w2 + g->expert * H * I;
+    for (int64_t h = 0; h < H; h++) w[h] = w2 + h * I;
+    float* po = pass->pair_out + g->start * H;
+    matmul_rows(x, g->count, w, H, I, po, H);
+    for (int64_t r = 0; r < g->count; r++) {
+        const float weight = a->topk_weights[pass->order[g->start + r]];
+        float* row = po + r * H;
+        for (int64_t h = 0; h < H; h++) row[h] = row[h] * weight;
+    }
+}
+
+/* out[t] = its pairs' weighted outputs summed from 0 in sorted order (the
+ * order of their experts). */
+static void token_sum(const MoeArgs* a, const float* pair_out, const int64_t* position,
+                      int64_t t) {
+    const int64_t H = a->hidden_size, k = a->top_k;
+    int64_t at[64];
+    for (int64_t j = 0; j < k; j++) { /* insertion sort of t's sorted positions */
+        int64_t p = position[t * k + j], m = j;
+        for (; m > 0 && at[m - 1] > p; m--) at[m] = at[m - 1];
+        at[m] = p;
+    }
+    float* out = a->out + t * H;
+    for (int64_t h = 0; h < H; h++) out[h] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const float* po = pair_out + at[j] * H;
+        for (int64_t h = 0; h < H; h++) out[h] = out[h] + po[h];
+    }
+}
+
+/* The experts' weighted sums into out; 0 on success, -1 when the shapes
+ * are out of range (K not whole vectors, top_k > 64) or scratch memory
+ * cannot be had, -2 when an expert id is not in [0, E) (nothing written). */
+int asyncstep_moe_experts(const MoeArgs* a) {
+    const int64_t E = a->num_experts, H = a->hidden_size, I = a->inter;
+    const int64_t T = a->num_tokens, k = a->top_k, P = T * k;
+    if (E < 1 || H < 1 || I < 1 || H % LANES || I % LANES || k < 1 || k > 64 || T < 0) return -1;
+    for (int64_t f = 0; f < P; f++)
+        if (a->topk_ids[f] < 0 || a->topk_ids[f] >= E) return -2;
+    if (T == 0) return 0;
+    Group* groups = malloc(sizeof(Group) * (size_t)E);
+    int64_t* counts = calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t* order = malloc(sizeof(int64_t) * (size_t)P);
+    int64_t* position = malloc(sizeof(int64_t) * (size_t)P);
+    if (groups == NULL || counts == NULL || order == NULL || position == NULL) {
+        free(groups);
+        free(counts);
+        free(order);
+        free(position);
+        return -1;
+    }
+    /* counting sort by expert, stable: counts[e + 1] pairs of expert e, then
+     * their starts, then each pair placed in the pairs' order */
+    for (int64_t f = 0; f < P; f++) counts[a->topk_ids[f] + 1]++;
+    int64_t used = 0, most = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t c = counts[e + 1];
+        if (c > 0) groups[used++] = (Group){e, counts[e], c};
+        if (c > most) most = c;
+        counts[e + 1] += counts[e];
+    }
+    for (int64_t f = 0; f < P; f++) {
+        const int64_t p = counts[a->topk_ids[f]]++;
+        order[p] = f;
+        position[f] = p;
+    }
+    const Pass pass = {a, order, a->scratch, a->scratch + P * 2 * I, a->scratch + P * 3 * I};
+    const int64_t pointers = most > (2 * I > H ? 2 * I : H) ? most : (2 * I > H ? 2 * I : H);
+    const int num_threads = a->num_threads > 1 ? (int)a->num_threads : 1;
+    int failed = 0;
+    /* one item an expert (no barrier between its matmuls), the token sums
+     * after the threads join */
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && used > 1)
+    {
+        const float** x = malloc(sizeof(*x) * (size_t)pointers);
+        const float** w = malloc(sizeof(*w) * (size_t)pointers);
+        const int ok = x != NULL && w != NULL;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t j = 0; j < used; j++)
+            if (ok) expert_item(&pass, &groups[j], x, w);
+        free(x);
+        free(w);
+    }
+    if (!failed)
+        for (int64_t t = 0; t < T; t++) token_sum(a, pass.pair_out, position, t);
+    free(groups);
+    free(counts);
+    free(order);
+    free(position);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,272 @@
+"""The CPU library's grouped float32 experts (``cpu_moe.c``): the
+reference's contract (:func:`~asyncstep.ops.torch_moe.fused_experts`: a
+few ulps of float32 from it), in every build this machine compiles
+(AVX-512, AVX2, plain C, with the library's flags; the whole library built
+for AVX2 runs the AVX2 build); a row's result the same
+bits alone and among other rows (issue 40), on 1 and 2 threads; the CPU op
+set takes it for float32 silu experts and the reference for the others;
+bad inputs refused in one line; a float32 Qwen3-MoE through it greedy
+equals transformers' token for token."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+import asyncstep
+from asyncstep import SamplingParams
+from asyncstep.cpu_features import cpu_flags
+from asyncstep.ops.cpu import library
+from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.moe import CpuMoeExperts, moe_experts
+from asyncstep.ops.cpu.ops import CpuOps
+from asyncstep.ops.torch_moe import fused_experts
+
+EXPERTS = moe_experts()
+pytestmark = pytest.mark.skipif(EXPERTS is None, reason="no C compiler: the library is off")
+
+#: Each build: its target flags, the CPU flags it needs, its vector's lanes.
+BUILDS: dict[str, tuple[tuple[str, ...], set[str], int]] = {
+    "AVX-512": (("-march=native",), {"avx512f"}, 16),
+    "AVX2": (("-mavx2", "-mfma", "-mf16c"), {"avx2", "fma"}, 8),
+    "plain C": ((), set(), 8),
+}
+
+
+def build(isa: str, tmp_path: Path) -> CpuMoeExperts:
+    """cpu_moe.c alone, built for ``isa`` with the library's flags (skipped
+    where this CPU lacks it)."""
+    flags, needs, lanes = BUILDS[isa]
+    missing = needs - cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU has no {', '.join(sorted(missing))}: the {isa} build is not run")
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = Path(asyncstep.__file__).parent / "ops/cpu/cpu_moe.c"
+    target = tmp_path / f"cpu_moe_{isa.replace(' ', '_')}.so"
+    for openmp in (["-fopenmp"], []):  # threads where the compiler has OpenMP
+        done = subprocess.run(
+            [compiler, *library.BASE_FLAGS, *flags, *openmp, str(source), "-o", str(target)],
+            capture_output=True,
+        )
+        if done.returncode == 0:
+            break
+    done.check_returncode()
+    built = CpuMoeExperts(ctypes.CDLL(str(target)))
+    assert built.lanes == lanes
+    return built
+
+
+def weights(experts: int, size: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(experts, 2 * inter, size) * 0.1, torch.randn(experts, size, inter) * 0.1
+
+
+def route(tokens: int, experts: int, top_k: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    """Random rows and a softmax top-k routing, renormalised."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=generator)
+    logits = torch.randn(tokens, experts, generator=generator)
+    topk_weights, topk_ids = torch.topk(logits.softmax(-1), top_k)
+    return x, topk_weights / topk_weights.sum(-1, keepdim=True), topk_ids.int()
+
+
+def within_reference(got: torch.Tensor, *args: Any) -> bool:
+    """float32 sums a few ulps of their magnitude from the reference's."""
+    expected = fused_experts(*args)
+    return bool(((got - expected).abs() <= 1e-5 * expected.abs().max() + 1e-7).all())
+
+
+@pytest.mark.parametrize("isa", ["library", *BUILDS])
+def test_every_build_computes_the_reference(isa: str, tmp_path: Path) -> None:
+    """1 to 40 rows (an expert's rows: one row of W at a time up to 8, then
+    the tiles), 8 experts of top 3 (experts with none): the reference's
+    sums to float32's precision."""
+    experts = EXPERTS if isa == "library" else build(isa, tmp_path)
+    assert experts is not None
+    w13, w2 = weights(8, 64, 48)
+    for tokens in (1, 2, 5, 13, 40):
+        x, topk_weights, topk_ids = route(tokens, 8, 3, seed=tokens)
+        got = experts(x, w13, w2, topk_weights, topk_ids)
+        assert got.dtype == torch.float32 and got.shape == (tokens, 64)
+        assert within_reference(got, x, w13, w2, topk_weights, topk_ids), tokens
+
+
+@pytest.mark.parametrize("isa", ["library", *BUILDS])
+def test_a_row_s_result_does_not_depend_on_its_batch(isa: str, tmp_path: Path) -> None:
+    """Every row of 120 (16 experts of top 4: an expert gets 1 to ~40 rows,
+    across every tile shape), computed alone and in batches of 2, 7, 33 and
+    120 rows from several offsets: the same bits, on 1 and 2 threads."""
+    experts = EXPERTS if isa == "library" else build(isa, tmp_path)
+    assert experts is not None
+    w13, w2 = weights(16, 64, 80)
+    x, topk_weights, topk_ids = route(120, 16, 4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat(
+            [experts(x[r : r + 1], w13, w2, topk_weights[r : r + 1], topk_ids[r : r + 1])
+             for r in range(120)]
+        )  # fmt: skip
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for batch in (2, 7, 33, 120):
+                for start in sorted({0, 5, 120 - batch}):
+                    rows = slice(start, start + batch)
+                    got = experts(x[rows], w13, w2, topk_weights[rows], topk_ids[rows])
+                    assert torch.equal(got, alone[rows]), (count, batch, start)
+    finally:
+        torch.set_num_threads(threads)
+    assert within_reference(alone, x, w13, w2, topk_weights, topk_ids)
+
+
+def test_the_op_set_takes_float32_silu_experts_and_the_reference_the_others() -> None:
+    """``CpuOps.fused_experts``: float32 silu experts through the library
+    (its bits, a strided row of hidden too); bfloat16, biased or swigluoai
+    experts, or a width not whole vectors, the reference's bits."""
+    kernels = load_cpu_kernels()
+    assert kernels is not None and EXPERTS is not None
+    ops = CpuOps(kernels.layer_ops)
+    w13, w2 = weights(8, 64, 48)
+    x, topk_weights, topk_ids = route(9, 8, 2)
+    strided = torch.randn(9, 80)[:, :64]
+    strided.copy_(x)
+    got = ops.fused_experts(strided, w13, w2, topk_weights, topk_ids)
+    assert torch.equal(got, EXPERTS(x, w13, w2, topk_weights, topk_ids))
+    bias13, bias2 = torch.randn(8, 96), torch.randn(8, 64)
+    others: list[tuple[Any, ...]] = [
+        (x, w13, w2, topk_weights, topk_ids, "swigluoai"),
+        (x, w13, w2, topk_weights, topk_ids, "silu", bias13, bias2),
+        (x[:, :60], w13[:, :, :60].contiguous(), w2[:, :60].contiguous(), topk_weights, topk_ids),
+    ]
+    for args in others:
+        assert torch.equal(ops.fused_experts(*args), fused_experts(*args))
+    half = ops.fused_experts(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), topk_weights, topk_ids)
+    assert half.dtype == torch.bfloat16
+
+
+def test_bad_inputs_are_refused_in_one_line() -> None:
+    assert EXPERTS is not None
+    w13, w2 = weights(4, 64, 32)
+    x, topk_weights, topk_ids = route(3, 4, 2)
+    with pytest.raises(ValueError, match="take float32 rows and contiguous float32 weights"):
+        EXPERTS(x.bfloat16(), w13, w2, topk_weights, topk_ids)
+    with pytest.raises(ValueError, match="take float32 rows and contiguous float32 weights"):
+        EXPERTS(x, w13.transpose(1, 2), w2, topk_weights, topk_ids)
+    with pytest.raises(ValueError, match=r"expert weights \(4, 64, 64\), \(4, 32, 32\) do not"):
+        EXPERTS(x, w13, w2[:, :32].contiguous(), topk_weights, topk_ids)
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
+        EXPERTS(x, w13, w2, topk_weights, topk_ids + 3)
+    empty = EXPERTS(x[:0], w13, w2, topk_weights[:0], topk_ids[:0])
+    assert empty.shape == (0, 64)
+
+
+def test_the_library_built_for_avx2_runs_the_avx2_experts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``ASYNCSTEP_CPU_KERNELS_ISA=avx2``: the whole library's experts are
+    the AVX2 build's (8 lanes), the same bits as cpu_moe.c built alone."""
+    if {"avx2", "fma", "f16c"} - cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    monkeypatch.setenv(library.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(library.ISA_ENV, "avx2")
+    load_cpu_kernels.cache_clear()
+    try:
+        kernels = load_cpu_kernels()
+    finally:
+        load_cpu_kernels.cache_clear()
+    assert kernels is not None
+    experts = CpuMoeExperts(kernels.library)
+    assert experts.lanes == 8
+    w13, w2 = weights(8, 64, 48)
+    x, topk_weights, topk_ids = route(20, 8, 2)
+    got = experts(x, w13, w2, topk_weights, topk_ids)
+    assert torch.equal(got, build("AVX2", tmp_path)(x, w13, w2, topk_weights, topk_ids))
+    assert within_reference(got, x, w13, w2, topk_weights, topk_ids)
+
+
+def tiny_qwen3_moe() -> Any:
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        initializer_range=0.2,  # logits far from ties
+        tie_word_embeddings=False,
+    )
+
+
+PROMPTS = [[3, 17, 92, 5], [250, 7, 7, 41, 99, 123, 8, 64, 12, 200, 31], [77]]
+
+
+def test_a_float32_moe_model_through_it_greedy_equals_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three prompts batched, 24 greedy tokens each, fp32 on the CPU: the
+    engine's experts run the library's kernel (counted), its tokens are
+    transformers' token for token."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(tiny_qwen3_moe()).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    expected = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=24,
+                min_new_tokens=24,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            expected.append(out[0, len(prompt) :].tolist())
+    calls = 0
+    original = CpuMoeExperts.__call__
+
+    def counted(self: CpuMoeExperts, *args: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(CpuMoeExperts, "__call__", counted)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def serve() -> list[list[int]]:
+        results: list[list[int]] = [[] for _ in PROMPTS]
+        async with asyncstep.open_engine(
+            tmp_path, device="cpu", dtype="float32", engine_process=False
+        ) as engine:
+
+            async def one(i: int) -> None:
+                results[i] = (await engine.generate(PROMPTS[i], params)).token_ids
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(PROMPTS)):
+                    nursery.start_soon(one, i)
+        return results
+
+    assert trio.run(serve) == expected
+    assert calls > 0
