@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -313,18 +314,15 @@ async def test_a_model_without_tokenizer_refuses_structured_outputs(
 
 
 @pytest.mark.trio
-async def test_pipeline_stages_follow_the_grammar_as_one_rank(smollm2: LoadedModel) -> None:
+async def test_pipeline_stages_follow_the_grammar_as_one_rank(tiny_hf_dir: Path) -> None:
+    """The tiny Llama with SmolLM2's tokenizer (conftest): the grammars and
+    their bitmasks are the real vocabulary's, and each rank loads it in a
+    second (SmolLM2's GGUF takes each rank seconds to dequantize)."""
     kinds = ["json", "regex", "choice", "json_object"]
-    async with asyncstep.open_engine(smollm2, max_num_batched_tokens=32) as engine:
+    options: dict[str, Any] = dict(device="cpu", dtype="float32", max_num_batched_tokens=32)
+    async with asyncstep.open_engine(tiny_hf_dir, **options) as engine:
         expected = await constrained_at_once(engine, kinds)
-    async with asyncstep.open_engine(
-        None,
-        device="cpu",
-        dtype="float32",  # as the smollm2 fixture: dense fp32 weights
-        weight_packing="none",
-        pipeline_parallel_size=2,
-        max_num_batched_tokens=32,
-    ) as engine:
+    async with asyncstep.open_engine(tiny_hf_dir, pipeline_parallel_size=2, **options) as engine:
         results = await constrained_at_once(engine, kinds)
     for i, kind in enumerate(kinds):
         check_output(kind, results[i].text)
