@@ -67,7 +67,7 @@ from asyncstep.device import switch_interval
 from asyncstep.errors import ConfigError, leaves, root_cause
 from asyncstep.logging import bind_rank, configure_logging, get_logger
 from asyncstep.logging.spans import now_us, record_span
-from asyncstep.models.model_loader import LoadedModel, load_model
+from asyncstep.models.model_loader import LoadedModel, cpu_threads, load_model
 from asyncstep.models.weight_reads import weight_reads
 from asyncstep.nursery.pipe import PipeStage
 from asyncstep.nursery.rank import RankActor
@@ -347,6 +347,10 @@ def build_rank(
     )
     # The same seed on every rank: TP ranks of the last stage sample identically.
     torch.manual_seed(config.model.seed)
+    if device.type == "cpu":
+        # The rank's share of the cores from its first op: loading on every
+        # core in each rank at once oversubscribes them (the runner keeps this count).
+        torch.set_num_threads(cpu_threads(parallel))
     loaded = load_model(
         msgspec.structs.replace(config.model, device=str(device)),
         sequence_parallel=parallel.sequence_parallel,

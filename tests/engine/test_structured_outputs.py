@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -18,11 +19,12 @@ import torch
 
 import asyncstep
 from asyncstep import SamplingParams, StructuredOutputsParams
+from asyncstep.config import ModelConfig
 from asyncstep.datatypes import GrammarOutput
 from asyncstep.engine.core.engine_core import EngineCore
 from asyncstep.engine.structured_output.grammar import GrammarCompiler, grammar_of
 from asyncstep.errors import InvalidRequestError
-from asyncstep.models.model_loader import LoadedModel
+from asyncstep.models.model_loader import LoadedModel, load_model
 from asyncstep.runner.grammar_bitmask import GrammarBitmask
 
 pytestmark = pytest.mark.anyio
@@ -59,6 +61,14 @@ QUESTIONS = [
 @pytest.fixture
 def anyio_backend() -> str:
     return "trio"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_hf_dir: Path) -> LoadedModel:
+    """The tiny Llama with SmolLM2's tokenizer (conftest), dense fp32: the
+    grammars and bitmasks of the real vocabulary at a fraction of SmolLM2's
+    steps (its text has no meaning, its JSON object may be any size)."""
+    return load_model(ModelConfig(model=str(tiny_hf_dir), device="cpu", dtype="float32"))
 
 
 def constrained(kind: str, *, seed: int | None = None, max_tokens: int = 100) -> SamplingParams:
@@ -171,9 +181,9 @@ async def test_sixteen_mixed_requests_follow_their_grammars_overlap_on_and_off(
     assert by_overlap[True] == by_overlap[False]
 
 
-async def test_n_choices_follow_the_grammar_and_their_seeds(smollm2: LoadedModel) -> None:
+async def test_n_choices_follow_the_grammar_and_their_seeds(tiny_llama: LoadedModel) -> None:
     params = msgspec.structs.replace(constrained("json", seed=21), n=4)
-    async with asyncstep.open_engine(smollm2) as engine:
+    async with asyncstep.open_engine(tiny_llama) as engine:
         alone = await engine.generate(QUESTION, params)
         async with anyio.create_task_group() as tg:  # the same request in a crowd
             results: dict[str, asyncstep.Completion] = {}
@@ -206,16 +216,16 @@ async def constrained_at_once(
     return [results[i] for i in range(len(kinds))]
 
 
-async def test_preempted_requests_keep_their_grammar(smollm2: LoadedModel) -> None:
+async def test_preempted_requests_keep_their_grammar(tiny_llama: LoadedModel) -> None:
     kinds = ["json", "regex", "json", "choice", "json", "json_object"]
     # The reference: the same batch in a roomy cache (dense fp32: a request's
     # greedy tokens do not depend on its batch), never preempted.
-    async with asyncstep.open_engine(smollm2) as engine:
+    async with asyncstep.open_engine(tiny_llama) as engine:
         roomy = await constrained_at_once(engine, kinds)
         assert engine.statistics().num_preemptions == 0
     # 8 blocks of 16 tokens for six requests of ~40-token prompts: some wait,
     # others are preempted and recomputed.
-    async with asyncstep.open_engine(smollm2, num_blocks=12, block_size=16) as engine:
+    async with asyncstep.open_engine(tiny_llama, num_blocks=12, block_size=16) as engine:
         results = await constrained_at_once(engine, kinds)
         preemptions = engine.statistics().num_preemptions
     assert preemptions > 0
@@ -313,15 +323,18 @@ async def test_a_model_without_tokenizer_refuses_structured_outputs(
 
 
 @pytest.mark.trio
-async def test_pipeline_stages_follow_the_grammar_as_one_rank(smollm2: LoadedModel) -> None:
+async def test_pipeline_stages_follow_the_grammar_as_one_rank(
+    tiny_hf_dir: Path, tiny_llama: LoadedModel
+) -> None:
+    """On the tiny Llama: each rank loads it in a second (SmolLM2's GGUF
+    takes each rank seconds to dequantize)."""
     kinds = ["json", "regex", "choice", "json_object"]
-    async with asyncstep.open_engine(smollm2, max_num_batched_tokens=32) as engine:
+    async with asyncstep.open_engine(tiny_llama, max_num_batched_tokens=32) as engine:
         expected = await constrained_at_once(engine, kinds)
     async with asyncstep.open_engine(
-        None,
+        tiny_hf_dir,
         device="cpu",
-        dtype="float32",  # as the smollm2 fixture: dense fp32 weights
-        weight_packing="none",
+        dtype="float32",  # as the tiny_llama fixture
         pipeline_parallel_size=2,
         max_num_batched_tokens=32,
     ) as engine:
