@@ -7,7 +7,9 @@ ones): the batch's end-to-end latency (mean and vLLM's percentiles), and
 from client-side stream timestamps, medians over the runs of: TTFT (the
 median request's), ITL (``itl_ms``: the median over requests of their
 mean token gap once every request is decoding, i.e. after the last first
-token; ``itl_all_ms``: over whole outputs, others' prefills included).
+token, or ``itl_all_ms`` where no request has two tokens after that, as when
+the last request's output comes in one chunk; ``itl_all_ms``: over
+whole outputs, others' prefills included).
 
 ``--hf``: HF transformers' ``generate`` first (then freed), ITL = (time of
 N tokens - time of 1) / (N - 1). The floor (unless ``--no-floor``): a
@@ -132,7 +134,7 @@ async def stream_batch(engine: Engine, prompts: list[list[int]], output_len: int
             itls.append((steady[-1] - steady[0]) / (len(steady) - 1))
     return {
         "latency_s": wall,
-        "itl_ms": median(itls) * 1e3,
+        "itl_ms": median(itls or itls_all) * 1e3,
         "itl_all_ms": median(itls_all) * 1e3,
         "ttft_ms": median(ttfts) * 1e3,
         "ttft_max_ms": max(ttfts) * 1e3,

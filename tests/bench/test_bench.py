@@ -17,15 +17,18 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
 import msgspec
 import pytest
+import trio
 from processes import serving_url
 
 from asyncstep.bench.args import CliFlags, parse_bench_args
 from asyncstep.bench.floor import kv_bytes_per_token, step_floor, throughput_floor, weight_bytes
+from asyncstep.bench.latency import stream_batch
 from asyncstep.bench.rank_gpus import rank_gpus
 from asyncstep.bench.results import FORMAT, Result, decode
 from asyncstep.cli import (
@@ -368,3 +371,28 @@ def test_a_shared_prefix_workload_and_its_hit_rate() -> None:
     figures = prefix_cache_figures(before, after)
     assert figures["prefix_cache_hit_rate"] == 0.75 and figures["replica_0_hit_rate"] == 0.75
     assert figures["replica_0_prompt_tokens"] == 40.0
+
+
+class _LateAndCoalesced:
+    """An engine stand-in: the first request streams a token at a time, then
+    the second request's whole output comes in one chunk (its consumer was
+    slower than the steps), so no token comes after the last first token."""
+
+    def __init__(self) -> None:
+        self.turn = trio.Lock()
+        self.served = 0
+
+    async def stream(self, prompt: list[int], params: Any) -> Any:
+        async with self.turn:
+            self.served += 1
+            if self.served == 1:
+                for token in range(params.max_tokens):
+                    await trio.sleep(0.001)
+                    yield SimpleNamespace(token_ids=[token])
+            else:
+                yield SimpleNamespace(token_ids=list(range(params.max_tokens)))
+
+
+def test_itl_falls_back_to_whole_outputs_when_no_token_comes_after_the_last_first() -> None:
+    row = trio.run(stream_batch, _LateAndCoalesced(), [[1], [2]], 4)
+    assert positive(row["itl_ms"]) and row["itl_ms"] == row["itl_all_ms"]
