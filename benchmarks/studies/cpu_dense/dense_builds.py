@@ -108,8 +108,9 @@ def worker(args: argparse.Namespace) -> None:
         floats: dict[int, torch.Tensor] = {}  # W's float32 copy, made once per weight
 
         def f32(x: torch.Tensor, w: torch.Tensor) -> object:
-            w32 = floats.setdefault(id(w), w.float())
-            return torch.nn.functional.linear(x.float(), w32)
+            if id(w) not in floats:
+                floats[id(w)] = w.float()
+            return torch.nn.functional.linear(x.float(), floats[id(w)])
 
         variants["torch_f32"] = f32
     if args.ref:
@@ -213,7 +214,7 @@ def main() -> None:
         command += ["--step"] if args.step else []
         command += ["--f32"] if args.f32 else []
         env = {**os.environ, **({} if args.torch_native else BUILDS[isa][1])}
-        run = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+        run = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True)
         for text in run.stdout.splitlines():
             r = json.loads(text)
             results.append(r)
