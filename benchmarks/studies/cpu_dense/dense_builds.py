@@ -105,12 +105,13 @@ def worker(args: argparse.Namespace) -> None:
     ours = build(args.worker, SOURCE.read_text(), "ours")
     variants["ours"] = lambda x, w: ours(x, w, torch.bfloat16)
     if args.f32:
-        floats: dict[int, torch.Tensor] = {}  # W's float32 copy, made once per weight
+        # W and its float32 copy, made once per weight (W kept: its id not reused)
+        floats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def f32(x: torch.Tensor, w: torch.Tensor) -> object:
             if id(w) not in floats:
-                floats[id(w)] = w.float()
-            return torch.nn.functional.linear(x.float(), floats[id(w)])
+                floats[id(w)] = (w, w.float())
+            return torch.nn.functional.linear(x.float(), floats[id(w)][1])
 
         variants["torch_f32"] = f32
     if args.ref:
