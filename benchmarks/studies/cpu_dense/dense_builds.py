@@ -9,7 +9,8 @@ SmolLM2-135M's projections (qkv 576 -> 960, o 576 -> 576, gate_up 576 ->
 logits are one row per sequence). Ours takes bf16 x and writes bf16 (the
 layers' call). A figure is the best call of ``--rounds`` x ``--repeats``;
 read the ratios (torch / ours: above 1, ours faster). ``--ref REV`` also
-times ``cpu_dense.c`` as of a git revision (the same ISA's build).
+times ``cpu_dense.c`` as of a git revision (the same ISA's build; printed,
+as ``torch_f32``, as its time / ours).
 ``--step``: instead, a decode step's 120 projections (30 layers' qkv, o,
 gate_up, down: 212 MB of distinct weights, streamed from DRAM as in a
 model's step) at ``--rows`` rows (default 1, 2, 4, 8, 16). ``--torch-native``
