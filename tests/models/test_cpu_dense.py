@@ -191,8 +191,8 @@ def test_the_op_set_s_linear_runs_dense_bfloat16_weights_row_by_row() -> None:
 def test_every_tile_shape_gives_a_row_its_outputs_alone(isa: str, tmp_path: Path) -> None:
     """Weights of 1 to 13 rows (every count of weight rows a tile holds)
     against 1 to 12 rows of x (one row of W at a time up to 8 rows, then
-    every count of x rows a tile holds), and 33 to 41 (the packed paths'
-    leftover tiles): each tile's shape is compiled on its own
+    every count of x rows a tile holds; AVX2 packs W from 9), and 33 to 41
+    (the packed paths' leftover tiles): each tile's shape is compiled on its own
     (the library's build with its reassociating flags too), and each gives
     a row the bits it has alone."""
     matmul = MATMUL if isa == "library" else build(isa, tmp_path)

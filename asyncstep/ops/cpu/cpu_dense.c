@@ -69,13 +69,15 @@ enum { DENSE_FLOAT32 = 0, DENSE_BFLOAT16 = 1 };
 #define STREAM_MAX_ROWS 8
 #endif
 #if DENSE_ISA == 3
-/* From this many rows the AVX2 build widens W's blocks to float32 once
- * (pack_rows) for all of them, and runs 4 x 3 tiles (4 x 2 where it widens
- * in registers: the mask and the halves take the registers). AVX512F widens
- * in registers at every row count (packing gained nothing measured:
- * benchmarks/results/cpu/dense_avx2_1205). */
+/* From this many rows (every count that does not stream W a row at a time)
+ * the AVX2 build widens W's blocks to float32 once (pack_rows) for all of
+ * them, and runs 4 x 3 tiles (4 x 2 where it would widen in registers: the mask
+ * and the halves take the registers; 9 rather than 32: a decode step's
+ * projections at 9-31 rows, benchmarks/results/cpu/dense_avx2_1205b).
+ * AVX512F widens in registers at every row count (packing gained nothing
+ * measured: benchmarks/results/cpu/dense_avx2_1205). */
 #ifndef PACK_MIN_ROWS
-#define PACK_MIN_ROWS 32
+#define PACK_MIN_ROWS (STREAM_MAX_ROWS + 1)
 #endif
 #define PACKS 1
 #else

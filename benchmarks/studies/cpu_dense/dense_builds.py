@@ -9,10 +9,16 @@ SmolLM2-135M's projections (qkv 576 -> 960, o 576 -> 576, gate_up 576 ->
 logits are one row per sequence). Ours takes bf16 x and writes bf16 (the
 layers' call). A figure is the best call of ``--rounds`` x ``--repeats``;
 read the ratios (torch / ours: above 1, ours faster). ``--ref REV`` also
-times ``cpu_dense.c`` as of a git revision (the same ISA's build).
+times ``cpu_dense.c`` as of a git revision (the same ISA's build; printed,
+as ``torch_f32``, as its time / ours).
 ``--step``: instead, a decode step's 120 projections (30 layers' qkv, o,
 gate_up, down: 212 MB of distinct weights, streamed from DRAM as in a
-model's step) at ``--rows`` rows (default 1, 2, 4, 8, 16).
+model's step) at ``--rows`` rows (default 1, 2, 4, 8, 16). ``--torch-native``
+leaves torch unheld (this CPU's own bf16 path, AVX512-BF16 here: what the
+AVX2 build would be measured against on a newer CPU); ``--f32`` also times
+torch's float32 ``F.linear`` of a float32 copy of W (``torch_f32``: on an
+AVX2 CPU the FMA peak our widened-bf16 products share, and the dtype an
+AVX2-only CPU defaults to).
 
     python3 benchmarks/studies/cpu_dense/dense_builds.py \\
         --out benchmarks/results/cpu/dense_avx2_1205/builds.json
@@ -99,6 +105,16 @@ def worker(args: argparse.Namespace) -> None:
     }
     ours = build(args.worker, SOURCE.read_text(), "ours")
     variants["ours"] = lambda x, w: ours(x, w, torch.bfloat16)
+    if args.f32:
+        # W and its float32 copy, made once per weight (W kept: its id not reused)
+        floats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def f32(x: torch.Tensor, w: torch.Tensor) -> object:
+            if id(w) not in floats:
+                floats[id(w)] = (w, w.float())
+            return torch.nn.functional.linear(x.float(), floats[id(w)][1])
+
+        variants["torch_f32"] = f32
     if args.ref:
         text = subprocess.run(
             ["git", "show", f"{args.ref}:asyncstep/ops/cpu/cpu_dense.c"],
@@ -180,6 +196,10 @@ def main() -> None:
     parser.add_argument("--ref", help="also time cpu_dense.c as of this git revision")
     parser.add_argument("--step", action="store_true", help="a decode step's projections")
     parser.add_argument("--out", type=Path, help="JSON lines here too")
+    parser.add_argument(
+        "--torch-native", action="store_true", help="torch not held to the build's ISA"
+    )
+    parser.add_argument("--f32", action="store_true", help="also torch's float32 F.linear")
     parser.add_argument("--worker", choices=list(BUILDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rows is None:
@@ -194,16 +214,19 @@ def main() -> None:
         command += ["--shapes", *args.shapes, "--rows", *map(str, args.rows)]
         command += ["--ref", args.ref] if args.ref else []
         command += ["--step"] if args.step else []
-        env = {**os.environ, **BUILDS[isa][1]}
-        run = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+        command += ["--f32"] if args.f32 else []
+        env = {**os.environ, **({} if args.torch_native else BUILDS[isa][1])}
+        run = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True)
         for text in run.stdout.splitlines():
             r = json.loads(text)
             results.append(r)
             shown = f"{r['isa']:>11} ({r['torch_capability']}) {r['shape']:>7} rows {r['rows']:4d}"
             shown += f": torch {r['torch_us']:10.1f} us  ours {r['ours_us']:9.1f} us"
             shown += f" ({r['torch_us'] / r['ours_us']:5.2f}x)"
-            if "ref_us" in r:
-                shown += f"  ref {r['ref_us']:9.1f} us ({r['torch_us'] / r['ref_us']:5.2f}x)"
+            for v in ("ref", "torch_f32"):
+                if f"{v}_us" in r:
+                    us = r[f"{v}_us"]
+                    shown += f"  {v} {us:9.1f} us ({us / r['ours_us']:5.2f}x)"
             print(shown, flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
