@@ -27,9 +27,12 @@
  * are zero (scale and offset 0).
  *
  * Rows of x are taken QTILE_ROWS at a time: a block's codes, unpacked
- * once, serve every row of the tile. Groups of 16 output rows are spread over OpenMP
- * threads (each computed by one thread, in a fixed order: results do not
- * depend on the thread count). On AVX2 (with FMA and F16C) the same
+ * once, serve every row of the tile. Many rows are taken in chunks (about
+ * QCHUNK_BYTES of their codes, kept in L2 while every group of 16 outputs
+ * passes over them); within a chunk the groups are spread over OpenMP
+ * threads. Each output is one tile's sums over the blocks in order,
+ * whatever the tile, chunk or thread: a row's results do not depend on the
+ * other rows or the thread count. On AVX2 (with FMA and F16C) the same
  * arithmetic runs 8 output rows at a time with vpmaddubsw, and elsewhere in plain C
  * (both exact: integer sums, then the same float32 operations in the same
  * order); asyncstep_qmatmul_fast() says which build runs (QMATMUL_ISA_*).
