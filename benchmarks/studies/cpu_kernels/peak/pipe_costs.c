@@ -39,6 +39,8 @@ ROUND(int8, "vpaddd %%zmm30, %%zmm16, %%zmm16\n\t vpaddd %%zmm30, %%zmm17, %%zmm
             "vpaddd %%zmm30, %%zmm18, %%zmm18\n\t vpslld $8, %%zmm19, %%zmm19\n\t"
             "vpandd %%zmm30, %%zmm20, %%zmm20\n\t vpsrlw $4, %%zmm21, %%zmm21\n\t"
             "vcvtdq2ps %%zmm22, %%zmm23\n\t vcvtph2ps (%0), %%zmm24\n\t")
+ROUND(add1, "vaddps %%zmm30, %%zmm31, %%zmm16\n\t")
+ROUND(scalef1, "vscalefps %%zmm30, %%zmm31, %%zmm16\n\t")
 ROUND(move6, "vmovdqa32 %%zmm29, %%zmm16\n\t vmovdqa32 %%zmm29, %%zmm17\n\t"
              "vmovdqa32 %%zmm16, %%zmm18\n\t vmovdqa32 %%zmm17, %%zmm19\n\t"
              "vmovdqa32 %%zmm29, %%zmm20\n\t vmovdqa32 %%zmm20, %%zmm21\n\t")
@@ -67,6 +69,8 @@ int main(int argc, char** argv) {
         {"+ 1 vfmadd231ps", fma1},
         {"+ 2 vfmadd231ps + 1 vmulps (the epilogue's float ops)", fma3},
         {"+ 3 vpaddd, vpslld, vpandd, vpsrlw, vcvtdq2ps, vcvtph2ps", int8},
+        {"+ 1 vaddps", add1},
+        {"+ 1 vscalefps", scalef1},
         {"+ 6 vmovdqa32 between registers", move6},
         {"+ 16 vpbroadcastd from memory", bcast_mem16},
         {"+ 16 vpbroadcastd from a register", bcast_reg16},
