@@ -198,6 +198,67 @@ def test_other_builds_give_what_the_vector_build_gives(
     torch.testing.assert_close(out, MATMUL(packed, x), rtol=1e-5, atol=1e-6)
 
 
+#: Rows a row is computed among: tiles of 12 (AVX-512) and 8 / 4 (AVX2), and
+#: chunks of rows (about 256 KB of codes: 216 rows at K = 576, two levels)
+#: that every group passes over in turn, a ragged last chunk included.
+BATCHES = (2, 13, 216, 217, 500, 2048)
+#: Where the checked rows sit in each batch: first, last, tile and chunk edges.
+PICKS = (0, 1, 11, 12, 215, 216, 499, 2047)
+
+
+def among_others(matmul: CpuQuantMatmul, packed: CpuQuantWeight, x: torch.Tensor) -> None:
+    """Each picked row's output alone equals its output in every batch, bit
+    for bit (float32 and bfloat16 outputs)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        alone = {i: matmul(packed, x[i : i + 1], dtype) for i in PICKS}
+        for batch in BATCHES:
+            for start in (0, len(x) - batch):  # the row at another place in the batch
+                out = matmul(packed, x[start : start + batch], dtype)
+                for i in PICKS:
+                    if start <= i < start + batch:
+                        assert torch.equal(out[i - start : i - start + 1], alone[i]), (batch, i)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_row_gets_the_same_bits_alone_and_among_2048(
+    kind: str, levels: int, threads: int
+) -> None:
+    """The library's build (OpenMP: its threads split the groups of each chunk of rows)."""
+    assert MATMUL is not None
+    make, pack = PACKERS[kind]
+    weight = make(40, 576)
+    packed = pack(weight, torch.float32, 4096, levels)
+    assert packed is not None
+    x = torch.randn(2048, 576)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        among_others(MATMUL, packed, x)
+        one = MATMUL(packed, x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(MATMUL(packed, x), one)  # 1 thread against the default
+    assert_matches_contract(one[:64], x[:64], weight, levels)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("levels", [1, 2])
+def test_other_builds_keep_a_row_alone_and_among_2048_and_give_the_same_bits(
+    isa: str, levels: int, tmp_path: Path
+) -> None:
+    """The plain C and AVX2 builds: invariant, and bit for bit the vector
+    build's (integer sums, then the same float32 operations in one order)."""
+    other = other_build(isa, tmp_path)
+    weight = q4_1_weight(40, 576)
+    packed = pack_q4_cpu(weight, torch.float32, 4096, levels)
+    assert packed is not None and MATMUL is not None
+    x = torch.randn(2048, 576)
+    among_others(other, packed, x)
+    assert torch.equal(other(packed, x), MATMUL(packed, x))
+
+
 # ---- the decoder stack -------------------------------------------------------------
 
 

@@ -27,9 +27,12 @@
  * are zero (scale and offset 0).
  *
  * Rows of x are taken QTILE_ROWS at a time: a block's codes, unpacked
- * once, serve every row of the tile. Groups of 16 output rows are spread over OpenMP
- * threads (each computed by one thread, in a fixed order: results do not
- * depend on the thread count). On AVX2 (with FMA and F16C) the same
+ * once, serve every row of the tile. Many rows are taken in chunks (about
+ * QCHUNK_BYTES of their codes, kept in L2 while every group of 16 outputs
+ * passes over them); within a chunk the groups are spread over OpenMP
+ * threads. Each output is one tile's sums over the blocks in order,
+ * whatever the tile, chunk or thread: a row's results do not depend on the
+ * other rows or the thread count. On AVX2 (with FMA and F16C) the same
  * arithmetic runs 8 output rows at a time with vpmaddubsw, and elsewhere in plain C
  * (both exact: integer sums, then the same float32 operations in the same
  * order); asyncstep_qmatmul_fast() says which build runs (QMATMUL_ISA_*).
@@ -416,14 +419,36 @@ static void group_rows(const QWeight* w, int64_t g, const QuantizedRows* x, int6
         }
 }
 
+/* Rows of x a chunk takes: chunks of about equal height (a multiple of the
+ * tile) whose codes take at most about QCHUNK_BYTES, so that a chunk's codes
+ * stay in L2 while every group passes over them. */
+#ifndef QCHUNK_BYTES
+#define QCHUNK_BYTES (256 * 1024)
+#endif
+static int64_t chunk_rows(int64_t rows, int64_t in_features, int64_t levels, int64_t tile) {
+    int64_t most = QCHUNK_BYTES / (levels * in_features) / tile * tile;
+    if (most < tile) most = tile;
+    if (rows <= most) return most;
+    const int64_t chunks = (rows + most - 1) / most, even = (rows + chunks - 1) / chunks;
+    return (even + tile - 1) / tile * tile;
+}
+
+/* For each chunk of rows in turn, the threads share its groups (the same
+ * groups to the same thread in every chunk: no barrier between chunks), and
+ * meet at the end. Each output is one tile's, whatever the chunk or thread. */
 void asyncstep_q_matmul_rows(const QWeight* w, const QuantizedRows* x, int64_t rows,
                              const QOutput* out) {
     const int64_t groups = (w->out_features + QGROUP - 1) / QGROUP;
     const int64_t tile = x->levels == 2 ? QTILE_ROWS_2 : QTILE_ROWS_1;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t row0 = 0; row0 < rows; row0 += tile)
-            group_rows(w, g, x, row0, rows - row0 < tile ? (int)(rows - row0) : (int)tile, out);
+    const int64_t chunk = chunk_rows(rows, w->in_features, x->levels, tile);
+    for (int64_t first = 0; first < rows; first += chunk) {
+        const int64_t end = first + chunk < rows ? first + chunk : rows;
+#pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t row0 = first; row0 < end; row0 += tile)
+                group_rows(w, g, x, row0, end - row0 < tile ? (int)(end - row0) : (int)tile, out);
+    }
+#pragma omp barrier
 }
 
 static inline int64_t align64(int64_t bytes) { return (bytes + 63) / 64 * 64; }

@@ -55,7 +55,9 @@ void asyncstep_q_quantize(const void* x, int64_t dtype, int64_t x_stride, int64_
 /* One block (32 float32 values) of row `row` quantized, by the calling thread. */
 void asyncstep_q_quantize_block(const float* values, int64_t row, int64_t block,
                                 const QuantizedRows* out);
-/* out = x @ w.T (+ bias): a worksharing loop over w's groups of 16 rows. */
+/* out = x @ w.T (+ bias): for each chunk of rows in turn, a worksharing loop
+ * over w's groups of 16 rows (no wait between chunks; the threads meet at
+ * the end). */
 void asyncstep_q_matmul_rows(const QWeight* w, const QuantizedRows* x, int64_t rows,
                              const QOutput* out);
 

@@ -3,10 +3,15 @@ in one process: each tree's library built with the library's flags into
 ``--build-dir``, SmolLM2's shapes (30 layers' four Q4 projections and the Q8
 LM head, random GGUF-like weights) timed alternately A, B, A, B, ... at
 each row count, the best of ``--repeats`` each, and the ratio B / A; also
-whether B's output equals A's bit for bit. Alternating in one process keeps
-a busy machine's noise out of the ratio.
+whether B's output equals A's bit for bit, B's rate against ``--peak`` (one
+core's ``vpdpbusd`` rate in G int8 multiply-adds a second, times the
+threads; ``peak/vnni_peak.c`` measures it) and, with ``--torch``, torch's
+bfloat16 ``F.linear`` of the same shape (oneDNN) timed in the same rounds.
+Alternating in one process keeps a busy machine's noise out of the ratio.
 
     python3 benchmarks/studies/cpu_kernels/quant_builds.py /tmp/before . --threads 1
+    python3 benchmarks/studies/cpu_kernels/quant_builds.py /tmp/before . \\
+        --rows 1 16 64 256 2048 --torch --peak 235
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import ctypes
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -39,9 +46,15 @@ SOURCES = ("cpu_kernels.c", "cpu_quant.c", "cpu_decode.c", "cpu_dense.c")
 
 def build(tree: Path, target: Path) -> CpuQuantMatmul:
     sources = [str(tree / "asyncstep/ops/cpu" / name) for name in SOURCES]
-    flags = [*library.BASE_FLAGS, "-fopenmp"]
+    flags = [*library.BASE_FLAGS, *library.ISA_FLAGS["native"], "-fopenmp"]
     subprocess.run(["cc", *flags, *sources, "-o", str(target), *library.LIBS], check=True)
     return CpuQuantMatmul(ctypes.CDLL(str(target)))
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -51,35 +64,47 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--levels", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", help="row counts (default: per shape)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--peak", type=float, default=235.0, help="G multiply-adds/s a core")
+    parser.add_argument("--torch", action="store_true", help="also time bf16 F.linear")
     parser.add_argument("--build-dir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     a = build(args.a, args.build_dir / "quant_builds_a.so")
     b = build(args.b, args.build_dir / "quant_builds_b.so")
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    print(f"threads {args.threads}, levels {args.levels}, best of {args.repeats}, alternating")
-    for name, (n, k) in SHAPES.items():
+    peak = args.peak * args.threads
+    print(
+        f"threads {args.threads}, levels {args.levels}, best of {args.repeats}, alternating; "
+        f"peak {peak:.0f} G/s"
+    )
+    for name in args.shapes:
+        n, k = SHAPES[name]
         head = name == "head"
         weight = (q8_weight if head else q4_weight)(n, k, gen)
         packed = (pack_q8_cpu if head else pack_q4_cpu)(weight, torch.float32, 4096, args.levels)
         assert packed is not None
-        for rows in (1, 16, 64) if head else (1, 64, 256, 2048):
+        dense = weight.to(torch.bfloat16)
+        for rows in args.rows or ((1, 16, 64) if head else (1, 64, 256, 2048)):
             x = torch.randn(rows, k, generator=gen)
+            xb = x.to(torch.bfloat16)
             same = torch.equal(a(packed, x), b(packed, x))
-            ta = tb = float("inf")
+            ta = tb = tt = float("inf")
             for _ in range(args.repeats):
-                start = time.perf_counter()
-                a(packed, x)
-                ta = min(ta, time.perf_counter() - start)
-                start = time.perf_counter()
-                b(packed, x)
-                tb = min(tb, time.perf_counter() - start)
+                ta = min(ta, timed(lambda: a(packed, x)))  # noqa: B023
+                tb = min(tb, timed(lambda: b(packed, x)))  # noqa: B023
+                if args.torch:
+                    tt = min(tt, timed(lambda: F.linear(xb, dense)))  # noqa: B023
             rate = args.levels * rows * n * k / tb / 1e9
-            print(
+            line = (
                 f"{name:8s} rows {rows:5d}: A {ta * 1e3:8.3f} ms  B {tb * 1e3:8.3f} ms  "
-                f"B/A {tb / ta:5.3f}  B {rate:6.1f} G int8 multiply-adds/s  same={same}",
-                flush=True,
+                f"B/A {tb / ta:5.3f}  B {rate:6.1f} G int8 multiply-adds/s "
+                f"({100 * rate / peak:3.0f} % of peak)  same={same}"
             )
+            if args.torch:
+                line += f"  torch bf16 {tt * 1e3:8.3f} ms (B/torch {tb / tt:5.2f})"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
