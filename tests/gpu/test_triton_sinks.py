@@ -27,7 +27,7 @@ pytest.importorskip("triton", reason="the Triton kernels need triton")
 from asyncstep.ops.attention import AttentionShape  # noqa: E402
 from asyncstep.ops.triton import attention as triton_attention  # noqa: E402
 from asyncstep.ops.triton import invariant_attention  # noqa: E402
-from asyncstep.ops.triton.attention import paged_attention, rotary_store_and_attend  # noqa: E402
+from asyncstep.ops.triton.attention import rotary_store_and_attend  # noqa: E402
 from asyncstep.ops.triton.invariant_attention import (  # noqa: E402
     TritonInvariantAttention,
     invariant_paged_attention,
@@ -105,43 +105,41 @@ def test_the_fused_decode_takes_the_sinks(num_splits: int, monkeypatch: pytest.M
     heads, kv_heads, dim = 6, 2, 32
     step = decode_step([0, 32, 200, 47], 0, heads, kv_heads, dim, seed=num_splits)
     cos_sin = rotary_cache(256, dim)
-    sinks = SINKS["moderate"].to(DEVICE)
-    outs = []
-    for uniform in (True, False):
+
+    def attend(uniform: bool, sinks: torch.Tensor | None) -> torch.Tensor:
         qkv, kv_cache = step["qkv"].clone(), step["kv_cache"].clone()
         q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
-        outs.append(
-            rotary_store_and_attend(
-                step["positions"], q, k, v, cos_sin, kv_cache, step["slot_mapping"],
-                step["query_start_loc"], step["seq_lens"], step["block_table"], dim**-0.5,
-                uniform_decode=uniform, sinks=sinks,
-            )  # fmt: skip
-        )
+        metadata = ("slot_mapping", "query_start_loc", "seq_lens", "block_table")
+        return rotary_store_and_attend(
+            step["positions"], q, k, v, cos_sin, kv_cache, *(step[name] for name in metadata),
+            dim**-0.5, uniform_decode=uniform, sinks=sinks,
+        )  # fmt: skip
+
+    sinks = SINKS["moderate"].to(DEVICE)
+    outs = [attend(True, sinks), attend(False, sinks)]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-    qkv, kv_cache = step["qkv"].clone(), step["kv_cache"].clone()
-    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
-    without = rotary_store_and_attend(
-        step["positions"], q, k, v, cos_sin, kv_cache, step["slot_mapping"],
-        step["query_start_loc"], step["seq_lens"], step["block_table"], dim**-0.5,
-        uniform_decode=True,
-    )  # fmt: skip
+    without = attend(True, None)
     assert not torch.allclose(outs[0], without, atol=1e-3)  # the sinks count
 
 
 def invariant(step: PagedStep, window: int | None, *, parallel: bool) -> torch.Tensor:
     """The invariant attention of ``step``'s queries (keys already stored)."""
     n = step.meta.num_actual_tokens
-    return invariant_paged_attention(
-        step.q.view(n, step.heads, step.dim).to(DEVICE),
-        step.kv_cache.to(DEVICE),
-        step.meta.query_start_loc.to(DEVICE),
-        step.meta.seq_lens.to(DEVICE),
-        step.meta.block_table.to(DEVICE),
-        step.scale,
-        parallel=parallel,
-        sliding_window=window,
-        sinks=SINKS["huge"].to(DEVICE),
-    ).flatten(1).cpu()
+    return (
+        invariant_paged_attention(
+            step.q.view(n, step.heads, step.dim).to(DEVICE),
+            step.kv_cache.to(DEVICE),
+            step.meta.query_start_loc.to(DEVICE),
+            step.meta.seq_lens.to(DEVICE),
+            step.meta.block_table.to(DEVICE),
+            step.scale,
+            parallel=parallel,
+            sliding_window=window,
+            sinks=SINKS["huge"].to(DEVICE),
+        )
+        .flatten(1)
+        .cpu()
+    )
 
 
 @pytest.mark.parametrize("window", [None, 40])

@@ -10,6 +10,9 @@ not; the CPU decode stack takes sink layers. The Triton ops' are in
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -158,3 +161,48 @@ def test_a_sink_row_has_the_same_bits_alone_and_in_a_batch(
             begin = int(qsl[req])
             expected = batch[begin + rows.start : begin + rows.stop]
             assert torch.equal(alone, expected), (req, rows)
+
+
+@pytest.mark.trio
+async def test_the_cpu_decode_stack_takes_sinks(tmp_path: Path) -> None:
+    """The CPU library's decoder stack passes each layer's sinks to its
+    attention: the windowed Mistral of ``test_sliding_window_parity.py``
+    with sinks put on its layers gives the same tokens through the stack
+    as layer by layer (the kernel with sinks), and other tokens than
+    without sinks."""
+    import asyncstep
+    from asyncstep.config import ModelConfig
+    from asyncstep.models.model_loader import load_model, pack_weights
+    from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
+    from asyncstep.ops.cpu.quant import quant_matmul
+    from tests.gguf_weights import q4_0_weight
+    from tests.models.hf_parity import random_model
+    from tests.models.test_sliding_window_parity import PARITY, tiny_config
+
+    matmul = quant_matmul()
+    if matmul is None or not matmul.fast:
+        pytest.skip("the stack runs on the vector build only (AVX512-VNNI or AVX2)")
+    model = random_model(tiny_config("mistral"))
+    for layer in model.model.layers:  # weights a Q4_0 GGUF would hold: packable
+        for linear in (*vars(layer.self_attn)["_modules"].values(), *layer.mlp.children()):
+            if isinstance(linear, torch.nn.Linear):
+                linear.weight.data = q4_0_weight(*linear.weight.shape)
+    model.save_pretrained(tmp_path)
+    loaded = load_model(ModelConfig(model=str(tmp_path), device="cpu", dtype="float32"))
+    pack_weights(loaded.model, torch.float32, max_tokens=8)
+    runs = {}
+    for run_name in ("no sinks", "stack", "layer by layer"):
+        if run_name == "stack":
+            for i, layer in enumerate(loaded.model.model.layers):
+                attn = layer.self_attn.attn
+                heads = attn.shape.num_heads
+                sinks = torch.linspace(1.0, 3.0, heads) * (-1) ** i  # swamping and vanishing
+                attn.shape = dataclasses.replace(attn.shape, sinks=sinks)
+        async with asyncstep.open_engine(loaded, block_size=4) as engine:
+            assert isinstance(loaded.model.model.step_path, CpuDecodeStack)
+            if run_name == "layer by layer":
+                loaded.model.model.step_path = None
+            runs[run_name] = await PARITY.generate_all(engine)
+    assert runs["stack"] == runs["layer by layer"]
+    assert runs["stack"] != runs["no sinks"]
+    assert all(len(t) == PARITY.max_tokens for t in runs["stack"])

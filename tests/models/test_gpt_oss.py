@@ -276,6 +276,7 @@ def test_op_sets_without_sinks_are_refused_and_the_decode_stack_declines() -> No
     model = GptOssForCausalLM(arch)
     assert rank_param_count(arch) == sum(p.numel() for p in model.parameters())
     assert all(layer.self_attn.attn.shape.sinks is not None for layer in model.model.layers)
+
     class NoSinks(TorchAttention):
         name = "no-sinks"
         supports_sinks = False

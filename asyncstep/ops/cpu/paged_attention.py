@@ -81,4 +81,3 @@ class CpuAttention:
             sinks=shape.sinks,
         )
         return out
-
