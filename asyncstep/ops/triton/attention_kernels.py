@@ -44,13 +44,9 @@ A sliding window (``WINDOW > 0``, a constexpr: a kernel per window) is the
 tile kernel's alone (the launcher sends every windowed batch there): a
 query tile reads keys from the ``TILE_N`` tile its first query's window
 starts in, every key tile masked (causal, and ``key > q_pos - WINDOW``).
-
-Attention sinks (``SINKS``, a constexpr; gpt-oss: a logit per query head
-that joins the softmax's denominator without a value): a row's online
-softmax starts from its head's sink (running maximum the sink in log2
-units, running sum 1) instead of from nothing. In the split-KV kernels only
-segment 0 starts so: its log-sum-exp then carries the sink, and the
-combine's weights stay as they are.
+Sinks (``SINKS``): a row's online softmax starts from its head's sink (max
+``sink * log2(e)``, sum 1); in the split-KV kernel segment 0's alone (its
+log-sum-exp carries the sink to the combine, which is unchanged).
 """
 
 from __future__ import annotations
