@@ -21,7 +21,7 @@ It is the CPU op set's step path (:meth:`~asyncstep.ops.cpu.ops.CpuOps.step_path
 It reads a model's decoder layers by their attributes (ops import no
 model): ``input_layernorm`` / ``post_attention_layernorm`` (``weight``,
 ``eps``), ``self_attn`` (``qkv_proj``, ``o_proj``, ``q_norm``, ``rotary``,
-``attn``: heads, scale, ``kv_cache``, ``rotates``, ``ops``) and ``mlp``
+``attn``: heads, scale, ``kv_cache``, ``rotates``, ``ops``, ``shape.sinks``) and ``mlp``
 (``gate_up_proj``, ``down_proj``), each projection's ``packed``, ``bias``
 and ``tp_size``.
 
