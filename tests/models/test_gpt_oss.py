@@ -2,8 +2,9 @@
 ``save_pretrained`` (safetensors, unquantized): greedy tokens equal
 transformers' (eager attention with sinks), 32 tokens of 3 prompts longer
 than its sliding window of 4, batched, in fp32 on the CPU, on one rank
-(whole prompts and chunked prefill; the CPU library's attention, which
-runs the reference for sinks, and the torch attention backend) and with
+(whole prompts and chunked prefill; the CPU library's attention kernel,
+which takes the sinks itself: its calls with sinks counted, and the torch
+attention backend) and with
 PP = 2 x TP = 2 in one 4-rank engine (gloo). Its layers alternate sliding
 and full attention, its rope is YaRN, its router is biased and softmaxes
 its top-k logits, its experts are biased swigluoai. The same model with
@@ -14,8 +15,9 @@ to transformers' tokens on its dequantized weights. The window matters
 transformers' ``GptOssMLP``'s rows, op by op.
 
 Then the door: hostile gpt-oss config fields are refused in one line,  another
-quantization is refused, the Triton op sets (no sinks) are refused at
-load, the CPU decode stack declines its layers, the memory estimate counts
+quantization is refused, the Triton op sets honour sinks (their kernels'
+tests: ``tests/gpu/test_triton_sinks.py``), the CPU decode stack declines
+its layers (mixtures of experts), the memory estimate counts
 its parameters; the ``gpt-oss-20b``
 dummy preset's config (not allocated)."""
 
@@ -154,9 +156,25 @@ def test_the_checkpoint_reads_as_gpt_oss(checkpoint: Checkpoint) -> None:
     ],
     ids=["one rank", "one rank, chunked prefill", "one rank, torch attention", "pp2xtp2"],
 )
-def test_greedy_equals_transformers(checkpoint: Checkpoint, layout: dict[str, Any]) -> None:
+def test_greedy_equals_transformers(
+    checkpoint: Checkpoint, layout: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncstep.ops.cpu.attention import CpuPagedAttention
+
+    calls_with_sinks = []
+    original = CpuPagedAttention.__call__
+
+    def counted(self: CpuPagedAttention, *args: Any, **kwargs: Any) -> None:
+        calls_with_sinks.append(kwargs.get("sinks") is not None)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuPagedAttention, "__call__", counted)
     path, expected = checkpoint
     assert PARITY.serve(path, **layout) == expected
+    if layout in ({}, {"max_num_batched_tokens": 4}):  # one rank, in this process
+        assert calls_with_sinks and all(calls_with_sinks)
+    elif layout == {"attention_backend": "torch"}:
+        assert not calls_with_sinks
 
 
 def test_each_moe_block_equals_transformers(checkpoint: Checkpoint) -> None:
@@ -244,19 +262,28 @@ def test_unsupported_gpt_oss_options_are_named(changes: dict[str, Any], error: s
 
 
 def test_op_sets_without_sinks_are_refused_and_the_decode_stack_declines() -> None:
+    """An attention op without sinks is refused at load; the Triton ones
+    have them."""
     from asyncstep.models.memory import rank_param_count
     from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
     from asyncstep.ops.cpu.library import load_cpu_kernels
     from asyncstep.ops.torch_attention import TorchAttention
     from asyncstep.ops.torch_ref import TorchOps
+    from asyncstep.ops.triton.invariant_attention import TritonInvariantAttention
     from asyncstep.ops.triton.paged_attention import TritonAttention
 
     arch = parse_hf_config(hf_dict())
     model = GptOssForCausalLM(arch)
     assert rank_param_count(arch) == sum(p.numel() for p in model.parameters())
     assert all(layer.self_attn.attn.shape.sinks is not None for layer in model.model.layers)
-    with pytest.raises(UnsupportedModelError, match="'triton' attention op does not support"):
-        model.use_ops(TorchOps(TritonAttention(rotates=False)))  # type: ignore[arg-type]
+
+    class NoSinks(TorchAttention):
+        name = "no-sinks"
+        supports_sinks = False
+
+    with pytest.raises(UnsupportedModelError, match="'no-sinks' attention op does not support"):
+        model.use_ops(TorchOps(NoSinks()))
+    assert TritonAttention.supports_sinks and TritonInvariantAttention.supports_sinks
     model.use_ops(TorchOps(TorchAttention()))
     assert model.model.step_path is None
     kernels = load_cpu_kernels()

@@ -4,8 +4,9 @@ arguments and the call.
 
 One call per layer and step stores the step's keys and values in the paged
 cache and attends every request (decodes and prompt chunks) over its blocks
-in place: no gather, no per-request Python. Without the library the runner
-keeps the torch reference backend.
+in place: no gather, no per-request Python. A layer's attention sinks
+(gpt-oss) join each head's softmax inside the same call. Without the
+library the runner keeps the torch reference backend.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     ctypes.c_float,  # scale
     _PTR, _PTR,  # positions, rotary cos_sin cache (NULL: no rotary)
     _INT,  # sliding window (0: none)
+    _PTR,  # sinks: float32 [num_heads] (NULL: none)
     _INT, _INT,  # query tokens per tile, threads
 ]  # fmt: skip
 
@@ -117,6 +119,7 @@ class CpuPagedAttention:
         cos_sin_cache: torch.Tensor | None = None,
         num_threads: int | None = None,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Store ``k``/``v`` (the step's first ``step.num_tokens`` rows; None:
         already stored) at their slots, then write every query row's attention
@@ -128,7 +131,10 @@ class CpuPagedAttention:
         ``[max_position, head_dim]``) q and k come unrotated and are rotated
         at the step's positions (``step`` built with them); q/k are not
         modified. ``num_threads``: default torch's. ``sliding_window`` ``W``:
-        a query at position ``p`` sees keys ``p - W + 1 .. p`` only."""
+        a query at position ``p`` sees keys ``p - W + 1 .. p`` only.
+        ``sinks``: a logit per query head ``[num_heads]`` (any float dtype;
+        read as float32) that joins each row's softmax denominator without
+        a value."""
         _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         dtype = CPU_ATTENTION_DTYPES[kv_cache.dtype]
         if not kv_cache.is_contiguous():
@@ -142,6 +148,7 @@ class CpuPagedAttention:
             _check_rows(k, kv_cache.dtype)
             _check_rows(v, kv_cache.dtype)
             k_ptr, k_stride, v_ptr, v_stride = k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)
+        sink_logits = None if sinks is None else _sink_logits(sinks, num_heads)
         cos_sin = 0
         if cos_sin_cache is not None:
             _check_rotary(cos_sin_cache, head_dim, step)
@@ -173,6 +180,7 @@ class CpuPagedAttention:
             step.positions if cos_sin else 0,
             cos_sin,
             sliding_window or 0,
+            0 if sink_logits is None else sink_logits.data_ptr(),
             max(1, TILE_ROWS // group),
             num_threads or torch.get_num_threads(),
         )
@@ -183,6 +191,14 @@ class CpuPagedAttention:
 def _check_rows(x: torch.Tensor, dtype: torch.dtype) -> None:
     if x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu" or x.dtype != dtype:
         raise ValueError(f"expected [tokens, heads * head_dim] rows of {dtype} on the CPU")
+
+
+def _sink_logits(sinks: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``sinks`` as the kernel reads them: contiguous float32 on the CPU
+    (the tensor itself where it is already so)."""
+    if sinks.shape != (num_heads,) or sinks.device.type != "cpu" or not sinks.is_floating_point():
+        raise ValueError(f"expected {num_heads} floating-point sink logits on the CPU")
+    return sinks.detach().to(torch.float32).contiguous()
 
 
 def _check_rotary(cos_sin_cache: torch.Tensor, head_dim: int, step: CpuStepArgs) -> None:

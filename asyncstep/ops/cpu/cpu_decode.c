@@ -66,6 +66,7 @@ typedef struct {
     void* kv_cache; /* [2, kv_heads, num_blocks, block_size, head_dim], model dtype */
     int64_t num_blocks;
     int64_t window; /* the layer's sliding window in keys; 0: none */
+    const float* sinks; /* [num_heads] float32 attention sinks, or NULL */
 } StackLayer;
 
 typedef struct {
@@ -220,7 +221,7 @@ int asyncstep_decode_stack(const StackArgs* a) {
             L->num_blocks, (int)a->block_size, a->query_start_loc, a->seq_lens, (int)a->num_reqs,
             a->block_table, a->block_table_stride, (int)a->num_heads, (int)a->num_kv_heads,
             (int)a->head_dim, (float)a->scale, a->positions, a->cos_sin, (int)L->window,
-            (int)a->tile_tokens, num_threads);
+            L->sinks, (int)a->tile_tokens, num_threads);
         if (status != 0) break;
         PROFILE_MARK(2)
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)

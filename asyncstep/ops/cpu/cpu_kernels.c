@@ -26,10 +26,17 @@
  * Request r's query token i (of q_len) sees keys [0, seq_len - q_len + i]
  * (causal); with a sliding window W > 0, only the last W of them
  * [seq_len - q_len + i - W + 1, seq_len - q_len + i] (the blocks before are
- * never read, so the block table may hold anything there). The query heads
+ * never read, so the block table may hold anything there). With sinks (a
+ * float32 logit per query head, gpt-oss), each row's softmax has its head's
+ * sink as one more logit, which takes no value row: the online softmax starts
+ * from it (running maximum = sink, running sum = 1) instead of from nothing,
+ * then folds the keys in the same order, so a row's bits still do not depend
+ * on the step's other rows. The query heads
  * sharing a KV head (grouped-query attention) are attended together, with tq query tokens of a request per work item, so a
  * key or value row read from the cache serves tq * group query rows. Scores,
- * softmax (online, per chunk of keys) and accumulation are float32; bfloat16
+ * softmax (online, per chunk of keys: the chunks start at multiples of CHUNK
+ * whatever the tile, so a row's bits do not depend on the tile or the
+ * batch it comes in) and accumulation are float32; bfloat16
  * inputs are widened on load and the output is rounded to nearest even.
  * Work items (request tile, KV head) are spread over OpenMP threads (a call
  * with little work runs on one); each is computed by one thread in a fixed
@@ -57,7 +64,7 @@
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
-#define ASYNCSTEP_ABI_VERSION 5
+#define ASYNCSTEP_ABI_VERSION 6
 #define CHUNK 64 /* keys per online-softmax step */
 /* Query-key dot products below which a call runs on one thread: a parallel
  * region's fork and join cost more than splitting so little work saves (on
@@ -78,6 +85,7 @@ typedef struct {
     const int64_t* positions; /* NULL: q and k come rotated */
     const float* cos_sin;
     int window; /* sliding window in keys; 0: none */
+    const float* sinks; /* [num_heads] float32 logits; NULL: none */
 } Layout;
 
 typedef struct {
@@ -121,18 +129,21 @@ static inline __attribute__((always_inline)) void rotate(const Layout* lay, floa
             if (lay->positions != NULL) rotate(lay, qf[row], lay->positions[token], D);        \
             for (int d = 0; d < D; d++) qf[row][d] *= lay->scale;                              \
             for (int d = 0; d < D; d++) acc[row][d] = 0.0f;                                    \
-            m[row] = -FLT_MAX;                                                                 \
-            l[row] = 0.0f;                                                                     \
+            /* a sink: the softmax's first logit, exp(sink - sink) = 1, no value */            \
+            m[row] = lay->sinks != NULL ? lay->sinks[h * group + row % group] : -FLT_MAX;      \
+            l[row] = lay->sinks != NULL ? 1.0f : 0.0f;                                         \
         }                                                                                      \
         const int num_keys = tile->context_begin + tile->num_tokens;                           \
         const int W = lay->window;                                                             \
         const int key0 = W > 0 && tile->context_begin - W + 1 > 0 ? tile->context_begin - W + 1 : 0; \
+        /* chunks at multiples of CHUNK whatever the tile: a row's sums do not depend on it */ \
         const int32_t* blocks = lay->block_table + (int64_t)tile->req * lay->block_table_stride; \
         const T* keys = cache + (int64_t)h * lay->head_stride;                                 \
         const T* values = keys + lay->value_offset;                                            \
-        for (int c0 = key0; c0 < num_keys; c0 += CHUNK) {                                      \
+        for (int c0 = key0 / CHUNK * CHUNK; c0 < num_keys; c0 += CHUNK) {                      \
             const int cn = num_keys - c0 < CHUNK ? num_keys - c0 : CHUNK;                      \
-            for (int t = 0; t < cn; t++) {                                                     \
+            /* keys before the tile's first window: no row sees them, not read */             \
+            for (int t = key0 > c0 ? key0 - c0 : 0; t < cn; t++) {                             \
                 const int pos = c0 + t;                                                        \
                 const int64_t at = ((int64_t)blocks[pos / bs] * bs + pos % bs) * D;            \
                 for (int d = 0; d < D; d++) kf[t][d] = LOAD(keys[at + d]);                     \
@@ -261,12 +272,12 @@ int asyncstep_cpu_paged_attention(
     const int32_t* query_start_loc, const int32_t* seq_lens, int num_reqs,
     const int32_t* block_table, int64_t block_table_stride, int num_heads, int num_kv_heads,
     int head_dim, float scale, const int64_t* positions, const float* cos_sin, int window,
-    int tq, int num_threads) {
+    const float* sinks, int tq, int num_threads) {
     const int64_t head_stride = num_blocks * block_size * head_dim;
     const Layout lay = {q_stride,   out_stride,         num_heads,   num_kv_heads,
                         head_dim,   block_size,         head_stride, head_stride * num_kv_heads,
                         block_table, block_table_stride, scale,      positions,
-                        positions != NULL ? cos_sin : NULL, window};
+                        positions != NULL ? cos_sin : NULL, window, sinks};
     if (k != NULL && v != NULL) {
         if (dtype == DTYPE_BFLOAT16)
             store_kv_bf16(&lay, kv_cache, k, k_stride, v, v_stride, slot_mapping, num_tokens);

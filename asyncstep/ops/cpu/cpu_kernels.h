@@ -15,6 +15,6 @@ int asyncstep_cpu_paged_attention(
     const int32_t* query_start_loc, const int32_t* seq_lens, int num_reqs,
     const int32_t* block_table, int64_t block_table_stride, int num_heads, int num_kv_heads,
     int head_dim, float scale, const int64_t* positions, const float* cos_sin, int window,
-    int tq, int num_threads);
+    const float* sinks, int tq, int num_threads);
 
 #endif

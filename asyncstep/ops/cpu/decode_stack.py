@@ -10,9 +10,9 @@ kept quantized for the CPU library
 (:class:`~asyncstep.ops.cpu.quant.CpuQuantWeight`) and whose
 attention is the CPU kernel with its rotary fused, on one tensor-parallel
 rank (the stack has no all-reduce), without per-head q/k norms (a layer's
-sliding window goes to its attention) nor attention sinks (gpt-oss's
-layers decline), whose every layer has a dense gated MLP (a
-mixture-of-experts layer declines); else None, and the model keeps
+sliding window and attention sinks go to its attention), whose every
+layer has a dense gated MLP (a mixture-of-experts layer, as gpt-oss's,
+declines); else None, and the model keeps
 its layer-by-layer forward. Steps of more tokens than the packed weights
 take (or with padding rows), and steps of a model with several KV cache
 groups (``meta.kv_groups``), go layer by layer too.
@@ -21,7 +21,7 @@ It is the CPU op set's step path (:meth:`~asyncstep.ops.cpu.ops.CpuOps.step_path
 It reads a model's decoder layers by their attributes (ops import no
 model): ``input_layernorm`` / ``post_attention_layernorm`` (``weight``,
 ``eps``), ``self_attn`` (``qkv_proj``, ``o_proj``, ``q_norm``, ``rotary``,
-``attn``: heads, scale, ``kv_cache``, ``rotates``, ``ops``) and ``mlp``
+``attn``: heads, scale, ``kv_cache``, ``rotates``, ``ops``, ``shape.sinks``) and ``mlp``
 (``gate_up_proj``, ``down_proj``), each projection's ``packed``, ``bias``
 and ``tp_size``.
 
@@ -50,9 +50,9 @@ __all__ = ["CpuDecodeStack"]
 DecoderLayer = Any
 
 #: ``StackLayer``: input norm, qkv (kind, data, out, in), qkv bias, o, post
-#: norm, gate_up, down, KV cache, its blocks, the sliding window (0: none).
-#: 8 bytes per field.
-_LAYER = struct.Struct("<" + "q" * 22)
+#: norm, gate_up, down, KV cache, its blocks, the sliding window (0: none),
+#: the sinks (float32, 0: none). 8 bytes per field.
+_LAYER = struct.Struct("<" + "q" * 23)
 #: ``StackArgs`` (see cpu_decode.c): 8 bytes per field.
 _ARGS = struct.Struct(
     "<qqq"  # dtype, layers, layer array
@@ -96,6 +96,8 @@ class CpuDecodeStack:
         ]
         self._layer_array: ctypes.Array[ctypes.c_char] | None = None
         self._bound_caches: tuple[int, ...] = ()
+        #: Each layer's sinks as the kernel reads them (kept alive with the array).
+        self._sinks: list[torch.Tensor | None] = []
 
     @classmethod
     def build(cls, kernels: CpuKernels, layers: list[DecoderLayer]) -> CpuDecodeStack | None:
@@ -109,8 +111,6 @@ class CpuDecodeStack:
             attention = layer.self_attn
             if attention.q_norm is not None or not attention.attn.rotates:
                 return None
-            if attention.attn.shape.sinks is not None:
-                return None  # attention sinks: not the kernel's
             if attention.attn.ops.ops.attention_op.name != "cpu" or attention.o_proj.tp_size != 1:
                 return None
             if _quantized(layer) is None or attention.o_proj.bias is not None:
@@ -197,16 +197,19 @@ class CpuDecodeStack:
         """The layers' ``StackLayer`` array, rebuilt when the KV caches are re-bound."""
         caches = tuple(layer.self_attn.attn.kv_cache.data_ptr() for layer in self.layers)
         if self._layer_array is None or caches != self._bound_caches:
+            self._sinks = [_float32_sinks(layer) for layer in self.layers]
             packed = b"".join(
-                self._pack_layer(layer, bias)
-                for layer, bias in zip(self.layers, self._biases, strict=True)
+                self._pack_layer(layer, bias, sinks)
+                for layer, bias, sinks in zip(self.layers, self._biases, self._sinks, strict=True)
             )
             self._layer_array = ctypes.create_string_buffer(packed, len(packed))
             self._bound_caches = caches
         return self._layer_array
 
     @staticmethod
-    def _pack_layer(layer: DecoderLayer, bias: torch.Tensor | None) -> bytes:
+    def _pack_layer(
+        layer: DecoderLayer, bias: torch.Tensor | None, sinks: torch.Tensor | None
+    ) -> bytes:
         qkv, o, gate_up, down = _quantized(layer) or ()
         kv_cache = layer.self_attn.attn.kv_cache
         if kv_cache.dim() != 5 or not kv_cache.is_contiguous():
@@ -222,6 +225,7 @@ class CpuDecodeStack:
             kv_cache.data_ptr(),
             kv_cache.shape[2],
             layer.self_attn.attn.sliding_window or 0,
+            0 if sinks is None else sinks.data_ptr(),
         )
 
 
@@ -237,6 +241,13 @@ def _quantized(layer: DecoderLayer) -> tuple[CpuQuantWeight, ...] | None:
     if all(isinstance(p, CpuQuantWeight) for p in packed):
         return packed
     return None
+
+
+def _float32_sinks(layer: DecoderLayer) -> torch.Tensor | None:
+    """The layer's attention sinks as contiguous float32 (the parameter
+    itself where it is so: loads in place are seen), or None."""
+    sinks = layer.self_attn.attn.shape.sinks
+    return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
 
 
 def _weight_fields(weight: CpuQuantWeight) -> tuple[int, int, int, int]:

@@ -62,7 +62,7 @@ SOURCES = tuple(
 #: Included by the sources (part of the build key).
 HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "cpu_kernels.h", "cpu_quant.h"))
 #: Must match ``ASYNCSTEP_ABI_VERSION`` in the source.
-ABI_VERSION = 5
+ABI_VERSION = 6
 #: Environment variables: ``torch`` turns the library off (torch runs instead).
 SWITCH_ENVS = ("ASYNCSTEP_CPU_KERNELS", "ASYNCSTEP_CPU_ATTENTION")
 CACHE_ENV = "ASYNCSTEP_CACHE_DIR"

@@ -178,6 +178,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's queries over its keys in the paged cache.
 
@@ -205,8 +206,13 @@ def paged_attention(
     (``seq_len - q_len + i - W + 1 ..``); every batch then runs the
     query-tiled kernel, which reads no block before a query tile's first
     window.
+
+    ``sinks`` ``[num_heads]`` (gpt-oss; any float dtype, on q's device):
+    each head's logit that joins its rows' softmax denominator without a
+    value; either kernel takes them.
     """
     _check_attention_args(q, kv_cache, query_start_loc, seq_lens, block_table, out)
+    sink_logits = sink_logits_of(sinks, q)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
     num_reqs = seq_lens.shape[0]
@@ -220,7 +226,10 @@ def paged_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     short = max_query_len is not None and max_query_len <= MAX_SPLIT_KV_QUERY_LEN
     if not sliding_window and (num_tokens == num_reqs or short):
-        _paged_decode(q, kv_cache, query_start_loc, seq_lens, block_table, scale, out, precision)
+        _paged_decode(
+            q, kv_cache, query_start_loc, seq_lens, block_table, scale, out, precision,
+            sinks=sink_logits,
+        )  # fmt: skip
         return out
     launch = _attention_launch(group, head_dim_pad, q.dtype)
     _paged_attention_kernel[launch.grid(num_tokens, num_reqs, num_kv_heads)](
@@ -231,6 +240,7 @@ def paged_attention(
         seq_lens,
         block_table,
         scale * _LOG2E,
+        q if sink_logits is None else sink_logits,
         num_tokens,
         num_reqs,
         *q.stride(),
@@ -246,6 +256,7 @@ def paged_attention(
         TILE_N=launch.tile_n,
         DOT_PRECISION=precision,
         WINDOW=sliding_window or 0,
+        SINKS=sink_logits is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
@@ -267,6 +278,7 @@ def rotary_store_and_attend(
     *,
     uniform_decode: bool,
     max_query_len: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`~asyncstep.ops.triton.fused.rotary_and_store_kv` (q, k, v:
     ``[tokens, heads * head_dim]`` column slices, unrotated) then
@@ -280,7 +292,8 @@ def rotary_store_and_attend(
     two calls, which rotate them in place; ``max_query_len`` as
     :func:`paged_attention` takes it). A decode token's position must
     be its key's index (``seq_len - 1``): the kernel takes it from there,
-    ``positions`` only where it runs the two calls."""
+    ``positions`` only where it runs the two calls. ``sinks``: as
+    :func:`paged_attention`'s."""
     from asyncstep.ops.triton.fused import rotary_and_store_kv
 
     head_dim = kv_cache.shape[4]
@@ -295,6 +308,7 @@ def rotary_store_and_attend(
             block_table,
             scale,
             max_query_len=max_query_len,
+            sinks=sinks,
         )
     from asyncstep.ops.triton.fused import _check_rotary_args
     from asyncstep.ops.triton.fused import _check_store_args as _check_kv_args
@@ -307,8 +321,9 @@ def rotary_store_and_attend(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     rotary = _DecodeRotary(cos_sin_cache, k, v, slot_mapping)
     _paged_decode(
-        q3, kv_cache, query_start_loc, seq_lens, block_table, scale, out, precision, rotary
-    )
+        q3, kv_cache, query_start_loc, seq_lens, block_table, scale, out, precision, rotary,
+        sink_logits_of(sinks, q3),
+    )  # fmt: skip
     return out
 
 
@@ -332,12 +347,14 @@ def _paged_decode(
     out: torch.Tensor,
     precision: str,
     rotary: _DecodeRotary | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """:func:`paged_attention` of a decode-shaped batch: the split-KV kernel,
     then (more than one split) the combine kernel. The scratch comes from the
     caching allocator (under graph capture: the graph's pool). ``rotary``:
     q and the new keys come unrotated, the new keys not stored yet (see
-    :func:`rotary_store_and_attend`)."""
+    :func:`rotary_store_and_attend`). ``sinks``: checked float32 logits
+    (:func:`sink_logits_of`)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -370,6 +387,7 @@ def _paged_decode(
         seq_lens,
         block_table,
         scale * _LOG2E,
+        q if sinks is None else sinks,
         seq_lens.shape[0],  # num_reqs
         *q.stride(),
         *out.stride(),
@@ -387,6 +405,7 @@ def _paged_decode(
         NUM_SPLITS=splits,
         DOT_PRECISION=precision,
         ROTARY=rotary is not None,
+        SINKS=sinks is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **pdl.launch_kwargs(q),
@@ -408,6 +427,21 @@ def _paged_decode(
             num_warps=1 if splits * head_dim_pad <= 1024 else 4,
             **pdl.launch_kwargs(q),
         )
+
+
+def sink_logits_of(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """``sinks`` as the kernels read them: contiguous float32 ``[num_heads]``
+    on q's device (the tensor itself where it is so); ValueError, in one
+    line, for others."""
+    if sinks is None:
+        return None
+    num_heads = q.shape[1]
+    if sinks.shape != (num_heads,) or not sinks.is_floating_point() or sinks.device != q.device:
+        raise ValueError(
+            f"sinks must be {num_heads} floating-point logits on {q.device}, got "
+            f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}"
+        )
+    return sinks.detach().to(torch.float32).contiguous()
 
 
 def _check_attention_args(

@@ -44,6 +44,9 @@ A sliding window (``WINDOW > 0``, a constexpr: a kernel per window) is the
 tile kernel's alone (the launcher sends every windowed batch there): a
 query tile reads keys from the ``TILE_N`` tile its first query's window
 starts in, every key tile masked (causal, and ``key > q_pos - WINDOW``).
+Sinks (``SINKS``): a row's online softmax starts from its head's sink (max
+``sink * log2(e)``, sum 1); in the split-KV kernel segment 0's alone (its
+log-sum-exp carries the sink to the combine, which is unchanged).
 """
 
 from __future__ import annotations
@@ -158,6 +161,23 @@ def _store_rows(
         + dims[None, :] * stride_od
     )
     tl.store(ptrs, tile.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (dims < HEAD_DIM))
+
+
+@triton.jit
+def _softmax_start(
+    sinks_ptr: tl.tensor, heads: tl.tensor, SINKS: tl.constexpr, BLOCK_M: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor]:
+    """A row block's online-softmax state before any key: running maximum
+    (log2 units) and sum. Without SINKS a finite start (a row whose first
+    tile is all masked gets p = 0, not NaN) and sum 0; with them the row's
+    head's sink as the first logit (``sink * log2(e)``, sum 1)."""
+    if SINKS:
+        m_i = tl.load(sinks_ptr + heads).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    return m_i, l_i
 
 
 @triton.jit
@@ -289,6 +309,7 @@ def _attend_tile(
     seq_lens_ptr: tl.tensor,
     bt_ptr: tl.tensor,
     scale_log2: tl.tensor,
+    sinks_ptr: tl.tensor,
     tile: tl.tensor,
     kv_head: tl.tensor,
     num_reqs: tl.tensor,
@@ -314,6 +335,7 @@ def _attend_tile(
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
 ) -> None:
     """Attention of one query tile (a request's queries ``first .. first +
     BLOCK_Q`` times the GROUP heads of ``kv_head``); nothing if the tile is empty.
@@ -349,9 +371,7 @@ def _attend_tile(
         bt_row_ptr = bt_ptr + req.to(tl.int64) * stride_btr
         k_head_ptr = kv_ptr + kv_head.to(tl.int64) * stride_ch
         v_head_ptr = k_head_ptr + stride_c
-        # Finite start: a row whose first tile is all masked gets p = 0, not NaN.
-        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        m_i, l_i = _softmax_start(sinks_ptr, heads, SINKS, BLOCK_M)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
         if WINDOW > 0:
             lo = tl.maximum(first_pos - WINDOW + 1, 0) // TILE_N * TILE_N
@@ -454,6 +474,7 @@ def _paged_attention_kernel(
     seq_lens_ptr: tl.tensor,
     bt_ptr: tl.tensor,
     scale_log2: tl.tensor,
+    sinks_ptr: tl.tensor,
     num_tokens: tl.tensor,
     num_reqs: tl.tensor,
     stride_qt: tl.tensor,
@@ -478,6 +499,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr = 0,
+    SINKS: tl.constexpr = False,
 ) -> None:
     """Grid ``(tiles, num_kv_heads)``: tile numbers below the last request's
     end attend a query tile, those past it zero padding rows."""
@@ -493,6 +515,7 @@ def _paged_attention_kernel(
             seq_lens_ptr,
             bt_ptr,
             scale_log2,
+            sinks_ptr,
             tile,
             kv_head,
             num_reqs,
@@ -518,6 +541,7 @@ def _paged_attention_kernel(
             TILE_N,
             DOT_PRECISION,
             WINDOW,
+            SINKS,
         )
     else:
         # Padding rows qsl[num_reqs]..num_tokens, BLOCK_Q tokens per spare program.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from asyncstep.ops.triton.attention_kernels import _find_request, _store_rows
+from asyncstep.ops.triton.attention_kernels import _find_request, _softmax_start, _store_rows
 from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
 
 # --------------------------------------------------------------------------
@@ -118,6 +118,7 @@ def _decode_split_kernel(
     seq_lens_ptr: tl.tensor,
     bt_ptr: tl.tensor,
     scale_log2: tl.tensor,
+    sinks_ptr: tl.tensor,
     num_reqs: tl.tensor,
     stride_qt: tl.tensor,
     stride_qh: tl.tensor,
@@ -155,6 +156,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     ROTARY: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    SINKS: tl.constexpr = False,
 ) -> None:
     """Grid ``(num_tokens, num_kv_heads, NUM_SPLITS)``: token ``t``'s GROUP
     query heads of one KV head against key segment ``split`` of the keys it
@@ -175,7 +177,9 @@ def _decode_split_kernel(
     segment, the only one that reads the new key, rotates it and stores it
     and its value to the token's slot (none for slot < 0) before its loop,
     behind a barrier. PDL: launched with programmatic dependent launch
-    (:mod:`asyncstep.ops.triton.pdl`)."""
+    (:mod:`asyncstep.ops.triton.pdl`). SINKS: segment 0's softmax starts
+    from each head's sink (so does the whole row's: its log-sum-exp
+    carries it into the combine)."""
     # With PDL the next kernel may launch now; this one waits for the kernel
     # before (q is its output) before it reads.
     launch_dependents(PDL)
@@ -234,8 +238,10 @@ def _decode_split_kernel(
                     # The loop below reads the new key back: the stores first.
                     tl.debug_barrier()
             full_end = seg_start + (seg_end - seg_start) // TILE_N * TILE_N
-            m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
+            m_i, l_i = _softmax_start(sinks_ptr, heads, SINKS, BLOCK_M)
+            if SINKS:  # the sink is segment 0's
+                m_i = tl.where(split == 0, m_i, -1.0e30)
+                l_i = tl.where(split == 0, l_i, 0.0)
             acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
             for start in range(seg_start, full_end, TILE_N):
                 m_i, l_i, acc = _decode_keys(

@@ -14,7 +14,8 @@ splits x head_dim`` float32, splits bounded by the block table's width)
 fits :data:`MAX_SCRATCH_BYTES` runs one program per split and a combine
 kernel (a decode batch keeps the GPU busy at any context length), larger
 steps one program per query tile folding its splits in a loop; both give
-the same bits.
+the same bits. Attention sinks (gpt-oss) start each row's fold (the
+fold's maximum the sink, its sum 1) before split 0, in both launches.
 
 :class:`TritonInvariantAttention`: the KV store rotating q and k
 (:func:`~asyncstep.ops.triton.fused.rotary_and_store_kv`) then this
@@ -56,22 +57,29 @@ def invariant_paged_attention(
     *,
     parallel: bool | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's queries over its keys in the paged
     cache, as :func:`~asyncstep.ops.triton.attention.paged_attention` (same
     arguments, same ValueErrors, padding rows zeros), each row's bits
     independent of the step's other rows. ``parallel``: force the split
     programs + combine (True) or the tile loop (False); None: by the
-    scratch size. ``sliding_window``: as ``paged_attention``'s."""
+    scratch size. ``sliding_window`` and ``sinks``: as ``paged_attention``'s."""
     import triton
 
-    from asyncstep.ops.triton.attention import _attention_launch, _check_attention_args
+    from asyncstep.ops.triton.attention import (
+        _attention_launch,
+        _check_attention_args,
+        sink_logits_of,
+    )
     from asyncstep.ops.triton.invariant_attention_kernels import (
         _invariant_attention_kernel,
         _invariant_combine_kernel,
     )
 
     _check_attention_args(q, kv_cache, query_start_loc, seq_lens, block_table, None)
+    sink_logits = sink_logits_of(sinks, q)
+    sinks_arg = q if sink_logits is None else sink_logits  # unused without sinks
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
     num_reqs = seq_lens.shape[0]
@@ -106,6 +114,7 @@ def invariant_paged_attention(
         seq_lens,
         block_table,
         scale * _LOG2E,
+        sinks_arg,
         num_tokens,
         num_reqs,
         *q.stride(),
@@ -125,6 +134,7 @@ def invariant_paged_attention(
         PARALLEL=parallel,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WINDOW=sliding_window or 0,
+        SINKS=sink_logits is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         enable_fp_fusion=False,
@@ -136,6 +146,7 @@ def invariant_paged_attention(
             lse,
             query_start_loc,
             seq_lens,
+            sinks_arg,
             num_reqs,
             *out.stride(),
             *part_strides,
@@ -145,6 +156,7 @@ def invariant_paged_attention(
             GROUP=group,
             GROUP_PAD=max(2, triton.next_power_of_2(group)),
             SPLIT=SPLIT_KEYS,
+            SINKS=sink_logits is not None,
             num_warps=1 if group * head_dim_pad <= 1024 else 4,
             enable_fp_fusion=False,
         )
@@ -159,8 +171,7 @@ class TritonInvariantAttention:
     name = "triton-invariant"
     plans_decodes = False
     supports_sliding_window = True
-    #: No attention sinks (gpt-oss): a model with them refuses this op at load.
-    supports_sinks = False
+    supports_sinks = True
     rotates = True
 
     def __call__(
@@ -202,5 +213,6 @@ class TritonInvariantAttention:
             meta.block_table,
             shape.scale,
             sliding_window=shape.sliding_window,
+            sinks=shape.sinks,
         )
         return out.view(n, width)

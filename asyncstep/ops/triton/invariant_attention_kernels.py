@@ -18,6 +18,9 @@ window (``WINDOW > 0``) masks a row's keys before its window the same way:
 every split is still computed (a split the row sees nothing of folds in as
 nothing), so the blocks before a window are read (whatever they hold: the
 KV cache manager may have given them to another request) and masked.
+Attention sinks (``SINKS``): the fold starts from the row's head's sink
+(maximum ``sink * log2(e)``, weight sum 1) instead of from nothing, in both
+launches, so a sink layer's rows keep these properties.
 
 :func:`_invariant_attention_kernel`, grid ``(tiles, num_kv_heads,
 splits)``, tiles numbered as in :mod:`asyncstep.ops.triton.attention_kernels`:
@@ -39,6 +42,7 @@ import triton.language as tl
 from asyncstep.ops.triton.attention_kernels import (
     _attend_keys,
     _find_request,
+    _softmax_start,
     _store_rows,
     _tile_start,
 )
@@ -130,6 +134,7 @@ def _invariant_attention_kernel(
     seq_lens_ptr: tl.tensor,
     bt_ptr: tl.tensor,
     scale_log2: tl.tensor,
+    sinks_ptr: tl.tensor,
     num_tokens: tl.tensor,
     num_reqs: tl.tensor,
     stride_qt: tl.tensor,
@@ -162,6 +167,7 @@ def _invariant_attention_kernel(
     PARALLEL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr = 0,
+    SINKS: tl.constexpr = False,
 ) -> None:
     """Grid ``(tiles, num_kv_heads, splits)``: a query tile's splits (see
     the module docstring); spare tile numbers zero the padding rows (not
@@ -235,8 +241,7 @@ def _invariant_attention_kernel(
                     lse_ptrs = lse_ptr + tokens.to(tl.int64) * stride_lt + heads * stride_lh + split
                     tl.store(lse_ptrs, lse, mask=row_mask)
             else:
-                m = tl.full([BLOCK_M], -1.0e30, tl.float32)
-                total = tl.zeros([BLOCK_M], tl.float32)
+                m, total = _softmax_start(sinks_ptr, heads, SINKS, BLOCK_M)
                 acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
                 for split_start in range(0, keys_end, SPLIT):
                     lse, part = _attend_split(
@@ -298,6 +303,7 @@ def _invariant_combine_kernel(
     lse_ptr: tl.tensor,
     qsl_ptr: tl.tensor,
     seq_lens_ptr: tl.tensor,
+    sinks_ptr: tl.tensor,
     num_reqs: tl.tensor,
     stride_ot: tl.tensor,
     stride_oh: tl.tensor,
@@ -313,6 +319,7 @@ def _invariant_combine_kernel(
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     SPLIT: tl.constexpr,
+    SINKS: tl.constexpr = False,
 ) -> None:
     """Grid ``(num_tokens, num_kv_heads)``: ``out[t, heads of kv_head]`` from
     token t's own splits, folded in order by :func:`_merge_split` (the same
@@ -328,8 +335,7 @@ def _invariant_combine_kernel(
     result = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     if token < tl.load(qsl_ptr + num_reqs):
         _, keys_end = _decode_token(qsl_ptr, seq_lens_ptr, num_reqs, token)
-        m = tl.full([GROUP_PAD], -1.0e30, tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
+        m, total = _softmax_start(sinks_ptr, heads, SINKS, GROUP_PAD)
         lse_ptrs = lse_ptr + token.to(tl.int64) * stride_lt + heads.to(tl.int64) * stride_lh
         part_ptrs = (
             part_ptr

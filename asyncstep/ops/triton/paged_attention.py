@@ -9,7 +9,8 @@ place as it stores the keys (:func:`~asyncstep.ops.triton.fused.rotary_and_store
 with ``fused_decode`` a uniform decode batch rotates and stores inside the
 split-KV attention kernel (one kernel fewer). Not ``rotates``: q and k
 come rotated and the store only stores. A layer with a sliding window runs
-every batch through the query-tiled kernel with its window.
+every batch through the query-tiled kernel with its window. A layer's
+attention sinks (gpt-oss) go to whichever kernel runs.
 
 May import torch, triton (on use) and :mod:`asyncstep.ops`' attention
 metadata and Triton kernels.
@@ -32,8 +33,7 @@ class TritonAttention:
     #: A windowed layer's batches all run the query-tiled kernel (not the
     #: split-KV decode kernels, nor the fused decode's store-and-attend).
     supports_sliding_window = True
-    #: No attention sinks (gpt-oss): a model with them refuses this op at load.
-    supports_sinks = False
+    supports_sinks = True
 
     def __init__(self, *, rotates: bool, fused_decode: bool = False) -> None:
         self.rotates = rotates
@@ -80,6 +80,7 @@ class TritonAttention:
                     shape.scale,
                     uniform_decode=meta.max_query_len == 1,
                     max_query_len=meta.max_query_len,
+                    sinks=shape.sinks,
                 )
                 return out.view(n, width)
             rotary_and_store_kv(
@@ -105,5 +106,6 @@ class TritonAttention:
             shape.scale,
             max_query_len=meta.max_query_len,
             sliding_window=shape.sliding_window,
+            sinks=shape.sinks,
         )
         return out.view(n, width)
