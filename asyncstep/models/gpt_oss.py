@@ -126,7 +126,7 @@ class GptOssForCausalLM(MoeForCausalLM):
         if not getattr(attention, "supports_sinks", False):
             raise UnsupportedModelError(
                 f"gpt-oss's attention sinks: the {attention.name!r} attention op does not "
-                "support them (use the torch or cpu op set)"
+                "support them (every built-in op set does)"
             )
         windowed = any(w is not None for w in self.config.layer_windows)
         if windowed and not attention.supports_sliding_window:
