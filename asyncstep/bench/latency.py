@@ -9,7 +9,8 @@ median request's), ITL (``itl_ms``: the median over requests of their
 mean token gap once every request is decoding, i.e. after the last first
 token, or ``itl_all_ms`` where no request has two tokens after that, as when
 the last request's output comes in one chunk; ``itl_all_ms``: over
-whole outputs, others' prefills included).
+whole outputs, others' prefills included; an output that came in one chunk
+has no gap to time and is left out of both).
 
 ``--hf``: HF transformers' ``generate`` first (then freed), ITL = (time of
 N tokens - time of 1) / (N - 1). The floor (unless ``--no-floor``): a
@@ -126,12 +127,8 @@ async def stream_batch(engine: Engine, prompts: list[list[int]], output_len: int
     wall = time.perf_counter() - start
     all_started = max(t[0] for t in times)
     ttfts = [t[0] - start for t in times]
-    itls_all = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
-    itls = []
-    for t in times:
-        steady = [x for x in t if x > all_started]
-        if len(steady) > 1:
-            itls.append((steady[-1] - steady[0]) / (len(steady) - 1))
+    itls_all = gaps(times)
+    itls = gaps([[x for x in t if x > all_started] for t in times])
     return {
         "latency_s": wall,
         "itl_ms": median(itls or itls_all) * 1e3,
@@ -139,6 +136,12 @@ async def stream_batch(engine: Engine, prompts: list[list[int]], output_len: int
         "ttft_ms": median(ttfts) * 1e3,
         "ttft_max_ms": max(ttfts) * 1e3,
     }
+
+
+def gaps(outputs: list[list[float]]) -> list[float]:
+    """Each output's mean token gap, leaving out an output with fewer than
+    two tokens or whose tokens all came in one chunk (no gap to time)."""
+    return [(t[-1] - t[0]) / (len(t) - 1) for t in outputs if len(t) > 1 and t[-1] > t[0]]
 
 
 async def ours(

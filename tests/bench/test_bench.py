@@ -8,6 +8,7 @@ the floor arithmetic matches the anchors; and the parallel measurements
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import pytest
 import trio
 from processes import serving_url
 
+from asyncstep.bench import latency
 from asyncstep.bench.args import CliFlags, parse_bench_args
 from asyncstep.bench.floor import kv_bytes_per_token, step_floor, throughput_floor, weight_bytes
 from asyncstep.bench.latency import stream_batch
@@ -387,12 +389,18 @@ class _LateAndCoalesced:
             self.served += 1
             if self.served == 1:
                 for token in range(params.max_tokens):
-                    await trio.sleep(0.001)
+                    await trio.lowlevel.checkpoint()
                     yield SimpleNamespace(token_ids=[token])
             else:
                 yield SimpleNamespace(token_ids=list(range(params.max_tokens)))
 
 
-def test_itl_falls_back_to_whole_outputs_when_no_token_comes_after_the_last_first() -> None:
+def test_itl_falls_back_to_whole_outputs_when_no_token_comes_after_the_last_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ticks = itertools.count()  # the bench's clock: one second a reading
+    monkeypatch.setattr(latency, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     row = trio.run(stream_batch, _LateAndCoalesced(), [[1], [2]], 4)
-    assert positive(row["itl_ms"]) and row["itl_ms"] == row["itl_all_ms"]
+    # The first request's tokens came a second apart; the coalesced output
+    # has no gap to time and is left out.
+    assert row["itl_ms"] == row["itl_all_ms"] == 1000.0
