@@ -31,6 +31,7 @@ HEADS = 6
 SINKS = {
     "moderate": torch.linspace(-2.0, 3.0, HEADS),
     "huge": torch.tensor([1e4, -1e4, 40.0, -40.0, 0.0, 8.0]),
+    "-inf": torch.tensor([-torch.inf, 0.0, -torch.inf, 1.0, -torch.inf, -torch.inf]),
 }
 
 

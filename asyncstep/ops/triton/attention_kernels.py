@@ -170,9 +170,11 @@ def _softmax_start(
     """A row block's online-softmax state before any key: running maximum
     (log2 units) and sum. Without SINKS a finite start (a row whose first
     tile is all masked gets p = 0, not NaN) and sum 0; with them the row's
-    head's sink as the first logit (``sink * log2(e)``, sum 1)."""
+    head's sink as the first logit (``sink * log2(e)``, sum 1; a sink of
+    -inf starts from the finite start, its weight 1 gone at the first key)."""
     if SINKS:
-        m_i = tl.load(sinks_ptr + heads).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(sinks_ptr + heads).to(tl.float32) * 1.4426950408889634
+        m_i = tl.maximum(sink, -1.0e30)
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     else:
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
