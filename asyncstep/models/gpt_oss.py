@@ -82,7 +82,9 @@ class GptOssAttention(LlamaAttention):
     ):
         super().__init__(config, rotary, dtype, sequence_parallel, layer_idx)
         num_heads = self.qkv_proj.num_heads
-        self.sinks = _make_param((num_heads,), dtype, self._load_sinks)
+        # Float32 whatever the model's dtype: every attention op reads them so
+        # (a checkpoint's bfloat16 sinks are exact in it), once, not per step.
+        self.sinks = _make_param((num_heads,), torch.float32, self._load_sinks)
         self.attn.shape = dataclasses.replace(self.attn.shape, sinks=self.sinks)
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
