@@ -91,5 +91,5 @@ def kv_cache_blocks(config: EngineConfig, runner: ModelRunner, loaded: LoadedMod
         arch=loaded.arch_config,
         device=loaded.device,
         dtype=loaded.dtype,
-        num_kv_cache_groups=max(len(runner.kv_cache_groups), 1),
+        num_kv_cache_groups=runner.kv_binding.num_groups,
     )

@@ -129,10 +129,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.is_last_stage = model.lm_head is not None
-        #: Which KV cache tensor each layer uses (its group's position).
+        #: The model's KV cache groups (:mod:`asyncstep.kv_cache_interface`)
+        #: and which KV cache tensor each layer uses (its group's position).
         self.kv_binding = KVCacheBinding(model)
-        #: The model's KV cache groups (:mod:`asyncstep.kv_cache_interface`).
-        self.kv_cache_groups = self.kv_binding.groups
         num_kv_cache_groups = self.kv_binding.num_groups
         if draft_model is not None:
             check_draft_windows(model, draft_model, num_kv_cache_groups)
@@ -290,7 +289,7 @@ class ModelRunner:
         is bound: graphs hold its address), largest first; returns how many."""
         if self.dispatcher.mode is CUDAGraphMode.NONE or not self.dispatcher.capture_sizes:
             return 0
-        if len(self.kv_cache_groups) > 1:
+        if self.kv_binding.num_groups > 1:
             log.warning(
                 "no CUDA graphs: the model mixes sliding-window and full attention layers "
                 "(several KV cache groups), which the graphs' static metadata does not hold"
