@@ -172,3 +172,15 @@ def test_invariant_rows_with_sinks_keep_their_bits(
     decode = dataclasses.replace(decode, meta=meta)
     out = invariant(decode, window, parallel=True)
     assert torch.equal(out[1], split_programs[9])
+
+
+@pytest.mark.parametrize(
+    "sinks",
+    [torch.zeros(SINKS["moderate"].numel() + 1), torch.zeros(SINKS["moderate"].numel(), 1)],
+    ids=["a head too many", "two dimensions"],
+)
+def test_sinks_the_kernels_cannot_read_are_refused_in_one_line(sinks: torch.Tensor) -> None:
+    step = windowed_step(torch.float32, 10_000, 4)
+    with pytest.raises(ValueError, match=r"^sinks must be \d+ floating-point logits") as err:
+        run_op(TritonAttention(rotates=False), step, None, sinks)
+    assert "\n" not in str(err.value)

@@ -207,3 +207,17 @@ async def test_the_cpu_decode_stack_takes_sinks(tmp_path: Path) -> None:
     assert runs["stack"] == runs["layer by layer"]
     assert runs["stack"] != runs["no sinks"]
     assert all(len(t) == PARITY.max_tokens for t in runs["stack"])
+
+
+@pytest.mark.parametrize(
+    "sinks",
+    [torch.zeros(HEADS + 1), torch.zeros(HEADS, dtype=torch.int32), torch.zeros(HEADS, 1)],
+    ids=["a head too many", "integers", "two dimensions"],
+)
+def test_sinks_the_kernel_cannot_read_are_refused_in_one_line(
+    kernel: CpuPagedAttention, sinks: torch.Tensor
+) -> None:
+    step = windowed_step(torch.float32, 10_000, 4)
+    with pytest.raises(ValueError, match=f"^expected {HEADS} floating-point sink logits") as err:
+        run(CpuAttention(kernel), step, None, sinks, planned=False)
+    assert "\n" not in str(err.value)
