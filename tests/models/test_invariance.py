@@ -179,7 +179,9 @@ async def test_dense_bfloat16_tokens_and_log_probs_do_not_depend_on_the_batch() 
 
 
 @pytest.mark.trio
-@pytest.mark.skipif(dense_f32_matmul() is None, reason="no C compiler: F.linear's shape-dependent K")
+@pytest.mark.skipif(
+    dense_f32_matmul() is None, reason="no C compiler: F.linear's shape-dependent K"
+)
 async def test_dense_float32_tokens_and_log_probs_do_not_depend_on_the_batch() -> None:
     """Dense float32 weights (an HF checkpoint in float32): every projection
     and the LM head through the CPU library's float32 matmul, one K order

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -76,11 +78,11 @@ def within_float64(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> 
     return bool(((got.double() - expected).abs() <= bound).all())
 
 
-def with_threads(count: int, fn: object) -> torch.Tensor:
+def with_threads(count: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     threads = torch.get_num_threads()
     torch.set_num_threads(count)
     try:
-        return fn()  # type: ignore[operator, no-any-return]
+        return fn()
     finally:
         torch.set_num_threads(threads)
 
@@ -126,7 +128,7 @@ def test_a_row_s_outputs_do_not_depend_on_its_batch(isa: str, tmp_path: Path) ->
         for batch in (2, 3, 5, 8, 16, 17, 64, 255, 256):
             for start in sorted({0, 1, 256 - batch}):
                 rows = slice(start, start + batch)
-                got = with_threads(count, lambda: matmul(x[rows], weight))
+                got = with_threads(count, partial(matmul, x[rows], weight))
                 assert torch.equal(got, alone[rows]), (count, batch, start)
     assert within_float64(alone, x, weight)
 
