@@ -47,6 +47,15 @@
 #define W_TILE 4 /* 8 accumulators, 4 of W, 1 of x: 13 of 16 registers */
 #endif
 typedef __m256 vec;
+/* v held in a register: a tile's W vectors are loaded once a step, not
+ * folded into each multiply-add as a load of its own (GCC's choice: 28
+ * loads for 24 multiply-adds instead of 10; benchmarks/results/cpu/
+ * f32dense_1205) */
+#if F32_ISA == 2
+#define KEEP(v) __asm__("" : "+v"(v))
+#else
+#define KEEP(v) __asm__("" : "+x"(v))
+#endif
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -90,6 +99,7 @@ static inline __attribute__((always_inline)) void sum8(const vec v[8], float out
 #define ROW_TILE 1
 #define W_TILE 1
 typedef struct { float v[LANES]; } vec;
+#define KEEP(v) ((void)0)
 static inline vec vzero(void) { vec r; memset(&r, 0, sizeof r); return r; }
 static inline vec vload(const float* p) { vec r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline vec vload_part(const float* p, int n) {
@@ -155,6 +165,7 @@ static inline __attribute__((always_inline)) void dot_tile_n(
     for (; k + LANES <= K; k += LANES) {
         vec wv[W_TILE];
         for (int i = 0; i < nw; i++) wv[i] = vload(w[i] + k);
+        for (int i = 0; i < nw; i++) KEEP(wv[i]);
         for (int e = 0; e < rows; e++) {
             const vec xv = vload(x[e] + k);
             for (int i = 0; i < nw; i++) acc[e * nw + i] = vfma(wv[i], xv, acc[e * nw + i]);
