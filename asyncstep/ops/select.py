@@ -18,7 +18,9 @@ packed weights are batch-invariant already, and whose dense bfloat16
 weights (a MoE model's experts too) go through the library's invariant
 matmul when asked for, or by default where that matmul's build is a
 blocked one (``CpuDenseMatmul.fast``: AVX512-BF16, AVX512F, AVX2; not
-plain C, which computes a row at a time).
+plain C, which computes a row at a time); dense float32 weights and the
+float32 LM head likewise through the library's float32 matmul
+(``CpuDenseF32Matmul.fast``: AVX-512, AVX2; not plain C).
 
 May import torch, :mod:`asyncstep.errors` and :mod:`asyncstep.ops`.
 """
@@ -135,7 +137,10 @@ def select_ops(
         kernels = load_cpu_kernels() if fused_kernels else None
         if kernels is not None:
             dense = _cpu_dense_invariant(batch_invariant)
-            return CpuOps(kernels.layer_ops, attention, invariant_dense=dense)
+            float32 = _cpu_float32_invariant(batch_invariant)
+            return CpuOps(
+                kernels.layer_ops, attention, invariant_dense=dense, invariant_float32=float32
+            )
         return CpuHeadOps(attention)
     return TORCH_OPS if attention is TORCH_ATTENTION else TorchOps(attention)
 
@@ -148,6 +153,18 @@ def _cpu_dense_invariant(batch_invariant: bool | None) -> bool:
     from asyncstep.ops.cpu.dense import dense_matmul
 
     matmul = dense_matmul()
+    return matmul is not None and matmul.fast
+
+
+def _cpu_float32_invariant(batch_invariant: bool | None) -> bool:
+    """Whether dense float32 weights and the float32 LM head run the
+    library's invariant float32 matmul: ``batch_invariant`` if given, else
+    where its build is a blocked one."""
+    if batch_invariant is not None:
+        return batch_invariant
+    from asyncstep.ops.cpu.dense_f32 import dense_f32_matmul
+
+    matmul = dense_f32_matmul()
     return matmul is not None and matmul.fast
 
 

@@ -20,6 +20,7 @@ from asyncstep.config import ModelConfig
 from asyncstep.models.loader import default_model_path
 from asyncstep.models.model_loader import LoadedModel, load_model
 from asyncstep.ops.cpu.dense import dense_matmul
+from asyncstep.ops.cpu.dense_f32 import dense_f32_matmul
 from tests.models.test_smollm2 import QUESTIONS, chat, generate_batched, packed_smollm2
 
 __all__ = ["packed_smollm2"]  # the fixture, shared with test_smollm2
@@ -172,6 +173,22 @@ async def test_dense_bfloat16_tokens_and_log_probs_do_not_depend_on_the_batch() 
     log-probs, bit for bit (torch's oneDNN blocks K by the row count)."""
     loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", weight_packing="none"))
     # Asked for: where the library's build is not the fast one (AVX2) it is not the default.
+    async with asyncstep.open_engine(loaded, batch_invariant=True) as engine:
+        alone, among = await alone_and_among_30(engine, DENSE_GREEDY_LOGPROBS)
+    assert among == alone
+
+
+@pytest.mark.trio
+@pytest.mark.skipif(
+    dense_f32_matmul() is None, reason="no C compiler: F.linear's shape-dependent K"
+)
+async def test_dense_float32_tokens_and_log_probs_do_not_depend_on_the_batch() -> None:
+    """Dense float32 weights (an HF checkpoint in float32): every projection
+    and the LM head through the CPU library's float32 matmul, one K order
+    for every row count, so a question alone and among 30 others gets the
+    same greedy tokens and log-probs, bit for bit (torch's sgemm blocks K
+    by the row count)."""
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32", weight_packing="none"))
     async with asyncstep.open_engine(loaded, batch_invariant=True) as engine:
         alone, among = await alone_and_among_30(engine, DENSE_GREEDY_LOGPROBS)
     assert among == alone

@@ -24,6 +24,7 @@ import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.cpu_features import cpu_flags
 from asyncstep.ops.cpu import library
+from asyncstep.ops.cpu.dense_f32 import dense_f32_matmul
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.moe import CpuMoeExperts, moe_experts
 from asyncstep.ops.cpu.ops import CpuOps
@@ -131,7 +132,8 @@ def test_a_row_s_result_does_not_depend_on_its_batch(isa: str, tmp_path: Path) -
 def test_the_op_set_takes_float32_silu_experts_and_the_reference_the_others() -> None:
     """``CpuOps.fused_experts``: float32 silu experts through the library
     (its bits, a strided row of hidden too); bfloat16, biased or swigluoai
-    experts, or a width not whole vectors, the reference's bits."""
+    experts, or a width not whole vectors, the reference's grouped matmul
+    over the op set's float32 matmul (its bits; the reference's sums)."""
     kernels = load_cpu_kernels()
     assert kernels is not None and EXPERTS is not None
     ops = CpuOps(kernels.layer_ops)
@@ -147,8 +149,11 @@ def test_the_op_set_takes_float32_silu_experts_and_the_reference_the_others() ->
         (x, w13, w2, topk_weights, topk_ids, "silu", bias13, bias2),
         (x[:, :60], w13[:, :, :60].contiguous(), w2[:, :60].contiguous(), topk_weights, topk_ids),
     ]
-    for args in others:
-        assert torch.equal(ops.fused_experts(*args), fused_experts(*args))
+    float32 = dense_f32_matmul()
+    assert float32 is not None
+    for args in others:  # the reference's grouped matmul over the op set's float32 matmul
+        assert torch.equal(ops.fused_experts(*args), fused_experts(*args, matmul=float32))
+        assert within_reference(ops.fused_experts(*args), *args)
     half = ops.fused_experts(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), topk_weights, topk_ids)
     assert half.dtype == torch.bfloat16
 

@@ -6,7 +6,9 @@ a decoder layer's non-matmul ops
 kept quantized (``cpu_quant.c``, bound by
 :func:`~asyncstep.ops.cpu.quant.quant_matmul`) and of dense
 bfloat16 weights with float32 outputs (``cpu_dense.c``, bound by
-:func:`~asyncstep.ops.cpu.dense.dense_matmul`) and a mixture-of-experts
+:func:`~asyncstep.ops.cpu.dense.dense_matmul`) and of dense float32 weights
+(``cpu_dense_f32.c``, bound by
+:func:`~asyncstep.ops.cpu.dense_f32.dense_f32_matmul`) and a mixture-of-experts
 layer's float32 experts (``cpu_moe.c``, bound by
 :func:`~asyncstep.ops.cpu.moe.moe_experts`).
 
@@ -57,7 +59,14 @@ log = structlog.get_logger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(
     _HERE / name
-    for name in ("cpu_kernels.c", "cpu_quant.c", "cpu_decode.c", "cpu_dense.c", "cpu_moe.c")
+    for name in (
+        "cpu_kernels.c",
+        "cpu_quant.c",
+        "cpu_decode.c",
+        "cpu_dense.c",
+        "cpu_moe.c",
+        "cpu_dense_f32.c",
+    )
 )
 #: Included by the sources (part of the build key).
 HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "cpu_kernels.h", "cpu_quant.h"))

@@ -6,7 +6,10 @@ float32 sums (``cpu_dense.c``: a bfloat16 logit of ~20 moves in steps of
 0.125, which ties tokens that float32 separates); every dense bfloat16
 projection through the same matmul (one K order for every row count: a
 request's outputs do not depend on its batch, issue 40) unless
-``invariant_dense`` is off (torch's ``F.linear``); the reference's ops where
+``invariant_dense`` is off (torch's ``F.linear``); every dense float32
+projection and the float32 LM head through the library's float32 matmul
+(``cpu_dense_f32.c``, the same promise) unless ``invariant_float32`` is off
+(torch's ``F.linear``); the reference's ops where
 the library does not take the input (float16, a residual stream that is not
 float32), and for the rotary embedding (the CPU attention op rotates q and
 k as it reads them); a mixture-of-experts layer's float32 experts are the
@@ -29,6 +32,7 @@ import torch
 from asyncstep.ops.base import AttentionOp, StepPath
 from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
 from asyncstep.ops.cpu.dense import dense_matmul
+from asyncstep.ops.cpu.dense_f32 import dense_f32_matmul, takes_float32
 from asyncstep.ops.cpu.layer_ops import CpuLayerOps
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.moe import moe_experts
@@ -73,12 +77,17 @@ class CpuOps(CpuHeadOps):
         attention: AttentionOp = TORCH_ATTENTION,
         *,
         invariant_dense: bool = True,
+        invariant_float32: bool = True,
     ) -> None:
         super().__init__(attention)
         self.layer_ops = layer_ops
         #: Dense bfloat16 projections through the library's matmul (one K
         #: order for every row count); False: torch's ``F.linear``.
         self.invariant_dense = invariant_dense
+        #: Dense float32 projections and the float32 LM head through the
+        #: library's float32 matmul (``cpu_dense_f32.c``: one K order for
+        #: every row count); False: torch's ``F.linear``.
+        self.invariant_float32 = invariant_float32
 
     def linear(
         self,
@@ -90,9 +99,14 @@ class CpuOps(CpuHeadOps):
         """The packed weight's matmul where it applies; a dense bfloat16
         weight through the library's matmul (one K order for every row
         count: a row's outputs do not depend on the others, issue 40) in
-        ``x``'s dtype; else the reference's ``F.linear``."""
+        ``x``'s dtype, a dense float32 one through its float32 matmul (the
+        bias added to its sums); else the reference's ``F.linear``."""
         if packed is not None and packed.applies(x):
             return super().linear(x, weight, packed, bias)
+        if self.invariant_float32 and x.dtype == weight.dtype == torch.float32:
+            y = self._float32(x, weight)
+            if y is not None:
+                return y if bias is None else y + bias
         matmul = dense_matmul() if self.invariant_dense and _dense_bfloat16(x, weight) else None
         if matmul is None:
             return super().linear(x, weight, packed, bias)
@@ -104,6 +118,30 @@ class CpuOps(CpuHeadOps):
         else:  # the bias added to the float32 sums, then rounded once
             y = (matmul(rows, weight) + bias.float()).to(x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
+
+    def logits(
+        self, x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None
+    ) -> torch.Tensor:
+        """As :class:`CpuHeadOps`; a float32 head through the library's
+        float32 matmul where ``invariant_float32`` is on."""
+        if not (packed is not None and packed.applies(x)) and self.invariant_float32:
+            y = self._float32(x, weight)
+            if y is not None:
+                return y
+        return super().logits(x, weight, packed)
+
+    def _float32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """``x @ weight.T`` by the library's float32 matmul (x of any
+        leading shape); None where it does not take them."""
+        matmul = dense_f32_matmul()
+        if matmul is None or x.numel() == 0 or x.dim() < 1:
+            return None
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1 or rows.stride(0) < rows.shape[1]:
+            rows = rows.contiguous()
+        if not takes_float32(rows, weight):
+            return None
+        return matmul(rows, weight).view(*x.shape[:-1], weight.shape[0])
 
     def fused_experts(
         self,
