@@ -24,7 +24,8 @@ and scales kept until both have come), then loaded as the unquantized
 tensors; the experts are held dense (not kept packed).
 
 An op set must honour attention sinks (:attr:`AttentionOp.supports_sinks`:
-every built-in attention op does) and sliding windows; the model runs layer by layer (no whole-stack step path).
+every built-in attention op does) and sliding windows; the model runs
+layer by layer (no whole-stack step path).
 
 May import torch, :mod:`asyncstep.channels`, the model config, layers and
 the Llama and MoE models.
