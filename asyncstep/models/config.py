@@ -200,6 +200,14 @@ class ModelArchConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """The q and k norms' widths: a head's, or (not ``qk_norm_per_head``)
+        the whole q and k projections'."""
+        if self.qk_norm_per_head:
+            return self.head_dim, self.head_dim
+        return self.q_size, self.kv_size
+
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window in tokens; None: full attention."""
         if self.sliding_window is None:
@@ -258,7 +266,7 @@ class ModelArchConfig:
                     f"{p}.self_attn.v_proj.bias": (kv,),
                 }
             if self.qk_norm:
-                q_norm, k_norm = (self.head_dim,) * 2 if self.qk_norm_per_head else (q, kv)
+                q_norm, k_norm = self.qk_norm_widths
                 shapes |= {
                     f"{p}.self_attn.q_norm.weight": (q_norm,),
                     f"{p}.self_attn.k_norm.weight": (k_norm,),

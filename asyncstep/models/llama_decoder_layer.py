@@ -75,7 +75,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            q_norm, k_norm = qk_norm_sizes(config)
+            q_norm, k_norm = config.qk_norm_widths
             self.q_norm = self.norm_class(q_norm, config.rms_norm_eps, dtype, ops)
             self.k_norm = self.norm_class(k_norm, config.rms_norm_eps, dtype, ops)
         self.rotary = [rotary]  # a list: shared by every layer, not a submodule of each
@@ -119,14 +119,6 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.qkv(cos_sin, hidden)
         return self.o_proj(self.attn(q, k, v, meta))
-
-
-def qk_norm_sizes(config: ModelArchConfig) -> tuple[int, int]:
-    """The q and k norms' widths: a head's, or (not ``qk_norm_per_head``)
-    the whole q and k projections'."""
-    if config.qk_norm_per_head:
-        return config.head_dim, config.head_dim
-    return config.q_size, config.kv_size
 
 
 class LlamaMLP(nn.Module):

@@ -67,7 +67,7 @@ def rank_param_count(
     layer = norms * h + qkv_rows * h + h * heads * d
     layer += qkv_rows if arch.attention_bias else 0
     if arch.qk_norm:
-        layer += 2 * d if arch.qk_norm_per_head else arch.q_size + arch.kv_size
+        layer += sum(arch.qk_norm_widths)
     # A MoE layer: the router, and every expert's 1 / tp of its projections
     # (under EP: 1 / ep of the experts, whole).
     expert_inter = -(-arch.moe_intermediate_size // (tp_size if ep_size == 1 else 1))
