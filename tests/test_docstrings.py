@@ -48,7 +48,7 @@ ALLOWED: set[tuple[str, str]] = {
     ("asyncstep/bench/host_cpu.py", "median: tok/s and busy"),
     ("asyncstep/bench/host_cpu.py", "the tok/s figures come from"),
     ("asyncstep/bench/host_cpu.py", "tok/s = num_requests"),
-    ("asyncstep/bench/host_cpu.py", "tok/s of the median"),
+    ("asyncstep/bench/host_peers.py", "tok/s of the median"),
 }
 
 

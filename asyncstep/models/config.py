@@ -18,7 +18,7 @@ lets the query at position ``p`` see the keys at positions ``p - W + 1 .. p``
 layer's ``W`` (None: full attention). An HF config's windows are read by
 :mod:`asyncstep.models.hf_config` (each architecture's rule); GGUF's are
 ``{arch}.attention.sliding_window``, on every layer (Gemma 3's and gpt-oss's
-on llama.cpp's patterns: :mod:`asyncstep.models.loader.gguf`).
+on llama.cpp's patterns: :mod:`asyncstep.models.loader.gguf_config`).
 
 The HF ``config.json`` parsing is :func:`asyncstep.models.hf_config.parse_hf_config`'s,
 above this module: it builds a :class:`ModelArchConfig` and calls

@@ -54,7 +54,6 @@ from asyncstep.models.llama import (
     LlamaMLP,
     LlamaModel,
 )
-from asyncstep.ops.slot import OpSetSlot
 
 __all__ = ["Gemma3DecoderLayer", "Gemma3ForCausalLM", "Gemma3Model"]
 
@@ -80,6 +79,8 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
     (:meth:`pre_attention`)."""
 
     norm_class: type[RMSNorm] = GemmaRMSNorm
+    attention_class: type[LlamaAttention] = Gemma3Attention
+    mlp_class: type[nn.Module] = Gemma3MLP
 
     def __init__(
         self,
@@ -96,26 +97,6 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, ops)
         #: Whether the layer rotates with the sliding layers' rotary (not the model's).
         self.local_rotation = is_sliding_layer(config, layer_idx)
-
-    def make_attention(
-        self,
-        config: ModelArchConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        sequence_parallel: bool,
-        layer_idx: int,
-    ) -> LlamaAttention:
-        return Gemma3Attention(config, rotary, dtype, sequence_parallel, layer_idx)
-
-    def make_mlp(
-        self,
-        config: ModelArchConfig,
-        layer_idx: int,
-        dtype: torch.dtype,
-        sequence_parallel: bool,
-        ops: OpSetSlot,
-    ) -> nn.Module:
-        return Gemma3MLP(config, dtype, sequence_parallel, ops)
 
     def pre_attention(
         self,

@@ -44,14 +44,12 @@ from torch import nn
 from asyncstep.channels import get_tp_group
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig
-from asyncstep.models.layers.linear import RowParallelLinear, _make_param
-from asyncstep.models.layers.moe import SparseMoeBlock
+from asyncstep.models.layers.linear import _make_param
 from asyncstep.models.layers.rotary import RotaryEmbedding
 from asyncstep.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from asyncstep.models.moe import MoeForCausalLM
+from asyncstep.models.moe import MoeForCausalLM, MoeMLP
 from asyncstep.models.mxfp4 import dequantize_mxfp4
 from asyncstep.ops.base import OpSet
-from asyncstep.ops.slot import OpSetSlot
 
 __all__ = ["GptOssAttention", "GptOssDecoderLayer", "GptOssForCausalLM"]
 
@@ -73,6 +71,8 @@ class GptOssAttention(LlamaAttention):
     """Llama's attention with an output bias and per-head sinks (this
     rank's heads)."""
 
+    o_proj_bias = True
+
     def __init__(
         self,
         config: ModelArchConfig,
@@ -82,14 +82,6 @@ class GptOssAttention(LlamaAttention):
         layer_idx: int = 0,
     ):
         super().__init__(config, rotary, dtype, sequence_parallel, layer_idx)
-        self.o_proj = RowParallelLinear(
-            config.q_size,
-            config.hidden_size,
-            bias=config.attention_bias,
-            sequence_parallel=sequence_parallel,
-            params_dtype=dtype,
-            ops=rotary.ops,
-        )
         num_heads = self.qkv_proj.num_heads
         self.sinks = _make_param((num_heads,), dtype, self._load_sinks)
         self.attn.shape = dataclasses.replace(self.attn.shape, sinks=self.sinks)
@@ -106,41 +98,20 @@ class GptOssAttention(LlamaAttention):
         param.data.copy_(loaded.narrow(0, tp.rank_in_group * n, n))
 
 
+class GptOssMLP(MoeMLP):
+    """gpt-oss's feed-forward: a sparse MoE block whose router and experts
+    carry biases, its top-k weights never renormalised."""
+
+    biased = True
+    renormalizes = False
+
+
 class GptOssDecoderLayer(LlamaDecoderLayer):
-    """A gpt-oss layer: :class:`GptOssAttention`, then a biased sparse MoE
-    block (every layer)."""
+    """A gpt-oss layer: :class:`GptOssAttention`, then :class:`GptOssMLP`
+    (every layer)."""
 
-    def make_attention(
-        self,
-        config: ModelArchConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        sequence_parallel: bool,
-        layer_idx: int,
-    ) -> LlamaAttention:
-        return GptOssAttention(config, rotary, dtype, sequence_parallel, layer_idx)
-
-    def make_mlp(
-        self,
-        config: ModelArchConfig,
-        layer_idx: int,
-        dtype: torch.dtype,
-        sequence_parallel: bool,
-        ops: OpSetSlot,
-    ) -> nn.Module:
-        return SparseMoeBlock(
-            config.num_experts,
-            config.num_experts_per_tok,
-            config.hidden_size,
-            config.moe_intermediate_size,
-            renormalize=False,
-            scoring_func=config.scoring_func,
-            sequence_parallel=sequence_parallel,
-            params_dtype=dtype,
-            ops=ops,
-            bias=True,
-            activation=config.moe_activation,
-        )
+    attention_class: type[LlamaAttention] = GptOssAttention
+    mlp_class: type[nn.Module] = GptOssMLP
 
 
 class GptOssForCausalLM(MoeForCausalLM):

@@ -1,7 +1,7 @@
 """The Llama family: Llama 2/3, Mistral, SmolLM2 (Llama), Qwen2 (q/k/v bias)
 and Qwen3 (per-head q/k RMSNorm), with tensor- and pipeline-parallel layers.
 Other families reuse its attention, decoder layer and model through their
-hooks (:meth:`LlamaDecoderLayer.make_attention` / ``make_mlp``,
+hooks (:attr:`LlamaDecoderLayer.attention_class` / ``mlp_class`` / ``make_mlp``,
 :attr:`LlamaForCausalLM.decoder_layer`, :meth:`LlamaForCausalLM.param_target`):
 the mixture-of-experts families of :mod:`asyncstep.models.moe`; and Gemma 3
 (:mod:`asyncstep.models.gemma3`) through the norms' ``norm_class``, the

@@ -1,8 +1,9 @@
 """The Llama decoder layer (vLLM's ``LlamaDecoderLayer``): its attention
 (:class:`LlamaAttention`: q/k/v projections, the q/k norms of Qwen3, rotary,
 the paged attention, o_proj), its MLP (:class:`LlamaMLP`: silu * up) and the
-hooks other families override: :meth:`LlamaDecoderLayer.make_attention` /
-``make_mlp``, the norms' ``norm_class``, and the step's pieces
+hooks other families set or override: the layer's ``attention_class`` /
+``mlp_class`` / :meth:`LlamaDecoderLayer.make_mlp`, the attention's
+``o_proj_bias``, the norms' ``norm_class``, and the step's pieces
 :meth:`LlamaDecoderLayer.pre_attention` / ``pre_mlp`` / ``post_attention``
 that whole-stack paths and micro-batches call. The model around the layers
 is :mod:`asyncstep.models.llama`'s.
@@ -31,11 +32,16 @@ from asyncstep.ops.slot import OpSetSlot
 
 
 class LlamaAttention(nn.Module):
-    """q/k/v projections, q/k norms (Qwen3), rotary, the paged attention and
-    o_proj. A family whose q/k norms differ names its :attr:`norm_class`."""
+    """q/k/v projections, q/k norms (Qwen3; OLMoE's over the whole
+    projections, as the config's ``qk_norm_per_head`` says), rotary, the
+    paged attention and o_proj. A family whose q/k norms differ names its
+    :attr:`norm_class`; one whose o_proj is biased sets :attr:`o_proj_bias`."""
 
     #: The q/k norms' class.
     norm_class: type[RMSNorm] = RMSNorm
+    #: Whether o_proj takes the config's ``attention_bias`` too (gpt-oss);
+    #: else only q/k/v do.
+    o_proj_bias: bool = False
 
     def __init__(
         self,
@@ -60,7 +66,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.q_size,
             config.hidden_size,
-            bias=False,
+            bias=self.o_proj_bias and config.attention_bias,
             sequence_parallel=sequence_parallel,
             params_dtype=dtype,
             ops=ops,
@@ -69,8 +75,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = self.norm_class(config.head_dim, config.rms_norm_eps, dtype, ops)
-            self.k_norm = self.norm_class(config.head_dim, config.rms_norm_eps, dtype, ops)
+            q_norm, k_norm = qk_norm_sizes(config)
+            self.q_norm = self.norm_class(q_norm, config.rms_norm_eps, dtype, ops)
+            self.k_norm = self.norm_class(k_norm, config.rms_norm_eps, dtype, ops)
         self.rotary = [rotary]  # a list: shared by every layer, not a submodule of each
         self.attn = Attention(
             self.qkv_proj.num_heads,
@@ -114,6 +121,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
+def qk_norm_sizes(config: ModelArchConfig) -> tuple[int, int]:
+    """The q and k norms' widths: a head's, or (not ``qk_norm_per_head``)
+    the whole q and k projections'."""
+    if config.qk_norm_per_head:
+        return config.head_dim, config.head_dim
+    return config.q_size, config.kv_size
+
+
 class LlamaMLP(nn.Module):
     def __init__(
         self,
@@ -146,12 +161,17 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Under sequence parallelism ``hidden`` and ``residual`` (in and out) are
     this rank's token shard; the projections gather and scatter the rows.
-    A family whose attention or feed-forward differs overrides
-    :meth:`make_attention` / :meth:`make_mlp` (``layer_idx``: the layer's
-    index in the whole model), and its norms' class :attr:`norm_class`."""
+    A family whose attention or MLP differs names its :attr:`attention_class`
+    / :attr:`mlp_class`, one whose feed-forward differs by layer overrides
+    :meth:`make_mlp` (``layer_idx``: the layer's index in the whole model),
+    and one whose norms differ names their :attr:`norm_class`."""
 
     #: The layer norms' class.
     norm_class: type[RMSNorm] = RMSNorm
+    #: The attention's class.
+    attention_class: type[LlamaAttention] = LlamaAttention
+    #: The feed-forward's class (:meth:`make_mlp`'s), built as :class:`LlamaMLP` is.
+    mlp_class: type[nn.Module] = LlamaMLP
 
     def __init__(
         self,
@@ -164,21 +184,11 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         ops = rotary.ops
         self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.self_attn = self.make_attention(config, rotary, dtype, sequence_parallel, layer_idx)
+        self.self_attn = self.attention_class(config, rotary, dtype, sequence_parallel, layer_idx)
         self.post_attention_layernorm = self.norm_class(
             config.hidden_size, config.rms_norm_eps, dtype, ops
         )
         self.mlp = self.make_mlp(config, layer_idx, dtype, sequence_parallel, ops)
-
-    def make_attention(
-        self,
-        config: ModelArchConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        sequence_parallel: bool,
-        layer_idx: int,
-    ) -> LlamaAttention:
-        return LlamaAttention(config, rotary, dtype, sequence_parallel, layer_idx)
 
     def make_mlp(
         self,
@@ -188,8 +198,9 @@ class LlamaDecoderLayer(nn.Module):
         sequence_parallel: bool,
         ops: OpSetSlot,
     ) -> nn.Module:
-        """The feed-forward: ``forward(x)`` of the normed hidden rows."""
-        return LlamaMLP(config, dtype, sequence_parallel, ops)
+        """The feed-forward: ``forward(x)`` of the normed hidden rows (a
+        :attr:`mlp_class`)."""
+        return self.mlp_class(config, dtype, sequence_parallel, ops)
 
     def pre_attention(
         self,

@@ -31,8 +31,6 @@ from torch import nn
 from asyncstep.channels import get_ep_group, get_tp_group
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.layers.moe import SparseMoeBlock, SparseMoeStage
-from asyncstep.models.layers.norm import RMSNorm
-from asyncstep.models.layers.rotary import RotaryEmbedding
 from asyncstep.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from asyncstep.ops.attention import AttentionMetadata
 from asyncstep.ops.base import OpSet, RotaryCosSin
@@ -54,7 +52,7 @@ _EXPERT_PARAM = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)_weight
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
-    """A Llama decoder layer whose feed-forward is a sparse MoE block where
+    """A Llama decoder layer whose feed-forward is a :class:`MoeMLP` where
     the config makes the layer a MoE layer (else the dense MLP)."""
 
     @property
@@ -87,16 +85,41 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     ) -> nn.Module:
         if not config.is_moe_layer(layer_idx):
             return super().make_mlp(config, layer_idx, dtype, sequence_parallel, ops)
-        return SparseMoeBlock(
+        return MoeMLP(config, dtype, sequence_parallel, ops)
+
+
+class MoeMLP(SparseMoeBlock):
+    """A MoE layer's feed-forward built from the model config (in
+    :class:`~asyncstep.models.llama.LlamaMLP`'s place, with its arguments):
+    the config's experts, router scoring, ``norm_topk_prob`` and expert
+    activation. A family whose block differs sets :attr:`biased` /
+    :attr:`renormalizes`."""
+
+    #: Whether the router and the experts carry biases (gpt-oss's).
+    biased: bool = False
+    #: Whether the top-k weights are renormalised where the config's
+    #: ``norm_topk_prob`` says (gpt-oss's never are).
+    renormalizes: bool = True
+
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+        ops: OpSetSlot | None = None,
+    ) -> None:
+        super().__init__(
             config.num_experts,
             config.num_experts_per_tok,
             config.hidden_size,
             config.moe_intermediate_size,
-            renormalize=config.norm_topk_prob,
+            renormalize=self.renormalizes and config.norm_topk_prob,
             scoring_func=config.scoring_func,
             sequence_parallel=sequence_parallel,
             params_dtype=dtype,
             ops=ops,
+            bias=self.biased,
+            activation=config.moe_activation,
         )
 
 
@@ -192,22 +215,10 @@ class MixtralForCausalLM(MoeForCausalLM):
 
 class OlmoeAttention(LlamaAttention):
     """OLMoE's attention: q and k RMSNormed over the whole projection (every
-    head at once, weights of ``q_size`` / ``kv_size``). Under tensor
-    parallelism each rank all-gathers its q and k columns, norms the whole
-    rows and keeps its own columns (as vLLM's OLMoE)."""
-
-    def __init__(
-        self,
-        config: ModelArchConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        sequence_parallel: bool = False,
-        layer_idx: int = 0,
-    ):
-        super().__init__(config, rotary, dtype, sequence_parallel, layer_idx)
-        ops = rotary.ops
-        self.q_norm = RMSNorm(config.q_size, config.rms_norm_eps, dtype, ops)
-        self.k_norm = RMSNorm(config.kv_size, config.rms_norm_eps, dtype, ops)
+    head at once, weights of ``q_size`` / ``kv_size``: the config's
+    ``qk_norm_per_head`` is false). Under tensor parallelism each rank
+    all-gathers its q and k columns, norms the whole rows and keeps its own
+    columns (as vLLM's OLMoE)."""
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.q_norm is not None and self.k_norm is not None
@@ -224,15 +235,7 @@ class OlmoeAttention(LlamaAttention):
 
 
 class OlmoeDecoderLayer(MoeDecoderLayer):
-    def make_attention(
-        self,
-        config: ModelArchConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        sequence_parallel: bool,
-        layer_idx: int,
-    ) -> LlamaAttention:
-        return OlmoeAttention(config, rotary, dtype, sequence_parallel, layer_idx)
+    attention_class: type[LlamaAttention] = OlmoeAttention
 
 
 class OlmoeForCausalLM(MoeForCausalLM):

@@ -24,7 +24,8 @@ The runner holds the step's order; its parts live in their own modules:
 the persistent batches and request states updated from each scheduler
 output (:mod:`~asyncstep.runner.persistent_batches`), the sampled ids and
 their appending to the batch (:mod:`~asyncstep.runner.sampled_tokens`), the
-step's device inputs (:mod:`~asyncstep.runner.step_inputs`), what a step
+step's device inputs (:mod:`~asyncstep.runner.step_inputs`), the KV cache
+tensors bound to the layers (:mod:`~asyncstep.runner.kv_cache_binding`), what a step
 leaves (:mod:`~asyncstep.runner.step_state`) and its sampling
 (:mod:`~asyncstep.runner.step_sampling`). A step spends little Python
 per request (``fast_paths``; off, every part goes request by request, which
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
@@ -55,12 +55,10 @@ from asyncstep.datatypes import (
     SchedulerOutput,
 )
 from asyncstep.device.stream import record_event
-from asyncstep.errors import ConfigError
-from asyncstep.kv_cache_interface import kv_cache_groups
 from asyncstep.logging import get_logger
 from asyncstep.logging.spans import tracing
 from asyncstep.models.llama import LlamaForCausalLM
-from asyncstep.ops.attention import BLOCK_DIM, kv_cache_shape
+from asyncstep.ops.attention import BLOCK_DIM
 from asyncstep.ops.select import resolve_attention_backend, select_ops
 from asyncstep.ops.torch_attention import reference_attention_backends
 from asyncstep.runner.async_output import AsyncModelRunnerOutput
@@ -73,7 +71,7 @@ from asyncstep.runner.cudagraph_dispatcher import (
 from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.draft_model import DraftModel
 from asyncstep.runner.input_batch import CachedRequestState, InputBatch
-from asyncstep.runner.kv_sizing import zeroed_host_tensors
+from asyncstep.runner.kv_cache_binding import KVCacheBinding, check_draft_windows
 from asyncstep.runner.persistent_batches import PersistentBatches
 from asyncstep.runner.prompt_logprobs import PromptLogprobsTracker
 from asyncstep.runner.sampled_tokens import SampledTokens
@@ -86,14 +84,6 @@ from asyncstep.runner.ubatch_forward import forward_ubatches
 log = get_logger(__name__)
 
 REENTRY_ERROR = "sample_tokens() must be called after execute_model() returns None"
-
-
-class _KVLayer(Protocol):
-    """An attention layer as the KV cache binding reads it (the runner sets
-    its ``kv_cache``; it imports no layer class)."""
-
-    @property
-    def layer_idx(self) -> int: ...
 
 
 class ModelRunner:
@@ -139,20 +129,13 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.is_last_stage = model.lm_head is not None
+        #: Which KV cache tensor each layer uses (its group's position).
+        self.kv_binding = KVCacheBinding(model)
         #: The model's KV cache groups (:mod:`asyncstep.kv_cache_interface`).
-        self.kv_cache_groups = kv_cache_groups(model.config.layer_windows)
-        num_kv_cache_groups = max(len(self.kv_cache_groups), 1)
+        self.kv_cache_groups = self.kv_binding.groups
+        num_kv_cache_groups = self.kv_binding.num_groups
         if draft_model is not None:
-            _check_draft_windows(model, draft_model, num_kv_cache_groups)
-        #: Model layer -> its position within its KV cache group (its tensor).
-        self._kv_group_position: dict[int, int] = {}
-        group_of: dict[int, int] = {}
-        for g, group in enumerate(self.kv_cache_groups):
-            for position, layer in enumerate(group.layer_ids):
-                self._kv_group_position[layer] = position
-                group_of[layer] = g
-        for attn in model.attention_layers():  # this stage's
-            attn.kv_cache_group = group_of[attn.layer_idx] if num_kv_cache_groups > 1 else 0
+            check_draft_windows(model, draft_model, num_kv_cache_groups)
         #: The requests' states and the persistent batches holding their rows.
         self.batches = PersistentBatches(
             num_input_batches,
@@ -298,10 +281,7 @@ class ModelRunner:
         """Bytes one KV block takes over this rank's KV cache tensors (all
         its layers; with several KV cache groups, one group's layers: a block
         belongs to one group)."""
-        layers = self.model.attention_layers()
-        per_layer = sum(2 * a.num_kv_heads * a.head_dim for a in layers[:1])
-        num_tensors = len({self._kv_tensor_index(a) for a in layers})
-        target = per_layer * num_tensors * self.block_size * self.dtype.itemsize
+        target = self.kv_binding.block_bytes(self.model, self.block_size, self.dtype)
         draft = self.drafter.kv_cache_block_bytes(self.dtype) if self.drafter else 0
         return target + draft
 
@@ -354,31 +334,10 @@ class ModelRunner:
             self.drafter.kv_caches = self._bind_kv_caches(self.drafter.model, num_blocks)
 
     def _bind_kv_caches(self, model: LlamaForCausalLM, num_blocks: int) -> list[torch.Tensor]:
-        """One tensor per layer; with several KV cache groups one per layer
-        position within a group, shared by the groups' layers at that
-        position (:mod:`asyncstep.kv_cache_interface`)."""
-        layers = model.attention_layers()
-        index = [self._kv_tensor_index(attn) for attn in layers]
-        first = {i: attn for i, attn in reversed(list(zip(index, layers, strict=True)))}
-        order = list(dict.fromkeys(index))  # in layer order
-        shapes = [
-            kv_cache_shape(num_blocks, self.block_size, first[i].num_kv_heads, first[i].head_dim)
-            for i in order
-        ]
-        if self.device.type == "cpu":
-            caches = zeroed_host_tensors(shapes, self.dtype)
-        else:
-            caches = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes]
-        by_index = dict(zip(order, caches, strict=True))
-        for attn, i in zip(layers, index, strict=True):
-            attn.kv_cache = by_index[i]
-        return caches
-
-    def _kv_tensor_index(self, attn: _KVLayer) -> int:
-        """The KV cache tensor ``attn`` uses (its own layer's, with one group)."""
-        if len(self.kv_cache_groups) <= 1:
-            return id(attn)
-        return self._kv_group_position[attn.layer_idx]
+        """``model``'s KV cache tensors, bound (:class:`KVCacheBinding`)."""
+        return self.kv_binding.bind(
+            model, num_blocks, block_size=self.block_size, dtype=self.dtype, device=self.device
+        )
 
     # -- the step ---------------------------------------------------------
 
@@ -500,23 +459,3 @@ class ModelRunner:
             raise RuntimeError("sample_tokens() called without a pending execute_model()")
         self.execute_model_state = None
         return self.sampling.sample_tokens(state, grammar_output, self.timings)
-
-
-def _check_draft_windows(
-    model: LlamaForCausalLM, draft_model: LlamaForCausalLM, num_kv_cache_groups: int
-) -> None:
-    """A draft model shares the target's block table: it may read only what
-    the target's KV cache manager keeps (no block freed before its windows)."""
-    windows = [w for w in model.config.layer_windows if w is not None]
-    if not windows:
-        return
-    if num_kv_cache_groups > 1:
-        raise ConfigError(
-            "speculative decoding with a draft model does not support models that mix "
-            "sliding-window and full attention layers yet"
-        )
-    if any(w is None or w > min(windows) for w in draft_model.config.layer_windows):
-        raise ConfigError(
-            f"the target's KV cache keeps only its sliding window ({min(windows)} tokens): "
-            "a draft model must attend within it"
-        )

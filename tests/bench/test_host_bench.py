@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from asyncstep.bench import host_cpu
+from asyncstep.bench import host_cpu, host_spans
 from asyncstep.bench.results import Case, decode
 
 ARGV = ["--num-requests", "4", "--output-len", "4", "--prompt-len-range", "4", "12"]
@@ -93,9 +93,9 @@ def test_span_table_aggregates_the_selected_steps() -> None:
     spans += [s("prepare", "step", i, 1000 * i + 50, 100) for i in range(4)]
     spans += [s("output", "sampler", 2, 2500, 7), s("output", "sampler", 2, 2600, 9)]
     steps = {i: {"num_reqs": 2, "num_tokens": 2 if i else 9} for i in range(4)}
-    selected, how = host_cpu.steady_steps(spans, steps, (0, 10_000), 2, skip=1)
+    selected, how = host_spans.steady_steps(spans, steps, (0, 10_000), 2, skip=1)
     assert selected == [2, 3] and "num_reqs" in how  # step 0 is a prefill, step 1 skipped
-    table = host_cpu.span_table(spans, selected)
+    table = host_spans.span_table(spans, selected)
     rows = {row["name"]: row for row in table["rows"]}
     assert [row["name"] for row in table["rows"]] == ["schedule", "prepare", "output"]
     assert rows["schedule"]["us_per_step"] == 25 and rows["schedule"]["count"] == 2

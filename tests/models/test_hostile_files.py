@@ -815,7 +815,7 @@ def test_checked_reader_agrees_with_the_stock_reader(tmp_path: Path) -> None:
     for key, field in stock.fields.items():
         assert ours.fields[key].types == field.types, key
         if field.types[0] == gguf.GGUFValueType.ARRAY:
-            assert checkpoint._array_length(key) == len(field.data), key
+            assert checkpoint._metadata.array_length(key) == len(field.data), key
             items = ours.fields[key].parts[-1]
             assert items.nbytes == sum(field.parts[i].nbytes for i in range(5, len(field.parts)))
         elif not key.startswith("GGUF."):

@@ -19,7 +19,8 @@ from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.paged_attention import CpuAttention
 from asyncstep.ops.torch_attention import TORCH_ATTENTION, TorchAttention
 from asyncstep.ops.torch_ref import TorchOps
-from asyncstep.runner.model_runner import ModelRunner, _check_draft_windows
+from asyncstep.runner.kv_cache_binding import check_draft_windows
+from asyncstep.runner.model_runner import ModelRunner
 from tests.models.test_cpu_attention import PagedStep, make_step, tolerance
 
 #: Decodes of ragged lengths, a prompt with no prefix longer than the
@@ -124,14 +125,14 @@ def test_an_op_set_without_windows_is_refused_by_a_windowed_model() -> None:
 
 def test_a_draft_model_must_attend_within_the_targets_window() -> None:
     mistral = tiny_model(8)
-    _check_draft_windows(mistral, tiny_model(8), 1)
-    _check_draft_windows(mistral, tiny_model(4), 1)
-    _check_draft_windows(tiny_model(None), tiny_model(None), 1)
+    check_draft_windows(mistral, tiny_model(8), 1)
+    check_draft_windows(mistral, tiny_model(4), 1)
+    check_draft_windows(tiny_model(None), tiny_model(None), 1)
     with pytest.raises(ConfigError, match="a draft model must attend within it"):
-        _check_draft_windows(mistral, tiny_model(None), 1)
+        check_draft_windows(mistral, tiny_model(None), 1)
     mixed = tiny_model(8, 2, layer_types=("sliding_attention", "full_attention"))
     with pytest.raises(ConfigError, match="mix sliding-window and full attention"):
-        _check_draft_windows(mixed, tiny_model(4), 2)
+        check_draft_windows(mixed, tiny_model(4), 2)
 
 
 def test_runner_binds_one_tensor_per_group_position() -> None:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from asyncstep.errors import ConfigError, ModelLoadError
 from asyncstep.models.config import ModelArchConfig
-from asyncstep.models.loader.gguf import GGUF_MAGIC, GGUFCheckpoint
+from asyncstep.models.loader.gguf import GGUFCheckpoint
+from asyncstep.models.loader.gguf_reader import GGUF_MAGIC
 from asyncstep.models.loader.hf import CONFIG_FILE, HFCheckpoint
 
 if TYPE_CHECKING:

@@ -60,7 +60,7 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
 }
 #: gpt-oss's expert stacks (GGUF base names).
 GPT_OSS_STACKS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"})
-#: How :func:`~asyncstep.models.loader.gguf.hf_tensor_name` names a stack
+#: How :func:`~asyncstep.models.loader.gguf_names.hf_tensor_name` names a stack
 #: before :func:`gpt_oss_experts` pairs it.
 STACK_NAME = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(ffn_\w+_exps)\.(weight|bias)")
 

@@ -50,7 +50,7 @@ import msgspec
 import trio
 
 import asyncstep
-from asyncstep.bench import host_cpu
+from asyncstep.bench import host_cpu, host_peers, host_spans
 from asyncstep.bench.measurement import add_engine_opt
 from asyncstep.bench.results import machine_info
 from asyncstep.engine.front_end import request_state
@@ -167,7 +167,7 @@ async def profiled_round(
         trio.lowlevel.add_instrument(profile)
     start = now_us()
     with Wakeups() as wakeups:
-        row = await host_cpu.one_round(
+        row = await host_peers.one_round(
             engine,
             prompts,
             args.output_len,
@@ -207,11 +207,11 @@ ROUNDS = {
 async def rounds(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Row]:
     out: dict[str, Row] = {}
     async with asyncstep.open_engine(
-        host_cpu.SHAPE, **host_cpu.engine_options(args, prompts)
+        host_peers.SHAPE, **host_peers.engine_options(args, prompts)
     ) as engine:
         warm = prompts[: args.warmup_requests]
-        await host_cpu.one_round(engine, warm, args.output_len)
-        await host_cpu.one_round(engine, warm, args.output_len, stream=True)
+        await host_peers.one_round(engine, warm, args.output_len)
+        await host_peers.one_round(engine, warm, args.output_len, stream=True)
         for name, kw in ROUNDS.items():
             out[name] = await profiled_round(engine, prompts, args, **kw)
             print(f"  {name}: {out[name]['tok_s']:.0f} tok/s (traced)", flush=True)
@@ -269,7 +269,7 @@ def label(path: Path, log: Path) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    arch = get_shape(host_cpu.SHAPE)
+    arch = get_shape(host_peers.SHAPE)
     prompts = host_cpu.make_prompts(
         arch.vocab_size, args.num_requests, *args.prompt_len_range, args.seed
     )
@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     span_log = log_dir / "profile.jsonl"
     started = datetime.now(UTC)
     try:
-        with host_cpu.json_logging(span_log):
+        with host_spans.json_logging(span_log):
             results = anyio.run(rounds, args, prompts, backend=args.backend)
         spans: list[tuple[str, Span]] = []
         for path in sorted(log_dir.glob(span_log.name + "*")):
@@ -297,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "machine": msgspec.to_builtins(machine_info()),
             "asyncstep": host_cpu.code_version(),
             "options": vars(args),
-            "engine_options": host_cpu.engine_options(args, prompts),
+            "engine_options": host_peers.engine_options(args, prompts),
             "main_thread": threading.main_thread().name,
             "rounds": results,
         }
