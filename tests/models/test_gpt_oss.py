@@ -9,8 +9,10 @@ PP = 2 x TP = 2 in one 4-rank engine (gloo). Its layers alternate sliding
 and full attention, its rope is YaRN, its router is biased and softmaxes
 its top-k logits, its experts are biased swigluoai. The same model with
 MXFP4 experts (``_blocks`` / ``_scales`` uint8 tensors and an MXFP4
-``quantization_config``, as the released checkpoints) loads, dequantized,
-to transformers' tokens on its dequantized weights. The window matters
+``quantization_config``, as the released checkpoints) loads to
+transformers' tokens on its dequantized weights: its experts kept packed
+(the CPU library's MXFP4 kernel takes them: counted; 4.25 bits a value
+held) and, with packing off, dequantized at load. The window matters
 (full attention gives other tokens); each layer's MoE block gives
 transformers' ``GptOssMLP``'s rows, op by op.
 
@@ -185,14 +187,57 @@ def test_each_moe_block_equals_transformers(checkpoint: Checkpoint) -> None:
     assert len(differences) == 4 and max(differences) < 1e-6, differences
 
 
-def test_mxfp4_experts_are_dequantized_at_load(
-    mxfp4_checkpoint: Checkpoint,
+@pytest.mark.parametrize("packed", [True, False], ids=["kept packed", "dequantized"])
+def test_mxfp4_experts_give_transformers_tokens(
+    mxfp4_checkpoint: Checkpoint, packed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One rank, fp32 on the CPU: the experts kept MXFP4 (every call of
+    the library's experts takes packed weights) or, packing off, dequantized
+    at load (dense float32 weights): transformers' tokens either way."""
     from asyncstep.models.loader.hf import read_arch_config
+    from asyncstep.ops.cpu.moe import CpuMoeExperts
+    from asyncstep.ops.mxfp4 import Mxfp4Weight
 
     path, expected = mxfp4_checkpoint
     assert read_arch_config(path).experts_mxfp4
+    monkeypatch.setattr(GptOssForCausalLM, "mxfp4_packed", packed)
+    kinds: list[bool] = []
+    original = CpuMoeExperts.__call__
+
+    def counted(self: CpuMoeExperts, hidden: torch.Tensor, w13: Any, *args: Any) -> torch.Tensor:
+        kinds.append(isinstance(w13, Mxfp4Weight))
+        return original(self, hidden, w13, *args)
+
+    monkeypatch.setattr(CpuMoeExperts, "__call__", counted)
     assert PARITY.serve(path) == expected
+    assert kinds and all(kind == packed for kind in kinds)
+
+
+def test_mxfp4_experts_held_packed_take_their_bytes(mxfp4_checkpoint: Checkpoint) -> None:
+    """Loaded on the CPU in float32: each layer's experts hold their codes
+    and scales (mxfp4_bytes of their values), the dense parameters empty;
+    the reference op set dequantizes them at its first forward, to the
+    values dequantize_mxfp4 gives."""
+    from asyncstep.models.hf_config import parse_hf_config as parse
+    from asyncstep.models.mxfp4 import mxfp4_bytes
+    from asyncstep.ops.torch_ref import TorchOps
+
+    path, _ = mxfp4_checkpoint
+    arch = parse(json.loads((path / "config.json").read_text()))
+    model = GptOssForCausalLM(arch)
+    tensors = load_file(path / "model.safetensors")
+    assert model.load_weights(tensors.items()) == model.expected_weight_names()
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13_mxfp4 is not None and experts.w2_mxfp4 is not None
+    assert experts.w13_weight.numel() == 0 and experts.w2_weight.numel() == 0
+    values = 4 * (2 * 32 * 64 + 64 * 32)
+    assert experts.w13_mxfp4.nbytes + experts.w2_mxfp4.nbytes == mxfp4_bytes(values)
+    blocks = tensors["model.layers.0.mlp.experts.down_proj_blocks"]
+    scales = tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    model.use_ops(TorchOps())
+    model.model.layers[0].mlp(torch.randn(3, 64))
+    assert experts.w2_mxfp4 is None
+    assert torch.equal(experts.w2_weight, dequantize_mxfp4(blocks, scales, torch.float32))
 
 
 # -- the door -----------------------------------------------------------------
@@ -297,8 +342,8 @@ def test_dummy_weights_of_mxfp4_experts_load() -> None:
     arch = parse_hf_config(hf_dict(quantization_config={"quant_method": "mxfp4"}))
     model = GptOssForCausalLM(arch)
     assert model.load_weights(dummy_weights(arch)) == model.expected_weight_names()
-    w13 = model.model.layers[0].mlp.experts.w13_weight
-    assert 0 < float(w13.abs().max()) <= 6 * 2.0**-4
+    w13 = model.model.layers[0].mlp.experts.w13_mxfp4  # kept packed: float32 on the CPU
+    assert w13 is not None and 0 < float(w13.dequantize().abs().max()) <= 6 * 2.0**-4
 
 
 def test_the_gpt_oss_20b_preset() -> None:

@@ -28,8 +28,8 @@ from asyncstep.cpu_features import cpu_flags
 from asyncstep.ops.cpu import library
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.moe import CpuMoeExperts, moe_experts
-from asyncstep.ops.cpu.mxfp4 import Mxfp4Weight
 from asyncstep.ops.cpu.ops import CpuOps
+from asyncstep.ops.mxfp4 import Mxfp4Weight
 from asyncstep.ops.torch_moe import fused_experts
 
 EXPERTS = moe_experts()

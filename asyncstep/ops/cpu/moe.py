@@ -9,7 +9,7 @@ python loop over the experts; the activation silu or gpt-oss's
 "swigluoai", with or without biases (the down bias added before the routing
 weight). Its use: the CPU op set's experts where the hidden rows are float32
 and the weights float32 or MXFP4 kept packed
-(:class:`~asyncstep.ops.cpu.mxfp4.Mxfp4Weight`: the outputs are then the
+(:class:`~asyncstep.ops.mxfp4.Mxfp4Weight`: the outputs are then the
 dense call's bits on the dequantized weights; :meth:`CpuMoeExperts.applies`).
 Imports torch, the library's loader and the MXFP4 layout only.
 """
@@ -23,7 +23,7 @@ import struct
 import torch
 
 from asyncstep.ops.cpu.library import load_cpu_kernels
-from asyncstep.ops.cpu.mxfp4 import Mxfp4Weight
+from asyncstep.ops.mxfp4 import Mxfp4Weight
 
 __all__ = ["CpuMoeExperts", "moe_experts"]
 

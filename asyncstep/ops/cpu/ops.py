@@ -32,8 +32,8 @@ from asyncstep.ops.cpu.dense import dense_matmul
 from asyncstep.ops.cpu.layer_ops import CpuLayerOps
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.moe import moe_experts
-from asyncstep.ops.cpu.mxfp4 import Mxfp4Weight
 from asyncstep.ops.cpu.quant import CpuQuantWeight
+from asyncstep.ops.mxfp4 import Mxfp4Weight
 from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
 from asyncstep.ops.torch_moe import fused_experts
@@ -106,7 +106,7 @@ class CpuOps(CpuHeadOps):
             y = (matmul(rows, weight) + bias.float()).to(x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
 
-    #: The experts may stay MXFP4 (:class:`~asyncstep.ops.cpu.mxfp4.Mxfp4Weight`).
+    #: The experts may stay MXFP4 (:class:`~asyncstep.ops.mxfp4.Mxfp4Weight`).
     takes_mxfp4_experts = True
 
     def fused_experts(

@@ -112,6 +112,13 @@ class Mxfp4Weight:
             self.scales.narrow(2, start // BLOCK, length // BLOCK).contiguous(),
         )
 
+    def rows(self, index: torch.Tensor) -> Mxfp4Weight:
+        """The rows ``index`` of every expert, in that order, copied."""
+        return Mxfp4Weight(
+            self.codes.index_select(1, index).contiguous(),
+            self.scales.index_select(1, index).contiguous(),
+        )
+
     def dequantize(self) -> torch.Tensor:
         """The float32 values ``[E, rows, K]`` (``ldexp`` of each code's value)."""
         e, rows, k = self.shape
