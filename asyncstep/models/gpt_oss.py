@@ -60,7 +60,7 @@ from asyncstep.ops.base import OpSet
 from asyncstep.ops.cpu.moe import moe_experts
 from asyncstep.ops.mxfp4 import Mxfp4Weight
 
-__all__ = ["GptOssAttention", "GptOssDecoderLayer", "GptOssForCausalLM"]
+__all__ = ["GptOssAttention", "GptOssDecoderLayer", "GptOssForCausalLM", "keeps_mxfp4_experts"]
 
 #: A checkpoint's expert tensor -> (our parameter, the loader's shard kind).
 _EXPERT_TENSORS: dict[str, tuple[str, str]] = {
@@ -178,13 +178,29 @@ class GptOssForCausalLM(MoeForCausalLM):
         made = {name.rsplit("_", 1)[0] for name in consumed}  # the dequantized tensors
         return (loaded - made) | consumed
 
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        dtype: torch.dtype = torch.float32,
+        *,
+        sequence_parallel: bool = False,
+    ):
+        super().__init__(config, dtype, sequence_parallel=sequence_parallel)
+        for module in self.modules():  # experts to be kept packed: no dense room
+            if isinstance(module, FusedMoE) and self.keeps_mxfp4(module):
+                module.w13_weight.data = torch.empty(0, dtype=dtype)
+                module.w2_weight.data = torch.empty(0, dtype=dtype)
+
     def keeps_mxfp4(self, experts: FusedMoE) -> bool:
-        """Whether ``experts``' MXFP4 projections stay packed: a float32
-        model on the CPU with the library, their slice whole blocks, no
-        expert parallelism (:attr:`mxfp4_packed` on)."""
+        """Whether ``experts``' MXFP4 projections stay packed (then their
+        dense parameters are empty from the build on): MXFP4 experts of a
+        float32 model on the CPU with the library, their slice whole
+        blocks, no expert parallelism (:attr:`mxfp4_packed` on;
+        :func:`keeps_mxfp4_experts` from the config)."""
         weight = experts.w13_weight
         return (
-            self.mxfp4_packed
+            self.config.experts_mxfp4
+            and self.mxfp4_packed
             and weight.dtype == torch.float32
             and weight.device.type == "cpu"
             and experts.takes_mxfp4()
@@ -233,3 +249,24 @@ class GptOssForCausalLM(MoeForCausalLM):
             raise ModelLoadError(
                 f"MXFP4 experts: {sorted(pending)[0]} lacks its blocks or its scales"
             )
+
+
+def keeps_mxfp4_experts(
+    arch: ModelArchConfig, dtype: torch.dtype, device: torch.device, tp_size: int, ep_size: int
+) -> bool:
+    """Whether a rank of ``arch`` will hold its experts MXFP4
+    (:meth:`GptOssForCausalLM.keeps_mxfp4`, told before the model is built:
+    the memory estimate's)."""
+    inter = arch.moe_intermediate_size // tp_size
+    return (
+        arch.family == "gpt_oss"
+        and arch.experts_mxfp4
+        and GptOssForCausalLM.mxfp4_packed
+        and dtype == torch.float32
+        and device.type == "cpu"
+        and ep_size == 1
+        and arch.hidden_size % 32 == 0
+        and inter % 32 == 0
+        and inter * tp_size == arch.moe_intermediate_size
+        and moe_experts() is not None
+    )

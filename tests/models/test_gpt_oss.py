@@ -234,6 +234,17 @@ def test_mxfp4_experts_held_packed_take_their_bytes(mxfp4_checkpoint: Checkpoint
     assert experts.w13_mxfp4.nbytes + experts.w2_mxfp4.nbytes == mxfp4_bytes(values)
     blocks = tensors["model.layers.0.mlp.experts.down_proj_blocks"]
     scales = tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    from asyncstep.models.gpt_oss import keeps_mxfp4_experts
+    from asyncstep.models.memory import model_memory
+
+    cpu = torch.device("cpu")
+    assert keeps_mxfp4_experts(arch, torch.float32, cpu, 1, 1)
+    assert not keeps_mxfp4_experts(arch, torch.float32, cpu, 2, 1)  # a TP slice of 16 columns
+    assert not keeps_mxfp4_experts(arch, torch.bfloat16, cpu, 1, 1)
+    held = sum(p.nbytes for p in model.parameters()) + sum(
+        m.mlp.experts.w13_mxfp4.nbytes + m.mlp.experts.w2_mxfp4.nbytes for m in model.model.layers
+    )
+    assert model_memory(arch, torch.float32, mxfp4_experts=True).weights == held
     model.use_ops(TorchOps())
     model.model.layers[0].mlp(torch.randn(3, 64))
     assert experts.w2_mxfp4 is None

@@ -162,7 +162,6 @@ class FusedMoE(nn.Module):
             (local, 2 * inter, hidden_size), params_dtype, self.weight_loader
         )
         self.w2_weight = _make_param((local, hidden_size, inter), params_dtype, self.weight_loader)
-        self.params_dtype = params_dtype
         #: The projections kept MXFP4 (:meth:`load_mxfp4`; None: dense).
         self.w13_mxfp4: Mxfp4Weight | None = None
         self.w2_mxfp4: Mxfp4Weight | None = None
@@ -265,29 +264,32 @@ class FusedMoE(nn.Module):
             )
         if kind == "w2":
             self.w2_mxfp4 = weight.narrow(2, start, inter) if self.tp_size > 1 else weight
-            self.w2_weight.data = torch.empty(0, dtype=self.params_dtype)
+            self.w2_weight.data = torch.empty(0, dtype=self.w2_weight.dtype)
             return
         rows = torch.arange(start, start + inter) * 2
         self.w13_mxfp4 = weight.rows(torch.cat((rows, rows + 1)))
-        self.w13_weight.data = torch.empty(0, dtype=self.params_dtype)
+        self.w13_weight.data = torch.empty(0, dtype=self.w13_weight.dtype)
 
     def unpack_mxfp4(self) -> None:
-        """The packed projections dequantized into the dense parameters (an
-        op set that does not take MXFP4), the packed ones dropped."""
+        """The packed projections dequantized into the dense parameters, in
+        their dtype now (an op set that does not take MXFP4, or a model no
+        longer float32), the packed ones dropped."""
         if self.w13_mxfp4 is not None:
-            self.w13_weight.data = self.w13_mxfp4.dequantize().to(self.params_dtype)
+            self.w13_weight.data = self.w13_mxfp4.dequantize().to(self.w13_weight.dtype)
             self.w13_mxfp4 = None
         if self.w2_mxfp4 is not None:
-            self.w2_weight.data = self.w2_mxfp4.dequantize().to(self.params_dtype)
+            self.w2_weight.data = self.w2_mxfp4.dequantize().to(self.w2_weight.dtype)
             self.w2_mxfp4 = None
 
     def packed_ops(self) -> TakesMxfp4Experts | None:
-        """The op set, where the projections are kept MXFP4 and it takes
-        them; None otherwise (kept ones dequantized now, once)."""
+        """The op set, where the projections are kept MXFP4, it takes them
+        and the model is float32 still; None otherwise (kept ones
+        dequantized now, once)."""
         if self.w13_mxfp4 is None and self.w2_mxfp4 is None:
             return None
         ops = self.ops.ops
-        if isinstance(ops, TakesMxfp4Experts) and ops.takes_mxfp4_experts:
+        float32 = self.w13_weight.dtype == torch.float32
+        if float32 and isinstance(ops, TakesMxfp4Experts) and ops.takes_mxfp4_experts:
             return ops
         self.unpack_mxfp4()
         return None
