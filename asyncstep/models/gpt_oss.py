@@ -20,7 +20,8 @@ this rank's heads. Tensor and pipeline parallelism are the Llama family's
 (``gate_up_proj_blocks`` / ``_scales``, ``down_proj_blocks`` / ``_scales``:
 the released checkpoints; each projection's blocks and scales kept until
 both have come) are kept packed where the CPU library computes on them: a
-float32 model on the CPU whose library builds (:func:`~asyncstep.ops.cpu.moe.moe_experts`),
+float32 model on the CPU whose library builds
+(:func:`~asyncstep.ops.select.cpu_mxfp4_experts_available`),
 this rank's slice whole blocks of 32, no expert parallelism
 (:meth:`GptOssForCausalLM.keeps_mxfp4`; repacked once,
 :meth:`~asyncstep.models.layers.moe.FusedMoE.load_mxfp4`: 4.25 bits a
@@ -57,8 +58,8 @@ from asyncstep.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCa
 from asyncstep.models.moe import MoeForCausalLM, MoeMLP
 from asyncstep.models.mxfp4 import dequantize_mxfp4
 from asyncstep.ops.base import OpSet
-from asyncstep.ops.cpu.moe import moe_experts
 from asyncstep.ops.mxfp4 import Mxfp4Weight
+from asyncstep.ops.select import cpu_mxfp4_experts_available
 
 __all__ = ["GptOssAttention", "GptOssDecoderLayer", "GptOssForCausalLM", "keeps_mxfp4_experts"]
 
@@ -204,7 +205,7 @@ class GptOssForCausalLM(MoeForCausalLM):
             and weight.dtype == torch.float32
             and weight.device.type == "cpu"
             and experts.takes_mxfp4()
-            and moe_experts() is not None
+            and cpu_mxfp4_experts_available()
         )
 
     def _experts(self, prefix: str) -> FusedMoE | None:
@@ -268,5 +269,5 @@ def keeps_mxfp4_experts(
         and arch.hidden_size % 32 == 0
         and inter % 32 == 0
         and inter * tp_size == arch.moe_intermediate_size
-        and moe_experts() is not None
+        and cpu_mxfp4_experts_available()
     )

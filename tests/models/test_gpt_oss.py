@@ -251,6 +251,32 @@ def test_mxfp4_experts_held_packed_take_their_bytes(mxfp4_checkpoint: Checkpoint
     assert torch.equal(experts.w2_weight, dequantize_mxfp4(blocks, scales, torch.float32))
 
 
+def test_mxfp4_experts_of_a_bfloat16_cpu_model_are_dequantized_once(
+    mxfp4_checkpoint: Checkpoint,
+) -> None:
+    """Built float32 on the CPU (packed), cast to bfloat16 as the loader
+    does: the CPU op set's first forward dequantizes them to bfloat16."""
+    from asyncstep.models.hf_config import parse_hf_config as parse
+    from asyncstep.models.model_loader import settle_dtype
+    from asyncstep.ops.select import select_ops
+
+    path, _ = mxfp4_checkpoint
+    model = GptOssForCausalLM(parse(json.loads((path / "config.json").read_text())))
+    tensors = load_file(path / "model.safetensors")
+    model.load_weights(tensors.items())
+    experts = model.model.layers[1].mlp.experts
+    assert experts.w13_mxfp4 is not None
+    settle_dtype(model, torch.bfloat16)
+    ops = select_ops(torch.device("cpu"), "cpu", fused_kernels=True)
+    assert getattr(ops, "takes_mxfp4_experts", False)
+    model.use_ops(ops)
+    model.model.layers[1].mlp(torch.randn(3, 64, dtype=torch.bfloat16))
+    blocks = tensors["model.layers.1.mlp.experts.down_proj_blocks"]
+    scales = tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    assert experts.w13_mxfp4 is None and experts.w2_mxfp4 is None
+    assert torch.equal(experts.w2_weight, dequantize_mxfp4(blocks, scales, torch.bfloat16))
+
+
 # -- the door -----------------------------------------------------------------
 
 

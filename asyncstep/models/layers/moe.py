@@ -30,14 +30,11 @@ interleaved: :meth:`FusedMoE.weight_loader`'s string shards); their router
 is biased and softmaxes its top-k logits (``scoring_func`` "topk_softmax").
 
 The experts' matmuls are the model's op set's
-(:meth:`~asyncstep.ops.base.OpSet.fused_experts`); their weights are dense
-(the CPU packing and the GPU 4-bit packing take the parallel linear layers
-only), except gpt-oss's MXFP4 experts where the loader keeps them packed
-(:meth:`FusedMoE.load_mxfp4`: ``w13_mxfp4`` / ``w2_mxfp4``, this rank's
-slice, the dense parameters then empty): an op set whose
-``takes_mxfp4_experts`` is true (the CPU's) computes on them; for any other
-the first forward dequantizes them into the dense parameters once
-(:meth:`FusedMoE.unpack_mxfp4`).
+(:meth:`~asyncstep.ops.base.OpSet.fused_experts`); their weights are dense,
+but gpt-oss's MXFP4 experts the loader keeps packed (:meth:`FusedMoE.load_mxfp4`:
+``w13_mxfp4`` / ``w2_mxfp4``, the dense parameters empty), which an op set
+that ``takes_mxfp4_experts`` (the CPU's) computes on; for another, or once
+the model is not float32, the first forward dequantizes them, once.
 
 Load balance: each :class:`FusedMoE` counts the token rows routed to each of
 its experts (``tokens_per_expert``, on the device, no host sync: a CUDA

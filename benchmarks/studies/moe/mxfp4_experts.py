@@ -5,6 +5,7 @@ dequantized to float32 (issue 41): the library's grouped experts
 bytes loaded both ways.
 
     PYTHONPATH=$PWD nice -n 19 python3 benchmarks/studies/moe/mxfp4_experts.py --out r.json
+    (--threads 1: one thread, steadier beside other load)
 """
 
 from __future__ import annotations
@@ -121,8 +122,11 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch's (default: its own)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}", flush=True)
     result: dict[str, Any] = {"shape": vars(args) | {"threads": torch.get_num_threads()}}
     result["load_before"] = os.getloadavg()[0]
