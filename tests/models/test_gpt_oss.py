@@ -395,3 +395,54 @@ def test_the_gpt_oss_20b_preset() -> None:
     assert shapes["model.layers.0.self_attn.sinks"] == (64,)
     params = sum(torch.Size(s).numel() for s in shapes.values())
     assert 20.5e9 < params < 21.5e9  # transformers counts 20.9e9
+
+
+def test_misshapen_mxfp4_experts_are_refused_in_one_line(mxfp4_checkpoint: Checkpoint) -> None:
+    """Blocks of too few rows, or blocks that do not match their scales,
+    kept packed: a one-line ModelLoadError naming the projection."""
+    from asyncstep.models.hf_config import parse_hf_config as parse
+
+    path, _ = mxfp4_checkpoint
+    arch = parse(json.loads((path / "config.json").read_text()))
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    cases = [
+        (torch.zeros(4, 32, 2, 16, dtype=torch.uint8), torch.zeros(4, 32, 2, dtype=torch.uint8),
+         r"MXFP4 experts w13: shape \(4, 32, 64\) does not match the model's \(4, 64, 64\)"),
+        (torch.zeros(4, 64, 2, 8, dtype=torch.uint8), torch.zeros(4, 64, 2, dtype=torch.uint8),
+         r"gate_up_proj: mxfp4: blocks \(4, 64, 2, 8\) must be scales"),
+    ]  # fmt: skip
+    for blocks, scales, error in cases:
+        model = GptOssForCausalLM(arch)
+        with pytest.raises(ModelLoadError, match=error) as caught:
+            model.load_weights([(f"{name}_blocks", blocks), (f"{name}_scales", scales)])
+        assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tp_rank_s_packed_slice_is_its_dense_slice(rank: int) -> None:
+    """``FusedMoE.load_mxfp4`` on TP rank ``rank`` of 2 (I 128: 64 columns
+    a rank, whole blocks): the packed slice dequantized is what the dense
+    loader (``_load_stacked``) puts in that rank's parameters from the same
+    values, gate rows then up rows."""
+    from asyncstep.models.layers.moe import FusedMoE
+    from asyncstep.ops.mxfp4 import Mxfp4Weight
+
+    def experts_of_rank() -> FusedMoE:
+        experts = FusedMoE(2, 64, 64, bias=True, activation="swigluoai")
+        experts.tp_rank, experts.tp_size = rank, 2  # this rank's I is 64 of 128
+        return experts
+
+    g = torch.Generator().manual_seed(2)
+    w13_parts = random_mxfp4(g, 2, 256, 64)  # [E, 2I, H], gate and up rows interleaved
+    w2_parts = random_mxfp4(g, 2, 64, 128)  # [E, H, I]
+    packed, dense = experts_of_rank(), experts_of_rank()
+    assert packed.takes_mxfp4()
+    packed.load_mxfp4("w13", Mxfp4Weight.from_checkpoint(*w13_parts))
+    packed.load_mxfp4("w2", Mxfp4Weight.from_checkpoint(*w2_parts))
+    w13 = dequantize_mxfp4(*w13_parts, torch.float32)
+    w2 = dequantize_mxfp4(*w2_parts, torch.float32)
+    dense._load_stacked(dense.w13_weight, w13.transpose(1, 2), "w13_interleaved")
+    dense._load_stacked(dense.w2_weight, w2.transpose(1, 2), "w2")
+    assert packed.w13_mxfp4 is not None and packed.w2_mxfp4 is not None
+    assert torch.equal(packed.w13_mxfp4.dequantize(), dense.w13_weight)
+    assert torch.equal(packed.w2_mxfp4.dequantize(), dense.w2_weight)
