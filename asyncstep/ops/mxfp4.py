@@ -8,11 +8,11 @@ FP4 E2M1 (``0, 0.5, 1, 1.5, 2, 3, 4, 6`` and their negatives).
 
 The HF checkpoint's blocks (``[..., rows, K / 32, 16]``, byte ``b`` holding
 values ``2b`` and ``2b + 1``) are repacked once at load
-(:meth:`Mxfp4Weight.from_checkpoint`); a GGUF's type-39 blocks (one scale
-byte, then 16 bytes already in this order, scale ``2 ** (e - 128)`` times
-doubled values: the same numbers) are split
-(:meth:`Mxfp4Weight.from_gguf_blocks`). Scales and codes stay apart so the
-codes of a row are 16-byte blocks back to back. 4.25 bits a value.
+(:meth:`Mxfp4Weight.from_checkpoint`; a GGUF's type-39 stacks reach the
+model as such blocks too,
+:func:`~asyncstep.models.loader.gguf_layouts.mxfp4_hf_parts`). Scales and
+codes stay apart, so a row's codes are 16-byte blocks back to back. 4.25
+bits a value.
 
 :meth:`Mxfp4Weight.dequantize` gives the float32 values as
 :func:`~asyncstep.models.mxfp4.dequantize_mxfp4` does (``ldexp`` of the
@@ -83,19 +83,6 @@ class Mxfp4Weight:
         packed = values[..., :16] | (values[..., 16:] << 4)
         e, rows, groups = scales.shape
         return cls(packed.reshape(e, rows, groups * 16).contiguous(), scales.contiguous())
-
-    @classmethod
-    def from_gguf_blocks(cls, raw: torch.Tensor, shape: tuple[int, int, int]) -> Mxfp4Weight:
-        """A GGUF type-39 tensor's bytes (``[E, rows, K / 32]`` blocks of 17:
-        the scale ``e``, then the 16 code bytes) as ``shape`` ``(E, rows, K)``.
-        GGUF's scale is ``2 ** (e - 128)`` over doubled values: ``e`` is the
-        E8M0 byte of the same numbers."""
-        e, rows, k = shape
-        if k % BLOCK or raw.numel() != e * rows * (k // BLOCK) * 17:
-            raise ValueError(f"mxfp4: {raw.numel()} GGUF bytes are not {shape} in blocks of 32")
-        blocks = raw.reshape(e, rows, k // BLOCK, 17)
-        codes = blocks[..., 1:].reshape(e, rows, k // 2).contiguous()
-        return cls(codes, blocks[..., 0].contiguous())
 
     def narrow(self, dim: int, start: int, length: int) -> Mxfp4Weight:
         """Rows (``dim`` 1) or whole blocks of columns (``dim`` 2: ``start``
