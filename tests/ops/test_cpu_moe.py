@@ -134,8 +134,9 @@ def test_a_row_s_result_does_not_depend_on_its_batch(isa: str, tmp_path: Path) -
 def test_the_op_set_takes_float32_experts_and_the_reference_the_others() -> None:
     """``CpuOps.fused_experts``: float32 experts through the library (its
     bits, a strided row of hidden too; swigluoai and biases too: the
-    reference's sums to float32's precision); bfloat16 experts or a width
-    not whole vectors, the reference's bits."""
+    reference's sums to float32's precision; MXFP4 weights too); bfloat16
+    experts or a width not whole vectors, the reference's bits (MXFP4
+    weights with bfloat16 rows: dequantized for the call)."""
     kernels = load_cpu_kernels()
     assert kernels is not None and EXPERTS is not None
     ops = CpuOps(kernels.layer_ops)
@@ -162,6 +163,16 @@ def test_the_op_set_takes_float32_experts_and_the_reference_the_others() -> None
     )
     half = ops.fused_experts(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), topk_weights, topk_ids)
     assert half.dtype == torch.bfloat16
+    p13, p2 = mxfp4_weights(8, 64, 32)  # MXFP4: the library's; bfloat16 rows: dequantized
+    assert torch.equal(
+        ops.fused_experts(x, p13, p2, topk_weights, topk_ids, "swigluoai"),
+        EXPERTS(x, p13.dequantize(), p2.dequantize(), topk_weights, topk_ids, "swigluoai"),
+    )
+    dense = (p13.dequantize().bfloat16(), p2.dequantize().bfloat16())
+    assert torch.equal(
+        ops.fused_experts(x.bfloat16(), p13, p2, topk_weights, topk_ids),
+        ops.fused_experts(x.bfloat16(), *dense, topk_weights, topk_ids),
+    )
 
 
 def test_bad_inputs_are_refused_in_one_line() -> None:
