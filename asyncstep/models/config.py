@@ -155,7 +155,7 @@ class ModelArchConfig:
     moe_activation: str = "silu"
     #: gpt-oss: the checkpoint stores the experts' projections as MXFP4
     #: (``{proj}_blocks`` / ``{proj}_scales``, :mod:`asyncstep.models.mxfp4`),
-    #: dequantized at load.
+    #: kept packed on the CPU in float32, else dequantized at load.
     experts_mxfp4: bool = False
 
     @property

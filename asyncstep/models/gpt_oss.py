@@ -18,10 +18,17 @@ then up rows, converted once at load); ``self_attn.sinks`` whole, narrowed to
 this rank's heads. Tensor and pipeline parallelism are the Llama family's
 (experts split along their intermediate dimension). MXFP4 experts
 (``gate_up_proj_blocks`` / ``_scales``, ``down_proj_blocks`` / ``_scales``:
-the released checkpoints) are dequantized at load to the model's dtype
-(:func:`~asyncstep.models.mxfp4.dequantize_mxfp4`; each projection's blocks
-and scales kept until both have come), then loaded as the unquantized
-tensors; the experts are held dense (not kept packed).
+the released checkpoints; each projection's blocks and scales kept until
+both have come) are kept packed where the CPU library computes on them: a
+float32 model on the CPU whose library builds
+(:func:`~asyncstep.ops.select.cpu_mxfp4_experts_available`),
+this rank's slice whole blocks of 32, no expert parallelism
+(:meth:`GptOssForCausalLM.keeps_mxfp4`; repacked once,
+:meth:`~asyncstep.models.layers.moe.FusedMoE.load_mxfp4`: 4.25 bits a
+value); an op set other than the CPU's dequantizes them at its first
+forward. Otherwise they are dequantized at load to the model's dtype
+(:func:`~asyncstep.models.mxfp4.dequantize_mxfp4`) and loaded as the
+unquantized tensors.
 
 An op set must honour attention sinks (:attr:`AttentionOp.supports_sinks`:
 every built-in attention op does) and sliding windows; the model runs
@@ -45,13 +52,16 @@ from asyncstep.channels import get_tp_group
 from asyncstep.errors import ModelLoadError, UnsupportedModelError
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.layers.linear import _make_param
+from asyncstep.models.layers.moe import FusedMoE
 from asyncstep.models.layers.rotary import RotaryEmbedding
 from asyncstep.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from asyncstep.models.moe import MoeForCausalLM, MoeMLP
 from asyncstep.models.mxfp4 import dequantize_mxfp4
 from asyncstep.ops.base import OpSet
+from asyncstep.ops.mxfp4 import Mxfp4Weight
+from asyncstep.ops.select import cpu_mxfp4_experts_available
 
-__all__ = ["GptOssAttention", "GptOssDecoderLayer", "GptOssForCausalLM"]
+__all__ = ["GptOssAttention", "GptOssDecoderLayer", "GptOssForCausalLM", "keeps_mxfp4_experts"]
 
 #: A checkpoint's expert tensor -> (our parameter, the loader's shard kind).
 _EXPERT_TENSORS: dict[str, tuple[str, str]] = {
@@ -61,7 +71,7 @@ _EXPERT_TENSORS: dict[str, tuple[str, str]] = {
     "down_proj_bias": ("w2_bias", "w2_bias"),
 }
 _CHECKPOINT_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.(\w+)")
-_MXFP4_PART = re.compile(r"(.*\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)")
+_MXFP4_PART = re.compile(r"((.*)\.experts\.(gate_up_proj|down_proj))_(blocks|scales)")
 _PARAM_EXPERT = re.compile(
     r"(model\.layers\.\d+\.mlp)\.experts\.(w13_weight|w13_bias|w2_weight|w2_bias)"
 )
@@ -120,6 +130,9 @@ class GptOssForCausalLM(MoeForCausalLM):
     """gpt-oss's causal LM (the module's docstring)."""
 
     decoder_layer = GptOssDecoderLayer
+    #: Whether MXFP4 experts may stay packed (:meth:`keeps_mxfp4`); False:
+    #: always dequantized at load (the dense baseline of a measurement).
+    mxfp4_packed = True
 
     def use_ops(self, ops: OpSet) -> None:
         """Layer by layer through ``ops``, whose attention must honour
@@ -168,11 +181,50 @@ class GptOssForCausalLM(MoeForCausalLM):
         made = {name.rsplit("_", 1)[0] for name in consumed}  # the dequantized tensors
         return (loaded - made) | consumed
 
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        dtype: torch.dtype = torch.float32,
+        *,
+        sequence_parallel: bool = False,
+    ):
+        super().__init__(config, dtype, sequence_parallel=sequence_parallel)
+        for module in self.modules():  # experts to be kept packed: no dense room
+            if isinstance(module, FusedMoE) and self.keeps_mxfp4(module):
+                module.w13_weight.data = torch.empty(0, dtype=dtype)
+                module.w2_weight.data = torch.empty(0, dtype=dtype)
+
+    def keeps_mxfp4(self, experts: FusedMoE) -> bool:
+        """Whether ``experts``' MXFP4 projections stay packed (then their
+        dense parameters are empty from the build on): MXFP4 experts of a
+        float32 model on the CPU with the library, their slice whole
+        blocks, no expert parallelism (:attr:`mxfp4_packed` on;
+        :func:`keeps_mxfp4_experts` from the config)."""
+        weight = experts.w13_weight
+        return (
+            self.config.experts_mxfp4
+            and self.mxfp4_packed
+            and weight.dtype == torch.float32
+            and weight.device.type == "cpu"
+            and experts.takes_mxfp4()
+            and cpu_mxfp4_experts_available()
+        )
+
+    def _experts(self, prefix: str) -> FusedMoE | None:
+        """The experts module at ``prefix`` (``model.layers.{i}.mlp``), if
+        this stage holds it."""
+        try:
+            module = self.get_submodule(f"{prefix}.experts")
+        except AttributeError:
+            return None
+        return module if isinstance(module, FusedMoE) else None
+
     def _dequantized(
         self, weights: Iterable[tuple[str, torch.Tensor]], consumed: set[str]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``weights`` with each MXFP4 projection's blocks and scales as the
-        unquantized tensor (transformers' ``[E, H, 2I]`` / ``[E, I, H]``)."""
+        """``weights`` with each MXFP4 projection's blocks and scales kept
+        packed in its experts (:meth:`keeps_mxfp4`) or as the unquantized
+        tensor (transformers' ``[E, H, 2I]`` / ``[E, I, H]``)."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
         dtype = next(self.parameters()).dtype
         for name, tensor in weights:
@@ -181,12 +233,17 @@ class GptOssForCausalLM(MoeForCausalLM):
                 yield name, tensor
                 continue
             parts = pending.setdefault(match[1], {})
-            parts[match[2]] = tensor
+            parts[match[4]] = tensor
             if len(parts) < 2:
                 continue
             del pending[match[1]]
             consumed.update((f"{match[1]}_blocks", f"{match[1]}_scales"))
+            experts = self._experts(match[2])
             try:
+                if experts is not None and self.keeps_mxfp4(experts):
+                    packed = Mxfp4Weight.from_checkpoint(parts["blocks"], parts["scales"])
+                    experts.load_mxfp4("w13" if match[3] == "gate_up_proj" else "w2", packed)
+                    continue
                 dense = dequantize_mxfp4(parts["blocks"], parts["scales"], dtype)
             except ValueError as exc:
                 raise ModelLoadError(f"{match[1]}: {exc}") from None
@@ -195,3 +252,24 @@ class GptOssForCausalLM(MoeForCausalLM):
             raise ModelLoadError(
                 f"MXFP4 experts: {sorted(pending)[0]} lacks its blocks or its scales"
             )
+
+
+def keeps_mxfp4_experts(
+    arch: ModelArchConfig, dtype: torch.dtype, device: torch.device, tp_size: int, ep_size: int
+) -> bool:
+    """Whether a rank of ``arch`` will hold its experts MXFP4
+    (:meth:`GptOssForCausalLM.keeps_mxfp4`, told before the model is built:
+    the memory estimate's)."""
+    inter = arch.moe_intermediate_size // tp_size
+    return (
+        arch.family == "gpt_oss"
+        and arch.experts_mxfp4
+        and GptOssForCausalLM.mxfp4_packed
+        and dtype == torch.float32
+        and device.type == "cpu"
+        and ep_size == 1
+        and arch.hidden_size % 32 == 0
+        and inter % 32 == 0
+        and inter * tp_size == arch.moe_intermediate_size
+        and cpu_mxfp4_experts_available()
+    )

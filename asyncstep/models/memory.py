@@ -4,7 +4,10 @@ allocated, and the memory a device has free.
 :func:`check_model_fits` runs in ``load_model`` before the model's modules are
 built: this rank's parameters (its layers and its ``1 / tp`` of each split
 projection, in the load dtype), the rotary cos/sin cache (float32, peak while
-it is built) and the largest tensor in flight while weights load. A model that
+it is built) and the largest tensor in flight while weights load. MoE
+experts kept MXFP4 (gpt-oss on the CPU: ``mxfp4_experts``) count their
+projections' values at 4.25 bits (:func:`~asyncstep.models.mxfp4.mxfp4_bytes`),
+as held, the rest in the load dtype. A model that
 needs more than the device has is refused with one line; so is, in the runner,
 a KV cache larger than the memory left (:func:`check_fits`).
 
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from asyncstep.errors import ModelLoadError
 from asyncstep.models.config import ModelArchConfig, pp_layer_range
+from asyncstep.models.mxfp4 import mxfp4_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +90,18 @@ def rank_param_count(
     return count
 
 
+def rank_expert_values(
+    arch: ModelArchConfig, *, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1
+) -> int:
+    """The expert projections' values one rank holds (no expert
+    parallelism): every expert's ``1 / tp`` of gate, up and down, each MoE
+    layer of its stage."""
+    inter = -(-arch.moe_intermediate_size // tp_size)
+    start, end = pp_layer_range(arch.num_hidden_layers, pp_rank, pp_size)
+    layers = sum(1 for i in range(start, end) if arch.is_moe_layer(i))
+    return layers * arch.num_experts * 3 * inter * arch.hidden_size
+
+
 def model_memory(
     arch: ModelArchConfig,
     dtype: torch.dtype,
@@ -95,11 +111,18 @@ def model_memory(
     pp_rank: int = 0,
     pp_size: int = 1,
     ep_size: int = 1,
+    mxfp4_experts: bool = False,
 ) -> ModelMemory:
-    """What one rank of ``arch`` takes while it loads and after (see the module doc)."""
+    """What one rank of ``arch`` takes while it loads and after (see the
+    module doc; ``mxfp4_experts``: the experts held MXFP4, no expert
+    parallelism)."""
     params = rank_param_count(
         arch, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, ep_size=ep_size
     )
+    packed = 0
+    if mxfp4_experts:
+        values = rank_expert_values(arch, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+        params, packed = params - values, mxfp4_bytes(values)
     gate_up = 2 if arch.family == "gpt_oss" else 1
     largest = max(
         arch.vocab_size * arch.hidden_size,
@@ -113,7 +136,7 @@ def model_memory(
     rotaries = 2 if arch.is_gemma else 1
     rotary = arch.max_position_embeddings * arch.head_dim * 4 * rotaries
     return ModelMemory(
-        weights=params * dtype.itemsize,
+        weights=params * dtype.itemsize + packed,
         rotary=int(rotary * ROTARY_BUILD_PEAK),
         loading=largest * 4 * (1 if random_weights else CHECKPOINT_LOADING_COPIES),
     )
@@ -166,6 +189,7 @@ def check_model_fits(
     pp_rank: int = 0,
     pp_size: int = 1,
     ep_size: int = 1,
+    mxfp4_experts: bool = False,
 ) -> None:
     """Refuse a model this rank cannot hold, before any of it is built.
 
@@ -180,13 +204,15 @@ def check_model_fits(
         pp_rank=pp_rank,
         pp_size=pp_size,
         ep_size=ep_size,
+        mxfp4_experts=mxfp4_experts,
     )
     on_device = need.weights + need.rotary
     on_host = need.loading
     if random_weights or device.type == "cpu":
         on_device, on_host = on_device + need.loading, 0
+    kind = str(dtype).removeprefix("torch.") + (" and MXFP4" if mxfp4_experts else "")
     detail = (
-        f"{human_bytes(need.weights)} of {str(dtype).removeprefix('torch.')} weights, "
+        f"{human_bytes(need.weights)} of {kind} weights, "
         f"{human_bytes(need.rotary)} of rotary cache, {human_bytes(need.loading)} to load a tensor"
     )
     check_fits(on_device, device, f"{source}: the model ({detail})")

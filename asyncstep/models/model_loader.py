@@ -30,6 +30,7 @@ from asyncstep.logging.spans import CORE_STARTUP, now_us, record_startup, span
 from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.dense_weights import EVERY_STEP, drop_dense_weights
 from asyncstep.models.dummy import SHAPES, dummy_weights, get_shape
+from asyncstep.models.gpt_oss import keeps_mxfp4_experts
 from asyncstep.models.layers.embedding import ParallelLMHead
 from asyncstep.models.layers.gpu_quant import packing_on_load, round_decoder_weights
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -188,6 +189,9 @@ def load_model(
         pp_rank=pp.rank_in_group,
         pp_size=pp.world_size,
         ep_size=get_ep_group().world_size,
+        mxfp4_experts=keeps_mxfp4_experts(
+            arch, dtype, device, tp.world_size, get_ep_group().world_size
+        ),
     )
     tokenizer = maybe_tokenizer(checkpoint) if checkpoint is not None and with_tokenizer else None
     packs_cpu = weights is not None or config.weight_packing == "q4"

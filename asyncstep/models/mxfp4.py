@@ -21,8 +21,10 @@ experts (24 layers x 32 experts x (5760 + 2880) x 2880 = 19.1e9 values) are
 10.2 GB packed and 38.2 GB as bfloat16 (float32: 76.4 GB).
 
 gpt-oss's loader (:meth:`asyncstep.models.gpt_oss.GptOssForCausalLM.load_weights`)
-dequantizes each projection once at load to the model's dtype: the experts
-are held dense, not kept packed (no op set computes on MXFP4 yet).
+keeps the experts packed where the CPU library computes on them (float32
+on the CPU: :class:`~asyncstep.ops.mxfp4.Mxfp4Weight`, the kernel's
+layout), else dequantizes each projection once at load to the model's
+dtype (:func:`dequantize_mxfp4`).
 
 May import torch.
 """

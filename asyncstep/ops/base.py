@@ -11,17 +11,23 @@ dense weights); every implementation gives
 :class:`~asyncstep.ops.torch_ref.TorchOps`' results (bit for bit, or within
 the rounding its module states).
 
-May import torch, :mod:`asyncstep.ops.attention` and :mod:`asyncstep.ops.packed`.
+An op set that computes on MXFP4 experts kept packed (the CPU's) is also a
+:class:`TakesMxfp4Experts`: its ``fused_experts`` takes
+:class:`~asyncstep.ops.mxfp4.Mxfp4Weight` projections too.
+
+May import torch, :mod:`asyncstep.ops.attention`, :mod:`asyncstep.ops.packed`
+and :mod:`asyncstep.ops.mxfp4`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from asyncstep.ops.attention import AttentionMetadata, AttentionShape
+from asyncstep.ops.mxfp4 import Mxfp4Weight
 from asyncstep.ops.packed import PackedWeight
 
 __all__ = ["AttentionOp", "OpSet", "RotaryCosSin", "StepPath"]
@@ -225,4 +231,27 @@ class OpSet(Protocol):
         (their weights loaded and packed), where they qualify; else None.
         The layers are a model's, read by their attributes (ops import no
         model)."""
+        ...
+
+
+@runtime_checkable
+class TakesMxfp4Experts(Protocol):
+    """An op set whose experts may stay MXFP4 (``isinstance`` tells:
+    it has :attr:`takes_mxfp4_experts`)."""
+
+    #: True: ``fused_experts`` takes :class:`~asyncstep.ops.mxfp4.Mxfp4Weight` projections.
+    takes_mxfp4_experts: bool
+
+    def fused_experts(
+        self,
+        hidden: torch.Tensor,
+        w13: torch.Tensor | Mxfp4Weight,
+        w2: torch.Tensor | Mxfp4Weight,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: str = "silu",
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`OpSet.fused_experts`, either projection MXFP4 too."""
         ...

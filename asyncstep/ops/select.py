@@ -22,6 +22,10 @@ plain C, which computes a row at a time); dense float32 weights and the
 float32 LM head likewise through the library's float32 matmul
 (``CpuDenseF32Matmul.fast``: AVX-512, AVX2; not plain C).
 
+:func:`cpu_mxfp4_experts_available`: whether the CPU library's experts,
+which compute on MXFP4 weights kept packed, build here (a model keeps its
+MXFP4 experts packed only then).
+
 May import torch, :mod:`asyncstep.errors` and :mod:`asyncstep.ops`.
 """
 
@@ -179,3 +183,10 @@ def _invariant_ops(attention_backend: str) -> OpSet:
     from asyncstep.ops.triton.invariant_ops import TritonInvariantOps
 
     return TritonInvariantOps()
+
+
+def cpu_mxfp4_experts_available() -> bool:
+    """Whether the CPU library's grouped experts (MXFP4 weights too) load here."""
+    from asyncstep.ops.cpu.moe import moe_experts
+
+    return moe_experts() is not None

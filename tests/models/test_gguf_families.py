@@ -335,18 +335,34 @@ def test_gemma3_gguf_greedy_equals_transformers(gemma3: Checkpoint, tmp_path: Pa
     ids=["mxfp4 split stacks", "f32 fused gate_up"],
 )
 def test_gpt_oss_gguf_greedy_equals_transformers(
-    gpt_oss: Checkpoint, layout: dict[str, bool], tmp_path: Path
+    gpt_oss: Checkpoint, layout: dict[str, bool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """fp32 on the CPU: the MXFP4 stacks' experts are kept packed (every
+    call of the library's experts takes MXFP4 weights), the float32 ones
+    dense; transformers' tokens either way."""
+    from asyncstep.ops.cpu.moe import CpuMoeExperts
+    from asyncstep.ops.mxfp4 import Mxfp4Weight
+
+    kinds: list[bool] = []
+    original = CpuMoeExperts.__call__
+
+    def counted(self: CpuMoeExperts, hidden: torch.Tensor, w13: Any, *args: Any) -> torch.Tensor:
+        kinds.append(isinstance(w13, Mxfp4Weight))
+        return original(self, hidden, w13, *args)
+
+    monkeypatch.setattr(CpuMoeExperts, "__call__", counted)
     model, expected = gpt_oss
     path = gpt_oss_file(tmp_path / "gpt-oss.gguf", model, **layout)
     assert trio.run(lambda: serve(path)) == expected
+    assert kinds and all(kind == layout["mxfp4"] for kind in kinds)
 
 
 def test_the_configs_read_as_transformers_reads_them(
     gemma3: Checkpoint, gpt_oss: Checkpoint, tmp_path: Path
 ) -> None:
     """The fields llama.cpp hard-codes come out as the HF config's (the
-    GGUFs carry no token ids)."""
+    GGUFs carry no token ids; gpt-oss's MXFP4 stacks make an MXFP4 config,
+    its HF original is unquantized)."""
     for name, (model, _), write_file in (
         ("gemma3", gemma3, gemma3_file),
         ("gpt_oss", gpt_oss, gpt_oss_file),
@@ -356,6 +372,8 @@ def test_the_configs_read_as_transformers_reads_them(
         ours = GGUFCheckpoint(write_file(tmp_path / f"{name}.gguf", model)).arch_config()
         assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)  # a float32 key
         same = dict(eos_token_ids=(), bos_token_id=None, rms_norm_eps=theirs.rms_norm_eps)
+        assert ours.experts_mxfp4 == (name == "gpt_oss")
+        same["experts_mxfp4"] = ours.experts_mxfp4
         assert ours.replace(**same) == theirs.replace(**same), name
 
 

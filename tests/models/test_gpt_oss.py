@@ -9,8 +9,10 @@ PP = 2 x TP = 2 in one 4-rank engine (gloo). Its layers alternate sliding
 and full attention, its rope is YaRN, its router is biased and softmaxes
 its top-k logits, its experts are biased swigluoai. The same model with
 MXFP4 experts (``_blocks`` / ``_scales`` uint8 tensors and an MXFP4
-``quantization_config``, as the released checkpoints) loads, dequantized,
-to transformers' tokens on its dequantized weights. The window matters
+``quantization_config``, as the released checkpoints) loads to
+transformers' tokens on its dequantized weights: its experts kept packed
+(the CPU library's MXFP4 kernel takes them: counted; 4.25 bits a value
+held) and, with packing off, dequantized at load. The window matters
 (full attention gives other tokens); each layer's MoE block gives
 transformers' ``GptOssMLP``'s rows, op by op.
 
@@ -185,14 +187,94 @@ def test_each_moe_block_equals_transformers(checkpoint: Checkpoint) -> None:
     assert len(differences) == 4 and max(differences) < 1e-6, differences
 
 
-def test_mxfp4_experts_are_dequantized_at_load(
-    mxfp4_checkpoint: Checkpoint,
+@pytest.mark.parametrize("packed", [True, False], ids=["kept packed", "dequantized"])
+def test_mxfp4_experts_give_transformers_tokens(
+    mxfp4_checkpoint: Checkpoint, packed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One rank, fp32 on the CPU: the experts kept MXFP4 (every call of
+    the library's experts takes packed weights) or, packing off, dequantized
+    at load (dense float32 weights): transformers' tokens either way."""
     from asyncstep.models.loader.hf import read_arch_config
+    from asyncstep.ops.cpu.moe import CpuMoeExperts
+    from asyncstep.ops.mxfp4 import Mxfp4Weight
 
     path, expected = mxfp4_checkpoint
     assert read_arch_config(path).experts_mxfp4
+    monkeypatch.setattr(GptOssForCausalLM, "mxfp4_packed", packed)
+    kinds: list[bool] = []
+    original = CpuMoeExperts.__call__
+
+    def counted(self: CpuMoeExperts, hidden: torch.Tensor, w13: Any, *args: Any) -> torch.Tensor:
+        kinds.append(isinstance(w13, Mxfp4Weight))
+        return original(self, hidden, w13, *args)
+
+    monkeypatch.setattr(CpuMoeExperts, "__call__", counted)
     assert PARITY.serve(path) == expected
+    assert kinds and all(kind == packed for kind in kinds)
+
+
+def test_mxfp4_experts_held_packed_take_their_bytes(mxfp4_checkpoint: Checkpoint) -> None:
+    """Loaded on the CPU in float32: each layer's experts hold their codes
+    and scales (mxfp4_bytes of their values), the dense parameters empty;
+    the reference op set dequantizes them at its first forward, to the
+    values dequantize_mxfp4 gives."""
+    from asyncstep.models.hf_config import parse_hf_config as parse
+    from asyncstep.models.mxfp4 import mxfp4_bytes
+    from asyncstep.ops.torch_ref import TorchOps
+
+    path, _ = mxfp4_checkpoint
+    arch = parse(json.loads((path / "config.json").read_text()))
+    model = GptOssForCausalLM(arch)
+    tensors = load_file(path / "model.safetensors")
+    assert model.load_weights(tensors.items()) == model.expected_weight_names()
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13_mxfp4 is not None and experts.w2_mxfp4 is not None
+    assert experts.w13_weight.numel() == 0 and experts.w2_weight.numel() == 0
+    values = 4 * (2 * 32 * 64 + 64 * 32)
+    assert experts.w13_mxfp4.nbytes + experts.w2_mxfp4.nbytes == mxfp4_bytes(values)
+    blocks = tensors["model.layers.0.mlp.experts.down_proj_blocks"]
+    scales = tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    from asyncstep.models.gpt_oss import keeps_mxfp4_experts
+    from asyncstep.models.memory import model_memory
+
+    cpu = torch.device("cpu")
+    assert keeps_mxfp4_experts(arch, torch.float32, cpu, 1, 1)
+    assert not keeps_mxfp4_experts(arch, torch.float32, cpu, 2, 1)  # a TP slice of 16 columns
+    assert not keeps_mxfp4_experts(arch, torch.bfloat16, cpu, 1, 1)
+    held = sum(p.nbytes for p in model.parameters()) + sum(
+        m.mlp.experts.w13_mxfp4.nbytes + m.mlp.experts.w2_mxfp4.nbytes for m in model.model.layers
+    )
+    assert model_memory(arch, torch.float32, mxfp4_experts=True).weights == held
+    model.use_ops(TorchOps())
+    model.model.layers[0].mlp(torch.randn(3, 64))
+    assert experts.w2_mxfp4 is None
+    assert torch.equal(experts.w2_weight, dequantize_mxfp4(blocks, scales, torch.float32))
+
+
+def test_mxfp4_experts_of_a_bfloat16_cpu_model_are_dequantized_once(
+    mxfp4_checkpoint: Checkpoint,
+) -> None:
+    """Built float32 on the CPU (packed), cast to bfloat16 as the loader
+    does: the CPU op set's first forward dequantizes them to bfloat16."""
+    from asyncstep.models.hf_config import parse_hf_config as parse
+    from asyncstep.models.model_loader import settle_dtype
+    from asyncstep.ops.select import select_ops
+
+    path, _ = mxfp4_checkpoint
+    model = GptOssForCausalLM(parse(json.loads((path / "config.json").read_text())))
+    tensors = load_file(path / "model.safetensors")
+    model.load_weights(tensors.items())
+    experts = model.model.layers[1].mlp.experts
+    assert experts.w13_mxfp4 is not None
+    settle_dtype(model, torch.bfloat16)
+    ops = select_ops(torch.device("cpu"), "cpu", fused_kernels=True)
+    assert getattr(ops, "takes_mxfp4_experts", False)
+    model.use_ops(ops)
+    model.model.layers[1].mlp(torch.randn(3, 64, dtype=torch.bfloat16))
+    blocks = tensors["model.layers.1.mlp.experts.down_proj_blocks"]
+    scales = tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    assert experts.w13_mxfp4 is None and experts.w2_mxfp4 is None
+    assert torch.equal(experts.w2_weight, dequantize_mxfp4(blocks, scales, torch.bfloat16))
 
 
 # -- the door -----------------------------------------------------------------
@@ -297,8 +379,8 @@ def test_dummy_weights_of_mxfp4_experts_load() -> None:
     arch = parse_hf_config(hf_dict(quantization_config={"quant_method": "mxfp4"}))
     model = GptOssForCausalLM(arch)
     assert model.load_weights(dummy_weights(arch)) == model.expected_weight_names()
-    w13 = model.model.layers[0].mlp.experts.w13_weight
-    assert 0 < float(w13.abs().max()) <= 6 * 2.0**-4
+    w13 = model.model.layers[0].mlp.experts.w13_mxfp4  # kept packed: float32 on the CPU
+    assert w13 is not None and 0 < float(w13.dequantize().abs().max()) <= 6 * 2.0**-4
 
 
 def test_the_gpt_oss_20b_preset() -> None:
@@ -313,3 +395,54 @@ def test_the_gpt_oss_20b_preset() -> None:
     assert shapes["model.layers.0.self_attn.sinks"] == (64,)
     params = sum(torch.Size(s).numel() for s in shapes.values())
     assert 20.5e9 < params < 21.5e9  # transformers counts 20.9e9
+
+
+def test_misshapen_mxfp4_experts_are_refused_in_one_line(mxfp4_checkpoint: Checkpoint) -> None:
+    """Blocks of too few rows, or blocks that do not match their scales,
+    kept packed: a one-line ModelLoadError naming the projection."""
+    from asyncstep.models.hf_config import parse_hf_config as parse
+
+    path, _ = mxfp4_checkpoint
+    arch = parse(json.loads((path / "config.json").read_text()))
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    cases = [
+        (torch.zeros(4, 32, 2, 16, dtype=torch.uint8), torch.zeros(4, 32, 2, dtype=torch.uint8),
+         r"MXFP4 experts w13: shape \(4, 32, 64\) does not match the model's \(4, 64, 64\)"),
+        (torch.zeros(4, 64, 2, 8, dtype=torch.uint8), torch.zeros(4, 64, 2, dtype=torch.uint8),
+         r"gate_up_proj: mxfp4: blocks \(4, 64, 2, 8\) must be scales"),
+    ]  # fmt: skip
+    for blocks, scales, error in cases:
+        model = GptOssForCausalLM(arch)
+        with pytest.raises(ModelLoadError, match=error) as caught:
+            model.load_weights([(f"{name}_blocks", blocks), (f"{name}_scales", scales)])
+        assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tp_rank_s_packed_slice_is_its_dense_slice(rank: int) -> None:
+    """``FusedMoE.load_mxfp4`` on TP rank ``rank`` of 2 (I 128: 64 columns
+    a rank, whole blocks): the packed slice dequantized is what the dense
+    loader (``_load_stacked``) puts in that rank's parameters from the same
+    values, gate rows then up rows."""
+    from asyncstep.models.layers.moe import FusedMoE
+    from asyncstep.ops.mxfp4 import Mxfp4Weight
+
+    def experts_of_rank() -> FusedMoE:
+        experts = FusedMoE(2, 64, 64, bias=True, activation="swigluoai")
+        experts.tp_rank, experts.tp_size = rank, 2  # this rank's I is 64 of 128
+        return experts
+
+    g = torch.Generator().manual_seed(2)
+    w13_parts = random_mxfp4(g, 2, 256, 64)  # [E, 2I, H], gate and up rows interleaved
+    w2_parts = random_mxfp4(g, 2, 64, 128)  # [E, H, I]
+    packed, dense = experts_of_rank(), experts_of_rank()
+    assert packed.takes_mxfp4()
+    packed.load_mxfp4("w13", Mxfp4Weight.from_checkpoint(*w13_parts))
+    packed.load_mxfp4("w2", Mxfp4Weight.from_checkpoint(*w2_parts))
+    w13 = dequantize_mxfp4(*w13_parts, torch.float32)
+    w2 = dequantize_mxfp4(*w2_parts, torch.float32)
+    dense._load_stacked(dense.w13_weight, w13.transpose(1, 2), "w13_interleaved")
+    dense._load_stacked(dense.w2_weight, w2.transpose(1, 2), "w2")
+    assert packed.w13_mxfp4 is not None and packed.w2_mxfp4 is not None
+    assert torch.equal(packed.w13_mxfp4.dequantize(), dense.w13_weight)
+    assert torch.equal(packed.w2_mxfp4.dequantize(), dense.w2_weight)

@@ -4,9 +4,11 @@ few ulps of float32 from it), in every build this machine compiles
 (AVX-512, AVX2, plain C, with the library's flags; the whole library built
 for AVX2 runs the AVX2 build); a row's result the same
 bits alone and among other rows (issue 40), on 1 and 2 threads; the CPU op
-set takes it for float32 silu experts and the reference for the others;
-bad inputs refused in one line; a float32 Qwen3-MoE through it greedy
-equals transformers' token for token."""
+set takes it for float32 experts (silu or swigluoai, biased or not) and the
+reference for the others; MXFP4 weights kept packed give the dense call's
+bits on the dequantized weights (every build, 1 and 2 threads, a row alone
+and in batches); bad inputs refused in one line; a float32 Qwen3-MoE
+through it greedy equals transformers' token for token."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from asyncstep.ops.cpu.dense_f32 import dense_f32_matmul
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.moe import CpuMoeExperts, moe_experts
 from asyncstep.ops.cpu.ops import CpuOps
+from asyncstep.ops.mxfp4 import Mxfp4Weight
 from asyncstep.ops.torch_moe import fused_experts
 
 EXPERTS = moe_experts()
@@ -129,11 +132,13 @@ def test_a_row_s_result_does_not_depend_on_its_batch(isa: str, tmp_path: Path) -
     assert within_reference(alone, x, w13, w2, topk_weights, topk_ids)
 
 
-def test_the_op_set_takes_float32_silu_experts_and_the_reference_the_others() -> None:
-    """``CpuOps.fused_experts``: float32 silu experts through the library
-    (its bits, a strided row of hidden too); bfloat16, biased or swigluoai
-    experts, or a width not whole vectors, the reference's grouped matmul
-    over the op set's float32 matmul (its bits; the reference's sums)."""
+def test_the_op_set_takes_float32_experts_and_the_reference_the_others() -> None:
+    """``CpuOps.fused_experts``: float32 experts through the library (its
+    bits, a strided row of hidden too; swigluoai and biases too: the
+    reference's sums to float32's precision; MXFP4 weights too); bfloat16
+    experts or a width not whole vectors, the reference's grouped matmul
+    over the op set's float32 matmul (its bits; MXFP4 weights with bfloat16
+    rows: dequantized for the call)."""
     kernels = load_cpu_kernels()
     assert kernels is not None and EXPERTS is not None
     ops = CpuOps(kernels.layer_ops)
@@ -144,28 +149,49 @@ def test_the_op_set_takes_float32_silu_experts_and_the_reference_the_others() ->
     got = ops.fused_experts(strided, w13, w2, topk_weights, topk_ids)
     assert torch.equal(got, EXPERTS(x, w13, w2, topk_weights, topk_ids))
     bias13, bias2 = torch.randn(8, 96), torch.randn(8, 64)
-    others: list[tuple[Any, ...]] = [
+    gpt_oss: list[tuple[Any, ...]] = [
         (x, w13, w2, topk_weights, topk_ids, "swigluoai"),
         (x, w13, w2, topk_weights, topk_ids, "silu", bias13, bias2),
-        (x[:, :60], w13[:, :, :60].contiguous(), w2[:, :60].contiguous(), topk_weights, topk_ids),
+        (x, w13 * 30, w2, topk_weights, topk_ids, "swigluoai", bias13, bias2),  # clamped
     ]
+    for args in gpt_oss:
+        got = ops.fused_experts(*args)
+        assert torch.equal(got, EXPERTS(*args))
+        assert within_reference(got, *args)
     float32 = dense_f32_matmul()
     assert float32 is not None
-    for args in others:  # the reference's grouped matmul over the op set's float32 matmul
-        assert torch.equal(ops.fused_experts(*args), fused_experts(*args, matmul=float32))
-        assert within_reference(ops.fused_experts(*args), *args)
+    narrow = (x[:, :60], w13[:, :, :60].contiguous(), w2[:, :60].contiguous())
+    got = ops.fused_experts(*narrow, topk_weights, topk_ids)
+    assert torch.equal(got, fused_experts(*narrow, topk_weights, topk_ids, matmul=float32))
+    assert within_reference(got, *narrow, topk_weights, topk_ids)
     half = ops.fused_experts(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), topk_weights, topk_ids)
     assert half.dtype == torch.bfloat16
+    p13, p2 = mxfp4_weights(8, 64, 32)  # MXFP4: the library's; bfloat16 rows: dequantized
+    assert torch.equal(
+        ops.fused_experts(x, p13, p2, topk_weights, topk_ids, "swigluoai"),
+        EXPERTS(x, p13.dequantize(), p2.dequantize(), topk_weights, topk_ids, "swigluoai"),
+    )
+    dense = (p13.dequantize().bfloat16(), p2.dequantize().bfloat16())
+    assert torch.equal(
+        ops.fused_experts(x.bfloat16(), p13, p2, topk_weights, topk_ids),
+        ops.fused_experts(x.bfloat16(), *dense, topk_weights, topk_ids),
+    )
 
 
 def test_bad_inputs_are_refused_in_one_line() -> None:
     assert EXPERTS is not None
     w13, w2 = weights(4, 64, 32)
     x, topk_weights, topk_ids = route(3, 4, 2)
-    with pytest.raises(ValueError, match="take float32 rows and contiguous float32 weights"):
+    with pytest.raises(ValueError, match="take float32 rows, contiguous float32 or MXFP4"):
         EXPERTS(x.bfloat16(), w13, w2, topk_weights, topk_ids)
-    with pytest.raises(ValueError, match="take float32 rows and contiguous float32 weights"):
+    with pytest.raises(ValueError, match="take float32 rows, contiguous float32 or MXFP4"):
         EXPERTS(x, w13.transpose(1, 2), w2, topk_weights, topk_ids)
+    with pytest.raises(ValueError, match="take float32 rows, contiguous float32 or MXFP4"):
+        EXPERTS(x, w13, w2, topk_weights, topk_ids, "gelu")
+    with pytest.raises(
+        ValueError, match=r"w2 bias \(4, 32\) does not match the experts' \(4, 64\)"
+    ):
+        EXPERTS(x, w13, w2, topk_weights, topk_ids, "silu", None, torch.zeros(4, 32))
     with pytest.raises(ValueError, match=r"expert weights \(4, 64, 64\), \(4, 32, 32\) do not"):
         EXPERTS(x, w13, w2[:, :32].contiguous(), topk_weights, topk_ids)
     with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
@@ -275,3 +301,92 @@ def test_a_float32_moe_model_through_it_greedy_equals_transformers(
 
     assert trio.run(serve) == expected
     assert calls > 0
+
+
+def mxfp4_weights(
+    experts: int, size: int, inter: int, low: int = 118, high: int = 126
+) -> tuple[Mxfp4Weight, Mxfp4Weight]:
+    """Random codes (every one of the 16) and scales in ``[low, high]``."""
+    generator = torch.Generator().manual_seed(3)
+
+    def one(rows: int, cols: int) -> Mxfp4Weight:
+        blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=generator)
+        scales = torch.randint(low, high + 1, (experts, rows, cols // 32), generator=generator)
+        return Mxfp4Weight.from_checkpoint(blocks.to(torch.uint8), scales.to(torch.uint8))
+
+    return one(2 * inter, size), one(size, inter)
+
+
+@pytest.mark.parametrize("isa", ["library", *BUILDS])
+def test_mxfp4_weights_give_the_dense_kernel_s_bits(isa: str, tmp_path: Path) -> None:
+    """MXFP4 experts kept packed (16 experts of top 4, H 64, I 96: one to
+    ~40 rows an expert, every tile shape; swigluoai and biases, and silu):
+    bit for bit the dense call on the dequantized float32 weights, every
+    row alone and in batches from several offsets, on 1 and 2 threads."""
+    experts = EXPERTS if isa == "library" else build(isa, tmp_path)
+    assert experts is not None
+    p13, p2 = mxfp4_weights(16, 64, 96)
+    d13, d2 = p13.dequantize(), p2.dequantize()
+    bias13, bias2 = torch.randn(16, 192) * 0.1, torch.randn(16, 64) * 0.1
+    x, topk_weights, topk_ids = route(120, 16, 4)
+    threads = torch.get_num_threads()
+    try:
+        for activation, biases in (("swigluoai", (bias13, bias2)), ("silu", (None, None))):
+            torch.set_num_threads(1)
+            dense = experts(x, d13, d2, topk_weights, topk_ids, activation, *biases)
+            alone = torch.cat(
+                [experts(x[r : r + 1], p13, p2, topk_weights[r : r + 1], topk_ids[r : r + 1],
+                         activation, *biases)
+                 for r in range(120)]
+            )  # fmt: skip
+            assert torch.equal(alone, dense), activation
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                for batch in (2, 7, 33, 120):
+                    for start in sorted({0, 5, 120 - batch}):
+                        rows = slice(start, start + batch)
+                        args = (x[rows], p13, p2, topk_weights[rows], topk_ids[rows])
+                        got = experts(*args, activation, *biases)
+                        assert torch.equal(got, dense[rows]), (activation, count, batch, start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("isa", ["library", *BUILDS])
+def test_mxfp4_scales_at_float32_s_ends_decode_as_the_dequantized_weights(
+    isa: str, tmp_path: Path
+) -> None:
+    """Scales 0 (2^-127: subnormal products), 1, 254 and 255 (products
+    overflowing to inf; 0 * inf NaN): each decoded value equals
+    :meth:`Mxfp4Weight.dequantize`'s, so the outputs are the dense call's
+    bits (infs and NaNs where it has them)."""
+    experts = EXPERTS if isa == "library" else build(isa, tmp_path)
+    assert experts is not None
+    x, topk_weights, topk_ids = route(5, 4, 2)
+    for low, high in ((0, 1), (250, 255)):
+        p13, p2 = mxfp4_weights(4, 64, 32, low, high)
+        s13, s2 = mxfp4_weights(4, 64, 32)
+        for w13, w2 in ((p13, s2), (s13, p2)) if low else ((p13, p2),):
+            got = experts(x, w13, w2, topk_weights, topk_ids)
+            dense = experts(x, w13.dequantize(), w2.dequantize(), topk_weights, topk_ids)
+            assert torch.equal(got.nan_to_num(7.0), dense.nan_to_num(7.0)), (low, high)
+            assert torch.equal(got.isnan(), dense.isnan())
+
+
+def test_mxfp4_layouts_are_the_checkpoint_s_values() -> None:
+    """The repacked HF blocks dequantize to ``dequantize_mxfp4``'s values;
+    narrowing keeps whole blocks."""
+    from asyncstep.models.mxfp4 import dequantize_mxfp4
+
+    generator = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (2, 3, 4, 16), generator=generator).to(torch.uint8)
+    scales = torch.randint(100, 150, (2, 3, 4), generator=generator).to(torch.uint8)
+    weight = Mxfp4Weight.from_checkpoint(blocks, scales)
+    assert torch.equal(weight.dequantize(), dequantize_mxfp4(blocks, scales, torch.float32))
+    assert weight.shape == (2, 3, 128) and weight.nbytes == 2 * 3 * (64 + 4)
+    assert torch.equal(weight.narrow(2, 32, 64).dequantize(), weight.dequantize()[..., 32:96])
+    assert torch.equal(weight.narrow(1, 1, 2).dequantize(), weight.dequantize()[:, 1:3])
+    with pytest.raises(ValueError, match="columns 16\\+32 are not whole blocks of 32"):
+        weight.narrow(2, 16, 32)
+    with pytest.raises(ValueError, match=r"blocks \(2, 3, 4, 8\) must be scales"):
+        Mxfp4Weight.from_checkpoint(blocks[..., :8], scales)

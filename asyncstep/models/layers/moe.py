@@ -30,9 +30,11 @@ interleaved: :meth:`FusedMoE.weight_loader`'s string shards); their router
 is biased and softmaxes its top-k logits (``scoring_func`` "topk_softmax").
 
 The experts' matmuls are the model's op set's
-(:meth:`~asyncstep.ops.base.OpSet.fused_experts`); their weights stay dense
-(the CPU packing and the GPU 4-bit packing take the parallel linear layers
-only).
+(:meth:`~asyncstep.ops.base.OpSet.fused_experts`); their weights are dense,
+but gpt-oss's MXFP4 experts the loader keeps packed (:meth:`FusedMoE.load_mxfp4`:
+``w13_mxfp4`` / ``w2_mxfp4``, the dense parameters empty), which an op set
+that ``takes_mxfp4_experts`` (the CPU's) computes on; for another, or once
+the model is not float32, the first forward dequantizes them, once.
 
 Load balance: each :class:`FusedMoE` counts the token rows routed to each of
 its experts (``tokens_per_expert``, on the device, no host sync: a CUDA
@@ -62,6 +64,8 @@ from asyncstep.models.layers.linear import (
     gather_tokens,
     reduce_partial_sums,
 )
+from asyncstep.ops.base import TakesMxfp4Experts
+from asyncstep.ops.mxfp4 import Mxfp4Weight
 from asyncstep.ops.slot import OpSetSlot
 
 __all__ = [
@@ -155,6 +159,9 @@ class FusedMoE(nn.Module):
             (local, 2 * inter, hidden_size), params_dtype, self.weight_loader
         )
         self.w2_weight = _make_param((local, hidden_size, inter), params_dtype, self.weight_loader)
+        #: The projections kept MXFP4 (:meth:`load_mxfp4`; None: dense).
+        self.w13_mxfp4: Mxfp4Weight | None = None
+        self.w2_mxfp4: Mxfp4Weight | None = None
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
         if bias:
@@ -232,6 +239,58 @@ class FusedMoE(nn.Module):
             part = torch.cat((gate, up), dim=1)
         param.data.copy_(part)
 
+    def takes_mxfp4(self) -> bool:
+        """Whether this rank's slice of MXFP4 projections is whole blocks of
+        32 (H and this rank's I) and not expert-parallel (then
+        :meth:`load_mxfp4` keeps them packed)."""
+        inter = self.intermediate_size_per_partition
+        return not self.use_ep and self.hidden_size % 32 == 0 and inter % 32 == 0
+
+    def load_mxfp4(self, kind: str, weight: Mxfp4Weight) -> None:
+        """Every expert's projection kept MXFP4, this rank's slice (``kind``
+        "w13": HF's rows ``[E, 2I, H]``, gate and up rows interleaved, to
+        this rank's gate rows then its up rows; "w2": ``[E, H, I]``, this
+        rank's columns); the dense parameter released."""
+        e, h = self.num_experts, self.hidden_size
+        inter = self.intermediate_size_per_partition
+        full, start = inter * self.tp_size, self.tp_rank * inter
+        expected = (e, 2 * full, h) if kind == "w13" else (e, h, full)
+        if kind not in ("w13", "w2") or weight.shape != expected or not self.takes_mxfp4():
+            raise ModelLoadError(
+                f"MXFP4 experts {kind}: shape {weight.shape} does not match the model's {expected}"
+            )
+        if kind == "w2":
+            self.w2_mxfp4 = weight.narrow(2, start, inter) if self.tp_size > 1 else weight
+            self.w2_weight.data = torch.empty(0, dtype=self.w2_weight.dtype)
+            return
+        rows = torch.arange(start, start + inter) * 2
+        self.w13_mxfp4 = weight.rows(torch.cat((rows, rows + 1)))
+        self.w13_weight.data = torch.empty(0, dtype=self.w13_weight.dtype)
+
+    def unpack_mxfp4(self) -> None:
+        """The packed projections dequantized into the dense parameters, in
+        their dtype now (an op set that does not take MXFP4, or a model no
+        longer float32), the packed ones dropped."""
+        if self.w13_mxfp4 is not None:
+            self.w13_weight.data = self.w13_mxfp4.dequantize().to(self.w13_weight.dtype)
+            self.w13_mxfp4 = None
+        if self.w2_mxfp4 is not None:
+            self.w2_weight.data = self.w2_mxfp4.dequantize().to(self.w2_weight.dtype)
+            self.w2_mxfp4 = None
+
+    def packed_ops(self) -> TakesMxfp4Experts | None:
+        """The op set, where the projections are kept MXFP4, it takes them
+        and the model is float32 still; None otherwise (kept ones
+        dequantized now, once)."""
+        if self.w13_mxfp4 is None and self.w2_mxfp4 is None:
+            return None
+        ops = self.ops.ops
+        float32 = self.w13_weight.dtype == torch.float32
+        if float32 and isinstance(ops, TakesMxfp4Experts) and ops.takes_mxfp4_experts:
+            return ops
+        self.unpack_mxfp4()
+        return None
+
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
@@ -243,16 +302,29 @@ class FusedMoE(nn.Module):
         ids = topk_ids.reshape(-1).long()
         self.tokens_per_expert.index_add_(0, ids, torch.ones_like(ids))
         w2_bias = self.w2_bias if self.tp_rank == 0 else None  # the reduced sum holds it once
-        out = self.ops.ops.fused_experts(
-            hidden,
-            self.w13_weight,
-            self.w2_weight,
-            topk_weights,
-            topk_ids,
-            self.activation,
-            self.w13_bias,
-            w2_bias,
-        )
+        packed = self.packed_ops()
+        if packed is not None:
+            out = packed.fused_experts(
+                hidden,
+                self.w13_mxfp4 or self.w13_weight,
+                self.w2_mxfp4 or self.w2_weight,
+                topk_weights,
+                topk_ids,
+                self.activation,
+                self.w13_bias,
+                w2_bias,
+            )
+        else:
+            out = self.ops.ops.fused_experts(
+                hidden,
+                self.w13_weight,
+                self.w2_weight,
+                topk_weights,
+                topk_ids,
+                self.activation,
+                self.w13_bias,
+                w2_bias,
+            )
         if self.reduce_results:
             out = reduce_partial_sums(out, self.sequence_parallel)
         return out

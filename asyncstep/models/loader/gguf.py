@@ -28,6 +28,7 @@ described without it).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ from asyncstep.models.loader.gguf_layouts import (
     GGUFWeight,
     gpt_oss_experts,
     hf_layout_shape,
+    mxfp4_hf_parts,
     tensor_layout,
     to_hf_layout,
 )
@@ -102,6 +104,11 @@ def _stored(tensor: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
+#: ggml's MXFP4 type id; gpt-oss's expert stacks (their HF names' endings).
+MXFP4_TYPE = 39
+GPT_OSS_STACK_SUFFIXES = ("_exps.weight",)
+
+
 class GGUFCheckpoint:
     """A ``.gguf`` file of a Llama-family model; tensors come out float32, HF-named."""
 
@@ -147,8 +154,12 @@ class GGUFCheckpoint:
         router under the family's block name."""
         config = self._config
         if config.family == "gpt_oss":
+            stacks = [w.tensor for w in weights if w.name.endswith(GPT_OSS_STACK_SUFFIXES)]
+            mxfp4 = bool(stacks) and all(int(t.tensor_type) == MXFP4_TYPE for t in stacks)
+            if mxfp4:  # kept MXFP4: the model reads transformers' blocks and scales
+                self._config = dataclasses.replace(config, experts_mxfp4=True)
             try:
-                return gpt_oss_experts(weights)
+                return gpt_oss_experts(weights, mxfp4)
             except ModelLoadError as exc:
                 raise ModelLoadError(f"{self.path}: {exc}") from None
         if not config.is_moe:
@@ -276,7 +287,12 @@ class GGUFCheckpoint:
         return array
 
     def _load_weight(self, weight: GGUFWeight) -> np.ndarray[Any, Any]:
-        """A (non-expert) weight dequantized, float32, in its HF layout."""
+        """A (non-expert) weight dequantized, float32, in its HF layout (an
+        MXFP4 stack's blocks or scales: uint8, :func:`mxfp4_hf_parts`)."""
+        if weight.layout.startswith("mxfp4_"):
+            pair = None if weight.pair is None else np.asarray(weight.pair.data)
+            raw = np.asarray(weight.tensor.data)
+            return mxfp4_hf_parts(weight.layout, raw, _stored(weight.tensor), pair)
         array = self._load_tensor(weight.tensor, weight.name)
         pair = None if weight.pair is None else self._load_tensor(weight.pair, weight.name)
         return to_hf_layout(weight.layout, array, pair)

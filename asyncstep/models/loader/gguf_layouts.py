@@ -20,8 +20,14 @@ reads them back into transformers' names and layouts.
   ``[E, H, I]`` with bias ``[E, H]``. :func:`gpt_oss_experts` pairs them into
   transformers' ``mlp.experts.gate_up_proj`` ``[E, H, 2I]`` (interleaved),
   ``gate_up_proj_bias``, ``down_proj`` ``[E, I, H]`` and ``down_proj_bias``;
-  :func:`to_hf_layout` builds each (a transposed view where it can). MXFP4
-  stacks (ggml type 39) are dequantized like any other type, first.
+  :func:`to_hf_layout` builds each (a transposed view where it can). Where
+  every expert stack is MXFP4 (ggml type 39, ``mxfp4``) the projections are
+  transformers' MXFP4 tensors instead (``{proj}_blocks`` ``[E, rows, cols /
+  32, 16]``, ``{proj}_scales``; layouts ``mxfp4_{blocks|scales}_{stack
+  layout}``), built from the raw blocks by :func:`mxfp4_hf_parts` (ggml's
+  scale byte ``e`` times doubled values is the E8M0 byte of the same
+  numbers; codes from value ``j`` / ``j + 16`` nibbles to ``2b`` / ``2b + 1``):
+  the model keeps them packed or dequantizes them, as an HF checkpoint's.
 
 Imports numpy and :mod:`asyncstep.errors` only.
 """
@@ -40,6 +46,7 @@ __all__ = [
     "GGUFWeight",
     "gpt_oss_experts",
     "hf_layout_shape",
+    "mxfp4_hf_parts",
     "tensor_layout",
     "to_hf_layout",
 ]
@@ -86,10 +93,29 @@ def tensor_layout(gguf_arch: str, hf_name: str) -> str:
     return ""
 
 
-def gpt_oss_experts(weights: list[GGUFWeight]) -> list[GGUFWeight]:
+def gpt_oss_experts(weights: list[GGUFWeight], mxfp4: bool = False) -> list[GGUFWeight]:
     """``weights`` with each layer's expert stacks as transformers' tensors
-    (the module doc); a gate stack without its up stack (or the reverse) is
-    an error."""
+    (the module doc; ``mxfp4``: the projections as MXFP4 blocks and scales);
+    a gate stack without its up stack (or the reverse) is an error."""
+    out = _paired(weights)
+    if not mxfp4:
+        return out
+    split: list[GGUFWeight] = []
+    for weight in out:
+        if weight.name.endswith(("gate_up_proj", "down_proj")):
+            split += [
+                weight._replace(
+                    name=f"{weight.name}_{part}", layout=f"mxfp4_{part}_{weight.layout}"
+                )
+                for part in ("blocks", "scales")
+            ]
+        else:
+            split.append(weight)
+    return split
+
+
+def _paired(weights: list[GGUFWeight]) -> list[GGUFWeight]:
+    """:func:`gpt_oss_experts`'s stacks as transformers' dense tensors."""
     stacks: dict[tuple[str, str, str], GGUFWeight] = {}
     out: list[GGUFWeight] = []
     for weight in weights:
@@ -125,6 +151,15 @@ def hf_layout_shape(
     fused stack of odd rows, a stack of another rank)."""
     if layout in ("", "gemma_norm"):
         return stored
+    if layout.startswith("mxfp4_"):
+        part, _, dense = layout.removeprefix("mxfp4_").partition("_")
+        shape = hf_layout_shape(dense, stored, pair)
+        if shape is None or len(shape) != 3:
+            return None
+        e, cols, rows = shape  # transformers' [E, cols, rows] is the blocks' [E, rows, cols]
+        if cols % 32:
+            return None
+        return (e, rows, cols // 32, 16) if part == "blocks" else (e, rows, cols // 32)
     if layout in ("gate_up", "gate_up_bias") and pair != stored:
         return None
     rank = 2 if layout.endswith("_bias") else 3
@@ -159,3 +194,30 @@ def to_hf_layout(
     experts, inter, hidden = array.shape
     rows = np.stack((array, pair), axis=2).reshape(experts, 2 * inter, hidden)
     return rows.swapaxes(1, 2)  # [E, H, 2I]: gate and up columns interleaved
+
+
+def mxfp4_hf_parts(
+    layout: str,
+    raw: np.ndarray[Any, Any],
+    stored: tuple[int, ...],
+    pair: np.ndarray[Any, Any] | None = None,
+) -> np.ndarray[Any, Any]:
+    """An MXFP4 stack's raw ggml blocks (``raw``, and ``pair``: the up
+    stack's; ``stored`` its logical ``[E, rows, cols]``) as transformers'
+    ``_blocks`` or ``_scales`` uint8 (``layout``: ``mxfp4_{part}_{stack
+    layout}``; rows gate and up interleaved for gate_up)."""
+    part, _, dense = layout.removeprefix("mxfp4_").partition("_")
+    e, rows, cols = stored
+    blocks = raw.reshape(e, rows, cols // 32, 17)
+    if dense == "fused_gate_up":
+        gate, up = np.split(blocks, 2, axis=1)
+        blocks = np.stack((gate, up), axis=2).reshape(e, rows, cols // 32, 17)
+    elif dense == "gate_up":
+        assert pair is not None
+        up = pair.reshape(e, rows, cols // 32, 17)
+        blocks = np.stack((blocks, up), axis=2).reshape(e, 2 * rows, cols // 32, 17)
+    if part == "scales":
+        return np.ascontiguousarray(blocks[..., 0])
+    codes = blocks[..., 1:]
+    values = np.concatenate((codes & 0x0F, codes >> 4), axis=-1)  # value j at j
+    return np.ascontiguousarray(values[..., 0::2] | (values[..., 1::2] << 4))

@@ -23,6 +23,22 @@
  * So a row's result does not depend on the other rows routed to its
  * experts (the batch: issue 40) nor on the thread count. The silu is
  * x * sigmoid(x) with cpu_common.h's exp (torch's differs by roundings).
+ *
+ * gpt-oss's experts: biases (w13_bias [E, 2I] added to the gate/up sums,
+ * w2_bias [E, H] to the down sums before the routing weight) and the
+ * "swigluoai" activation (gate = min(gate, 7), up = clamp(up, -7, 7),
+ * (up + 1) * gate * sigmoid(1.702 * gate)). Their weights may stay MXFP4
+ * (w13_scales / w2_scales set: w13 and w2 are then uint8 codes): a row of K
+ * values is K / 32 blocks of 16 bytes, byte j of a block holding value j in
+ * its low nibble and value j + 16 in its high one (GGUF's order; the HF
+ * checkpoint's is repacked once at load), and K / 32 E8M0 scale bytes. A
+ * vector of LANES values is decoded from its codes (a 16-entry table of the
+ * FP4 E2M1 values) times its block's 2^(scale - 127), one float32 multiply:
+ * exact (the values have 2 significant bits; 2^-127 is float32's subnormal)
+ * unless the product overflows, where it is inf as the dequantized weight
+ * is (scale 255 gives inf, and NaN for a zero code, as dequantize_mxfp4
+ * does), then enters the same FMA as the dense weight's vector: the packed
+ * weights' outputs are the dense kernel's bits on the dequantized weights.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -57,6 +73,16 @@ static inline float vsum(vec v) {
     q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
     return _mm_cvtss_f32(q);
 }
+/* values [k, k + 16) of a block (k mod 32 is 0 or 16): one load, the high
+ * nibbles shifted down, the table indexed by each lane's low 4 bits */
+static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
+    static const float table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)block));
+    if (k & 16) codes = _mm512_srli_epi32(codes, 4);
+    const vec values = _mm512_permutexvar_ps(codes, _mm512_loadu_ps(table));
+    return _mm512_mul_ps(values, _mm512_set1_ps(scale));
+}
 #elif MOE_ISA == 3
 #define LANES 8
 #define ROW_TILE 2
@@ -70,6 +96,18 @@ static inline float vsum(vec v) {
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
     return _mm_cvtss_f32(q);
+}
+/* values [k, k + 8) of a block: 8 bytes (k mod 16 on), the nibble, its
+ * magnitude from an 8-entry table, its sign bit set */
+static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
+    __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(block + (k & 8))));
+    if (k & 16) codes = _mm256_srli_epi32(codes, 4);
+    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m256i magnitude = _mm256_and_si256(codes, _mm256_set1_epi32(7));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+    const vec values = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, magnitude),
+                                     _mm256_castsi256_ps(sign));
+    return _mm256_mul_ps(values, _mm256_set1_ps(scale));
 }
 #else
 /* Plain C: the library's flags let the compiler reassociate loops of
@@ -93,7 +131,23 @@ static __attribute__((noinline)) float vsum(vec v) {
     for (int i = 0; i < 4; i++) s[i] = v.v[i] + v.v[i + 4];
     return (s[0] + s[2]) + (s[1] + s[3]);
 }
+static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
+    static const float table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    const int shift = k & 16 ? 4 : 0;
+    vec r;
+    for (int i = 0; i < LANES; i++) r.v[i] = table[(block[(k & 8) + i] >> shift) & 15] * scale;
+    return r;
+}
 #endif
+
+/* E8M0: 2^(s - 127) as float32 (s = 0: the subnormal 2^-127; 255: inf). */
+static inline float e8m0(uint8_t s) {
+    const uint32_t bits = s ? (uint32_t)s << 23 : 0x00400000u;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 /* Up to this many rows an expert's W rows are read one at a time (tiles
  * one row of W wide), in memory's order. */
@@ -104,8 +158,8 @@ static __attribute__((noinline)) float vsum(vec v) {
 typedef struct {
     const float* hidden;
     int64_t hidden_stride;
-    const float* w13; /* [E, 2I, H] contiguous */
-    const float* w2;  /* [E, H, I] contiguous */
+    const void* w13; /* [E, 2I, H] contiguous: float32, or MXFP4 codes [E, 2I, H / 2] */
+    const void* w2;  /* [E, H, I] contiguous: float32, or MXFP4 codes [E, H, I / 2] */
     int64_t num_experts, hidden_size, inter;
     const int32_t* topk_ids;   /* [T * k] */
     const float* topk_weights; /* [T * k] */
@@ -113,6 +167,11 @@ typedef struct {
     float* scratch; /* [P * (3I + H)]: gate_up [P, 2I], act [P, I], pair_out [P, H] */
     float* out;     /* [T, H] */
     int64_t num_threads;
+    const uint8_t* w13_scales; /* MXFP4: [E, 2I, H / 32]; NULL: float32 weights */
+    const uint8_t* w2_scales;  /* MXFP4: [E, H, I / 32] */
+    const float* w13_bias;     /* [E, 2I] or NULL */
+    const float* w2_bias;      /* [E, H] or NULL */
+    int64_t activation;        /* 0: silu, 1: swigluoai */
 } MoeArgs;
 
 /* The pass's arrays: the pairs sorted by expert, stably (order[p]: the
@@ -123,19 +182,36 @@ typedef struct {
     float *gate_up, *act, *pair_out;
 } Pass;
 
+/* A matrix's rows of K values: float32 (dense) or MXFP4 codes and scales. */
+typedef struct {
+    const float* dense;
+    const uint8_t* codes;
+    const uint8_t* scales;
+    int64_t K;
+} Rows;
+
 int asyncstep_moe_lanes(void) { return LANES; }
 
-/* sums[e][i] = x row e . w row i for `rows` rows of x and nw rows of W
- * along K (a multiple of LANES), constants where inlined. */
+/* Row i's vector at k: the float32 values, or the MXFP4 codes decoded. */
+static inline __attribute__((always_inline)) vec wload(const Rows* w, int64_t i, int64_t k,
+                                                       const int packed) {
+    if (!packed) return vload(w->dense + i * w->K + k);
+    const int64_t block = i * (w->K / 32) + k / 32;
+    return vload_fp4(w->codes + block * 16, k, e8m0(w->scales[block]));
+}
+
+/* sums[e][i] = x row e . w row (i0 + i) for `rows` rows of x and nw rows of
+ * W along K (a multiple of LANES), constants where inlined. */
 static inline __attribute__((always_inline)) void dot_tile_n(
-    const float* const* x, const int rows, const float* const* w, const int nw, int64_t K,
-    float sums[ROW_TILE][W_TILE]) {
+    const float* const* x, const int rows, const Rows* w, int64_t i0, const int nw,
+    const int packed, float sums[ROW_TILE][W_TILE]) {
+    const int64_t K = w->K;
     vec acc[ROW_TILE][W_TILE];
     for (int e = 0; e < rows; e++)
         for (int i = 0; i < nw; i++) acc[e][i] = vzero();
     for (int64_t k = 0; k < K; k += LANES) {
         vec wv[W_TILE];
-        for (int i = 0; i < nw; i++) wv[i] = vload(w[i] + k);
+        for (int i = 0; i < nw; i++) wv[i] = wload(w, i0 + i, k, packed);
         for (int e = 0; e < rows; e++) {
             const vec xv = vload(x[e] + k);
             for (int i = 0; i < nw; i++) acc[e][i] = vfma(wv[i], xv, acc[e][i]);
@@ -145,37 +221,46 @@ static inline __attribute__((always_inline)) void dot_tile_n(
         for (int i = 0; i < nw; i++) sums[e][i] = vsum(acc[e][i]);
 }
 
-static void dot_tile(const float* const* x, int rows, const float* const* w, int nw, int64_t K,
-                     float sums[ROW_TILE][W_TILE]) {
-    switch (nw * 8 + rows) {
-#define CASE(NW, ROWS) \
-    case NW * 8 + ROWS: dot_tile_n(x, ROWS, w, NW, K, sums); break;
 #if ROW_TILE == 4
-#define CASES(NW) CASE(NW, 1) CASE(NW, 2) CASE(NW, 3) CASE(NW, 4)
+#define CASES(NW, P) CASE(NW, 1, P) CASE(NW, 2, P) CASE(NW, 3, P) CASE(NW, 4, P)
 #else
-#define CASES(NW) CASE(NW, 1) CASE(NW, 2)
+#define CASES(NW, P) CASE(NW, 1, P) CASE(NW, 2, P)
 #endif
 #if W_TILE == 6
-        CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
+#define ALL_CASES(P) CASES(1, P) CASES(2, P) CASES(3, P) CASES(4, P) CASES(5, P) CASES(6, P)
 #else
-        CASES(1) CASES(2) CASES(3) CASES(4)
+#define ALL_CASES(P) CASES(1, P) CASES(2, P) CASES(3, P) CASES(4, P)
 #endif
-#undef CASES
-#undef CASE
-    }
+#define CASE(NW, ROWS, P) \
+    case NW * 8 + ROWS: dot_tile_n(x, ROWS, w, i0, NW, P, sums); break;
+
+static void dot_tile(const float* const* x, int rows, const Rows* w, int64_t i0, int nw,
+                     float sums[ROW_TILE][W_TILE]) {
+    switch (nw * 8 + rows) { ALL_CASES(0) }
 }
+
+static void dot_tile_fp4(const float* const* x, int rows, const Rows* w, int64_t i0, int nw,
+                         float sums[ROW_TILE][W_TILE]) {
+    switch (nw * 8 + rows) { ALL_CASES(1) }
+}
+#undef CASE
+#undef ALL_CASES
+#undef CASES
 
 /* out[e * out_stride + i] = x[e] . w[i] for `rows` rows of x and nw rows of
  * W (the tiles: W's tiles outer, so W is read once, x's tiles inner). */
-static void matmul_rows(const float* const* x, int64_t rows, const float* const* w, int64_t nw,
-                        int64_t K, float* out, int64_t out_stride) {
+static void matmul_rows(const float* const* x, int64_t rows, const Rows* w, int64_t nw,
+                        float* out, int64_t out_stride) {
     const int width = rows <= STREAM_MAX_ROWS ? 1 : W_TILE;
     for (int64_t i0 = 0; i0 < nw; i0 += width) {
         const int n = nw - i0 < width ? (int)(nw - i0) : width;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int count = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
             float sums[ROW_TILE][W_TILE];
-            dot_tile(x + r0, count, w + i0, n, K, sums);
+            if (w->codes != NULL)
+                dot_tile_fp4(x + r0, count, w, i0, n, sums);
+            else
+                dot_tile(x + r0, count, w, i0, n, sums);
             for (int e = 0; e < count; e++)
                 for (int i = 0; i < n; i++) out[(r0 + e) * out_stride + i0 + i] = sums[e][i];
         }
@@ -183,42 +268,66 @@ static void matmul_rows(const float* const* x, int64_t rows, const float* const*
 }
 
 /* silu(g) * u: g * sigmoid(g) * u, sigmoid from exp(-|g|) (no overflow). */
-static inline float silu_mul(float g, float u) {
+static inline float sigmoid(float g) {
     const float e = exp_nonpositive(g < 0 ? g : -g);
-    const float sigmoid = g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
-    return g * sigmoid * u;
+    return g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+}
+
+static inline float silu_mul(float g, float u) { return g * sigmoid(g) * u; }
+
+/* gpt-oss's swigluoai: (clamp(u, -7, 7) + 1) * (g' * sigmoid(1.702 g')), g' = min(g, 7). */
+static inline float swigluoai(float g, float u) {
+    g = g > 7.0f ? 7.0f : g;
+    u = u > 7.0f ? 7.0f : (u < -7.0f ? -7.0f : u);
+    return (u + 1.0f) * (g * sigmoid(g * 1.702f));
 }
 
 typedef struct {
     int64_t expert, start, count; /* the expert's sorted pairs [start, start + count) */
 } Group;
 
-/* One expert over its pairs: the gate and up rows, their act, the down
- * rows, each pair's output weighted (x and w: room for its rows' and W's
- * row pointers). */
-static void expert_item(const Pass* pass, const Group* g, const float** x, const float** w) {
+/* Expert e's rows of a [E, rows, K] matrix (float32, or MXFP4 where scales). */
+static Rows expert_rows(const void* base, const uint8_t* scales, int64_t e, int64_t rows,
+                        int64_t K) {
+    if (scales == NULL) return (Rows){(const float*)base + e * rows * K, NULL, NULL, K};
+    return (Rows){NULL, (const uint8_t*)base + e * rows * (K / 2), scales + e * rows * (K / 32),
+                  K};
+}
+
+/* One expert over its pairs: the gate and up rows (and bias), their act,
+ * the down rows (and bias), each pair's output weighted (x: room for its
+ * rows' pointers). */
+static void expert_item(const Pass* pass, const Group* g, const float** x) {
     const MoeArgs* a = pass->args;
-    const int64_t H = a->hidden_size, I = a->inter;
+    const int64_t H = a->hidden_size, I = a->inter, e = g->expert;
     for (int64_t r = 0; r < g->count; r++)
         x[r] = a->hidden + (pass->order[g->start + r] / a->top_k) * a->hidden_stride;
-    const float* w13 = a->w13 + g->expert * 2 * I * H;
-    for (int64_t i = 0; i < 2 * I; i++) w[i] = w13 + i * H;
+    const Rows w13 = expert_rows(a->w13, a->w13_scales, e, 2 * I, H);
     float* gu = pass->gate_up + g->start * 2 * I;
-    matmul_rows(x, g->count, w, 2 * I, H, gu, 2 * I);
+    matmul_rows(x, g->count, &w13, 2 * I, gu, 2 * I);
+    const float* b13 = a->w13_bias == NULL ? NULL : a->w13_bias + e * 2 * I;
     for (int64_t r = 0; r < g->count; r++) {
-        const float* row = gu + r * 2 * I;
+        float* row = gu + r * 2 * I;
+        if (b13 != NULL)
+            for (int64_t i = 0; i < 2 * I; i++) row[i] = row[i] + b13[i];
         float* act = pass->act + (g->start + r) * I;
-        for (int64_t i = 0; i < I; i++) act[i] = silu_mul(row[i], row[I + i]);
+        if (a->activation == 1)
+            for (int64_t i = 0; i < I; i++) act[i] = swigluoai(row[i], row[I + i]);
+        else
+            for (int64_t i = 0; i < I; i++) act[i] = silu_mul(row[i], row[I + i]);
         x[r] = act;
     }
-    const float* w2 = a->w2 + g->expert * H * I;
-    for (int64_t h = 0; h < H; h++) w[h] = w2 + h * I;
+    const Rows w2 = expert_rows(a->w2, a->w2_scales, e, H, I);
     float* po = pass->pair_out + g->start * H;
-    matmul_rows(x, g->count, w, H, I, po, H);
+    matmul_rows(x, g->count, &w2, H, po, H);
+    const float* b2 = a->w2_bias == NULL ? NULL : a->w2_bias + e * H;
     for (int64_t r = 0; r < g->count; r++) {
         const float weight = a->topk_weights[pass->order[g->start + r]];
         float* row = po + r * H;
-        for (int64_t h = 0; h < H; h++) row[h] = row[h] * weight;
+        if (b2 != NULL)
+            for (int64_t h = 0; h < H; h++) row[h] = (row[h] + b2[h]) * weight;
+        else
+            for (int64_t h = 0; h < H; h++) row[h] = row[h] * weight;
     }
 }
 
@@ -242,12 +351,16 @@ static void token_sum(const MoeArgs* a, const float* pair_out, const int64_t* po
 }
 
 /* The experts' weighted sums into out; 0 on success, -1 when the shapes
- * are out of range (K not whole vectors, top_k > 64) or scratch memory
+ * are out of range (K not whole vectors, or not whole MXFP4 blocks, top_k
+ * > 64, one of two scales, an unknown activation) or scratch memory
  * cannot be had, -2 when an expert id is not in [0, E) (nothing written). */
 int asyncstep_moe_experts(const MoeArgs* a) {
     const int64_t E = a->num_experts, H = a->hidden_size, I = a->inter;
     const int64_t T = a->num_tokens, k = a->top_k, P = T * k;
     if (E < 1 || H < 1 || I < 1 || H % LANES || I % LANES || k < 1 || k > 64 || T < 0) return -1;
+    if ((a->w13_scales != NULL) != (a->w2_scales != NULL)) return -1;
+    if (a->w13_scales != NULL && (H % 32 || I % 32)) return -1;
+    if (a->activation != 0 && a->activation != 1) return -1;
     for (int64_t f = 0; f < P; f++)
         if (a->topk_ids[f] < 0 || a->topk_ids[f] >= E) return -2;
     if (T == 0) return 0;
@@ -278,25 +391,22 @@ int asyncstep_moe_experts(const MoeArgs* a) {
         position[f] = p;
     }
     const Pass pass = {a, order, a->scratch, a->scratch + P * 2 * I, a->scratch + P * 3 * I};
-    const int64_t pointers = most > (2 * I > H ? 2 * I : H) ? most : (2 * I > H ? 2 * I : H);
     const int num_threads = a->num_threads > 1 ? (int)a->num_threads : 1;
     int failed = 0;
     /* one item an expert (no barrier between its matmuls), the token sums
      * after the threads join */
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && used > 1)
     {
-        const float** x = malloc(sizeof(*x) * (size_t)pointers);
-        const float** w = malloc(sizeof(*w) * (size_t)pointers);
-        const int ok = x != NULL && w != NULL;
+        const float** x = malloc(sizeof(*x) * (size_t)most);
+        const int ok = x != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t j = 0; j < used; j++)
-            if (ok) expert_item(&pass, &groups[j], x, w);
+            if (ok) expert_item(&pass, &groups[j], x);
         free(x);
-        free(w);
     }
     if (!failed)
         for (int64_t t = 0; t < T; t++) token_sum(a, pass.pair_out, position, t);

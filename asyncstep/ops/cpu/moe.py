@@ -5,9 +5,13 @@ experts in one call, the reference's contract
 sums in its order (each pair weighted in float32, a token's pairs summed
 from 0 in the order of their experts), the matmuls each row alone in one K
 order (a row's result does not depend on the other rows: issue 40), no
-python loop over the experts. Its use: the CPU op set's experts where the
-hidden rows and the weights are float32 (:meth:`CpuMoeExperts.applies`).
-Imports torch and the library's loader only.
+python loop over the experts; the activation silu or gpt-oss's
+"swigluoai", with or without biases (the down bias added before the routing
+weight). Its use: the CPU op set's experts where the hidden rows are float32
+and the weights float32 or MXFP4 kept packed
+(:class:`~asyncstep.ops.mxfp4.Mxfp4Weight`: the outputs are then the
+dense call's bits on the dequantized weights; :meth:`CpuMoeExperts.applies`).
+Imports torch, the library's loader and the MXFP4 layout only.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import struct
 import torch
 
 from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.mxfp4 import Mxfp4Weight
 
 __all__ = ["CpuMoeExperts", "moe_experts"]
 
@@ -31,7 +36,14 @@ _ARGS = struct.Struct(
     "qq"  # tokens, top k
     "qq"  # scratch, out
     "q"  # threads
+    "qq"  # w13 scales, w2 scales (0: float32 weights)
+    "qq"  # w13 bias, w2 bias (0: none)
+    "q"  # activation
 )
+#: The activations the C side computes, by its codes.
+ACTIVATION_CODES = {"silu": 0, "swigluoai": 1}
+#: A projection the call takes: float32 or MXFP4 kept packed.
+ExpertWeight = torch.Tensor | Mxfp4Weight
 #: The most experts a token may pick (the C side sorts a token's pairs on its stack).
 MAX_TOP_K = 64
 
@@ -49,23 +61,29 @@ class CpuMoeExperts:
     def applies(
         self,
         hidden: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        w13: ExpertWeight,
+        w2: ExpertWeight,
         topk_ids: torch.Tensor,
         activation: str,
-        biased: bool,
     ) -> bool:
-        """Whether the call takes these: float32 CPU tensors, contiguous
-        weights, silu, no biases, whole vectors of H and I."""
-        tensors = (hidden, w13, w2)
+        """Whether the call takes these: float32 CPU rows, contiguous
+        float32 weights or both MXFP4, silu or swigluoai, whole vectors of
+        H and I."""
+        packed = isinstance(w13, Mxfp4Weight) and isinstance(w2, Mxfp4Weight)
+        dense = all(
+            isinstance(w, torch.Tensor)
+            and w.dtype == torch.float32
+            and w.device.type == "cpu"
+            and w.is_contiguous()
+            for w in (w13, w2)
+        )
         return (
-            activation == "silu"
-            and not biased
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            activation in ACTIVATION_CODES
+            and (packed or dense)
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
             and hidden.dim() == 2
             and hidden.stride(1) == 1
-            and w13.is_contiguous()
-            and w2.is_contiguous()
             and hidden.shape[1] % self.lanes == 0
             and w2.shape[2] % self.lanes == 0
             and topk_ids.shape[1] <= MAX_TOP_K
@@ -74,14 +92,20 @@ class CpuMoeExperts:
     def __call__(
         self,
         hidden: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        w13: ExpertWeight,
+        w2: ExpertWeight,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        activation: str = "silu",
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The experts' weighted sum ``[T, H]`` float32 (see the module doc)."""
-        if not self.applies(hidden, w13, w2, topk_ids, "silu", False):
-            raise ValueError("the CPU experts take float32 rows and contiguous float32 weights")
+        if not self.applies(hidden, w13, w2, topk_ids, activation):
+            raise ValueError(
+                "the CPU experts take float32 rows, contiguous float32 or MXFP4 weights, "
+                "silu or swigluoai"
+            )
         num_experts, two_inter, size = w13.shape
         inter = two_inter // 2
         if size != hidden.shape[1] or w2.shape != (num_experts, size, inter):
@@ -92,6 +116,11 @@ class CpuMoeExperts:
                 f"{tokens} rows of {top_k} expert ids, weights {tuple(topk_weights.shape)}, "
                 f"hidden {tuple(hidden.shape)}: they must match"
             )
+        packed = isinstance(w13, Mxfp4Weight) and isinstance(w2, Mxfp4Weight)
+        if packed and (size % 32 or inter % 32):
+            raise ValueError(f"MXFP4 experts: H {size} and I {inter} must be multiples of 32")
+        b13 = _bias(w13_bias, (num_experts, two_inter), "w13")
+        b2 = _bias(w2_bias, (num_experts, size), "w2")
         ids = topk_ids.to(torch.int32).contiguous()
         weights = topk_weights.float().contiguous()
         pairs = tokens * top_k
@@ -100,8 +129,8 @@ class CpuMoeExperts:
         args = _ARGS.pack(
             hidden.data_ptr(),
             hidden.stride(0),
-            w13.data_ptr(),
-            w2.data_ptr(),
+            w13.codes.data_ptr() if isinstance(w13, Mxfp4Weight) else w13.data_ptr(),
+            w2.codes.data_ptr() if isinstance(w2, Mxfp4Weight) else w2.data_ptr(),
             num_experts,
             size,
             inter,
@@ -112,6 +141,11 @@ class CpuMoeExperts:
             scratch.data_ptr(),
             out.data_ptr(),
             torch.get_num_threads(),
+            w13.scales.data_ptr() if isinstance(w13, Mxfp4Weight) else 0,
+            w2.scales.data_ptr() if isinstance(w2, Mxfp4Weight) else 0,
+            0 if b13 is None else b13.data_ptr(),
+            0 if b2 is None else b2.data_ptr(),
+            ACTIVATION_CODES[activation],
         )
         status = self._experts(args)
         if status == -2:
@@ -119,6 +153,15 @@ class CpuMoeExperts:
         if status != 0:
             raise MemoryError("the CPU experts found no scratch memory")
         return out
+
+
+def _bias(bias: torch.Tensor | None, shape: tuple[int, ...], name: str) -> torch.Tensor | None:
+    """A bias as the C side reads it (float32, contiguous), its shape checked."""
+    if bias is None:
+        return None
+    if tuple(bias.shape) != shape:
+        raise ValueError(f"{name} bias {tuple(bias.shape)} does not match the experts' {shape}")
+    return bias.float().contiguous()
 
 
 @functools.cache

@@ -37,6 +37,7 @@ from asyncstep.ops.cpu.layer_ops import CpuLayerOps
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.cpu.moe import moe_experts
 from asyncstep.ops.cpu.quant import CpuQuantWeight
+from asyncstep.ops.mxfp4 import Mxfp4Weight
 from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
 from asyncstep.ops.torch_moe import fused_experts
@@ -70,6 +71,8 @@ class CpuOps(CpuHeadOps):
     """The CPU library's layer ops, with the reference's where they do not apply."""
 
     name = "cpu"
+    #: The experts may stay MXFP4 (:class:`~asyncstep.ops.mxfp4.Mxfp4Weight`).
+    takes_mxfp4_experts = True
 
     def __init__(
         self,
@@ -146,25 +149,29 @@ class CpuOps(CpuHeadOps):
     def fused_experts(
         self,
         hidden: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        w13: torch.Tensor | Mxfp4Weight,
+        w2: torch.Tensor | Mxfp4Weight,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         activation: str = "silu",
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """float32 experts: the library's grouped experts in one call
-        (:mod:`~asyncstep.ops.cpu.moe`) where they apply; else the
-        reference's grouped matmul (:mod:`~asyncstep.ops.torch_moe`)
-        through :meth:`linear`: a dense bfloat16 expert takes the library's
-        matmul where ``invariant_dense`` is on. A token's output then does
-        not depend on the rows its experts get from other tokens (float32
-        always; bfloat16 where ``invariant_dense`` is on)."""
+        """float32 experts (float32 or MXFP4 weights): the library's grouped
+        experts in one call (:mod:`~asyncstep.ops.cpu.moe`) where they
+        apply; else the reference's grouped matmul
+        (:mod:`~asyncstep.ops.torch_moe`) through :meth:`linear` (MXFP4
+        weights dequantized for the call): a dense bfloat16 expert takes the
+        library's matmul where ``invariant_dense`` is on. A token's output
+        then does not depend on the rows its experts get from other tokens
+        (float32 always; bfloat16 where ``invariant_dense`` is on)."""
         experts = moe_experts()
-        biased = w13_bias is not None or w2_bias is not None
-        if experts is not None and experts.applies(hidden, w13, w2, topk_ids, activation, biased):
-            return experts(hidden, w13, w2, topk_weights, topk_ids)
+        if experts is not None and experts.applies(hidden, w13, w2, topk_ids, activation):
+            return experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+        if isinstance(w13, Mxfp4Weight):
+            w13 = w13.dequantize().to(hidden.dtype)
+        if isinstance(w2, Mxfp4Weight):
+            w2 = w2.dequantize().to(hidden.dtype)
         return fused_experts(
             hidden,
             w13,
