@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from asyncstep.errors import ModelLoadError
 from asyncstep.models.config import ModelArchConfig, pp_layer_range
-from asyncstep.models.mxfp4 import mxfp4_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -121,6 +120,8 @@ def model_memory(
     )
     packed = 0
     if mxfp4_experts:
+        from asyncstep.models.mxfp4 import mxfp4_bytes  # imports torch: the front end's does not
+
         values = rank_expert_values(arch, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
         params, packed = params - values, mxfp4_bytes(values)
     gate_up = 2 if arch.family == "gpt_oss" else 1
