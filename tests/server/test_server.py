@@ -1033,11 +1033,14 @@ def test_methods_and_keys_are_checked(server: Server) -> None:
 
 def test_sigterm_under_load_finishes_short_requests_aborts_long_ones(server: Server) -> None:
     longs = [raw_request(server, COMPLETIONS, LONG | {"stream": True}) for _ in range(3)]
-    # Short: a few decode steps beside the long ones, well inside the grace
-    # period even where the model runs dense float32 on two cores.
-    short = raw_request(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True})
     for sock in longs:
         read_until(sock, b"data: {")
+    # Short: sent once the long ones stream (sent before them, it could end
+    # before they start: two API servers may pass it on first), a few dozen
+    # decode steps beside them, still running when the poll below sees it,
+    # and well inside the grace period even where the model runs dense
+    # float32 on two cores.
+    short = raw_request(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 24, "ignore_eos": True})
     wait_for(lambda: running(server) == 4, "every request to run")
     server.proc.send_signal(signal.SIGTERM)
     # While it drains, a new connection is taken and told 503.
@@ -1046,7 +1049,7 @@ def test_sigterm_under_load_finishes_short_requests_aborts_long_ones(server: Ser
     assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
     # The short request finishes in the grace period, whole.
     reply = read_until(short, b'"usage"')
-    assert b'"finish_reason":"length"' in reply and b'"completion_tokens":8' in reply
+    assert b'"finish_reason":"length"' in reply and b'"completion_tokens":24' in reply
     # The long ones are aborted after it, and end cleanly.
     for sock in longs:
         tail = read_until(sock, b"data: [DONE]", timeout_s=SHUTDOWN_TIMEOUT + 20)
