@@ -279,8 +279,6 @@ class CudaGraphRunner:
         graph's outputs while the pipeline send may still read them; logits
         are not (the sampler reads them before the next replay)."""
         if mode is CUDAGraphMode.FULL:
-            if self.greedy is not None and desc in self.greedy_graphs:
-                self.greedy.before_replay()
             out = self.full_graphs[desc].replay()
         else:
             assert meta is not None, "PIECEWISE attention needs the step's metadata"

@@ -17,9 +17,12 @@ logits the sampler would take its argmax of: the same tokens, bit for bit,
 ties to the lowest id. Each row's argmax depends on its row only, so the
 padding rows change nothing.
 
-The buffer is rewritten by every replay of a greedy graph: a host copy of
-it on another stream (the copy stream) must end before the next replay
-starts (:meth:`GreedyGraphIds.read_on`, :meth:`GreedyGraphIds.before_replay`).
+The buffer is rewritten by every replay of a greedy graph: the step's host
+copy of its ids goes on the compute stream
+(:func:`~asyncstep.runner.host_copy.copy_to_host_in_order`), so the next
+replay, enqueued after it, never overwrites them before they are read (and
+the step switches no stream); on the CPU the ids are cloned (there the
+"copy" is the tensor itself).
 
 May import torch and :mod:`asyncstep.runner.sampler`.
 """
@@ -36,12 +39,10 @@ __all__ = ["GreedyGraphIds", "takes_graph_ids"]
 
 
 class GreedyGraphIds:
-    """The persistent token-id buffer the greedy graphs write, and the
-    stream that may still read it."""
+    """The persistent token-id buffer the greedy graphs write."""
 
     def __init__(self, max_num_tokens: int, device: torch.device) -> None:
         self.ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
-        self._reader: torch.cuda.Stream | None = None
 
     def wrap(
         self, logits_fn: Callable[[], torch.Tensor], num_tokens: int
@@ -57,17 +58,6 @@ class GreedyGraphIds:
             return logits
 
         return forward
-
-    def read_on(self, stream: torch.cuda.Stream | None) -> None:
-        """``stream`` reads the buffer (a host copy): the next replay waits for it."""
-        self._reader = stream
-
-    def before_replay(self) -> None:
-        """Before a greedy graph replays: the current stream waits for the
-        buffer's last reader on another stream, if any."""
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            torch.cuda.current_stream(reader.device).wait_stream(reader)
 
 
 def takes_graph_ids(metadata: SamplingMetadata) -> bool:

@@ -307,7 +307,6 @@ class ModelRunner:
             greedy_in_graph=self.step_inputs.compilation.greedy_in_graph,
         )
         self.step_inputs.graph_runner = self.graph_runner
-        self.sampling.graph_greedy = self.graph_runner.greedy
         with torch.inference_mode(), reference_attention_backends():
             self.graph_runner.capture(progress)
         return self.graph_runner.num_graphs
@@ -318,7 +317,6 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.release()
             self.graph_runner = self.step_inputs.graph_runner = None
-            self.sampling.graph_greedy = None
         models = [self.model] + ([self.drafter.model] if self.drafter else [])
         for attn in (a for m in models for a in m.attention_layers()):
             attn.kv_cache = torch.empty(0)

@@ -27,8 +27,8 @@ from asyncstep.ops.torch_attention import reference_attention_backends
 from asyncstep.runner.async_output import AsyncModelRunnerOutput, host_logprobs
 from asyncstep.runner.draft_model import DraftModel
 from asyncstep.runner.grammar_bitmask import GrammarBitmask
-from asyncstep.runner.greedy_graph import GreedyGraphIds, takes_graph_ids
-from asyncstep.runner.host_copy import copy_to_host
+from asyncstep.runner.greedy_graph import takes_graph_ids
+from asyncstep.runner.host_copy import copy_to_host, copy_to_host_in_order
 from asyncstep.runner.input_batch import InputBatch
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
 from asyncstep.runner.persistent_batches import PersistentBatches
@@ -74,9 +74,7 @@ class StepSampling:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self._grammar_bitmask: GrammarBitmask | None = None  # built by the first grammar
-        #: The ids the FULL decode graphs' argmax writes (set once they are
-        #: captured with ``greedy_in_graph``), and the steps that took them.
-        self.graph_greedy: GreedyGraphIds | None = None
+        #: Steps whose tokens came from their FULL graph's argmax.
         self.num_graph_greedy_steps = 0
 
     @property
@@ -174,9 +172,10 @@ class StepSampling:
             lp, positions = self._spec_logprobs(state, sampled, metadata.max_num_logprobs)
         if lp is not None:
             tensors += [lp.logprob_token_ids, lp.logprobs, lp.selected_token_ranks]
-        hosts, copy_event = copy_to_host(tensors, self._copy_stream)
-        if graph_ids is not None and self.graph_greedy is not None:
-            self.graph_greedy.read_on(self._copy_stream)  # (the next replay rewrites them)
+        if graph_ids is not None:  # (the next replay rewrites them: copied in order)
+            hosts, copy_event = copy_to_host_in_order(tensors, self.device)
+        else:
+            hosts, copy_event = copy_to_host(tensors, self._copy_stream)
         logprobs = None
         if lp is not None:
             asked = [self.input_batch.sampling_params[row].logprobs for row in rows]  # type: ignore[union-attr]
@@ -194,7 +193,7 @@ class StepSampling:
         if not takes_graph_ids(metadata):
             return None
         self.num_graph_greedy_steps += 1
-        if self._copy_stream is None:  # the host "copy" is the tensor: not the buffer
+        if self.device.type != "cuda":  # the host "copy" is the tensor: not the buffer
             return state.greedy_ids.clone()
         return state.greedy_ids
 

@@ -6,7 +6,7 @@
 # latency: llama-1b bf16 (dummy weights), 128-token prompts, 64 tokens, batch
 #   1 and 32, greedy_in_graph off then on then off (one engine each; at most
 #   4.5 min); profile: cProfile of the runner's calls at batch 1, off and on
-#   (at most 1.5 min); tests: tests/gpu/test_greedy_graph.py and the CPU
+#   (at most 1.5 min); tests: tests/gpu/test_greedy_graph_cuda.py and the CPU
 #   tests on CUDA (at most 2 min).
 set -u
 OUT=${OUT:-benchmarks/results/host/greedy-graph}
@@ -30,7 +30,7 @@ profile() {
 }
 tests() {
     ASYNCSTEP_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_greedy_graph.py tests/runner/test_greedy_graph.py > "$OUT/gpu_tests.txt" 2>&1
+        tests/gpu/test_greedy_graph_cuda.py tests/runner/test_greedy_graph.py > "$OUT/gpu_tests.txt" 2>&1
     tail -5 "$OUT/gpu_tests.txt"
 }
 case "${1:-}" in

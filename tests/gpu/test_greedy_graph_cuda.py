@@ -1,8 +1,8 @@
 """On a CUDA device: greedy sampling inside the FULL decode graph
 (``greedy_in_graph``, :mod:`asyncstep.runner.greedy_graph`) in real CUDA
 graphs: the captured argmax is the sampler's over bf16 logits of llama's
-vocabulary (ties to the lowest id), a host copy of the ids on the copy
-stream reads them before the next replay rewrites them, and the engine
+vocabulary (ties to the lowest id), the host copy of the ids reads them
+before the next replay rewrites them, and the engine
 gives the tokens and log-probs of ``greedy_in_graph`` off (tiny-llama and
 llama-1b's shape, dummy weights, async scheduling on and off). Skipped
 without CUDA; run on the GPU machine with ``ASYNCSTEP_TEST_DEVICE=cuda``."""
@@ -19,6 +19,7 @@ from asyncstep.datatypes import SamplingParams
 from asyncstep.device.cuda_graph import GraphPool, capture_graph
 from asyncstep.models.model_loader import load_model
 from asyncstep.runner.greedy_graph import GreedyGraphIds
+from asyncstep.runner.host_copy import copy_to_host_in_order
 from asyncstep.runner.sampler import Sampler, SamplingMetadata
 from tests.runner.test_greedy_graph import run_engine_mixed
 
@@ -47,28 +48,25 @@ def test_the_captured_argmax_is_the_samplers_on_bf16_logits(rows: int) -> None:
         assert want[0] == 5 and want[-1] == (1000 if rows > 1 else 5)
 
 
-def test_the_next_replay_waits_for_the_copy_of_the_ids() -> None:
-    """The copy stream still busy (a sleep) when the graph replays again:
-    the copy reads the first replay's ids, not the second's."""
+def test_the_host_copy_reads_the_ids_before_the_next_replay_rewrites_them() -> None:
+    """The device still busy (a sleep) when the host enqueues the copy and
+    the next replay: the copy, in order on the compute stream, reads the
+    first replay's ids, not the second's."""
     cuda = torch.device("cuda")
     value = torch.zeros(1, 8, device=cuda)
     greedy = GreedyGraphIds(4, cuda)
     graph = capture_graph(greedy.wrap(lambda: value * 1, 1), GraphPool(cuda))
-    copy_stream = torch.cuda.Stream(cuda)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s on an H100's clock
     value[0, 3] = 1.0
     graph.replay()
-    copy_stream.wait_stream(torch.cuda.current_stream(cuda))
-    host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-    with torch.cuda.stream(copy_stream):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s on an H100's clock
-        host.copy_(greedy.ids[:1], non_blocking=True)
-    greedy.read_on(copy_stream)
+    (host,), event = copy_to_host_in_order([greedy.ids[:1]], cuda)
     value.zero_()
     value[0, 6] = 1.0
-    greedy.before_replay()
     graph.replay()
+    event.synchronize()
+    assert host.tolist() == [3]
     torch.cuda.synchronize()
-    assert host.tolist() == [3] and greedy.ids[:1].tolist() == [6]
+    assert greedy.ids[:1].tolist() == [6]
 
 
 @pytest.mark.trio
