@@ -69,6 +69,7 @@ TIMED: dict[str, tuple[Any, str]] = {
     "sampling_metadata": (InputBatch, "sampling_metadata"),
     "sampler": (Sampler, "__call__"),
     "copy_to_host": (step_sampling_module, "copy_to_host"),
+    "copy_to_host_in_order": (step_sampling_module, "copy_to_host_in_order"),
     "get_output": (AsyncModelRunnerOutput, "get_output"),
     "update_from_output": (Scheduler, "update_from_output"),
 }
