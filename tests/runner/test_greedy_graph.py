@@ -3,26 +3,43 @@
 ties included; a runner with it on gives the tokens and log-probs of one
 with it off, step by step, through mixed batches (greedy and sampled
 requests, a request with log-probs joining, requests finishing, aborted,
-preempted), synchronous, async and pipelined; and the engine on the Triton
-kernels (interpreted on the CPU, the graphs' stand-in) the same tokens."""
+preempted), synchronous, async and pipelined; a step with a grammar
+bitmask samples the masked logits; and the engine on the Triton kernels
+(interpreted on the CPU, the graphs' stand-in) the same tokens."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
 import asyncstep
 from asyncstep import SamplingParams
+from asyncstep.config import CacheConfig, SchedulerConfig
+from asyncstep.datatypes import GrammarOutput, ModelRunnerOutput
+from asyncstep.engine.core.request import Request
+from asyncstep.engine.core.scheduler import Scheduler
 from asyncstep.models.model_loader import LoadedModel
+from asyncstep.runner import model_runner as model_runner_module
+from asyncstep.runner.cudagraph_runner import CudaGraphRunner
 from asyncstep.runner.greedy_graph import GreedyGraphIds, takes_graph_ids
 from asyncstep.runner.sampler import Sampler, SamplingMetadata
 from asyncstep.runner.step_sampling import StepSampling
 from tests.engine.test_engine import generate_all
 from tests.runner.test_cudagraph import STAND_IN
-from tests.runner.test_step_inputs import VOCAB, Scenario, run_lockstep
+from tests.runner.test_step_inputs import (
+    BLOCK,
+    MAX_MODEL_LEN,
+    VOCAB,
+    Scenario,
+    _any_mode,
+    _full_stub,
+    make_runner,
+    run_lockstep,
+)
 
 
 def test_the_graphs_argmax_is_the_samplers_ties_to_the_lowest_id() -> None:
@@ -107,6 +124,44 @@ def test_the_graphs_argmax_gives_the_samplers_tokens_step_by_step(
     taken = _count_graph_steps(monkeypatch)
     run_lockstep(tiny_model, scenario)
     assert taken[0] >= 10
+
+
+def test_a_step_with_a_grammar_samples_the_masked_logits(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A greedy request's FULL decode steps: the first takes the graph's
+    argmax; those with a grammar bitmask (one token allowed, not the
+    argmax) sample the masked logits instead."""
+    monkeypatch.setattr(model_runner_module, "resolve_cudagraph_mode", _any_mode)
+    monkeypatch.setattr(CudaGraphRunner, "run", _full_stub)
+    runner = make_runner(
+        tiny_model, Scenario("sync", "FULL_AND_PIECEWISE", 2, 16, 24, False, []), fast=True
+    )
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=2),
+        CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        24,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sched.add_request(Request("r0", [5, 6, 7], params))
+    vocab = tiny_model.model.config.vocab_size
+    tokens = []
+    for step in range(5):
+        so = sched.schedule()
+        assert runner.execute_model(so) is None
+        grammar = None
+        if step >= 2:
+            words = np.zeros(-(-vocab // 32), dtype="<i4")
+            words[0] = 1 << (3 + step)  # token 3 + step alone
+            grammar = GrammarOutput(so.step_id, ["r0"], words.tobytes())
+        out = runner.sample_tokens(grammar)
+        assert isinstance(out, ModelRunnerOutput)
+        tokens.append(out.sampled_token_ids[0][0])
+        sched.update_from_output(so, out)
+    assert tokens[2:] == [5, 6, 7]
+    assert runner.step_inputs.cudagraph_steps["FULL"] == 4
+    assert runner.sampling.num_graph_greedy_steps == 1
 
 
 PROMPTS = [[9, 8, 7, 6, 5, 4, 3, 2, 1], [42], [5] * 20]
