@@ -527,6 +527,14 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
             choices=GPU_Q4_ACTIVATIONS,
         ),
     ] = "float"
+    greedy_in_graph: Annotated[
+        bool,
+        _doc(
+            "one-token decode CUDA graphs end with the argmax of their logits: a step whose"
+            " requests are all greedy without log-probs, penalties, logit bias, grammar or"
+            " drafts takes its tokens from there (the same tokens; no sampler kernels)"
+        ),
+    ] = True
     enable_ubatching: Annotated[
         bool,
         _doc("split large steps into two micro-batches (TP communication overlaps compute)"),

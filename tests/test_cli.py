@@ -432,6 +432,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "fused_kernels": ([], False),
     "fused_decode": ([], False),
     "gpu_q4_activations": (["int8"], "int8"),
+    "greedy_in_graph": ([], False),
     "enable_ubatching": ([], True),
     "ubatch_decode_threshold": (["16"], 16),
     "ubatch_prefill_threshold": (["256"], 256),

@@ -15,6 +15,8 @@ requests seq_len 0 with an empty query range), and the graph replays.
   position's; padding rows' logits are garbage): the LM head is then no
   eager launch of its own. Its attention runs on the step's device
   metadata: any batch of at most its tokens and requests runs right in it.
+  With ``greedy_in_graph``, a one-token decode graph also ends with the
+  argmax of its logits (:mod:`asyncstep.runner.greedy_graph`).
 * PIECEWISE: the forward is cut at each attention: graph 0 runs up to the
   first layer's q/k/v, graph i from layer i-1's attention output to layer i's
   q/k/v, the last graph to the stage's output. Attention runs eagerly in
@@ -46,6 +48,7 @@ from asyncstep.runner.cudagraph_dispatcher import (
     CudagraphDispatcher,
     CUDAGraphMode,
 )
+from asyncstep.runner.greedy_graph import GreedyGraphIds
 from asyncstep.runner.staging import StagedArena
 
 __all__ = ["CudaGraphRunner", "HostInputs"]
@@ -103,7 +106,10 @@ class CudaGraphRunner:
         max_num_reqs: int,
         max_blocks_per_req: int,
         stand_in: bool = False,
+        greedy_in_graph: bool = False,
     ) -> None:
+        """``greedy_in_graph``: one-token decode graphs end with the argmax
+        of their logits (:attr:`greedy`)."""
         self.model = model
         self.dispatcher = dispatcher
         self.device, self.dtype = device, dtype
@@ -151,6 +157,10 @@ class CudaGraphRunner:
         #: The FULL graphs that end with the logits (uniform decode, last stage).
         self.logits_graphs: set[BatchDescriptor] = set()
         self.piecewise_graphs: dict[BatchDescriptor, list[Graph[StageOutput | None]]] = {}
+        #: The ids the greedy graphs write (None: ``greedy_in_graph`` off),
+        #: and those graphs.
+        self.greedy = GreedyGraphIds(n, device) if greedy_in_graph else None
+        self.greedy_graphs: set[BatchDescriptor] = set()
         #: The block table whose rows the staged block table holds (up to
         #: the rows it has marked as changed since), if any.
         self._staged_block_table: BlockTable | None = None
@@ -253,6 +263,13 @@ class CudaGraphRunner:
         """:meth:`run` of ``(mode, desc)`` returns logits, not hidden states."""
         return mode is CUDAGraphMode.FULL and desc in self.logits_graphs
 
+    def greedy_ids(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> torch.Tensor | None:
+        """The argmax per token row that :meth:`run` of ``(mode, desc)``
+        writes, or None when that graph writes none."""
+        if self.greedy is None or mode is not CUDAGraphMode.FULL or desc not in self.greedy_graphs:
+            return None
+        return self.greedy.ids[: desc.num_tokens]
+
     def run(
         self, mode: CUDAGraphMode, desc: BatchDescriptor, meta: AttentionMetadata | None
     ) -> StageOutput:
@@ -315,9 +332,28 @@ class CudaGraphRunner:
                 return self.model.compute_logits(out)
             return out
 
-        self.full_graphs[desc] = capture_graph(forward, self.pool)
+        self.full_graphs[desc] = capture_graph(self._with_greedy(forward, desc), self.pool)
         if with_logits:
             self.logits_graphs.add(desc)
+
+    def _with_greedy(
+        self, forward: Callable[[], StageOutput], desc: BatchDescriptor
+    ) -> Callable[[], StageOutput]:
+        """``forward`` of a FULL graph, ending with its logits' argmax when
+        it is a one-token decode graph to the logits and ``greedy_in_graph``
+        is on."""
+        greedy = self.greedy
+        one_token = desc.uniform_decode and desc.num_tokens == desc.num_reqs
+        if greedy is None or not one_token or self.model.lm_head is None:
+            return forward
+        self.greedy_graphs.add(desc)
+
+        def logits() -> torch.Tensor:
+            out = forward()
+            assert isinstance(out, torch.Tensor)
+            return out
+
+        return greedy.wrap(logits, desc.num_tokens)
 
     def _cut_views(self, num_tokens: int) -> _Cut:
         b, rows = self._cut_buffers, self._rows(num_tokens)
@@ -358,6 +394,7 @@ class CudaGraphRunner:
         """Drop every graph (their pool memory goes back to the allocator)."""
         self.full_graphs.clear()
         self.logits_graphs.clear()
+        self.greedy_graphs.clear()
         self.piecewise_graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

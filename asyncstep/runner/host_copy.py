@@ -1,7 +1,9 @@
 """Device-to-host copies that do not block the host: the sampled tokens'
 (:mod:`asyncstep.runner.async_output`) and the prompt log-probs'
-(:mod:`asyncstep.runner.prompt_logprobs`). May import torch and
-:mod:`asyncstep.device`.
+(:mod:`asyncstep.runner.prompt_logprobs`), on the copy stream
+(:func:`copy_to_host`), or on the compute stream, in order with its work
+(:func:`copy_to_host_in_order`: the FULL graphs' greedy ids, which the next
+replay rewrites). May import torch and :mod:`asyncstep.device`.
 """
 
 from __future__ import annotations
@@ -29,3 +31,19 @@ def copy_to_host(
             host.copy_(tensor, non_blocking=True)
             hosts.append(host)
     return hosts, record_event(copy_stream.device, copy_stream)
+
+
+def copy_to_host_in_order(
+    tensors: list[torch.Tensor], device: torch.device
+) -> tuple[list[torch.Tensor], StreamEvent]:
+    """:func:`copy_to_host` on ``device``'s current stream: after the work
+    enqueued so far, before any enqueued later (which may then overwrite
+    ``tensors``); no stream switch. On the CPU: the tensors themselves."""
+    if device.type != "cuda":
+        return tensors, record_event(None)
+    hosts = []
+    for tensor in tensors:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        hosts.append(host)
+    return hosts, record_event(device)

@@ -304,6 +304,7 @@ class ModelRunner:
             max_num_reqs=self.input_batch.max_num_reqs,
             max_blocks_per_req=self.input_batch.block_table.max_num_blocks_per_req,
             stand_in=self._graph_stand_in,
+            greedy_in_graph=self.step_inputs.compilation.greedy_in_graph,
         )
         self.step_inputs.graph_runner = self.graph_runner
         with torch.inference_mode(), reference_attention_backends():
@@ -411,6 +412,8 @@ class ModelRunner:
         if inputs.spec_decode_metadata is not None:
             self.execute_model_state.spec_decode_metadata = inputs.spec_decode_metadata
             self.execute_model_state.logits_indices = inputs.spec_decode_metadata.last_token_indices
+        else:
+            self.execute_model_state.greedy_ids = self._graph_greedy_ids(inputs)
         return None
 
     def _write_drafts(self, spec_tokens: dict[str, list[int]]) -> None:
@@ -422,6 +425,14 @@ class ModelRunner:
             row = batch.req_id_to_index[req_id]
             start = int(batch.num_tokens[row])
             batch.token_ids_cpu[row, start : start + len(drafts)] = drafts
+
+    def _graph_greedy_ids(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The argmax of each sampling row's logits, when the step's graph
+        computed it (:mod:`~asyncstep.runner.greedy_graph`)."""
+        if self.graph_runner is None:
+            return None
+        ids = self.graph_runner.greedy_ids(inputs.cudagraph_mode, inputs.batch_descriptor)
+        return None if ids is None else ids[inputs.logits_indices]
 
     def _graph_computed_logits(self, inputs: StepInputs) -> bool:
         return self.graph_runner is not None and self.graph_runner.computes_logits(

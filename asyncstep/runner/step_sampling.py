@@ -27,13 +27,21 @@ from asyncstep.ops.torch_attention import reference_attention_backends
 from asyncstep.runner.async_output import AsyncModelRunnerOutput, host_logprobs
 from asyncstep.runner.draft_model import DraftModel
 from asyncstep.runner.grammar_bitmask import GrammarBitmask
-from asyncstep.runner.host_copy import copy_to_host
+from asyncstep.runner.greedy_graph import takes_graph_ids
+from asyncstep.runner.host_copy import copy_to_host, copy_to_host_in_order
 from asyncstep.runner.input_batch import InputBatch
 from asyncstep.runner.logits_processing import LogitsProcessing, TokenHistory
 from asyncstep.runner.persistent_batches import PersistentBatches
 from asyncstep.runner.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, target_probs
 from asyncstep.runner.sampled_tokens import SampledTokens
-from asyncstep.runner.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from asyncstep.runner.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    compute_logprobs,
+    gather_logprobs,
+)
 from asyncstep.runner.seeded_drafts import generator_states, seeded_tokens
 from asyncstep.runner.spec_decode_metadata import to_device
 from asyncstep.runner.step_state import ExecuteModelState, StepTimings
@@ -66,6 +74,8 @@ class StepSampling:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self._grammar_bitmask: GrammarBitmask | None = None  # built by the first grammar
+        #: Steps whose tokens came from their FULL graph's argmax.
+        self.num_graph_greedy_steps = 0
 
     @property
     def input_batch(self) -> InputBatch:
@@ -86,6 +96,7 @@ class StepSampling:
         t0 = time.perf_counter()
         spec = state.spec_decode_metadata
         if grammar_output is not None:
+            state.greedy_ids = None  # (the argmax of the unmasked logits)
             if self._grammar_bitmask is None:
                 self._grammar_bitmask = GrammarBitmask(self.device)
             if spec is not None:  # a row per draft position and the bonus position
@@ -141,7 +152,11 @@ class StepSampling:
         seeded = {}
         if spec is not None and metadata.processing is None:
             seeded = generator_states(metadata.generators, spec.num_draft_tokens)
-        result = self.sampler(state.logits, metadata, history)
+        graph_ids = self._graph_greedy_ids(state, metadata)
+        if graph_ids is not None:
+            result = SamplerOutput(sampled_token_ids=graph_ids, logprobs_tensors=None)
+        else:
+            result = self.sampler(state.logits, metadata, history)
         sampled = result.sampled_token_ids
         if spec is not None:
             sampled = self._verify_drafts(state, sampled)
@@ -157,12 +172,30 @@ class StepSampling:
             lp, positions = self._spec_logprobs(state, sampled, metadata.max_num_logprobs)
         if lp is not None:
             tensors += [lp.logprob_token_ids, lp.logprobs, lp.selected_token_ranks]
-        hosts, copy_event = copy_to_host(tensors, self._copy_stream)
+        if graph_ids is not None:  # (the next replay rewrites them: copied in order)
+            hosts, copy_event = copy_to_host_in_order(tensors, self.device)
+        else:
+            hosts, copy_event = copy_to_host(tensors, self._copy_stream)
         logprobs = None
         if lp is not None:
             asked = [self.input_batch.sampling_params[row].logprobs for row in rows]  # type: ignore[union-attr]
             logprobs = host_logprobs(hosts[1:], asked, positions)
         return AsyncModelRunnerOutput(state.req_ids, rows, hosts[0], copy_event, logprobs)
+
+    def _graph_greedy_ids(
+        self, state: ExecuteModelState, metadata: SamplingMetadata
+    ) -> torch.Tensor | None:
+        """The step's tokens as its FULL graph's argmax computed them, when
+        the step samples that (:func:`takes_graph_ids`; no draft tokens, no
+        grammar: ``sample_tokens`` dropped the ids then); else None."""
+        if state.greedy_ids is None or state.spec_decode_metadata is not None:
+            return None
+        if not takes_graph_ids(metadata):
+            return None
+        self.num_graph_greedy_steps += 1
+        if self.device.type != "cuda":  # the host "copy" is the tensor: not the buffer
+            return state.greedy_ids.clone()
+        return state.greedy_ids
 
     def _spec_logprobs(
         self, state: ExecuteModelState, output: torch.Tensor, num_logprobs: int | None

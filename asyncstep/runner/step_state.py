@@ -53,6 +53,9 @@ class ExecuteModelState:
     #: and every row (draft and bonus positions, masked by a grammar; log-probs).
     target_logits: torch.Tensor | None = None
     spec_logits: torch.Tensor | None = None
+    #: The argmax of each ``logits`` row, computed by the step's FULL graph
+    #: (:mod:`~asyncstep.runner.greedy_graph`); None: the graph did not.
+    greedy_ids: torch.Tensor | None = None
 
 
 @dataclass

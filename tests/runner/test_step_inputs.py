@@ -73,9 +73,12 @@ def _full_stub(self: CudaGraphRunner, mode: CUDAGraphMode, desc: Any, meta: Any)
     n = desc.num_tokens
     hidden, _ = self.model.model.begin(self.input_ids[:n], None)
     scale = 1.0 + (self.positions[:n] % 5).unsqueeze(-1) + (self.slot_mapping[:n] % 3).unsqueeze(-1)
-    if self.computes_logits(mode, desc):  # a uniform decode graph ends with the LM head
-        return self.model.compute_logits(hidden * scale)
-    return hidden * scale
+    if not self.computes_logits(mode, desc):
+        return hidden * scale
+    logits = self.model.compute_logits(hidden * scale)  # a uniform decode graph's LM head
+    if self.greedy is not None and desc in self.greedy_graphs:  # and its argmax
+        return self.greedy.wrap(lambda: logits, n)()
+    return logits
 
 
 _real_run = CudaGraphRunner.run
@@ -104,10 +107,18 @@ class Scenario:
     #: Block tables of up to this many entries are staged whole (0: only the
     #: changed rows, as long contexts are).
     small_table: int = 0
+    #: The runners compared: ``fast_paths`` on and off, or (``greedy``) the
+    #: graphs' argmax (``greedy_in_graph``) on and off, fast paths on.
+    compare: str = "fast_paths"
 
 
 def make_runner(
-    loaded: LoadedModel, scenario: Scenario, *, fast: bool, model: Any = None
+    loaded: LoadedModel,
+    scenario: Scenario,
+    *,
+    fast: bool,
+    model: Any = None,
+    greedy_in_graph: bool = True,
 ) -> ModelRunner:
     async_scheduling, _, num_batches = MODES[scenario.mode]
     runner = ModelRunner(
@@ -118,7 +129,11 @@ def make_runner(
         max_num_reqs=scenario.max_num_seqs,
         block_size=BLOCK,
         async_scheduling=async_scheduling,
-        compilation=CompilationConfig(cudagraph_mode=scenario.graphs, attention_backend="torch"),
+        compilation=CompilationConfig(
+            cudagraph_mode=scenario.graphs,
+            attention_backend="torch",
+            greedy_in_graph=greedy_in_graph,
+        ),
         max_num_batched_tokens=scenario.budget,
         graph_stand_in=scenario.graphs != "NONE",
         num_input_batches=num_batches,
@@ -240,7 +255,11 @@ def run_lockstep(loaded: LoadedModel, scenario: Scenario) -> int:
 def _run_lockstep(loaded: LoadedModel, scenario: Scenario) -> int:
     async_scheduling, depth, _ = MODES[scenario.mode]
     fast = make_runner(loaded, scenario, fast=True)
-    slow = make_runner(loaded, scenario, fast=False, model=copy.deepcopy(loaded.model))
+    model = copy.deepcopy(loaded.model)
+    if scenario.compare == "greedy":
+        slow = make_runner(loaded, scenario, fast=True, model=model, greedy_in_graph=False)
+    else:
+        slow = make_runner(loaded, scenario, fast=False, model=model)
     recorders = Recorder(fast), Recorder(slow)
     steady_steps = 0  # steps whose update moved no row
     update_states = fast.batches.update

@@ -49,6 +49,7 @@ async def run(args: argparse.Namespace) -> None:
         max_model_len=args.prompt_len + 64,
         max_num_seqs=args.batch,
         engine_process=False,  # the runner in this process, where the profiler is
+        greedy_in_graph=args.greedy_in_graph,
     ) as engine:
         rng = random.Random(0)
         vocab = engine.arch_config.vocab_size
@@ -69,6 +70,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--greedy-in-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the FULL decode graphs' argmax (issue 43); off: the sampler's",
+    )
     parser.add_argument(
         "--skip", type=int, help="calls left out first (default: the prefill steps and one more)"
     )
