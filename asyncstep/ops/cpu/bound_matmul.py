@@ -1,9 +1,9 @@
 """What the CPU library's dense matmuls share on the Python side
 (:mod:`~asyncstep.ops.cpu.dense`, :mod:`~asyncstep.ops.cpu.dense_f32`): the
 kernel bound through ctypes (one struct of 8-byte fields in, 0 back on
-success), the build it runs (``<kernel>_isa()``), the fields every such
-struct starts and ends with, and the library loaded on first use.
-Imports torch and the library's loader only.
+success: ``self._kernel(args)``, called directly, no layer per call), the
+build it runs (``<kernel>_isa()``), and the library loaded on first use.
+Imports the library's loader only.
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ import ctypes
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-import torch
-
 from asyncstep.ops.cpu.library import load_cpu_kernels
 
-__all__ = ["BoundMatmul", "bind_matmul", "run_fields", "weight_fields"]
+__all__ = ["BoundMatmul", "bind_matmul"]
 
 Matmul = TypeVar("Matmul", bound="BoundMatmul")
 
@@ -35,22 +33,6 @@ class BoundMatmul:
         #: every build but plain C); select_ops makes it the default where
         #: it is.
         self.fast = self.isa != "plain C"
-
-    def _launch(self, args: bytes) -> bool:
-        """Run the kernel on ``args`` (its packed struct); whether it succeeded."""
-        return int(self._kernel(args)) == 0
-
-
-def weight_fields(weight: torch.Tensor) -> tuple[int, int, int, int]:
-    """The fields an args struct starts with: ``weight`` ``[N, K]``'s
-    address, N, K and its row stride."""
-    return weight.data_ptr(), weight.shape[0], weight.shape[1], weight.stride(0)
-
-
-def run_fields(x: torch.Tensor) -> tuple[int, int]:
-    """The fields an args struct ends with: ``x``'s row count and the
-    threads to run (torch's count)."""
-    return x.shape[0], torch.get_num_threads()
 
 
 def bind_matmul(matmul: Callable[[ctypes.CDLL], Matmul]) -> Matmul | None:

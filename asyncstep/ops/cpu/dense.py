@@ -16,7 +16,7 @@ import struct
 
 import torch
 
-from asyncstep.ops.cpu.bound_matmul import BoundMatmul, bind_matmul, run_fields, weight_fields
+from asyncstep.ops.cpu.bound_matmul import BoundMatmul, bind_matmul
 
 __all__ = ["CpuDenseMatmul", "dense_matmul"]
 
@@ -57,16 +57,20 @@ class CpuDenseMatmul(BoundMatmul):
             raise ValueError("the CPU library's matmul takes CPU tensors")
         out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
         args = _ARGS.pack(
-            *weight_fields(weight),
+            weight.data_ptr(),
+            weight.shape[0],
+            weight.shape[1],
+            weight.stride(0),
             x.data_ptr(),
             _DTYPES[x.dtype],
             x.stride(0),
             out.data_ptr(),
             _DTYPES[out_dtype],
             out.stride(0),
-            *run_fields(x),
+            x.shape[0],
+            torch.get_num_threads(),
         )
-        if not self._launch(args):
+        if self._kernel(args) != 0:
             raise MemoryError("the dense matmul found no scratch memory")
         return out
 

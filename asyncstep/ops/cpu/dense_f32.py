@@ -16,7 +16,7 @@ import struct
 
 import torch
 
-from asyncstep.ops.cpu.bound_matmul import BoundMatmul, bind_matmul, run_fields, weight_fields
+from asyncstep.ops.cpu.bound_matmul import BoundMatmul, bind_matmul
 
 __all__ = ["CpuDenseF32Matmul", "dense_f32_matmul", "takes_float32"]
 
@@ -52,14 +52,18 @@ class CpuDenseF32Matmul(BoundMatmul):
             )
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
         args = _ARGS.pack(
-            *weight_fields(weight),
+            weight.data_ptr(),
+            weight.shape[0],
+            weight.shape[1],
+            weight.stride(0),
             x.data_ptr(),
             x.stride(0),
             out.data_ptr(),
             out.stride(0),
-            *run_fields(x),
+            x.shape[0],
+            torch.get_num_threads(),
         )
-        if not self._launch(args):
+        if self._kernel(args) != 0:
             raise ValueError("the float32 matmul refused its shapes")
         return out
 
