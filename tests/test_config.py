@@ -142,9 +142,9 @@ def test_the_cpu_step_budget_follows_the_cpus_bfloat16(
 ) -> None:
     """Where the CPU multiplies bfloat16 a step's tokens cost far less than in
     float32 (``benchmarks/studies/cpu_step_budget/README.md``): a larger budget."""
-    from asyncstep import config as config_module
+    from asyncstep.config import scheduler
 
-    monkeypatch.setattr(config_module, "cpu_has_bf16", lambda: native)
+    monkeypatch.setattr(scheduler, "cpu_has_bf16", lambda: native)
     want = CPU_MAX_NUM_BATCHED_TOKENS if native else CPU_FLOAT32_MAX_NUM_BATCHED_TOKENS
     assert cpu_max_num_batched_tokens() == want
     config = asyncstep.make_config()

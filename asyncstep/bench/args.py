@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from asyncstep.bench.results import Case, Column, Result, make_result, print_table, write
 from asyncstep.config import EngineConfig, EngineOption
 from asyncstep.errors import OneLineParser
 from asyncstep.server.config import ServerConfig, server_options
@@ -91,6 +92,33 @@ class BenchArgs:
         """The mode's own flags (not the engine's), as JSON takes them."""
         skip = _engine_dests(self.cli, self.mode) | {"mode"}
         return {k: _plain(v) for k, v in sorted(vars(self.args).items()) if k not in skip}
+
+    def publish(
+        self,
+        started: str,
+        *,
+        engine: EngineConfig | None,
+        cases: list[Case],
+        extra: dict[str, Any],
+        columns: Sequence[Column],
+        title: str,
+    ) -> Result:
+        """The run's record (:func:`~asyncstep.bench.results.make_result`:
+        this mode, its arguments and :meth:`options`), written to
+        ``--output-json`` where one is given, then printed as a table of
+        ``columns`` under ``title``."""
+        result = make_result(
+            self.mode,
+            self.argv,
+            started,
+            engine=engine,
+            options=self.options(),
+            cases=cases,
+            extra=extra,
+        )
+        write(result, self.args.output_json)
+        print_table(result, columns, title)
+        return result
 
 
 def _plain(value: Any) -> Any:

@@ -46,13 +46,10 @@ from asyncstep.bench.results import (
     Case,
     Column,
     finite,
-    make_result,
     median,
     now,
     percentile,
-    print_table,
     ratio,
-    write,
 )
 from asyncstep.bench.workload import random_prompts
 from asyncstep.config import EngineConfig
@@ -238,16 +235,13 @@ def run(bench: BenchArgs) -> int:
         extra["weight_reads"] = reads
     if hf:
         extra["hf"] = hf_options(args, config).label
-    result = make_result(
-        "latency",
-        bench.argv,
+    summary = ", ".join(f"{k} {v}" for k, v in extra["summary"].items())
+    bench.publish(
         started,
         engine=config,
-        options=bench.options(),
         cases=cases,
         extra=extra,
+        columns=COLUMNS,
+        title=f"asyncstep bench latency: {summary}",
     )
-    write(result, args.output_json)
-    summary = ", ".join(f"{k} {v}" for k, v in extra["summary"].items())
-    print_table(result, COLUMNS, f"asyncstep bench latency: {summary}")
     return 0

@@ -56,7 +56,7 @@ from asyncstep.bench.client import (
     run_load,
 )
 from asyncstep.bench.common import configure, progress
-from asyncstep.bench.results import Case, Column, make_result, now, percentile, print_table, write
+from asyncstep.bench.results import Case, Column, now, percentile
 from asyncstep.bench.workload import Request, workload
 from asyncstep.config import EngineConfig
 from asyncstep.engine.front_end.api import open_engine
@@ -372,18 +372,15 @@ def run(bench: BenchArgs) -> int:
         extra["http_over_in_process"] = {
             k: v / w for k, v in a.items() if (w := b.get(k)) and v is not None
         }
-    result = make_result(
-        "serve",
-        bench.argv,
+    where = args.base_url or "a server started here"
+    bench.publish(
         started,
         engine=config,
-        options=bench.options(),
         cases=cases,
         extra=extra,
+        columns=COLUMNS,
+        title=f"asyncstep bench serve: {where}, {config.model.model or ''}",
     )
-    write(result, args.output_json)
-    where = args.base_url or "a server started here"
-    print_table(result, COLUMNS, f"asyncstep bench serve: {where}, {config.model.model or ''}")
     for name, found in errors.items():
         for error in found:
             progress(f"  {name} error: {error}")

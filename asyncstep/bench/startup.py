@@ -36,7 +36,7 @@ import msgspec
 
 from asyncstep.bench.args import BenchArgs
 from asyncstep.bench.common import configure, progress
-from asyncstep.bench.results import Case, Column, make_result, now, print_table, write
+from asyncstep.bench.results import Case, Column, now
 from asyncstep.errors import AsyncstepError
 from asyncstep.models.model_info import describe_model
 
@@ -212,17 +212,14 @@ def run(bench: BenchArgs) -> int:
     if args.timeline:
         tokenizer = describe_model(bench.engine_config().model).tokenizer is not None
         extra["timeline"] = timeline(generate_argv(bench.engine_argv, tokenizer))
-    result = make_result(
-        "startup",
-        bench.argv,
+    bench.publish(
         started,
         engine=bench.engine_config(),
-        options=bench.options(),
         cases=found,
         extra=extra,
+        columns=COLUMNS,
+        title=f"asyncstep bench startup ({args.repeats} runs per case)",
     )
-    write(result, args.output_json)
-    print_table(result, COLUMNS, f"asyncstep bench startup ({args.repeats} runs per case)")
     if extra.get("timeline"):
         progress("start-up timeline of one generate (s from its process's start):")
         for row in extra["timeline"]:

@@ -44,11 +44,8 @@ from asyncstep.bench.results import (
     Case,
     Column,
     finite,
-    make_result,
     now,
-    print_table,
     ratio,
-    write,
 )
 from asyncstep.bench.workload import Request, workload
 from asyncstep.config import EngineConfig
@@ -228,16 +225,13 @@ def run(bench: BenchArgs) -> int:
     extra: dict[str, Any] = {"summary": engine_summary(config)}
     if found is not None:
         extra["bandwidth_tb_s"] = found / 1e12
-    result = make_result(
-        "throughput",
-        bench.argv,
+    summary = ", ".join(f"{k} {v}" for k, v in extra["summary"].items())
+    bench.publish(
         started,
         engine=config,
-        options=bench.options(),
         cases=[case],
         extra=extra,
+        columns=COLUMNS,
+        title=f"asyncstep bench throughput: {summary}",
     )
-    write(result, args.output_json)
-    summary = ", ".join(f"{k} {v}" for k, v in extra["summary"].items())
-    print_table(result, COLUMNS, f"asyncstep bench throughput: {summary}")
     return 0

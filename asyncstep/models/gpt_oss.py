@@ -112,10 +112,11 @@ class GptOssAttention(LlamaAttention):
 
 class GptOssMLP(MoeMLP):
     """gpt-oss's feed-forward: a sparse MoE block whose router and experts
-    carry biases, its top-k weights never renormalised."""
+    carry biases (its top-k weights never renormalised: the config's
+    ``norm_topk_prob`` is False, the softmax of the top-k logits sums to
+    one)."""
 
     biased = True
-    renormalizes = False
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):

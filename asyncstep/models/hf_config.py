@@ -331,7 +331,7 @@ def _hf_moe(cfg: Mapping[str, Any], family: str, intermediate_size: int) -> dict
 
 def _hf_gpt_oss_moe(cfg: Mapping[str, Any], intermediate_size: int) -> dict[str, Any]:
     """gpt-oss's experts: ``num_local_experts`` of ``intermediate_size``, the
-    router's top-k logits softmaxed, swigluoai with transformers' constants
+    router's top-k logits softmaxed (never renormalised), swigluoai with transformers' constants
     (the ops compute no others); MXFP4 experts (``quantization_config``'s
     ``quant_method`` "mxfp4", sizes multiples of 32) dequantized at load,
     any other quantization refused."""
@@ -365,6 +365,7 @@ def _hf_gpt_oss_moe(cfg: Mapping[str, Any], intermediate_size: int) -> dict[str,
         "num_experts_per_tok": top_k,
         "moe_intermediate_size": intermediate_size,
         "scoring_func": "topk_softmax",
+        "norm_topk_prob": False,  # (the top-k logits' softmax sums to one)
         "moe_activation": "swigluoai",
         "experts_mxfp4": mxfp4,
     }

@@ -91,15 +91,12 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 class MoeMLP(SparseMoeBlock):
     """A MoE layer's feed-forward built from the model config (in
     :class:`~asyncstep.models.llama.LlamaMLP`'s place, with its arguments):
-    the config's experts, router scoring, ``norm_topk_prob`` and expert
-    activation. A family whose block differs sets :attr:`biased` /
-    :attr:`renormalizes`."""
+    the config's experts, router scoring, ``norm_topk_prob`` (whether the
+    top-k weights are renormalised) and expert activation. A family whose
+    block carries biases sets :attr:`biased`."""
 
     #: Whether the router and the experts carry biases (gpt-oss's).
     biased: bool = False
-    #: Whether the top-k weights are renormalised where the config's
-    #: ``norm_topk_prob`` says (gpt-oss's never are).
-    renormalizes: bool = True
 
     def __init__(
         self,
@@ -113,7 +110,7 @@ class MoeMLP(SparseMoeBlock):
             config.num_experts_per_tok,
             config.hidden_size,
             config.moe_intermediate_size,
-            renormalize=self.renormalizes and config.norm_topk_prob,
+            renormalize=config.norm_topk_prob,
             scoring_func=config.scoring_func,
             sequence_parallel=sequence_parallel,
             params_dtype=dtype,

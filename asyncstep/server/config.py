@@ -15,7 +15,7 @@ from typing import Annotated
 
 import msgspec
 
-from asyncstep.config import EngineOption, config_error, struct_options
+from asyncstep.config import EngineOption, config_error, field_doc, struct_options
 from asyncstep.errors import ConfigError
 
 #: Where the API key may come from instead of a command line (which every
@@ -39,31 +39,29 @@ WAITING_BATCHES = 4
 NO_WAITING_LIMIT = -1
 
 
-def _doc(description: str) -> msgspec.Meta:
-    return msgspec.Meta(description=description)
-
-
 class ServerConfig(msgspec.Struct, kw_only=True):
     """How ``asyncstep serve`` listens and what it accepts."""
 
     host: Annotated[
-        str, _doc("address to listen on (loopback by default; 0.0.0.0: every interface)")
+        str, field_doc("address to listen on (loopback by default; 0.0.0.0: every interface)")
     ] = "127.0.0.1"
-    port: Annotated[int, _doc("port to listen on (0: any free port, printed when ready)")] = 8000
+    port: Annotated[int, field_doc("port to listen on (0: any free port, printed when ready)")] = (
+        8000
+    )
     api_key: Annotated[
         str | None,
-        _doc(
+        field_doc(
             "require 'Authorization: Bearer KEY' (not on /health, /metrics, /version); "
             f"better: set {API_KEY_ENV}, a command line is visible to every user"
         ),
     ] = None
     served_model_name: Annotated[
         list[str] | None,
-        _doc("model names the API answers to (the first is reported); none: from --model"),
+        field_doc("model names the API answers to (the first is reported); none: from --model"),
     ] = None
     max_waiting_requests: Annotated[
         int | None,
-        _doc(
+        field_doc(
             "refuse requests with 429 once this many choices would wait for a batch slot "
             f"(each API server counts its own); none: {WAITING_BATCHES} x this server's "
             f"share of the batch (max_num_seqs); {NO_WAITING_LIMIT}: no limit"
@@ -71,38 +69,40 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     ] = None
     shutdown_timeout: Annotated[
         float,
-        _doc("seconds requests in flight may take to finish after SIGTERM before they are aborted"),
+        field_doc(
+            "seconds requests in flight may take to finish after SIGTERM before they are aborted"
+        ),
     ] = 30.0
-    max_request_body_bytes: Annotated[int, _doc("largest request body accepted (larger: 413)")] = (
-        DEFAULT_MAX_BODY_BYTES
-    )
+    max_request_body_bytes: Annotated[
+        int, field_doc("largest request body accepted (larger: 413)")
+    ] = DEFAULT_MAX_BODY_BYTES
     body_read_timeout: Annotated[
         float,
-        _doc(
+        field_doc(
             "seconds a client may take to send a request's whole body (longer: 408, "
             "and the connection is closed)"
         ),
     ] = DEFAULT_BODY_READ_TIMEOUT_S
     keep_alive_timeout: Annotated[
-        float, _doc("seconds an idle keep-alive connection stays open")
+        float, field_doc("seconds an idle keep-alive connection stays open")
     ] = 5.0
-    access_log: Annotated[bool, _doc("log every request to stderr (Hypercorn's access log)")] = (
-        False
-    )
+    access_log: Annotated[
+        bool, field_doc("log every request to stderr (Hypercorn's access log)")
+    ] = False
     enable_auto_tool_choice: Annotated[
         bool,
-        _doc(
+        field_doc(
             "serve tool_choice 'auto' (the default with tools): the model chooses to call, "
             "and --tool-call-parser reads its calls from its text"
         ),
     ] = False
     tool_call_parser: Annotated[
         str | None,
-        _doc("how calls are written in the model's text: hermes or llama3_json"),
+        field_doc("how calls are written in the model's text: hermes or llama3_json"),
     ] = None
     trust_request_chat_template: Annotated[
         bool,
-        _doc(
+        field_doc(
             "take a chat request's own chat_template (code from a client: rendered in "
             "transformers' sandboxed Jinja, bounded in size, but its rendering time is not "
             "bounded); off: such a request is refused (400)"
@@ -110,7 +110,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     ] = False
     api_server_count: Annotated[
         int,
-        _doc(
+        field_doc(
             "HTTP server processes (each its own front end: HTTP, detokenizer, streams) "
             "sharing the port and one engine core"
         ),

@@ -33,7 +33,8 @@ import asyncstep
 from asyncstep import AsyncstepError, InvalidRequestError, SamplingParams
 from asyncstep import cli as cli_module
 from asyncstep.checks import shown
-from asyncstep.datatypes import _FIELD_CHECKS, MAX_COUNT, MAX_LOGPROBS, MAX_SEED
+from asyncstep.datatypes import MAX_COUNT, MAX_LOGPROBS, MAX_SEED
+from asyncstep.datatypes.sampling_params import _FIELD_CHECKS
 from asyncstep.engine.messages.outputs import Completion
 from asyncstep.runner.sampler import Sampler, SamplingMetadata, gather_logprobs
 

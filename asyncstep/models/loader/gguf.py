@@ -42,6 +42,7 @@ from asyncstep.models.config import (
 )
 from asyncstep.models.loader.gguf_config import GGUFMetadata
 from asyncstep.models.loader.gguf_layouts import (
+    EXPERT_STACKS,
     GGUFWeight,
     gpt_oss_experts,
     hf_layout_shape,
@@ -51,7 +52,6 @@ from asyncstep.models.loader.gguf_layouts import (
 )
 from asyncstep.models.loader.gguf_names import (
     EXPERT_STACK_NAME,
-    EXPERT_STACKS,
     GGUF_ARCHITECTURES,
     hf_tensor_name,
 )

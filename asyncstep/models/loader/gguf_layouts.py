@@ -43,6 +43,8 @@ from asyncstep.errors import ModelLoadError
 
 __all__ = [
     "ARCH_BLOCK_NAMES",
+    "EXPERT_STACKS",
+    "GPT_OSS_STACKS",
     "GGUFWeight",
     "gpt_oss_experts",
     "hf_layout_shape",
@@ -65,8 +67,11 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
         "attn_sinks": "self_attn.sinks",
     },
 }
-#: gpt-oss's expert stacks (GGUF base names).
-GPT_OSS_STACKS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"})
+#: A MoE block's stacked experts: GGUF base name -> the projection's index in
+#: the family's :attr:`~asyncstep.models.config.ModelArchConfig.expert_weight_names`.
+EXPERT_STACKS: dict[str, int] = {"ffn_gate_exps": 1, "ffn_up_exps": 2, "ffn_down_exps": 3}
+#: gpt-oss's expert stacks (GGUF base names): those, or gate and up fused.
+GPT_OSS_STACKS = frozenset({*EXPERT_STACKS, "ffn_gate_up_exps"})
 #: How :func:`~asyncstep.models.loader.gguf_names.hf_tensor_name` names a stack
 #: before :func:`gpt_oss_experts` pairs it.
 STACK_NAME = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(ffn_\w+_exps)\.(weight|bias)")

@@ -14,10 +14,9 @@ from __future__ import annotations
 import re
 
 from asyncstep.errors import UnsupportedModelError
-from asyncstep.models.loader.gguf_layouts import ARCH_BLOCK_NAMES, GPT_OSS_STACKS
+from asyncstep.models.loader.gguf_layouts import ARCH_BLOCK_NAMES, EXPERT_STACKS, GPT_OSS_STACKS
 
 __all__ = [
-    "EXPERT_STACKS",
     "EXPERT_STACK_NAME",
     "GGUF_ARCHITECTURES",
     "GGUF_LLAMA_MOE",
@@ -59,9 +58,6 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
 }
-#: A MoE block's stacked experts: GGUF base name -> the projection's index in
-#: the family's :attr:`~asyncstep.models.config.ModelArchConfig.expert_weight_names`.
-EXPERT_STACKS: dict[str, int] = {"ffn_gate_exps": 1, "ffn_up_exps": 2, "ffn_down_exps": 3}
 #: How :func:`hf_tensor_name` names a stack until the config says how many experts.
 EXPERT_STACK_NAME = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(ffn_\w+_exps)\.weight")
 

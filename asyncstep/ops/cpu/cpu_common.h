@@ -1,6 +1,8 @@
 /*
- * Scalar helpers the library's sources share: bfloat16 <-> float32 (round
- * to nearest even, NaN kept quiet) and exp by Cephes' polynomial.
+ * Helpers the library's sources share: bfloat16 <-> float32 (round to
+ * nearest even, NaN kept quiet), exp by Cephes' polynomial and, in builds
+ * with AVX2 (-march=native, ASYNCSTEP_CPU_KERNELS_ISA=avx2; every source is
+ * compiled with the same flags), sum8: the dense matmuls' one summing tree.
  */
 #ifndef ASYNCSTEP_CPU_COMMON_H
 #define ASYNCSTEP_CPU_COMMON_H
@@ -38,5 +40,32 @@ static inline float exp_nonpositive(float x) {
     union { uint32_t u; float f; } c = {.u = (uint32_t)((int32_t)n + 127) << 23};
     return p * c.f;
 }
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* Eight accumulators' lanes summed by one network (halves of 128 bits, then
+ * of 64, then pairs: every add's operands are shuffles, which the library's
+ * -fassociative-math cannot regroup): (l[i] + l[i + 4]) for i < 4, then
+ * (s0 + s2) + (s1 + s3), whichever of the eight slots an output holds.
+ * out[p] = the sum of v[p]'s lanes. Used by cpu_dense.c's vector builds and
+ * cpu_dense_f32.c's (whose plain C build sums in the same order). */
+static inline __attribute__((always_inline)) void sum8(const __m256 v[8], float out[8]) {
+    __m256 s[4], u[2];
+    for (int j = 0; j < 4; j++)
+        s[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x31));
+    for (int j = 0; j < 2; j++) {
+        const __m256d a = _mm256_castps_pd(s[2 * j]), b = _mm256_castps_pd(s[2 * j + 1]);
+        u[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    const __m256 w = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88),
+                                   _mm256_shuffle_ps(u[0], u[1], 0xDD));
+    /* lane m holds output 2m, lane 4 + m output 2m + 1 */
+    const __m256i where = _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0);
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(w, where));
+}
+#endif
 
 #endif

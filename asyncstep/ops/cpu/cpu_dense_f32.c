@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 #define F32_ISA 2
 #include <immintrin.h>
@@ -69,26 +71,9 @@ static inline vec vload_part(const float* p, int n) {
 #endif
 }
 
-/* Eight accumulators' lanes summed by one network (halves of 128 bits, then
- * of 64, then pairs: every add's operands are shuffles, which the library's
- * -fassociative-math cannot regroup): (l[i] + l[i + 4]) for i < 4, then
- * (s0 + s2) + (s1 + s3), whichever of the eight slots an output holds.
- * out[p] = the sum of v[p]'s lanes. */
-static inline __attribute__((always_inline)) void sum8(const vec v[8], float out[8]) {
-    __m256 s[4], u[2];
-    for (int j = 0; j < 4; j++)
-        s[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x20),
-                             _mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x31));
-    for (int j = 0; j < 2; j++) {
-        const __m256d a = _mm256_castps_pd(s[2 * j]), b = _mm256_castps_pd(s[2 * j + 1]);
-        u[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
-                             _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-    }
-    const __m256 w = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88),
-                                   _mm256_shuffle_ps(u[0], u[1], 0xDD));
-    /* lane m holds output 2m, lane 4 + m output 2m + 1 */
-    const __m256i where = _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0);
-    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(w, where));
+/* out[p] = the sum of v[p]'s lanes, by cpu_common.h's one tree. */
+static inline __attribute__((always_inline)) void vsum8(const vec v[8], float out[8]) {
+    sum8(v, out);
 }
 #else
 /* Plain C: the library's flags let the compiler reassociate loops of
@@ -111,7 +96,8 @@ static inline vec vfma(vec a, vec b, vec c) {
     for (int i = 0; i < LANES; i++) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
     return c;
 }
-static __attribute__((noinline)) void sum8(const vec v[8], float out[8]) {
+/* cpu_common.h's sum8's tree, lane by lane (its vector form needs AVX2) */
+static __attribute__((noinline)) void vsum8(const vec v[8], float out[8]) {
     for (int p = 0; p < 8; p++) {
         float s[4];
         for (int i = 0; i < 4; i++) s[i] = v[p].v[i] + v[p].v[i + 4];
@@ -155,7 +141,7 @@ int asyncstep_dense_f32_isa(void) { return F32_ISA; }
 /* sums[e][i] = x row e . W row i for `rows` rows of x and nw rows of W
  * (constants where inlined): one accumulator each along K, LANES at a
  * time in order, the last step's missing k zeros; then every accumulator
- * through sum8 (unused slots zero). */
+ * through vsum8 (unused slots zero). */
 static inline __attribute__((always_inline)) void dot_tile_n(
     const float* const* x, const int rows, const float* const* w, const int nw, int64_t K,
     float sums[ROW_TILE][W_TILE]) {
@@ -186,7 +172,7 @@ static inline __attribute__((always_inline)) void dot_tile_n(
     const int used = rows * nw, groups = (used + 7) / 8;
     for (int j = 0; j < used; j++) lanes[j] = acc[j];
     for (int j = used; j < groups * 8; j++) lanes[j] = vzero();
-    for (int g = 0; g < groups; g++) sum8(lanes + 8 * g, flat + 8 * g);
+    for (int g = 0; g < groups; g++) vsum8(lanes + 8 * g, flat + 8 * g);
     for (int e = 0; e < rows; e++)
         for (int i = 0; i < nw; i++) sums[e][i] = flat[e * nw + i];
 }

@@ -5,7 +5,7 @@ as float32 or bfloat16, one K order for every row count (a row's outputs
 are the same whatever the other rows: issue 40). Its uses: every dense
 bfloat16 projection of the CPU op set, and the float32 logits of a
 bfloat16 LM head.
-Imports torch and the library's loader only.
+Imports torch and the library's bindings (:mod:`.bound_matmul`) only.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import struct
 
 import torch
 
-from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.bound_matmul import BoundMatmul, bind_matmul
 
 __all__ = ["CpuDenseMatmul", "dense_matmul"]
 
@@ -34,20 +34,12 @@ _ARGS = struct.Struct(
 _ISAS = {0: "plain C", 1: "AVX512-BF16", 2: "AVX512F", 3: "AVX2"}
 
 
-class CpuDenseMatmul:
-    """The library's dense bfloat16 matmul (``asyncstep_dense_matmul``)."""
+class CpuDenseMatmul(BoundMatmul):
+    """The library's dense bfloat16 matmul (``asyncstep_dense_matmul``);
+    :attr:`fast`: every build but plain C, which computes a row at a time."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._matmul = library.asyncstep_dense_matmul
-        self._matmul.argtypes = [ctypes.c_char_p]
-        self._matmul.restype = ctypes.c_int
-        #: The build the kernel runs.
-        self.isa = _ISAS[int(library.asyncstep_dense_matmul_isa())]
-        #: Whether that build is blocked (tiles of rows of x by rows of W,
-        #: blocks of W against chunks of x: every build but plain C, which
-        #: computes a row at a time); select_ops makes the invariant matmul
-        #: the default where it is.
-        self.fast = self.isa != "plain C"
+        super().__init__(library, "asyncstep_dense_matmul", _ISAS)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32
@@ -78,7 +70,7 @@ class CpuDenseMatmul:
             x.shape[0],
             torch.get_num_threads(),
         )
-        if self._matmul(args) != 0:
+        if self._kernel(args) != 0:
             raise MemoryError("the dense matmul found no scratch memory")
         return out
 
@@ -87,5 +79,4 @@ class CpuDenseMatmul:
 def dense_matmul() -> CpuDenseMatmul | None:
     """The library's dense bfloat16 matmul (the library built on first use);
     None where the library is off or does not build."""
-    kernels = load_cpu_kernels()
-    return None if kernels is None else CpuDenseMatmul(kernels.library)
+    return bind_matmul(CpuDenseMatmul)

@@ -5,7 +5,7 @@ for every output whatever the row count, the thread count or the build
 (AVX-512, AVX2 + FMA and plain C give the same bits): a row's outputs are
 the same whatever the other rows (issue 40). Its uses: every dense float32
 projection of the CPU op set and the float32 LM head.
-Imports torch and the library's loader only.
+Imports torch and the library's bindings (:mod:`.bound_matmul`) only.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import struct
 
 import torch
 
-from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.bound_matmul import BoundMatmul, bind_matmul
 
 __all__ = ["CpuDenseF32Matmul", "dense_f32_matmul", "takes_float32"]
 
@@ -33,19 +33,13 @@ _ARGS = struct.Struct(
 _ISAS = {0: "plain C", 2: "AVX-512", 3: "AVX2"}
 
 
-class CpuDenseF32Matmul:
-    """The library's dense float32 matmul (``asyncstep_dense_f32``)."""
+class CpuDenseF32Matmul(BoundMatmul):
+    """The library's dense float32 matmul (``asyncstep_dense_f32``);
+    :attr:`fast`: every build but plain C, which computes one output at a
+    time."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._matmul = library.asyncstep_dense_f32
-        self._matmul.argtypes = [ctypes.c_char_p]
-        self._matmul.restype = ctypes.c_int
-        #: The build the kernel runs.
-        self.isa = _ISAS[int(library.asyncstep_dense_f32_isa())]
-        #: Whether that build is blocked (tiles of rows of x by rows of W:
-        #: every build but plain C, which computes one output at a time);
-        #: select_ops makes it the default where it is.
-        self.fast = self.isa != "plain C"
+        super().__init__(library, "asyncstep_dense_f32", _ISAS)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T`` in float32 for ``x`` ``[rows, K]`` and ``weight``
@@ -69,7 +63,7 @@ class CpuDenseF32Matmul:
             x.shape[0],
             torch.get_num_threads(),
         )
-        if self._matmul(args) != 0:
+        if self._kernel(args) != 0:
             raise ValueError("the float32 matmul refused its shapes")
         return out
 
@@ -96,5 +90,4 @@ def takes_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def dense_f32_matmul() -> CpuDenseF32Matmul | None:
     """The library's dense float32 matmul (the library built on first use);
     None where the library is off or does not build."""
-    kernels = load_cpu_kernels()
-    return None if kernels is None else CpuDenseF32Matmul(kernels.library)
+    return bind_matmul(CpuDenseF32Matmul)

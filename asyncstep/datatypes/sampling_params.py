@@ -1,22 +1,16 @@
-"""Data types shared by every room: requests' sampling parameters, the
-scheduler's per-step output, the runner's per-step output, intermediate tensors.
-
-:class:`SamplingParams` checks every field's type and range when built or
-decoded (one check per field, in ``_FIELD_CHECKS``), so that nothing a request
-holds can overflow a tensor, a generator's seed or the wire further on.
-
-The wire types are msgspec Structs (typed, no pickle), so the same objects go
-through an in-process memory channel or over a socket to another rank. This
-module imports nothing heavy (no torch at run time), so every package may use it.
+"""A request's sampling parameters: :class:`SamplingParams`, which checks
+every field's type and range when built or decoded (one check per field, in
+``_FIELD_CHECKS``), so that nothing a request holds can overflow a tensor, a
+generator's seed or the wire further on; and the bounds it checks against.
+Imports :mod:`asyncstep.checks`, :mod:`asyncstep.errors` and
+:mod:`asyncstep.structured_params` only.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from msgspec.structs import force_setattr
@@ -24,9 +18,6 @@ from msgspec.structs import force_setattr
 from asyncstep.checks import as_float, as_int, check_flag, invalid, sequence, shown, strings
 from asyncstep.errors import InvalidRequestError
 from asyncstep.structured_params import StructuredOutputsParams, check_structured_outputs
-
-if TYPE_CHECKING:
-    import torch
 
 #: ``top_k`` values that switch top-k filtering off.
 TOP_K_OFF = (0, -1)
@@ -360,219 +351,3 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "_bad_words_token_ids": _check_token_sequences,
     "_eos_token_ids": _check_token_ids,
 }
-
-
-class FinishReason(enum.StrEnum):
-    """Why a request ended (vLLM's strings)."""
-
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"  # cancelled by the caller, or the engine stopped
-
-
-# ---------------------------------------------------------------------------
-# Scheduler -> ranks
-
-
-class NewRequestData(msgspec.Struct, frozen=True):
-    """A request the runner has not seen (or sees again after a preemption)."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-class CachedRequestData(msgspec.Struct, frozen=True):
-    """Per-step deltas of requests the runner already holds (parallel lists)."""
-
-    req_ids: list[str] = msgspec.field(default_factory=list)
-    #: True: the request was preempted; ``new_block_ids`` replaces its blocks.
-    resumed_from_preemption: list[bool] = msgspec.field(default_factory=list)
-    #: Tokens this rank did not sample itself (pipeline stages that do not sample).
-    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
-    new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
-    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
-
-class SchedulerOutput(msgspec.Struct, frozen=True):
-    """What one step computes: which requests, how many tokens each."""
-
-    step_id: int
-    scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: CachedRequestData
-    #: req_id -> tokens scheduled this step (prompt chunk, or 1 when decoding).
-    num_scheduled_tokens: dict[str, int]
-    total_num_scheduled_tokens: int
-    #: Requests that ended since the last step: the runner drops their state.
-    finished_req_ids: list[str] = msgspec.field(default_factory=list)
-    #: A request of the step follows a grammar: the last stage samples only
-    #: once the step's :class:`GrammarOutput` has come.
-    has_structured_output_requests: bool = False
-    #: Speculative decoding: req_id -> the draft tokens the step verifies
-    #: (vLLM's name). Such a request's ``num_scheduled_tokens`` is
-    #: ``1 + len(drafts)``: its last known token, then the drafts; it samples
-    #: ``1 + accepted`` tokens (see :class:`ModelRunnerOutput`).
-    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.num_scheduled_tokens)
-
-
-class GrammarOutput(msgspec.Struct, frozen=True):
-    """The token bitmask of one step's constrained requests (vLLM's
-    ``GrammarOutput``), sent after the step's :class:`SchedulerOutput` once
-    the engine has the tokens before it: row ``i`` (``ceil(vocab / 32)``
-    little-endian int32 words; bit ``t`` set allows token ``t``) is that of
-    ``structured_output_request_ids[i]``. A request with ``d`` draft tokens
-    in the step (``scheduled_spec_decode_tokens``) has ``d + 1`` rows in a
-    row, its id repeated: the masks of its draft positions, then of its
-    bonus position."""
-
-    step_id: int
-    structured_output_request_ids: list[str]
-    grammar_bitmask: bytes
-
-
-#: What the engine sends a rank: each step, and each constrained step's bitmask after it.
-RankInput = SchedulerOutput | GrammarOutput
-
-
-# ---------------------------------------------------------------------------
-# Ranks -> engine
-
-
-class Logprobs(msgspec.Struct, frozen=True):
-    """Log-probs of one position: the sampled token (or, for prompt log-probs,
-    the prompt's token) first, then the top-n."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    #: Rank of the first token among all tokens (1 = most likely).
-    sampled_token_rank: int
-
-
-class ModelRunnerOutput(msgspec.Struct, frozen=True):
-    """What one step produced, per request (vLLM's ``ModelRunnerOutput``)."""
-
-    req_ids: list[str]
-    req_id_to_index: dict[str, int]
-    #: One list per request: empty for a prompt chunk that is not the last;
-    #: with draft tokens, the accepted drafts then one token of the target
-    #: model (``1 + accepted`` tokens).
-    sampled_token_ids: list[list[int]]
-    #: Per request, when asked for: one entry per sampled token.
-    logprobs: list[list[Logprobs]] | None = None
-    #: Request id -> the prompt log-probs of the prompt positions this step
-    #: computed, in order (positions >= 1 not returned before); None: none asked.
-    prompt_logprobs: dict[str, list[Logprobs]] | None = None
-    #: ``draft_model`` speculation: request id -> the draft tokens the draft
-    #: model proposes to follow this step's tokens (None: none proposed).
-    draft_token_ids: dict[str, list[int]] | None = None
-    #: A MoE model: the token rows routed to each expert in this step, summed
-    #: over the MoE layers of the stage that sends the output (None: no MoE).
-    expert_tokens: list[int] | None = None
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-
-
-class PackedReads(msgspec.Struct, frozen=True, array_like=True):
-    """The weights of the layers kept packed for steps of at most
-    ``max_tokens`` tokens: their packed bytes, and their dense bytes (what
-    a larger step reads)."""
-
-    max_tokens: int
-    packed_bytes: int
-    dense_bytes: int
-
-
-class ExpertReads(msgspec.Struct, frozen=True, array_like=True):
-    """The experts of the MoE layers routing ``top_k`` of ``num_experts``:
-    the bytes of the experts a rank holds (weights and biases, summed over
-    those layers). A step reads the experts its tokens are routed to: of
-    one token, exactly ``top_k`` (``top_k / num_experts`` of the bytes); of
-    ``T`` tokens, each held expert is read when any token picks it, with
-    probability ``1 - (1 - top_k / num_experts) ** T`` under uniform
-    routing (the expectation a step of ``T`` tokens counts)."""
-
-    num_experts: int
-    top_k: int
-    resident_bytes: int
-
-    def step_bytes(self, num_tokens: int) -> float:
-        """The expert bytes a step of ``num_tokens`` tokens reads (see above)."""
-        missed = (1 - self.top_k / self.num_experts) ** max(num_tokens, 1)
-        return self.resident_bytes * (1 - missed)
-
-
-class WeightReads(msgspec.Struct, frozen=True):
-    """The bytes of weights a forward step reads, by its number of tokens
-    (a rank's, or an engine's: its ranks' summed): what the memory floor of
-    a step counts. Counted on the model as loaded
-    (:func:`~asyncstep.models.weight_reads.weight_reads`)."""
-
-    #: Read whole at every step: the norms, the biases, and every weight
-    #: without a packed copy (a tied LM head: the embedding table).
-    dense_bytes: int = 0
-    #: The layers with a packed copy, by their ``max_tokens``.
-    packed: list[PackedReads] = msgspec.field(default_factory=list)
-    #: One row of the input embedding: a step reads one per token.
-    embedding_row_bytes: int = 0
-    #: A MoE model's experts, by their layers' routing (not in ``dense_bytes``).
-    experts: list[ExpertReads] = msgspec.field(default_factory=list)
-
-    def step_bytes(self, num_tokens: int) -> int:
-        """The weight bytes a step of ``num_tokens`` tokens reads."""
-        packed = sum(
-            p.packed_bytes if num_tokens <= p.max_tokens else p.dense_bytes for p in self.packed
-        )
-        experts = sum(e.step_bytes(num_tokens) for e in self.experts)
-        return self.dense_bytes + packed + num_tokens * self.embedding_row_bytes + round(experts)
-
-    def plus(self, other: WeightReads) -> WeightReads:
-        """Two ranks' reads together (a token's embedding row is on one
-        rank: the larger row counts once)."""
-        tiers: dict[int, PackedReads] = {p.max_tokens: p for p in self.packed}
-        for more in other.packed:
-            have = tiers.get(more.max_tokens, PackedReads(more.max_tokens, 0, 0))
-            tiers[more.max_tokens] = PackedReads(
-                more.max_tokens,
-                have.packed_bytes + more.packed_bytes,
-                have.dense_bytes + more.dense_bytes,
-            )
-        routes: dict[tuple[int, int], int] = {}
-        for e in (*self.experts, *other.experts):
-            key = (e.num_experts, e.top_k)
-            routes[key] = routes.get(key, 0) + e.resident_bytes
-        return WeightReads(
-            self.dense_bytes + other.dense_bytes,
-            [tiers[k] for k in sorted(tiers)],
-            max(self.embedding_row_bytes, other.embedding_row_bytes),
-            [ExpertReads(e, k, b) for (e, k), b in sorted(routes.items())],
-        )
-
-
-@dataclass
-class IntermediateTensors:
-    """Activations passed between pipeline stages (``hidden_states``, ``residual``)."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.tensors[key]
-
-    def __setitem__(self, key: str, value: torch.Tensor) -> None:
-        self.tensors[key] = value
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def keys(self) -> list[str]:
-        return list(self.tensors)
