@@ -25,6 +25,7 @@ import torch
 from asyncstep.config import CompilationConfig
 from asyncstep.datatypes import IntermediateTensors, SchedulerOutput
 from asyncstep.ops.attention import AttentionMetadata, plan_decode_buckets
+from asyncstep.runner.block_table import BlockTable
 from asyncstep.runner.cudagraph_dispatcher import (
     BatchDescriptor,
     CudagraphDispatcher,
@@ -161,7 +162,8 @@ class StepInputBuilder:
                 meta = self.graph_runner.eager_meta(
                     host, desc.num_tokens, self._host_meta(host, num_decodes)
                 )
-                self._plan_buckets(meta, host.seq_lens)
+                for group_meta in (meta, *meta.kv_groups):
+                    self._plan_buckets(group_meta, host.seq_lens)
         spec_metadata = None
         if so.scheduled_spec_decode_tokens and sample_rows:
             logits_indices, spec_metadata = self._spec_logits_indices(
@@ -232,6 +234,7 @@ class StepInputBuilder:
                 table.compute_slot_mapping(req_indices, positions, g)
                 for g in range(1, table.num_groups)
             ],
+            group_block_tables=_group_tables(table, num_reqs),
         )
 
     def _decode_host_inputs(self) -> HostInputs:
@@ -255,6 +258,7 @@ class StepInputBuilder:
             group_slot_mappings=[
                 table.decode_slot_mapping(positions, g) for g in range(1, table.num_groups)
             ],
+            group_block_tables=_group_tables(table, num_reqs),
         )
 
     def _choose_mode(
@@ -399,7 +403,7 @@ class StepInputBuilder:
         """KV cache group ``group``'s metadata: ``meta`` with the group's
         block table, slots and decode plan."""
         to_device = self.staging.to_device
-        table = self.input_batch.block_table.group_table(group, host.num_reqs)
+        table = host.group_block_tables[group - 1]
         slots = _pad(host.group_slot_mappings[group - 1], num_input_tokens, -1)
         group_meta = dataclasses.replace(
             meta,
@@ -419,6 +423,11 @@ def is_arange(indices: np.ndarray) -> bool:
     return n == 0 or (
         int(indices[0]) == 0 and int(indices[-1]) == n - 1 and bool((np.diff(indices) == 1).all())
     )
+
+
+def _group_tables(table: BlockTable, num_reqs: int) -> list[np.ndarray]:
+    """KV cache groups 1.. block tables of rows ``[0, num_reqs)`` (views)."""
+    return [table.group_table(g, num_reqs) for g in range(1, table.num_groups)]
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
