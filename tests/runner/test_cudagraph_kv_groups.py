@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 import asyncstep
@@ -31,6 +32,15 @@ from asyncstep import SamplingParams
 from asyncstep.config import ModelConfig
 from asyncstep.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from asyncstep.models.model_loader import LoadedModel, load_model
+from asyncstep.ops.attention import AttentionMetadata
+from asyncstep.runner import cudagraph_runner
+from asyncstep.runner.block_table import BlockTable
+from asyncstep.runner.cudagraph_dispatcher import (
+    BatchDescriptor,
+    CudagraphDispatcher,
+    CUDAGraphMode,
+)
+from asyncstep.runner.cudagraph_runner import CudaGraphRunner, HostInputs
 from tests.conftest import TEST_DEVICE
 from tests.models import test_gemma3, test_gpt_oss
 from tests.models.hf_parity import random_model
@@ -44,6 +54,7 @@ PROMPTS = [
     [42, 42, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
     [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 19, 18],
 ]
+BLOCK_SIZE = 4
 #: Each prompt's budget: the decode batch shrinks from 5 requests to 1.
 MAX_TOKENS = [10, 8, 6, 4, 12]
 #: The second round (prefix caching): the first prompts again, and one
@@ -60,6 +71,8 @@ class Served:
     num_kv_groups: int
     freed_windowed_blocks: int
     prefix_cache_hit_tokens: int
+    #: Captured CUDA graphs ran (not the stand-in).
+    real_graphs: bool
 
 
 def saved_and_loaded(hf_model: Any, path: Path) -> LoadedModel:
@@ -103,12 +116,14 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     yield counts
 
 
-async def generate(engine: asyncstep.Engine, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy tokens of ``prompts`` submitted at once (budgets ``MAX_TOKENS``)."""
+async def generate(
+    engine: asyncstep.Engine, prompts: list[list[int]], budgets: list[int]
+) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` submitted at once, ``budgets[i]`` for prompt ``i``."""
     tokens: list[list[int]] = [[] for _ in prompts]
 
     async def one(i: int) -> None:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=budgets[i], ignore_eos=True)
         tokens[i] = (await engine.generate(prompts[i], params)).token_ids
 
     async with anyio.create_task_group() as tg:
@@ -118,29 +133,35 @@ async def generate(engine: asyncstep.Engine, prompts: list[list[int]]) -> list[l
 
 
 async def serve(
-    model: LoadedModel, counts: dict[str, int], *, rounds: int = 2, **options: Any
+    model: LoadedModel,
+    counts: dict[str, int],
+    rounds: list[list[list[int]]] | None = None,
+    budgets: list[int] = MAX_TOKENS,
+    **options: Any,
 ) -> Served:
-    """PROMPTS, then (``rounds`` 2) AGAIN with prefix caching, on blocks of 4."""
+    """Each round's prompts (default PROMPTS, then AGAIN) at once, round
+    after round, with prefix caching on blocks of 4 (``options`` override)."""
     counts.update(freed=0, hits=0)
-    async with asyncstep.open_engine(
-        model,
-        max_num_seqs=8,
-        max_num_batched_tokens=16,  # the 20-token prompt is chunked
-        block_size=4,
-        enable_prefix_caching=True,
-        cudagraph_capture_sizes=[1, 2, 4, 8, 16],
-        **options,
-    ) as engine:
-        tokens = await generate(engine, PROMPTS)
-        if rounds > 1:
-            tokens += await generate(engine, AGAIN)
+    options = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 16,  # the 20-token prompt is chunked
+        "block_size": BLOCK_SIZE,
+        "enable_prefix_caching": True,
+        "cudagraph_capture_sizes": [1, 2, 4, 8, 16],
+    } | options
+    tokens: list[list[int]] = []
+    async with asyncstep.open_engine(model, **options) as engine:
         runner = engine.core.executor.runner  # type: ignore[attr-defined]
+        for prompts in rounds or [PROMPTS, AGAIN]:
+            tokens += await generate(engine, prompts, budgets)
+        graphs = runner.graph_runner
         return Served(
             tokens,
             dict(runner.step_inputs.cudagraph_steps),
             runner.kv_binding.num_groups,
             counts["freed"],
             counts["hits"],
+            real_graphs=graphs is not None and not graphs.pool.stand_in,
         )
 
 
@@ -150,6 +171,7 @@ def assert_same_tokens_through_graphs(eager: Served, graphed: Served, *modes: st
     assert set(eager.cudagraph_steps) == {"NONE"}
     assert graphed.freed_windowed_blocks > 0 and eager.freed_windowed_blocks > 0
     assert graphed.prefix_cache_hit_tokens == eager.prefix_cache_hit_tokens > 0
+    assert graphed.real_graphs == (not STAND_IN)
 
 
 @pytest.mark.trio
@@ -180,3 +202,80 @@ async def test_full_decode_graphs_with_triton_attention_give_the_eager_tokens(
     graphed = await serve(model, counted, cudagraph_mode="FULL_AND_PIECEWISE", **options)
     assert_same_tokens_through_graphs(eager, graphed, "FULL", "PIECEWISE")
     assert graphed.cudagraph_steps["FULL"] > 10
+
+
+# -- the static buffers, directly ------------------------------------------------
+
+
+def group_runner(model: LoadedModel) -> CudaGraphRunner:
+    """A graph runner of 2 KV cache groups, 4 requests of 3 blocks a group."""
+    dispatcher = CudagraphDispatcher(
+        CUDAGraphMode.FULL_AND_PIECEWISE,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        capture_sizes=[1, 2, 4, 8],
+    )
+    return CudaGraphRunner(
+        model.model,
+        dispatcher,
+        device=model.device,
+        dtype=model.dtype,
+        max_num_reqs=4,
+        max_blocks_per_req=3,
+        num_kv_groups=2,
+        stand_in=True,
+    )
+
+
+def decode_inputs(table: BlockTable, positions: list[int], fast: bool) -> HostInputs:
+    """A decode step of rows ``0 .. len(positions) - 1`` at ``positions``."""
+    pos = np.array(positions, dtype=np.int64)
+    r = len(positions)
+    return HostInputs(
+        input_ids=np.ones(r, dtype=np.int64),
+        positions=pos,
+        slot_mapping=table.decode_slot_mapping(pos),
+        query_start_loc=np.arange(r + 1, dtype=np.int32),
+        seq_lens=(pos + 1).astype(np.int32),
+        block_table=table.group_table(0, r),
+        block_table_source=table if fast else None,
+        group_slot_mappings=[table.decode_slot_mapping(pos, 1)],
+        group_block_tables=[table.group_table(1, r)],
+    )
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["whole table", "changed rows"])
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "general"])
+def test_each_group_s_table_and_slots_reach_its_static_buffers(
+    gemma3: LoadedModel, small: bool, fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode of 3 requests padded to 4: each group's block table rows
+    and slots in its buffers (padding slots -1 in both groups), the static
+    metadata's ``kv_groups[0]`` viewing group 1's; a row that gets new
+    blocks is restaged in both groups (large tables: only that row)."""
+    if not small:
+        monkeypatch.setattr(cudagraph_runner, "_SMALL_BLOCK_TABLE", 0)
+    graphs = group_runner(gemma3)
+    table = BlockTable(4, 3, BLOCK_SIZE, num_groups=2)
+    # Interleaved as the scheduler sends them: (group 0, group 1) per block.
+    for row, ids in enumerate([[1, 2], [3, 4, 5, 6], [7, 8]]):
+        table.add_row(ids, row)
+    desc = BatchDescriptor(4, 4, uniform_decode=True)
+
+    def load(positions: list[int]) -> AttentionMetadata:
+        graphs.load_inputs(desc, decode_inputs(table, positions, fast), None)
+        return graphs._static_meta(desc, 4, 4)
+
+    meta = load([2, 5, 0])
+    group1 = meta.kv_groups[0]
+    assert len(meta.kv_groups) == 1
+    assert meta.block_table[:3, :2].tolist() == [[1, 0], [3, 5], [7, 0]]
+    assert group1.block_table[:3, :2].tolist() == [[2, 0], [4, 6], [8, 0]]
+    assert meta.slot_mapping.tolist() == [1 * 4 + 2, 5 * 4 + 1, 7 * 4, -1]
+    assert group1.slot_mapping.tolist() == [2 * 4 + 2, 6 * 4 + 1, 8 * 4, -1]
+    table.append_row([9, 10], 0)  # request 0's second block in each group
+    meta = load([4, 6, 1])
+    group1 = meta.kv_groups[0]
+    assert meta.block_table[:3, :2].tolist() == [[1, 9], [3, 5], [7, 0]]
+    assert group1.block_table[:3, :2].tolist() == [[2, 10], [4, 6], [8, 0]]
+    assert group1.slot_mapping.tolist() == [10 * 4, 6 * 4 + 2, 8 * 4 + 1, -1]
