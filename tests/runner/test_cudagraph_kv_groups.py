@@ -142,13 +142,14 @@ async def serve(
     """Each round's prompts (default PROMPTS, then AGAIN) at once, round
     after round, with prefix caching on blocks of 4 (``options`` override)."""
     counts.update(freed=0, hits=0)
-    options = {
+    defaults: dict[str, Any] = {
         "max_num_seqs": 8,
         "max_num_batched_tokens": 16,  # the 20-token prompt is chunked
         "block_size": BLOCK_SIZE,
         "enable_prefix_caching": True,
         "cudagraph_capture_sizes": [1, 2, 4, 8, 16],
-    } | options
+    }
+    options = defaults | options
     tokens: list[list[int]] = []
     async with asyncstep.open_engine(model, **options) as engine:
         runner = engine.core.executor.runner  # type: ignore[attr-defined]
