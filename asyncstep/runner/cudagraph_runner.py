@@ -150,6 +150,10 @@ class CudaGraphRunner:
         self.query_start_loc, self.seq_lens = static["query_start_loc"], static["seq_lens"]
         #: Group 0's block table (with one group, the whole buffer).
         self.block_table = self._group_block_table(0)
+        #: The staged block table's host view by group: ``[rows, groups, blocks]``.
+        staged_table = self.inputs.host["block_table"]
+        self._staged_groups = staged_table.reshape(r, num_kv_groups, max_blocks_per_req)
+        assert np.shares_memory(self._staged_groups, staged_table)
         config = model.config
         self.layers = model.model.stage_layers()
         attn = self.layers[0].self_attn
@@ -293,8 +297,8 @@ class CudaGraphRunner:
         column ``i * groups + g``): each group's to its own columns."""
         groups = self.num_kv_groups
         per_group = interleaved.shape[1] // groups
-        staged = self.inputs.host["block_table"].reshape(-1, groups, self.max_blocks_per_req)
-        staged[rows, :, :per_group] = interleaved.reshape(-1, per_group, groups).transpose(0, 2, 1)
+        by_group = interleaved.reshape(-1, per_group, groups).transpose(0, 2, 1)
+        self._staged_groups[rows, :, :per_group] = by_group
 
     def input_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.input_ids[:num_tokens], self.positions[:num_tokens]

@@ -162,8 +162,8 @@ class StepInputBuilder:
                 meta = self.graph_runner.eager_meta(
                     host, desc.num_tokens, self._host_meta(host, num_decodes)
                 )
-                for group_meta in (meta, *meta.kv_groups):
-                    self._plan_buckets(group_meta, host.seq_lens)
+                for g, group_meta in enumerate((meta, *meta.kv_groups)):
+                    self._plan_buckets(group_meta, host.seq_lens, _group_prefix(g))
         spec_metadata = None
         if so.scheduled_spec_decode_tokens and sample_rows:
             logits_indices, spec_metadata = self._spec_logits_indices(
@@ -331,7 +331,7 @@ class StepInputBuilder:
             query_start_loc_cpu=split.query_start_loc,
             seq_lens_cpu=split.seq_lens,
         )
-        self._plan_buckets(ub_meta, split.seq_lens)
+        self._plan_buckets(ub_meta, split.seq_lens, f"ub{index}_")
         received = None
         if intermediate_tensors is not None:
             received = IntermediateTensors(
@@ -357,8 +357,11 @@ class StepInputBuilder:
             seq_lens_cpu=host.seq_lens,
         )
 
-    def _plan_buckets(self, meta: AttentionMetadata, seq_lens: np.ndarray) -> None:
-        """The reference backend's decode plan (the Triton kernels need none)."""
+    def _plan_buckets(self, meta: AttentionMetadata, seq_lens: np.ndarray, name: str = "") -> None:
+        """The reference backend's decode plan (the Triton kernels need none).
+        ``name`` prefixes its staging buffers' names: each plan of a step
+        (a KV cache group's, a micro-batch's) needs buffers of its own (a
+        non-blocking copy may still read one when the next plan writes)."""
         if self.attention_backend != "torch":
             return
         n = meta.num_decodes
@@ -366,7 +369,7 @@ class StepInputBuilder:
             seq_lens[:n],
             meta.block_table[:n],
             self.block_size,
-            to_device=self.staging.to_device,
+            to_device=lambda key, array: self.staging.to_device(name + key, array),
         )
 
     def _eager_inputs(
@@ -413,7 +416,7 @@ class StepInputBuilder:
             kernel_args=None,
             kv_groups=[],
         )
-        self._plan_buckets(group_meta, host.seq_lens)
+        self._plan_buckets(group_meta, host.seq_lens, _group_prefix(group))
         return group_meta
 
 
@@ -423,6 +426,11 @@ def is_arange(indices: np.ndarray) -> bool:
     return n == 0 or (
         int(indices[0]) == 0 and int(indices[-1]) == n - 1 and bool((np.diff(indices) == 1).all())
     )
+
+
+def _group_prefix(group: int) -> str:
+    """Staging buffer names of KV cache group ``group``'s plan (group 0: the step's)."""
+    return f"g{group}_" if group else ""
 
 
 def _group_tables(table: BlockTable, num_reqs: int) -> list[np.ndarray]:
