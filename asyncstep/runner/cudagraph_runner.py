@@ -232,9 +232,11 @@ class CudaGraphRunner:
     def _stage_group_slots(self, host: HostInputs, num_tokens: int) -> None:
         """Groups 1.. slot mappings into their staged rows, padded with -1
         (a padding token stores nothing in any group)."""
-        staged = self.inputs.host["group_slot_mappings"]
-        for g, slots in enumerate(host.group_slot_mappings):
-            _write_padded(staged[g], slots, num_tokens, -1)
+        if not host.group_slot_mappings:
+            return
+        staged, t = self.inputs.host["group_slot_mappings"], host.num_tokens
+        staged[:, :t] = host.group_slot_mappings
+        staged[:, t:num_tokens] = -1
 
     def load_inputs(
         self,
@@ -267,14 +269,16 @@ class CudaGraphRunner:
 
     def _stage_block_table(self, host: HostInputs) -> None:
         """The step's block table rows (every group's) into the staged one.
-        A small table whole (one copy costs less than finding the rows); a
-        large one (long contexts) only the rows changed since it was last
-        staged from the same table (a steady decode step: none, or the few
-        that got a new block), else every row up to the most blocks a row
-        has (no kernel reads past a row's blocks)."""
+        A small table of one group whole (one copy costs less than finding
+        the rows); a large one (long contexts), or one of several groups
+        (their columns are strided in the source), only the rows changed
+        since it was last staged from the same table (a steady decode step:
+        none, or the few that got a new block), else every row up to the
+        most blocks a row has (no kernel reads past a row's blocks)."""
         staged = self.inputs.host["block_table"]
         source, r = host.block_table_source, host.num_reqs
-        if source is None or r * staged.shape[1] <= _SMALL_BLOCK_TABLE:
+        small = self.num_kv_groups == 1 and r * staged.shape[1] <= _SMALL_BLOCK_TABLE
+        if source is None or small:
             b = self.max_blocks_per_req
             for g, table in enumerate([host.block_table, *host.group_block_tables]):
                 staged[:r, g * b : g * b + table.shape[1]] = table

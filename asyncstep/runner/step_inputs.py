@@ -255,9 +255,7 @@ class StepInputBuilder:
             seq_lens=computed + 1,
             block_table=table.group_table(0, num_reqs),
             block_table_source=table,  # (the fast path only)
-            group_slot_mappings=[
-                table.decode_slot_mapping(positions, g) for g in range(1, table.num_groups)
-            ],
+            group_slot_mappings=list(table.decode_group_slot_mappings(positions)),
             group_block_tables=_group_tables(table, num_reqs),
         )
 
