@@ -4,7 +4,7 @@ alternating) and a tiny Gemma 3 (window 8: five windowed layers, one full)
 give the same greedy tokens through the graph runner as eagerly, on the
 CPU stand-in (a replay re-runs the captured function on the static
 buffers) or, with ``ASYNCSTEP_TEST_DEVICE=cuda``, real graphs
-(``tests/gpu/test_cudagraph_kv_groups.py``).
+(``tests/gpu/test_real_graphs_kv_groups.py``).
 
 Each run serves prompts longer than the window (with blocks of 4 tokens the
 windowed group frees blocks: counted) whose budgets differ, so decode
@@ -33,7 +33,6 @@ from asyncstep.config import ModelConfig
 from asyncstep.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from asyncstep.models.model_loader import LoadedModel, load_model
 from asyncstep.ops.attention import AttentionMetadata
-from asyncstep.runner import cudagraph_runner
 from asyncstep.runner.block_table import BlockTable
 from asyncstep.runner.cudagraph_dispatcher import (
     BatchDescriptor,
@@ -245,17 +244,16 @@ def decode_inputs(table: BlockTable, positions: list[int], fast: bool) -> HostIn
     )
 
 
-@pytest.mark.parametrize("small", [True, False], ids=["whole table", "changed rows"])
-@pytest.mark.parametrize("fast", [True, False], ids=["fast", "general"])
+@pytest.mark.parametrize("fast", [True, False], ids=["changed rows", "whole table"])
 def test_each_group_s_table_and_slots_reach_its_static_buffers(
-    gemma3: LoadedModel, small: bool, fast: bool, monkeypatch: pytest.MonkeyPatch
+    gemma3: LoadedModel, fast: bool
 ) -> None:
     """A decode of 3 requests padded to 4: each group's block table rows
     and slots in its buffers (padding slots -1 in both groups), the static
     metadata's ``kv_groups[0]`` viewing group 1's; a row that gets new
-    blocks is restaged in both groups (large tables: only that row)."""
-    if not small:
-        monkeypatch.setattr(cudagraph_runner, "_SMALL_BLOCK_TABLE", 0)
+    blocks is restaged in both groups. With the persistent table at hand
+    (``fast``) only its changed rows are (several groups: whatever the
+    table's size), else the whole table."""
     graphs = group_runner(gemma3)
     table = BlockTable(4, 3, BLOCK_SIZE, num_groups=2)
     # Interleaved as the scheduler sends them: (group 0, group 1) per block.
@@ -274,9 +272,11 @@ def test_each_group_s_table_and_slots_reach_its_static_buffers(
     assert group1.block_table[:3, :2].tolist() == [[2, 0], [4, 6], [8, 0]]
     assert meta.slot_mapping.tolist() == [1 * 4 + 2, 5 * 4 + 1, 7 * 4, -1]
     assert group1.slot_mapping.tolist() == [2 * 4 + 2, 6 * 4 + 1, 8 * 4, -1]
+    graphs.inputs.host["block_table"][1] = -1  # what is not restaged stays
     table.append_row([9, 10], 0)  # request 0's second block in each group
     meta = load([4, 6, 1])
     group1 = meta.kv_groups[0]
-    assert meta.block_table[:3, :2].tolist() == [[1, 9], [3, 5], [7, 0]]
-    assert group1.block_table[:3, :2].tolist() == [[2, 10], [4, 6], [8, 0]]
+    row1 = ([-1, -1], [-1, -1]) if fast else ([3, 5], [4, 6])
+    assert meta.block_table[:3, :2].tolist() == [[1, 9], row1[0], [7, 0]]
+    assert group1.block_table[:3, :2].tolist() == [[2, 10], row1[1], [8, 0]]
     assert group1.slot_mapping.tolist() == [10 * 4, 6 * 4 + 2, 8 * 4 + 1, -1]
