@@ -163,6 +163,30 @@ SHAPES: dict[str, ModelArchConfig] = {
         sliding_window=128,
         layer_types=("sliding_attention", "full_attention") * 12,
     ),
+    # google/gemma-3-1b-it's config.json (its text model): 22 sliding layers
+    # of window 512 and 4 full ones (every sixth), 13 KV cache groups.
+    "gemma3-1b": ModelArchConfig(
+        architecture="Gemma3ForCausalLM",
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        bos_token_id=2,
+        eos_token_ids=(1, 106),
+        sliding_window=512,
+        layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 4
+        + ("sliding_attention",) * 2,
+        query_pre_attn_scalar=256.0,
+        rope_local_base_freq=10000.0,
+    ),
 }
 
 

@@ -113,3 +113,14 @@ class BlockTable:
         slots *= self.block_size
         slots += offset
         return slots
+
+    def decode_group_slot_mappings(self, positions: np.ndarray) -> np.ndarray:
+        """:meth:`decode_slot_mapping` of groups ``1 ..`` in one pass:
+        ``[num_groups - 1, len(positions)]`` (row ``g - 1``: group ``g``'s)."""
+        block_index, offset = np.divmod(positions, self.block_size)
+        block_index = block_index * self.num_groups + self._row_starts[: len(positions)]
+        columns = block_index + np.arange(1, self.num_groups)[:, None]
+        slots = self._flat.take(columns).astype(np.int64)
+        slots *= self.block_size
+        slots += offset
+        return slots

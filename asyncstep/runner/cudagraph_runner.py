@@ -7,6 +7,14 @@ the host arrays are copied into them, padded to the dispatched
 :class:`BatchDescriptor` (padding: id 0, position 0, slot -1; padding
 requests seq_len 0 with an empty query range), and the graph replays.
 
+With several KV cache groups (a model mixing sliding-window and full
+attention layers) every group has its own static block table and slot
+mapping, staged the same way (padding slots -1 in each): the block table
+buffer holds a row's groups side by side (``[rows, groups * blocks]``,
+group ``g``'s columns ``g * blocks ..``), the groups' slots are a buffer
+of their own; the static metadata's ``kv_groups`` view them, so each
+layer's attention reads its group's, in FULL graphs and PIECEWISE alike.
+
 * FULL: the whole stage forward is one graph; attention reads only device
   metadata (the Triton backend), so one graph serves every batch of its shape.
   A uniform decode graph of the last stage also computes the logits of
@@ -31,6 +39,7 @@ the wiring (padding, buffers, cuts) is tested on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +81,8 @@ class HostInputs:
     #: With several KV cache groups: groups 1.. slot mappings (``slot_mapping``
     #: and ``block_table`` are group 0's); empty with one group.
     group_slot_mappings: list[np.ndarray] = field(default_factory=list)
+    #: Groups 1.. block tables (rows ``[0, num_reqs)``), beside ``group_slot_mappings``.
+    group_block_tables: list[np.ndarray] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -105,11 +116,14 @@ class CudaGraphRunner:
         dtype: torch.dtype,
         max_num_reqs: int,
         max_blocks_per_req: int,
+        num_kv_groups: int = 1,
         stand_in: bool = False,
         greedy_in_graph: bool = False,
     ) -> None:
-        """``greedy_in_graph``: one-token decode graphs end with the argmax
-        of their logits (:attr:`greedy`)."""
+        """``max_blocks_per_req``: of one KV cache group; ``num_kv_groups``:
+        the model's KV cache groups (each gets its block table and slots);
+        ``greedy_in_graph``: one-token decode graphs end with the argmax of
+        their logits (:attr:`greedy`)."""
         self.model = model
         self.dispatcher = dispatcher
         self.device, self.dtype = device, dtype
@@ -121,6 +135,7 @@ class CudaGraphRunner:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
+        self.num_kv_groups, self.max_blocks_per_req = num_kv_groups, max_blocks_per_req
         # The step's inputs, uploaded with one copy (the block table last:
         # only its rows in use are copied).
         self.inputs = StagedArena(
@@ -129,16 +144,22 @@ class CudaGraphRunner:
                 "input_ids": ((n,), torch.int64),
                 "positions": ((n,), torch.int64),
                 "slot_mapping": ((n,), torch.int64),
+                "group_slot_mappings": ((num_kv_groups - 1, n), torch.int64),
                 "query_start_loc": ((r + 1,), torch.int32),
                 "seq_lens": ((r,), torch.int32),
-                "block_table": ((r, max_blocks_per_req), torch.int32),
+                "block_table": ((r, num_kv_groups * max_blocks_per_req), torch.int32),
             },
         )
         static = self.inputs.tensors
         self.input_ids, self.positions = static["input_ids"], static["positions"]
         self.slot_mapping = static["slot_mapping"]
         self.query_start_loc, self.seq_lens = static["query_start_loc"], static["seq_lens"]
-        self.block_table = static["block_table"]
+        #: Group 0's block table (with one group, the whole buffer).
+        self.block_table = self._group_block_table(0)
+        #: The staged block table's host view by group: ``[rows, groups, blocks]``.
+        staged_table = self.inputs.host["block_table"]
+        self._staged_groups = staged_table.reshape(r, num_kv_groups, max_blocks_per_req)
+        assert np.shares_memory(self._staged_groups, staged_table)
         config = model.config
         self.layers = model.model.stage_layers()
         attn = self.layers[0].self_attn
@@ -175,7 +196,7 @@ class CudaGraphRunner:
         self, desc: BatchDescriptor, num_reqs: int, num_actual: int
     ) -> AttentionMetadata:
         n = desc.num_tokens
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_actual_tokens=num_actual,
             num_decodes=0,
             query_start_loc=self.query_start_loc[: num_reqs + 1],
@@ -189,6 +210,43 @@ class CudaGraphRunner:
             seq_lens_cpu=np.zeros(num_reqs, dtype=np.int32),
             positions=self.positions[:n],
         )
+        meta.kv_groups = self._group_metas(meta, num_reqs, n)
+        return meta
+
+    # -- KV cache groups ------------------------------------------------------
+
+    def _group_block_table(self, group: int) -> torch.Tensor:
+        """KV cache group ``group``'s static block table ``[rows, blocks]``
+        (a view of its columns of the shared buffer)."""
+        b = self.max_blocks_per_req
+        return self.inputs.tensors["block_table"][:, group * b : (group + 1) * b]
+
+    def _group_metas(
+        self, meta: AttentionMetadata, num_reqs: int, num_tokens: int
+    ) -> list[AttentionMetadata]:
+        """Groups 1.. metadata: ``meta`` (group 0's) with the group's static
+        block table and slots (empty with one group)."""
+        slots = self.inputs.tensors["group_slot_mappings"]
+        return [
+            dataclasses.replace(
+                meta,
+                block_table=self._group_block_table(g)[:num_reqs],
+                slot_mapping=slots[g - 1, :num_tokens],
+                decode_buckets=[],
+                kernel_args=None,
+                kv_groups=[],
+            )
+            for g in range(1, self.num_kv_groups)
+        ]
+
+    def _stage_group_slots(self, host: HostInputs, num_tokens: int) -> None:
+        """Groups 1.. slot mappings into their staged rows, padded with -1
+        (a padding token stores nothing in any group)."""
+        if not host.group_slot_mappings:
+            return
+        staged, t = self.inputs.host["group_slot_mappings"], host.num_tokens
+        staged[:, :t] = host.group_slot_mappings
+        staged[:, t:num_tokens] = -1
 
     def load_inputs(
         self,
@@ -207,6 +265,7 @@ class CudaGraphRunner:
         _write_padded(staged["input_ids"], host.input_ids, n, 0)
         _write_padded(staged["positions"], host.positions, n, 0)
         _write_padded(staged["slot_mapping"], host.slot_mapping, n, -1)
+        self._stage_group_slots(host, n)
         _write_padded(staged["query_start_loc"], host.query_start_loc, num_reqs + 1, t)
         _write_padded(staged["seq_lens"], host.seq_lens, num_reqs, 0)
         self._stage_block_table(host)
@@ -219,27 +278,41 @@ class CudaGraphRunner:
                 buffer[received.shape[0] : rows].zero_()
 
     def _stage_block_table(self, host: HostInputs) -> None:
-        """The step's block table rows into the staged one. A small table
-        whole (one copy costs less than finding the rows); a large one (long
-        contexts) only the rows changed since it was last staged from the
-        same table (a steady decode step: none, or the few that got a new
-        block), else every row up to the most blocks a row has (no kernel
-        reads past a row's blocks)."""
+        """The step's block table rows (every group's) into the staged one.
+        A small table of one group whole (one copy costs less than finding
+        the rows); a large one (long contexts), or one of several groups
+        (their columns are strided in the source), only the rows changed
+        since it was last staged from the same table (a steady decode step:
+        none, or the few that got a new block), else every row up to the
+        most blocks a row has (no kernel reads past a row's blocks)."""
         staged = self.inputs.host["block_table"]
         source, r = host.block_table_source, host.num_reqs
-        if source is None or r * staged.shape[1] <= _SMALL_BLOCK_TABLE:
-            blocks = host.block_table.shape[1]
-            staged[:r, :blocks] = host.block_table
+        small = self.num_kv_groups == 1 and r * staged.shape[1] <= _SMALL_BLOCK_TABLE
+        if source is None or small:
+            b = self.max_blocks_per_req
+            for g, table in enumerate([host.block_table, *host.group_block_tables]):
+                staged[:r, g * b : g * b + table.shape[1]] = table
             self._staged_block_table = None
             return
         changed = source.take_dirty_rows(r)
         if source is self._staged_block_table:
             if changed:
-                staged[changed] = source.block_table_np[changed]
+                self._write_group_major(changed, source.block_table_np[changed])
             return
+        groups = self.num_kv_groups
         blocks = int(source.num_blocks_per_row[:r].max()) if r else 0
-        staged[:r, :blocks] = source.block_table_np[:r, :blocks]
+        blocks = -(-blocks // groups) * groups  # whole blocks of every group
+        self._write_group_major(slice(0, r), source.block_table_np[:r, :blocks])
         self._staged_block_table = source
+
+    def _write_group_major(self, rows: list[int] | slice, interleaved: np.ndarray) -> None:
+        """Staged block table ``rows`` from a :class:`BlockTable`'s rows,
+        whose groups' block ids are interleaved (group ``g``'s block ``i`` at
+        column ``i * groups + g``): each group's to its own columns."""
+        groups = self.num_kv_groups
+        per_group = interleaved.shape[1] // groups
+        by_group = interleaved.reshape(-1, per_group, groups).transpose(0, 2, 1)
+        self._staged_groups[rows, :, :per_group] = by_group
 
     def input_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.input_ids[:num_tokens], self.positions[:num_tokens]
@@ -255,6 +328,7 @@ class CudaGraphRunner:
         meta.block_table = self.block_table[:r]
         meta.slot_mapping = self.slot_mapping[:num_tokens]
         meta.positions = self.positions[:num_tokens]
+        meta.kv_groups = self._group_metas(meta, r, num_tokens)
         return meta
 
     # -- replay -------------------------------------------------------------

@@ -289,20 +289,16 @@ class ModelRunner:
         is bound: graphs hold its address), largest first; returns how many."""
         if self.dispatcher.mode is CUDAGraphMode.NONE or not self.dispatcher.capture_sizes:
             return 0
-        if self.kv_binding.num_groups > 1:
-            log.warning(
-                "no CUDA graphs: the model mixes sliding-window and full attention layers "
-                "(several KV cache groups), which the graphs' static metadata does not hold"
-            )
-            return 0
         assert self.kv_caches, "initialize the KV cache before capturing graphs"
+        table = self.input_batch.block_table
         self.graph_runner = CudaGraphRunner(
             self.model,
             self.dispatcher,
             device=self.device,
             dtype=self.dtype,
             max_num_reqs=self.input_batch.max_num_reqs,
-            max_blocks_per_req=self.input_batch.block_table.max_num_blocks_per_req,
+            max_blocks_per_req=table.max_num_blocks_per_req // table.num_groups,
+            num_kv_groups=table.num_groups,
             stand_in=self._graph_stand_in,
             greedy_in_graph=self.step_inputs.compilation.greedy_in_graph,
         )

@@ -25,6 +25,7 @@ import torch
 from asyncstep.config import CompilationConfig
 from asyncstep.datatypes import IntermediateTensors, SchedulerOutput
 from asyncstep.ops.attention import AttentionMetadata, plan_decode_buckets
+from asyncstep.runner.block_table import BlockTable
 from asyncstep.runner.cudagraph_dispatcher import (
     BatchDescriptor,
     CudagraphDispatcher,
@@ -161,7 +162,8 @@ class StepInputBuilder:
                 meta = self.graph_runner.eager_meta(
                     host, desc.num_tokens, self._host_meta(host, num_decodes)
                 )
-                self._plan_buckets(meta, host.seq_lens)
+                for g, group_meta in enumerate((meta, *meta.kv_groups)):
+                    self._plan_buckets(group_meta, host.seq_lens, _group_prefix(g))
         spec_metadata = None
         if so.scheduled_spec_decode_tokens and sample_rows:
             logits_indices, spec_metadata = self._spec_logits_indices(
@@ -232,6 +234,7 @@ class StepInputBuilder:
                 table.compute_slot_mapping(req_indices, positions, g)
                 for g in range(1, table.num_groups)
             ],
+            group_block_tables=_group_tables(table, num_reqs),
         )
 
     def _decode_host_inputs(self) -> HostInputs:
@@ -252,9 +255,8 @@ class StepInputBuilder:
             seq_lens=computed + 1,
             block_table=table.group_table(0, num_reqs),
             block_table_source=table,  # (the fast path only)
-            group_slot_mappings=[
-                table.decode_slot_mapping(positions, g) for g in range(1, table.num_groups)
-            ],
+            group_slot_mappings=list(table.decode_group_slot_mappings(positions)),
+            group_block_tables=_group_tables(table, num_reqs),
         )
 
     def _choose_mode(
@@ -327,7 +329,7 @@ class StepInputBuilder:
             query_start_loc_cpu=split.query_start_loc,
             seq_lens_cpu=split.seq_lens,
         )
-        self._plan_buckets(ub_meta, split.seq_lens)
+        self._plan_buckets(ub_meta, split.seq_lens, f"ub{index}_")
         received = None
         if intermediate_tensors is not None:
             received = IntermediateTensors(
@@ -353,8 +355,11 @@ class StepInputBuilder:
             seq_lens_cpu=host.seq_lens,
         )
 
-    def _plan_buckets(self, meta: AttentionMetadata, seq_lens: np.ndarray) -> None:
-        """The reference backend's decode plan (the Triton kernels need none)."""
+    def _plan_buckets(self, meta: AttentionMetadata, seq_lens: np.ndarray, name: str = "") -> None:
+        """The reference backend's decode plan (the Triton kernels need none).
+        ``name`` prefixes its staging buffers' names: each plan of a step
+        (a KV cache group's, a micro-batch's) needs buffers of its own (a
+        non-blocking copy may still read one when the next plan writes)."""
         if self.attention_backend != "torch":
             return
         n = meta.num_decodes
@@ -362,7 +367,7 @@ class StepInputBuilder:
             seq_lens[:n],
             meta.block_table[:n],
             self.block_size,
-            to_device=self.staging.to_device,
+            to_device=lambda key, array: self.staging.to_device(name + key, array),
         )
 
     def _eager_inputs(
@@ -399,7 +404,7 @@ class StepInputBuilder:
         """KV cache group ``group``'s metadata: ``meta`` with the group's
         block table, slots and decode plan."""
         to_device = self.staging.to_device
-        table = self.input_batch.block_table.group_table(group, host.num_reqs)
+        table = host.group_block_tables[group - 1]
         slots = _pad(host.group_slot_mappings[group - 1], num_input_tokens, -1)
         group_meta = dataclasses.replace(
             meta,
@@ -409,7 +414,7 @@ class StepInputBuilder:
             kernel_args=None,
             kv_groups=[],
         )
-        self._plan_buckets(group_meta, host.seq_lens)
+        self._plan_buckets(group_meta, host.seq_lens, _group_prefix(group))
         return group_meta
 
 
@@ -419,6 +424,16 @@ def is_arange(indices: np.ndarray) -> bool:
     return n == 0 or (
         int(indices[0]) == 0 and int(indices[-1]) == n - 1 and bool((np.diff(indices) == 1).all())
     )
+
+
+def _group_prefix(group: int) -> str:
+    """Staging buffer names of KV cache group ``group``'s plan (group 0: the step's)."""
+    return f"g{group}_" if group else ""
+
+
+def _group_tables(table: BlockTable, num_reqs: int) -> list[np.ndarray]:
+    """KV cache groups 1.. block tables of rows ``[0, num_reqs)`` (views)."""
+    return [table.group_table(g, num_reqs) for g in range(1, table.num_groups)]
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:

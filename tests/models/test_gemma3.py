@@ -220,3 +220,18 @@ def test_gemma_asks_no_op_set_for_a_step_path() -> None:
     ops = StackingOps()
     model.use_ops(ops)
     assert model.model.ops.ops is ops and model.model.step_path is None
+
+
+def test_the_gemma3_1b_preset() -> None:
+    """The dummy shape is google/gemma-3-1b-it's text model: every sixth
+    layer full, the rest windowed (13 KV cache groups of 2 layers)."""
+    from asyncstep.kv_cache_interface import kv_cache_groups
+    from asyncstep.models.dummy import get_shape
+
+    arch = get_shape("gemma3-1b")
+    arch.validate()
+    assert arch.is_gemma and arch.tie_word_embeddings
+    assert arch.layer_windows[4:7] == (512, None, 512) and arch.layer_windows.count(None) == 4
+    assert len(kv_cache_groups(arch.layer_windows)) == 13
+    params = sum(torch.Size(s).numel() for s in arch.weight_shapes().values())
+    assert 0.95e9 < params < 1.05e9  # transformers counts 1.0e9 (tied embeddings)

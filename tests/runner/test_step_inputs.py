@@ -394,6 +394,13 @@ def test_decode_slot_mapping_equals_the_general_one() -> None:
     positions = np.array([5, 9, 0])
     want = table.compute_slot_mapping(np.arange(3), positions)
     assert table.decode_slot_mapping(positions).tolist() == want.tolist() == [9, 13, 36]
+    # Several KV cache groups (block ids interleaved): every group's at once.
+    groups = BlockTable(max_num_reqs=3, max_num_blocks_per_req=4, block_size=4, num_groups=3)
+    for row, ids in enumerate([[7, 8, 9, 2, 3, 4], [5, 6, 7, 1, 2, 3, 3, 4, 5], [9, 10, 11]]):
+        groups.add_row(ids, row)
+    each = [groups.compute_slot_mapping(np.arange(3), positions, g).tolist() for g in (1, 2)]
+    assert groups.decode_group_slot_mappings(positions).tolist() == each
+    assert each[0] == [3 * 4 + 1, 4 * 4 + 1, 10 * 4]
 
 
 def test_block_table_marks_changed_rows() -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The MoE models (issue 41) on one GPU (the device tool's nvidia-h200 or nvidia-h100-x1):
-#     bash benchmarks/studies/moe/run_moe_h200.sh tests|kernels|latency|throughput|all
+#     bash benchmarks/studies/moe/run_moe_h200.sh tests|kernels|latency|throughput|groups|all
 #   tests:      tests/gpu/test_fused_moe.py and test_triton_sliding_window.py compiled for
 #               the GPU (bfloat16 rounds to nearest there)
 #   kernels:    benchmarks/studies/moe/fused_moe_kernel.py --tiles (the kernel against the
@@ -10,6 +10,11 @@
 #               floor (the bytes a step reads: dense weights, the experts its tokens pick)
 #   throughput: the same two models, 256 requests (prompts 256..768, outputs 128..384), and
 #               the floor
+#   groups:     CUDA graphs of several KV cache groups (gpt-oss-20b: 2, gemma3-1b: 13):
+#               tests/gpu/test_real_graphs_kv_groups.py (real graphs against eager tokens),
+#               then batch 1 and 32 ITL with graphs (FULL_AND_PIECEWISE) and the floor, and
+#               gemma3-1b's without graphs beside it (gpt-oss-20b's: the latency mode, or
+#               BASELINE=1 here); under 5 min with the timeouts below (295 s)
 #   all:        tests, latency, throughput (under 10 min with the timeouts below)
 # Dependencies: run `bash ../shared/device/wheels.sh` once here and carry ".whl".
 # Output (text and JSON) goes to $OUT (default benchmarks/results/moe). A dry run of the
@@ -67,12 +72,29 @@ run_throughput() {
         echo "$name"; grep -E "ours n|failed|Error|│ +[0-9]" "$OUT/throughput_$name.txt"
     done
 }
+group_latency() {  # model, cudagraph mode, timeout
+    timeout "$3" $BENCH latency --no-hf --load-format $FORMAT --model "$1" --device $DEVICE \
+        --batch-size 1 32 --input-len 128 --output-len 64 --num-iters 2 --max-model-len 2048 \
+        --cudagraph-mode "$2" --cudagraph-capture-sizes 1 2 4 8 16 24 32 64 128 256 \
+        --output-json "$OUT/groups_$1_$2.json" > "$OUT/groups_$1_$2.txt" 2>&1
+    echo "$1 $2"; grep -E "ours b|failed|Error|│ +[0-9]" "$OUT/groups_$1_$2.txt"
+}
+run_groups() {
+    ASYNCSTEP_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-100} python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_real_graphs_kv_groups.py > "$OUT/gpu_tests_kv_groups.txt" 2>&1
+    tail -3 "$OUT/gpu_tests_kv_groups.txt"
+    group_latency gpt-oss-20b FULL_AND_PIECEWISE 110
+    [ "${BASELINE:-0}" = 1 ] && group_latency gpt-oss-20b NONE 110
+    group_latency gemma3-1b FULL_AND_PIECEWISE 45
+    group_latency gemma3-1b NONE 40
+}
 machine
 case "${1:-all}" in
 tests) run_tests ;;
 kernels) run_kernels ;;
 latency) run_latency ;;
 throughput) run_throughput ;;
+groups) run_groups ;;
 all) run_tests; run_latency; run_throughput ;;
-*) echo "usage: $0 tests|kernels|latency|throughput|all" >&2; exit 2 ;;
+*) echo "usage: $0 tests|kernels|latency|throughput|groups|all" >&2; exit 2 ;;
 esac
