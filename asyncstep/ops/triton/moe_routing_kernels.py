@@ -5,7 +5,7 @@ contract).
 * :func:`topk_route_kernel`: one program a token: the float32 scores of its
   router logits (softmax, sigmoid, or the logits themselves for
   "topk_softmax"), the top k by repeated arg-max (ties to the lower expert
-  id, as torch's ``topk``), then the weights (renormalised, or the softmax
+  id, as torch's ``topk``; NaN above everything, each id once), then the weights (renormalised, or the softmax
   of the k logits), stored ``[T, k]``.
 * :func:`align_count_kernel`: one program: each expert's pair count, its run
   padded to BLOCK_M and the runs' starts (a cumsum), every chunk of CHUNK
@@ -73,16 +73,20 @@ def topk_route_kernel(
         scores = 1.0 / (1.0 + tl.exp(-logits))
     else:
         scores = logits
-    left = tl.where(e_mask, scores, -float("inf"))
+    # NaN ranks above everything (torch's topk); each id taken once, even
+    # among equal (say -inf) scores: every id stays in [0, E).
+    left = tl.where(scores != scores, float("inf"), scores)
+    left = tl.where(e_mask, left, -float("inf"))
+    free = e_mask
     ks = tl.arange(0, K_PAD)
     top = tl.zeros([K_PAD], tl.float32)
     top_ids = tl.zeros([K_PAD], tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(left, 0)
-        best_id = tl.min(tl.where(left == best, es, E_PAD), 0)
-        top = tl.where(ks == j, best, top)
+        best = tl.max(tl.where(free, left, -float("inf")), 0)
+        best_id = tl.min(tl.where(free & (left == best), es, E_PAD), 0)
+        top = tl.where(ks == j, tl.sum(tl.where(es == best_id, scores, 0.0), 0), top)
         top_ids = tl.where(ks == j, best_id, top_ids)
-        left = tl.where(es == best_id, -float("inf"), left)
+        free = free & (es != best_id)
     k_mask = ks < TOP_K
     if SCORING == SCORE_TOPK_SOFTMAX:
         shifted = tl.where(k_mask, tl.exp(top - tl.max(tl.where(k_mask, top, -float("inf")), 0)), 0.0)
