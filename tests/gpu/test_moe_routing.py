@@ -20,7 +20,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -62,7 +62,14 @@ ALWAYS = 1 << 30
 
 @pytest.mark.parametrize(
     ("t", "k", "e", "block_m"),
-    [(1, 8, 128, 16), (3, 2, 5, 4), (17, 2, 8, 16), (100, 4, 32, 16), (70, 8, 128, 16), (5, 1, 3, 64)],
+    [
+        (1, 8, 128, 16),
+        (3, 2, 5, 4),
+        (17, 2, 8, 16),
+        (100, 4, 32, 16),
+        (70, 8, 128, 16),
+        (5, 1, 3, 64),
+    ],
 )
 def test_the_alignment_is_the_torch_ops_one(t: int, k: int, e: int, block_m: int) -> None:
     """Random ids (repeats within a token too): the same sorted pairs, block
@@ -93,10 +100,18 @@ def test_one_expert_taking_every_pair_across_chunks() -> None:
 
 @pytest.mark.parametrize(
     ("scoring", "renormalize"),
-    [("softmax", True), ("softmax", False), ("sigmoid", True), ("sigmoid", False), ("topk_softmax", False)],
+    [
+        ("softmax", True),
+        ("softmax", False),
+        ("sigmoid", True),
+        ("sigmoid", False),
+        ("topk_softmax", False),
+    ],
 )
 @pytest.mark.parametrize(("t", "e", "k"), [(1, 128, 8), (7, 5, 2), (9, 32, 4), (4, 60, 6)])
-def test_the_routing_is_the_reference(scoring: str, renormalize: bool, t: int, e: int, k: int) -> None:
+def test_the_routing_is_the_reference(
+    scoring: str, renormalize: bool, t: int, e: int, k: int
+) -> None:
     """float32 logits (no ties): the same ids in the same order, weights
     within float32 rounding (the sums' order differs); bfloat16 logits
     strided, the same as their float32 values."""
@@ -129,7 +144,9 @@ def test_ties_go_to_the_lower_expert_and_bad_arguments_are_value_errors() -> Non
     for scoring in ("softmax", "sigmoid", "topk_softmax"):
         ids = topk_route(rows.to(DEVICE), 3, renormalize=False, scoring_func=scoring)[1]
         assert ids.tolist()[0] == [0, 1, 2] and len(set(ids.tolist()[1])) == 3, scoring
-    assert topk_route(rows.to(DEVICE), 2, renormalize=False, scoring_func="sigmoid")[1][2].tolist() == [1, 3]
+    assert topk_route(rows.to(DEVICE), 2, renormalize=False, scoring_func="sigmoid")[1][
+        2
+    ].tolist() == [1, 3]
     empty = topk_route(logits[:0], 2, renormalize=False)
     assert empty[0].shape == (0, 2) and empty[1].shape == (0, 2)
 
@@ -243,7 +260,7 @@ def test_a_tiny_qwen3_moe_s_greedy_tokens_through_the_triton_op_set(
     class Counting(TritonOps):
         """The Triton op set, counting the routings and each path's calls."""
 
-        calls = {"route": 0, "small": 0, "grouped": 0}
+        calls: ClassVar[dict[str, int]] = {"route": 0, "small": 0, "grouped": 0}
 
         def select_experts(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             self.calls["route"] += 1

@@ -242,7 +242,11 @@ def _gemv_gate_up(
 
 
 def _gemv_down(
-    act: torch.Tensor, w2: torch.Tensor, bias: torch.Tensor | None, gemv: GemvArgs, out: torch.Tensor
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    bias: torch.Tensor | None,
+    gemv: GemvArgs,
+    out: torch.Tensor,
 ) -> None:
     """``out[t] = sum_j route[t, j] * (act[p] @ w2[e].T + b2[e])``, j from 0 up, in float32."""
     num_tokens, hidden_size = out.shape

@@ -310,7 +310,9 @@ def gemv_gate_up_kernel(
             b_base + (up_offset + cols * ROW_STEP) * stride_bn, mask=col_mask, other=0.0
         ).to(tl.float32)
     act = activate(gate, up, alpha, limit, ACTIVATION)
-    tl.store(out_ptr + p * stride_op + cols * stride_on, act.to(out_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(
+        out_ptr + p * stride_op + cols * stride_on, act.to(out_ptr.dtype.element_ty), mask=col_mask
+    )
 
 
 @triton.jit
@@ -369,4 +371,6 @@ def gemv_down_kernel(
             b = tl.load(bias_ptr + expert * stride_be + cols * stride_bn, mask=col_mask, other=0.0)
             y += b.to(tl.float32)
         out += y * tl.load(route_ptr + t * stride_rt + j * stride_rj)
-    tl.store(out_ptr + t * stride_ot + cols * stride_on, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(
+        out_ptr + t * stride_ot + cols * stride_on, out.to(out_ptr.dtype.element_ty), mask=col_mask
+    )

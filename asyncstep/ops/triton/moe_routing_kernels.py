@@ -5,8 +5,8 @@ contract).
 * :func:`topk_route_kernel`: one program a token: the float32 scores of its
   router logits (softmax, sigmoid, or the logits themselves for
   "topk_softmax"), the top k by repeated arg-max (ties to the lower expert
-  id, as torch's ``topk``; NaN above everything, each id once), then the weights (renormalised, or the softmax
-  of the k logits), stored ``[T, k]``.
+  id, as torch's ``topk``; NaN above everything, each id once), then the
+  weights (renormalised, or the softmax of the k logits), stored ``[T, k]``.
 * :func:`align_count_kernel`: one program: each expert's pair count, its run
   padded to BLOCK_M and the runs' starts (a cumsum), every chunk of CHUNK
   pairs' first slot per expert, each block's expert, the padded total, and
@@ -89,7 +89,9 @@ def topk_route_kernel(
         free = free & (es != best_id)
     k_mask = ks < TOP_K
     if SCORING == SCORE_TOPK_SOFTMAX:
-        shifted = tl.where(k_mask, tl.exp(top - tl.max(tl.where(k_mask, top, -float("inf")), 0)), 0.0)
+        shifted = tl.where(
+            k_mask, tl.exp(top - tl.max(tl.where(k_mask, top, -float("inf")), 0)), 0.0
+        )
         top = shifted / tl.sum(shifted, 0)
     elif RENORMALIZE:
         top = top / tl.sum(tl.where(k_mask, top, 0.0), 0)
