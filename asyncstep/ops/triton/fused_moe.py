@@ -120,17 +120,23 @@ TILE = MoeTile(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 @dataclass(frozen=True)
 class GemvTile:
-    """The small-T path's launches: BLOCK_N output rows a program, BLOCK_K
-    of the weight rows a step (gate/up and down alike)."""
+    """The small-T path's launches: BLOCK_N activation columns a gate/up
+    program, down_block_n output columns a down program (its grid is T
+    wide only: narrower, for more programs), BLOCK_K of the weight rows a
+    step."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    down_block_n: int = 8
 
 
-#: The small-T path's tile: 16 rows of 256 (512 bytes of a bfloat16 row) a step.
-GEMV_TILE = GemvTile(block_n=16, block_k=256, num_warps=4, num_stages=3)
+#: The small-T path's tile: 4 columns (gate/up: 8 weight rows) of 512 a
+#: step, 4 warps: the dense GEMV's launch for narrow weights
+#: (:func:`~asyncstep.ops.triton.gemv.gemv_launch`: few rows, wide steps),
+#: to be swept on the GPU (``fused_moe_kernel.py --gemv-tiles``).
+GEMV_TILE = GemvTile(block_n=4, block_k=512, num_warps=4, num_stages=3, down_block_n=4)
 
 #: The most pairs (``T * top_k``) the small-T path takes (0: never). A
 #: decode step's few pairs read each expert's rows once a pair: the GEMV
@@ -252,7 +258,7 @@ def _gemv_down(
     num_tokens, hidden_size = out.shape
     b = bias if bias is not None else w2
     b_strides = bias.stride() if bias is not None else (0, 0)
-    kernels.gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, gemv.tile.block_n))](
+    kernels.gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, gemv.tile.down_block_n))](
         act,
         w2,
         b,
@@ -269,7 +275,7 @@ def _gemv_down(
         *out.stride(),
         TOP_K=gemv.topk_ids.shape[1],
         HAS_BIAS=bias is not None,
-        BLOCK_N=gemv.tile.block_n,
+        BLOCK_N=gemv.tile.down_block_n,
         BLOCK_K=gemv.tile.block_k,
         num_warps=gemv.tile.num_warps,
         num_stages=gemv.tile.num_stages,

@@ -13,7 +13,9 @@ from shapes alone, so a CUDA graph captures them.
   listed by expert, each expert's run padded to block_m
   (:class:`MoeAlignment`), the same tensors as :func:`torch_align_block_size`
   (the torch ops it replaces, kept as the reference): a count kernel (one
-  program) and a scatter kernel (a program per CHUNK pairs).
+  program) and a scatter kernel (a program per CHUNK pairs), up to
+  :data:`ALIGN_KERNEL_MAX_PAIRS` pairs (a decode step's, a short prompt's);
+  past them the torch ops.
 
 May import torch, triton and :mod:`asyncstep.ops.triton.moe_routing_kernels`.
 """
@@ -28,6 +30,7 @@ import triton
 from asyncstep.ops.triton import moe_routing_kernels as kernels
 
 __all__ = [
+    "ALIGN_KERNEL_MAX_PAIRS",
     "SCORING",
     "MoeAlignment",
     "max_blocks",
@@ -47,6 +50,12 @@ SCORING = {
 CHUNK = 128
 #: Blocks (and BLOCK_M-slot runs of sorted_ids) the count kernel writes a step.
 BLOCKS_STEP = 64
+#: The most pairs :func:`moe_align_block_size` aligns with the kernels: the
+#: count kernel is one program whose loops grow with the pairs (two passes
+#: of CHUNK pairs a step), so a long prompt's alignment takes torch's sort
+#: (tens of launches, but each wide). To be set from the GPU's crossover
+#: (``fused_moe_kernel.py --routing``).
+ALIGN_KERNEL_MAX_PAIRS = 4096
 
 
 @dataclass(frozen=True)
@@ -105,13 +114,23 @@ def topk_route(
     return weights, ids
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+def moe_align_block_size(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    *,
+    kernel_max_pairs: int = ALIGN_KERNEL_MAX_PAIRS,
+) -> MoeAlignment:
     """Sort the pairs ``p = t * k + j`` of ``topk_ids [T, k]`` (int32 or
     int64, any strides, each in ``[0, E)``) by expert, stably (within an
     expert by p), and pad each expert's run to a multiple of block_m (vLLM's
-    ``moe_align_block_size``): two kernels, no host sync."""
+    ``moe_align_block_size``): two kernels, no host sync; past
+    ``kernel_max_pairs`` pairs :func:`torch_align_block_size` (the same
+    tensors)."""
     device = topk_ids.device
     num_pairs = topk_ids.numel()
+    if num_pairs > kernel_max_pairs:
+        return torch_align_block_size(topk_ids, num_experts, block_m)
     blocks = max_blocks(num_pairs, num_experts, block_m)
     e_pad = triton.next_power_of_2(num_experts)
     chunks = triton.cdiv(num_pairs, CHUNK)

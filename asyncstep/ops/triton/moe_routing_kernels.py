@@ -117,11 +117,9 @@ def _chunk_experts(
 
 
 @triton.jit
-def _chunk_counts(
-    expert: tl.tensor, es: tl.tensor, CHUNK: tl.constexpr, E_PAD: tl.constexpr
-) -> tl.tensor:
-    """Each expert's pairs in a chunk (``[E_PAD]`` int32)."""
-    return tl.sum((expert[:, None] == es[None, :]).to(tl.int32), axis=0)
+def _chunk_counts(expert: tl.tensor, E_PAD: tl.constexpr) -> tl.tensor:
+    """Each expert's pairs in a chunk (``[E_PAD]`` int32; -1 counts nowhere)."""
+    return tl.histogram(expert, E_PAD, mask=expert >= 0).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -150,7 +148,7 @@ def align_count_kernel(
     counts = tl.zeros([E_PAD], tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
         _, _, expert = _chunk_experts(ids_ptr, c0, num_pairs, top_k, stride_it, stride_ij, CHUNK)
-        counts += _chunk_counts(expert, es, CHUNK, E_PAD)
+        counts += _chunk_counts(expert, E_PAD)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     run = ends - padded
@@ -158,7 +156,7 @@ def align_count_kernel(
     for c0 in range(0, num_pairs, CHUNK):
         tl.store(chunk_base_ptr + (c0 // CHUNK) * E_PAD + es, run)
         _, _, expert = _chunk_experts(ids_ptr, c0, num_pairs, top_k, stride_it, stride_ij, CHUNK)
-        run += _chunk_counts(expert, es, CHUNK, E_PAD)
+        run += _chunk_counts(expert, E_PAD)
     # A block's expert: the experts whose runs end at or before its first slot.
     real = es < E
     for b0 in range(0, num_blocks, BLOCKS_STEP):

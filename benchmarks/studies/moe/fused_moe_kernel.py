@@ -27,8 +27,9 @@ the largest ``T * k`` where small-T is faster (the threshold to set as
 ``GEMV_MAX_PAIRS``). The routing: ``--routing`` times, per T, a layer's
 routing and alignment in a CUDA graph, the torch ops (``select_experts`` and
 ``torch_align_block_size``) against the Triton kernels (``topk_route`` and
-``moe_align_block_size``; and ``topk_route`` alone, all the small-T path
-needs), each checked equal to the torch ops' first.
+``moe_align_block_size``, forced at every T; and ``topk_route`` alone, all
+the small-T path needs) at ``--routing-tokens``, each checked equal to the
+torch ops' first.
 
     python3 benchmarks/studies/moe/fused_moe_kernel.py --routing --gemv-tiles --tokens 1 2 4 8 16 32
 """
@@ -75,8 +76,11 @@ TINY = [
 ]
 TOKENS = [1, 2, 4, 8, 16, 32, 256]
 TINY_TOKENS = [1, 5]
-#: Every T through the small-T path.
+#: Every T through the small-T path (or the alignment kernels).
 ALWAYS = 1 << 30
+#: ``--routing``'s T: decode sizes, then prompts (the alignment kernels'
+#: crossover with torch's sort, ALIGN_KERNEL_MAX_PAIRS).
+ROUTING_TOKENS = [1, 8, 32, 128, 512, 2048, 8192]
 
 #: Tiles tried beside the default: (block_m, block_n, block_k, warps, stages).
 TILES = [
@@ -87,13 +91,14 @@ TILES = [
     (64, 128, 64, 8, 3),
 ]
 
-#: Small-T tiles tried beside the default: (block_n, block_k, warps, stages).
+#: Small-T tiles tried beside the default: (block_n, block_k, warps, stages, down_block_n).
 GEMV_TILES = [
-    (8, 256, 4, 3),
-    (32, 256, 4, 3),
-    (16, 512, 4, 3),
-    (16, 128, 4, 3),
-    (32, 512, 8, 3),
+    (2, 1024, 4, 3, 2),
+    (4, 1024, 4, 3, 4),
+    (4, 512, 4, 3, 8),
+    (8, 512, 4, 3, 8),
+    (8, 256, 2, 3, 8),
+    (16, 256, 4, 3, 16),
 ]
 #: The largest T the GEMV tiles are tried at.
 GEMV_TILES_MAX_T = 32
@@ -114,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemv-tiles", action="store_true", help="also time GEMV_TILES")
     parser.add_argument("--routing", action="store_true", help="also time the routing")
     parser.add_argument("--tokens", type=int, nargs="+", help="the T to run (default: TOKENS)")
+    parser.add_argument(
+        "--routing-tokens", type=int, nargs="+", help="--routing's T (default: ROUTING_TOKENS)"
+    )
     parser.add_argument("--shapes", nargs="+", help="the shapes' names to run (default: all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -151,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(format_row(row), flush=True)
         print(threshold_line(shape, rows), flush=True)
-    routing = run_routing(shapes, tokens, device, iters, cuda) if args.routing else []
+    routing_tokens = args.routing_tokens or (TINY_TOKENS if args.tiny else ROUTING_TOKENS)
+    routing = run_routing(shapes, routing_tokens, device, iters, cuda) if args.routing else []
     if args.out:
         name = torch.cuda.get_device_name() if cuda else "cpu (interpreter)"
         kept = {"device": name, "dtype": str(dtype), "bandwidth": bandwidth, "rows": rows}
@@ -168,10 +177,10 @@ def gemv_variants(graph: str) -> dict[str, Callable[..., torch.Tensor]]:
     from asyncstep.ops.triton.fused_moe import GemvTile
 
     return {
-        f"small-T n{n} k{k} w{w} s{st}{graph}": triton_fn(
-            None, gemv_max_pairs=ALWAYS, gemv_tile=GemvTile(n, k, w, st)
+        f"small-T n{n}/{d} k{k} w{w} s{st}{graph}": triton_fn(
+            None, gemv_max_pairs=ALWAYS, gemv_tile=GemvTile(n, k, w, st, d)
         )
-        for n, k, w, st in GEMV_TILES
+        for n, k, w, st, d in GEMV_TILES
     }
 
 
@@ -433,7 +442,8 @@ def routing_cases(shape: MoeShape, logits: torch.Tensor) -> dict[str, Callable[[
         return torch_align_block_size(select_experts(logits, k, **route)[1], e, m)
 
     def new() -> Any:
-        return moe_align_block_size(topk_route(logits, k, **route)[1], e, m)
+        ids = topk_route(logits, k, **route)[1]
+        return moe_align_block_size(ids, e, m, kernel_max_pairs=ALWAYS)
 
     def new_route() -> Any:
         return topk_route(logits, k, **route)
