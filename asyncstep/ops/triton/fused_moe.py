@@ -57,7 +57,8 @@ would break this too.) float32 inputs multiply in IEEE float32 (no TF32).
 Launch grids are sized from shapes alone (an upper bound on the padded
 blocks; blocks past the last expert's run return at once): no host sync.
 
-May import torch, triton, :mod:`asyncstep.ops.triton.fused_moe_kernels` and
+May import torch, triton, :mod:`asyncstep.ops.triton.fused_moe_kernels`,
+:mod:`asyncstep.ops.triton.fused_moe_gemv` and
 :mod:`asyncstep.ops.triton.moe_routing`.
 """
 
@@ -70,12 +71,21 @@ import torch
 import triton
 
 from asyncstep.ops.triton import fused_moe_kernels as kernels
+from asyncstep.ops.triton.fused_moe_gemv import (
+    GEMV_MAX_PAIRS,
+    GEMV_TILE,
+    GemvTile,
+    small_t_experts,
+)
+from asyncstep.ops.triton.fused_moe_kernels import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 from asyncstep.ops.triton.moe_routing import MoeAlignment, max_blocks, moe_align_block_size
 
 __all__ = [
     "ACTIVATIONS",
     "GEMV_MAX_PAIRS",
     "GEMV_TILE",
+    "SWIGLU_ALPHA",
+    "SWIGLU_LIMIT",
     "TILE",
     "GemvTile",
     "MoeAlignment",
@@ -88,12 +98,6 @@ __all__ = [
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-#: The activations and their kernel codes.
-ACTIVATIONS = {"silu": kernels.ACT_SILU.value, "swigluoai": kernels.ACT_SWIGLUOAI.value}
-
-#: gpt-oss's swigluoai constants (``swiglu_alpha``, ``swiglu_limit``).
-SWIGLU_ALPHA = 1.702
-SWIGLU_LIMIT = 7.0
 
 #: Under the interpreter, 16-bit brain floats are multiplied as float32
 #: copies (its dot takes numpy's dtypes; the products are exact either way).
@@ -116,33 +120,6 @@ class MoeTile:
 #: One tile for every T: 16 pairs a block (a decode step's expert holds one
 #: or a few pairs; a prefill's tens), 64 columns, 64-wide K steps.
 TILE = MoeTile(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
-
-
-@dataclass(frozen=True)
-class GemvTile:
-    """The small-T path's launches: BLOCK_N activation columns a gate/up
-    program, down_block_n output columns a down program (its grid is T
-    wide only: narrower, for more programs), BLOCK_K of the weight rows a
-    step."""
-
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    down_block_n: int = 8
-
-
-#: The small-T path's tile: 4 columns (gate/up: 8 weight rows) of 512 a
-#: step, 4 warps: the dense GEMV's launch for narrow weights
-#: (:func:`~asyncstep.ops.triton.gemv.gemv_launch`: few rows, wide steps),
-#: to be swept on the GPU (``fused_moe_kernel.py --gemv-tiles``).
-GEMV_TILE = GemvTile(block_n=4, block_k=512, num_warps=4, num_stages=3, down_block_n=4)
-
-#: The most pairs (``T * top_k``) the small-T path takes (0: never). A
-#: decode step's few pairs read each expert's rows once a pair: the GEMV
-#: streams them without the alignment or padded blocks; past this many
-#: pairs share experts and the grouped GEMM reads each active expert once.
-GEMV_MAX_PAIRS = 32
 
 
 def gate_up_from_interleaved(
@@ -183,9 +160,11 @@ def fused_experts(
     if num_tokens == 0 or top_k == 0 or hidden_size == 0:
         return out.zero_()
     if num_tokens * top_k <= gemv_max_pairs:
-        gemv = GemvArgs(topk_weights.to(torch.float32), topk_ids, activation, gemv_tile)
-        act = _gemv_gate_up(hidden, w13, w13_bias, gemv, interleaved_gate_up)
-        _gemv_down(act, w2, w2_bias, gemv, out)
+        weights = topk_weights.to(torch.float32)
+        experts = (w13, w2, w13_bias, w2_bias)
+        small_t_experts(
+            hidden, experts, weights, topk_ids, activation, interleaved_gate_up, gemv_tile, out
+        )
         return out
     align = moe_align_block_size(topk_ids, num_experts, tile.block_m)
     act = _gate_up(hidden, w13, w13_bias, align, top_k, activation, interleaved_gate_up, tile)
@@ -193,93 +172,6 @@ def fused_experts(
     pairs = _down(act, w2, w2_bias, route, align, tile)
     _combine(pairs, out, top_k, tile)
     return out
-
-
-@dataclass(frozen=True)
-class GemvArgs:
-    """The small-T path's routing (float32 weights, ids ``[T, k]``),
-    activation and tile."""
-
-    topk_weights: torch.Tensor
-    topk_ids: torch.Tensor
-    activation: str
-    tile: GemvTile
-
-
-def _gemv_gate_up(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    bias: torch.Tensor | None,
-    gemv: GemvArgs,
-    interleaved: bool,
-) -> torch.Tensor:
-    """``act(gate, up)`` of every pair ``p = t * k + j``, ``[pairs, I]`` of hidden's dtype."""
-    inter, top_k = w13.shape[1] // 2, gemv.topk_ids.shape[1]
-    pairs = hidden.shape[0] * top_k
-    out = torch.empty((pairs, inter), dtype=hidden.dtype, device=hidden.device)
-    b = bias if bias is not None else w13  # any pointer: HAS_BIAS is off
-    b_strides = bias.stride() if bias is not None else (0, 0)
-    kernels.gemv_gate_up_kernel[(pairs, triton.cdiv(inter, gemv.tile.block_n))](
-        hidden,
-        w13,
-        b,
-        gemv.topk_ids,
-        out,
-        top_k,
-        inter,
-        hidden.shape[1],
-        1 if interleaved else inter,
-        *hidden.stride(),
-        *gemv.topk_ids.stride(),
-        *w13.stride(),
-        *b_strides,
-        *out.stride(),
-        SWIGLU_ALPHA,
-        SWIGLU_LIMIT,
-        ROW_STEP=2 if interleaved else 1,
-        HAS_BIAS=bias is not None,
-        ACTIVATION=ACTIVATIONS[gemv.activation],
-        BLOCK_N=gemv.tile.block_n,
-        BLOCK_K=gemv.tile.block_k,
-        num_warps=gemv.tile.num_warps,
-        num_stages=gemv.tile.num_stages,
-    )
-    return out
-
-
-def _gemv_down(
-    act: torch.Tensor,
-    w2: torch.Tensor,
-    bias: torch.Tensor | None,
-    gemv: GemvArgs,
-    out: torch.Tensor,
-) -> None:
-    """``out[t] = sum_j route[t, j] * (act[p] @ w2[e].T + b2[e])``, j from 0 up, in float32."""
-    num_tokens, hidden_size = out.shape
-    b = bias if bias is not None else w2
-    b_strides = bias.stride() if bias is not None else (0, 0)
-    kernels.gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, gemv.tile.down_block_n))](
-        act,
-        w2,
-        b,
-        gemv.topk_weights,
-        gemv.topk_ids,
-        out,
-        hidden_size,
-        w2.shape[2],
-        *act.stride(),
-        *gemv.topk_weights.stride(),
-        *gemv.topk_ids.stride(),
-        *w2.stride(),
-        *b_strides,
-        *out.stride(),
-        TOP_K=gemv.topk_ids.shape[1],
-        HAS_BIAS=bias is not None,
-        BLOCK_N=gemv.tile.down_block_n,
-        BLOCK_K=gemv.tile.block_k,
-        num_warps=gemv.tile.num_warps,
-        num_stages=gemv.tile.num_stages,
-    )
 
 
 def _dot_args(dtype: torch.dtype) -> dict[str, object]:

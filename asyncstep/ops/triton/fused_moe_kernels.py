@@ -43,8 +43,11 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "ACTIVATIONS",
     "ACT_SILU",
     "ACT_SWIGLUOAI",
+    "SWIGLU_ALPHA",
+    "SWIGLU_LIMIT",
     "activate",
     "combine_kernel",
     "down_kernel",
@@ -56,6 +59,11 @@ __all__ = [
 #: ``ACTIVATION`` values of :func:`gate_up_kernel`.
 ACT_SILU: tl.constexpr = tl.constexpr(0)
 ACT_SWIGLUOAI: tl.constexpr = tl.constexpr(1)
+#: The activations by name and their ``ACTIVATION`` codes.
+ACTIVATIONS = {"silu": ACT_SILU.value, "swigluoai": ACT_SWIGLUOAI.value}
+#: gpt-oss's swigluoai constants (``swiglu_alpha``, ``swiglu_limit``).
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
 
 
 @triton.jit
