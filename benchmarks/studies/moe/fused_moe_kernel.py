@@ -3,15 +3,15 @@ issue 41) against a torch loop over the active experts and the floor.
 
 For each model shape (qwen3-30b-a3b: H 2048, I 768, E 128, k 8, silu;
 gpt-oss-20b: H 2880, I 2880, E 32, k 4, swigluoai with biases) and T in
-1, 32, 256, random routings (k distinct experts a token, softmax weights):
-the median µs of ``fused_experts`` (the default tile, then ``--tiles``), of
-the same captured in a CUDA graph (no launch overhead: the alignment's
-torch ops are several small kernels), of the torch loop (per active
-expert: gather its tokens, two ``F.linear``, the activation, the weight,
-``index_add_``), and the floor: the active experts'
-weight bytes over the copy bandwidth (a device-to-device copy's). Each
-variant is checked against the torch loop first (relative error, Frobenius).
-``--layers`` copies of the weights rotate so the weights stream from HBM.
+TOKENS (or ``--tokens``), random routings (k distinct experts a token,
+softmax weights): the median µs of ``fused_experts`` (its default: the path
+``GEMV_MAX_PAIRS`` picks; then the grouped GEMM with each of ``--tiles``),
+of the two paths captured in a CUDA graph (no launch overhead), of the
+torch loop (per active expert: gather its tokens, two ``F.linear``, the
+activation, the weight, ``index_add_``), and the floor: the active
+experts' weight bytes over the copy bandwidth (a device-to-device copy's).
+Each variant is checked against the torch loop first (relative error,
+Frobenius). ``--layers`` copies of the weights rotate so the weights stream from HBM.
 
     python3 benchmarks/studies/moe/fused_moe_kernel.py [--out moe.json]
     python3 benchmarks/studies/moe/fused_moe_kernel.py --tiny   # CPU, interpreter
@@ -139,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens or tokens
     layers, iters = (1, 2) if args.tiny else (args.layers, args.iters)
     bandwidth = copy_bandwidth(device)
-    variants: dict[str, Callable[..., torch.Tensor]] = {
-        f"triton {tile_label(tile)}": triton_fn(tile)
-        for tile in [TILE] + ([MoeTile(*t) for t in TILES] if args.tiles else [])
-    }
+    # "triton default": the path GEMV_MAX_PAIRS picks, eager; the tiles: the grouped GEMM.
+    variants: dict[str, Callable[..., torch.Tensor]] = {"triton default": triton_fn(TILE)}
+    for tile in [MoeTile(*t) for t in TILES] if args.tiles else []:
+        variants[f"grouped {tile_label(tile)}"] = triton_fn(tile, gemv_max_pairs=0)
     variants["torch loop"] = torch_loop
     graph = ", CUDA graph" if cuda else ""
     variants[GROUPED + graph] = triton_fn(TILE, gemv_max_pairs=0)
