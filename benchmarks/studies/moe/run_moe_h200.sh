@@ -73,10 +73,10 @@ run_throughput() {
     done
 }
 run_moefast() {
-    ASYNCSTEP_TEST_DEVICE=cuda timeout 80 python3 -m pytest -q -p no:cacheprovider \
+    ASYNCSTEP_TEST_DEVICE=cuda timeout 70 python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_moe_routing.py tests/gpu/test_fused_moe.py > "$OUT/gpu_tests_moefast.txt" 2>&1
     tail -4 "$OUT/gpu_tests_moefast.txt"
-    timeout 120 python3 benchmarks/studies/moe/fused_moe_kernel.py --routing --gemv-tiles \
+    timeout 140 python3 benchmarks/studies/moe/fused_moe_kernel.py --routing --gemv-tiles \
         --tokens 1 2 4 8 16 32 --out "$OUT/moefast_kernel.json" 2>&1 | grep -vi warn \
         > "$OUT/moefast_kernel.txt"
     cat "$OUT/moefast_kernel.txt"
