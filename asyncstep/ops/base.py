@@ -226,6 +226,20 @@ class OpSet(Protocol):
         (:func:`asyncstep.ops.torch_moe.fused_experts`, the reference)."""
         ...
 
+    def select_experts(
+        self,
+        router_logits: torch.Tensor,
+        top_k: int,
+        *,
+        renormalize: bool,
+        scoring_func: str = "softmax",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mixture-of-experts layer's router: each token's ``(topk_weights
+        [T, k] float32, topk_ids [T, k] int32)`` from ``router_logits [T, E]``
+        (:func:`asyncstep.ops.torch_moe.select_experts`, the reference:
+        scorings "softmax", "sigmoid", "topk_softmax"); ValueError for another."""
+        ...
+
     def step_path(self, layers: list[Any]) -> StepPath | None:
         """The op set's whole-stack path over a stage's decoder ``layers``
         (their weights loaded and packed), where they qualify; else None.

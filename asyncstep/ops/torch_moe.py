@@ -61,6 +61,7 @@ __all__ = [
     "experts_every_token",
     "fused_experts",
     "gate_up_from_interleaved",
+    "select_experts",
     "sort_by_expert",
 ]
 
@@ -82,6 +83,35 @@ def activate(gate_up: torch.Tensor, inter: int, activation: str) -> torch.Tensor
     gate = gate.clamp(max=SWIGLU_LIMIT)
     up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
     return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool,
+    scoring_func: str = "softmax",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts: ``(topk_weights [T, k] float32, topk_ids [T, k]
+    int32)``, the top ``k`` of the float32 softmax (or sigmoid) of
+    ``router_logits`` ``[T, E]``, renormalised to sum to 1 where
+    ``renormalize`` (torch's ``topk``: ties go to the lower expert id, as
+    in transformers). "topk_softmax" (gpt-oss): the top ``k`` logits, then
+    the softmax of those ``k``."""
+    logits = router_logits.float()
+    if scoring_func == "topk_softmax":
+        top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top_logits, dim=-1), topk_ids.to(torch.int32)
+    if scoring_func == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif scoring_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        raise ValueError(f"unsupported router scoring {scoring_func!r}")
+    topk_weights, topk_ids = torch.topk(scores, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids.to(torch.int32)
 
 
 def gate_up_from_interleaved(

@@ -29,7 +29,7 @@ from asyncstep.ops.attention import AttentionMetadata, AttentionShape
 from asyncstep.ops.base import AttentionOp, RotaryCosSin, StepPath
 from asyncstep.ops.packed import PackedWeight
 from asyncstep.ops.torch_attention import TORCH_ATTENTION
-from asyncstep.ops.torch_moe import fused_experts
+from asyncstep.ops.torch_moe import fused_experts, select_experts
 
 __all__ = ["TORCH_OPS", "TorchOps", "rotate"]
 
@@ -103,6 +103,19 @@ class TorchOps:
         """The experts sorted by expert, a matmul per expert's slice
         (:mod:`~asyncstep.ops.torch_moe`)."""
         return fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+
+    def select_experts(
+        self,
+        router_logits: torch.Tensor,
+        top_k: int,
+        *,
+        renormalize: bool,
+        scoring_func: str = "softmax",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's softmax / sigmoid and ``topk`` (:mod:`~asyncstep.ops.torch_moe`)."""
+        return select_experts(
+            router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func
+        )
 
     def step_path(self, layers: list[Any]) -> StepPath | None:
         return None

@@ -4,7 +4,9 @@ their experts: float32 and bfloat16, T in 1, 3, 17, E in 4, 8, k in 1, 2,
 an expert no token picks, "silu" and gpt-oss's "swigluoai" with biases;
 an expert with two blocks of pairs (float16); the pairs' alignment; the
 interleaved gate/up layout; any strides; a token's rows the same bits alone
-and among 17; transformers' gpt-oss experts; the op sets; arguments that
+and among 17 (the grouped GEMM at every T: ``gemv_max_pairs=0``, as the
+batch-invariant op set runs it; the small-T path's own tests are
+``test_moe_routing``'s); transformers' gpt-oss experts; the op sets; arguments that
 do not fit. On the CPU the kernels run under the Triton interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported), which multiplies
 bfloat16 tiles as float32 copies (exact products) and rounds float32 ->
@@ -257,10 +259,10 @@ def test_a_tokens_rows_are_the_same_bits_alone_and_among_17(
     experts = make_experts(8, dtype, seed=11, biases=activation == "swigluoai")
     weights, ids = make_routing(17, 8, 2, seed=12)
     x = torch.randn(17, H).to(dtype).to(DEVICE)
-    batch = fused_experts(x, **_call(experts, weights, ids, activation))
+    batch = fused_experts(x, **_call(experts, weights, ids, activation), gemv_max_pairs=0)
     for t, (lo, hi) in ((5, (5, 6)), (0, (0, 1)), (16, (14, 17))):
-        part = fused_experts(x[lo:hi], **_call(experts, weights[lo:hi], ids[lo:hi], activation))
-        assert torch.equal(part[t - lo], batch[t]), t
+        part = _call(experts, weights[lo:hi], ids[lo:hi], activation)
+        assert torch.equal(fused_experts(x[lo:hi], **part, gemv_max_pairs=0)[t - lo], batch[t]), t
 
 
 # --------------------------------------------------------------------------
@@ -272,8 +274,8 @@ def test_the_triton_op_sets_take_the_kernels() -> None:
     weights, ids = make_routing(3, 4, 2, seed=14)
     x = torch.randn(3, H).to(DEVICE)
     w13, w2 = experts["w13"], experts["w2"]
-    want = fused_experts(x, w13, w2, weights, ids)  # type: ignore[arg-type]
     for ops in (TritonOps(TORCH_ATTENTION), TritonInvariantOps(TORCH_ATTENTION)):
+        want = fused_experts(x, w13, w2, weights, ids, gemv_max_pairs=ops.gemv_max_pairs)  # type: ignore[arg-type]
         got = ops.fused_experts(x, w13, w2, weights, ids, "silu")  # type: ignore[arg-type]
         assert torch.equal(got, want), ops.name
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts layers: the router (:func:`select_experts`), the experts
+"""Mixture-of-experts layers: the router (the op set's ``select_experts``;
+:func:`select_experts` the reference's, re-exported here), the experts
 (:class:`FusedMoE`) and a sparse MoE block of both (:class:`SparseMoeBlock`).
 
 Tensor parallelism is vLLM's for experts without expert parallelism: every
@@ -67,6 +68,7 @@ from asyncstep.models.layers.linear import (
 from asyncstep.ops.base import TakesMxfp4Experts
 from asyncstep.ops.mxfp4 import Mxfp4Weight
 from asyncstep.ops.slot import OpSetSlot
+from asyncstep.ops.torch_moe import select_experts
 
 __all__ = [
     "EXPERT_SHARDS",
@@ -83,35 +85,6 @@ EXPERT_SHARDS = ("w1", "w2", "w3")
 #: Every expert's projection in one checkpoint tensor (gpt-oss):
 #: :meth:`FusedMoE._load_stacked`'s kinds.
 STACKED_SHARDS = ("w13_interleaved", "w13_bias_interleaved", "w2", "w2_bias")
-
-
-def select_experts(
-    router_logits: torch.Tensor,
-    top_k: int,
-    *,
-    renormalize: bool,
-    scoring_func: str = "softmax",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's experts: ``(topk_weights [T, k] float32, topk_ids [T, k]
-    int32)``, the top ``k`` of the float32 softmax (or sigmoid) of
-    ``router_logits`` ``[T, E]``, renormalised to sum to 1 where
-    ``renormalize`` (torch's ``topk``: ties go to the lower expert id, as
-    in transformers). "topk_softmax" (gpt-oss): the top ``k`` logits, then
-    the softmax of those ``k``."""
-    logits = router_logits.float()
-    if scoring_func == "topk_softmax":
-        top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
-        return torch.softmax(top_logits, dim=-1), topk_ids.to(torch.int32)
-    if scoring_func == "softmax":
-        scores = torch.softmax(logits, dim=-1)
-    elif scoring_func == "sigmoid":
-        scores = torch.sigmoid(logits)
-    else:
-        raise ValueError(f"unsupported router scoring {scoring_func!r}")
-    topk_weights, topk_ids = torch.topk(scores, top_k, dim=-1)
-    if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids.to(torch.int32)
 
 
 class FusedMoE(nn.Module):
@@ -444,8 +417,10 @@ class SparseMoeBlock(nn.Module):
         return self.experts(x, *self.route(x))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's ``(topk_weights, topk_ids)`` (:func:`select_experts`)."""
-        return select_experts(
+        """Each row's ``(topk_weights, topk_ids)``: the op set's
+        :meth:`~asyncstep.ops.base.OpSet.select_experts` (the reference:
+        :func:`select_experts`)."""
+        return self.ops.ops.select_experts(
             self.gate(x), self.top_k, renormalize=self.renormalize, scoring_func=self.scoring_func
         )
 

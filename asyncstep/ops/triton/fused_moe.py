@@ -1,6 +1,7 @@
 """The fused mixture-of-experts (issue 41, vLLM's ``fused_experts``): each
 token through its top-k experts' gated MLPs, weighted and summed, in three
-Triton kernels (:mod:`asyncstep.ops.triton.fused_moe_kernels`).
+Triton kernels after the alignment's two, or in two at small T
+(:mod:`asyncstep.ops.triton.fused_moe_kernels`).
 
 :func:`fused_experts` takes hidden ``[T, H]``, w13 ``[E, 2I, H]``, w2
 ``[E, H, I]`` (hidden's dtype: float32, float16 or bfloat16),
@@ -25,24 +26,40 @@ halves). The activations:
   :func:`gate_up_from_interleaved`. The kernel reads the interleaved
   layout too (``interleaved_gate_up=True``), for the studies.
 
-The steps: :func:`moe_align_block_size` lists the token-expert pairs
-(``p = t * k + j``) by expert, each expert's run padded to BLOCK_M (torch
-ops, sync-free, deterministic); the gate/up kernel computes a block's rows
-of both halves and the activation in its epilogue (no ``[pairs, 2I]``
-intermediate), stored in hidden's dtype; the down kernel adds the bias,
-multiplies by the routing weight and stores float32 ``[pairs, H]``; the
-combine sums a token's k rows in float32, j from 0 up, and rounds once.
+The steps: :func:`~asyncstep.ops.triton.moe_routing.moe_align_block_size`
+lists the token-expert pairs (``p = t * k + j``) by expert, each expert's
+run padded to BLOCK_M (two Triton kernels, sync-free, deterministic); the
+gate/up kernel computes a block's rows of both halves and the activation in
+its epilogue (no ``[pairs, 2I]`` intermediate), stored in hidden's dtype;
+the down kernel adds the bias, multiplies by the routing weight and stores
+float32 ``[pairs, H]``; the combine sums a token's k rows in float32, j
+from 0 up, and rounds once.
 
-Batch invariance: one tile configuration (:data:`TILE`) for every T, no
-split-K, every output element's K loop from 0 up in BLOCK_K steps, so a
-pair's row is the same bits whichever other pairs share its expert's
-blocks, and a token's output the same bits alone or in any batch. (Passing
-another ``tile`` changes the bits; a caller choosing it by T would break
-this.) float32 inputs multiply in IEEE float32 (no TF32). Launch grids are
-sized from shapes alone (an upper bound on the padded blocks; blocks past
-the last expert's run return at once): no host sync.
+The small-T path (``T * k <= gemv_max_pairs``, :data:`GEMV_MAX_PAIRS`:
+decode at low batch): no alignment; a GEMV-shaped gate/up kernel, a program
+per (pair, BLOCK_N activation columns) streaming the expert's gate and up
+rows BLOCK_K wide with the activation in its epilogue, then a down kernel,
+a program per (token, BLOCK_N output columns) over the token's k experts,
+the bias, the routing weight and the combine (float32, j from 0 up) fused:
+two launches. Its sums run in another order than the tensor-core dot's, so
+its bits differ from the grouped GEMM's by roundings.
 
-May import torch, triton and :mod:`asyncstep.ops.triton.fused_moe_kernels`.
+Batch invariance: the grouped GEMM has one tile configuration
+(:data:`TILE`) for every T, no split-K, every output element's K loop from
+0 up in BLOCK_K steps, so a pair's row is the same bits whichever other
+pairs share its expert's blocks, and a token's output the same bits alone
+or in any batch; the small-T path computes each pair (and each token's
+combine) alone, likewise the same bits in any batch of its own. The path
+choice depends on T: a batch-invariant caller passes ``gemv_max_pairs=0``
+(the batch-invariant op set does), so every T takes the grouped GEMM.
+(Passing another ``tile`` changes the bits; a caller choosing it by T
+would break this too.) float32 inputs multiply in IEEE float32 (no TF32).
+Launch grids are sized from shapes alone (an upper bound on the padded
+blocks; blocks past the last expert's run return at once): no host sync.
+
+May import torch, triton, :mod:`asyncstep.ops.triton.fused_moe_kernels`,
+:mod:`asyncstep.ops.triton.fused_moe_gemv` and
+:mod:`asyncstep.ops.triton.moe_routing`.
 """
 
 from __future__ import annotations
@@ -54,10 +71,23 @@ import torch
 import triton
 
 from asyncstep.ops.triton import fused_moe_kernels as kernels
+from asyncstep.ops.triton.fused_moe_gemv import (
+    GEMV_MAX_PAIRS,
+    GEMV_TILE,
+    GemvTile,
+    small_t_experts,
+)
+from asyncstep.ops.triton.fused_moe_kernels import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
+from asyncstep.ops.triton.moe_routing import MoeAlignment, max_blocks, moe_align_block_size
 
 __all__ = [
     "ACTIVATIONS",
+    "GEMV_MAX_PAIRS",
+    "GEMV_TILE",
+    "SWIGLU_ALPHA",
+    "SWIGLU_LIMIT",
     "TILE",
+    "GemvTile",
     "MoeAlignment",
     "MoeTile",
     "fused_experts",
@@ -68,12 +98,6 @@ __all__ = [
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-#: The activations and their kernel codes.
-ACTIVATIONS = {"silu": kernels.ACT_SILU.value, "swigluoai": kernels.ACT_SWIGLUOAI.value}
-
-#: gpt-oss's swigluoai constants (``swiglu_alpha``, ``swiglu_limit``).
-SWIGLU_ALPHA = 1.702
-SWIGLU_LIMIT = 7.0
 
 #: Under the interpreter, 16-bit brain floats are multiplied as float32
 #: copies (its dot takes numpy's dtypes; the products are exact either way).
@@ -96,55 +120,6 @@ class MoeTile:
 #: One tile for every T: 16 pairs a block (a decode step's expert holds one
 #: or a few pairs; a prefill's tens), 64 columns, 64-wide K steps.
 TILE = MoeTile(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
-
-
-@dataclass(frozen=True)
-class MoeAlignment:
-    """The pairs by expert: ``sorted_ids [max_blocks * block_m]`` (int32)
-    holds pair indices, each expert's run starting at a multiple of block_m,
-    padding entries equal to ``num_pairs``; ``expert_ids [max_blocks]``
-    (int32) is each block's expert, -1 past the last run; ``padded_pairs``
-    (a 1-element int64 tensor) is the padded runs' total."""
-
-    sorted_ids: torch.Tensor
-    expert_ids: torch.Tensor
-    padded_pairs: torch.Tensor
-    num_pairs: int
-    block_m: int
-
-
-def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """An upper bound on the padded blocks of ``num_pairs`` pairs over
-    ``num_experts`` experts: each expert that has pairs pads fewer than
-    block_m entries, and at most ``min(E, pairs)`` experts have pairs."""
-    padding = min(num_experts, num_pairs) * (block_m - 1)
-    return triton.cdiv(num_pairs + padding, block_m)
-
-
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
-    """Sort the pairs ``p = t * k + j`` of ``topk_ids [T, k]`` by expert
-    (a stable sort: within an expert by p, so the order is deterministic)
-    and pad each expert's run to a multiple of block_m (vLLM's
-    ``moe_align_block_size``). Torch ops on topk_ids' device, no host sync."""
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    num_pairs = flat.numel()
-    blocks = max_blocks(num_pairs, num_experts, block_m)
-    experts_sorted, order = torch.sort(flat, stable=True)
-    bounds = torch.searchsorted(
-        experts_sorted, torch.arange(num_experts + 1, device=device, dtype=torch.int64)
-    )
-    counts = bounds[1:] - bounds[:-1]
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    starts = ends - padded
-    rank = torch.arange(num_pairs, device=device) - bounds[experts_sorted]
-    sorted_ids = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids[starts[experts_sorted] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(blocks, device=device, dtype=torch.int64) * block_m
-    expert_ids = torch.searchsorted(ends, block_starts, right=True)
-    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    return MoeAlignment(sorted_ids, expert_ids, ends[-1:], num_pairs, block_m)
 
 
 def gate_up_from_interleaved(
@@ -170,17 +145,27 @@ def fused_experts(
     *,
     interleaved_gate_up: bool = False,
     tile: MoeTile = TILE,
+    gemv_max_pairs: int = GEMV_MAX_PAIRS,
+    gemv_tile: GemvTile = GEMV_TILE,
 ) -> torch.Tensor:
     """The experts' weighted sum ``[T, H]`` of hidden's dtype (the module's
     contract). ``interleaved_gate_up``: w13 (and w13_bias) interleave gate
-    and up rows instead. ValueError for shapes, dtypes, devices or an
-    activation that do not fit."""
+    and up rows instead. ``T * k <= gemv_max_pairs``: the small-T path
+    (``gemv_tile``), else the grouped GEMM (``tile``). ValueError for
+    shapes, dtypes, devices or an activation that do not fit."""
     _check_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     num_tokens, hidden_size = hidden.shape
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0 or top_k == 0 or hidden_size == 0:
         return out.zero_()
+    if num_tokens * top_k <= gemv_max_pairs:
+        weights = topk_weights.to(torch.float32)
+        experts = (w13, w2, w13_bias, w2_bias)
+        small_t_experts(
+            hidden, experts, weights, topk_ids, activation, interleaved_gate_up, gemv_tile, out
+        )
+        return out
     align = moe_align_block_size(topk_ids, num_experts, tile.block_m)
     act = _gate_up(hidden, w13, w13_bias, align, top_k, activation, interleaved_gate_up, tile)
     route = topk_weights.to(torch.float32).reshape(-1).contiguous()

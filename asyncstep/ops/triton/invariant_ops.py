@@ -10,8 +10,10 @@ residual add + RMSNorm is :func:`~asyncstep.ops.triton.fused.fused_add_rms_norm`
 one program per row already; the norm without a residual is
 :func:`~asyncstep.ops.triton.invariant_norm.rms_norm`), ``silu * up`` and
 the rotary elementwise (the Triton op set's), the mixture of experts'
-``fused_experts`` (the Triton op set's: one tile for every T, no split-K,
-a token's k expert rows summed in a fixed order), and the attention
+router (the Triton op set's: a program a token) and ``fused_experts`` (the
+Triton op set's grouped GEMM for every T: ``gemv_max_pairs`` 0, never the
+small-T path, whose sums run in another order; one tile for every T, no
+split-K, a token's k expert rows summed in a fixed order), and the attention
 :class:`~asyncstep.ops.triton.invariant_attention.TritonInvariantAttention`
 (fixed key splits). Decode, verify and prompt rows go through the same
 kernels: no one-row GEMV, no fused decode path, no whole-stack step path.
@@ -48,6 +50,7 @@ class TritonInvariantOps(TritonOps):
 
             attention = TritonInvariantAttention()
         super().__init__(attention, fused_decode=False)
+        self.gemv_max_pairs = 0  # every T through the grouped GEMM: one path, the same bits
 
     def step_path(self, layers: list[Any]) -> StepPath | None:
         return None

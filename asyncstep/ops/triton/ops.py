@@ -42,6 +42,11 @@ class TritonOps(TorchOps):
         super().__init__(attention)
         self.fused_decode = fused_decode
         self.int8_activations = int8_activations
+        from asyncstep.ops.triton.fused_moe import GEMV_MAX_PAIRS
+
+        #: The most pairs (``T * top_k``) whose experts take the small-T
+        #: path (:data:`~asyncstep.ops.triton.fused_moe.GEMV_MAX_PAIRS`; 0: never).
+        self.gemv_max_pairs = GEMV_MAX_PAIRS
 
     def step_path(self, layers: list[Any]) -> StepPath | None:
         if not self.fused_decode:
@@ -125,12 +130,37 @@ class TritonOps(TorchOps):
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The mixture of experts' weighted sum ``[T, H]``: the three kernels
-        of :func:`~asyncstep.ops.triton.fused_moe.fused_experts` (w13 is
-        gate rows then up rows for every activation; batch-invariant)."""
+        """The mixture of experts' weighted sum ``[T, H]``:
+        :func:`~asyncstep.ops.triton.fused_moe.fused_experts` (w13 is gate
+        rows then up rows for every activation), the small-T path at up to
+        :attr:`gemv_max_pairs` pairs, the grouped GEMM past them."""
         from asyncstep.ops.triton.fused_moe import fused_experts
 
-        return fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+        return fused_experts(
+            hidden,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            activation,
+            w13_bias,
+            w2_bias,
+            gemv_max_pairs=self.gemv_max_pairs,
+        )
+
+    def select_experts(
+        self,
+        router_logits: torch.Tensor,
+        top_k: int,
+        *,
+        renormalize: bool,
+        scoring_func: str = "softmax",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel, a program a token
+        (:func:`~asyncstep.ops.triton.moe_routing.topk_route`)."""
+        from asyncstep.ops.triton.moe_routing import topk_route
+
+        return topk_route(router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func)
 
 
 def _one_row_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -3,21 +3,35 @@ issue 41) against a torch loop over the active experts and the floor.
 
 For each model shape (qwen3-30b-a3b: H 2048, I 768, E 128, k 8, silu;
 gpt-oss-20b: H 2880, I 2880, E 32, k 4, swigluoai with biases) and T in
-1, 32, 256, random routings (k distinct experts a token, softmax weights):
-the median µs of ``fused_experts`` (the default tile, then ``--tiles``), of
-the same captured in a CUDA graph (no launch overhead: the alignment's
-torch ops are several small kernels), of the torch loop (per active
-expert: gather its tokens, two ``F.linear``, the activation, the weight,
-``index_add_``), and the floor: the active experts'
-weight bytes over the copy bandwidth (a device-to-device copy's). Each
-variant is checked against the torch loop first (relative error, Frobenius).
-``--layers`` copies of the weights rotate so the weights stream from HBM.
+TOKENS (or ``--tokens``), random routings (k distinct experts a token,
+softmax weights): the median µs of ``fused_experts`` (its default: the path
+``GEMV_MAX_PAIRS`` picks; then the grouped GEMM with each of ``--tiles``),
+of the two paths captured in a CUDA graph (no launch overhead), of the
+torch loop (per active expert: gather its tokens, two ``F.linear``, the
+activation, the weight, ``index_add_``), and the floor: the active
+experts' weight bytes over the copy bandwidth (a device-to-device copy's).
+Each variant is checked against the torch loop first (relative error,
+Frobenius). ``--layers`` copies of the weights rotate so the weights stream from HBM.
 
     python3 benchmarks/studies/moe/fused_moe_kernel.py [--out moe.json]
     python3 benchmarks/studies/moe/fused_moe_kernel.py --tiny   # CPU, interpreter
 
 ``--tiny``: a tiny shape, float32, on the CPU under the Triton interpreter
 where there is no GPU (the script's own check; its times mean nothing).
+
+The small-T path (issue 41): at each T the default tile's two paths in a
+CUDA graph, ``grouped`` (``gemv_max_pairs=0``: the alignment and the
+grouped GEMM) and ``small-T`` (every T through the GEMV kernels), and
+``--gemv-tiles`` adds GEMV_TILES at T <= 32; after each shape a line names
+the largest ``T * k`` where small-T is faster (the threshold to set as
+``GEMV_MAX_PAIRS``). The routing: ``--routing`` times, per T, a layer's
+routing and alignment in a CUDA graph, the torch ops (``select_experts`` and
+``torch_align_block_size``) against the Triton kernels (``topk_route`` and
+``moe_align_block_size``, forced at every T; and ``topk_route`` alone, all
+the small-T path needs) at ``--routing-tokens``, each checked equal to the
+torch ops' first.
+
+    python3 benchmarks/studies/moe/fused_moe_kernel.py --routing --gemv-tiles --tokens 1 2 4 8 16 32
 """
 
 from __future__ import annotations
@@ -60,8 +74,13 @@ TINY = [
     MoeShape("tiny", 96, 40, 8, 2, "silu", False),
     MoeShape("tiny-oss", 80, 48, 4, 2, "swigluoai", True),
 ]
-TOKENS = [1, 32, 256]
+TOKENS = [1, 2, 4, 8, 16, 32, 256]
 TINY_TOKENS = [1, 5]
+#: Every T through the small-T path (or the alignment kernels).
+ALWAYS = 1 << 30
+#: ``--routing``'s T: decode sizes, then prompts (the alignment kernels'
+#: crossover with torch's sort, ALIGN_KERNEL_MAX_PAIRS).
+ROUTING_TOKENS = [1, 8, 32, 128, 512, 2048, 8192]
 
 #: Tiles tried beside the default: (block_m, block_n, block_k, warps, stages).
 TILES = [
@@ -71,6 +90,18 @@ TILES = [
     (64, 64, 64, 4, 3),
     (64, 128, 64, 8, 3),
 ]
+
+#: Small-T tiles tried beside the default: (block_n, block_k, warps, stages, down_block_n).
+GEMV_TILES = [
+    (2, 1024, 4, 3, 2),
+    (4, 1024, 4, 3, 4),
+    (4, 512, 4, 3, 8),
+    (8, 512, 4, 3, 8),
+    (8, 256, 2, 3, 8),
+    (16, 256, 4, 3, 16),
+]
+#: The largest T the GEMV tiles are tried at.
+GEMV_TILES_MAX_T = 32
 
 
 HEADER = (
@@ -85,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tiles", action="store_true", help="also time TILES")
+    parser.add_argument("--gemv-tiles", action="store_true", help="also time GEMV_TILES")
+    parser.add_argument("--routing", action="store_true", help="also time the routing")
+    parser.add_argument("--tokens", type=int, nargs="+", help="the T to run (default: TOKENS)")
+    parser.add_argument(
+        "--routing-tokens", type=int, nargs="+", help="--routing's T (default: ROUTING_TOKENS)"
+    )
+    parser.add_argument("--shapes", nargs="+", help="the shapes' names to run (default: all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -97,30 +135,69 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     shapes, tokens = (TINY, TINY_TOKENS) if args.tiny else (SHAPES, TOKENS)
+    shapes = [s for s in shapes if not args.shapes or s.name in args.shapes]
+    tokens = args.tokens or tokens
     layers, iters = (1, 2) if args.tiny else (args.layers, args.iters)
     bandwidth = copy_bandwidth(device)
-    variants: dict[str, Callable[..., torch.Tensor]] = {
-        f"triton {tile_label(tile)}": triton_fn(tile)
-        for tile in [TILE] + ([MoeTile(*t) for t in TILES] if args.tiles else [])
-    }
+    # "triton default": the path GEMV_MAX_PAIRS picks, eager; the tiles: the grouped GEMM.
+    variants: dict[str, Callable[..., torch.Tensor]] = {"triton default": triton_fn(TILE)}
+    for tile in [MoeTile(*t) for t in TILES] if args.tiles else []:
+        variants[f"grouped {tile_label(tile)}"] = triton_fn(tile, gemv_max_pairs=0)
     variants["torch loop"] = torch_loop
-    if cuda:
-        variants["triton default, CUDA graph"] = triton_fn(TILE)
+    graph = ", CUDA graph" if cuda else ""
+    variants[GROUPED + graph] = triton_fn(TILE, gemv_max_pairs=0)
+    variants[SMALL_T + graph] = triton_fn(TILE, gemv_max_pairs=ALWAYS)
     print(f"{device} {dtype}; copy bandwidth {bandwidth / 1e9:.0f} GB/s\n{HEADER}")
     rows: list[dict[str, Any]] = []
     for shape in shapes:
         weights = [make_weights(shape, dtype, device, seed=i) for i in range(layers)]
         for t in tokens:
             case = Case(shape, *make_routing(shape, t, dtype, device), weights)
-            for label, fn in variants.items():
+            extra = gemv_variants(graph) if args.gemv_tiles and t <= GEMV_TILES_MAX_T else {}
+            for label, fn in (variants | extra).items():
                 row = measure(case, label, fn, bandwidth, iters, cuda)
                 rows.append(row)
                 print(format_row(row), flush=True)
+        print(threshold_line(shape, rows), flush=True)
+    routing_tokens = args.routing_tokens or (TINY_TOKENS if args.tiny else ROUTING_TOKENS)
+    routing = run_routing(shapes, routing_tokens, device, iters, cuda) if args.routing else []
     if args.out:
         name = torch.cuda.get_device_name() if cuda else "cpu (interpreter)"
         kept = {"device": name, "dtype": str(dtype), "bandwidth": bandwidth, "rows": rows}
-        args.out.write_text(json.dumps(kept, indent=1))
+        args.out.write_text(json.dumps(kept | {"routing": routing}, indent=1))
     return 0
+
+
+#: The two paths' labels (without ", CUDA graph").
+GROUPED, SMALL_T = "grouped (default tile)", "small-T (default tile)"
+
+
+def gemv_variants(graph: str) -> dict[str, Callable[..., torch.Tensor]]:
+    """The small-T path with each of GEMV_TILES."""
+    from asyncstep.ops.triton.fused_moe import GemvTile
+
+    return {
+        f"small-T n{n}/{d} k{k} w{w} s{st}{graph}": triton_fn(
+            None, gemv_max_pairs=ALWAYS, gemv_tile=GemvTile(n, k, w, st, d)
+        )
+        for n, k, w, st, d in GEMV_TILES
+    }
+
+
+def threshold_line(shape: MoeShape, rows: list[dict[str, Any]]) -> str:
+    """The largest ``T * k`` up to which the small-T path (default tile) was
+    faster than the grouped GEMM at every T of ``shape``: the threshold."""
+    us = {
+        (r["tokens"], r["variant"].split(",")[0]): r["us"]
+        for r in rows
+        if r["shape"]["name"] == shape.name
+    }
+    best = 0
+    for t in sorted({t for t, _ in us}):
+        if us[(t, SMALL_T)] >= us[(t, GROUPED)]:
+            break
+        best = t * shape.top_k
+    return f"{shape.name}: small-T faster up to T * k = {best} (GEMV_MAX_PAIRS)\n"
 
 
 @dataclass
@@ -218,14 +295,24 @@ def expert_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
     return size * torch.finfo(dtype).bits // 8
 
 
-def triton_fn(tile: Any) -> Callable[..., torch.Tensor]:
-    from asyncstep.ops.triton.fused_moe import fused_experts
+def triton_fn(tile: Any, **options: Any) -> Callable[..., torch.Tensor]:
+    """fused_experts with ``tile`` (None: the default) and ``options``."""
+    from asyncstep.ops.triton.fused_moe import TILE, fused_experts
 
     def run(
         x: torch.Tensor, w: dict[str, Any], tw: torch.Tensor, ti: torch.Tensor, act: str
     ) -> torch.Tensor:
         return fused_experts(
-            x, w["w13"], w["w2"], tw, ti, act, w["w13_bias"], w["w2_bias"], tile=tile
+            x,
+            w["w13"],
+            w["w2"],
+            tw,
+            ti,
+            act,
+            w["w13_bias"],
+            w["w2_bias"],
+            tile=tile or TILE,
+            **options,
         )
 
     return run
@@ -305,6 +392,63 @@ def copy_bandwidth(device: torch.device) -> float:
     dst = torch.empty_like(src)
     us = time_us(lambda: dst.copy_(src), 3 if device.type == "cpu" else 10, device.type == "cuda")
     return 2 * n / (us * 1e-6)
+
+
+def run_routing(
+    shapes: list[MoeShape], tokens: list[int], device: torch.device, iters: int, cuda: bool
+) -> list[dict[str, Any]]:
+    """A layer's routing and alignment: the torch ops against the Triton
+    kernels at each shape and T (µs, a CUDA graph's replay on the GPU),
+    each checked equal to the torch ops first."""
+    timer = time_graph if cuda else time_us
+    print(f"{'shape':14s} {'T':>4s}  {'routing + alignment':32s} {'us':>9s} {'/ triton':>8s}")
+    rows: list[dict[str, Any]] = []
+    for shape in shapes:
+        for t in tokens:
+            gen = torch.Generator().manual_seed(t)
+            dtype = torch.bfloat16 if cuda else torch.float32
+            logits = torch.randn(t, shape.experts, generator=gen).to(dtype).to(device)
+            cases = routing_cases(shape, logits)
+            a, b = cases["torch ops"](), cases["triton"]()
+            fields = ("sorted_ids", "expert_ids", "padded_pairs")
+            same = all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields)
+            us = {label: timer(fn, iters, cuda) for label, fn in cases.items()}
+            for label, value in us.items():
+                ratio = value / us["triton"]
+                print(f"{shape.name:14s} {t:4d}  {label:32s} {value:9.1f} {ratio:8.2f}", flush=True)
+            rows.append({"shape": shape.name, "tokens": t, "us": us, "same_alignment": same})
+            if not same:
+                print(f"{shape.name} T={t}: the alignments DIFFER", flush=True)
+    return rows
+
+
+def routing_cases(shape: MoeShape, logits: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """The shape's routing (gpt-oss: the top-k logits' softmax; qwen3:
+    softmax, renormalised) and alignment, by torch ops and by the kernels,
+    and the kernels' routing alone (all the small-T path needs)."""
+    from asyncstep.ops.torch_moe import select_experts
+    from asyncstep.ops.triton.fused_moe import TILE
+    from asyncstep.ops.triton.moe_routing import (
+        moe_align_block_size,
+        topk_route,
+        torch_align_block_size,
+    )
+
+    scoring = "topk_softmax" if shape.activation == "swigluoai" else "softmax"
+    route = {"renormalize": shape.activation == "silu", "scoring_func": scoring}
+    e, k, m = shape.experts, shape.top_k, TILE.block_m
+
+    def old() -> Any:
+        return torch_align_block_size(select_experts(logits, k, **route)[1], e, m)
+
+    def new() -> Any:
+        ids = topk_route(logits, k, **route)[1]
+        return moe_align_block_size(ids, e, m, kernel_max_pairs=ALWAYS)
+
+    def new_route() -> Any:
+        return topk_route(logits, k, **route)
+
+    return {"torch ops": old, "triton": new, "triton routing alone": new_route}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The MoE models (issue 41) on one GPU (the device tool's nvidia-h200 or nvidia-h100-x1):
-#     bash benchmarks/studies/moe/run_moe_h200.sh tests|kernels|latency|throughput|groups|all
+#     bash benchmarks/studies/moe/run_moe_h200.sh tests|kernels|latency|throughput|groups|moefast|all
 #   tests:      tests/gpu/test_fused_moe.py and test_triton_sliding_window.py compiled for
 #               the GPU (bfloat16 rounds to nearest there)
 #   kernels:    benchmarks/studies/moe/fused_moe_kernel.py --tiles (the kernel against the
@@ -16,6 +16,11 @@
 #               gemma3-1b's without graphs beside it (gpt-oss-20b's: the latency mode, or
 #               BASELINE=1 here); under 5 min with the timeouts below (295 s)
 #   all:        tests, latency, throughput (under 10 min with the timeouts below)
+#   moefast:    the routing / alignment kernels and the small-T path (issue 41, under 5 min):
+#               tests/gpu/test_moe_routing.py and test_fused_moe.py compiled for the GPU;
+#               fused_moe_kernel.py --routing --gemv-tiles at T = 1..32 (grouped GEMM against
+#               small-T in CUDA graphs, the floor, the threshold line; torch-op routing against
+#               the kernels); qwen3-30b-a3b ITL at batch 1 and 32 (dummy weights, no HF)
 # Dependencies: run `bash ../shared/device/wheels.sh` once here and carry ".whl".
 # Output (text and JSON) goes to $OUT (default benchmarks/results/moe). A dry run of the
 # commands on the CPU: MODELS=/path/to/tiny-moe DEVICE=cpu PROMPTS=4 bash ... latency
@@ -88,6 +93,19 @@ run_groups() {
     group_latency gemma3-1b FULL_AND_PIECEWISE 45
     group_latency gemma3-1b NONE 40
 }
+run_moefast() {
+    ASYNCSTEP_TEST_DEVICE=cuda timeout 70 python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_moe_routing.py tests/gpu/test_fused_moe.py > "$OUT/gpu_tests_moefast.txt" 2>&1
+    tail -4 "$OUT/gpu_tests_moefast.txt"
+    timeout 140 python3 benchmarks/studies/moe/fused_moe_kernel.py --routing --gemv-tiles \
+        --tokens 1 2 4 8 16 32 --out "$OUT/moefast_kernel.json" 2>&1 | grep -vi warn \
+        > "$OUT/moefast_kernel.txt"
+    cat "$OUT/moefast_kernel.txt"
+    timeout 90 $BENCH latency --load-format dummy --model qwen3-30b-a3b --device cuda \
+        --batch-size 1 32 --input-len 128 --output-len 64 --num-iters 2 --max-model-len 2048 \
+        --output-json "$OUT/latency_moefast.json" > "$OUT/latency_moefast.txt" 2>&1
+    echo qwen3-30b-a3b; grep -E "ours b|failed|Error|│ +[0-9]" "$OUT/latency_moefast.txt"
+}
 machine
 case "${1:-all}" in
 tests) run_tests ;;
@@ -95,6 +113,7 @@ kernels) run_kernels ;;
 latency) run_latency ;;
 throughput) run_throughput ;;
 groups) run_groups ;;
+moefast) run_moefast ;;
 all) run_tests; run_latency; run_throughput ;;
-*) echo "usage: $0 tests|kernels|latency|throughput|groups|all" >&2; exit 2 ;;
+*) echo "usage: $0 tests|kernels|latency|throughput|groups|moefast|all" >&2; exit 2 ;;
 esac
