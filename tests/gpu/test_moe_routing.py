@@ -238,7 +238,9 @@ def test_the_interleaved_layout_on_the_small_t_path() -> None:
     plain = fused_experts(x, **kwargs, gemv_max_pairs=ALWAYS)
     kwargs.update(w13=interleaved, w13_bias=b_interleaved)
     got = fused_experts(x, **kwargs, interleaved_gate_up=True, gemv_max_pairs=ALWAYS)
-    assert torch.equal(got, plain)
+    # Compiled for a GPU the two layouts' loads differ, and so may the
+    # association of the sums (they parted in the last bits on an H100).
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------

@@ -48,7 +48,11 @@ GEMV_TILE = GemvTile(block_n=4, block_k=512, num_warps=4, num_stages=3, down_blo
 #: decode step's few pairs read each expert's rows once a pair: the GEMV
 #: streams them without the alignment or padded blocks; past this many
 #: pairs share experts and the grouped GEMM reads each active expert once.
-GEMV_MAX_PAIRS = 32
+#: Measured on one H100 (``fused_moe_kernel.py --gemv-tiles``,
+#: benchmarks/results/moefast/): the small-T path wins at one token
+#: (qwen3-30b-a3b, 8 pairs: 42.6 against 52.7 us a layer; gpt-oss-20b, 4
+#: pairs: 94.1 against 106.1) and loses from two.
+GEMV_MAX_PAIRS = 8
 
 
 @dataclass(frozen=True)
