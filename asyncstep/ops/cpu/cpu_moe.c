@@ -61,6 +61,9 @@
 #define ROW_TILE 4 /* rows of x per tile */
 #define W_TILE 6   /* rows of W per tile: 24 accumulators, 31 of 32 registers */
 typedef __m512 vec;
+/* v held in a register: a tile's W vectors loaded once a step, not folded
+ * into each multiply-add as a load of its own (cpu_dense_f32.c's KEEP) */
+#define KEEP(v) __asm__("" : "+v"(v))
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -88,6 +91,7 @@ static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
 #define ROW_TILE 2
 #define W_TILE 4 /* 8 accumulators, 4 of W, 1 of x: 13 of 16 registers */
 typedef __m256 vec;
+#define KEEP(v) __asm__("" : "+x"(v))
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -120,6 +124,7 @@ static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
 #define ROW_TILE 2
 #define W_TILE 4
 typedef struct { float v[LANES]; } vec;
+#define KEEP(v) ((void)0)
 static inline vec vzero(void) { vec r; memset(&r, 0, sizeof r); return r; }
 static inline vec vload(const float* p) { vec r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline vec vfma(vec a, vec b, vec c) {
@@ -212,6 +217,7 @@ static inline __attribute__((always_inline)) void dot_tile_n(
     for (int64_t k = 0; k < K; k += LANES) {
         vec wv[W_TILE];
         for (int i = 0; i < nw; i++) wv[i] = wload(w, i0 + i, k, packed);
+        for (int i = 0; i < nw; i++) KEEP(wv[i]);
         for (int e = 0; e < rows; e++) {
             const vec xv = vload(x[e] + k);
             for (int i = 0; i < nw; i++) acc[e][i] = vfma(wv[i], xv, acc[e][i]);
