@@ -49,9 +49,13 @@
 #if defined(__AVX512F__)
 #define MOE_ISA 2
 #include <immintrin.h>
+
+#include "cpu_sum8.h"
 #elif defined(__AVX2__) && defined(__FMA__)
 #define MOE_ISA 3
 #include <immintrin.h>
+
+#include "cpu_sum8.h"
 #else
 #define MOE_ISA 0
 #endif
@@ -75,6 +79,15 @@ static inline float vsum(vec v) {
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
     return _mm_cvtss_f32(q);
+}
+/* vsum of eight vectors at once: the halves added (lanes i + i + 8), then
+ * cpu_sum8.h's network (vsum's tree on the eight sums) */
+static inline __attribute__((always_inline)) void vsum8(const vec v[8], float out[8]) {
+    __m256 h[8];
+    for (int j = 0; j < 8; j++)
+        h[j] = _mm256_add_ps(_mm512_castps512_ps256(v[j]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[j]), 1)));
+    sum8(h, out);
 }
 /* values [k, k + 16) of a block (k mod 32 is 0 or 16): one load, the high
  * nibbles shifted down, the table indexed by each lane's low 4 bits */
@@ -100,6 +113,10 @@ static inline float vsum(vec v) {
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
     return _mm_cvtss_f32(q);
+}
+/* vsum of eight vectors at once: cpu_sum8.h's network (vsum's tree) */
+static inline __attribute__((always_inline)) void vsum8(const vec v[8], float out[8]) {
+    sum8(v, out);
 }
 /* values [k, k + 8) of a block: 8 bytes (k mod 16 on), the nibble, its
  * magnitude from an 8-entry table, its sign bit set */
@@ -135,6 +152,9 @@ static __attribute__((noinline)) float vsum(vec v) {
     float s[4];
     for (int i = 0; i < 4; i++) s[i] = v.v[i] + v.v[i + 4];
     return (s[0] + s[2]) + (s[1] + s[3]);
+}
+static void vsum8(const vec v[8], float out[8]) {
+    for (int p = 0; p < 8; p++) out[p] = vsum(v[p]);
 }
 static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
     static const float table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -223,8 +243,17 @@ static inline __attribute__((always_inline)) void dot_tile_n(
             for (int i = 0; i < nw; i++) acc[e][i] = vfma(wv[i], xv, acc[e][i]);
         }
     }
+    /* the accumulators eight at a time through vsum8 (unused slots zero) */
+    enum { SLOTS = (ROW_TILE * W_TILE + 7) / 8 * 8 };
+    vec lanes[SLOTS];
+    float flat[SLOTS];
+    const int used = rows * nw, groups = (used + 7) / 8;
     for (int e = 0; e < rows; e++)
-        for (int i = 0; i < nw; i++) sums[e][i] = vsum(acc[e][i]);
+        for (int i = 0; i < nw; i++) lanes[e * nw + i] = acc[e][i];
+    for (int j = used; j < groups * 8; j++) lanes[j] = vzero();
+    for (int g = 0; g < groups; g++) vsum8(lanes + 8 * g, flat + 8 * g);
+    for (int e = 0; e < rows; e++)
+        for (int i = 0; i < nw; i++) sums[e][i] = flat[e * nw + i];
 }
 
 #if ROW_TILE == 4

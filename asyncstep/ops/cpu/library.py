@@ -69,7 +69,9 @@ SOURCES = tuple(
     )
 )
 #: Included by the sources (part of the build key).
-HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "cpu_kernels.h", "cpu_quant.h"))
+HEADERS = tuple(
+    _HERE / name for name in ("cpu_common.h", "cpu_kernels.h", "cpu_quant.h", "cpu_sum8.h")
+)
 #: Must match ``ASYNCSTEP_ABI_VERSION`` in the source.
 ABI_VERSION = 6
 #: Environment variables: ``torch`` turns the library off (torch runs instead).
