@@ -15,10 +15,14 @@
  * instead of a parallel matmul per expert), the token sums after the
  * threads join. Each output is
  * one row of x against one row of W along K in one order, into one vector
- * of LANES float32 lanes (k = lane mod LANES), then the lanes summed by one
- * tree (halves, then halves again); tiles of rows of x by rows of W share
- * the loads, never the sums, and every slot of a tile gives its output the
- * same tree. Up to STREAM_MAX_ROWS rows an expert's W rows are read one at
+ * of 8 float32 lanes (k = lane mod 8, one fused multiply-add each), then
+ * the lanes summed by cpu_sum8.h's tree (halves, then halves again), eight
+ * outputs at a time; tiles of rows of x by rows of W share the loads,
+ * never the sums, and every slot of a tile gives its output the same tree.
+ * Every build has that order (AVX-512 with AVX512VL: 256-bit vectors, 32
+ * registers, tiles of 4 rows of x by 6 of W, as cpu_dense_f32.c; AVX2 +
+ * FMA: 2 by 4; plain C: 2 by 4, fmaf): the AVX-512 and AVX2 builds give
+ * the same bits (plain C's silu may round apart: no contraction to FMA). Up to STREAM_MAX_ROWS rows an expert's W rows are read one at
  * a time in memory's order (a decode step streams the weights from DRAM).
  * So a row's result does not depend on the other rows routed to its
  * experts (the batch: issue 40) nor on the thread count. The silu is
@@ -46,75 +50,35 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512VL__)
 #define MOE_ISA 2
-#include <immintrin.h>
-
-#include "cpu_sum8.h"
 #elif defined(__AVX2__) && defined(__FMA__)
 #define MOE_ISA 3
-#include <immintrin.h>
-
-#include "cpu_sum8.h"
 #else
 #define MOE_ISA 0
 #endif
 
+#define LANES 8
+#if MOE_ISA == 2 || MOE_ISA == 3
+#include <immintrin.h>
+
+#include "cpu_sum8.h"
 #if MOE_ISA == 2
-#define LANES 16
 #define ROW_TILE 4 /* rows of x per tile */
-#define W_TILE 6   /* rows of W per tile: 24 accumulators, 31 of 32 registers */
-typedef __m512 vec;
+#define W_TILE 6   /* rows of W per tile: 24 accumulators, 6 of W, 1 of x: 31 of 32 */
 /* v held in a register: a tile's W vectors loaded once a step, not folded
  * into each multiply-add as a load of its own (cpu_dense_f32.c's KEEP) */
 #define KEEP(v) __asm__("" : "+v"(v))
-static inline vec vzero(void) { return _mm512_setzero_ps(); }
-static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-/* (lanes i + lanes i + 8), then i + 4, i + 2, i + 1: one tree for every output */
-static inline float vsum(vec v) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-    return _mm_cvtss_f32(q);
-}
-/* vsum of eight vectors at once: the halves added (lanes i + i + 8), then
- * cpu_sum8.h's network (vsum's tree on the eight sums) */
-static inline __attribute__((always_inline)) void vsum8(const vec v[8], float out[8]) {
-    __m256 h[8];
-    for (int j = 0; j < 8; j++)
-        h[j] = _mm256_add_ps(_mm512_castps512_ps256(v[j]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[j]), 1)));
-    sum8(h, out);
-}
-/* values [k, k + 16) of a block (k mod 32 is 0 or 16): one load, the high
- * nibbles shifted down, the table indexed by each lane's low 4 bits */
-static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
-    static const float table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-    __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)block));
-    if (k & 16) codes = _mm512_srli_epi32(codes, 4);
-    const vec values = _mm512_permutexvar_ps(codes, _mm512_loadu_ps(table));
-    return _mm512_mul_ps(values, _mm512_set1_ps(scale));
-}
-#elif MOE_ISA == 3
-#define LANES 8
+#else
 #define ROW_TILE 2
 #define W_TILE 4 /* 8 accumulators, 4 of W, 1 of x: 13 of 16 registers */
-typedef __m256 vec;
 #define KEEP(v) __asm__("" : "+x"(v))
+#endif
+typedef __m256 vec;
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) {
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-    return _mm_cvtss_f32(q);
-}
-/* vsum of eight vectors at once: cpu_sum8.h's network (vsum's tree) */
+/* eight vectors' lanes summed: cpu_sum8.h's network */
 static inline __attribute__((always_inline)) void vsum8(const vec v[8], float out[8]) {
     sum8(v, out);
 }
@@ -133,28 +97,28 @@ static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
 #else
 /* Plain C: the library's flags let the compiler reassociate loops of
  * scalars, differently where a tile shape is inlined; GCC is told not to
- * here, and the lanes' tree is one function for every output. */
+ * here, every product is an fmaf (the SIMD builds' bits), and the lanes'
+ * tree is one function for every output. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("no-associative-math")
 #endif
-#define LANES 8
 #define ROW_TILE 2
 #define W_TILE 4
-typedef struct { float v[LANES]; } vec;
 #define KEEP(v) ((void)0)
+typedef struct { float v[LANES]; } vec;
 static inline vec vzero(void) { vec r; memset(&r, 0, sizeof r); return r; }
 static inline vec vload(const float* p) { vec r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline vec vfma(vec a, vec b, vec c) {
-    for (int i = 0; i < LANES; i++) c.v[i] += a.v[i] * b.v[i];
+    for (int i = 0; i < LANES; i++) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
     return c;
 }
-static __attribute__((noinline)) float vsum(vec v) {
-    float s[4];
-    for (int i = 0; i < 4; i++) s[i] = v.v[i] + v.v[i + 4];
-    return (s[0] + s[2]) + (s[1] + s[3]);
-}
-static void vsum8(const vec v[8], float out[8]) {
-    for (int p = 0; p < 8; p++) out[p] = vsum(v[p]);
+/* cpu_sum8.h's tree: (l[i] + l[i + 4]) for i < 4, then (s0 + s2) + (s1 + s3) */
+static __attribute__((noinline)) void vsum8(const vec v[8], float out[8]) {
+    for (int p = 0; p < 8; p++) {
+        float s[4];
+        for (int i = 0; i < 4; i++) s[i] = v[p].v[i] + v[p].v[i + 4];
+        out[p] = (s[0] + s[2]) + (s[1] + s[3]);
+    }
 }
 static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
     static const float table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
