@@ -246,22 +246,43 @@ static void dot_tile_fp4(const float* const* x, int rows, const Rows* w, int64_t
 #undef ALL_CASES
 #undef CASES
 
+/* Rows of W a block holds (more rows than STREAM_MAX_ROWS): its first
+ * tile of x's rows takes it a row of W at a time (fetched in memory's
+ * order, one stream), the later tiles in tiles W_TILE wide from L2. */
+#ifndef BLOCK_ROWS
+#define BLOCK_ROWS (8 * W_TILE)
+#endif
+
+/* out[r * out_stride + i] = x[r] . w[i] for x's rows [r0, r0 + count) and
+ * W's rows [i0, i0 + nw), tiles `width` rows of W wide. */
+static void matmul_tiles(const float* const* x, int64_t r0, int count, const Rows* w,
+                         int64_t i0, int64_t nw, int width, float* out, int64_t out_stride) {
+    for (int64_t i = i0; i < i0 + nw; i += width) {
+        const int n = i0 + nw - i < width ? (int)(i0 + nw - i) : width;
+        float sums[ROW_TILE][W_TILE];
+        if (w->codes != NULL)
+            dot_tile_fp4(x + r0, count, w, i, n, sums);
+        else
+            dot_tile(x + r0, count, w, i, n, sums);
+        for (int e = 0; e < count; e++)
+            for (int j = 0; j < n; j++) out[(r0 + e) * out_stride + i + j] = sums[e][j];
+    }
+}
+
 /* out[e * out_stride + i] = x[e] . w[i] for `rows` rows of x and nw rows of
- * W (the tiles: W's tiles outer, so W is read once, x's tiles inner). */
+ * W: up to STREAM_MAX_ROWS rows, W a row at a time, every tile of x's rows
+ * against it (W read once, in memory's order); more, W in blocks of
+ * BLOCK_ROWS, every tile of x's rows against each. */
 static void matmul_rows(const float* const* x, int64_t rows, const Rows* w, int64_t nw,
                         float* out, int64_t out_stride) {
-    const int width = rows <= STREAM_MAX_ROWS ? 1 : W_TILE;
-    for (int64_t i0 = 0; i0 < nw; i0 += width) {
-        const int n = nw - i0 < width ? (int)(nw - i0) : width;
+    const int stream = rows <= STREAM_MAX_ROWS;
+    const int64_t block = stream ? 1 : BLOCK_ROWS;
+    for (int64_t b0 = 0; b0 < nw; b0 += block) {
+        const int64_t nb = nw - b0 < block ? nw - b0 : block;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int count = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            float sums[ROW_TILE][W_TILE];
-            if (w->codes != NULL)
-                dot_tile_fp4(x + r0, count, w, i0, n, sums);
-            else
-                dot_tile(x + r0, count, w, i0, n, sums);
-            for (int e = 0; e < count; e++)
-                for (int i = 0; i < n; i++) out[(r0 + e) * out_stride + i0 + i] = sums[e][i];
+            const int width = stream || r0 == 0 ? 1 : W_TILE;
+            matmul_tiles(x, r0, count, w, b0, nb, width, out, out_stride);
         }
     }
 }
