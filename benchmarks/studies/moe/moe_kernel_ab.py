@@ -32,7 +32,9 @@ from asyncstep.ops.cpu import library as lib
 from asyncstep.ops.cpu.moe import CpuMoeExperts
 from asyncstep.ops.torch_moe import fused_experts
 
-H, I, E, K = 512, 256, 32, 4
+SIZE, INTER, EXPERTS, TOP_K = 512, 256, 32, 4
+#: A layer's inputs: hidden, w13, w2, routing weights, ids.
+Layer = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def build(sources: Path, target: Path) -> CpuMoeExperts:
@@ -54,19 +56,19 @@ def export(ref: str, into: Path) -> None:
             (into / path.name).write_bytes(shown.stdout)
 
 
-def layer(tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
+def layer(tokens: int, seed: int) -> Layer:
     """A layer's inputs: hidden, w13, w2, routing weights, ids."""
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, H, generator=g)
-    w13 = torch.randn(E, 2 * I, H, generator=g) * 0.05
-    w2 = torch.randn(E, H, I, generator=g) * 0.05
-    scores = torch.softmax(torch.randn(tokens, E, generator=g), dim=-1)
-    weights, ids = torch.topk(scores, K, dim=-1)
+    hidden = torch.randn(tokens, SIZE, generator=g)
+    w13 = torch.randn(EXPERTS, 2 * INTER, SIZE, generator=g) * 0.05
+    w2 = torch.randn(EXPERTS, SIZE, INTER, generator=g) * 0.05
+    scores = torch.softmax(torch.randn(tokens, EXPERTS, generator=g), dim=-1)
+    weights, ids = torch.topk(scores, TOP_K, dim=-1)
     return hidden, w13, w2, weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
 
 
 def time_pair(
-    old: CpuMoeExperts, new: CpuMoeExperts, args: tuple[torch.Tensor, ...], repeats: int
+    old: CpuMoeExperts, new: CpuMoeExperts, args: Layer, repeats: int
 ) -> dict[str, float]:
     """Interleaved medians (ms) over ``repeats`` calls each (a layer's
     experts, 48 MiB, outgrow the L3: the calls stream them as a step does)."""

@@ -27,7 +27,7 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_cpu_time import serve  # noqa: E402
+from moe_cpu_time import serve
 
 #: Seconds per category of the current step; the stack of open timers.
 _now: dict[str, float] = defaultdict(float)
@@ -76,7 +76,10 @@ def instrument() -> dict[str, dict[str, float]]:
     for op in ("add_rms_norm", "rms_norm", "silu_and_mul"):
         setattr(CpuLayerOps, op, _timed(named("norms"), getattr(CpuLayerOps, op)))
     moe_layers.select_experts = _timed(named("routing (torch)"), moe_layers.select_experts)
-    totals: dict[str, dict[str, float]] = {"decode": defaultdict(float), "prefill": defaultdict(float)}
+    totals: dict[str, dict[str, float]] = {
+        "decode": defaultdict(float),
+        "prefill": defaultdict(float),
+    }
     kind = ["decode"]
 
     def step(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
