@@ -6,6 +6,7 @@
 #   kernel: moe_kernel_ab.py, cpu_moe.c of git ref $OLD (default b689060, the base of
 #           branch cpumoe) against this tree's, one thread then two, interleaved medians
 #           (skipped where the tree has no git history)
+#   bandwidth: read_bandwidth.py (the DRAM read rate a decode step's weights stream at)
 #   shares: moe_step_shares.py, where a step's time goes (decode and prefill apart)
 #   vs_hf:  moe_vs_hf.py twice (asyncstep against HF generate, the ratio)
 # Dependencies: run `bash ../shared/device/wheels.sh` once here and carry ".whl"
@@ -36,6 +37,7 @@ if git rev-parse --verify -q "$OLD^{commit}" > /dev/null; then
             --old "$OLD" --repeats 40 --threads "$threads" --out "$OUT/kernel_t$threads.json"
     done
 fi
+step bandwidth 60 $PIN python3 benchmarks/studies/moe/read_bandwidth.py
 step shares 90 $PIN python3 benchmarks/studies/moe/moe_step_shares.py --checkpoint "$CKPT" \
     --out "$OUT/shares.json"
 for run in 1 2; do
