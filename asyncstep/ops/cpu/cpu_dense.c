@@ -116,26 +116,8 @@ static inline void store_value(void* out, int64_t dtype, int64_t i, float v) {
 }
 
 #if DENSE_ISA >= 1
-/* Eight accumulators' lanes summed by one network (halves of 128 bits, then
- * of 64, then pairs): every output gets the same tree, (l[i] + l[i+4]) for
- * i < 4, then (p0 + p2) + (p1 + p3), whichever of the eight slots it holds.
- * out[p] = the sum of v[p]'s lanes. */
-static inline __attribute__((always_inline)) void sum8(const __m256 v[8], float out[8]) {
-    __m256 s[4], u[2];
-    for (int j = 0; j < 4; j++)
-        s[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x20),
-                             _mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x31));
-    for (int j = 0; j < 2; j++) {
-        const __m256d a = _mm256_castps_pd(s[2 * j]), b = _mm256_castps_pd(s[2 * j + 1]);
-        u[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
-                             _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-    }
-    const __m256 w = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88),
-                                   _mm256_shuffle_ps(u[0], u[1], 0xDD));
-    /* lane m holds output 2m, lane 4 + m output 2m + 1 */
-    const __m256i where = _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0);
-    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(w, where));
-}
+/* every accumulator's lanes by cpu_sum8.h's network */
+#include "cpu_sum8.h"
 #endif
 
 #if DENSE_ISA == 1

@@ -1,6 +1,6 @@
 /*
  * Eight float32 accumulators of 8 lanes each summed by one network, shared
- * by the float32 matmuls (cpu_dense_f32.c, cpu_moe.c): (l[i] + l[i + 4])
+ * by the matmuls (cpu_dense.c, cpu_dense_f32.c, cpu_moe.c): (l[i] + l[i + 4])
  * for i < 4, then (s0 + s2) + (s1 + s3), whichever of the eight slots an
  * output holds: halves of 128 bits, then of 64, then pairs, every add's
  * operands shuffles (which the library's -fassociative-math cannot
