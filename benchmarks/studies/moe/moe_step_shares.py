@@ -2,7 +2,9 @@
 serving run (16 random prompts of 128 tokens, 64 greedy tokens each, all at
 once, one rank, float32) with the library's calls and the router timed
 (``perf_counter`` around each, exclusive of the timed calls inside it) and
-summed over the decode steps and over the prefill steps apart. Shares of
+summed over the decode steps and over the prefill steps apart (the
+checkpoint written by ``moe_vs_hf.py``'s ``write_checkpoint`` where
+``--checkpoint`` does not exist yet). Shares of
 the steps' time (``execute_model`` + ``sample_tokens``); "other torch" is
 the rest of the forward (embedding, rotary, residual adds, the router's
 matmul where not the library's), "engine" the wall time outside the steps.
@@ -124,6 +126,10 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if not args.checkpoint.exists():
+        from moe_vs_hf import write_checkpoint
+
+        write_checkpoint(args.checkpoint)
     totals = instrument()
     result = trio.run(serve, args.checkpoint, 16, 128, 64)
     report: dict[str, Any] = {"serve": result, "load_avg": os.getloadavg()}
