@@ -135,12 +135,20 @@ def test_a_row_s_outputs_do_not_depend_on_its_batch(isa: str, tmp_path: Path) ->
 
 def test_a_large_weight_streams_with_the_same_bits() -> None:
     """A weight past the caches (an LM head: 16 MB, read a row at a time
-    for up to 4 rows of x) gives the tiles' bits for rows 1..6."""
+    for up to 4 rows of x; for more, the first tile of rows against each
+    block a row at a time) gives the tiles' bits of the weight in parts
+    that fit (4 MB) for rows 1..13, on 1 and 2 threads."""
     assert MATMUL is not None
-    x, weight = case(6, 8192, 512, seed=5)
-    many = MATMUL(x, weight)
-    for rows in (1, 2, 4, 5):
-        assert torch.equal(MATMUL(x[:rows], weight), many[:rows]), rows
+    x, weight = case(13, 8192, 512, seed=5)
+    parts = torch.cat([MATMUL(x, part) for part in weight.split(2048)], dim=1)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 2, 4, 5, 6, 13):
+                assert torch.equal(MATMUL(x[:rows], weight), parts[:rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_strided_rows_are_read_in_place() -> None:

@@ -17,7 +17,9 @@
  * leftover tiles too, summed by the same tree. Rows of W run in blocks
  * (L2's worth) against every tile of x's rows, chunks of x's rows in turn;
  * up to STREAM_MAX_ROWS rows of x against a W larger than the caches,
- * tiles one row of W wide (W read in memory's order). Rows of W are spread over OpenMP threads, never K. So an
+ * tiles one row of W wide (W read in memory's order); more rows against
+ * such a W, the first tile of x's rows against a block one row of W wide
+ * (the block fetched from DRAM in one stream), the others in full tiles. Rows of W are spread over OpenMP threads, never K. So an
  * output depends on its row of x and its row of W only: not on the other
  * rows (the batch: issue 40), the thread count or the build. Its uses:
  * every dense float32 projection of the CPU op set and the float32 LM head.
@@ -116,6 +118,9 @@ static __attribute__((noinline)) void vsum8(const vec v[8], float out[8]) {
 #ifndef STREAM_MIN_BYTES
 #define STREAM_MIN_BYTES (16 << 20)
 #endif
+#ifndef FETCH_FIRST
+#define FETCH_FIRST 1
+#endif
 #ifndef BLOCK_BYTES
 #define BLOCK_BYTES (192 << 10) /* rows of W a thread runs every row of x against (L2) */
 #endif
@@ -213,13 +218,17 @@ static inline void run_tile(const DenseF32Args* a, int64_t r0, int count, int64_
 }
 
 /* Rows [c0, end) of x against W's rows [n0, n0 + nb): each tile of x's
- * rows against every tile of the block (x's tile in L1, the block in L2). */
+ * rows against every tile of the block (x's tile in L1, the block in L2).
+ * Where W is read from DRAM (`fetch`) the first tile of x's rows takes the
+ * block one row of W at a time, in memory's order (one stream), the later
+ * ones in tiles `width` wide from L2: the same sums (tiles share loads only). */
 static void run_block(const DenseF32Args* a, int64_t c0, int64_t end, int64_t n0, int64_t nb,
-                      int width) {
+                      int width, int fetch) {
     for (int64_t r0 = c0; r0 < end; r0 += ROW_TILE) {
         const int count = end - r0 < ROW_TILE ? (int)(end - r0) : ROW_TILE;
-        for (int64_t i0 = 0; i0 < nb; i0 += width)
-            run_tile(a, r0, count, n0 + i0, nb - i0 < width ? (int)(nb - i0) : width);
+        const int w = fetch && r0 == c0 ? 1 : width;
+        for (int64_t i0 = 0; i0 < nb; i0 += w)
+            run_tile(a, r0, count, n0 + i0, nb - i0 < w ? (int)(nb - i0) : w);
     }
 }
 
@@ -233,7 +242,8 @@ int asyncstep_dense_f32(const DenseF32Args* a) {
     if (rows == 0 || N == 0) return 0;
     const int num_threads =
         rows * N * K < MIN_PARALLEL_WORK || a->num_threads < 1 ? 1 : (int)a->num_threads;
-    const int stream = rows <= STREAM_MAX_ROWS && N * K * (int64_t)sizeof(float) >= STREAM_MIN_BYTES;
+    const int large = N * K * (int64_t)sizeof(float) >= STREAM_MIN_BYTES;
+    const int stream = rows <= STREAM_MAX_ROWS && large;
     const int width = stream ? 1 : W_TILE;
     /* blocks of W_GROUP-multiple rows of W (BLOCK_BYTES, at least one per
      * thread), each run against every tile of rows of x, tile after tile of W */
@@ -251,7 +261,7 @@ int asyncstep_dense_f32(const DenseF32Args* a) {
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * block;
-            run_block(a, c0, end, n0, N - n0 < block ? N - n0 : block, width);
+            run_block(a, c0, end, n0, N - n0 < block ? N - n0 : block, width, FETCH_FIRST && large);
         }
     }
     return 0;

@@ -15,10 +15,14 @@
  * instead of a parallel matmul per expert), the token sums after the
  * threads join. Each output is
  * one row of x against one row of W along K in one order, into one vector
- * of LANES float32 lanes (k = lane mod LANES), then the lanes summed by one
- * tree (halves, then halves again); tiles of rows of x by rows of W share
- * the loads, never the sums, and every slot of a tile gives its output the
- * same tree. Up to STREAM_MAX_ROWS rows an expert's W rows are read one at
+ * of 8 float32 lanes (k = lane mod 8, one fused multiply-add each), then
+ * the lanes summed by cpu_common.h's sum8 tree (halves, then halves again), eight
+ * outputs at a time; tiles of rows of x by rows of W share the loads,
+ * never the sums, and every slot of a tile gives its output the same tree.
+ * Every build has that order (AVX-512 with AVX512VL: 256-bit vectors, 32
+ * registers, tiles of 4 rows of x by 6 of W, as cpu_dense_f32.c; AVX2 +
+ * FMA: 2 by 4; plain C: 2 by 4, fmaf): the AVX-512 and AVX2 builds give
+ * the same bits (plain C's silu may round apart: no contraction to FMA). Up to STREAM_MAX_ROWS rows an expert's W rows are read one at
  * a time in memory's order (a decode step streams the weights from DRAM).
  * So a row's result does not depend on the other rows routed to its
  * experts (the batch: issue 40) nor on the thread count. The silu is
@@ -46,56 +50,36 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512VL__)
 #define MOE_ISA 2
-#include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
 #define MOE_ISA 3
-#include <immintrin.h>
 #else
 #define MOE_ISA 0
 #endif
 
-#if MOE_ISA == 2
-#define LANES 16
-#define ROW_TILE 4 /* rows of x per tile */
-#define W_TILE 6   /* rows of W per tile: 24 accumulators, 31 of 32 registers */
-typedef __m512 vec;
-static inline vec vzero(void) { return _mm512_setzero_ps(); }
-static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-/* (lanes i + lanes i + 8), then i + 4, i + 2, i + 1: one tree for every output */
-static inline float vsum(vec v) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-    return _mm_cvtss_f32(q);
-}
-/* values [k, k + 16) of a block (k mod 32 is 0 or 16): one load, the high
- * nibbles shifted down, the table indexed by each lane's low 4 bits */
-static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
-    static const float table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-    __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)block));
-    if (k & 16) codes = _mm512_srli_epi32(codes, 4);
-    const vec values = _mm512_permutexvar_ps(codes, _mm512_loadu_ps(table));
-    return _mm512_mul_ps(values, _mm512_set1_ps(scale));
-}
-#elif MOE_ISA == 3
 #define LANES 8
+#if MOE_ISA == 2 || MOE_ISA == 3
+#include <immintrin.h>
+
+#if MOE_ISA == 2
+#define ROW_TILE 4 /* rows of x per tile */
+#define W_TILE 6   /* rows of W per tile: 24 accumulators, 6 of W, 1 of x: 31 of 32 */
+/* v held in a register: a tile's W vectors loaded once a step, not folded
+ * into each multiply-add as a load of its own (cpu_dense_f32.c's KEEP) */
+#define KEEP(v) __asm__("" : "+v"(v))
+#else
 #define ROW_TILE 2
 #define W_TILE 4 /* 8 accumulators, 4 of W, 1 of x: 13 of 16 registers */
+#define KEEP(v) __asm__("" : "+x"(v))
+#endif
 typedef __m256 vec;
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) {
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-    return _mm_cvtss_f32(q);
+/* eight vectors' lanes summed: cpu_common.h's sum8 network */
+static inline __attribute__((always_inline)) void vsum8(const vec v[8], float out[8]) {
+    sum8(v, out);
 }
 /* values [k, k + 8) of a block: 8 bytes (k mod 16 on), the nibble, its
  * magnitude from an 8-entry table, its sign bit set */
@@ -112,24 +96,28 @@ static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
 #else
 /* Plain C: the library's flags let the compiler reassociate loops of
  * scalars, differently where a tile shape is inlined; GCC is told not to
- * here, and the lanes' tree is one function for every output. */
+ * here, every product is an fmaf (the SIMD builds' bits), and the lanes'
+ * tree is one function for every output. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("no-associative-math")
 #endif
-#define LANES 8
 #define ROW_TILE 2
 #define W_TILE 4
+#define KEEP(v) ((void)0)
 typedef struct { float v[LANES]; } vec;
 static inline vec vzero(void) { vec r; memset(&r, 0, sizeof r); return r; }
 static inline vec vload(const float* p) { vec r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline vec vfma(vec a, vec b, vec c) {
-    for (int i = 0; i < LANES; i++) c.v[i] += a.v[i] * b.v[i];
+    for (int i = 0; i < LANES; i++) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
     return c;
 }
-static __attribute__((noinline)) float vsum(vec v) {
-    float s[4];
-    for (int i = 0; i < 4; i++) s[i] = v.v[i] + v.v[i + 4];
-    return (s[0] + s[2]) + (s[1] + s[3]);
+/* cpu_common.h's sum8 tree: (l[i] + l[i + 4]) for i < 4, then (s0 + s2) + (s1 + s3) */
+static __attribute__((noinline)) void vsum8(const vec v[8], float out[8]) {
+    for (int p = 0; p < 8; p++) {
+        float s[4];
+        for (int i = 0; i < 4; i++) s[i] = v[p].v[i] + v[p].v[i + 4];
+        out[p] = (s[0] + s[2]) + (s[1] + s[3]);
+    }
 }
 static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
     static const float table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -212,13 +200,23 @@ static inline __attribute__((always_inline)) void dot_tile_n(
     for (int64_t k = 0; k < K; k += LANES) {
         vec wv[W_TILE];
         for (int i = 0; i < nw; i++) wv[i] = wload(w, i0 + i, k, packed);
+        for (int i = 0; i < nw; i++) KEEP(wv[i]);
         for (int e = 0; e < rows; e++) {
             const vec xv = vload(x[e] + k);
             for (int i = 0; i < nw; i++) acc[e][i] = vfma(wv[i], xv, acc[e][i]);
         }
     }
+    /* the accumulators eight at a time through vsum8 (unused slots zero) */
+    enum { SLOTS = (ROW_TILE * W_TILE + 7) / 8 * 8 };
+    vec lanes[SLOTS];
+    float flat[SLOTS];
+    const int used = rows * nw, groups = (used + 7) / 8;
     for (int e = 0; e < rows; e++)
-        for (int i = 0; i < nw; i++) sums[e][i] = vsum(acc[e][i]);
+        for (int i = 0; i < nw; i++) lanes[e * nw + i] = acc[e][i];
+    for (int j = used; j < groups * 8; j++) lanes[j] = vzero();
+    for (int g = 0; g < groups; g++) vsum8(lanes + 8 * g, flat + 8 * g);
+    for (int e = 0; e < rows; e++)
+        for (int i = 0; i < nw; i++) sums[e][i] = flat[e * nw + i];
 }
 
 #if ROW_TILE == 4
@@ -247,22 +245,43 @@ static void dot_tile_fp4(const float* const* x, int rows, const Rows* w, int64_t
 #undef ALL_CASES
 #undef CASES
 
+/* Rows of W a block holds (more rows than STREAM_MAX_ROWS): its first
+ * tile of x's rows takes it a row of W at a time (fetched in memory's
+ * order, one stream), the later tiles in tiles W_TILE wide from L2. */
+#ifndef BLOCK_ROWS
+#define BLOCK_ROWS (8 * W_TILE)
+#endif
+
+/* out[r * out_stride + i] = x[r] . w[i] for x's rows [r0, r0 + count) and
+ * W's rows [i0, i0 + nw), tiles `width` rows of W wide. */
+static void matmul_tiles(const float* const* x, int64_t r0, int count, const Rows* w,
+                         int64_t i0, int64_t nw, int width, float* out, int64_t out_stride) {
+    for (int64_t i = i0; i < i0 + nw; i += width) {
+        const int n = i0 + nw - i < width ? (int)(i0 + nw - i) : width;
+        float sums[ROW_TILE][W_TILE];
+        if (w->codes != NULL)
+            dot_tile_fp4(x + r0, count, w, i, n, sums);
+        else
+            dot_tile(x + r0, count, w, i, n, sums);
+        for (int e = 0; e < count; e++)
+            for (int j = 0; j < n; j++) out[(r0 + e) * out_stride + i + j] = sums[e][j];
+    }
+}
+
 /* out[e * out_stride + i] = x[e] . w[i] for `rows` rows of x and nw rows of
- * W (the tiles: W's tiles outer, so W is read once, x's tiles inner). */
+ * W: up to STREAM_MAX_ROWS rows, W a row at a time, every tile of x's rows
+ * against it (W read once, in memory's order); more, W in blocks of
+ * BLOCK_ROWS, every tile of x's rows against each. */
 static void matmul_rows(const float* const* x, int64_t rows, const Rows* w, int64_t nw,
                         float* out, int64_t out_stride) {
-    const int width = rows <= STREAM_MAX_ROWS ? 1 : W_TILE;
-    for (int64_t i0 = 0; i0 < nw; i0 += width) {
-        const int n = nw - i0 < width ? (int)(nw - i0) : width;
+    const int stream = rows <= STREAM_MAX_ROWS;
+    const int64_t block = stream ? 1 : BLOCK_ROWS;
+    for (int64_t b0 = 0; b0 < nw; b0 += block) {
+        const int64_t nb = nw - b0 < block ? nw - b0 : block;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int count = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            float sums[ROW_TILE][W_TILE];
-            if (w->codes != NULL)
-                dot_tile_fp4(x + r0, count, w, i0, n, sums);
-            else
-                dot_tile(x + r0, count, w, i0, n, sums);
-            for (int e = 0; e < count; e++)
-                for (int i = 0; i < n; i++) out[(r0 + e) * out_stride + i0 + i] = sums[e][i];
+            const int width = stream || r0 == 0 ? 1 : W_TILE;
+            matmul_tiles(x, r0, count, w, b0, nb, width, out, out_stride);
         }
     }
 }
