@@ -26,7 +26,6 @@ import argparse
 import ctypes
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -161,4 +160,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
