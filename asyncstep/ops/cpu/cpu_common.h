@@ -39,11 +39,4 @@ static inline float exp_nonpositive(float x) {
     return p * c.f;
 }
 
-/* silu(gate) * up as the decode stack computes it: gate / (1 + exp(-gate))
- * (exp's argument capped at 88) times up. */
-static inline __attribute__((always_inline)) float silu_times(float gate, float up) {
-    const float minus = -gate < 88.0f ? -gate : 88.0f;
-    return gate / (1.0f + exp_nonpositive(minus)) * up;
-}
-
 #endif

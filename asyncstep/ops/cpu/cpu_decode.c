@@ -2,9 +2,8 @@
  * A pipeline stage's decoder layers for a step on the CPU, in one
  * call (cpu_decode.py builds the arguments): for each layer, residual add +
  * RMSNorm, the QKV projection (+ bias), rotary + KV store + paged attention
- * (cpu_kernels.c's), the output projection, residual add + RMSNorm, gate/up
- * with silu * up on its sums (no [tokens, 2 intermediate] tensor between) and
- * down; every projection a quantized matmul (cpu_quant.c).
+ * (cpu_kernels.c's), the output projection, residual add + RMSNorm, gate/up,
+ * silu * up and down; every projection a quantized matmul (cpu_quant.c).
  * A token costs 3 parallel regions a layer instead of a dozen Python calls.
  *
  * The residual stream and every value between the matmuls stay float32
@@ -116,8 +115,26 @@ static void add_norm_quantize(float* r, const float* add, const float* weight, i
         asyncstep_q_quantize_block(normed + b * QBLOCK, t, b, out);
 }
 
+/* silu(gate) * up of every row, quantized block by block. */
+static void silu_mul_quantize(const float* gate_up, int64_t rows, int64_t d,
+                              const QuantizedRows* out) {
+    const int64_t blocks = d / QBLOCK;
+#pragma omp for schedule(static)
+    for (int64_t at = 0; at < rows * blocks; at++) {
+        const int64_t t = at / blocks, b = at % blocks;
+        const float* gate = gate_up + t * 2 * d + b * QBLOCK;
+        const float* up = gate + d;
+        float act[QBLOCK];
+        for (int i = 0; i < QBLOCK; i++) {
+            const float minus = -gate[i] < 88.0f ? -gate[i] : 88.0f;
+            act[i] = gate[i] / (1.0f + exp_nonpositive(minus)) * up[i];
+        }
+        asyncstep_q_quantize_block(act, t, b, out);
+    }
+}
+
 typedef struct {
-    float *hidden, *o;
+    float *hidden, *o, *gate_up;
     void *qkv, *attn;
     QuantizedRows by_hidden, by_heads, by_intermediate;
 } Buffers;
@@ -131,7 +148,7 @@ static void* carve(uint8_t** at, int64_t bytes) {
 static int64_t buffer_bytes(const StackArgs* a, int64_t q_size, int64_t qkv_size) {
     const int64_t T = a->tokens, H = a->hidden_size, I = a->intermediate_size;
     const int64_t el = a->dtype == QDTYPE_BFLOAT16 ? 2 : 4, pad = 64;
-    return 2 * T * H * 4 + T * qkv_size * el + T * q_size * el + 4 * pad +
+    return 2 * T * H * 4 + 2 * T * I * 4 + T * qkv_size * el + T * q_size * el + 5 * pad +
            asyncstep_q_scratch_bytes(T, H, a->levels) +
            asyncstep_q_scratch_bytes(T, q_size, a->levels) +
            asyncstep_q_scratch_bytes(T, I, a->levels) + 3 * pad;
@@ -144,6 +161,7 @@ static Buffers carve_buffers(void* memory, const StackArgs* a, int64_t q_size, i
     Buffers b;
     b.hidden = carve(&at, T * H * 4);
     b.o = carve(&at, T * H * 4);
+    b.gate_up = carve(&at, T * 2 * I * 4);
     b.qkv = carve(&at, T * qkv_size * el);
     b.attn = carve(&at, T * q_size * el);
     b.by_hidden = asyncstep_q_rows(carve(&at, asyncstep_q_scratch_bytes(T, H, a->levels)), T, H,
@@ -180,6 +198,7 @@ int asyncstep_decode_stack(const StackArgs* a) {
         }
     const QOutput qkv_out = {buf.qkv, a->dtype, qkv_size, NULL};
     const QOutput o_out = {buf.o, QDTYPE_FLOAT32, H, NULL};
+    const QOutput gate_up_out = {buf.gate_up, QDTYPE_FLOAT32, 2 * I, NULL};
     const QOutput down_out = {buf.hidden, QDTYPE_FLOAT32, H, NULL};
     int status = 0;
     for (int64_t l = 0; l < a->num_layers && status == 0; l++) {
@@ -216,9 +235,10 @@ int asyncstep_decode_stack(const StackArgs* a) {
                 add_norm_quantize(r + t * H, buf.o + t * H, L->post_norm, H, eps, t,
                                   &buf.by_hidden);
             PROFILE_MARK(5)
-            asyncstep_q_matmul_silu_rows(&L->gate_up, &buf.by_hidden, T, &buf.by_intermediate);
+            asyncstep_q_matmul_rows(&L->gate_up, &buf.by_hidden, T, &gate_up_out);
             PROFILE_MARK(6)
-            PROFILE_MARK(7) /* silu * up: fused into gate_up's (phase 6) */
+            silu_mul_quantize(buf.gate_up, T, I, &buf.by_intermediate);
+            PROFILE_MARK(7)
             asyncstep_q_matmul_rows(&L->down, &buf.by_intermediate, T, &down_out);
             PROFILE_MARK(8)
         }

@@ -384,14 +384,14 @@ static void group_tile(const uint8_t* w, int64_t kind, int64_t blocks, const Qua
 }
 #endif
 
-/* Group g's sums for rows [row0, row0 + rows) of x into partial[t * 16 + r]. */
-static void group_partial(const QWeight* w, int64_t g, const QuantizedRows* x, int64_t row0,
-                          int rows, float* partial) {
+static void group_rows(const QWeight* w, int64_t g, const QuantizedRows* x, int64_t row0,
+                       int rows, const QOutput* out) {
     const int64_t K = w->in_features, blocks = K / QBLOCK;
     const int levels = (int)x->levels;
     const uint8_t* data = w->data + g * blocks * block_bytes(w->kind);
     const QuantizedRows tile = {x->q + row0 * levels * K, x->d + row0 * levels * blocks,
                                 x->s + row0 * blocks, K, levels};
+    float partial[QTILE_ROWS_MAX * QGROUP];
     switch (rows * 2 + levels - 1) { /* constants for each inlined copy */
 #define TILE_CASE(R, L)                                                \
     case R * 2 + L - 1:                                                \
@@ -409,12 +409,6 @@ static void group_partial(const QWeight* w, int64_t g, const QuantizedRows* x, i
 #endif
 #undef TILE_CASE
     }
-}
-
-static void group_rows(const QWeight* w, int64_t g, const QuantizedRows* x, int64_t row0,
-                       int rows, const QOutput* out) {
-    float partial[QTILE_ROWS_MAX * QGROUP];
-    group_partial(w, g, x, row0, rows, partial);
     const int64_t n0 = g * QGROUP;
     const int64_t width = w->out_features - n0 < QGROUP ? w->out_features - n0 : QGROUP;
     for (int t = 0; t < rows; t++)
@@ -453,47 +447,6 @@ void asyncstep_q_matmul_rows(const QWeight* w, const QuantizedRows* x, int64_t r
         for (int64_t g = 0; g < groups; g++)
             for (int64_t row0 = first; row0 < end; row0 += tile)
                 group_rows(w, g, x, row0, end - row0 < tile ? (int)(end - row0) : (int)tile, out);
-    }
-#pragma omp barrier
-}
-
-/* silu(gate) * up of rows [row0, row0 + rows) for the intermediate block b
- * (gate_up's groups 2b and 2b + 1, and the up rows' groups I / 16 further),
- * quantized as block b of each row. Each sum as group_rows stores it (+ 0.0f:
- * its bias), so the values are the unfused path's. */
-static void silu_block_rows(const QWeight* w, int64_t b, const QuantizedRows* x, int64_t row0,
-                            int rows, const QuantizedRows* out) {
-    const int64_t up_groups = w->out_features / 2 / QGROUP;
-    float gate[2][QTILE_ROWS_MAX * QGROUP], up[2][QTILE_ROWS_MAX * QGROUP];
-    for (int j = 0; j < 2; j++) {
-        group_partial(w, 2 * b + j, x, row0, rows, gate[j]);
-        group_partial(w, up_groups + 2 * b + j, x, row0, rows, up[j]);
-    }
-    for (int t = 0; t < rows; t++) {
-        float g[QBLOCK], u[QBLOCK], act[QBLOCK];
-        for (int i = 0; i < QBLOCK; i++) {
-            g[i] = gate[i / QGROUP][t * QGROUP + i % QGROUP] + 0.0f;
-            u[i] = up[i / QGROUP][t * QGROUP + i % QGROUP] + 0.0f;
-        }
-        for (int i = 0; i < QBLOCK; i++) act[i] = silu_times(g[i], u[i]);
-        asyncstep_q_quantize_block(act, row0 + t, b, out);
-    }
-}
-
-/* As asyncstep_q_matmul_rows, over the intermediate's blocks of 32 (each
- * its 2 gate and 2 up groups) instead of groups, then silu * up quantized. */
-void asyncstep_q_matmul_silu_rows(const QWeight* gate_up, const QuantizedRows* x, int64_t rows,
-                                  const QuantizedRows* out) {
-    const int64_t blocks = gate_up->out_features / 2 / QBLOCK;
-    const int64_t tile = x->levels == 2 ? QTILE_ROWS_2 : QTILE_ROWS_1;
-    const int64_t chunk = chunk_rows(rows, gate_up->in_features, x->levels, tile);
-    for (int64_t first = 0; first < rows; first += chunk) {
-        const int64_t end = first + chunk < rows ? first + chunk : rows;
-#pragma omp for schedule(static) nowait
-        for (int64_t b = 0; b < blocks; b++)
-            for (int64_t row0 = first; row0 < end; row0 += tile)
-                silu_block_rows(gate_up, b, x, row0,
-                                end - row0 < tile ? (int)(end - row0) : (int)tile, out);
     }
 #pragma omp barrier
 }

@@ -60,12 +60,5 @@ void asyncstep_q_quantize_block(const float* values, int64_t row, int64_t block,
  * the end). */
 void asyncstep_q_matmul_rows(const QWeight* w, const QuantizedRows* x, int64_t rows,
                              const QOutput* out);
-/* silu(gate) * up, quantized block by block into out ([rows, I]): w is
- * gate_up's [2 I, K] weight (gate's rows, then up's; I a multiple of 32),
- * each gate and up sum the one asyncstep_q_matmul_rows writes, no
- * [rows, 2 I] tensor between. Shares the intermediate's blocks of 32 as that
- * shares groups (no wait between chunks; the threads meet at the end). */
-void asyncstep_q_matmul_silu_rows(const QWeight* gate_up, const QuantizedRows* x, int64_t rows,
-                                  const QuantizedRows* out);
 
 #endif
