@@ -2,7 +2,8 @@
 in one process: each tree's library built with the library's flags into
 ``--build-dir``, SmolLM2's shapes (30 layers' four Q4 projections and the Q8
 LM head, random GGUF-like weights) timed alternately A, B, A, B, ... at
-each row count, the best of ``--repeats`` each, and the ratio B / A; also
+each row count, the best of ``--repeats`` each, and the ratio B / A (of the
+bests, and the median of the rounds' ratios); also
 whether B's output equals A's bit for bit, B's rate against ``--peak`` (one
 core's ``vpdpbusd`` rate in G int8 multiply-adds a second, times the
 threads; ``peak/vnni_peak.c`` measures it) and, with ``--torch``, torch's
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import statistics
 import subprocess
 import sys
 import time
@@ -76,7 +78,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     peak = args.peak * args.threads
     print(
-        f"threads {args.threads}, levels {args.levels}, best of {args.repeats}, alternating; "
+        f"threads {args.threads}, levels {args.levels}, best of {args.repeats} (and the median "
+        f"of the pairs' B/A), alternating; "
         f"peak {peak:.0f} G/s"
     )
     for name in args.shapes:
@@ -90,16 +93,21 @@ def main() -> None:
             x = torch.randn(rows, k, generator=gen)
             xb = x.to(torch.bfloat16)
             same = torch.equal(a(packed, x), b(packed, x))
-            ta = tb = tt = float("inf")
+            tt = float("inf")
+            times_a: list[float] = []
+            times_b: list[float] = []
             for _ in range(args.repeats):
-                ta = min(ta, timed(lambda: a(packed, x)))  # noqa: B023
-                tb = min(tb, timed(lambda: b(packed, x)))  # noqa: B023
+                times_a.append(timed(lambda: a(packed, x)))  # noqa: B023
+                times_b.append(timed(lambda: b(packed, x)))  # noqa: B023
                 if args.torch:
                     tt = min(tt, timed(lambda: F.linear(xb, dense)))  # noqa: B023
+            ta, tb = min(times_a), min(times_b)
+            pairs = statistics.median(y / z for y, z in zip(times_b, times_a, strict=True))
             rate = args.levels * rows * n * k / tb / 1e9
             line = (
                 f"{name:8s} rows {rows:5d}: A {ta * 1e3:8.3f} ms  B {tb * 1e3:8.3f} ms  "
-                f"B/A {tb / ta:5.3f}  B {rate:6.1f} G int8 multiply-adds/s "
+                f"B/A {tb / ta:5.3f} (median of pairs {pairs:5.3f})  "
+                f"B {rate:6.1f} G int8 multiply-adds/s "
                 f"({100 * rate / peak:3.0f} % of peak)  same={same}"
             )
             if args.torch:
