@@ -14,8 +14,10 @@ Every other step samples as before, from the same graph's logits.
 
 The ids are :func:`~asyncstep.runner.sampler.argmax_rows` of the same
 logits the sampler would take its argmax of: the same tokens, bit for bit,
-ties to the lowest id. Each row's argmax depends on its row only, so the
-padding rows change nothing.
+ties to the lowest id, for logits without NaN (the graph's padded rows may
+pick :func:`~asyncstep.runner.sampler.chunked_argmax` where the sampler's
+unpadded ones pick ``argmax``, and the two differ only on NaN). Each
+row's argmax depends on its row only, so the padding rows change nothing.
 
 The buffer is rewritten by every replay of a greedy graph: the step's host
 copy of its ids goes on the compute stream
@@ -64,4 +66,4 @@ def takes_graph_ids(metadata: SamplingMetadata) -> bool:
     """Whether a step sampling with ``metadata`` takes the graph's argmax
     (every row greedy, no log-probs, no logits processing); the caller
     checks the rest (no grammar bitmask, no draft tokens)."""
-    return metadata.all_greedy and metadata.max_num_logprobs is None and metadata.processing is None
+    return metadata.plain_greedy

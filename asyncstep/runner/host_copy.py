@@ -22,14 +22,11 @@ def copy_to_host(
     if copy_stream is None:
         return tensors, record_event(None)
     copy_stream.wait_stream(torch.cuda.current_stream(copy_stream.device))
-    hosts = []
     with torch.cuda.stream(copy_stream):
         for tensor in tensors:
             # The allocator must not hand this memory out again before the copy read it.
             tensor.record_stream(copy_stream)
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            hosts.append(host)
+        hosts = _pinned_copies(tensors)
     return hosts, record_event(copy_stream.device, copy_stream)
 
 
@@ -41,9 +38,15 @@ def copy_to_host_in_order(
     ``tensors``); no stream switch. On the CPU: the tensors themselves."""
     if device.type != "cuda":
         return tensors, record_event(None)
+    return _pinned_copies(tensors), record_event(device)
+
+
+def _pinned_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Non-blocking copies of ``tensors`` into new pinned host tensors, on
+    the current stream."""
     hosts = []
     for tensor in tensors:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         hosts.append(host)
-    return hosts, record_event(device)
+    return hosts

@@ -55,7 +55,6 @@ from asyncstep.datatypes import (
     SchedulerOutput,
 )
 from asyncstep.device.stream import record_event
-from asyncstep.logging import get_logger
 from asyncstep.logging.spans import tracing
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.ops.attention import BLOCK_DIM
@@ -80,8 +79,6 @@ from asyncstep.runner.step_inputs import StepInputBuilder, StepInputs
 from asyncstep.runner.step_sampling import StepSampling
 from asyncstep.runner.step_state import ExecuteModelState, StepEvents, StepTimings
 from asyncstep.runner.ubatch_forward import forward_ubatches
-
-log = get_logger(__name__)
 
 REENTRY_ERROR = "sample_tokens() must be called after execute_model() returns None"
 

@@ -76,6 +76,12 @@ class SamplingMetadata:
     #: Penalties, logit bias, min_tokens, bad words; None when no row asks for any.
     processing: LogitsProcessing | None = None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy, no log-probs, no logits processing: the
+        sampled ids are the argmax of the logits as they are."""
+        return self.all_greedy and self.max_num_logprobs is None and self.processing is None
+
     @classmethod
     def from_params(
         cls,
@@ -298,7 +304,7 @@ class Sampler:
         """``history``: the step's tokens, whenever ``metadata.processing``
         is not None (built by :meth:`InputBatch.token_history`)."""
         processing = metadata.processing
-        if metadata.all_greedy and metadata.max_num_logprobs is None and processing is None:
+        if metadata.plain_greedy:
             # The argmax of any float dtype is that of its float32 values (exact);
             # the CPU's argmax of bf16/fp16 is not vectorized: float32 is faster there.
             if logits.device.type == "cpu":

@@ -3,7 +3,7 @@
 contract).
 
 Rows are token-expert *pairs* ``p = t * top_k + j`` (token t's j-th
-expert), listed by :func:`~asyncstep.ops.triton.fused_moe.moe_align_block_size`
+expert), listed by :func:`~asyncstep.ops.triton.moe_routing.moe_align_block_size`
 in blocks of BLOCK_M pairs of one expert each (padding entries hold the
 pair count, an out-of-range pair, so their rows are masked). A program
 takes one block and BLOCK_N output columns:
