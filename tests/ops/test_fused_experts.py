@@ -129,9 +129,13 @@ def test_the_cpu_op_set_gives_the_reference_experts() -> None:
     w13, w2 = weights(3)
     hidden, topk_weights, topk_ids = routing(25, 2, list(range(EXPERTS)), seed=3)
     expected = TORCH_OPS.fused_experts(hidden, w13, w2, topk_weights, topk_ids)
-    # torch's F.linear under the grouped matmul: the reference's bits
+    # Weights the library's experts do not take (not contiguous): torch's
+    # F.linear under the grouped matmul, the reference's bits.
+    strided = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous() and torch.equal(strided, w13)
     ops = CpuOps(kernels.layer_ops, invariant_float32=False)
-    assert torch.equal(ops.fused_experts(hidden, w13, w2, topk_weights, topk_ids), expected)
+    want = TORCH_OPS.fused_experts(hidden, strided, w2, topk_weights, topk_ids)
+    assert torch.equal(ops.fused_experts(hidden, strided, w2, topk_weights, topk_ids), want)
     # the library's float32 matmul (one K order for every row count): its sums
     got = CpuOps(kernels.layer_ops).fused_experts(hidden, w13, w2, topk_weights, topk_ids)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

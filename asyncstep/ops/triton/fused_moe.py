@@ -26,36 +26,22 @@ halves). The activations:
   :func:`gate_up_from_interleaved`. The kernel reads the interleaved
   layout too (``interleaved_gate_up=True``), for the studies.
 
-The steps: :func:`~asyncstep.ops.triton.moe_routing.moe_align_block_size`
-lists the token-expert pairs (``p = t * k + j``) by expert, each expert's
-run padded to BLOCK_M (two Triton kernels, sync-free, deterministic); the
-gate/up kernel computes a block's rows of both halves and the activation in
-its epilogue (no ``[pairs, 2I]`` intermediate), stored in hidden's dtype;
-the down kernel adds the bias, multiplies by the routing weight and stores
-float32 ``[pairs, H]``; the combine sums a token's k rows in float32, j
-from 0 up, and rounds once.
+The grouped path: :func:`~asyncstep.ops.triton.moe_routing.moe_align_block_size`
+lists the pairs ``p = t * k + j`` by expert, each run padded to BLOCK_M;
+gate/up computes a block's rows with the activation in its epilogue; down
+adds the bias and the routing weight (float32 ``[pairs, H]``); the combine
+sums a token's k rows in float32, j from 0 up, and rounds once. The small-T
+path (``T * k <= gemv_max_pairs``, :data:`GEMV_MAX_PAIRS`): no alignment;
+a GEMV-shaped gate/up kernel a program per (pair, columns), then a down
+kernel a program per (token, columns) with the bias, the weight and the
+combine fused; its bits differ from the grouped GEMM's by roundings.
 
-The small-T path (``T * k <= gemv_max_pairs``, :data:`GEMV_MAX_PAIRS`:
-decode at low batch): no alignment; a GEMV-shaped gate/up kernel, a program
-per (pair, BLOCK_N activation columns) streaming the expert's gate and up
-rows BLOCK_K wide with the activation in its epilogue, then a down kernel,
-a program per (token, BLOCK_N output columns) over the token's k experts,
-the bias, the routing weight and the combine (float32, j from 0 up) fused:
-two launches. Its sums run in another order than the tensor-core dot's, so
-its bits differ from the grouped GEMM's by roundings.
-
-Batch invariance: the grouped GEMM has one tile configuration
-(:data:`TILE`) for every T, no split-K, every output element's K loop from
-0 up in BLOCK_K steps, so a pair's row is the same bits whichever other
-pairs share its expert's blocks, and a token's output the same bits alone
-or in any batch; the small-T path computes each pair (and each token's
-combine) alone, likewise the same bits in any batch of its own. The path
-choice depends on T: a batch-invariant caller passes ``gemv_max_pairs=0``
-(the batch-invariant op set does), so every T takes the grouped GEMM.
-(Passing another ``tile`` changes the bits; a caller choosing it by T
-would break this too.) float32 inputs multiply in IEEE float32 (no TF32).
-Launch grids are sized from shapes alone (an upper bound on the padded
-blocks; blocks past the last expert's run return at once): no host sync.
+Batch invariance: the grouped GEMM has one tile (:data:`TILE`) for every
+T, no split-K, each element's K loop from 0 up, so a token's output is the
+same bits alone or in any batch; the small-T path computes each pair and
+each token alone. The path depends on T: a batch-invariant caller passes
+``gemv_max_pairs=0`` (the batch-invariant op set does). float32 multiplies
+in IEEE float32 (no TF32). Grids are sized from shapes alone: no host sync.
 
 May import torch, triton, :mod:`asyncstep.ops.triton.fused_moe_kernels`,
 :mod:`asyncstep.ops.triton.fused_moe_gemv` and
