@@ -38,13 +38,13 @@ class GemvTile:
     down_block_n: int = 4
 
 
-#: The small-T path's tile: 4 columns (gate/up: 8 weight rows) of 512 a
-#: step, 4 warps: the dense GEMV's launch for narrow weights
-#: (:func:`~asyncstep.ops.triton.gemv.gemv_launch`: few rows, wide steps).
-#: ``fused_moe_kernel.py --gemv-tiles`` sweeps six others; their lines did
-#: not come back from the one H100 run, so this one is not yet chosen by
-#: measurement.
-GEMV_TILE = GemvTile(block_n=4, block_k=512, num_warps=4, num_stages=3, down_block_n=4)
+#: The small-T path's tile: one column (gate/up: 2 weight rows) of 1024 a
+#: step, 2 warps: a program a weight row, wide steps. Chosen on one H100
+#: among 30 (``fused_moe_kernel.py --gemv-tile ...``, one layer in a CUDA
+#: graph at T = 1; benchmarks/results/gpu_h100_1205e/): qwen3-30b-a3b 34.5
+#: us against 42.0 for the earlier 4-column, 512-wide tile, gpt-oss-20b
+#: 82.8 against 93.5.
+GEMV_TILE = GemvTile(block_n=1, block_k=1024, num_warps=2, num_stages=3, down_block_n=1)
 
 #: The most pairs (``T * top_k``) the small-T path takes (0: never). A
 #: decode step's few pairs read each expert's rows once a pair: the GEMV

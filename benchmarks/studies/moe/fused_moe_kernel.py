@@ -117,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tiles", action="store_true", help="also time TILES")
     parser.add_argument("--gemv-tiles", action="store_true", help="also time GEMV_TILES")
+    parser.add_argument(
+        "--gemv-tile",
+        action="append",
+        metavar="N,K,WARPS,STAGES,DOWN_N",
+        help="a GEMV tile to time instead of GEMV_TILES (repeatable; implies --gemv-tiles)",
+    )
     parser.add_argument("--routing", action="store_true", help="also time the routing")
     parser.add_argument("--tokens", type=int, nargs="+", help="the T to run (default: TOKENS)")
     parser.add_argument(
@@ -138,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in shapes if not args.shapes or s.name in args.shapes]
     tokens = args.tokens or tokens
     layers, iters = (1, 2) if args.tiny else (args.layers, args.iters)
+    gemv_tiles = [tuple(int(v) for v in t.split(",")) for t in args.gemv_tile or []] or GEMV_TILES
     bandwidth = copy_bandwidth(device)
     # "triton default": the path GEMV_MAX_PAIRS picks, eager; the tiles: the grouped GEMM.
     variants: dict[str, Callable[..., torch.Tensor]] = {"triton default": triton_fn(TILE)}
@@ -153,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         weights = [make_weights(shape, dtype, device, seed=i) for i in range(layers)]
         for t in tokens:
             case = Case(shape, *make_routing(shape, t, dtype, device), weights)
-            extra = gemv_variants(graph) if args.gemv_tiles and t <= GEMV_TILES_MAX_T else {}
+            sweep = args.gemv_tiles or args.gemv_tile
+            extra = gemv_variants(graph, gemv_tiles) if sweep and t <= GEMV_TILES_MAX_T else {}
             for label, fn in (variants | extra).items():
                 row = measure(case, label, fn, bandwidth, iters, cuda)
                 rows.append(row)
@@ -172,15 +180,17 @@ def main(argv: list[str] | None = None) -> int:
 GROUPED, SMALL_T = "grouped (default tile)", "small-T (default tile)"
 
 
-def gemv_variants(graph: str) -> dict[str, Callable[..., torch.Tensor]]:
-    """The small-T path with each of GEMV_TILES."""
+def gemv_variants(
+    graph: str, tiles: list[tuple[int, ...]]
+) -> dict[str, Callable[..., torch.Tensor]]:
+    """The small-T path with each of ``tiles`` (GemvTile's fields in order)."""
     from asyncstep.ops.triton.fused_moe import GemvTile
 
     return {
         f"small-T n{n}/{d} k{k} w{w} s{st}{graph}": triton_fn(
             None, gemv_max_pairs=ALWAYS, gemv_tile=GemvTile(n, k, w, st, d)
         )
-        for n, k, w, st, d in GEMV_TILES
+        for n, k, w, st, d in tiles
     }
 
 
