@@ -14,14 +14,13 @@ run under the Triton interpreter (``TRITON_INTERPRET=1``, set before triton
 is imported), in float32 and float16 (its bfloat16 is not numpy's);
 ``ASYNCSTEP_TEST_DEVICE=cuda`` compiles them and adds bfloat16 and a real
 CUDA-graph replay. Under the interpreter ``tl.dot`` sums in K order
-(:func:`_row_wise_interpreted_dot`).
+(``row_wise_interpreted_dot``: ``tests/gpu/conftest.py``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
@@ -56,27 +55,8 @@ if DEVICE.type == "cuda" and not torch.cuda.is_available():
     pytest.skip("ASYNCSTEP_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
 
 
-@pytest.fixture(autouse=True)
-def _row_wise_interpreted_dot(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under the interpreter, ``tl.dot`` is ``np.matmul``, whose float32
-    BLAS (OpenBLAS's AVX2 sgemm) sums a row in an order that depends on the
-    row's place in the tile: a stand-in for the GPU's MMA (one order for
-    every row) that breaks what these tests check. Swap in a dot that sums
-    every element's float32 products in K order (the same order for any
-    row, at any place): the kernels' own order around it is what is tested."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return
-    from triton.runtime import interpreter
-
-    def create_dot(
-        self: object, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any
-    ) -> Any:
-        acc = d.data.dtype  # [M, K, N] products, C-contiguous: summed over K in order
-        a32, b32 = np.ascontiguousarray(a.data, acc), np.ascontiguousarray(b.data, acc)
-        products = a32[:, :, None] * b32[None, :, :]
-        return interpreter.TensorHandle(products.sum(axis=1) + d.data, d.dtype.scalar)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+#: Under the interpreter, a dot that sums each row in K order (tests/gpu/conftest.py).
+pytestmark = pytest.mark.usefixtures("row_wise_interpreted_dot")
 
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])

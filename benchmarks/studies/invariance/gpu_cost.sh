@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What batch invariance costs on one H200 (issue 40; the device tool's nvidia-h200),
 # and whether it holds there:
-#     bash benchmarks/studies/invariance/gpu_cost.sh all|tests|latency|throughput|probe|kernels
+#     bash benchmarks/studies/invariance/gpu_cost.sh all|tests|latency|throughput|probe|kernels|matmul
 #   tests:      tests/gpu/test_triton_invariant.py compiled for the GPU (float32 and
 #               bfloat16: the kernels' rows bit for bit in any batch)
 #   latency:    llama-8b (dummy weights, bf16) ITL at batch 1 and 32, batch_invariant off, on
@@ -11,7 +11,11 @@
 #               speculation (and speculation's tokens against plain decoding's)
 #   kernels:    gpu_kernels.py: the invariant matmul and attention against the fast kernels,
 #               kernel by kernel (llama-8b's shapes; not in all, about a minute)
-#   all:        the first four, under 8 minutes (the steps' timeouts: 50 + 2 x 85 + 2 x 75
+#   matmul:     gpu_matmul.py: the invariant matmul (split launch, unsplit) against F.linear,
+#               the one-row GEMV and the HBM floor at llama-8b's shapes, M = 1, 8, 32, 256,
+#               2048, in CUDA graphs; a sweep of the split's constants; row 0's bits at every
+#               M by each launch (not in all; under 4 minutes)
+#   all:        the first four, under 9 minutes (the steps' timeouts: 75 + 2 x 85 + 2 x 75
 #               + 100 s)
 # Dependencies: run `bash ../shared/device/wheels.sh` once here and carry ".whl"; this
 # script installs them where python cannot import them. Output: one text file a step in
@@ -42,7 +46,7 @@ machine() {
     } > "$OUT/machine.txt" 2>&1
 }
 run_tests() {
-    ASYNCSTEP_TEST_DEVICE=cuda timeout 50 python3 -m pytest -q -p no:cacheprovider \
+    ASYNCSTEP_TEST_DEVICE=cuda timeout 75 python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_triton_invariant.py > "$OUT/gpu_tests.txt" 2>&1
     tail -4 "$OUT/gpu_tests.txt"
 }
@@ -71,6 +75,11 @@ run_kernels() {
         $([ "$DEVICE" = cpu ] && echo --tiny) > "$OUT/kernels.txt" 2>&1
     cat "$OUT/kernels.txt"
 }
+run_matmul() {
+    timeout 220 python3 benchmarks/studies/invariance/gpu_matmul.py --device $DEVICE \
+        $([ "$DEVICE" = cpu ] && echo --tiny) > "$OUT/matmul.txt" 2>&1
+    echo "rc=$?"; cat "$OUT/matmul.txt"
+}
 run_probe() {
     timeout 100 python3 benchmarks/studies/invariance/gpu_probe.py --model $SMALL --device $DEVICE \
         > "$OUT/probe_llama-1b.txt" 2>&1
@@ -83,6 +92,7 @@ latency) run_latency ;;
 throughput) run_throughput ;;
 probe) run_probe ;;
 kernels) run_kernels ;;
+matmul) run_matmul ;;
 all) run_tests; run_latency; run_throughput; run_probe ;;
-*) echo "usage: $0 all|tests|latency|throughput|probe|kernels" >&2; exit 2 ;;
+*) echo "usage: $0 all|tests|latency|throughput|probe|kernels|matmul" >&2; exit 2 ;;
 esac
