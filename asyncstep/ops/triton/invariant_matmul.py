@@ -248,7 +248,8 @@ def _invariant_matmul_kernel(
         tile = pid_m * tl.num_programs(1) + pid_n
         if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
             for s in range(0, SPLITS):
-                total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                plane = (s * M).to(tl.int64) * N
+                total += tl.load(part_ptrs + plane, mask=mask, other=0.0, cache_modifier=".cg")
             out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(count_ptr + tile, 0)
