@@ -142,6 +142,8 @@ def test_the_split_follows_the_weight_shape_alone() -> None:
         assert launch_is_parallel(1, n, k, cpu) == (s > 1)
         assert launch_is_parallel(32, n, k, cpu) == (s > 1)
         assert not launch_is_parallel(4096, n, k, cpu)
+    # llama-1b's o_proj at 256 rows: 8 splits' partials would outweigh the weight.
+    assert launch_is_parallel(64, 2048, 2048, cpu) and not launch_is_parallel(256, 2048, 2048, cpu)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, *DTYPES[1:]])

@@ -115,12 +115,15 @@ def _max_parallel_tiles(device: torch.device) -> int:
 
 
 def launch_is_parallel(m: int, n: int, k: int, device: torch.device) -> bool:
-    """Whether an ``[m, k] x [n, k]`` product runs the split programs (K is
-    split and its output tiles fill at most :data:`PARALLEL_WAVES` waves)
-    rather than a program per tile: the same bits either way."""
+    """Whether an ``[m, k] x [n, k]`` product runs the split programs
+    rather than a program per tile (the same bits either way): K is split,
+    the output tiles fill at most :data:`PARALLEL_WAVES` waves, and the
+    float32 partials (written, then read: ``splits x m x n x 8`` bytes)
+    weigh at most the 16-bit weight (``n x k x 2``)."""
     t = TILE
+    splits = triton.cdiv(k, split_k(n, k))
     tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
-    return split_k(n, k) < k and tiles <= _max_parallel_tiles(device)
+    return splits > 1 and tiles <= _max_parallel_tiles(device) and splits * m * 4 <= k
 
 
 #: Per (device, stream): the split programs' per-tile arrival counters,

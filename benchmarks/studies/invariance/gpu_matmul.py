@@ -144,10 +144,18 @@ def table(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bw
             out_bytes = 4 if out_dtype else 2
             floor = (n * k * 2 + m * k * 2 + m * n * out_bytes) / bw * 1e3
             splits = -(-k // inv.split_k(n, k))
-            launch = "split programs" if inv.launch_is_parallel(m, n, k, device) else "per tile"
+            parallel = inv.launch_is_parallel(m, n, k, device)
+            launch = "split programs" if parallel else "per tile"
+            tiles = -(-m // inv.TILE.block_m) * -(-n // inv.TILE.block_n)
+            other = ""  # the launch not chosen, where both can run
+            if splits > 1 and tiles <= inv._max_parallel_tiles(device):
+                forced = functools.partial(
+                    inv.invariant_matmul, out_dtype=out_dtype, parallel=not parallel
+                )
+                other = f", other launch {timed(over_copies(forced, x, ws), device, len(ws)):7.4f}"
             print(
                 f"{name:8} N={n:6} K={k:5} M={m:4}: F.linear {fast:7.4f}{gemv} | invariant "
-                f"{ours:7.4f} ({splits} splits, {launch}) unsplit {old:7.4f} | floor "
+                f"{ours:7.4f} ({splits} splits, {launch}{other}) unsplit {old:7.4f} | floor "
                 f"{floor:7.4f} ms | invariant/F.linear x{ours / fast:5.2f}, "
                 f"/floor x{ours / floor:5.2f}, unsplit/floor x{old / floor:5.2f}",
                 flush=True,
