@@ -257,26 +257,24 @@ def _invariant_matmul_kernel(
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(count_ptr + tile, 0)
     else:
-        for s in range(0, SPLITS):
-            k_start = s * K_SPLIT
-            total += _split_sum(
-                x_ptr,
-                w_ptr,
-                rows,
-                cols,
-                row_mask,
-                col_mask,
-                k_start,
-                tl.minimum(k_start + K_SPLIT, K),
-                stride_xm,
-                stride_xk,
-                stride_wn,
-                stride_wk,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                DOT_PRECISION,
-            )
+        # One loop over K's chunks (the loads stream across the splits): a
+        # split's last chunk folds its partial into the total.
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk
+        w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+        part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        per_split = K_SPLIT // BLOCK_K
+        chunks = tl.cdiv(K, BLOCK_K)
+        for c in range(0, chunks):
+            k_mask = (c * BLOCK_K + ks) < K
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            part = tl.dot(x, w, part, input_precision=DOT_PRECISION)
+            if ((c + 1) % per_split == 0) | (c + 1 == chunks):
+                total += part
+                part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
         tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
