@@ -112,8 +112,9 @@ def test_both_launches_sum_the_splits_in_one_order(n: int, k: int) -> None:
     parallel = invariant_matmul(x, w, parallel=True)
     assert torch.equal(invariant_matmul(x, w, parallel=True), parallel)
     assert torch.equal(invariant_matmul(x, w, parallel=False), parallel)
-    for counters in invariant_matmul_module._COUNTERS.values():
-        assert int(counters.count_nonzero()) == 0
+    for state in invariant_matmul_module._COUNTERS.values():
+        for counters in [*state.by_stream.values(), *state.reserve]:
+            assert int(counters.count_nonzero()) == 0
     xs, ws = x.cpu().numpy(), np.ascontiguousarray(w.cpu().numpy().T)
     total = np.zeros((40, n), np.float32)
     for start in range(0, k, split):
@@ -144,6 +145,47 @@ def test_the_split_follows_the_weight_shape_alone() -> None:
         assert not launch_is_parallel(4096, n, k, cpu)
     # llama-1b's o_proj at 256 rows: 8 splits' partials would outweigh the weight.
     assert launch_is_parallel(64, 2048, 2048, cpu) and not launch_is_parallel(256, 2048, 2048, cpu)
+
+
+def test_a_stream_capturing_a_graph_takes_counters_zeroed_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The split programs' counters (bookkeeping alone, on a stand-in CUDA
+    device): a buffer a stream; a stream first seen in a capture takes a
+    reserve buffer zeroed eagerly (one allocated in the capture would be
+    zeroed only by its graph's replay), none left or no eager launch yet:
+    None (the caller runs a program per tile)."""
+    module = invariant_matmul_module
+    cuda = torch.device("cuda", 0)
+    state = {"capturing": False, "stream": 1}
+    monkeypatch.setattr(module, "_COUNTERS", {})
+    monkeypatch.setattr(
+        module, "_zeroed_counters", lambda device: torch.zeros(4, dtype=torch.int32)
+    )
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(
+        torch.cuda,
+        "current_stream",
+        lambda device=None: type("Stream", (), {"cuda_stream": state["stream"]}),
+    )
+    state["capturing"] = True
+    assert module._tile_counters(cuda) is None  # no eager launch yet
+    state["capturing"] = False
+    eager = module._tile_counters(cuda)
+    assert eager is not None and module._tile_counters(cuda) is eager
+    reserve = list(module._COUNTERS[cuda].reserve)
+    assert len(reserve) == module._RESERVE
+    state["capturing"] = True
+    taken = []
+    for stream in range(2, 2 + module._RESERVE):
+        state["stream"] = stream
+        taken.append(module._tile_counters(cuda))
+        assert module._tile_counters(cuda) is taken[-1]
+    assert {id(t) for t in taken} == {id(t) for t in reserve}
+    state["stream"] = 99
+    assert module._tile_counters(cuda) is None  # the reserve is spent
+    state["capturing"], state["stream"] = False, 1
+    assert module._tile_counters(cuda) is eager
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, *DTYPES[1:]])
@@ -294,8 +336,9 @@ def test_a_cuda_graph_replays_with_new_metadata(
 ) -> None:
     """The attention and the matmul captured once replay other steps of the
     same shapes bit for bit (the launch reads only shapes on the host); the
-    matmul's split programs too (K split: their tile counters, allocated in
-    the capture for its stream, are back to zero after each replay)."""
+    matmul's split programs too (K split: the capture stream's tile
+    counters, from the reserve zeroed eagerly, are back to zero after each
+    replay)."""
     use_launch(monkeypatch, parallel)
     reqs = make_requests([70, 41, 50, 7], torch.bfloat16)
     a = reqs.inputs([(0, 69, 1), (1, 40, 1), (2, 30, 4)], padding=2)

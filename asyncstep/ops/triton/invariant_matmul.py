@@ -28,10 +28,12 @@ loop. So row i of the result is the same bits whether it comes alone (a
 decode), with k others of its request (a speculative verify) or among
 hundreds of rows (a prefill chunk). Rows past M and columns past N are
 masked loads (zeros), which touch no other element's sum. float32 inputs
-multiply in IEEE float32 (no TF32). The grid, the scratch and the counters
-(one buffer a device and stream, allocated once) come from shapes only: no
-host sync, CUDA-graph safe. On CUDA with PDL (:mod:`asyncstep.ops.triton.pdl`)
-the next kernel may launch while this one drains.
+multiply in IEEE float32 (no TF32). The grid and the scratch come from
+shapes only, the counters are one zeroed buffer a device and stream, kept
+(a stream first seen capturing a CUDA graph takes one of the buffers
+zeroed with the device's first eager launch): no host sync, CUDA-graph
+safe. On CUDA with PDL (:mod:`asyncstep.ops.triton.pdl`) the next kernel
+may launch while this one drains.
 
 May import torch, triton and :mod:`asyncstep.ops.triton.pdl`.
 """
@@ -126,20 +128,49 @@ def launch_is_parallel(m: int, n: int, k: int, device: torch.device) -> bool:
     return splits > 1 and tiles <= _max_parallel_tiles(device) and splits * m * 4 <= k
 
 
-#: Per (device, stream): the split programs' per-tile arrival counters,
-#: zeros between kernels (the last program of a tile resets its own).
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+#: Zeroed counter buffers a device keeps for streams first seen capturing
+#: a CUDA graph (a buffer allocated in a capture is zeroed only when its
+#: graph replays).
+_RESERVE = 4
 
 
-def _tile_counters(device: torch.device) -> torch.Tensor:
-    """The arrival counters of ``device``'s current stream (two streams'
-    kernels may run at once), :func:`_max_parallel_tiles` of them,
-    allocated on first use and kept (a captured graph may hold them)."""
+@dataclass
+class _DeviceCounters:
+    """A device's split-program arrival counters: a buffer a stream (two
+    streams' kernels may run at once), zeros between kernels (a tile's last
+    program resets its own); buffers for capturing streams come from
+    ``reserve``, allocated with the first eager launch."""
+
+    by_stream: dict[int, torch.Tensor]
+    reserve: list[torch.Tensor]
+
+
+_COUNTERS: dict[torch.device, _DeviceCounters] = {}
+
+
+def _zeroed_counters(device: torch.device) -> torch.Tensor:
+    return torch.zeros(_max_parallel_tiles(device), dtype=torch.int32, device=device)
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor | None:
+    """The arrival counters of ``device``'s current stream, kept for good
+    (a captured graph holds them): allocated zeroed on an eager launch,
+    taken from the reserve by a capturing stream; None where a capturing
+    stream finds none (the caller runs a program per tile: the same bits)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    counters = _COUNTERS.get((device, stream))
+    state = _COUNTERS.get(device)
+    if state is None:
+        if capturing:
+            return None
+        state = _DeviceCounters({}, [_zeroed_counters(device) for _ in range(_RESERVE)])
+        _COUNTERS[device] = state
+    counters = state.by_stream.get(stream)
     if counters is None:
-        counters = torch.zeros(_max_parallel_tiles(device), dtype=torch.int32, device=device)
-        _COUNTERS[(device, stream)] = counters
+        if capturing and not state.reserve:
+            return None
+        counters = state.reserve.pop() if capturing else _zeroed_counters(device)
+        state.by_stream[stream] = counters
     return counters
 
 
@@ -289,8 +320,9 @@ def invariant_matmul(
     """``x @ weight.T`` as a new contiguous tensor of ``out_dtype`` (None:
     x's dtype): x ``[..., K]`` (its leading dimensions flattened into rows;
     any strides), weight ``[N, K]`` of x's dtype (any strides).
-    ``parallel``: force the split programs (True; K split or not) or a
-    program per tile (False); None: :func:`launch_is_parallel`. The same
+    ``parallel``: force the split programs (True; K split or not; a CUDA
+    graph capture on a stream without counters runs a program per tile) or
+    a program per tile (False); None: :func:`launch_is_parallel`. The same
     bits either way. ValueError for shapes, dtypes or devices that do not fit."""
     _check_args(x, weight, out_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
@@ -309,9 +341,10 @@ def invariant_matmul(
         parallel = launch_is_parallel(m, n, k, x.device)
     if parallel and grid_mn[0] * grid_mn[1] > _max_parallel_tiles(x.device):
         raise ValueError(f"{grid_mn[0] * grid_mn[1]} output tiles: too many for the split programs")
-    if parallel:
+    counters = _tile_counters(x.device) if parallel else None
+    parallel = counters is not None
+    if counters is not None:
         part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-        counters = _tile_counters(x.device)
     else:  # unused
         part, counters = out, out
     _invariant_matmul_kernel[(*grid_mn, splits) if parallel else grid_mn](
