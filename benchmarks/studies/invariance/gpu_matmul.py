@@ -1,17 +1,19 @@
-"""The batch-invariant matmul at decode sizes (issue 40): llama-8b's linear
-shapes at M = 1, 8, 32, 256 (and 2048, a prefill chunk), the invariant
-matmul (its split launch as chosen, and unsplit: the kernel before the
-split) against ``F.linear`` (cuBLAS), the one-row GEMV of the fast path
-(M = 1) and the HBM floor (the weight, x and the output once, at the
-bandwidth a device-to-device copy reaches); then a sweep of the split's
-constants (TARGET_PROGRAMS, the split programs' stages) at M = 1 and 32;
-then the bit check: row 0 of every M, by each launch, against M = 1's.
+"""The batch-invariant matmul at decode sizes (issue 40), on llama-8b's
+(or ``--model llama-1b``'s) linear shapes. First the bit check: row 0 of
+every M, by each launch, against M = 1's (exit status 1 if any differ).
+Then at M = 1, 8, 32, 256 (and 2048, a prefill chunk) the invariant matmul
+(the launch chosen, the other one where both run, and unsplit: the kernel
+before the split) against ``F.linear`` (cuBLAS), the one-row GEMV of the
+fast path (M = 1) and the HBM floor (the weight, x and the output once, at
+the bandwidth a device-to-device copy reaches). Then a sweep of the split's
+constants (TARGET_PROGRAMS, the split programs' stages) at M = 1 and 32.
 
 Each time is one matmul's share of a CUDA graph that runs it over enough
 copies of the weight (>= 512 MiB in all) that none stays in L2, as a
 decode step's layers read theirs: the median of 5 replays' averages.
 
     python3 benchmarks/studies/invariance/gpu_matmul.py
+    python3 benchmarks/studies/invariance/gpu_matmul.py --model llama-1b --no-sweep
     python3 benchmarks/studies/invariance/gpu_matmul.py --device cpu --tiny  # a dry run
 """
 
@@ -35,14 +37,23 @@ import torch.nn.functional as F
 from asyncstep.ops.triton import invariant_matmul as inv
 from asyncstep.ops.triton.gemv import dense_gemv
 
-#: llama-8b's (name, N, K).
-LINEARS = [
-    ("qkv", 6144, 4096),
-    ("o", 4096, 4096),
-    ("gate_up", 28672, 4096),
-    ("down", 4096, 14336),
-    ("lm_head", 128256, 4096),
-]
+#: (name, N, K) of each model's linear layers.
+MODELS = {
+    "llama-8b": [
+        ("qkv", 6144, 4096),
+        ("o", 4096, 4096),
+        ("gate_up", 28672, 4096),
+        ("down", 4096, 14336),
+        ("lm_head", 128256, 4096),
+    ],
+    "llama-1b": [
+        ("qkv", 3072, 2048),
+        ("o", 2048, 2048),
+        ("gate_up", 16384, 2048),
+        ("down", 2048, 8192),
+        ("lm_head", 128256, 2048),
+    ],
+}
 TINY_LINEARS = [("a", 96, 64), ("b", 80, 600)]
 ROWS = (1, 8, 32, 256, 2048)
 TINY_ROWS = (1, 8, 70)
@@ -123,7 +134,7 @@ def unsplit(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None) -> 
 
 
 def table(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bw: float) -> None:
-    for name, n, k in TINY_LINEARS if args.tiny else LINEARS:
+    for name, n, k in TINY_LINEARS if args.tiny else MODELS[args.model]:
         ws = weight_copies(n, k, dtype, device, args.tiny)
         out_dtype = torch.float32 if name == "lm_head" else None
         for m in TINY_ROWS if args.tiny else ROWS:
@@ -166,7 +177,7 @@ def sweep(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bw
     """The split's constants at M = 1 and 32 (the bits change with
     TARGET_PROGRAMS, never with the stages)."""
     saved = (inv.TARGET_PROGRAMS, inv.TILE)
-    for name, n, k in TINY_LINEARS if args.tiny else LINEARS[:4]:
+    for name, n, k in TINY_LINEARS if args.tiny else MODELS[args.model][:4]:
         ws = weight_copies(n, k, dtype, device, args.tiny)
         floor = n * k * 2 / bw * 1e3
         for m in (1, 32):
@@ -187,7 +198,7 @@ def sweep(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bw
 def bit_check(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> bool:
     """Row 0 of every M, by each launch, against M = 1's: True if all the same bits."""
     same = True
-    for name, n, k in TINY_LINEARS if args.tiny else LINEARS:
+    for name, n, k in TINY_LINEARS if args.tiny else MODELS[args.model]:
         w = torch.randn(n, k, device=device).to(dtype)
         out_dtype = torch.float32 if name == "lm_head" else None
         gen = torch.Generator(device=device).manual_seed(0)
@@ -215,13 +226,17 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama-8b")
     parser.add_argument("--no-sweep", action="store_true")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, "float16" if device.type == "cpu" else args.dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bw = copy_bandwidth(device)
-    print(f"device={name} dtype={dtype} copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    print(
+        f"model={args.model} device={name} dtype={dtype} copy bandwidth {bw / 1e12:.2f} TB/s",
+        flush=True,
+    )
     ok = bit_check(args, device, dtype)
     table(args, device, dtype, bw)
     if not args.no_sweep:
