@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What batch invariance costs on one H200 (issue 40; the device tool's nvidia-h200),
 # and whether it holds there:
-#     bash benchmarks/studies/invariance/gpu_cost.sh all|tests|latency|throughput|probe|kernels|matmul
+#     bash benchmarks/studies/invariance/gpu_cost.sh all|tests|latency|throughput|probe|kernels|matmul|matmul-1b
 #   tests:      tests/gpu/test_triton_invariant.py compiled for the GPU (float32 and
 #               bfloat16: the kernels' rows bit for bit in any batch)
 #   latency:    llama-8b (dummy weights, bf16) ITL at batch 1 and 32, batch_invariant off, on
@@ -15,6 +15,7 @@
 #               the one-row GEMV and the HBM floor at llama-8b's shapes, M = 1, 8, 32, 256,
 #               2048, in CUDA graphs; a sweep of the split's constants; row 0's bits at every
 #               M by each launch (not in all; under 4 minutes)
+#   matmul-1b:  the same at llama-1b's shapes, no sweep (under 2 minutes)
 #   all:        the first four, under 9 minutes (the steps' timeouts: 75 + 2 x 85 + 2 x 75
 #               + 100 s)
 # Dependencies: run `bash ../shared/device/wheels.sh` once here and carry ".whl"; this
@@ -75,10 +76,10 @@ run_kernels() {
         $([ "$DEVICE" = cpu ] && echo --tiny) > "$OUT/kernels.txt" 2>&1
     cat "$OUT/kernels.txt"
 }
-run_matmul() {
-    timeout 220 python3 benchmarks/studies/invariance/gpu_matmul.py --device $DEVICE \
-        $([ "$DEVICE" = cpu ] && echo --tiny) > "$OUT/matmul.txt" 2>&1
-    echo "rc=$?"; cat "$OUT/matmul.txt"
+run_matmul() {  # $1: the model, $2: extra arguments, $3: the timeout
+    timeout $3 python3 benchmarks/studies/invariance/gpu_matmul.py --device $DEVICE --model $1 \
+        $2 $([ "$DEVICE" = cpu ] && echo --tiny) > "$OUT/matmul_$1.txt" 2>&1
+    echo "rc=$?"; cat "$OUT/matmul_$1.txt"
 }
 run_probe() {
     timeout 100 python3 benchmarks/studies/invariance/gpu_probe.py --model $SMALL --device $DEVICE \
@@ -92,7 +93,8 @@ latency) run_latency ;;
 throughput) run_throughput ;;
 probe) run_probe ;;
 kernels) run_kernels ;;
-matmul) run_matmul ;;
+matmul) run_matmul llama-8b "" 220 ;;
+matmul-1b) run_matmul llama-1b --no-sweep 120 ;;
 all) run_tests; run_latency; run_throughput; run_probe ;;
-*) echo "usage: $0 all|tests|latency|throughput|probe|kernels|matmul" >&2; exit 2 ;;
+*) echo "usage: $0 all|tests|latency|throughput|probe|kernels|matmul|matmul-1b" >&2; exit 2 ;;
 esac
