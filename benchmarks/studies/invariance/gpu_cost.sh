@@ -10,7 +10,8 @@
 #               tokens and log-probs bit for bit, off and on, without and with n-gram
 #               speculation (and speculation's tokens against plain decoding's)
 #   kernels:    gpu_kernels.py: the invariant matmul and attention against the fast kernels,
-#               kernel by kernel (llama-8b's shapes; not in all, about a minute)
+#               kernel by kernel (llama-8b's shapes; the attention at 64, 128, 256 keys a
+#               split; not in all, under 3 minutes)
 #   matmul:     gpu_matmul.py: the invariant matmul (split launch, unsplit) against F.linear,
 #               the one-row GEMV and the HBM floor at llama-8b's shapes, M = 1, 8, 32, 256,
 #               2048, in CUDA graphs; a sweep of the split's constants; row 0's bits at every
@@ -72,7 +73,7 @@ run_throughput() {
     done
 }
 run_kernels() {
-    timeout 90 python3 benchmarks/studies/invariance/gpu_kernels.py --device $DEVICE \
+    timeout 150 python3 benchmarks/studies/invariance/gpu_kernels.py --device $DEVICE \
         $([ "$DEVICE" = cpu ] && echo --tiny) > "$OUT/kernels.txt" 2>&1
     cat "$OUT/kernels.txt"
 }
