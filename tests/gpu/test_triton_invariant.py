@@ -1,16 +1,20 @@
 """The batch-invariant Triton op set (issue 40): a row's bits do not depend on
 the step around it.
 
-The matmul's row i alone and inside batches of 1, 3, 17 and 64 rows (and
-against float64); RMSNorm row-wise; the attention's rows of one request as
-a whole prompt, a decode, a verify step and two prompt chunks, beside other
-requests of other lengths, by both launches (split programs + combine, and
-the tile loop); a whole tiny model's logits for a prompt whole, chunked and
+The matmul's row i alone and inside batches of 1 to 130 rows, K in one
+split or several (the last one shorter), by the split programs and by a
+program per tile (and against float64; its splits' order bit for bit
+under the interpreter; the LM head's float32 sums); RMSNorm row-wise; the
+attention's rows of one request as a whole prompt, a decode, a verify
+step and two prompt chunks, beside other requests of other lengths, by
+both launches (split programs + combine, and the tile loop); a whole tiny
+model's logits for a prompt whole, chunked and
 decoded; the op-set choice by device type. On the CPU the kernels
 run under the Triton interpreter (``TRITON_INTERPRET=1``, set before triton
 is imported), in float32 and float16 (its bfloat16 is not numpy's);
 ``ASYNCSTEP_TEST_DEVICE=cuda`` compiles them and adds bfloat16 and a real
-CUDA-graph replay.
+CUDA-graph replay. Under the interpreter ``tl.dot`` sums in K order
+(``row_wise_interpreted_dot``: ``tests/gpu/conftest.py``).
 """
 
 from __future__ import annotations
@@ -33,9 +37,16 @@ from asyncstep.models.layers.attention import kv_cache_shape  # noqa: E402
 from asyncstep.ops import OpSet, select  # noqa: E402
 from asyncstep.ops.attention import AttentionMetadata  # noqa: E402
 from asyncstep.ops.triton import invariant_attention  # noqa: E402
+from asyncstep.ops.triton import invariant_matmul as invariant_matmul_module  # noqa: E402
 from asyncstep.ops.triton.attention import paged_attention  # noqa: E402
 from asyncstep.ops.triton.invariant_attention import invariant_paged_attention  # noqa: E402
-from asyncstep.ops.triton.invariant_matmul import TILE, invariant_matmul  # noqa: E402
+from asyncstep.ops.triton.invariant_matmul import (  # noqa: E402
+    TARGET_PROGRAMS,
+    TILE,
+    invariant_matmul,
+    launch_is_parallel,
+    split_k,
+)
 from asyncstep.ops.triton.invariant_norm import rms_norm  # noqa: E402
 from asyncstep.ops.triton.invariant_ops import TritonInvariantOps  # noqa: E402
 
@@ -43,43 +54,155 @@ DEVICE = torch.device(TEST_DEVICE)
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
     pytest.skip("ASYNCSTEP_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
 
+
+#: Under the interpreter, a dot that sums each row in K order (tests/gpu/conftest.py).
+pytestmark = pytest.mark.usefixtures("row_wise_interpreted_dot")
+
+
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+#: llama-8b's linear shapes (N, K): qkv, o, gate_up, down, the LM head.
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 
 
 # --------------------------------------------------------------------------
 # matmul
 
 
+#: (N, K): K in one split (three BLOCK_K chunks and a tail; N two column
+#: tiles and a tail), in two splits (the last one 280 features: not a
+#: multiple of BLOCK_K), in three (384, 384, 232) over three column tiles.
+SHAPES = [(TILE.block_n + 11, 2 * TILE.block_k + 37), (75, 600), (130, 1000)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])  # the interpreter takes float16
-def test_a_matmul_row_is_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
-    # K spans three BLOCK_K chunks and a tail; N two column tiles and a tail.
-    k, n = 2 * TILE.block_k + 37, TILE.block_n + 11
+def test_a_matmul_row_is_the_same_bits_in_any_batch(dtype: torch.dtype, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
-    rows = torch.randn(64, k, generator=gen).to(dtype).to(DEVICE)
+    rows = torch.randn(130, k, generator=gen).to(dtype).to(DEVICE)
     alone = invariant_matmul(rows[5:6], w)
-    for m in (1, 3, 17, 64):
+    for m in (1, 3, 17, 64, 65, 130):
         at = m // 2  # row 5's values at row `at` of a batch of m rows
         batch = rows[:m].clone()
         batch[at] = rows[5]
-        assert torch.equal(invariant_matmul(batch, w)[at], alone[0]), m
+        # Each launch (the split programs or a program per tile) and the one M picks.
+        for parallel in (None, True, False):
+            got = invariant_matmul(batch, w, parallel=parallel)
+            assert torch.equal(got[at], alone[0]), (m, parallel)
     expected = rows.double() @ w.double().T
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     got = invariant_matmul(rows, w)
     torch.testing.assert_close(got.double(), expected, atol=tol * k**0.5, rtol=tol)
 
 
-def test_the_logits_are_float32_and_the_row_layout_is_kept() -> None:
-    gen = torch.Generator().manual_seed(2)
-    w = torch.randn(24, 40, generator=gen).to(DEVICE)
-    x = torch.randn(2, 3, 40, generator=gen).to(DEVICE)[:, :, :]
-    strided = torch.randn(6, 80, generator=gen).to(DEVICE)[:, ::2]  # any strides
-    out = invariant_matmul(x, w, torch.float32)
-    assert out.shape == (2, 3, 24) and out.dtype == torch.float32
-    assert torch.equal(out.reshape(6, 24), invariant_matmul(x.reshape(6, 40), w))
-    assert torch.equal(invariant_matmul(strided, w), invariant_matmul(strided.contiguous(), w))
-    with pytest.raises(ValueError, match="K"):
-        invariant_matmul(x, w[:, :39])
+@pytest.mark.parametrize("n,k", SHAPES[1:])
+def test_both_launches_sum_the_splits_in_one_order(n: int, k: int) -> None:
+    """K split: the split programs and a program per tile give a whole
+    batch the same bits, the tiles' counters are back to zero after the
+    split programs (the next launch, a graph's next replay, counts from
+    zero), and the sum is the splits' float32 partials (each the sum of
+    its BLOCK_K chunks from zero) added in split order from zero: bit for
+    bit under the interpreter (whose dot sums a chunk in K order), within
+    rounding on a GPU (its MMA sums a chunk in its own order)."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(n, k, generator=gen).to(DEVICE)
+    x = torch.randn(40, k, generator=gen).to(DEVICE)
+    split = split_k(n, k)
+    assert split % TILE.block_k == 0 and split < k and k % split != 0
+    parallel = invariant_matmul(x, w, parallel=True)
+    assert torch.equal(invariant_matmul(x, w, parallel=True), parallel)
+    assert torch.equal(invariant_matmul(x, w, parallel=False), parallel)
+    for state in invariant_matmul_module._COUNTERS.values():
+        for counters in [*state.by_stream.values(), *state.reserve]:
+            assert int(counters.count_nonzero()) == 0
+    xs, ws = x.cpu().numpy(), np.ascontiguousarray(w.cpu().numpy().T)
+    total = np.zeros((40, n), np.float32)
+    for start in range(0, k, split):
+        part = np.zeros((40, n), np.float32)
+        for c in range(start, min(start + split, k), TILE.block_k):
+            end = min(c + TILE.block_k, start + split, k)
+            chunk = (xs[:, c:end, None] * ws[None, c:end, :]).sum(axis=1, dtype=np.float32)
+            part = chunk + part
+        total = total + part
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        assert np.array_equal(parallel.cpu().numpy(), total)
+    else:
+        torch.testing.assert_close(parallel.cpu(), torch.from_numpy(total), atol=1e-4, rtol=1e-4)
+
+
+def test_the_split_follows_the_weight_shape_alone() -> None:
+    """llama-8b's decode shapes: the split programs at one row (as many
+    splits as keep TARGET_PROGRAMS programs busy), a program per tile for a
+    long prompt, the LM head unsplit; the split size is a function of (N, K)."""
+    cpu = torch.device("cpu")
+    splits = {(n, k): -(-k // split_k(n, k)) for n, k in LLAMA_8B}
+    assert splits == {(6144, 4096): 6, (4096, 4096): 8, (28672, 4096): 2, (4096, 14336): 8,
+                      (128256, 4096): 1}  # fmt: skip
+    for (n, k), s in splits.items():
+        assert -(-n // TILE.block_n) * s >= min(TARGET_PROGRAMS, n // TILE.block_n * k // 256)
+        assert launch_is_parallel(1, n, k, cpu) == (s > 1)
+        assert launch_is_parallel(32, n, k, cpu) == (s > 1)
+        assert not launch_is_parallel(4096, n, k, cpu)
+    # llama-1b's o_proj at 256 rows: 8 splits' partials would outweigh the weight.
+    assert launch_is_parallel(64, 2048, 2048, cpu) and not launch_is_parallel(256, 2048, 2048, cpu)
+
+
+def test_a_stream_capturing_a_graph_takes_counters_zeroed_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The split programs' counters (bookkeeping alone, on a stand-in CUDA
+    device): a buffer a stream; a stream first seen in a capture takes a
+    reserve buffer zeroed eagerly (one allocated in the capture would be
+    zeroed only by its graph's replay), none left or no eager launch yet:
+    None (the caller runs a program per tile)."""
+    module = invariant_matmul_module
+    cuda = torch.device("cuda", 0)
+    state = {"capturing": False, "stream": 1}
+    monkeypatch.setattr(module, "_COUNTERS", {})
+    monkeypatch.setattr(
+        module, "_zeroed_counters", lambda device: torch.zeros(4, dtype=torch.int32)
+    )
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(
+        torch.cuda,
+        "current_stream",
+        lambda device=None: type("Stream", (), {"cuda_stream": state["stream"]}),
+    )
+    state["capturing"] = True
+    assert module._tile_counters(cuda) is None  # no eager launch yet
+    state["capturing"] = False
+    eager = module._tile_counters(cuda)
+    assert eager is not None and module._tile_counters(cuda) is eager
+    reserve = list(module._COUNTERS[cuda].reserve)
+    assert len(reserve) == module._RESERVE
+    state["capturing"] = True
+    taken = []
+    for stream in range(2, 2 + module._RESERVE):
+        state["stream"] = stream
+        taken.append(module._tile_counters(cuda))
+        assert module._tile_counters(cuda) is taken[-1]
+    assert {id(t) for t in taken} == {id(t) for t in reserve}
+    state["stream"] = 99
+    assert module._tile_counters(cuda) is None  # the reserve is spent
+    state["capturing"], state["stream"] = False, 1
+    assert module._tile_counters(cuda) is eager
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, *DTYPES[1:]])
+def test_the_logits_of_16_bit_rows_are_their_float32_sums(dtype: torch.dtype) -> None:
+    """The LM head: 16-bit x and weight, float32 out, the float32 total
+    (not rounded to 16 bits), the same bits at any M, either launch."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(150, 700, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(20, 700, generator=gen).to(dtype).to(DEVICE)
+    alone = invariant_matmul(x[7:8], w, torch.float32)
+    assert alone.dtype == torch.float32
+    for parallel in (None, True, False):
+        assert torch.equal(invariant_matmul(x, w, torch.float32, parallel=parallel)[7], alone[0])
+    expected = x.double() @ w.double().T
+    got = invariant_matmul(x, w, torch.float32)
+    torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+    assert not torch.equal(got, got.to(dtype).float())  # float32's bits, not 16 bits'
 
 
 # --------------------------------------------------------------------------
@@ -212,30 +335,41 @@ def test_a_cuda_graph_replays_with_new_metadata(
     monkeypatch: pytest.MonkeyPatch, parallel: bool
 ) -> None:
     """The attention and the matmul captured once replay other steps of the
-    same shapes bit for bit (the launch reads only shapes on the host)."""
+    same shapes bit for bit (the launch reads only shapes on the host); the
+    matmul's split programs too (K split: the capture stream's tile
+    counters, from the reserve zeroed eagerly, are back to zero after each
+    replay)."""
     use_launch(monkeypatch, parallel)
     reqs = make_requests([70, 41, 50, 7], torch.bfloat16)
     a = reqs.inputs([(0, 69, 1), (1, 40, 1), (2, 30, 4)], padding=2)
     b = reqs.inputs([(1, 40, 1), (0, 50, 1), (3, 3, 4)], padding=2)
     w = torch.randn(40, 16 * HEADS, device=DEVICE).to(torch.bfloat16)
+    w_split = torch.randn(96, 16 * 16 * HEADS, device=DEVICE).to(torch.bfloat16)
+    assert launch_is_parallel(8, 96, w_split.shape[1], DEVICE)
+
+    def project(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = out.view(out.shape[0], -1)
+        return (
+            invariant_matmul(rows, w, torch.float32),
+            invariant_matmul(rows.repeat(1, 16), w_split),
+        )
+
     static = [t.clone() for t in a]
-    reqs.attend(static)  # compile outside the capture
-    invariant_matmul(static[0].view(static[0].shape[0], -1), w)
+    project(reqs.attend(static))  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = reqs.attend(static)
-        logits = invariant_matmul(out.view(out.shape[0], -1), w, torch.float32)
-    for inputs in (a, b):
+        logits, split = project(out)
+    for inputs in (a, b, a):
         for target, source in zip(static, inputs, strict=True):
             target.copy_(source)
         graph.replay()
         torch.cuda.synchronize()
         eager = reqs.attend(inputs)
         assert torch.equal(out, eager)
-        assert torch.equal(
-            logits, invariant_matmul(eager.view(eager.shape[0], -1), w, torch.float32)
-        )
+        eager_logits, eager_split = project(eager)
+        assert torch.equal(logits, eager_logits) and torch.equal(split, eager_split)
 
 
 # --------------------------------------------------------------------------

@@ -143,6 +143,7 @@ def invariant(step: PagedStep, window: int | None, *, parallel: bool) -> torch.T
 
 
 @pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.usefixtures("row_wise_interpreted_dot")  # bit for bit under the interpreter
 def test_invariant_rows_with_sinks_keep_their_bits(
     window: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,7 +5,8 @@ a request's rows get the same bits whatever else is in its step.
 every reduction made per row in an order fixed by the model's shape alone:
 the linear layers and the LM head (float32 logits) through
 :func:`~asyncstep.ops.triton.invariant_matmul.invariant_matmul` (one tile
-configuration for every M, no split-K), RMSNorm one program per row (the
+configuration for every M, K split by the weight's shape alone: a decode
+step runs a program per tile and split), RMSNorm one program per row (the
 residual add + RMSNorm is :func:`~asyncstep.ops.triton.fused.fused_add_rms_norm`,
 one program per row already; the norm without a residual is
 :func:`~asyncstep.ops.triton.invariant_norm.rms_norm`), ``silu * up`` and

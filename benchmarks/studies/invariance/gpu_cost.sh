@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What batch invariance costs on one H200 (issue 40; the device tool's nvidia-h200),
 # and whether it holds there:
-#     bash benchmarks/studies/invariance/gpu_cost.sh all|tests|latency|throughput|probe|kernels
+#     bash benchmarks/studies/invariance/gpu_cost.sh all|tests|latency|throughput|probe|kernels|matmul|matmul-1b
 #   tests:      tests/gpu/test_triton_invariant.py compiled for the GPU (float32 and
 #               bfloat16: the kernels' rows bit for bit in any batch)
 #   latency:    llama-8b (dummy weights, bf16) ITL at batch 1 and 32, batch_invariant off, on
@@ -10,8 +10,14 @@
 #               tokens and log-probs bit for bit, off and on, without and with n-gram
 #               speculation (and speculation's tokens against plain decoding's)
 #   kernels:    gpu_kernels.py: the invariant matmul and attention against the fast kernels,
-#               kernel by kernel (llama-8b's shapes; not in all, about a minute)
-#   all:        the first four, under 8 minutes (the steps' timeouts: 50 + 2 x 85 + 2 x 75
+#               kernel by kernel (llama-8b's shapes; the attention at 64, 128, 256 keys a
+#               split; not in all, under 3 minutes)
+#   matmul:     gpu_matmul.py: the invariant matmul (split launch, unsplit) against F.linear,
+#               the one-row GEMV and the HBM floor at llama-8b's shapes, M = 1, 8, 32, 256,
+#               2048, in CUDA graphs; a sweep of the split's constants; row 0's bits at every
+#               M by each launch (not in all; under 4 minutes)
+#   matmul-1b:  the same at llama-1b's shapes, no sweep (under 2 minutes)
+#   all:        the first four, under 10 minutes (the steps' timeouts: 120 + 2 x 85 + 2 x 75
 #               + 100 s)
 # Dependencies: run `bash ../shared/device/wheels.sh` once here and carry ".whl"; this
 # script installs them where python cannot import them. Output: one text file a step in
@@ -42,7 +48,7 @@ machine() {
     } > "$OUT/machine.txt" 2>&1
 }
 run_tests() {
-    ASYNCSTEP_TEST_DEVICE=cuda timeout 50 python3 -m pytest -q -p no:cacheprovider \
+    ASYNCSTEP_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_triton_invariant.py > "$OUT/gpu_tests.txt" 2>&1
     tail -4 "$OUT/gpu_tests.txt"
 }
@@ -67,9 +73,14 @@ run_throughput() {
     done
 }
 run_kernels() {
-    timeout 90 python3 benchmarks/studies/invariance/gpu_kernels.py --device $DEVICE \
+    timeout 150 python3 benchmarks/studies/invariance/gpu_kernels.py --device $DEVICE \
         $([ "$DEVICE" = cpu ] && echo --tiny) > "$OUT/kernels.txt" 2>&1
     cat "$OUT/kernels.txt"
+}
+run_matmul() {  # $1: the model, $2: extra arguments, $3: the timeout
+    timeout $3 python3 benchmarks/studies/invariance/gpu_matmul.py --device $DEVICE --model $1 \
+        $2 $([ "$DEVICE" = cpu ] && echo --tiny) > "$OUT/matmul_$1.txt" 2>&1
+    echo "rc=$?"; cat "$OUT/matmul_$1.txt"
 }
 run_probe() {
     timeout 100 python3 benchmarks/studies/invariance/gpu_probe.py --model $SMALL --device $DEVICE \
@@ -83,6 +94,8 @@ latency) run_latency ;;
 throughput) run_throughput ;;
 probe) run_probe ;;
 kernels) run_kernels ;;
+matmul) run_matmul llama-8b "" 220 ;;
+matmul-1b) run_matmul llama-1b --no-sweep 120 ;;
 all) run_tests; run_latency; run_throughput; run_probe ;;
-*) echo "usage: $0 all|tests|latency|throughput|probe|kernels" >&2; exit 2 ;;
+*) echo "usage: $0 all|tests|latency|throughput|probe|kernels|matmul|matmul-1b" >&2; exit 2 ;;
 esac

@@ -1,8 +1,9 @@
 """The batch-invariant kernels against the fast ones, kernel by kernel
 (issue 40): the fixed-tile matmul against ``F.linear`` (cuBLAS) on
 llama-8b's linear shapes at 1, 32, 512 and 2048 rows; the fixed-split
-attention against the Triton split-KV / query-tiled kernels for decode
-batches of 1 and 32 at 1024 and 4096 keys, and one 2048-token prompt.
+attention (at 64, 128 and 256 keys a split) against the Triton split-KV /
+query-tiled kernels for decode batches of 1 and 32 at 192, 1024 and 4096
+keys, and one 2048-token prompt.
 Median times (``triton.testing.do_bench``) and the ratio, one line each.
 
     python3 benchmarks/studies/invariance/gpu_kernels.py
@@ -23,13 +24,17 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1 :][:1] == 
 import torch
 import torch.nn.functional as F
 
+from asyncstep.ops.triton import invariant_attention
 from asyncstep.ops.triton.attention import paged_attention
-from asyncstep.ops.triton.invariant_attention import invariant_paged_attention
+from asyncstep.ops.triton.invariant_attention import SPLIT_KEYS, invariant_paged_attention
 from asyncstep.ops.triton.invariant_matmul import invariant_matmul
 
 #: llama-8b's (N, K): qkv, o, gate_up, down, the LM head.
 LINEARS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 TINY_LINEARS = [(96, 64), (64, 128)]
+#: The invariant attention's keys per split tried (the default last; every
+#: one a multiple of the key tiles).
+SPLITS = (64, 128, SPLIT_KEYS)
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:
@@ -60,8 +65,9 @@ def matmuls(device: torch.device, dtype: torch.dtype, tiny: bool) -> None:
 
 def attention(device: torch.device, dtype: torch.dtype, tiny: bool) -> None:
     heads, kv_heads, dim, block = (4, 2, 16, 16) if tiny else (32, 8, 128, 16)
-    cases = [(1, 64, 1), (2, 100, 1)] if tiny else [(1, 1024, 1), (1, 4096, 1), (32, 1024, 1)]
-    cases += [(32, 4096, 1), (1, 2048, 2048)] if not tiny else [(1, 40, 40)]
+    cases = [(1, 64, 1), (2, 100, 1)] if tiny else [(1, 192, 1), (32, 192, 1), (1, 1024, 1)]
+    cases += [(1, 4096, 1), (32, 1024, 1), (32, 4096, 1), (1, 2048, 2048)] if not tiny else []
+    cases += [(1, 40, 40)] if tiny else []
     for reqs, keys, q_len in cases:
         blocks_per = -(-keys // block)
         cache = torch.randn(2, kv_heads, reqs * blocks_per, block, dim, device=device).to(dtype)
@@ -72,10 +78,15 @@ def attention(device: torch.device, dtype: torch.dtype, tiny: bool) -> None:
         seq_lens = torch.full((reqs,), keys, dtype=torch.int32, device=device)
         args = (q, cache, qsl, seq_lens, table, dim**-0.5)
         fast = timed(lambda a=args, n=q_len: paged_attention(*a, max_query_len=n), device)
-        inv = timed(lambda a=args: invariant_paged_attention(*a), device)
+        cells = []
+        for split in SPLITS:  # keys per split: each a fixed order (other bits)
+            invariant_attention.SPLIT_KEYS = split
+            inv = timed(lambda a=args: invariant_paged_attention(*a), device)
+            cells.append(f"split {split}: {inv:8.4f} ms x{inv / fast:5.2f}")
+        invariant_attention.SPLIT_KEYS = SPLIT_KEYS
         print(
             f"attention {reqs:2} x {q_len:4} queries over {keys:5} keys: Triton {fast:8.4f} ms, "
-            f"invariant {inv:8.4f} ms, x{inv / fast:5.2f}",
+            "invariant " + ", ".join(cells),
             flush=True,
         )
 
