@@ -323,13 +323,13 @@ def bench_flags(mode: str) -> set[str]:
     from asyncstep.bench.args import CliFlags, _subparser
     from asyncstep.bench.args import build_parser as bench_parser
     from asyncstep.cli import (
-        _add_engine_flag,
-        _add_engine_flags,
+        add_engine_flag,
+        add_engine_flags,
         config_from_args,
         server_config_from_args,
     )
 
-    cli = CliFlags(_add_engine_flags, _add_engine_flag, config_from_args, server_config_from_args)
+    cli = CliFlags(add_engine_flags, add_engine_flag, config_from_args, server_config_from_args)
     parser = _subparser(bench_parser(cli), mode)
     return {flag for action in parser._actions for flag in action.option_strings}
 

@@ -411,7 +411,7 @@ def add_trace_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
     """Register ``trace`` on the subparsers of ``asyncstep``'s parser.
 
     The parsed Namespace then carries ``handler`` (:func:`trace_main`, which
-    takes the Namespace and returns the exit status). cli.py dispatches it
+    takes the Namespace and returns the exit status). asyncstep.cli dispatches it
     *before* touching generate-only options such as ``args.verbose``::
 
         commands = parser.add_subparsers(dest="command", required=True)

@@ -20,10 +20,14 @@ layer's ``W`` (None: full attention). An HF config's windows are read by
 ``{arch}.attention.sliding_window``, on every layer (Gemma 3's and gpt-oss's
 on llama.cpp's patterns: :mod:`asyncstep.models.loader.gguf_config`).
 
-The HF ``config.json`` parsing is :func:`asyncstep.models.hf_config.parse_hf_config`'s,
+The families asyncstep runs and their tables are in
+:mod:`asyncstep.models.families`; the checks of the rope scaling and of the
+layer types in :mod:`asyncstep.models.rope_scaling` and
+:mod:`asyncstep.models.layer_types` (their names re-exported here). The HF
+``config.json`` parsing is :func:`asyncstep.models.hf_config.parse_hf_config`'s,
 above this module: it builds a :class:`ModelArchConfig` and calls
 :meth:`~ModelArchConfig.validate`. May import only the standard library,
-``asyncstep.errors`` and :mod:`asyncstep.models.limits`.
+``asyncstep.errors``, :mod:`asyncstep.models.limits` and those three.
 """
 
 from __future__ import annotations
@@ -34,6 +38,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncstep.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from asyncstep.models.families import (
+    ACTIVATIONS,
+    ARCHITECTURES,
+    GEMMA_FAMILIES,
+    MOE_ACTIVATIONS,
+    MOE_FAMILIES,
+    SCORING_FUNCS,
+)
+from asyncstep.models.layer_types import FULL_ATTENTION, SLIDING_ATTENTION, validate_layer_types
 from asyncstep.models.limits import (
     MAX_CONTEXT_LENGTH,
     MAX_EXPERT_LAYERS,
@@ -43,49 +56,26 @@ from asyncstep.models.limits import (
     MAX_NUM_EXPERTS,
     MAX_NUM_HEADS,
     MAX_NUM_LAYERS,
-    MAX_ROPE_FACTOR,
     MAX_VOCAB_SIZE,
     bounded_float,
     bounded_int,
 )
+from asyncstep.models.rope_scaling import validate_rope_scaling
 
-#: HF ``architectures`` names -> our model family.
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "OlmoeForCausalLM": "olmoe",
-    "Gemma3ForCausalLM": "gemma3",
-    "GptOssForCausalLM": "gpt_oss",
-}
-#: The families whose layers are Gemma's: RMSNorm weights stored as offsets
-#: from 1, sandwich norms (``pre_feedforward_layernorm`` /
-#: ``post_feedforward_layernorm`` too), embeddings scaled by
-#: ``sqrt(hidden_size)``, ``gelu_pytorch_tanh`` gating, a local rotary base
-#: for the sliding layers (:mod:`asyncstep.models.gemma3`).
-GEMMA_FAMILIES = frozenset({"gemma3"})
-#: Each family's MLP activations (HF ``hidden_act`` / ``hidden_activation``).
-ACTIVATIONS: dict[str, tuple[str, ...]] = {"gemma3": ("gelu_pytorch_tanh",)}
-#: The mixture-of-experts families -> their checkpoints' expert names:
-#: (the block's module, gate, up, down projection), e.g.
-#: ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight`` and the router
-#: ``model.layers.{i}.mlp.gate.weight``.
-MOE_FAMILIES: dict[str, tuple[str, str, str, str]] = {
-    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-    "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-    # gpt-oss: every expert in one tensor per projection
-    # (``mlp.experts.gate_up_proj`` [E, H, 2I], gate and up interleaved).
-    "gpt_oss": ("mlp", "gate_up_proj", "gate_up_proj", "down_proj"),
-}
-#: A MoE router's scoring of the experts: softmax or sigmoid of every
-#: logit, then the top-k; or (gpt-oss) the top-k logits, then their softmax.
-SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
-#: The experts' activations (:data:`asyncstep.ops.torch_moe.ACTIVATIONS`).
-MOE_ACTIVATIONS = ("silu", "swigluoai")
+__all__ = [
+    "ARCHITECTURES",
+    "FULL_ATTENTION",
+    "GEMMA_FAMILIES",
+    "MAX_EOS_TOKENS",
+    "MAX_TOKEN_ID",
+    "MOE_FAMILIES",
+    "SIZE_BOUNDS",
+    "SLIDING_ATTENTION",
+    "ModelArchConfig",
+    "pp_layer_range",
+    "validate_layer_types",
+    "validate_rope_scaling",
+]
 
 
 @dataclass(frozen=True)
@@ -127,7 +117,8 @@ class ModelArchConfig:
     #: Renormalise a token's top-k router weights to sum to 1 (Mixtral
     #: always; Qwen3-MoE and OLMoE as their config says).
     norm_topk_prob: bool = False
-    #: The router's scoring before its top-k (:data:`SCORING_FUNCS`).
+    #: The router's scoring before its top-k
+    #: (:data:`~asyncstep.models.families.SCORING_FUNCS`).
     scoring_func: str = "softmax"
     #: Qwen3-MoE: layer ``i`` is a MoE layer where ``(i + 1) %
     #: decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``;
@@ -136,7 +127,8 @@ class ModelArchConfig:
     mlp_only_layers: tuple[int, ...] = ()
     #: The attention window of the sliding layers, in tokens (None: none).
     sliding_window: int | None = None
-    #: One of :data:`LAYER_TYPES` per layer; empty: every layer sliding where
+    #: One of :data:`~asyncstep.models.layer_types.LAYER_TYPES` per layer;
+    #: empty: every layer sliding where
     #: ``sliding_window`` is set, else full.
     layer_types: tuple[str, ...] = ()
     #: Gemma: the attention scale is ``query_pre_attn_scalar ** -0.5`` (None:
@@ -151,7 +143,8 @@ class ModelArchConfig:
     attn_logit_softcapping: float | None = None
     #: gpt-oss: a learned sink logit per attention head (``self_attn.sinks``).
     attention_sinks: bool = False
-    #: The experts' activation (:data:`MOE_ACTIVATIONS`; gpt-oss: swigluoai).
+    #: The experts' activation (:data:`~asyncstep.models.families.MOE_ACTIVATIONS`;
+    #: gpt-oss: swigluoai).
     moe_activation: str = "silu"
     #: gpt-oss: the checkpoint stores the experts' projections as MXFP4
     #: (``{proj}_blocks`` / ``{proj}_scales``, :mod:`asyncstep.models.mxfp4`),
@@ -182,7 +175,8 @@ class ModelArchConfig:
 
     @property
     def is_gemma(self) -> bool:
-        """Whether the layers are Gemma's (:data:`GEMMA_FAMILIES`)."""
+        """Whether the layers are Gemma's
+        (:data:`~asyncstep.models.families.GEMMA_FAMILIES`)."""
         return self.family in GEMMA_FAMILIES
 
     @property
@@ -429,78 +423,6 @@ SIZE_BOUNDS: dict[str, int] = {
 MAX_TOKEN_ID = 2**31 - 1
 #: End-of-sequence ids a config may list (real ones: 1 to 4).
 MAX_EOS_TOKENS = 256
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-SLIDING_ATTENTION = "sliding_attention"
-FULL_ATTENTION = "full_attention"
-#: The ``layer_types`` names asyncstep runs.
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
-#: The rope scaling fields each type needs.
-_ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),
-}
-#: YaRN's optional float fields (transformers' ``_compute_yarn_parameters``).
-_YARN_FLOATS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
-
-
-def validate_rope_scaling(scaling: Any) -> None:
-    """``rope_scaling`` (HF spelling, ``rope_theta`` taken out) must be None or an
-    object of a known type whose numeric fields are finite and bounded."""
-    if scaling is None:
-        return
-    if not isinstance(scaling, dict):
-        kind = type(scaling).__name__
-        raise ModelLoadError(f"config: rope_scaling must be an object, got {kind}")
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if not isinstance(rope_type, str):
-        raise ModelLoadError("config: rope_scaling.rope_type must be a string")
-    for key in ("factor", "low_freq_factor", "high_freq_factor"):
-        if key in scaling:
-            bounded_float(f"config: rope_scaling.{key}", scaling[key], MAX_ROPE_FACTOR)
-    key = "original_max_position_embeddings"
-    if key in scaling:
-        bounded_int(f"config: rope_scaling.{key}", scaling[key], MAX_CONTEXT_LENGTH)
-    if rope_type not in ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported rope scaling {rope_type!r} ({', '.join(ROPE_TYPES)})"
-        )
-    for key in _ROPE_REQUIRED[rope_type]:
-        if key not in scaling:
-            raise ModelLoadError(f"config: rope_scaling of type {rope_type} lacks {key}")
-    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise ModelLoadError("config: rope_scaling.high_freq_factor must exceed low_freq_factor")
-    if rope_type == "yarn":
-        _validate_yarn(scaling)
-
-
-def _validate_yarn(scaling: dict[str, Any]) -> None:
-    """YaRN's optional fields: floats (null: the default), ``truncate`` a bool,
-    no partial rotary."""
-    for key in _YARN_FLOATS:
-        if scaling.get(key) is not None:
-            bounded_float(f"config: rope_scaling.{key}", scaling[key], MAX_ROPE_FACTOR)
-    if not isinstance(scaling.get("truncate", True), bool):
-        raise ModelLoadError("config: rope_scaling.truncate must be true or false")
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError("unsupported rope scaling: partial_rotary_factor (only 1.0)")
-
-
-def validate_layer_types(layer_types: Any, num_layers: int) -> None:
-    """``layer_types`` must be empty or a tuple of one known name per layer."""
-    if not isinstance(layer_types, tuple):
-        raise ModelLoadError("config: layer_types must be a list of names")
-    if layer_types and len(layer_types) != num_layers:
-        raise ModelLoadError(
-            f"config: layer_types names {len(layer_types)} layers; the model has {num_layers}"
-        )
-    for name in layer_types:
-        if name not in LAYER_TYPES:
-            shown = repr(name)[:40] if isinstance(name, str) else type(name).__name__
-            raise UnsupportedModelError(
-                f"config: unsupported layer type {shown} ({', '.join(LAYER_TYPES)})"
-            )
 
 
 def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:

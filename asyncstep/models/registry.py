@@ -1,4 +1,4 @@
-"""Which model class runs which family (:data:`~asyncstep.models.config.ARCHITECTURES`).
+"""Which model class runs which family (:data:`~asyncstep.models.families.ARCHITECTURES`).
 
 May import the model files.
 """

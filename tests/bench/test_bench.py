@@ -35,8 +35,8 @@ from asyncstep.bench.rank_gpus import rank_gpus
 from asyncstep.bench.results import FORMAT, Result, decode
 from asyncstep.cli import (
     DERIVED_OPTIONS,
-    _add_engine_flag,
-    _add_engine_flags,
+    add_engine_flag,
+    add_engine_flags,
     config_from_args,
     engine_flag,
     main,
@@ -48,7 +48,7 @@ from asyncstep.models.dummy import get_shape
 from asyncstep.server.config import server_options
 
 ROOT = Path(__file__).resolve().parents[2]
-FLAGS = CliFlags(_add_engine_flags, _add_engine_flag, config_from_args, server_config_from_args)
+FLAGS = CliFlags(add_engine_flags, add_engine_flag, config_from_args, server_config_from_args)
 
 
 def readme_commands() -> dict[str, list[str]]:

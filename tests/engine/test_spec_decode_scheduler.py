@@ -510,7 +510,8 @@ def test_a_request_whose_drafts_never_pass_backs_off() -> None:
         sched = make_spec_scheduler(
             k=3, max_model_len=512, num_blocks=160, async_scheduling=async_scheduling
         )
-        sched.proposer = WrongDrafts()  # type: ignore[assignment]
+        assert sched.drafts is not None
+        sched.drafts.proposer = WrongDrafts()  # type: ignore[assignment]
         runner = SpecFakeRunner(4)
         runner.token_fn = never_the_draft
         request = make_request("a", [1, 2, 3] * 6, max_tokens=300, ignore_eos=True)

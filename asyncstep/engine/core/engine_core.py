@@ -134,8 +134,9 @@ class EngineCore:
         async with anyio.create_task_group() as tg, events:
             num_blocks = await tg.start(self.executor.run, to_rank_rx, from_rank_tx)
             self.scheduler = self._build_scheduler(num_blocks)
-            # A grammar's drafts: the prefix its matcher accepts.
-            self.scheduler.draft_filter = self.structured_output.valid_drafts
+            if self.scheduler.drafts is not None:
+                # A grammar's drafts: the prefix its matcher accepts.
+                self.scheduler.drafts.draft_filter = self.structured_output.valid_drafts
             if self.freeze_heap:
                 freeze_gc_heap()
             rank_pids = list(getattr(self.executor, "pids", []))

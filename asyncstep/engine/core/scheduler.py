@@ -3,7 +3,10 @@
 Holds :class:`Scheduler` (its queues, the scheduling policy, the requests'
 lifecycle) and :class:`SchedulerStats`. A step's plan and the
 ``SchedulerOutput`` built from it are in :mod:`asyncstep.engine.core.step_plan`
-(with the output's conventions the runner relies on); the per-request
+(with the output's conventions the runner relies on); what tokens cost
+against the step's budget in :mod:`asyncstep.engine.core.token_budget`; the
+draft tokens of speculative decoding in
+:mod:`asyncstep.engine.core.draft_scheduling`; the per-request
 results of a step's output, with the stop rules, in
 :mod:`asyncstep.engine.core.step_results`. How it schedules (placeholders,
 pipelines, speculation, preemption): docs/architecture.md, "The scheduler".
@@ -19,30 +22,37 @@ draft tokens are rolled back before any stop rule or free runs.
 Pure Python; may import only the standard library and ``asyncstep.datatypes``
 / ``asyncstep.config`` / ``asyncstep.errors`` / ``asyncstep.kv_cache_interface``
 (plus its siblings ``request``, ``kv_cache_manager``,
-``hybrid_kv_cache_manager``, ``step_plan`` and
-``step_results``, the messages ``asyncstep.engine.messages.core_messages``
-and the speculation of ``asyncstep.engine.spec_decode``).
+``hybrid_kv_cache_manager``, ``step_plan``, ``token_budget``,
+``draft_scheduling`` and ``step_results``, the messages
+``asyncstep.engine.messages.core_messages`` and the speculation's counters of
+``asyncstep.engine.spec_decode``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from asyncstep.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from asyncstep.datatypes import ModelRunnerOutput, SchedulerOutput
+from asyncstep.engine.core.draft_scheduling import DraftScheduler
 from asyncstep.engine.core.hybrid_kv_cache_manager import make_kv_cache_manager
 from asyncstep.engine.core.kv_cache_manager import KVCacheStats
 from asyncstep.engine.core.request import Request, RequestStatus
 from asyncstep.engine.core.step_plan import StepPlan
 from asyncstep.engine.core.step_results import add_prompt_logprobs, collect_step_results
+from asyncstep.engine.core.token_budget import (
+    PROMPT_LOGPROBS_TOKEN_COST,
+    budget_cost,
+    num_tokens_within,
+)
 from asyncstep.engine.messages.core_messages import EngineCoreOutput
-from asyncstep.engine.spec_decode.draft_model_drafts import DraftModelDrafts
 from asyncstep.engine.spec_decode.metrics import SpecDecodingStats
-from asyncstep.engine.spec_decode.ngram_proposer import NgramProposer
 from asyncstep.errors import ConfigError, InvalidRequestError
 from asyncstep.kv_cache_interface import KVCacheGroupSpec
+
+__all__ = ["PROMPT_LOGPROBS_TOKEN_COST", "Scheduler", "SchedulerStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +71,6 @@ class SchedulerStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_cache.usage
-
-
-#: The token budget one prompt token takes when its request asks for
-#: ``prompt_logprobs``: the token itself, and its row of the LM head over the
-#: vocabulary with that row's log-softmax, rank and top-k (a healthy stream
-#: beside such a prompt keeps its pace; ``benchmarks/studies/prompt_logprobs_cost/README.md``).
-PROMPT_LOGPROBS_TOKEN_COST = 2
 
 
 class Scheduler:
@@ -115,25 +118,6 @@ class Scheduler:
                 "the scheduler"
             )
         self.scheduler_config = scheduler_config
-        self.proposer: NgramProposer | DraftModelDrafts | None = None
-        if speculative_config is not None:
-            self.proposer = (
-                DraftModelDrafts(speculative_config)
-                if speculative_config.method == "draft_model"
-                else NgramProposer(speculative_config)
-            )
-        #: (request id, drafts) -> the prefix of them its grammar accepts; set
-        #: by the engine core (the structured outputs' matchers), None: all.
-        self.draft_filter: Callable[[str, list[int]], list[int]] | None = None
-        #: No drafts while at least this many requests run (None: any number).
-        self.spec_disable_by_batch_size = (
-            speculative_config.disable_by_batch_size if speculative_config else None
-        )
-        self.spec_decoding_stats = (
-            SpecDecodingStats(speculative_config.num_speculative_tokens)
-            if speculative_config
-            else None
-        )
         self.send_new_token_ids = send_new_token_ids
         self.async_scheduling = async_scheduling
         #: request id -> output tokens already sent to the ranks (new_token_ids).
@@ -155,6 +139,11 @@ class Scheduler:
         )
         #: Longest a sequence may grow: the model's context, or the whole cache.
         self.max_seq_len = min(self.max_model_len, self.kv_cache_manager.token_capacity)
+        #: Speculative decoding's drafts (None: speculation off).
+        self.drafts: DraftScheduler | None = None
+        if speculative_config is not None:
+            kv = self.kv_cache_manager
+            self.drafts = DraftScheduler(speculative_config, kv, self.max_seq_len)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -239,6 +228,11 @@ class Scheduler:
             spec_decoding=self.spec_decoding_stats,
         )
 
+    @property
+    def spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """Speculative decoding's counters (None: speculation off)."""
+        return None if self.drafts is None else self.drafts.stats
+
     # -- scheduling ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -279,10 +273,9 @@ class Scheduler:
         max_seq_len = self.max_seq_len
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
-        proposer = self.proposer
-        disable = self.spec_disable_by_batch_size
-        if disable is not None and len(running) >= disable:
-            proposer = None  # a batch this large verifies no drafts
+        drafts = self.drafts
+        if drafts is not None and not drafts.is_enabled(len(running)):
+            drafts = None  # a batch this large verifies no drafts
         #: Decodes that may speculate: (their index in the plan's columns, request).
         draft_candidates: list[tuple[int, Request]] = []
         budget = plan.token_budget
@@ -301,7 +294,7 @@ class Scheduler:
             num_new = num_tokens + placeholders - num_computed
             if num_new <= 0:
                 continue  # its last token is in flight (pipeline, or a verify step)
-            if placeholders and proposer is not None and self._waits_to_speculate(request):
+            if placeholders and drafts is not None and self._waits_to_speculate(request):
                 continue  # its drafts need the tokens in flight: once they are back
             req_id = request.request_id
             new_block_ids: list[int] | None
@@ -319,8 +312,8 @@ class Scheduler:
                 new_block_ids = self._allocate_or_preempt(request, num_new, plan)
                 if new_block_ids is None:
                     break  # the request preempted itself: nothing after it is running
-                cost = self._budget_cost(request, num_computed, num_new)
-            if proposer is not None and num_new == 1 and request.speculates:
+                cost = budget_cost(request, num_computed, num_new)
+            if drafts is not None and num_new == 1 and request.speculates:
                 if request.spec_backoff:
                     request.spec_backoff -= 1  # (a decode without drafts)
                 elif not placeholders:
@@ -337,95 +330,14 @@ class Scheduler:
                 request.num_output_placeholders = placeholders + 1  # this step samples for it
         plan.token_budget = budget
         if draft_candidates:
-            self._schedule_drafts(draft_candidates, plan)
-
-    def _schedule_drafts(self, candidates: list[tuple[int, Request]], plan: StepPlan) -> None:
-        """Give the step's decodes their drafts, in priority order, within
-        the token budget left once every running request has its tokens,
-        and only from free blocks: drafts never push another request out
-        (a decode without room for its drafts goes without). ``candidates``:
-        (the request's index in the plan's running columns, the request),
-        each already scheduled for its one token."""
-        assert self.proposer is not None
-        lookahead = self.proposer.num_lookahead_tokens
-        for column, request in candidates:
-            if plan.token_budget > 0:
-                self._schedule_request_drafts(column, request, plan)
-            if lookahead:
-                self._allocate_lookahead(column, request, plan, lookahead)
-
-    def _schedule_request_drafts(self, column: int, request: Request, plan: StepPlan) -> None:
-        """One candidate's drafts (see :meth:`_schedule_drafts`)."""
-        drafts = self._propose_drafts(request, plan.token_budget + 1)
-        grammar = request.sampling_params.structured_outputs is not None
-        if drafts and grammar and self.draft_filter is not None:
-            drafts = self.draft_filter(request.request_id, drafts)
-        if not drafts:
-            return
-        # The slots of 1 + drafts tokens from the count before this step
-        # (so that only computed blocks are registered in the prefix cache).
-        computed = request.num_computed_tokens - 1
-        request.num_computed_tokens = computed
-        new_block_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
-        request.num_computed_tokens = computed + 1
-        if new_block_ids is None:
-            return
-        num_drafts = len(drafts)
-        request.num_computed_tokens += num_drafts
-        plan.running_new_block_ids[column] = plan.running_new_block_ids[column] + new_block_ids
-        plan.num_scheduled_tokens[request.request_id] += num_drafts
-        plan.token_budget -= num_drafts
-        plan.spec_token_ids[request.request_id] = drafts
-
-    def _allocate_lookahead(
-        self, column: int, request: Request, plan: StepPlan, lookahead: int
-    ) -> None:
-        """Slots for ``lookahead`` tokens past the request's tokens of this
-        step, where the draft model writes its proposals' keys and values
-        after the step (within the context; only from free blocks: without
-        room the runner proposes fewer drafts, or none)."""
-        num_new = plan.num_scheduled_tokens[request.request_id]
-        computed = request.num_computed_tokens - num_new
-        num_slots = min(num_new + lookahead, self.max_seq_len - computed)
-        if num_slots <= num_new:
-            return
-        request.num_computed_tokens = computed  # (registers only computed blocks)
-        new_block_ids = self.kv_cache_manager.allocate_slots(request, num_slots)
-        request.num_computed_tokens = computed + num_new
-        if new_block_ids:
-            plan.running_new_block_ids[column] = plan.running_new_block_ids[column] + new_block_ids
+            assert drafts is not None
+            drafts.schedule_drafts(draft_candidates, plan)
 
     def _waits_to_speculate(self, request: Request) -> bool:
-        """Async scheduling: whether a request with tokens in flight should
-        wait for them rather than be scheduled over placeholders: it may
-        speculate, has room for drafts, and its known tokens end with an
-        n-gram that recurs (the proposer would find drafts, and drafts need
-        every token's id). Its verify steps then run alone in flight for it;
-        the others keep overlapping."""
-        if self.proposer is None or not request.speculates or request.spec_backoff:
-            return False
-        disable = self.spec_disable_by_batch_size
-        if disable is not None and len(self.running) >= disable:
-            return False
-        num_tokens = request.num_tokens + request.num_output_placeholders
-        if min(request.max_num_tokens, self.max_seq_len) - num_tokens - 1 <= 0:
-            return False
-        return self.proposer.may_propose(request.request_id, request.all_token_ids)
-
-    def _propose_drafts(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens for a decode of ``request`` within ``budget`` tokens
-        (its own token included): never so many that ``1 + drafts`` sampled
-        tokens would pass ``max_tokens`` or the context."""
-        assert self.proposer is not None
-        num_tokens = request.num_tokens
-        room = min(
-            budget - 1,
-            request.max_num_tokens - num_tokens - 1,
-            self.max_seq_len - num_tokens - 1,
-        )
-        if room <= 0:
-            return []
-        return self.proposer.propose(request.request_id, request.all_token_ids, room)
+        """Async scheduling: whether a request with tokens in flight waits for
+        them to get drafts (:meth:`DraftScheduler.waits_to_speculate`)."""
+        drafts = self.drafts
+        return drafts is not None and drafts.waits_to_speculate(request, len(self.running))
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, plan: StepPlan
@@ -476,7 +388,7 @@ class Scheduler:
             self.running.append(request)
             plan.admitted_reqs.append(request)
             plan.num_scheduled_tokens[request.request_id] = num_new
-            plan.token_budget -= self._budget_cost(request, num_computed, num_new)
+            plan.token_budget -= budget_cost(request, num_computed, num_new)
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens the request gets this step; 0 when it must wait for a bigger budget.
@@ -487,31 +399,11 @@ class Scheduler:
         """
         num_new = self._num_uncomputed(request, num_computed)
         num_new = min(num_new, self.max_model_len - num_computed)
-        cost = self._budget_cost(request, num_computed, num_new)
+        cost = budget_cost(request, num_computed, num_new)
         if cost > budget:
             chunkable = self.enable_chunked_prefill or cost > self.max_num_batched_tokens
-            num_new = self._num_tokens_within(request, num_computed, budget) if chunkable else 0
+            num_new = num_tokens_within(request, num_computed, budget) if chunkable else 0
         return max(num_new, 0)
-
-    @staticmethod
-    def _num_prompt_logprobs_rows(request: Request, num_computed: int, num_new: int) -> int:
-        """Of ``num_new`` tokens from ``num_computed``, those whose rows give
-        a prompt position's log-probs (the last prompt token's samples)."""
-        if request.sampling_params.prompt_logprobs is None:
-            return 0
-        return max(0, min(num_new, request.num_prompt_tokens - 1 - num_computed))
-
-    def _budget_cost(self, request: Request, num_computed: int, num_new: int) -> int:
-        """The token budget ``num_new`` tokens from ``num_computed`` take."""
-        rows = self._num_prompt_logprobs_rows(request, num_computed, num_new)
-        return num_new + (PROMPT_LOGPROBS_TOKEN_COST - 1) * rows
-
-    def _num_tokens_within(self, request: Request, num_computed: int, budget: int) -> int:
-        """The most tokens from ``num_computed`` that cost at most ``budget``."""
-        rows = self._num_prompt_logprobs_rows(request, num_computed, budget)
-        if rows * PROMPT_LOGPROBS_TOKEN_COST >= budget:
-            return budget // PROMPT_LOGPROBS_TOKEN_COST
-        return budget - (PROMPT_LOGPROBS_TOKEN_COST - 1) * rows
 
     def _num_uncomputed(self, request: Request, num_computed: int) -> int:
         """Tokens the request lacks, counting its placeholders; 0 when the
@@ -550,8 +442,8 @@ class Scheduler:
         )
         for request in freed:
             self._free_finished(request)
-        if model_runner_output.draft_token_ids and isinstance(self.proposer, DraftModelDrafts):
-            self._keep_drafts(model_runner_output.draft_token_ids)
+        if model_runner_output.draft_token_ids and self.drafts is not None:
+            self.drafts.keep_drafts(model_runner_output.draft_token_ids, self.requests)
         if stopped:
             # A request preempted with a step in flight may stop from that step's
             # token: it waits in the queue, not among the running ones.
@@ -561,15 +453,6 @@ class Scheduler:
         if model_runner_output.prompt_logprobs:
             add_prompt_logprobs(outputs, model_runner_output.prompt_logprobs, self.requests)
         return outputs
-
-    def _keep_drafts(self, drafts: dict[str, list[int]]) -> None:
-        """Keep the draft model's proposals of the requests still running,
-        for the token count they follow."""
-        assert isinstance(self.proposer, DraftModelDrafts)
-        for req_id, tokens in drafts.items():
-            request = self.requests.get(req_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                self.proposer.update(req_id, request.num_tokens, tokens)
 
     # -- helpers ---------------------------------------------------------------
 
@@ -583,8 +466,8 @@ class Scheduler:
         uses them) and report it to the runner in the next step."""
         del self.requests[request.request_id]
         self._num_output_tokens_sent.pop(request.request_id, None)
-        if self.proposer is not None:
-            self.proposer.forget(request.request_id)
+        if self.drafts is not None:
+            self.drafts.forget(request.request_id)
         if request.num_in_flight_steps:
             self._finishing[request.request_id] = request
         else:

@@ -38,7 +38,7 @@ import trio
 import asyncstep
 from asyncstep.bench.results import machine_info, now
 from asyncstep.bench.workload import random_prompts
-from asyncstep.cli import _add_engine_flags, config_from_args
+from asyncstep.cli import add_engine_flags, config_from_args
 from asyncstep.config import EngineConfig
 from asyncstep.models.model_info import model_arch
 
@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the figures as JSON")
     parser.add_argument("-v", "--verbose", action="count", default=0)
     parser.add_argument("--log-json", default=None)
-    _add_engine_flags(parser)
+    add_engine_flags(parser)
     args = parser.parse_args(argv)
     config = config_from_args(args)
     figures = measure(args, config)

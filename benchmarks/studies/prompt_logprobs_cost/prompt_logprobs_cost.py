@@ -1,7 +1,8 @@
 """What a prompt position's log-probs cost against its token (the scheduler's
-``PROMPT_LOGPROBS_TOKEN_COST``): a 960-token prompt's prefill on the embedded
-model at the CPU default, with and without ``prompt_logprobs=20``, the
-scheduler's cost set to 1 so both compute the same chunks; median of three
+``PROMPT_LOGPROBS_TOKEN_COST``, in ``asyncstep.engine.core.token_budget``): a
+960-token prompt's prefill on the embedded model at the CPU default, with and
+without ``prompt_logprobs=20``, the scheduler's cost set to 1 so both compute
+the same chunks; median of three
 rounds after a warm-up, alternating. Prints the times and the extra a row
 costs as a fraction of a token's time.
 
@@ -17,7 +18,7 @@ import time
 import trio
 
 import asyncstep
-import asyncstep.engine.core.scheduler as scheduler
+import asyncstep.engine.core.token_budget as token_budget
 from asyncstep import SamplingParams
 
 PROMPT_LEN = 960
@@ -25,7 +26,7 @@ ROUNDS = 4
 
 
 async def main() -> None:
-    scheduler.PROMPT_LOGPROBS_TOKEN_COST = 1  # the same chunks with and without
+    token_budget.PROMPT_LOGPROBS_TOKEN_COST = 1  # the same chunks with and without
     rng = random.Random(0)
     times: dict[str, list[float]] = {"plain": [], "asks": []}
     async with asyncstep.open_engine(engine_process=False, enable_prefix_caching=False) as engine:

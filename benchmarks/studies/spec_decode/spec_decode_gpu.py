@@ -282,7 +282,7 @@ async def run_variant(
         core: Any = engine.core
         if wrong and not args.engine_process:
             assert spec is not None
-            core.scheduler.proposer = WrongDrafts(spec["num_speculative_tokens"], vocab)
+            core.scheduler.drafts.proposer = WrongDrafts(spec["num_speculative_tokens"], vocab)
         warm = repeating_prompts(vocab, args.prompt_len, args.block, 1, args.seed + 99)[0]
         await one_request(engine, warm, min(32, args.output_len))  # kernels, graphs
         runner = None if args.engine_process else core.executor.runner
