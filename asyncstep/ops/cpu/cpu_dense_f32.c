@@ -56,6 +56,8 @@
 #define ROW_TILE 4
 #define W_TILE 6
 #define TILE_WIDTHS 1
+/* x's vector too (not folded into each of its 3 multiply-adds as a load) */
+#define KEEP_X(v) KEEP(v)
 #ifndef PREFETCH
 #define PREFETCH 1
 #endif
@@ -157,6 +159,9 @@ int asyncstep_dense_f32_isa(void) { return F32_ISA; }
 #ifndef PREFETCH
 #define PREFETCH 0
 #endif
+#ifndef KEEP_X
+#define KEEP_X(v) ((void)0)
+#endif
 
 /* sums[e][i] = x row e . W row i for `rows` rows of x and nw rows of W
  * (constants where inlined): one accumulator each along K, LANES at a
@@ -181,7 +186,8 @@ static inline __attribute__((always_inline)) void dot_tile_n(
         for (int i = 0; i < nw; i++) wv[i] = vload(w[i] + k);
         for (int i = 0; i < nw; i++) KEEP(wv[i]);
         for (int e = 0; e < rows; e++) {
-            const vec xv = vload(x[e] + k);
+            vec xv = vload(x[e] + k);
+            KEEP_X(xv);
             for (int i = 0; i < nw; i++) acc[e * nw + i] = vfma(wv[i], xv, acc[e * nw + i]);
         }
     }
@@ -245,7 +251,8 @@ static inline void run_tile(const DenseF32Args* a, int64_t r0, int count, int64_
  * block one row of W at a time, in memory's order (one stream), the later
  * ones in tiles `width` wide from L2: the same sums (tiles share loads only).
  * With TILE_WIDTHS (AVX2) every tile is tile_width(count) wide and the
- * rows `ahead` rows on (the next block) are prefetched as they run. */
+ * rows `ahead` rows on (the next block) are prefetched as the first tile
+ * of x's rows runs. */
 static void run_block(const DenseF32Args* a, int64_t c0, int64_t end, int64_t n0, int64_t nb,
                       int width, int fetch, int64_t ahead) {
     for (int64_t r0 = c0; r0 < end; r0 += ROW_TILE) {
@@ -259,7 +266,7 @@ static void run_block(const DenseF32Args* a, int64_t c0, int64_t end, int64_t n0
 #endif
         for (int64_t i0 = 0; i0 < nb; i0 += w)
             run_tile(a, r0, count, n0 + i0, nb - i0 < w ? (int)(nb - i0) : w,
-                     ahead * a->weight_stride);
+                     r0 == c0 ? ahead * a->weight_stride : 0);
     }
 }
 
@@ -293,7 +300,7 @@ int asyncstep_dense_f32(const DenseF32Args* a) {
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * block;
             run_block(a, c0, end, n0, N - n0 < block ? N - n0 : block, width, FETCH_FIRST && large,
-                      PREFETCH && large ? block : 0);
+                      PREFETCH ? block : 0);
         }
     }
     return 0;

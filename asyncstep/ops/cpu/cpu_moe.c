@@ -80,6 +80,8 @@
 #define ROW_TILE 4
 #define W_TILE 6
 #define TILE_WIDTHS 1
+/* x's vector too (not folded into each of its 3 multiply-adds as a load) */
+#define KEEP_X(v) KEEP(v)
 #ifndef PREFETCH
 #define PREFETCH 1
 #endif
@@ -203,6 +205,9 @@ static inline __attribute__((always_inline)) vec wload(const Rows* w, int64_t i,
 #ifndef PREFETCH
 #define PREFETCH 0
 #endif
+#ifndef KEEP_X
+#define KEEP_X(v) ((void)0)
+#endif
 
 /* sums[e][i] = x row e . w row (i0 + i) for `rows` rows of x and nw rows of
  * W along K (a multiple of LANES), constants where inlined. With PREFETCH
@@ -219,13 +224,14 @@ static inline __attribute__((always_inline)) void dot_tile_n(
     for (int64_t k = 0; k < K; k += LANES) {
         vec wv[W_TILE];
 #if PREFETCH
-        if (!packed && k % 16 == 0) /* a line of each row `ahead` rows on */
+        if (!packed && ahead != 0 && k % 16 == 0) /* a line of each row `ahead` rows on */
             for (int i = 0; i < nw; i++) __builtin_prefetch(w->dense + (i0 + ahead + i) * K + k);
 #endif
         for (int i = 0; i < nw; i++) wv[i] = wload(w, i0 + i, k, packed);
         for (int i = 0; i < nw; i++) KEEP(wv[i]);
         for (int e = 0; e < rows; e++) {
-            const vec xv = vload(x[e] + k);
+            vec xv = vload(x[e] + k);
+            KEEP_X(xv);
             for (int i = 0; i < nw; i++) acc[e][i] = vfma(wv[i], xv, acc[e][i]);
         }
     }
@@ -315,9 +321,11 @@ static void matmul_tiles(const float* const* x, int64_t r0, int count, const Row
 }
 
 /* out[e * out_stride + i] = x[e] . w[i] for `rows` rows of x and nw rows of
- * W: up to STREAM_MAX_ROWS rows, W a row at a time, every tile of x's rows
- * against it (W read once, in memory's order); more, W in blocks of
- * BLOCK_ROWS, every tile of x's rows against each. */
+ * W: up to STREAM_MAX_ROWS rows, W in blocks of STREAM_BLOCK rows (one
+ * with AVX-512), every tile of x's rows against each (W read once, in
+ * memory's order); more, W in blocks of BLOCK_ROWS, every tile of x's rows
+ * against each. Where PREFETCH (AVX2), every tile prefetches the rows
+ * STREAM_AHEAD or BLOCK_ROWS on. */
 static void matmul_rows(const float* const* x, int64_t rows, const Rows* w, int64_t nw,
                         float* out, int64_t out_stride) {
     const int stream = rows <= STREAM_MAX_ROWS;
@@ -329,8 +337,8 @@ static void matmul_rows(const float* const* x, int64_t rows, const Rows* w, int6
             const int width = stream ? STREAM_WIDTH(count)
                               : r0 == 0 ? FETCH_WIDTH(count)
                                         : TILE_WIDTH(count);
-            matmul_tiles(x, r0, count, w, b0, nb, width, stream ? STREAM_AHEAD : BLOCK_ROWS, out,
-                         out_stride);
+            const int64_t ahead = stream ? STREAM_AHEAD : BLOCK_ROWS;
+            matmul_tiles(x, r0, count, w, b0, nb, width, ahead, out, out_stride);
         }
     }
 }
