@@ -166,7 +166,7 @@ typedef struct {
     const int32_t* topk_ids;   /* [T * k] */
     const float* topk_weights; /* [T * k] */
     int64_t num_tokens, top_k;
-    float* scratch; /* [P * (3I + H)]: gate_up [P, 2I], act [P, I], pair_out [P, H] */
+    float* scratch; /* [P * H]: pair_out, the pairs' weighted outputs */
     float* out;     /* [T, H] */
     int64_t num_threads;
     const uint8_t* w13_scales; /* MXFP4: [E, 2I, H / 32]; NULL: float32 weights */
@@ -181,7 +181,7 @@ typedef struct {
 typedef struct {
     const MoeArgs* args;
     const int64_t* order;
-    float *gate_up, *act, *pair_out;
+    float* pair_out;
 } Pass;
 
 /* A matrix's rows of K values: float32 (dense) or MXFP4 codes and scales. */
@@ -372,21 +372,22 @@ static Rows expert_rows(const void* base, const uint8_t* scales, int64_t e, int6
 
 /* One expert over its pairs: the gate and up rows (and bias), their act,
  * the down rows (and bias), each pair's output weighted (x: room for its
- * rows' pointers). */
-static void expert_item(const Pass* pass, const Group* g, const float** x) {
+ * rows' pointers; work: for its rows' gate/up and act, [count, 3I], the
+ * thread's, reused item after item). */
+static void expert_item(const Pass* pass, const Group* g, const float** x, float* work) {
     const MoeArgs* a = pass->args;
     const int64_t H = a->hidden_size, I = a->inter, e = g->expert;
     for (int64_t r = 0; r < g->count; r++)
         x[r] = a->hidden + (pass->order[g->start + r] / a->top_k) * a->hidden_stride;
     const Rows w13 = expert_rows(a->w13, a->w13_scales, e, 2 * I, H);
-    float* gu = pass->gate_up + g->start * 2 * I;
+    float* gu = work;
     matmul_rows(x, g->count, &w13, 2 * I, gu, 2 * I);
     const float* b13 = a->w13_bias == NULL ? NULL : a->w13_bias + e * 2 * I;
     for (int64_t r = 0; r < g->count; r++) {
         float* row = gu + r * 2 * I;
         if (b13 != NULL)
             for (int64_t i = 0; i < 2 * I; i++) row[i] = row[i] + b13[i];
-        float* act = pass->act + (g->start + r) * I;
+        float* act = work + g->count * 2 * I + r * I;
         if (a->activation == 1)
             for (int64_t i = 0; i < I; i++) act[i] = swigluoai(row[i], row[I + i]);
         else
@@ -466,7 +467,7 @@ int asyncstep_moe_experts(const MoeArgs* a) {
         order[p] = f;
         position[f] = p;
     }
-    const Pass pass = {a, order, a->scratch, a->scratch + P * 2 * I, a->scratch + P * 3 * I};
+    const Pass pass = {a, order, a->scratch};
     const int num_threads = a->num_threads > 1 ? (int)a->num_threads : 1;
     int failed = 0;
     /* one item an expert (no barrier between its matmuls), the token sums
@@ -474,15 +475,17 @@ int asyncstep_moe_experts(const MoeArgs* a) {
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && used > 1)
     {
         const float** x = malloc(sizeof(*x) * (size_t)most);
-        const int ok = x != NULL;
+        float* work = malloc(sizeof(float) * (size_t)(most * 3 * I));
+        const int ok = x != NULL && work != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t j = 0; j < used; j++)
-            if (ok) expert_item(&pass, &groups[j], x);
+            if (ok) expert_item(&pass, &groups[j], x, work);
         free(x);
+        free(work);
     }
     if (!failed)
         for (int64_t t = 0; t < T; t++) token_sum(a, pass.pair_out, position, t);
