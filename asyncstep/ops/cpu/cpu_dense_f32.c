@@ -14,8 +14,8 @@
  * (fmaf per lane) compute the same bits; they differ only in their tiles:
  * rows of x by rows of W that share the loads, never the sums (4 x 6 with
  * AVX-512; with AVX2 1 x 6, 2 x 4, 3 x 3 or 4 x 3 by the tile's rows, every
- * tile that wide, the next block of a W past the caches prefetched; 1 x 1
- * in plain C), every slot of a tile,
+ * tile that wide, the next block of W prefetched; 1 x 1 in plain C), every
+ * slot of a tile,
  * leftover tiles too, summed by the same tree. Rows of W run in blocks
  * (L2's worth) against every tile of x's rows, chunks of x's rows in turn;
  * up to STREAM_MAX_ROWS rows of x against a W larger than the caches,
@@ -52,7 +52,7 @@
 /* 16 registers: a tile of `rows` rows of x is tile_width(rows) rows of W
  * wide (1 x 6, 2 x 4, 3 x 3, 4 x 3: at most 12 accumulators, their W and
  * one of x), 6 to 12 independent multiply-add chains to hide the FMA's
- * latency; W's rows PREFETCH_TILES tiles on are prefetched */
+ * latency; the next block of W's rows prefetched (PREFETCH) */
 #define ROW_TILE 4
 #define W_TILE 6
 #define TILE_WIDTHS 1

@@ -75,8 +75,7 @@
 /* 16 registers: a tile of `rows` rows of x is tile_width(rows) rows of W
  * wide (1 x 6, 2 x 4, 3 x 3, 4 x 3: at most 12 accumulators, their W and
  * one of x), so that 6 to 12 independent multiply-add chains hide the
- * FMA's latency (2 x 4 everywhere, and one row of W where streamed: 1 to 8
- * chains, the latency-bound decode of an AVX2 Zen 2 at half the DRAM rate) */
+ * FMA's latency, streamed tiles too */
 #define ROW_TILE 4
 #define W_TILE 6
 #define TILE_WIDTHS 1
@@ -221,6 +220,9 @@ static inline __attribute__((always_inline)) void dot_tile_n(
     vec acc[ROW_TILE][W_TILE];
     for (int e = 0; e < rows; e++)
         for (int i = 0; i < nw; i++) acc[e][i] = vzero();
+#ifdef TILE_WIDTHS /* two steps a turn: the prefetch's test of k folds away */
+    _Pragma("GCC unroll 2")
+#endif
     for (int64_t k = 0; k < K; k += LANES) {
         vec wv[W_TILE];
 #if PREFETCH
