@@ -13,7 +13,9 @@
  * flops as one 512-bit), the AVX2 + FMA build and the plain C build
  * (fmaf per lane) compute the same bits; they differ only in their tiles:
  * rows of x by rows of W that share the loads, never the sums (4 x 6 with
- * AVX-512, 2 x 4 with AVX2, 1 x 1 in plain C), every slot of a tile,
+ * AVX-512; with AVX2 1 x 6, 2 x 4, 3 x 3 or 4 x 3 by the tile's rows, every
+ * tile that wide, the next block of W prefetched; 1 x 1 in plain C), every
+ * slot of a tile,
  * leftover tiles too, summed by the same tree. Rows of W run in blocks
  * (L2's worth) against every tile of x's rows, chunks of x's rows in turn;
  * up to STREAM_MAX_ROWS rows of x against a W larger than the caches,
@@ -47,8 +49,19 @@
 #define ROW_TILE 4 /* rows of x per tile */
 #define W_TILE 6   /* rows of W per tile: 24 accumulators, 6 of W, 1 of x: 31 of 32 */
 #else
-#define ROW_TILE 2
-#define W_TILE 4 /* 8 accumulators, 4 of W, 1 of x: 13 of 16 registers */
+/* 16 registers: a tile of `rows` rows of x is tile_width(rows) rows of W
+ * wide (1 x 6, 2 x 4, 3 x 3, 4 x 3: at most 12 accumulators, their W and
+ * one of x), 6 to 12 independent multiply-add chains to hide the FMA's
+ * latency; the next block of W's rows prefetched (PREFETCH) */
+#define ROW_TILE 4
+#define W_TILE 6
+#define TILE_WIDTHS 1
+/* x's vector too (not folded into each of its 3 multiply-adds as a load) */
+#define KEEP_X(v) KEEP(v)
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
+static inline int tile_width(int rows) { return rows == 1 ? 6 : rows == 2 ? 4 : 3; }
 #endif
 typedef __m256 vec;
 /* v held in a register: a tile's W vectors are loaded once a step, not
@@ -143,22 +156,38 @@ typedef struct {
 /* Which build runs: 0 plain C, 2 AVX-512, 3 AVX2. */
 int asyncstep_dense_f32_isa(void) { return F32_ISA; }
 
+#ifndef PREFETCH
+#define PREFETCH 0
+#endif
+#ifndef KEEP_X
+#define KEEP_X(v) ((void)0)
+#endif
+
 /* sums[e][i] = x row e . W row i for `rows` rows of x and nw rows of W
  * (constants where inlined): one accumulator each along K, LANES at a
  * time in order, the last step's missing k zeros; then every accumulator
- * through vsum8 (unused slots zero). */
+ * through vsum8 (unused slots zero). With PREFETCH, W's values `ahead`
+ * floats on (0: none) are prefetched, a line at a time (a hint: past W's
+ * end it reads nothing). */
 static inline __attribute__((always_inline)) void dot_tile_n(
     const float* const* x, const int rows, const float* const* w, const int nw, int64_t K,
-    float sums[ROW_TILE][W_TILE]) {
+    int64_t ahead, float sums[ROW_TILE][W_TILE]) {
     vec acc[ROW_TILE * W_TILE];
     for (int j = 0; j < rows * nw; j++) acc[j] = vzero();
     int64_t k = 0;
+    (void)ahead;
     for (; k + LANES <= K; k += LANES) {
         vec wv[W_TILE];
+#if PREFETCH
+        if (ahead != 0 && k % 16 == 0)
+            for (int i = 0; i < nw; i++)
+                __builtin_prefetch(w[i] + ahead + k);
+#endif
         for (int i = 0; i < nw; i++) wv[i] = vload(w[i] + k);
         for (int i = 0; i < nw; i++) KEEP(wv[i]);
         for (int e = 0; e < rows; e++) {
-            const vec xv = vload(x[e] + k);
+            vec xv = vload(x[e] + k);
+            KEEP_X(xv);
             for (int i = 0; i < nw; i++) acc[e * nw + i] = vfma(wv[i], xv, acc[e * nw + i]);
         }
     }
@@ -184,16 +213,13 @@ static inline __attribute__((always_inline)) void dot_tile_n(
 
 /* dot_tile_n with constant counts (its accumulators in registers). */
 static void dot_tile(const float* const* x, int rows, const float* const* w, int nw, int64_t K,
-                     float sums[ROW_TILE][W_TILE]) {
+                     int64_t ahead, float sums[ROW_TILE][W_TILE]) {
     switch (nw * 8 + rows) {
 #define CASE(NW, ROWS) \
-    case NW * 8 + ROWS: dot_tile_n(x, ROWS, w, NW, K, sums); break;
-#if F32_ISA == 2
+    case NW * 8 + ROWS: dot_tile_n(x, ROWS, w, NW, K, ahead, sums); break;
+#if F32_ISA == 2 || F32_ISA == 3
 #define CASES(NW) CASE(NW, 1) CASE(NW, 2) CASE(NW, 3) CASE(NW, 4)
         CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
-#elif F32_ISA == 3
-#define CASES(NW) CASE(NW, 1) CASE(NW, 2)
-        CASES(1) CASES(2) CASES(3) CASES(4)
 #else
 #define CASES(NW) CASE(NW, 1)
         CASES(1)
@@ -203,14 +229,16 @@ static void dot_tile(const float* const* x, int rows, const float* const* w, int
     }
 }
 
-/* sums of the tile at rows r0.. of x (count) and rows n0 + i0.. of W (nw) into out */
-static inline void run_tile(const DenseF32Args* a, int64_t r0, int count, int64_t n, int nw) {
+/* sums of the tile at rows r0.. of x (count) and rows n.. of W (nw) into
+ * out; W's values `ahead` floats on prefetched (0: none) */
+static inline void run_tile(const DenseF32Args* a, int64_t r0, int count, int64_t n, int nw,
+                            int64_t ahead) {
     const float* w[W_TILE];
     const float* x[ROW_TILE];
     for (int e = 0; e < count; e++) x[e] = a->x + (r0 + e) * a->x_stride;
     for (int i = 0; i < nw; i++) w[i] = a->weight + (n + i) * a->weight_stride;
     float sums[ROW_TILE][W_TILE];
-    dot_tile(x, count, w, nw, a->in_features, sums);
+    dot_tile(x, count, w, nw, a->in_features, ahead, sums);
     for (int e = 0; e < count; e++) {
         float* out = a->out + (r0 + e) * a->out_stride + n;
         for (int i = 0; i < nw; i++) out[i] = sums[e][i];
@@ -221,14 +249,24 @@ static inline void run_tile(const DenseF32Args* a, int64_t r0, int count, int64_
  * rows against every tile of the block (x's tile in L1, the block in L2).
  * Where W is read from DRAM (`fetch`) the first tile of x's rows takes the
  * block one row of W at a time, in memory's order (one stream), the later
- * ones in tiles `width` wide from L2: the same sums (tiles share loads only). */
+ * ones in tiles `width` wide from L2: the same sums (tiles share loads only).
+ * With TILE_WIDTHS (AVX2) every tile is tile_width(count) wide and the
+ * rows `ahead` rows on (the next block) are prefetched as the first tile
+ * of x's rows runs. */
 static void run_block(const DenseF32Args* a, int64_t c0, int64_t end, int64_t n0, int64_t nb,
-                      int width, int fetch) {
+                      int width, int fetch, int64_t ahead) {
     for (int64_t r0 = c0; r0 < end; r0 += ROW_TILE) {
         const int count = end - r0 < ROW_TILE ? (int)(end - r0) : ROW_TILE;
+#ifdef TILE_WIDTHS
+        (void)width;
+        (void)fetch;
+        const int w = tile_width(count);
+#else
         const int w = fetch && r0 == c0 ? 1 : width;
+#endif
         for (int64_t i0 = 0; i0 < nb; i0 += w)
-            run_tile(a, r0, count, n0 + i0, nb - i0 < w ? (int)(nb - i0) : w);
+            run_tile(a, r0, count, n0 + i0, nb - i0 < w ? (int)(nb - i0) : w,
+                     r0 == c0 ? ahead * a->weight_stride : 0);
     }
 }
 
@@ -261,7 +299,8 @@ int asyncstep_dense_f32(const DenseF32Args* a) {
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * block;
-            run_block(a, c0, end, n0, N - n0 < block ? N - n0 : block, width, FETCH_FIRST && large);
+            run_block(a, c0, end, n0, N - n0 < block ? N - n0 : block, width, FETCH_FIRST && large,
+                      PREFETCH ? block : 0);
         }
     }
     return 0;

@@ -21,9 +21,12 @@
  * never the sums, and every slot of a tile gives its output the same tree.
  * Every build has that order (AVX-512 with AVX512VL: 256-bit vectors, 32
  * registers, tiles of 4 rows of x by 6 of W, as cpu_dense_f32.c; AVX2 +
- * FMA: 2 by 4; plain C: 2 by 4, fmaf): the AVX-512 and AVX2 builds give
- * the same bits (plain C's silu may round apart: no contraction to FMA). Up to STREAM_MAX_ROWS rows an expert's W rows are read one at
- * a time in memory's order (a decode step streams the weights from DRAM).
+ * FMA, 16 registers: 1 by 6, 2 by 4, 3 by 3, 4 by 3 by the tile's rows,
+ * W prefetched ahead; plain C: 2 by 4, fmaf): the AVX-512 and AVX2 builds
+ * give the same bits (plain C's silu may round apart: no contraction to
+ * FMA). Up to STREAM_MAX_ROWS rows an expert's W rows are read in memory's
+ * order, one at a time with AVX-512, in L1 blocks of 12 with AVX2 (a
+ * decode step streams the weights from DRAM).
  * So a row's result does not depend on the other rows routed to its
  * experts (the batch: issue 40) nor on the thread count. The silu is
  * x * sigmoid(x) with cpu_common.h's exp (torch's differs by roundings).
@@ -69,8 +72,18 @@
  * into each multiply-add as a load of its own (cpu_dense_f32.c's KEEP) */
 #define KEEP(v) __asm__("" : "+v"(v))
 #else
-#define ROW_TILE 2
-#define W_TILE 4 /* 8 accumulators, 4 of W, 1 of x: 13 of 16 registers */
+/* 16 registers: a tile of `rows` rows of x is tile_width(rows) rows of W
+ * wide (1 x 6, 2 x 4, 3 x 3, 4 x 3: at most 12 accumulators, their W and
+ * one of x), so that 6 to 12 independent multiply-add chains hide the
+ * FMA's latency, streamed tiles too */
+#define ROW_TILE 4
+#define W_TILE 6
+#define TILE_WIDTHS 1
+/* x's vector too (not folded into each of its 3 multiply-adds as a load) */
+#define KEEP_X(v) KEEP(v)
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
 #define KEEP(v) __asm__("" : "+x"(v))
 #endif
 typedef __m256 vec;
@@ -152,7 +165,7 @@ typedef struct {
     const int32_t* topk_ids;   /* [T * k] */
     const float* topk_weights; /* [T * k] */
     int64_t num_tokens, top_k;
-    float* scratch; /* [P * (3I + H)]: gate_up [P, 2I], act [P, I], pair_out [P, H] */
+    float* scratch; /* [P * H]: pair_out, the pairs' weighted outputs */
     float* out;     /* [T, H] */
     int64_t num_threads;
     const uint8_t* w13_scales; /* MXFP4: [E, 2I, H / 32]; NULL: float32 weights */
@@ -167,7 +180,7 @@ typedef struct {
 typedef struct {
     const MoeArgs* args;
     const int64_t* order;
-    float *gate_up, *act, *pair_out;
+    float* pair_out;
 } Pass;
 
 /* A matrix's rows of K values: float32 (dense) or MXFP4 codes and scales. */
@@ -188,21 +201,39 @@ static inline __attribute__((always_inline)) vec wload(const Rows* w, int64_t i,
     return vload_fp4(w->codes + block * 16, k, e8m0(w->scales[block]));
 }
 
+#ifndef PREFETCH
+#define PREFETCH 0
+#endif
+#ifndef KEEP_X
+#define KEEP_X(v) ((void)0)
+#endif
+
 /* sums[e][i] = x row e . w row (i0 + i) for `rows` rows of x and nw rows of
- * W along K (a multiple of LANES), constants where inlined. */
+ * W along K (a multiple of LANES), constants where inlined. With PREFETCH
+ * (float32 W), the rows `ahead` rows on are prefetched, a line at a time
+ * (a hint: past W's end it reads nothing). */
 static inline __attribute__((always_inline)) void dot_tile_n(
     const float* const* x, const int rows, const Rows* w, int64_t i0, const int nw,
-    const int packed, float sums[ROW_TILE][W_TILE]) {
+    const int packed, int64_t ahead, float sums[ROW_TILE][W_TILE]) {
     const int64_t K = w->K;
+    (void)ahead;
     vec acc[ROW_TILE][W_TILE];
     for (int e = 0; e < rows; e++)
         for (int i = 0; i < nw; i++) acc[e][i] = vzero();
+#ifdef TILE_WIDTHS /* two steps a turn: the prefetch's test of k folds away */
+    _Pragma("GCC unroll 2")
+#endif
     for (int64_t k = 0; k < K; k += LANES) {
         vec wv[W_TILE];
+#if PREFETCH
+        if (!packed && ahead != 0 && k % 16 == 0) /* a line of each row `ahead` rows on */
+            for (int i = 0; i < nw; i++) __builtin_prefetch(w->dense + (i0 + ahead + i) * K + k);
+#endif
         for (int i = 0; i < nw; i++) wv[i] = wload(w, i0 + i, k, packed);
         for (int i = 0; i < nw; i++) KEEP(wv[i]);
         for (int e = 0; e < rows; e++) {
-            const vec xv = vload(x[e] + k);
+            vec xv = vload(x[e] + k);
+            KEEP_X(xv);
             for (int i = 0; i < nw; i++) acc[e][i] = vfma(wv[i], xv, acc[e][i]);
         }
     }
@@ -230,15 +261,15 @@ static inline __attribute__((always_inline)) void dot_tile_n(
 #define ALL_CASES(P) CASES(1, P) CASES(2, P) CASES(3, P) CASES(4, P)
 #endif
 #define CASE(NW, ROWS, P) \
-    case NW * 8 + ROWS: dot_tile_n(x, ROWS, w, i0, NW, P, sums); break;
+    case NW * 8 + ROWS: dot_tile_n(x, ROWS, w, i0, NW, P, ahead, sums); break;
 
 static void dot_tile(const float* const* x, int rows, const Rows* w, int64_t i0, int nw,
-                     float sums[ROW_TILE][W_TILE]) {
+                     int64_t ahead, float sums[ROW_TILE][W_TILE]) {
     switch (nw * 8 + rows) { ALL_CASES(0) }
 }
 
 static void dot_tile_fp4(const float* const* x, int rows, const Rows* w, int64_t i0, int nw,
-                         float sums[ROW_TILE][W_TILE]) {
+                         int64_t ahead, float sums[ROW_TILE][W_TILE]) {
     switch (nw * 8 + rows) { ALL_CASES(1) }
 }
 #undef CASE
@@ -247,41 +278,69 @@ static void dot_tile_fp4(const float* const* x, int rows, const Rows* w, int64_t
 
 /* Rows of W a block holds (more rows than STREAM_MAX_ROWS): its first
  * tile of x's rows takes it a row of W at a time (fetched in memory's
- * order, one stream), the later tiles in tiles W_TILE wide from L2. */
+ * order, one stream), the later tiles in tiles W_TILE wide from L2. Where
+ * TILE_WIDTHS (AVX2), every tile is tile_width(rows) wide, the first too,
+ * and up to STREAM_MAX_ROWS rows W is read in blocks of STREAM_BLOCK rows
+ * (L1), every tile of x's rows against each. */
 #ifndef BLOCK_ROWS
-#define BLOCK_ROWS (8 * W_TILE)
+#define BLOCK_ROWS 48
+#endif
+#ifdef TILE_WIDTHS
+#ifndef STREAM_BLOCK
+#define STREAM_BLOCK 12
+#endif
+#ifndef STREAM_AHEAD
+#define STREAM_AHEAD 12
+#endif
+static inline int tile_width(int rows) { return rows == 1 ? 6 : rows == 2 ? 4 : 3; }
+#define FETCH_WIDTH(rows) tile_width(rows)
+#define STREAM_WIDTH(rows) tile_width(rows)
+#define TILE_WIDTH(rows) tile_width(rows)
+#else
+#define STREAM_BLOCK 1
+#define STREAM_AHEAD 0
+#define FETCH_WIDTH(rows) 1
+#define STREAM_WIDTH(rows) 1
+#define TILE_WIDTH(rows) W_TILE
 #endif
 
 /* out[r * out_stride + i] = x[r] . w[i] for x's rows [r0, r0 + count) and
- * W's rows [i0, i0 + nw), tiles `width` rows of W wide. */
+ * W's rows [i0, i0 + nw), tiles `width` rows of W wide, the rows `ahead`
+ * rows on prefetched. */
 static void matmul_tiles(const float* const* x, int64_t r0, int count, const Rows* w,
-                         int64_t i0, int64_t nw, int width, float* out, int64_t out_stride) {
+                         int64_t i0, int64_t nw, int width, int64_t ahead, float* out,
+                         int64_t out_stride) {
     for (int64_t i = i0; i < i0 + nw; i += width) {
         const int n = i0 + nw - i < width ? (int)(i0 + nw - i) : width;
         float sums[ROW_TILE][W_TILE];
         if (w->codes != NULL)
-            dot_tile_fp4(x + r0, count, w, i, n, sums);
+            dot_tile_fp4(x + r0, count, w, i, n, ahead, sums);
         else
-            dot_tile(x + r0, count, w, i, n, sums);
+            dot_tile(x + r0, count, w, i, n, ahead, sums);
         for (int e = 0; e < count; e++)
             for (int j = 0; j < n; j++) out[(r0 + e) * out_stride + i + j] = sums[e][j];
     }
 }
 
 /* out[e * out_stride + i] = x[e] . w[i] for `rows` rows of x and nw rows of
- * W: up to STREAM_MAX_ROWS rows, W a row at a time, every tile of x's rows
- * against it (W read once, in memory's order); more, W in blocks of
- * BLOCK_ROWS, every tile of x's rows against each. */
+ * W: up to STREAM_MAX_ROWS rows, W in blocks of STREAM_BLOCK rows (one
+ * with AVX-512), every tile of x's rows against each (W read once, in
+ * memory's order); more, W in blocks of BLOCK_ROWS, every tile of x's rows
+ * against each. Where PREFETCH (AVX2), every tile prefetches the rows
+ * STREAM_AHEAD or BLOCK_ROWS on. */
 static void matmul_rows(const float* const* x, int64_t rows, const Rows* w, int64_t nw,
                         float* out, int64_t out_stride) {
     const int stream = rows <= STREAM_MAX_ROWS;
-    const int64_t block = stream ? 1 : BLOCK_ROWS;
+    const int64_t block = stream ? STREAM_BLOCK : BLOCK_ROWS;
     for (int64_t b0 = 0; b0 < nw; b0 += block) {
         const int64_t nb = nw - b0 < block ? nw - b0 : block;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int count = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            const int width = stream || r0 == 0 ? 1 : W_TILE;
-            matmul_tiles(x, r0, count, w, b0, nb, width, out, out_stride);
+            const int width = stream ? STREAM_WIDTH(count)
+                              : r0 == 0 ? FETCH_WIDTH(count)
+                                        : TILE_WIDTH(count);
+            const int64_t ahead = stream ? STREAM_AHEAD : BLOCK_ROWS;
+            matmul_tiles(x, r0, count, w, b0, nb, width, ahead, out, out_stride);
         }
     }
 }
@@ -315,21 +374,22 @@ static Rows expert_rows(const void* base, const uint8_t* scales, int64_t e, int6
 
 /* One expert over its pairs: the gate and up rows (and bias), their act,
  * the down rows (and bias), each pair's output weighted (x: room for its
- * rows' pointers). */
-static void expert_item(const Pass* pass, const Group* g, const float** x) {
+ * rows' pointers; work: for its rows' gate/up and act, [count, 3I], the
+ * thread's, reused item after item). */
+static void expert_item(const Pass* pass, const Group* g, const float** x, float* work) {
     const MoeArgs* a = pass->args;
     const int64_t H = a->hidden_size, I = a->inter, e = g->expert;
     for (int64_t r = 0; r < g->count; r++)
         x[r] = a->hidden + (pass->order[g->start + r] / a->top_k) * a->hidden_stride;
     const Rows w13 = expert_rows(a->w13, a->w13_scales, e, 2 * I, H);
-    float* gu = pass->gate_up + g->start * 2 * I;
+    float* gu = work;
     matmul_rows(x, g->count, &w13, 2 * I, gu, 2 * I);
     const float* b13 = a->w13_bias == NULL ? NULL : a->w13_bias + e * 2 * I;
     for (int64_t r = 0; r < g->count; r++) {
         float* row = gu + r * 2 * I;
         if (b13 != NULL)
             for (int64_t i = 0; i < 2 * I; i++) row[i] = row[i] + b13[i];
-        float* act = pass->act + (g->start + r) * I;
+        float* act = work + g->count * 2 * I + r * I;
         if (a->activation == 1)
             for (int64_t i = 0; i < I; i++) act[i] = swigluoai(row[i], row[I + i]);
         else
@@ -409,7 +469,7 @@ int asyncstep_moe_experts(const MoeArgs* a) {
         order[p] = f;
         position[f] = p;
     }
-    const Pass pass = {a, order, a->scratch, a->scratch + P * 2 * I, a->scratch + P * 3 * I};
+    const Pass pass = {a, order, a->scratch};
     const int num_threads = a->num_threads > 1 ? (int)a->num_threads : 1;
     int failed = 0;
     /* one item an expert (no barrier between its matmuls), the token sums
@@ -417,15 +477,17 @@ int asyncstep_moe_experts(const MoeArgs* a) {
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && used > 1)
     {
         const float** x = malloc(sizeof(*x) * (size_t)most);
-        const int ok = x != NULL;
+        float* work = malloc(sizeof(float) * (size_t)(most * 3 * I));
+        const int ok = x != NULL && work != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t j = 0; j < used; j++)
-            if (ok) expert_item(&pass, &groups[j], x);
+            if (ok) expert_item(&pass, &groups[j], x, work);
         free(x);
+        free(work);
     }
     if (!failed)
         for (int64_t t = 0; t < T; t++) token_sum(a, pass.pair_out, position, t);

@@ -124,7 +124,7 @@ class CpuMoeExperts:
         ids = topk_ids.to(torch.int32).contiguous()
         weights = topk_weights.float().contiguous()
         pairs = tokens * top_k
-        scratch = torch.empty(pairs * (3 * inter + size))
+        scratch = torch.empty(pairs * size)  # the pairs' outputs (gate/up: the threads' own)
         out = torch.empty(tokens, size)
         args = _ARGS.pack(
             hidden.data_ptr(),

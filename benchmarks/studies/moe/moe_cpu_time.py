@@ -32,14 +32,21 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def serve(path: Path, prompts: int, input_len: int, output_len: int) -> dict[str, float]:
+async def serve(
+    path: Path, prompts: int, input_len: int, output_len: int, budget: int | None = None
+) -> dict[str, float]:
+    """The run; ``budget`` the step's token budget (``max_num_batched_tokens``;
+    None: the engine's CPU default, 128 tokens where the CPU has no
+    bfloat16; ``asyncstep bench throughput``, so ``moe_vs_hf.py``, gives
+    2048: the 16 prompts in one step)."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 32768, (prompts, input_len), generator=generator).tolist()
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    options = {} if budget is None else {"max_num_batched_tokens": budget}
     async with asyncstep.open_engine(
-        path, device="cpu", dtype="float32", engine_process=False
+        path, device="cpu", dtype="float32", engine_process=False, **options
     ) as engine:
         await engine.generate(ids[0][:16], SamplingParams(temperature=0, max_tokens=4))
         wall, cpu = time.perf_counter(), cpu_seconds()
@@ -70,6 +77,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="2048: moe_vs_hf.py's"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not args.checkpoint.exists():
@@ -77,7 +87,14 @@ def main() -> None:
         from moe_vs_hf import write_checkpoint
 
         write_checkpoint(args.checkpoint)
-    result = trio.run(serve, args.checkpoint, args.num_prompts, args.input_len, args.output_len)
+    result = trio.run(
+        serve,
+        args.checkpoint,
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.max_num_batched_tokens,
+    )
     result["asyncstep"] = str(Path(asyncstep.__file__).parents[1])
     print(json.dumps(result))
     if args.out is not None:

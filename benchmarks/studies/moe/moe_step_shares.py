@@ -124,6 +124,9 @@ def shares(bucket: dict[str, float]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="2048: moe_vs_hf.py's"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not args.checkpoint.exists():
@@ -131,7 +134,7 @@ def main() -> None:
 
         write_checkpoint(args.checkpoint)
     totals = instrument()
-    result = trio.run(serve, args.checkpoint, 16, 128, 64)
+    result = trio.run(serve, args.checkpoint, 16, 128, 64, args.max_num_batched_tokens)
     report: dict[str, Any] = {"serve": result, "load_avg": os.getloadavg()}
     for name, bucket in totals.items():
         steps = max(bucket["steps"], 1)
