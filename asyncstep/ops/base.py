@@ -233,11 +233,14 @@ class OpSet(Protocol):
         *,
         renormalize: bool,
         scoring_func: str = "softmax",
+        counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A mixture-of-experts layer's router: each token's ``(topk_weights
         [T, k] float32, topk_ids [T, k] int32)`` from ``router_logits [T, E]``
         (:func:`asyncstep.ops.torch_moe.select_experts`, the reference:
-        scorings "softmax", "sigmoid", "topk_softmax"); ValueError for another."""
+        scorings "softmax", "sigmoid", "topk_softmax"); ValueError for another.
+        ``counts`` (the layer's load counter, int64 ``[E]`` on the device),
+        where given: each token's k experts added to it, on the device."""
         ...
 
     def step_path(self, layers: list[Any]) -> StepPath | None:

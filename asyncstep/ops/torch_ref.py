@@ -111,11 +111,17 @@ class TorchOps:
         *,
         renormalize: bool,
         scoring_func: str = "softmax",
+        counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """torch's softmax / sigmoid and ``topk`` (:mod:`~asyncstep.ops.torch_moe`)."""
-        return select_experts(
+        """torch's softmax / sigmoid and ``topk`` (:mod:`~asyncstep.ops.torch_moe`);
+        the counts by ``index_add_``."""
+        weights, ids = select_experts(
             router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func
         )
+        if counts is not None:
+            flat = ids.reshape(-1).long()
+            counts.index_add_(0, flat, torch.ones_like(flat))
+        return weights, ids
 
     def step_path(self, layers: list[Any]) -> StepPath | None:
         return None

@@ -33,7 +33,8 @@ pytest.importorskip("triton", reason="the Triton kernels need triton")
 
 from asyncstep.ops.torch_attention import TORCH_ATTENTION  # noqa: E402
 from asyncstep.ops.torch_moe import select_experts  # noqa: E402
-from asyncstep.ops.triton.fused_moe import GemvTile, fused_experts  # noqa: E402
+from asyncstep.ops.torch_ref import TorchOps  # noqa: E402
+from asyncstep.ops.triton.fused_moe import fused_experts  # noqa: E402
 from asyncstep.ops.triton.invariant_ops import TritonInvariantOps  # noqa: E402
 from asyncstep.ops.triton.moe_routing import (  # noqa: E402
     CHUNK,
@@ -54,6 +55,8 @@ from tests.gpu.test_fused_moe import (  # noqa: E402
 
 #: Every T through the small-T path.
 ALWAYS = 1 << 30
+#: The reference op set (torch's routing).
+TORCH_OPS = TorchOps()
 
 
 # --------------------------------------------------------------------------
@@ -151,6 +154,28 @@ def test_ties_go_to_the_lower_expert_and_bad_arguments_are_value_errors() -> Non
     assert empty[0].shape == (0, 2) and empty[1].shape == (0, 2)
 
 
+def test_the_routing_kernel_counts_each_token_s_experts() -> None:
+    """``counts``: each chosen expert plus one a token, added over calls (the
+    integer atomics' sums: the ids' bincount); the reference op set counts
+    alike by index_add_; counts that do not fit are ValueErrors."""
+    gen = torch.Generator().manual_seed(91)
+    counts = torch.full((32,), 5, dtype=torch.int64).to(DEVICE)
+    want = counts.clone().cpu()
+    for t in (7, 1):
+        logits = torch.randn(t, 32, generator=gen).to(DEVICE)
+        weights, ids = topk_route(logits, 4, renormalize=True, counts=counts)
+        uncounted = topk_route(logits, 4, renormalize=True)
+        assert torch.equal(weights, uncounted[0]) and torch.equal(ids, uncounted[1])
+        want += torch.bincount(ids.reshape(-1).long().cpu(), minlength=32)
+        assert torch.equal(counts.cpu(), want)
+        ref = torch.zeros(32, dtype=torch.int64).to(DEVICE)
+        TORCH_OPS.select_experts(logits, 4, renormalize=True, counts=ref)
+        assert torch.equal(ref.cpu(), torch.bincount(ids.reshape(-1).long().cpu(), minlength=32))
+    for bad in (counts.int(), counts[:31], torch.zeros(64, dtype=torch.int64).to(DEVICE)[::2]):
+        with pytest.raises(ValueError, match="counts"):
+            topk_route(logits, 4, renormalize=True, counts=bad)
+
+
 def test_the_op_sets_route_with_the_kernel() -> None:
     logits = torch.randn(5, 8).to(DEVICE)
     want = topk_route(logits, 2, renormalize=True)
@@ -181,57 +206,6 @@ def test_the_small_t_path_matches_the_float64_loop(
     want = reference(x, experts, weights, ids, activation)
     assert_near(small, want, dtype)
     assert_near(fused_experts(x, **kwargs, gemv_max_pairs=0), want, dtype)
-
-
-#: The down kernels' tiles: one column or several, K steps with a tail
-#: (I = 24) or one step, two warps or four.
-DOWN_TILES = [
-    GemvTile(4, 64, 2, 1, down_block_n=n, down=down, down_block_k=bk, down_warps=w)
-    for down in ("stacked", "pairs")
-    for n, bk, w in ((1, 16, 2), (4, 32, 4))
-]
-#: The serial down kernel, four columns a program (the interpreter's time).
-SERIAL = GemvTile(4, 64, 2, 1, down_block_n=4)
-
-
-@pytest.mark.parametrize(
-    "tile",
-    DOWN_TILES,
-    ids=lambda tile: f"{tile.down}-n{tile.down_block_n}-k{tile.down_block_k}-w{tile.down_warps}",
-)
-@pytest.mark.parametrize(("t", "k"), [(1, 4), (2, 3)])
-def test_every_down_kernel_is_the_serial_one_within_rounding(
-    t: int, k: int, tile: GemvTile
-) -> None:
-    """The down kernels (``GemvTile.down``; k = 3: a padded stack) against
-    the float64 loop and the serial kernel (float32 with both biases: the
-    same sums but for the association of each row's reduction), and the
-    same bits on a second run."""
-    experts = make_experts(8, torch.float32, seed=71 + t * 10 + k, biases=True)
-    weights, ids = make_routing(t, 8, k, seed=72 + t + k)
-    x = torch.randn(t, H).to(DEVICE)
-    kwargs = _call(experts, weights, ids, "swigluoai")
-    got = fused_experts(x, **kwargs, gemv_max_pairs=ALWAYS, gemv_tile=tile)
-    assert_near(got, reference(x, experts, weights, ids, "swigluoai"), torch.float32)
-    serial = fused_experts(x, **kwargs, gemv_max_pairs=ALWAYS, gemv_tile=SERIAL)
-    torch.testing.assert_close(got, serial, rtol=1e-5, atol=1e-5 * float(serial.abs().max()))
-    assert torch.equal(fused_experts(x, **kwargs, gemv_max_pairs=ALWAYS, gemv_tile=tile), got)
-
-
-def test_bfloat16_through_the_stacked_and_pairs_down_kernels() -> None:
-    """bfloat16 (the models' dtype), silu without biases: the loop's tolerance."""
-    experts = make_experts(8, torch.bfloat16, seed=81)
-    weights, ids = make_routing(2, 8, 4, seed=82)
-    x = torch.randn(2, H).to(torch.bfloat16).to(DEVICE)
-    kwargs = _call(experts, weights, ids, "silu")
-    want = reference(x, experts, weights, ids, "silu")
-    for down in ("stacked", "pairs"):
-        tile = GemvTile(4, 64, 2, 1, down_block_n=2, down=down, down_block_k=32)
-        got = fused_experts(x, **kwargs, gemv_max_pairs=ALWAYS, gemv_tile=tile)
-        assert got.dtype == torch.bfloat16
-        assert_near(got, want, torch.bfloat16)
-    with pytest.raises(ValueError, match="down"):
-        GemvTile(4, 64, 2, 1, down="split")
 
 
 def test_the_small_t_path_without_biases_for_swigluoai_and_silu_with() -> None:
@@ -347,8 +321,10 @@ COMPILE = textwrap.dedent(
 
     GEMV = dict(HAS_BIAS=True, BLOCK_N=16, BLOCK_K=256)
     CASES = [
-        (r.topk_route_kernel, dict(TOP_K=8, K_PAD=8, E_PAD=128, SCORING=0, RENORMALIZE=True),
-         {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}),
+        (r.topk_route_kernel, dict(TOP_K=8, K_PAD=8, E_PAD=128, SCORING=0, RENORMALIZE=True,
+                                   COUNT=True),
+         {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32",
+          "counts_ptr": "*i64"}),
         (r.align_count_kernel, dict(BLOCK_M=16, E_PAD=128, CHUNK=128, BLOCKS_STEP=64),
          {"ids_ptr": "*i32", "chunk_base_ptr": "*i32", "sorted_ids_ptr": "*i32",
           "expert_ids_ptr": "*i32", "padded_ptr": "*i64"}),
@@ -360,13 +336,6 @@ COMPILE = textwrap.dedent(
         (f.gemv_down_kernel, dict(TOP_K=4, **GEMV),
          {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "route_ptr": "*fp32",
           "ids_ptr": "*i32", "out_ptr": "*bf16"}),
-        (f.gemv_down_stacked_kernel, dict(TOP_K=6, K_PAD=8, HAS_BIAS=True, BLOCK_N=2,
-                                          BLOCK_K=1024),
-         {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "route_ptr": "*fp32",
-          "ids_ptr": "*i32", "out_ptr": "*bf16"}),
-        (f.gemv_down_pairs_kernel, dict(HAS_BIAS=True, BLOCK_N=1, BLOCK_K=1024),
-         {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "route_ptr": "*fp32",
-          "ids_ptr": "*i32", "out_ptr": "*fp32"}),
     ]
     for fn, consts, types in CASES:
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -389,5 +358,4 @@ def test_the_kernels_compile_for_sm90(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     names = ["topk_route_kernel", "align_count_kernel", "align_scatter_kernel"]
     names += ["gemv_gate_up_kernel", "gemv_down_kernel"]
-    names += ["gemv_down_stacked_kernel", "gemv_down_pairs_kernel"]
     assert done.stdout.split() == [w for name in names for w in (name, "True")]

@@ -4,10 +4,7 @@ token-expert pairs, no alignment and two GEMV-shaped kernels
 program per (pair, BLOCK_N activation columns), the activation in its
 epilogue; :func:`~asyncstep.ops.triton.fused_moe_kernels.gemv_down_kernel`,
 a program per (token, down_block_n output columns) over the token's k
-experts with the bias, the routing weight and the combine: its experts one
-after another, ``"serial"``, or in one tile, ``"stacked"``; or ``"pairs"``,
-:func:`~asyncstep.ops.triton.fused_moe_kernels.gemv_down_pairs_kernel` a
-program per (pair, columns) and the grouped path's combine). The contract
+experts with the bias, the routing weight and the combine). The contract
 is :func:`asyncstep.ops.triton.fused_moe.fused_experts`', which chooses
 this path at ``T * k <= gemv_max_pairs`` (:data:`GEMV_MAX_PAIRS`).
 
@@ -24,10 +21,7 @@ import triton
 from asyncstep.ops.triton import fused_moe_kernels as kernels
 from asyncstep.ops.triton.fused_moe_kernels import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 
-__all__ = ["DOWN_KINDS", "GEMV_MAX_PAIRS", "GEMV_TILE", "GemvTile", "small_t_experts"]
-
-#: The down projection's kernels (:attr:`GemvTile.down`).
-DOWN_KINDS = ("serial", "stacked", "pairs")
+__all__ = ["GEMV_MAX_PAIRS", "GEMV_TILE", "GemvTile", "small_t_experts"]
 
 
 @dataclass(frozen=True)
@@ -35,22 +29,13 @@ class GemvTile:
     """The small-T path's launches: BLOCK_N activation columns a gate/up
     program, down_block_n output columns a down program (its grid is T
     wide only: narrower, for more programs), BLOCK_K of the weight rows a
-    step. ``down`` names the down kernel (:data:`DOWN_KINDS`);
-    down_block_k and down_warps its own BLOCK_K and warps (0: block_k,
-    num_warps)."""
+    step."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     down_block_n: int = 4
-    down: str = "serial"
-    down_block_k: int = 0
-    down_warps: int = 0
-
-    def __post_init__(self) -> None:
-        if self.down not in DOWN_KINDS:
-            raise ValueError(f"down must be one of {DOWN_KINDS}, got {self.down!r}")
 
 
 #: The small-T path's tile: one column (gate/up: 2 weight rows) of 1024 a
@@ -152,52 +137,9 @@ def _gemv_down(
 ) -> None:
     """``out[t] = sum_j route[t, j] * (act[p] @ w2[e].T + b2[e])``, j from 0 up, in float32."""
     num_tokens, hidden_size = out.shape
-    tile, top_k = gemv.tile, gemv.topk_ids.shape[1]
     b = bias if bias is not None else w2
     b_strides = bias.stride() if bias is not None else (0, 0)
-    routing = (*gemv.topk_weights.stride(), *gemv.topk_ids.stride(), *w2.stride(), *b_strides)
-    launch = {
-        "HAS_BIAS": bias is not None,
-        "BLOCK_N": tile.down_block_n,
-        "BLOCK_K": tile.down_block_k or tile.block_k,
-        "num_warps": tile.down_warps or tile.num_warps,
-        "num_stages": tile.num_stages,
-    }
-    columns = triton.cdiv(hidden_size, tile.down_block_n)
-    if tile.down == "pairs":
-        pairs = torch.empty(
-            (num_tokens * top_k, hidden_size), dtype=torch.float32, device=out.device
-        )
-        kernels.gemv_down_pairs_kernel[(num_tokens * top_k, columns)](
-            act,
-            w2,
-            b,
-            gemv.topk_weights,
-            gemv.topk_ids,
-            pairs,
-            top_k,
-            hidden_size,
-            w2.shape[2],
-            *act.stride(),
-            *routing,
-            *pairs.stride(),
-            **launch,
-        )
-        kernels.combine_kernel[(num_tokens, triton.cdiv(hidden_size, _COMBINE_BLOCK))](
-            pairs,
-            out,
-            hidden_size,
-            pairs.stride(0),
-            out.stride(0),
-            TOP_K=top_k,
-            BLOCK_H=_COMBINE_BLOCK,
-        )
-        return
-    kernel = kernels.gemv_down_kernel
-    if tile.down == "stacked":
-        kernel = kernels.gemv_down_stacked_kernel
-        launch["K_PAD"] = triton.next_power_of_2(top_k)
-    kernel[(num_tokens, columns)](
+    kernels.gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, gemv.tile.down_block_n))](
         act,
         w2,
         b,
@@ -207,12 +149,15 @@ def _gemv_down(
         hidden_size,
         w2.shape[2],
         *act.stride(),
-        *routing,
+        *gemv.topk_weights.stride(),
+        *gemv.topk_ids.stride(),
+        *w2.stride(),
+        *b_strides,
         *out.stride(),
-        TOP_K=top_k,
-        **launch,
+        TOP_K=gemv.topk_ids.shape[1],
+        HAS_BIAS=bias is not None,
+        BLOCK_N=gemv.tile.down_block_n,
+        BLOCK_K=gemv.tile.block_k,
+        num_warps=gemv.tile.num_warps,
+        num_stages=gemv.tile.num_stages,
     )
-
-
-#: The pairs' combine: output columns a program.
-_COMBINE_BLOCK = 256

@@ -26,11 +26,7 @@ BLOCK_K wide into a float32 ``[BLOCK_N, BLOCK_K]`` accumulator reduced once:
 * :func:`gemv_gate_up_kernel`: :func:`gate_up_kernel`'s rows of one pair.
 * :func:`gemv_down_kernel`: a token's k experts' down rows, bias and routing
   weight, summed j from 0 up: :func:`down_kernel` and :func:`combine_kernel`
-  in one, the experts one after another.
-* :func:`gemv_down_stacked_kernel`: the same, the k experts' rows in one
-  tile (every expert's loads in flight at once).
-* :func:`gemv_down_pairs_kernel`: a program per (pair, columns), float32
-  weighted rows for :func:`combine_kernel`.
+  in one.
 
 Every output element is its K loop from 0 up in BLOCK_K steps, one
 ``tl.dot`` a step: no split-K, no atomics, nothing chosen by the number of
@@ -57,8 +53,6 @@ __all__ = [
     "down_kernel",
     "gate_up_kernel",
     "gemv_down_kernel",
-    "gemv_down_pairs_kernel",
-    "gemv_down_stacked_kernel",
     "gemv_gate_up_kernel",
 ]
 
@@ -388,133 +382,3 @@ def gemv_down_kernel(
     tl.store(
         out_ptr + t * stride_ot + cols * stride_on, out.to(out_ptr.dtype.element_ty), mask=col_mask
     )
-
-
-@triton.jit
-def gemv_down_stacked_kernel(
-    x_ptr: tl.tensor,
-    w_ptr: tl.tensor,
-    bias_ptr: tl.tensor,
-    route_ptr: tl.tensor,
-    ids_ptr: tl.tensor,
-    out_ptr: tl.tensor,
-    N: tl.tensor,
-    K: tl.tensor,
-    stride_xp: tl.tensor,
-    stride_xk: tl.tensor,
-    stride_rt: tl.tensor,
-    stride_rj: tl.tensor,
-    stride_it: tl.tensor,
-    stride_ij: tl.tensor,
-    stride_we: tl.tensor,
-    stride_wn: tl.tensor,
-    stride_wk: tl.tensor,
-    stride_be: tl.tensor,
-    stride_bn: tl.tensor,
-    stride_ot: tl.tensor,
-    stride_on: tl.tensor,
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-) -> None:
-    """:func:`gemv_down_kernel`'s contract (grid ``(T, cdiv(N, BLOCK_N))``),
-    the k experts' rows streamed together: row ``r`` of a ``[K_PAD *
-    BLOCK_N, BLOCK_K]`` tile is expert ``j = r // BLOCK_N``'s column ``r %
-    BLOCK_N`` (K_PAD a power of two, at least TOP_K), so a K step has every
-    expert's loads in flight at once; each row reduced once, plus the bias,
-    times the routing weight, then summed j from 0 up (one row at a time
-    picked out of the tile: exact) and stored in the output's dtype."""
-    t = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, K_PAD * BLOCK_N)
-    j = rows // BLOCK_N
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + rows % BLOCK_N
-    j_mask = j < TOP_K
-    row_mask = j_mask & (cols < N)
-    expert = tl.load(ids_ptr + t * stride_it + j * stride_ij, mask=j_mask, other=0).to(tl.int64)
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + (t * TOP_K + j)[:, None] * stride_xp + ks[None, :] * stride_xk
-    w_ptrs = w_ptr + (expert * stride_we + cols * stride_wn)[:, None] + ks[None, :] * stride_wk
-    acc = tl.zeros([K_PAD * BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask = row_mask[:, None] & ((k0 + ks) < K)[None, :]
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * x
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + expert * stride_be + cols * stride_bn, mask=row_mask, other=0.0)
-        y += b.to(tl.float32)
-    y = y * tl.load(route_ptr + t * stride_rt + j * stride_rj, mask=j_mask, other=0.0)
-    y = tl.reshape(y, [K_PAD, BLOCK_N])
-    js = tl.arange(0, K_PAD)[:, None]
-    out = tl.zeros([BLOCK_N], tl.float32)
-    for jj in tl.static_range(TOP_K):
-        out += tl.sum(tl.where(js == jj, y, 0.0), axis=0)
-    out_cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(
-        out_ptr + t * stride_ot + out_cols * stride_on,
-        out.to(out_ptr.dtype.element_ty),
-        mask=out_cols < N,
-    )
-
-
-@triton.jit
-def gemv_down_pairs_kernel(
-    x_ptr: tl.tensor,
-    w_ptr: tl.tensor,
-    bias_ptr: tl.tensor,
-    route_ptr: tl.tensor,
-    ids_ptr: tl.tensor,
-    out_ptr: tl.tensor,
-    top_k: tl.tensor,
-    N: tl.tensor,
-    K: tl.tensor,
-    stride_xp: tl.tensor,
-    stride_xk: tl.tensor,
-    stride_rt: tl.tensor,
-    stride_rj: tl.tensor,
-    stride_it: tl.tensor,
-    stride_ij: tl.tensor,
-    stride_we: tl.tensor,
-    stride_wn: tl.tensor,
-    stride_wk: tl.tensor,
-    stride_be: tl.tensor,
-    stride_bn: tl.tensor,
-    stride_op: tl.tensor,
-    stride_on: tl.tensor,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-) -> None:
-    """Grid ``(pairs, cdiv(N, BLOCK_N))``: pair p's BLOCK_N down columns as
-    :func:`gemv_down_kernel` computes one expert's (a float32 ``[BLOCK_N,
-    BLOCK_K]`` accumulator reduced once, plus the bias, times the routing
-    weight), stored float32 at ``out [pairs, N]``'s row p for
-    :func:`combine_kernel` (every pair's rows in flight at once)."""
-    p = tl.program_id(0).to(tl.int64)
-    token = p // top_k
-    j = p % top_k
-    expert = tl.load(ids_ptr + token * stride_it + j * stride_ij).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + p * stride_xp + ks * stride_xk
-    w_ptrs = w_ptr + expert * stride_we + cols[:, None] * stride_wn + ks[None, :] * stride_wk
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + ks) < K
-        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        acc += (
-            tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32) * x
-        )
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + expert * stride_be + cols * stride_bn, mask=col_mask, other=0.0)
-        y += b.to(tl.float32)
-    y = y * tl.load(route_ptr + token * stride_rt + j * stride_rj)
-    tl.store(out_ptr + p * stride_op + cols * stride_on, y, mask=col_mask)

@@ -69,7 +69,7 @@ class TritonOps(TorchOps):
         elif self.fused_decode and _one_row_on_cuda(x, weight):
             from asyncstep.ops.triton.gemv import dense_gemv
 
-            y = dense_gemv(x, weight)
+            return dense_gemv(x, weight, bias=bias)  # the bias in its epilogue
         else:
             return F.linear(x, weight, bias)
         return y if bias is None else y + bias
@@ -155,12 +155,19 @@ class TritonOps(TorchOps):
         *,
         renormalize: bool,
         scoring_func: str = "softmax",
+        counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One kernel, a program a token
+        """One kernel, a program a token, the counts among its work
         (:func:`~asyncstep.ops.triton.moe_routing.topk_route`)."""
         from asyncstep.ops.triton.moe_routing import topk_route
 
-        return topk_route(router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func)
+        return topk_route(
+            router_logits,
+            top_k,
+            renormalize=renormalize,
+            scoring_func=scoring_func,
+            counts=counts,
+        )
 
 
 def _one_row_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:

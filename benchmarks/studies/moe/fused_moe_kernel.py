@@ -91,9 +91,8 @@ TILES = [
     (64, 128, 64, 8, 3),
 ]
 
-#: Small-T tiles tried beside the default: (block_n, block_k, warps, stages,
-#: down_block_n[, down, down_block_k, down_warps]).
-GEMV_TILES: list[tuple[Any, ...]] = [
+#: Small-T tiles tried beside the default: (block_n, block_k, warps, stages, down_block_n).
+GEMV_TILES = [
     (2, 1024, 4, 3, 2),
     (4, 1024, 4, 3, 4),
     (4, 512, 4, 3, 8),
@@ -106,7 +105,7 @@ GEMV_TILES_MAX_T = 32
 
 
 HEADER = (
-    f"{'shape':14s} {'T':>4s} {'active':>6s} {'floor us':>9s}  {'variant':44s} "
+    f"{'shape':14s} {'T':>4s} {'active':>6s} {'floor us':>9s}  {'variant':28s} "
     f"{'us':>9s} {'x floor':>8s} {'rel err':>8s}"
 )
 
@@ -121,11 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gemv-tile",
         action="append",
-        metavar="N,K,WARPS,STAGES,DOWN_N[,DOWN,DOWN_K,DOWN_WARPS]",
-        help=(
-            "a GEMV tile to time instead of GEMV_TILES (repeatable; implies --gemv-tiles); "
-            "DOWN: the down kernel (serial, stacked, pairs)"
-        ),
+        metavar="N,K,WARPS,STAGES,DOWN_N",
+        help="a GEMV tile to time instead of GEMV_TILES (repeatable; implies --gemv-tiles)",
     )
     parser.add_argument("--routing", action="store_true", help="also time the routing")
     parser.add_argument("--tokens", type=int, nargs="+", help="the T to run (default: TOKENS)")
@@ -148,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in shapes if not args.shapes or s.name in args.shapes]
     tokens = args.tokens or tokens
     layers, iters = (1, 2) if args.tiny else (args.layers, args.iters)
-    gemv_tiles = [parse_gemv_tile(t) for t in args.gemv_tile or []] or GEMV_TILES
+    gemv_tiles = [tuple(int(v) for v in t.split(",")) for t in args.gemv_tile or []] or GEMV_TILES
     bandwidth = copy_bandwidth(device)
     # "triton default": the path GEMV_MAX_PAIRS picks, eager; the tiles: the grouped GEMM.
     variants: dict[str, Callable[..., torch.Tensor]] = {"triton default": triton_fn(TILE)}
@@ -184,27 +180,18 @@ def main(argv: list[str] | None = None) -> int:
 GROUPED, SMALL_T = "grouped (default tile)", "small-T (default tile)"
 
 
-def parse_gemv_tile(text: str) -> tuple[int | str, ...]:
-    """``--gemv-tile``'s fields: integers but the sixth (the down kernel)."""
-    return tuple(v if i == 5 else int(v) for i, v in enumerate(text.split(",")))
-
-
 def gemv_variants(
-    graph: str, tiles: list[tuple[Any, ...]]
+    graph: str, tiles: list[tuple[int, ...]]
 ) -> dict[str, Callable[..., torch.Tensor]]:
     """The small-T path with each of ``tiles`` (GemvTile's fields in order)."""
     from asyncstep.ops.triton.fused_moe import GemvTile
 
-    variants = {}
-    for fields in tiles:
-        tile = GemvTile(*fields)
-        n, k, w, st, d = fields[:5]
-        down = f" {tile.down}" if len(fields) > 5 else ""
-        down += f" dk{tile.down_block_k}" if tile.down_block_k else ""
-        down += f" dw{tile.down_warps}" if tile.down_warps else ""
-        label = f"small-T n{n}/{d} k{k} w{w} s{st}{down}{graph}"
-        variants[label] = triton_fn(None, gemv_max_pairs=ALWAYS, gemv_tile=tile)
-    return variants
+    return {
+        f"small-T n{n}/{d} k{k} w{w} s{st}{graph}": triton_fn(
+            None, gemv_max_pairs=ALWAYS, gemv_tile=GemvTile(n, k, w, st, d)
+        )
+        for n, k, w, st, d in tiles
+    }
 
 
 def threshold_line(shape: MoeShape, rows: list[dict[str, Any]]) -> str:
@@ -274,7 +261,7 @@ def measure(
 def format_row(row: dict[str, Any]) -> str:
     return (
         f"{row['shape']['name']:14s} {row['tokens']:4d} {row['active_experts']:6d} "
-        f"{row['floor_us']:9.1f}  {row['variant']:44s} {row['us']:9.1f} "
+        f"{row['floor_us']:9.1f}  {row['variant']:28s} {row['us']:9.1f} "
         f"{row['x_floor']:8.2f} {row['max_rel_error']:8.1e}"
     )
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The MoE decode step at batch 1 (issue 41, task moestep) on one GPU (nvidia-h100-x1):
 #     bash benchmarks/studies/moe/run_moestep_h100.sh tests|kernels|step|profile|latency
-#   tests:   tests/gpu/test_moe_routing.py and test_fused_moe.py compiled for the GPU
-#            (ASYNCSTEP_TEST_DEVICE=cuda; the down kernels' tests among them)
+#   tests:   tests/gpu/test_moe_routing.py, test_fused_moe.py and test_triton_gemv.py
+#            compiled for the GPU (ASYNCSTEP_TEST_DEVICE=cuda: the routing's load counter,
+#            the GEMV's bias)
 #   kernels: fused_moe_kernel.py at T = 1 and 2, qwen3-30b-a3b and gpt-oss-20b shapes: one
-#            layer of the small-T path in a CUDA graph with each down kernel (GemvTile.down:
-#            serial, the default today; stacked; pairs) and its tiles, against the floor;
-#            the routing (--routing at T = 1, 8)
+#            layer of the experts in a CUDA graph against the floor; the routing (--routing
+#            at T = 1, 8). (Its --gemv-tile runs of the stacked and pairs down kernels:
+#            benchmarks/results/moestep/README.md.)
 #   step:    profile then latency (both under 5 min with the timeouts below)
 #   profile: quant_step_kernels.py for both models at batch 1 (us a step by kernel)
 #   latency: asyncstep bench latency --no-hf, both models, batch 1 and 32, dummy weights
@@ -21,23 +22,6 @@ if ! python3 -c "import trio, structlog, msgspec, gguf" 2>/dev/null; then
         --target "$HOME/site" .whl/*.whl || exit 1
 fi
 MODELS=${MODELS:-qwen3-30b-a3b gpt-oss-20b}
-# GemvTile's fields: block_n, block_k, warps, stages, down_block_n, down, down_block_k,
-# down_warps (the gate/up kernel's tile is the default's in every one).
-DOWN_TILES=(
-    1,1024,2,3,1,serial,1024,2
-    1,1024,2,3,1,stacked,1024,4
-    1,1024,2,3,1,stacked,1024,8
-    1,1024,2,3,1,stacked,512,4
-    1,1024,2,3,1,stacked,256,2
-    1,1024,2,3,2,stacked,512,4
-    1,1024,2,3,2,stacked,1024,8
-    1,1024,2,3,4,stacked,256,4
-    1,1024,2,3,1,pairs,1024,2
-    1,1024,2,3,1,pairs,512,2
-    1,1024,2,3,2,pairs,1024,4
-    1,1024,2,3,4,pairs,512,4
-    1,1024,2,3,8,pairs,256,4
-)
 machine() {
     {
         date -u
@@ -49,13 +33,12 @@ machine() {
 }
 run_tests() {
     ASYNCSTEP_TEST_DEVICE=cuda timeout 280 python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_moe_routing.py tests/gpu/test_fused_moe.py > "$OUT/gpu_tests.txt" 2>&1
+        tests/gpu/test_moe_routing.py tests/gpu/test_fused_moe.py tests/gpu/test_triton_gemv.py \
+        > "$OUT/gpu_tests.txt" 2>&1
     tail -6 "$OUT/gpu_tests.txt"
 }
 run_kernels() {
-    local tiles=()
-    for tile in "${DOWN_TILES[@]}"; do tiles+=(--gemv-tile "$tile"); done
-    timeout 270 python3 benchmarks/studies/moe/fused_moe_kernel.py --tokens 1 2 "${tiles[@]}" \
+    timeout 270 python3 benchmarks/studies/moe/fused_moe_kernel.py --tokens 1 2 \
         --routing --routing-tokens 1 8 --out "$OUT/kernels.json" 2>&1 | grep -vi warn \
         > "$OUT/kernels.txt"
     cat "$OUT/kernels.txt"
