@@ -116,6 +116,22 @@ class OpSet(Protocol):
         """RMSNorm of ``x`` over its last dimension."""
         ...
 
+    def qk_rms_norm(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        *,
+        float32_residual: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k norms (Qwen3, Gemma 3): each head of ``q [T, Hq *
+        D]`` and ``k [T, Hk * D]`` (rows may be column slices of a qkv
+        output) through :meth:`rms_norm` over its D features, with
+        ``q_weight`` / ``k_weight`` ``[D]``; ``(q, k)`` of the shapes given."""
+        ...
+
     def add_rms_norm(
         self,
         x: torch.Tensor,

@@ -133,6 +133,24 @@ class TorchOps:
             return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
         return F.rms_norm(x, weight.shape, weight, eps)
 
+    def qk_rms_norm(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        *,
+        float32_residual: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`rms_norm` of q's heads, then of k's (the op set's own)."""
+        heads = []
+        for x, weight in ((q, q_weight), (k, k_weight)):
+            x_heads = x.view(x.shape[0], -1, weight.shape[0])
+            normed = self.rms_norm(x_heads, weight, eps, float32_residual=float32_residual)
+            heads.append(normed.view(x.shape))
+        return heads[0], heads[1]
+
     def add_rms_norm(
         self,
         x: torch.Tensor,

@@ -97,6 +97,27 @@ class TritonOps(TorchOps):
 
         return fused_add_rms_norm(x, residual, weight, eps)
 
+    def qk_rms_norm(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        *,
+        float32_residual: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """On CUDA both norms in one kernel
+        (:func:`~asyncstep.ops.triton.fused.qk_rms_norm`); elsewhere, or
+        with ``float32_residual``, the reference's two."""
+        if not q.is_cuda or float32_residual:
+            return super().qk_rms_norm(
+                q, k, q_weight, k_weight, eps, float32_residual=float32_residual
+            )
+        from asyncstep.ops.triton.fused import qk_rms_norm
+
+        return qk_rms_norm(q, k, q_weight, k_weight, eps)
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         from asyncstep.ops.triton.fused import silu_and_mul
 
