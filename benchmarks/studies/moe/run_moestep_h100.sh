@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The MoE decode step at batch 1 (issue 41, task moestep) on one GPU (nvidia-h100-x1):
 #     bash benchmarks/studies/moe/run_moestep_h100.sh tests|kernels|step|profile|latency
-#   tests:   tests/gpu/test_moe_routing.py, test_fused_moe.py, test_triton_gemv.py and
-#            test_triton_fused.py compiled for the GPU (ASYNCSTEP_TEST_DEVICE=cuda: the
+#   tests:   tests/gpu/test_moe_routing.py, test_triton_gemv.py and test_triton_fused.py
+#            compiled for the GPU (ASYNCSTEP_TEST_DEVICE=cuda: the
 #            routing's load counter, the GEMV's bias, the q/k norms' kernel)
 #   kernels: fused_moe_kernel.py at T = 1 and 2, qwen3-30b-a3b and gpt-oss-20b shapes: one
 #            layer of the experts in a CUDA graph against the floor; the routing (--routing
@@ -33,8 +33,8 @@ machine() {
 }
 run_tests() {
     ASYNCSTEP_TEST_DEVICE=cuda timeout 280 python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_moe_routing.py tests/gpu/test_fused_moe.py tests/gpu/test_triton_gemv.py \
-        tests/gpu/test_triton_fused.py > "$OUT/gpu_tests.txt" 2>&1
+        tests/gpu/test_moe_routing.py tests/gpu/test_triton_gemv.py tests/gpu/test_triton_fused.py \
+        > "$OUT/gpu_tests.txt" 2>&1
     tail -6 "$OUT/gpu_tests.txt"
 }
 run_kernels() {
