@@ -40,10 +40,8 @@ the model is not float32, the first forward dequantizes them, once.
 Load balance: each :class:`FusedMoE` counts the token rows routed to each of
 its experts (``tokens_per_expert``, on the device, no host sync: a CUDA
 graph replays the count too), every row it computes: a step's padding rows
-(CUDA graph sizes, sequence parallelism) count as well. A
-:class:`SparseMoeBlock` has its router count them (the op set's
-``select_experts(counts=...)``: Triton's routing kernel adds them as it
-routes, no launch of its own). Under expert
+(CUDA graph sizes, sequence parallelism) count as well; a
+:class:`SparseMoeBlock`'s router counts them (``select_experts(counts=)``). Under expert
 parallelism every rank counts the whole group's rows for every expert (the
 counts come with the dispatch plan), as every TP rank does without it.
 
