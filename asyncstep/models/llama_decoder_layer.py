@@ -89,13 +89,19 @@ class LlamaAttention(nn.Module):
             layer_idx=layer_idx,
         )
 
-    def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape)
-
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k through their RMSNorms (Qwen3: over each head)."""
+        """q and k through their RMSNorms (Qwen3: over each head), the op
+        set's ``qk_rms_norm`` (one launch on CUDA)."""
         assert self.q_norm is not None and self.k_norm is not None
-        return self._per_head_norm(q, self.q_norm), self._per_head_norm(k, self.k_norm)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        return q_norm.ops.ops.qk_rms_norm(
+            q,
+            k,
+            q_norm.weight,
+            k_norm.weight,
+            q_norm.eps,
+            float32_residual=q_norm.float32_residual,
+        )
 
     def qkv(
         self, cos_sin: RotaryCosSin, hidden: torch.Tensor

@@ -116,6 +116,22 @@ class OpSet(Protocol):
         """RMSNorm of ``x`` over its last dimension."""
         ...
 
+    def qk_rms_norm(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        *,
+        float32_residual: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k norms (Qwen3, Gemma 3): each head of ``q [T, Hq *
+        D]`` and ``k [T, Hk * D]`` (rows may be column slices of a qkv
+        output) through :meth:`rms_norm` over its D features, with
+        ``q_weight`` / ``k_weight`` ``[D]``; ``(q, k)`` of the shapes given."""
+        ...
+
     def add_rms_norm(
         self,
         x: torch.Tensor,
@@ -233,11 +249,14 @@ class OpSet(Protocol):
         *,
         renormalize: bool,
         scoring_func: str = "softmax",
+        counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A mixture-of-experts layer's router: each token's ``(topk_weights
         [T, k] float32, topk_ids [T, k] int32)`` from ``router_logits [T, E]``
         (:func:`asyncstep.ops.torch_moe.select_experts`, the reference:
-        scorings "softmax", "sigmoid", "topk_softmax"); ValueError for another."""
+        scorings "softmax", "sigmoid", "topk_softmax"); ValueError for another.
+        ``counts`` (the layer's load counter, int64 ``[E]`` on the device),
+        where given: each token's k experts added to it, on the device."""
         ...
 
     def step_path(self, layers: list[Any]) -> StepPath | None:

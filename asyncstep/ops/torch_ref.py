@@ -111,11 +111,17 @@ class TorchOps:
         *,
         renormalize: bool,
         scoring_func: str = "softmax",
+        counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """torch's softmax / sigmoid and ``topk`` (:mod:`~asyncstep.ops.torch_moe`)."""
-        return select_experts(
+        """torch's softmax / sigmoid and ``topk`` (:mod:`~asyncstep.ops.torch_moe`);
+        the counts by ``index_add_``."""
+        weights, ids = select_experts(
             router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func
         )
+        if counts is not None:
+            flat = ids.reshape(-1).long()
+            counts.index_add_(0, flat, torch.ones_like(flat))
+        return weights, ids
 
     def step_path(self, layers: list[Any]) -> StepPath | None:
         return None
@@ -126,6 +132,24 @@ class TorchOps:
         if float32_residual:
             return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
         return F.rms_norm(x, weight.shape, weight, eps)
+
+    def qk_rms_norm(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        *,
+        float32_residual: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`rms_norm` of q's heads, then of k's (the op set's own)."""
+        heads = []
+        for x, weight in ((q, q_weight), (k, k_weight)):
+            x_heads = x.view(x.shape[0], -1, weight.shape[0])
+            normed = self.rms_norm(x_heads, weight, eps, float32_residual=float32_residual)
+            heads.append(normed.view(x.shape))
+        return heads[0], heads[1]
 
     def add_rms_norm(
         self,

@@ -33,6 +33,7 @@ pytest.importorskip("triton", reason="the Triton kernels need triton")
 
 from asyncstep.ops.torch_attention import TORCH_ATTENTION  # noqa: E402
 from asyncstep.ops.torch_moe import select_experts  # noqa: E402
+from asyncstep.ops.torch_ref import TorchOps  # noqa: E402
 from asyncstep.ops.triton.fused_moe import fused_experts  # noqa: E402
 from asyncstep.ops.triton.invariant_ops import TritonInvariantOps  # noqa: E402
 from asyncstep.ops.triton.moe_routing import (  # noqa: E402
@@ -54,6 +55,8 @@ from tests.gpu.test_fused_moe import (  # noqa: E402
 
 #: Every T through the small-T path.
 ALWAYS = 1 << 30
+#: The reference op set (torch's routing).
+TORCH_OPS = TorchOps()
 
 
 # --------------------------------------------------------------------------
@@ -149,6 +152,28 @@ def test_ties_go_to_the_lower_expert_and_bad_arguments_are_value_errors() -> Non
     ].tolist() == [1, 3]
     empty = topk_route(logits[:0], 2, renormalize=False)
     assert empty[0].shape == (0, 2) and empty[1].shape == (0, 2)
+
+
+def test_the_routing_kernel_counts_each_token_s_experts() -> None:
+    """``counts``: each chosen expert plus one a token, added over calls (the
+    integer atomics' sums: the ids' bincount); the reference op set counts
+    alike by index_add_; counts that do not fit are ValueErrors."""
+    gen = torch.Generator().manual_seed(91)
+    counts = torch.full((32,), 5, dtype=torch.int64).to(DEVICE)
+    want = counts.clone().cpu()
+    for t in (7, 1):
+        logits = torch.randn(t, 32, generator=gen).to(DEVICE)
+        weights, ids = topk_route(logits, 4, renormalize=True, counts=counts)
+        uncounted = topk_route(logits, 4, renormalize=True)
+        assert torch.equal(weights, uncounted[0]) and torch.equal(ids, uncounted[1])
+        want += torch.bincount(ids.reshape(-1).long().cpu(), minlength=32)
+        assert torch.equal(counts.cpu(), want)
+        ref = torch.zeros(32, dtype=torch.int64).to(DEVICE)
+        TORCH_OPS.select_experts(logits, 4, renormalize=True, counts=ref)
+        assert torch.equal(ref.cpu(), torch.bincount(ids.reshape(-1).long().cpu(), minlength=32))
+    for bad in (counts.int(), counts[:31], torch.zeros(64, dtype=torch.int64).to(DEVICE)[::2]):
+        with pytest.raises(ValueError, match="counts"):
+            topk_route(logits, 4, renormalize=True, counts=bad)
 
 
 def test_the_op_sets_route_with_the_kernel() -> None:
@@ -296,8 +321,10 @@ COMPILE = textwrap.dedent(
 
     GEMV = dict(HAS_BIAS=True, BLOCK_N=16, BLOCK_K=256)
     CASES = [
-        (r.topk_route_kernel, dict(TOP_K=8, K_PAD=8, E_PAD=128, SCORING=0, RENORMALIZE=True),
-         {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}),
+        (r.topk_route_kernel, dict(TOP_K=8, K_PAD=8, E_PAD=128, SCORING=0, RENORMALIZE=True,
+                                   COUNT=True),
+         {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32",
+          "counts_ptr": "*i64"}),
         (r.align_count_kernel, dict(BLOCK_M=16, E_PAD=128, CHUNK=128, BLOCKS_STEP=64),
          {"ids_ptr": "*i32", "chunk_base_ptr": "*i32", "sorted_ids_ptr": "*i32",
           "expert_ids_ptr": "*i32", "padded_ptr": "*i64"}),

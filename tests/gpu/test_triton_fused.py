@@ -1,5 +1,5 @@
-"""The fused Triton kernels (residual add + RMSNorm, rotary embedding, silu and
-mul, rotary + KV-cache store) against the torch layers in
+"""The fused Triton kernels (residual add + RMSNorm, the per-head q/k norms,
+rotary embedding, silu and mul, rotary + KV-cache store) against the torch layers in
 ``asyncstep.models.layers`` and the unfused kernels: float32 to 1e-5, bfloat16
 to within one rounding of a float32 computation; strided q/k (column slices of a
 fused qkv), hidden sizes that are not powers of two, and the ValueErrors.
@@ -26,9 +26,11 @@ pytest.importorskip("triton")
 
 from asyncstep.models.layers.norm import RMSNorm  # noqa: E402
 from asyncstep.models.layers.rotary import RotaryEmbedding  # noqa: E402
+from asyncstep.ops.torch_ref import TorchOps  # noqa: E402
 from asyncstep.ops.triton.attention import store_kv_cache  # noqa: E402
 from asyncstep.ops.triton.fused import (  # noqa: E402
     fused_add_rms_norm,
+    qk_rms_norm,
     rotary_and_store_kv,
     rotary_embedding,
     silu_and_mul,
@@ -129,6 +131,74 @@ def test_add_rms_norm_rejects_bad_inputs() -> None:
         fused_add_rms_norm(x, torch.randn(32, 3, device=DEVICE).t(), weight, EPS)
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         fused_add_rms_norm(x.long(), x.long(), weight, EPS)
+
+
+# -- qk_rms_norm ---------------------------------------------------------------
+
+
+def per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The reference: ``F.rms_norm`` over each head of ``x [T, H * D]``, in float32."""
+    heads = x.float().view(x.shape[0], -1, weight.shape[0])
+    return F.rms_norm(heads, weight.shape, weight.float(), EPS).view(x.shape)
+
+
+@pytest.mark.parametrize(("head_dim", "heads"), [(16, (6, 2)), (24, (3, 3)), (128, (4, 1))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_rms_norm_on_qkv_slices(
+    dtype: torch.dtype, head_dim: int, heads: tuple[int, int]
+) -> None:
+    """q and k column slices of a fused qkv output (strided rows), each head
+    normed with its weight: float32 to 1e-5, bfloat16 one rounding of the
+    float32 norm; new contiguous outputs, the input untouched."""
+    q_size, kv_size = heads[0] * head_dim, heads[1] * head_dim
+    qkv = (torch.randn(5, q_size + 2 * kv_size, device=DEVICE) * 3).to(dtype)
+    before = qkv.clone()
+    q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+    q_weight = torch.rand(head_dim, device=DEVICE) + 0.5
+    k_weight = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype)
+    q_out, k_out = qk_rms_norm(q, k, q_weight, k_weight, EPS)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+    assert q_out.is_contiguous() and k_out.is_contiguous() and torch.equal(qkv, before)
+    for got, x, w in ((q_out, q, q_weight), (k_out, k, k_weight)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, per_head(x, w), rtol=1e-5, atol=1e-5)
+        else:
+            assert_rounded_once(got, per_head(x, w))
+
+
+def test_qk_rms_norm_through_the_op_sets() -> None:
+    """The Triton op set: one kernel on CUDA, the reference's two norms
+    elsewhere (the same bits as TorchOps there); TorchOps: its rms_norm."""
+    from asyncstep.ops.triton import TritonOps
+    from asyncstep.ops.triton.paged_attention import TritonAttention
+
+    qkv = torch.randn(3, 8 * 16, device=DEVICE).bfloat16()
+    q, k = qkv[:, : 6 * 16], qkv[:, 6 * 16 : 7 * 16]
+    q_weight = (torch.rand(16, device=DEVICE) + 0.5).bfloat16()
+    k_weight = (torch.rand(16, device=DEVICE) + 0.5).bfloat16()
+    args = (q, k, q_weight, k_weight, EPS)
+    want = TorchOps().qk_rms_norm(*args, float32_residual=False)
+    for got, x, w in zip(want, (q, k), (q_weight, k_weight), strict=True):
+        assert torch.equal(got, F.rms_norm(x.view(3, -1, 16), (16,), w, EPS).view(x.shape))
+    got = TritonOps(TritonAttention(rotates=True)).qk_rms_norm(*args, float32_residual=False)
+    kernel = qk_rms_norm(*args) if DEVICE.type == "cuda" else want
+    assert torch.equal(got[0], kernel[0]) and torch.equal(got[1], kernel[1])
+
+
+def test_qk_rms_norm_no_tokens_and_bad_inputs() -> None:
+    empty = torch.empty(0, 32, device=DEVICE)
+    weight = torch.ones(16, device=DEVICE)
+    q_out, k_out = qk_rms_norm(empty, empty[:, :16], weight, weight, EPS)
+    assert q_out.shape == (0, 32) and k_out.shape == (0, 16)
+    q = torch.randn(3, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="whole heads"):
+        qk_rms_norm(q, q[:, :24], weight, weight, EPS)
+    with pytest.raises(ValueError, match="whole heads"):
+        qk_rms_norm(q, q, weight, torch.ones(8, device=DEVICE), EPS)
+    with pytest.raises(ValueError, match="does not match"):
+        qk_rms_norm(q, q.bfloat16(), weight, weight, EPS)
+    with pytest.raises(ValueError, match="unit last stride"):
+        qk_rms_norm(q, torch.randn(32, 3, device=DEVICE).t(), weight, weight, EPS)
 
 
 # -- rotary_embedding ----------------------------------------------------------

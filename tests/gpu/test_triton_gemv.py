@@ -92,6 +92,24 @@ def test_each_picked_launch_computes_the_product(n: int, k: int) -> None:
     check(dense_gemv(x, w, launch), x, w)
 
 
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("n", "k", "launch"), [(32, 256, GemvLaunch(8, 64, 2)), (30, 200, None)])
+def test_the_bias_is_added_before_the_one_rounding(
+    n: int, k: int, launch: GemvLaunch | None, bias_dtype: torch.dtype
+) -> None:
+    """``bias`` (gpt-oss's projections): the float64 ``x @ w.T + b`` within
+    one rounding, in x's dtype; a bias that does not fit is a ValueError."""
+    w = torch.randn(n, k, device=DEVICE).bfloat16()
+    x = torch.randn(1, k, device=DEVICE).bfloat16()
+    bias = (torch.randn(n, device=DEVICE) * 4).to(bias_dtype)
+    out = dense_gemv(x, w, launch, bias=bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, n)
+    exact = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(out.double(), exact, rtol=ROUNDING[x.dtype], atol=1e-3)
+    with pytest.raises(ValueError, match="bias"):
+        dense_gemv(x, w, launch, bias=bias[:-1])
+
+
 @pytest.mark.parametrize(
     ("x", "w", "match"),
     [
@@ -114,8 +132,8 @@ def test_the_fused_decode_op_set_takes_it_for_one_row_16_bit_steps_on_cuda(rows:
     x = torch.randn(rows, 64, device=DEVICE).bfloat16()
     gemv_ops = TritonOps(TritonAttention(rotates=True), fused_decode=True)
     out = gemv_ops.linear(x, w, None, bias)
-    if DEVICE.type == "cuda" and rows == 1:
-        torch.testing.assert_close(out, dense_gemv(x, w) + bias, rtol=0, atol=0)
+    if DEVICE.type == "cuda" and rows == 1:  # the bias in the GEMV's epilogue
+        assert torch.equal(out, dense_gemv(x, w, bias=bias))
     else:  # F.linear, bit for bit
         assert torch.equal(out, F.linear(x, w, bias))
     plain = TritonOps(TritonAttention(rotates=True))

@@ -235,7 +235,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split along its input columns: each rank
     multiplies its slice of the input features, then the partial sums are
-    all-reduced over the TP group (the bias is added once, after the sum).
+    all-reduced over the TP group (the bias is added once, after the sum;
+    on one rank, by the op set's ``linear``).
     With ``sequence_parallel`` they are reduce-scattered along tokens instead:
     each rank gets the summed output of its ``1 / tp_size`` of the rows."""
 
@@ -274,6 +275,8 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param, loaded.narrow(1, self.tp_rank * shard, shard), "row-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # nothing to reduce: the bias in the op set's linear
+            return self.ops.ops.linear(x, self.weight, self.packed, self.bias)
         y = self.ops.ops.linear(x, self.weight, self.packed)
         if self.reduce_results:
             y = reduce_partial_sums(y, self.sequence_parallel)

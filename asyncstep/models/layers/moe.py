@@ -40,7 +40,8 @@ the model is not float32, the first forward dequantizes them, once.
 Load balance: each :class:`FusedMoE` counts the token rows routed to each of
 its experts (``tokens_per_expert``, on the device, no host sync: a CUDA
 graph replays the count too), every row it computes: a step's padding rows
-(CUDA graph sizes, sequence parallelism) count as well. Under expert
+(CUDA graph sizes, sequence parallelism) count as well; a
+:class:`SparseMoeBlock`'s router counts them (``select_experts(counts=)``). Under expert
 parallelism every rank counts the whole group's rows for every expert (the
 counts come with the dispatch plan), as every TP rank does without it.
 
@@ -265,15 +266,22 @@ class FusedMoE(nn.Module):
         return None
 
     def forward(
-        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        counted: bool = False,
     ) -> torch.Tensor:
         """The weighted sum of each row's experts. Under expert parallelism
         ``hidden`` holds this rank's share of the rows (see the module doc)
-        and so does the result (no reduction)."""
+        and so does the result (no reduction). ``counted``: the router has
+        added the rows to ``tokens_per_expert`` already."""
         if self.use_ep:
             return self.forward_ep(hidden, topk_weights, topk_ids)
-        ids = topk_ids.reshape(-1).long()
-        self.tokens_per_expert.index_add_(0, ids, torch.ones_like(ids))
+        if not counted:
+            ids = topk_ids.reshape(-1).long()
+            self.tokens_per_expert.index_add_(0, ids, torch.ones_like(ids))
         w2_bias = self.w2_bias if self.tp_rank == 0 else None  # the reduced sum holds it once
         packed = self.packed_ops()
         if packed is not None:
@@ -414,14 +422,22 @@ class SparseMoeBlock(nn.Module):
         if self.experts.use_ep:
             return self.forward_ep(x)
         x = gather_tokens(x, self.sequence_parallel)
-        return self.experts(x, *self.route(x))
+        counts = self.experts.tokens_per_expert
+        return self.experts(x, *self.route(x, counts=counts), counted=True)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, x: torch.Tensor, *, counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's ``(topk_weights, topk_ids)``: the op set's
         :meth:`~asyncstep.ops.base.OpSet.select_experts` (the reference:
-        :func:`select_experts`)."""
+        :func:`select_experts`), each row's experts added to ``counts``
+        where given."""
         return self.ops.ops.select_experts(
-            self.gate(x), self.top_k, renormalize=self.renormalize, scoring_func=self.scoring_func
+            self.gate(x),
+            self.top_k,
+            renormalize=self.renormalize,
+            scoring_func=self.scoring_func,
+            counts=counts,
         )
 
     def forward_ep(self, x: torch.Tensor) -> torch.Tensor:

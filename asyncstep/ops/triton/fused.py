@@ -4,6 +4,9 @@
 of ``x`` and ``residual``, one write of each output), equal to
 ``RMSNorm.forward_residual`` in ``asyncstep.models.layers.norm``.
 
+``qk_rms_norm``: Qwen3's (and Gemma 3's) per-head RMSNorms of q and k in
+one kernel, a program a token (torch's ``rms_norm`` takes a launch each).
+
 ``rotary_embedding``: neox-style rotary embedding of q and k, in place, equal
 to ``RotaryEmbedding`` in ``asyncstep.models.layers.rotary`` (here with the
 cos/sin kept in float32).
@@ -32,7 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fused_add_rms_norm", "rotary_and_store_kv", "rotary_embedding", "silu_and_mul"]
+__all__ = [
+    "fused_add_rms_norm",
+    "qk_rms_norm",
+    "rotary_and_store_kv",
+    "rotary_embedding",
+    "silu_and_mul",
+]
 
 #: Widest row one program handles (elements): a row lives in registers.
 _MAX_BLOCK = 65536
@@ -132,6 +141,115 @@ def fused_add_rms_norm(
         num_warps=_num_warps(block),
     )
     return out, residual_out
+
+
+@triton.jit
+def _norm_heads(  # type: ignore[no-untyped-def]
+    x_ptr, w_ptr, out_ptr, row, row_stride, heads, head_dim, eps, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Row ``row``'s heads (each ``head_dim`` features) RMSNormed in float32
+    with weight ``w [head_dim]``, rounded once into the contiguous out."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < heads) & (d < head_dim)
+    x = tl.load(x_ptr + row * row_stride + h * head_dim + d, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / head_dim + eps)
+    w = tl.load(w_ptr + d, mask=d < head_dim, other=0.0).to(tl.float32)
+    y = x * inv_rms[:, None] * w
+    out = out_ptr + row * heads * head_dim + h * head_dim + d
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_rms_norm_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_row_stride,
+    k_row_stride,
+    q_heads,
+    k_heads,
+    head_dim,
+    eps,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid ``(tokens,)``: the token's q heads, then its k heads."""
+    row = tl.program_id(0).to(tl.int64)
+    _norm_heads(
+        q_ptr, q_weight_ptr, q_out_ptr, row, q_row_stride, q_heads, head_dim, eps, BLOCK_HQ,
+        BLOCK_D,
+    )  # fmt: skip
+    _norm_heads(
+        k_ptr, k_weight_ptr, k_out_ptr, row, k_row_stride, k_heads, head_dim, eps, BLOCK_HK,
+        BLOCK_D,
+    )  # fmt: skip
+
+
+def qk_rms_norm(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(q_out, k_out)``: each head of ``q [tokens, Hq * D]`` and
+    ``k [tokens, Hk * D]`` (one dtype; rows may be strided, unit last
+    stride: column slices of a fused qkv output) RMSNormed over its D
+    features with ``q_weight`` / ``k_weight`` ``[D]`` (any float dtype), in
+    float32, rounded once to q's dtype; new contiguous tensors of q's and
+    k's shapes. The same as ``rms_norm`` of each viewed ``[tokens, H, D]``."""
+    _check_rows("q", q)
+    _check_rows("k", k)
+    head_dim = q_weight.shape[0] if q_weight.dim() == 1 else 0
+    if (
+        head_dim == 0
+        or k_weight.shape != (head_dim,)
+        or q.shape[1] % head_dim
+        or k.shape[1] % head_dim
+    ):
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must be whole heads of the weights' "
+            f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)} features"
+        )
+    if k.dtype != q.dtype or k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"k {k.dtype} {tuple(k.shape)} does not match q {q.dtype} {tuple(q.shape)}"
+        )
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.dtype not in _FLOAT_DTYPES or (head_dim > 1 and w.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous float tensor, got {w.dtype}")
+    if not q.device == k.device == q_weight.device == k_weight.device:
+        raise ValueError("q, k and their weights must be on one device")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_heads, k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    block = triton.next_power_of_2(max(q_heads, k_heads, 1) * head_dim)
+    if q.shape[0] == 0 or block > _MAX_BLOCK:
+        if q.shape[0] == 0:
+            return q_out, k_out
+        raise ValueError(f"{q_heads} heads of {head_dim} too large (at most {_MAX_BLOCK})")
+    _qk_rms_norm_kernel[(q.shape[0],)](
+        q,
+        k,
+        q_weight,
+        k_weight,
+        q_out,
+        k_out,
+        q.stride(0),
+        k.stride(0),
+        q_heads,
+        k_heads,
+        head_dim,
+        float(eps),
+        BLOCK_HQ=triton.next_power_of_2(q_heads),
+        BLOCK_HK=triton.next_power_of_2(k_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=_num_warps(block),
+    )
+    return q_out, k_out
 
 
 @triton.jit

@@ -5,7 +5,8 @@ A decode step of one request reads every weight once for one row; cuBLAS
 runs it as a GEMV, on the 4096-row weights of an 8B model with a split-K
 and a separate reduce kernel. :func:`dense_gemv` streams each program's
 ``BLOCK_N`` rows in ``BLOCK_K``-wide chunks, accumulates the products in
-float32 and sums each row once at the end (one rounding to x's dtype).
+float32 and sums each row once at the end, adding the optional bias in
+float32 (one rounding to x's dtype; no launch of its own).
 The launch (:func:`gemv_launch`) is picked by measurement on llama-8b's and
 llama-1b's shapes (the study and its figures:
 ``benchmarks/studies/decode_kernels/README.md``).
@@ -60,6 +61,7 @@ def gemv_launch(n: int, k: int) -> GemvLaunch:
 def _dense_gemv_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     w_ptr,
+    bias_ptr,
     out_ptr,
     N,
     K,
@@ -67,9 +69,10 @@ def _dense_gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """``out[n] = sum_k w[n, k] x[k]`` for this program's rows (EVEN: every
-    tile inside, unmasked)."""
+    """``out[n] = sum_k w[n, k] x[k] (+ bias[n])`` for this program's rows
+    (EVEN: every tile inside, unmasked), summed in float32."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     k = tl.arange(0, BLOCK_K)
@@ -84,18 +87,32 @@ def _dense_gemv_kernel(  # type: ignore[no-untyped-def]
             w = tl.load(rows + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             x = tl.load(x_ptr + k0 + k, mask=k_mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + n, out, mask=n_mask)
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def dense_gemv(
-    x: torch.Tensor, weight: torch.Tensor, launch: GemvLaunch | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    launch: GemvLaunch | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` ``[..., K]`` holding one row (bfloat16 or
-    float16) and ``weight`` ``[N, K]`` of its dtype and device, with unit
-    stride along K; in x's dtype, shaped ``[..., N]``."""
+    """``x @ weight.T (+ bias)`` for ``x`` ``[..., K]`` holding one row
+    (bfloat16 or float16), ``weight`` ``[N, K]`` of its dtype and device,
+    with unit stride along K, and an optional ``bias`` ``[N]`` (any float
+    dtype, on the device; added in float32 before the one rounding); in
+    x's dtype, shaped ``[..., N]``."""
     _check(x, weight)
     n, k = weight.shape
+    if bias is not None and (
+        tuple(bias.shape) != (n,) or not bias.is_floating_point() or bias.device != x.device
+    ):
+        raise ValueError(
+            f"bias must be a float [{n}] on {x.device}, got {bias.dtype} "
+            f"{tuple(bias.shape)} on {bias.device}"
+        )
     x1 = x.reshape(k).contiguous()
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     cfg = launch or gemv_launch(n, k)
@@ -103,6 +120,7 @@ def dense_gemv(
         _dense_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
             x1,
             weight,
+            bias.contiguous() if bias is not None else weight,  # any pointer: HAS_BIAS is off
             out,
             n,
             k,
@@ -110,8 +128,11 @@ def dense_gemv(
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
             EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
+            HAS_BIAS=bias is not None,
             num_warps=cfg.num_warps,
         )
+    elif bias is not None:
+        out.copy_(bias)
     else:
         out.zero_()
     return out.reshape(*x.shape[:-1], n)

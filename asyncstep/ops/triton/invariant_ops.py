@@ -82,6 +82,21 @@ class TritonInvariantOps(TritonOps):
 
         return rms_norm(x, weight, eps)
 
+    def qk_rms_norm(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        *,
+        float32_residual: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's two norms, each through this op set's :meth:`rms_norm`."""
+        return super(TritonOps, self).qk_rms_norm(  # the reference's, past the Triton op set's
+            q, k, q_weight, k_weight, eps, float32_residual=float32_residual
+        )
+
     def add_rms_norm(
         self,
         x: torch.Tensor,

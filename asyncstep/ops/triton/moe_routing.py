@@ -8,7 +8,8 @@ from shapes alone, so a CUDA graph captures them.
   top k of the float32 softmax or sigmoid of the router logits, ties to the
   lower expert id, renormalised where asked; "topk_softmax": the softmax of
   the top k logits) in one kernel, a program a token: a token's routing
-  does not depend on the others.
+  does not depend on the others. It adds each token's experts to a layer's
+  load counter too, where given (no launch of its own).
 * :func:`moe_align_block_size`: the pairs ``p = t * k + j`` of ``topk_ids``
   listed by expert, each expert's run padded to block_m
   (:class:`MoeAlignment`), the same tensors as :func:`torch_align_block_size`
@@ -84,16 +85,33 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def topk_route(
-    router_logits: torch.Tensor, top_k: int, *, renormalize: bool, scoring_func: str = "softmax"
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool,
+    scoring_func: str = "softmax",
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's experts (see the module doc): ``router_logits [T, E]``
-    of any float dtype and strides; ValueError for a scoring it does not
-    know or a top_k outside ``[1, E]``."""
+    of any float dtype and strides; ``counts`` (int64 ``[E]``, contiguous,
+    on the logits' device), where given: each chosen expert's entry plus
+    one a token. ValueError for a scoring it does not know, a top_k outside
+    ``[1, E]`` or counts that do not fit."""
     if scoring_func not in SCORING:
         raise ValueError(f"unsupported router scoring {scoring_func!r}")
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if counts is not None and (
+        counts.dtype != torch.int64
+        or tuple(counts.shape) != (num_experts,)
+        or not counts.is_contiguous()
+        or counts.device != router_logits.device
+    ):
+        raise ValueError(
+            f"counts must be contiguous int64 [{num_experts}] on {router_logits.device}, "
+            f"got {counts.dtype} {tuple(counts.shape)} on {counts.device}"
+        )
     device = router_logits.device
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
@@ -103,6 +121,7 @@ def topk_route(
         router_logits,
         weights,
         ids,
+        counts if counts is not None else ids,  # any pointer: COUNT is off
         num_experts,
         *router_logits.stride(),
         weights.stride(0),
@@ -112,6 +131,7 @@ def topk_route(
         E_PAD=triton.next_power_of_2(num_experts),
         SCORING=SCORING[scoring_func],
         RENORMALIZE=renormalize,
+        COUNT=counts is not None,
     )
     return weights, ids
 

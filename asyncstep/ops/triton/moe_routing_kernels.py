@@ -6,7 +6,9 @@ contract).
   router logits (softmax, sigmoid, or the logits themselves for
   "topk_softmax"), the top k by repeated arg-max (ties to the lower expert
   id, as torch's ``topk``; NaN above everything, each id once), then the
-  weights (renormalised, or the softmax of the k logits), stored ``[T, k]``.
+  weights (renormalised, or the softmax of the k logits), stored ``[T, k]``;
+  where COUNT, each chosen expert's load counter incremented (an integer
+  ``atomic_add``: exact in any order).
 * :func:`align_count_kernel`: one program: each expert's pair count, its run
   padded to BLOCK_M and the runs' starts (a cumsum), every chunk of CHUNK
   pairs' first slot per expert, each block's expert, the padded total, and
@@ -47,6 +49,7 @@ def topk_route_kernel(
     logits_ptr: tl.tensor,
     weights_ptr: tl.tensor,
     ids_ptr: tl.tensor,
+    counts_ptr: tl.tensor,
     E: tl.tensor,
     stride_lt: tl.tensor,
     stride_le: tl.tensor,
@@ -57,9 +60,11 @@ def topk_route_kernel(
     E_PAD: tl.constexpr,
     SCORING: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    COUNT: tl.constexpr,
 ) -> None:
     """Grid ``(T,)``; E_PAD and K_PAD powers of two, at least E and TOP_K;
-    weights float32 ``[T, k]`` and ids int32 ``[T, k]`` contiguous rows."""
+    weights float32 ``[T, k]`` and ids int32 ``[T, k]`` contiguous rows;
+    counts int64 ``[E]`` contiguous (read where COUNT)."""
     t = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, E_PAD)
     e_mask = es < E
@@ -97,6 +102,9 @@ def topk_route_kernel(
         top = top / tl.sum(tl.where(k_mask, top, 0.0), 0)
     tl.store(weights_ptr + t * stride_wt + ks, top, mask=k_mask)
     tl.store(ids_ptr + t * stride_it + ks, top_ids, mask=k_mask)
+    if COUNT:
+        ones = tl.full([K_PAD], 1, tl.int64)
+        tl.atomic_add(counts_ptr + top_ids, ones, mask=k_mask, sem="relaxed")
 
 
 @triton.jit

@@ -69,7 +69,7 @@ class TritonOps(TorchOps):
         elif self.fused_decode and _one_row_on_cuda(x, weight):
             from asyncstep.ops.triton.gemv import dense_gemv
 
-            y = dense_gemv(x, weight)
+            return dense_gemv(x, weight, bias=bias)  # the bias in its epilogue
         else:
             return F.linear(x, weight, bias)
         return y if bias is None else y + bias
@@ -96,6 +96,27 @@ class TritonOps(TorchOps):
         from asyncstep.ops.triton.fused import fused_add_rms_norm
 
         return fused_add_rms_norm(x, residual, weight, eps)
+
+    def qk_rms_norm(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        *,
+        float32_residual: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """On CUDA both norms in one kernel
+        (:func:`~asyncstep.ops.triton.fused.qk_rms_norm`); elsewhere, or
+        with ``float32_residual``, the reference's two."""
+        if not q.is_cuda or float32_residual:
+            return super().qk_rms_norm(
+                q, k, q_weight, k_weight, eps, float32_residual=float32_residual
+            )
+        from asyncstep.ops.triton.fused import qk_rms_norm
+
+        return qk_rms_norm(q, k, q_weight, k_weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         from asyncstep.ops.triton.fused import silu_and_mul
@@ -155,12 +176,19 @@ class TritonOps(TorchOps):
         *,
         renormalize: bool,
         scoring_func: str = "softmax",
+        counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One kernel, a program a token
+        """One kernel, a program a token, the counts among its work
         (:func:`~asyncstep.ops.triton.moe_routing.topk_route`)."""
         from asyncstep.ops.triton.moe_routing import topk_route
 
-        return topk_route(router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func)
+        return topk_route(
+            router_logits,
+            top_k,
+            renormalize=renormalize,
+            scoring_func=scoring_func,
+            counts=counts,
+        )
 
 
 def _one_row_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:
