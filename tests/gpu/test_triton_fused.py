@@ -31,10 +31,9 @@ from asyncstep.ops.triton.attention import store_kv_cache  # noqa: E402
 from asyncstep.ops.triton.fused import (  # noqa: E402
     fused_add_rms_norm,
     qk_rms_norm,
-    rotary_and_store_kv,
-    rotary_embedding,
     silu_and_mul,
 )
+from asyncstep.ops.triton.rotary import rotary_and_store_kv, rotary_embedding  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
 if DEVICE.type == "cuda" and not torch.cuda.is_available():

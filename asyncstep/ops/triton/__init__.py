@@ -1,8 +1,8 @@
 """The Triton kernels (CUDA; on the CPU under ``TRITON_INTERPRET=1`` in the
 tests) and their op set (:mod:`.ops`): paged attention and the KV-cache
 store (:mod:`.attention`; its kernels in :mod:`.attention_kernels` and
-:mod:`.decode_kernels`), the residual add + RMSNorm, ``silu * up`` and rotary
-(+ store) (:mod:`.fused`), the one-row GEMV of dense 16-bit weights
+:mod:`.decode_kernels`), the residual add + RMSNorm, the q/k norms and ``silu * up``
+(:mod:`.fused`), the rotary (+ store) (:mod:`.rotary`), the one-row GEMV of dense 16-bit weights
 (:mod:`.gemv`), Q4 / Q8 weights (:mod:`.quant`; their layouts in
 :mod:`.quant_layout`, their kernels in :mod:`.quant_kernels`, the int8
 activations' packed math in :mod:`.quant_packed`), programmatic dependent

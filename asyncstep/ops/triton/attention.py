@@ -280,7 +280,7 @@ def rotary_store_and_attend(
     max_query_len: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`~asyncstep.ops.triton.fused.rotary_and_store_kv` (q, k, v:
+    """:func:`~asyncstep.ops.triton.rotary.rotary_and_store_kv` (q, k, v:
     ``[tokens, heads * head_dim]`` column slices, unrotated) then
     :func:`paged_attention`; returns the attention's output ``[tokens,
     num_heads, head_dim]``. A uniform decode batch (``uniform_decode``:
@@ -294,7 +294,7 @@ def rotary_store_and_attend(
     be its key's index (``seq_len - 1``): the kernel takes it from there,
     ``positions`` only where it runs the two calls. ``sinks``: as
     :func:`paged_attention`'s."""
-    from asyncstep.ops.triton.fused import rotary_and_store_kv
+    from asyncstep.ops.triton.rotary import rotary_and_store_kv
 
     head_dim = kv_cache.shape[4]
     tokens = q.shape[0]
@@ -310,8 +310,8 @@ def rotary_store_and_attend(
             max_query_len=max_query_len,
             sinks=sinks,
         )
-    from asyncstep.ops.triton.fused import _check_rotary_args
-    from asyncstep.ops.triton.fused import _check_store_args as _check_kv_args
+    from asyncstep.ops.triton.rotary import _check_rotary_args
+    from asyncstep.ops.triton.rotary import _check_store_args as _check_kv_args
 
     _check_rotary_args(positions, q, k, cos_sin_cache, head_dim)
     _check_kv_args(k, v, head_dim, kv_cache, slot_mapping)

@@ -18,7 +18,7 @@ the same bits. Attention sinks (gpt-oss) start each row's fold (the
 fold's maximum the sink, its sum 1) before split 0, in both launches.
 
 :class:`TritonInvariantAttention`: the KV store rotating q and k
-(:func:`~asyncstep.ops.triton.fused.rotary_and_store_kv`) then this
+(:func:`~asyncstep.ops.triton.rotary.rotary_and_store_kv`) then this
 attention; no fused decode path (its split count depends on the batch).
 
 May import torch, triton (on use) and :mod:`asyncstep.ops`' attention
@@ -185,7 +185,7 @@ class TritonInvariantAttention:
         cos_sin_cache: torch.Tensor | None,
     ) -> torch.Tensor:
         from asyncstep.ops.triton.attention import store_kv_cache
-        from asyncstep.ops.triton.fused import rotary_and_store_kv
+        from asyncstep.ops.triton.rotary import rotary_and_store_kv
 
         n, width = q.shape[0], shape.num_heads * shape.head_dim
         if cos_sin_cache is not None:

@@ -136,7 +136,7 @@ class TritonOps(TorchOps):
         cos_sin_cache: torch.Tensor,
         head_dim: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from asyncstep.ops.triton.fused import rotary_embedding
+        from asyncstep.ops.triton.rotary import rotary_embedding
 
         return rotary_embedding(cos_sin.positions, q, k, cos_sin_cache, head_dim)
 

@@ -5,7 +5,7 @@ too: a pad stores nothing (slot -1) and attends to nothing (past
 ``query_start_loc[-1]``: zeros).
 
 ``rotates``: q and k come unrotated, and the KV store rotates them in
-place as it stores the keys (:func:`~asyncstep.ops.triton.fused.rotary_and_store_kv`);
+place as it stores the keys (:func:`~asyncstep.ops.triton.rotary.rotary_and_store_kv`);
 with ``fused_decode`` a uniform decode batch rotates and stores inside the
 split-KV attention kernel (one kernel fewer). Not ``rotates``: q and k
 come rotated and the store only stores. A layer with a sliding window runs
@@ -60,7 +60,7 @@ class TritonAttention:
             rotary_store_and_attend,
             store_kv_cache,
         )
-        from asyncstep.ops.triton.fused import rotary_and_store_kv
+        from asyncstep.ops.triton.rotary import rotary_and_store_kv
 
         n, width = q.shape[0], shape.num_heads * shape.head_dim
         if self.rotates and cos_sin_cache is not None:

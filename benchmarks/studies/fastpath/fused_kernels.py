@@ -70,12 +70,8 @@ def cases(tokens: int, hidden: int, head_dim: int, dtype: torch.dtype) -> dict[s
     import triton
 
     from asyncstep.ops.triton.attention import store_kv_cache
-    from asyncstep.ops.triton.fused import (
-        fused_add_rms_norm,
-        rotary_and_store_kv,
-        rotary_embedding,
-        silu_and_mul,
-    )
+    from asyncstep.ops.triton.fused import fused_add_rms_norm, silu_and_mul
+    from asyncstep.ops.triton.rotary import rotary_and_store_kv, rotary_embedding
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     residual = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
