@@ -136,7 +136,7 @@ def test_the_split_follows_the_weight_shape_alone() -> None:
     long prompt, the LM head unsplit; the split size is a function of (N, K)."""
     cpu = torch.device("cpu")
     splits = {(n, k): -(-k // split_k(n, k)) for n, k in LLAMA_8B}
-    assert splits == {(6144, 4096): 6, (4096, 4096): 8, (28672, 4096): 2, (4096, 14336): 8,
+    assert splits == {(6144, 4096): 3, (4096, 4096): 4, (28672, 4096): 1, (4096, 14336): 4,
                       (128256, 4096): 1}  # fmt: skip
     for (n, k), s in splits.items():
         assert -(-n // TILE.block_n) * s >= min(TARGET_PROGRAMS, n // TILE.block_n * k // 256)
