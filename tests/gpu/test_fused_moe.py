@@ -250,6 +250,7 @@ def test_any_strides_give_the_same_bits() -> None:
 # batch invariance
 
 
+@pytest.mark.usefixtures("row_wise_interpreted_dot")  # OpenBLAS's AVX2 sgemm: see conftest.py
 @pytest.mark.parametrize(
     ("dtype", "activation"), [(torch.float32, "silu"), (torch.bfloat16, "swigluoai")]
 )
