@@ -35,6 +35,7 @@ from asyncstep.ops.torch_attention import TORCH_ATTENTION  # noqa: E402
 from asyncstep.ops.torch_moe import select_experts  # noqa: E402
 from asyncstep.ops.torch_ref import TorchOps  # noqa: E402
 from asyncstep.ops.triton.fused_moe import fused_experts  # noqa: E402
+from asyncstep.ops.triton.fused_moe_gemv import GEMV_TILE, INTERPRETER_GEMV_TILE  # noqa: E402
 from asyncstep.ops.triton.invariant_ops import TritonInvariantOps  # noqa: E402
 from asyncstep.ops.triton.moe_routing import (  # noqa: E402
     CHUNK,
@@ -206,6 +207,20 @@ def test_the_small_t_path_matches_the_float64_loop(
     want = reference(x, experts, weights, ids, activation)
     assert_near(small, want, dtype)
     assert_near(fused_experts(x, **kwargs, gemv_max_pairs=0), want, dtype)
+
+
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+def test_each_small_t_tile_gives_the_small_t_sums(activation: str) -> None:
+    """GEMV_TILE (CUDA's: one column a program) and the interpreter's wider
+    tile run the same kernels: the same products within float32 rounding."""
+    experts = make_experts(4, torch.float32, seed=41, biases=activation == "swigluoai")
+    weights, ids = make_routing(1, 4, 2, seed=42)
+    x = torch.randn(1, H).to(DEVICE)
+    kwargs = _call(experts, weights, ids, activation)
+    tiles = (GEMV_TILE, INTERPRETER_GEMV_TILE)
+    narrow, wide = (fused_experts(x, **kwargs, gemv_max_pairs=ALWAYS, gemv_tile=t) for t in tiles)
+    torch.testing.assert_close(narrow, wide, rtol=1e-5, atol=1e-6)
+    assert_near(narrow, reference(x, experts, weights, ids, activation), torch.float32)
 
 
 def test_the_small_t_path_without_biases_for_swigluoai_and_silu_with() -> None:

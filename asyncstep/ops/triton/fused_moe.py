@@ -61,6 +61,7 @@ from asyncstep.ops.triton.fused_moe_gemv import (
     GEMV_MAX_PAIRS,
     GEMV_TILE,
     GemvTile,
+    default_gemv_tile,
     small_t_experts,
 )
 from asyncstep.ops.triton.fused_moe_kernels import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
@@ -132,12 +133,13 @@ def fused_experts(
     interleaved_gate_up: bool = False,
     tile: MoeTile = TILE,
     gemv_max_pairs: int = GEMV_MAX_PAIRS,
-    gemv_tile: GemvTile = GEMV_TILE,
+    gemv_tile: GemvTile | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum ``[T, H]`` of hidden's dtype (the module's
     contract). ``interleaved_gate_up``: w13 (and w13_bias) interleave gate
     and up rows instead. ``T * k <= gemv_max_pairs``: the small-T path
-    (``gemv_tile``), else the grouped GEMM (``tile``). ValueError for
+    (``gemv_tile``; by default GEMV_TILE on CUDA, a wider one under the
+    interpreter), else the grouped GEMM (``tile``). ValueError for
     shapes, dtypes, devices or an activation that do not fit."""
     _check_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     num_tokens, hidden_size = hidden.shape
@@ -148,8 +150,9 @@ def fused_experts(
     if num_tokens * top_k <= gemv_max_pairs:
         weights = topk_weights.to(torch.float32)
         experts = (w13, w2, w13_bias, w2_bias)
+        gemv = gemv_tile or default_gemv_tile(hidden.device)
         small_t_experts(
-            hidden, experts, weights, topk_ids, activation, interleaved_gate_up, gemv_tile, out
+            hidden, experts, weights, topk_ids, activation, interleaved_gate_up, gemv, out
         )
         return out
     align = moe_align_block_size(topk_ids, num_experts, tile.block_m)

@@ -21,7 +21,14 @@ import triton
 from asyncstep.ops.triton import fused_moe_kernels as kernels
 from asyncstep.ops.triton.fused_moe_kernels import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 
-__all__ = ["GEMV_MAX_PAIRS", "GEMV_TILE", "GemvTile", "small_t_experts"]
+__all__ = [
+    "GEMV_MAX_PAIRS",
+    "GEMV_TILE",
+    "INTERPRETER_GEMV_TILE",
+    "GemvTile",
+    "default_gemv_tile",
+    "small_t_experts",
+]
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,18 @@ class GemvTile:
 #: us against 42.0 for the earlier 4-column, 512-wide tile, gpt-oss-20b
 #: 82.8 against 93.5.
 GEMV_TILE = GemvTile(block_n=1, block_k=1024, num_warps=2, num_stages=3, down_block_n=1)
+
+#: The tile off CUDA (the Triton interpreter, the tests): the interpreter
+#: runs one program at a time in Python, so GEMV_TILE's one column a
+#: program makes the small-T path 4x the programs of this 4-column tile
+#: (the tile before the H100 sweep); the kernels' code is the same.
+INTERPRETER_GEMV_TILE = GemvTile(block_n=4, block_k=512, num_warps=4, num_stages=3, down_block_n=4)
+
+
+def default_gemv_tile(device: torch.device) -> GemvTile:
+    """GEMV_TILE on CUDA, INTERPRETER_GEMV_TILE elsewhere."""
+    return GEMV_TILE if device.type == "cuda" else INTERPRETER_GEMV_TILE
+
 
 #: The most pairs (``T * top_k``) the small-T path takes (0: never). A
 #: decode step's few pairs read each expert's rows once a pair: the GEMV
