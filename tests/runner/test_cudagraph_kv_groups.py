@@ -189,6 +189,7 @@ async def test_piecewise_graphs_give_the_eager_tokens(
 
 
 @pytest.mark.trio
+@pytest.mark.timeout(600)  # interpreted Triton MoE and attention, two engines: ~210 s quiet
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma3"])
 async def test_full_decode_graphs_with_triton_attention_give_the_eager_tokens(
     family: str, request: pytest.FixtureRequest, counted: dict[str, int]
