@@ -20,7 +20,7 @@ formats, reference attention and reference experts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,32 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int)
     x = x.view(shape[0], -1, head_dim)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
+
+
+class RmsNorm(Protocol):
+    """An op set's :meth:`~TorchOps.rms_norm`."""
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, float32_residual: bool
+    ) -> torch.Tensor: ...
+
+
+def per_head_rms_norms(
+    rms_norm: RmsNorm,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    float32_residual: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm`` over each head of q, then of k (``qk_rms_norm`` as two norms)."""
+    heads = []
+    for x, weight in ((q, q_weight), (k, k_weight)):
+        x_heads = x.view(x.shape[0], -1, weight.shape[0])
+        normed = rms_norm(x_heads, weight, eps, float32_residual=float32_residual)
+        heads.append(normed.view(x.shape))
+    return heads[0], heads[1]
 
 
 class TorchOps:
@@ -144,12 +170,7 @@ class TorchOps:
         float32_residual: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`rms_norm` of q's heads, then of k's (the op set's own)."""
-        heads = []
-        for x, weight in ((q, q_weight), (k, k_weight)):
-            x_heads = x.view(x.shape[0], -1, weight.shape[0])
-            normed = self.rms_norm(x_heads, weight, eps, float32_residual=float32_residual)
-            heads.append(normed.view(x.shape))
-        return heads[0], heads[1]
+        return per_head_rms_norms(self.rms_norm, q, k, q_weight, k_weight, eps, float32_residual)
 
     def add_rms_norm(
         self,

@@ -97,12 +97,13 @@ PARALLEL_WAVES = 4
 _DEFAULT_NUM_SMS = 132
 
 
-def split_k(n: int, k: int, tile: MatmulTile = TILE) -> int:
+def split_k(n: int, k: int, tile: MatmulTile | None = None) -> int:
     """The features a split sums for an ``[n, k]`` weight (a multiple of
     ``tile.block_k``; ``>= k`` when K is not split): splits enough for
     :data:`TARGET_PROGRAMS` programs over N's column tiles, each at least
     :data:`MIN_SPLIT_K` features, cut evenly in BLOCK_K steps. A function
-    of (N, K) only."""
+    of (N, K) only (``tile``: :data:`TILE` where None)."""
+    tile = tile or TILE
     n_tiles = max(1, triton.cdiv(n, tile.block_n))
     splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, n_tiles), k // MIN_SPLIT_K))
     return triton.cdiv(triton.cdiv(max(k, 1), splits), tile.block_k) * tile.block_k
@@ -126,7 +127,7 @@ def launch_is_parallel(m: int, n: int, k: int, device: torch.device) -> bool:
     float32 partials (written, then read: ``splits x m x n x 8`` bytes)
     weigh at most the 16-bit weight (``n x k x 2``)."""
     t = TILE
-    splits = triton.cdiv(k, split_k(n, k))
+    splits = triton.cdiv(k, split_k(n, k, t))
     tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
     return splits > 1 and tiles <= _max_parallel_tiles(device) and splits * m * 4 <= k
 
@@ -337,7 +338,7 @@ def invariant_matmul(
     if k == 0:
         return out.zero_().view(*lead, n)
     t = TILE
-    k_split = split_k(n, k)
+    k_split = split_k(n, k, t)
     splits = triton.cdiv(k, k_split)
     grid_mn = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
     if parallel is None:

@@ -24,7 +24,7 @@ always are. Every launch is sized from shapes: CUDA graphs (FULL and
 PIECEWISE) capture it.
 
 May import torch, triton (on use) and :mod:`asyncstep.ops`' base, packed
-formats and Triton op set and kernels.
+formats, reference op set and Triton op set and kernels.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 
 from asyncstep.ops.base import AttentionOp, StepPath
 from asyncstep.ops.packed import PackedWeight
+from asyncstep.ops.torch_ref import per_head_rms_norms
 from asyncstep.ops.triton.ops import TritonOps
 
 __all__ = ["TritonInvariantOps"]
@@ -92,10 +93,8 @@ class TritonInvariantOps(TritonOps):
         *,
         float32_residual: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference's two norms, each through this op set's :meth:`rms_norm`."""
-        return super(TritonOps, self).qk_rms_norm(  # the reference's, past the Triton op set's
-            q, k, q_weight, k_weight, eps, float32_residual=float32_residual
-        )
+        """Two norms, each through this op set's :meth:`rms_norm` (one program a row)."""
+        return per_head_rms_norms(self.rms_norm, q, k, q_weight, k_weight, eps, float32_residual)
 
     def add_rms_norm(
         self,

@@ -29,6 +29,21 @@ __all__ = ["rotary_and_store_kv", "rotary_embedding"]
 
 
 @triton.jit
+def _cos_sin(  # type: ignore[no-untyped-def]
+    positions_ptr, cache_ptr, cache_row_stride, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr
+):
+    """This program's token's cos and sin (``[1, HALF_BLOCK]``, float32) and
+    the mask of the real half dimensions."""
+    pos = tl.load(positions_ptr + tl.program_id(0).to(tl.int64)).to(tl.int64)
+    dims = tl.arange(0, HALF_BLOCK)[None, :]
+    dim_mask = dims < HALF
+    cache_row = cache_ptr + pos * cache_row_stride
+    cos = tl.load(cache_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cache_row + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    return cos, sin, dim_mask
+
+
+@triton.jit
 def _rotate_heads(  # type: ignore[no-untyped-def]
     x_ptr,
     row_stride,
@@ -73,13 +88,7 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]
     K_HEADS_BLOCK: tl.constexpr,
     HALF_BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + row).to(tl.int64)
-    dims = tl.arange(0, HALF_BLOCK)[None, :]
-    dim_mask = dims < HALF
-    cache_row = cache_ptr + pos * cache_row_stride
-    cos = tl.load(cache_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cache_row + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    cos, sin, dim_mask = _cos_sin(positions_ptr, cache_ptr, cache_row_stride, HALF, HALF_BLOCK)
     _rotate_heads(
         q_ptr,
         q_row_stride,
@@ -146,6 +155,20 @@ def _check_rotary_args(
         )
 
 
+def _head_blocks(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> dict[str, int]:
+    """The rotary kernels' block sizes and warps for q's and k's heads."""
+    q_heads_block = triton.next_power_of_2(max(q.shape[1] // head_dim, 1))
+    half_block = triton.next_power_of_2(head_dim // 2)
+    return {
+        "HEAD_DIM": head_dim,
+        "HALF": head_dim // 2,
+        "Q_HEADS_BLOCK": q_heads_block,
+        "K_HEADS_BLOCK": triton.next_power_of_2(max(k.shape[1] // head_dim, 1)),
+        "HALF_BLOCK": half_block,
+        "num_warps": _num_warps(q_heads_block * half_block),
+    }
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -167,11 +190,6 @@ def rotary_embedding(
     tokens = q.shape[0]
     if tokens == 0:
         return q, k
-    half = head_dim // 2
-    num_q_heads, num_k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
-    q_heads_block = triton.next_power_of_2(max(num_q_heads, 1))
-    k_heads_block = triton.next_power_of_2(max(num_k_heads, 1))
-    half_block = triton.next_power_of_2(half)
     _rotary_kernel[(tokens,)](
         positions,
         q,
@@ -180,14 +198,9 @@ def rotary_embedding(
         q.stride(0),
         k.stride(0),
         cos_sin_cache.stride(0),
-        num_q_heads,
-        num_k_heads,
-        HEAD_DIM=head_dim,
-        HALF=half,
-        Q_HEADS_BLOCK=q_heads_block,
-        K_HEADS_BLOCK=k_heads_block,
-        HALF_BLOCK=half_block,
-        num_warps=_num_warps(q_heads_block * half_block),
+        q.shape[1] // head_dim,
+        k.shape[1] // head_dim,
+        **_head_blocks(q, k, head_dim),
     )
     return q, k
 
@@ -224,12 +237,8 @@ def _rotary_store_kv_kernel(  # type: ignore[no-untyped-def]
     """One program per token: rotates its q and k rows in place and copies the
     rotated k and its v to the token's cache slot (none for slot < 0)."""
     row = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + row).to(tl.int64)
+    cos, sin, dim_mask = _cos_sin(positions_ptr, cos_sin_ptr, cos_sin_row_stride, HALF, HALF_BLOCK)
     dims = tl.arange(0, HALF_BLOCK)[None, :]
-    dim_mask = dims < HALF
-    cos_sin_row = cos_sin_ptr + pos * cos_sin_row_stride
-    cos = tl.load(cos_sin_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_row + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)
     _rotate_heads(
         q_ptr,
         q_row_stride,
@@ -336,11 +345,6 @@ def rotary_and_store_kv(
     tokens = q.shape[0]
     if tokens == 0:
         return
-    half = head_dim // 2
-    num_q_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
-    q_heads_block = triton.next_power_of_2(max(num_q_heads, 1))
-    k_heads_block = triton.next_power_of_2(max(num_kv_heads, 1))
-    half_block = triton.next_power_of_2(half)
     _rotary_store_kv_kernel[(tokens,)](
         positions,
         q,
@@ -357,13 +361,8 @@ def rotary_and_store_kv(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
-        num_q_heads,
-        num_kv_heads,
-        HEAD_DIM=head_dim,
-        HALF=half,
-        Q_HEADS_BLOCK=q_heads_block,
-        K_HEADS_BLOCK=k_heads_block,
-        HALF_BLOCK=half_block,
+        q.shape[1] // head_dim,
+        k.shape[1] // head_dim,
         BLOCK_SIZE=kv_cache.shape[3],
-        num_warps=_num_warps(q_heads_block * half_block),
+        **_head_blocks(q, k, head_dim),
     )

@@ -8,7 +8,7 @@ name's device time per step, grouped (the Q4 / Q8 GEMV, torch's GEMV, the
 rest), and the sum, which is below the ITL by the device's idle time.
 
     python3 benchmarks/studies/decode_kernels/quant_step_kernels.py --shape llama-8b --packing q4 \
-        [--batch N] [--no-fused-decode] [--int8] [--out FILE]
+        [--batch N] [--no-fused-decode] [--[no-]batch-invariant] [--int8] [--out FILE]
 
 ``--int8``: ``gpu_q4_activations="int8"`` (the Q4 / Q8 GEMVs quantize x to int8).
 """
@@ -40,6 +40,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         max_num_seqs=args.batch,
         weight_packing=args.packing,
         fused_decode=args.fused_decode,
+        batch_invariant=args.batch_invariant,
         gpu_q4_activations="int8" if args.int8 else "float",
         engine_process=False,
     ) as engine:
@@ -85,6 +86,12 @@ def main() -> int:
     parser.add_argument(
         "--no-fused-decode", dest="fused_decode", action="store_false", help="fused_decode=False"
     )
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batch_invariant (default: the engine's choice for CUDA)",
+    )
     parser.add_argument("--random", action="store_true", help="sample at temperature 1")
     parser.add_argument("--int8", action="store_true", help='gpu_q4_activations="int8"')
     parser.add_argument("--out", type=Path)
@@ -95,7 +102,8 @@ def main() -> int:
         groups[group(name)] += us
     print(
         f"{args.shape} batch {args.batch}, weight_packing={args.packing},"
-        f" fused_decode={args.fused_decode}, int8={args.int8}: device us a step by group"
+        f" fused_decode={args.fused_decode}, batch_invariant={args.batch_invariant},"
+        f" int8={args.int8}: device us a step by group"
     )
     for name, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {name:20s} {us:8.1f}")

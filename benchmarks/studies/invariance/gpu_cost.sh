@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What batch invariance costs on one H200 (issue 40; the device tool's nvidia-h200),
 # and whether it holds there:
-#     bash benchmarks/studies/invariance/gpu_cost.sh all|tests|latency|throughput|probe|kernels|matmul|matmul-1b
+#     bash benchmarks/studies/invariance/gpu_cost.sh all|tests|latency|throughput|probe|kernels|matmul|matmul-1b|tiles|step-kernels
 #   tests:      tests/gpu/test_triton_invariant.py compiled for the GPU (float32 and
 #               bfloat16: the kernels' rows bit for bit in any batch)
 #   latency:    llama-8b (dummy weights, bf16) ITL at batch 1 and 32, batch_invariant off, on
@@ -17,6 +17,10 @@
 #               2048, in CUDA graphs; a sweep of the split's constants; row 0's bits at every
 #               M by each launch (not in all; under 4 minutes)
 #   matmul-1b:  the same at llama-1b's shapes, no sweep (under 2 minutes)
+#   tiles:      gpu_matmul.py --tile-sweep: every (BLOCK_N, BLOCK_K, warps, TARGET_PROGRAMS,
+#               stages) at llama-8b's four layer shapes, M = 1, 32, 2048 (under 7 minutes)
+#   step-kernels: quant_step_kernels.py, llama-8b batch ${BATCH:-1}, batch_invariant off / on,
+#               ASYNCSTEP_PDL=0 (a kernel's time is then its own; under 5 minutes)
 #   all:        the first four, under 10 minutes (the steps' timeouts: 120 + 2 x 85 + 2 x 75
 #               + 100 s)
 # Dependencies: run `bash ../shared/device/wheels.sh` once here and carry ".whl"; this
@@ -82,6 +86,19 @@ run_matmul() {  # $1: the model, $2: extra arguments, $3: the timeout
         $2 $([ "$DEVICE" = cpu ] && echo --tiny) > "$OUT/matmul_$1.txt" 2>&1
     echo "rc=$?"; cat "$OUT/matmul_$1.txt"
 }
+run_tiles() {  # the tile sweep (gpu_matmul.py --tile-sweep), llama-8b's four layer shapes
+    timeout 420 python3 benchmarks/studies/invariance/gpu_matmul.py --device $DEVICE --model $BIG \
+        --tile-sweep $([ "$DEVICE" = cpu ] && echo --tiny) > "$OUT/tiles_$BIG.txt" 2>&1
+    echo "rc=$?"; cat "$OUT/tiles_$BIG.txt"
+}
+run_step_kernels() {  # a decode step's kernels, batch_invariant off / on, PDL off (honest times)
+    for inv in off on; do
+        ASYNCSTEP_PDL=0 timeout 140 python3 benchmarks/studies/decode_kernels/quant_step_kernels.py \
+            --shape $BIG --packing none --batch ${BATCH:-1} --tokens 64 --top 30 \
+            $(inv_flag $inv) > "$OUT/step_kernels_${BIG}_b${BATCH:-1}_$inv.txt" 2>&1
+        echo "rc=$?"; grep -v Warning "$OUT/step_kernels_${BIG}_b${BATCH:-1}_$inv.txt" | head -40
+    done
+}
 run_probe() {
     timeout 100 python3 benchmarks/studies/invariance/gpu_probe.py --model $SMALL --device $DEVICE \
         > "$OUT/probe_llama-1b.txt" 2>&1
@@ -96,6 +113,8 @@ probe) run_probe ;;
 kernels) run_kernels ;;
 matmul) run_matmul llama-8b "" 220 ;;
 matmul-1b) run_matmul llama-1b --no-sweep 120 ;;
+tiles) run_tiles ;;
+step-kernels) run_step_kernels ;;
 all) run_tests; run_latency; run_throughput; run_probe ;;
-*) echo "usage: $0 all|tests|latency|throughput|probe|kernels|matmul|matmul-1b" >&2; exit 2 ;;
+*) echo "usage: $0 all|tests|latency|throughput|probe|kernels|matmul|matmul-1b|tiles|step-kernels" >&2; exit 2 ;;
 esac

@@ -195,6 +195,73 @@ def sweep(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bw
             print(f"sweep {name:8} M={m:3} (target/stages: time/floor) " + " ".join(cells))
 
 
+#: (BLOCK_N, BLOCK_K, warps) the tile sweep tries (BLOCK_M stays 64: one
+#: warpgroup's MMA), each with TARGET_PROGRAMS x split stages.
+SWEEP_TILES = [(bn, bk, w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
+SWEEP_SPLITS = [(t, s) for t in (128, 256, 512) for s in (3, 4, 5)]
+
+
+def tile_sweep(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bw: float
+) -> bool:
+    """Per layer shape, every tile of :data:`SWEEP_TILES` x :data:`SWEEP_SPLITS`
+    at M = 1 (split programs); the 12 best also at M = 32, and at M = 2048
+    (a program per tile, 3 and 4 stages) against F.linear; each of those
+    checked for row 0's bits at M = 1 (split) against M = 2048 (per tile).
+    The tile may be any function of (N, K): the bits never depend on M."""
+    saved = (inv.TARGET_PROGRAMS, inv.TILE)
+    same = True
+
+    def config(bn: int, bk: int, w: int, target: int, stages: int, big_stages: int = 3) -> None:
+        inv.TARGET_PROGRAMS = target
+        inv.TILE = inv.MatmulTile(64, bn, bk, w, big_stages, stages)
+
+    for name, n, k in TINY_LINEARS if args.tiny else MODELS[args.model][:4]:
+        ws = weight_copies(n, k, dtype, device, args.tiny)
+        big = 70 if args.tiny else 2048
+        xs = {m: torch.randn(m, k, device=device).to(dtype) for m in (1, 32, big)}
+        floor = {m: (n * k * 2 + m * (k + n) * 2) / bw * 1e3 for m in xs}
+        fast_big = timed(over_copies(F.linear, xs[big], ws), device, len(ws))
+        ones = []
+        try:
+            for bn, bk, w in SWEEP_TILES:
+                for target, stages in SWEEP_SPLITS:
+                    config(bn, bk, w, target, stages)
+                    try:
+                        t = timed(over_copies(inv.invariant_matmul, xs[1], ws), device, len(ws))
+                    except Exception as error:  # shared memory past the SM's, for one
+                        print(f"  bn {bn} bk {bk} w {w} {target}/{stages}: {type(error).__name__}")
+                        continue
+                    ones.append((t / floor[1], bn, bk, w, target, stages))
+            ones.sort()
+            print(f"tiles {name:8} N={n} K={k}: M=1/floor, M=32/floor, M={big}/F.linear (3|4 st)")
+            for r1, bn, bk, w, target, stages in ones[:12]:
+                config(bn, bk, w, target, stages)
+                t32 = timed(over_copies(inv.invariant_matmul, xs[32], ws), device, len(ws))
+                alone = inv.invariant_matmul(xs[big][:1], ws[0])[0]
+                cells = []
+                for big_stages in (3, 4):
+                    config(bn, bk, w, target, stages, big_stages)
+                    mm = functools.partial(inv.invariant_matmul, parallel=False)
+                    try:
+                        t = timed(over_copies(mm, xs[big], ws), device, len(ws))
+                    except Exception:  # shared memory past the SM's
+                        t = float("inf")
+                    cells.append(t / fast_big)
+                config(bn, bk, w, target, stages)
+                row = inv.invariant_matmul(xs[big], ws[0], parallel=False)[0]
+                bits = "same" if torch.equal(row, alone) else "DIFFER"
+                same = same and bits == "same"
+                print(
+                    f"  bn {bn:3} bk {bk:3} w {w} target {target:3} st {stages}: x{r1:5.2f} "
+                    f"x{t32 / floor[32]:5.2f} | x{cells[0]:5.2f} x{cells[1]:5.2f} bits {bits}",
+                    flush=True,
+                )
+        finally:
+            inv.TARGET_PROGRAMS, inv.TILE = saved
+    return same
+
+
 def bit_check(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> bool:
     """Row 0 of every M, by each launch, against M = 1's: True if all the same bits."""
     same = True
@@ -228,6 +295,9 @@ if __name__ == "__main__":
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run)")
     parser.add_argument("--model", choices=sorted(MODELS), default="llama-8b")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument(
+        "--tile-sweep", action="store_true", help="only the tile sweep (tile_sweep's docstring)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, "float16" if device.type == "cpu" else args.dtype)
@@ -237,6 +307,8 @@ if __name__ == "__main__":
         f"model={args.model} device={name} dtype={dtype} copy bandwidth {bw / 1e12:.2f} TB/s",
         flush=True,
     )
+    if args.tile_sweep:
+        sys.exit(0 if tile_sweep(args, device, dtype, bw) else 1)
     ok = bit_check(args, device, dtype)
     table(args, device, dtype, bw)
     if not args.no_sweep:
