@@ -80,8 +80,8 @@ def tiny_config(**changes: Any) -> Any:
     return config
 
 
-def tiny_model() -> Any:
-    model = random_model(tiny_config())
+def tiny_model(**changes: Any) -> Any:
+    model = random_model(tiny_config(**changes))
     with torch.no_grad():  # biases are zeros at init: make them count
         for name, param in model.named_parameters():
             if name.endswith(("bias", "sinks")):
