@@ -18,15 +18,15 @@ if os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu") == "cpu":
 import pytest
 import torch
 
-# Under pytest-xdist (the README's `-n auto`) the workers share the cores:
+from asyncstep.config import ModelConfig
+from asyncstep.models.model_loader import LoadedModel, load_model
+
+# Under pytest-xdist (the README's `-n 2`) the workers share the cores:
 # each gets its share of torch's threads, not all of them (OpenMP threads
 # that outnumber the cores spin against each other).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
-
-from asyncstep.config import ModelConfig
-from asyncstep.models.model_loader import LoadedModel, load_model
 
 
 @pytest.fixture(autouse=True)
