@@ -88,7 +88,7 @@ REASONS = {
 #: Every command left unrun, and why.
 NOT_RUN = {
     "bash scripts/setup.sh": ".ci/run runs it",
-    "python3 -m pytest -q -n 2 --dist worksteal": ".ci/run runs it",
+    "python3 -m pytest -q -n 2 --dist loadfile": ".ci/run runs it",
     'export ASYNCSTEP_SECRET=$(python -c "import secrets; print(secrets.token_hex(32))")': (
         "needs several machines"
     ),
@@ -255,7 +255,7 @@ def test_the_readme_stays_short_and_ci_runs_its_commands() -> None:
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 150
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    for command in ("bash scripts/setup.sh", "python3 -m pytest -q -n 2 --dist worksteal"):
+    for command in ("bash scripts/setup.sh", "python3 -m pytest -q -n 2 --dist loadfile"):
         assert f"$ {command}" in readme.splitlines()
         assert command in ci
 
