@@ -83,6 +83,19 @@ def hf_smollm2(smollm2: LoadedModel) -> Any:
 
 
 @pytest.fixture(scope="session")
+def avx2_kernels_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A kernel cache for the whole library built as for an AVX2-only CPU
+    (``ASYNCSTEP_CPU_KERNELS_ISA=avx2``), shared by the tests that load that
+    build: built once a run (the build is a rename of a finished file, so
+    xdist's workers share it too), not once a test."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = shared / "avx2-kernels"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama checkpoint (safetensors) with SmolLM2's tokenizer and
     chat template: loads in a second, makes text (of no meaning)."""

@@ -229,14 +229,14 @@ def test_blocks_and_chunks_give_a_row_its_outputs_alone(isa: str, tmp_path: Path
 
 
 def test_the_library_builds_for_avx2_when_asked(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, avx2_kernels_cache: Path
 ) -> None:
     """``ASYNCSTEP_CPU_KERNELS_ISA=avx2``: the whole library built as a CPU
     with AVX2 + FMA + F16C only builds it (its own cache key); its dense
     matmul is the AVX2 build, taken by default, the same bits as that build's."""
     if {"avx2", "fma", "f16c"} - cpu_flags():
         pytest.skip("this CPU has no AVX2 + FMA + F16C")
-    monkeypatch.setenv(library.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(library.CACHE_ENV, str(avx2_kernels_cache))
     monkeypatch.setenv(library.ISA_ENV, "avx2")
     load_cpu_kernels.cache_clear()
     try:

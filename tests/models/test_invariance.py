@@ -29,7 +29,7 @@ __all__ = ["packed_smollm2"]  # the fixture, shared with test_smollm2
 NEIGHBOURS = [f"Tell me about the number {i} and what it means." * (1 + i % 4) for i in range(30)]
 
 #: Greedy, with the sampled token's log-prob and the top one's.
-GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
+GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
 
 Outputs = list[tuple[list[int], list[Any]]]
 
@@ -43,7 +43,7 @@ def tokens_and_logprobs(completion: asyncstep.Completion) -> tuple[list[int], li
 def seeded(i: int) -> SamplingParams:
     """Seeded sampling for question or neighbour ``i``: a seed of its own."""
     return SamplingParams(
-        temperature=0.8, max_tokens=32, ignore_eos=True, logprobs=1, seed=1000 + i
+        temperature=0.8, max_tokens=16, ignore_eos=True, logprobs=1, seed=1000 + i
     )
 
 

@@ -202,14 +202,14 @@ def test_the_op_set_takes_float32_projections_and_the_head() -> None:
 
 
 def test_the_library_built_for_avx2_runs_the_avx2_matmul(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, avx2_kernels_cache: Path
 ) -> None:
     """``ASYNCSTEP_CPU_KERNELS_ISA=avx2``: the whole library's float32
     matmul is the AVX2 build, the same bits as this machine's."""
     if {"avx2", "fma", "f16c"} - cpu_flags():
         pytest.skip("this CPU has no AVX2 + FMA + F16C")
     assert MATMUL is not None
-    monkeypatch.setenv(library.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(library.CACHE_ENV, str(avx2_kernels_cache))
     monkeypatch.setenv(library.ISA_ENV, "avx2")
     load_cpu_kernels.cache_clear()
     try:

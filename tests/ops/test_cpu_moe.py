@@ -220,13 +220,13 @@ def test_bad_inputs_are_refused_in_one_line() -> None:
 
 
 def test_the_library_built_for_avx2_runs_the_avx2_experts(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, avx2_kernels_cache: Path
 ) -> None:
     """``ASYNCSTEP_CPU_KERNELS_ISA=avx2``: the whole library's experts are
     the AVX2 build's (8 lanes), the same bits as cpu_moe.c built alone."""
     if {"avx2", "fma", "f16c"} - cpu_flags():
         pytest.skip("this CPU has no AVX2 + FMA + F16C")
-    monkeypatch.setenv(library.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(library.CACHE_ENV, str(avx2_kernels_cache))
     monkeypatch.setenv(library.ISA_ENV, "avx2")
     load_cpu_kernels.cache_clear()
     try:

@@ -54,10 +54,12 @@ class GemvTile:
 GEMV_TILE = GemvTile(block_n=1, block_k=1024, num_warps=2, num_stages=3, down_block_n=1)
 
 #: The tile off CUDA (the Triton interpreter, the tests): the interpreter
-#: runs one program at a time in Python, so GEMV_TILE's one column a
-#: program makes the small-T path 4x the programs of this 4-column tile
-#: (the tile before the H100 sweep); the kernels' code is the same.
-INTERPRETER_GEMV_TILE = GemvTile(block_n=4, block_k=512, num_warps=4, num_stages=3, down_block_n=4)
+#: runs one program at a time in Python at a cost a program, so wide
+#: programs (32 columns, a tiny model's whole layer in one or two) make
+#: the small-T path the fewest programs; the kernels' code is the same.
+INTERPRETER_GEMV_TILE = GemvTile(
+    block_n=32, block_k=512, num_warps=4, num_stages=3, down_block_n=32
+)
 
 
 def default_gemv_tile(device: torch.device) -> GemvTile:
