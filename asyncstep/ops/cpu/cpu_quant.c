@@ -33,7 +33,8 @@
  * threads. Each output is one tile's sums over the blocks in order,
  * whatever the tile, chunk or thread: a row's results do not depend on the
  * other rows or the thread count. On AVX2 (with FMA and F16C) the same
- * arithmetic runs 8 output rows at a time with vpmaddubsw, and elsewhere in plain C
+ * arithmetic runs 8 output rows at a time, two levels as one 16-bit code
+ * with vpmaddwd (one level: vpmaddubsw), and elsewhere in plain C
  * (both exact: integer sums, then the same float32 operations in the same
  * order); asyncstep_qmatmul_fast() says which build runs (QMATMUL_ISA_*).
  */
@@ -56,14 +57,16 @@
 
 /* Rows of x per pass over a group's weights (one level, two): the AVX-512
  * build keeps 12 accumulators in its 32 vector registers (a block's codes,
- * unpacked once, serve 12 rows; 16 spill), the AVX2 build 8 or 4 in its 16. */
+ * unpacked once, serve 12 rows; 16 spill), the AVX2 build 8 (with two
+ * levels 8 against 6 and 4: the same at Q4's shapes, 0.93-0.95x the time
+ * of the Q8 head at 16-64 rows; benchmarks/results/cpu/avx2_words_1206/). */
 #if QMATMUL_ISA == QMATMUL_ISA_VNNI
 #define QTILE_ROWS_1 12
 #define QTILE_ROWS_2 12
 #define QTILE_ROWS_MAX 12
 #else
 #define QTILE_ROWS_1 8
-#define QTILE_ROWS_2 4
+#define QTILE_ROWS_2 8
 #define QTILE_ROWS_MAX 8
 #endif
 
@@ -160,6 +163,25 @@ void asyncstep_q_quantize_block(const float* values, int64_t row, int64_t block,
     out->s[row * blocks + block] = scale * (float)sum;
 }
 #else
+#if QMATMUL_ISA == QMATMUL_ISA_AVX2
+/* Row `row`'s block `block` of two levels as 16-bit codes c = 256 q1 + q2,
+ * paired for vpmaddwd against a weight vector's 16-bit lanes: a weight
+ * vector j holds, for each output, input features 4 j .. 4 j + 3; its even
+ * 16-bit lanes take features 4 j and 4 j + 2 (pair j: c[4 j], c[4 j + 2]),
+ * its odd lanes 4 j + 1 and 4 j + 3 (pair 8 + j). */
+static inline void pair_codes(const QuantizedRows* out, int64_t row, int64_t block) {
+    const int64_t K = out->in_features;
+    const int8_t* q1 = out->q + 2 * row * K + block * QBLOCK;
+    const int8_t* q2 = q1 + K;
+    int16_t* c = out->c + row * K + block * QBLOCK;
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < 4; i++) {
+            const int k = 4 * j + i;
+            c[16 * (i % 2) + 2 * j + i / 2] = (int16_t)(q1[k] * (1 << QLEVEL_SHIFT) + q2[k]);
+        }
+}
+#endif
+
 void asyncstep_q_quantize_block(const float* values, int64_t row, int64_t block,
                                 const QuantizedRows* out) {
     const int64_t K = out->in_features, blocks = K / QBLOCK, levels = out->levels;
@@ -189,6 +211,9 @@ void asyncstep_q_quantize_block(const float* values, int64_t row, int64_t block,
         out->d[entry * blocks + block] = scale;
     }
     out->s[row * blocks + block] = scale * (float)sum;
+#if QMATMUL_ISA == QMATMUL_ISA_AVX2
+    if (levels == 2) pair_codes(out, row, block);
+#endif
 }
 #endif
 
@@ -312,12 +337,75 @@ static inline __attribute__((always_inline)) __m256i half_dot(const __m256i v[8]
     return _mm256_add_epi32(s, _mm256_set1_epi32(128 * sum));
 }
 
+/* Weight vector j's codes (its 8 outputs' input features 4 j .. 4 j + 3)
+ * widened to 16 bits: features 4 j and 4 j + 2 in *even, 4 j + 1 and
+ * 4 j + 3 in *odd (Q4 0..15, Q8 0..255, unsigned: the 128 stays in). */
+static inline __attribute__((always_inline)) void unpack_words(const uint8_t* p, int64_t kind,
+                                                               int h, int j, __m256i* even,
+                                                               __m256i* odd) {
+    if (kind == QKIND_Q4) {
+        const __m256i nibble = _mm256_set1_epi16(0x000f);
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)(p + 64 * (j % 4) + 32 * h));
+        const int shift = j < 4 ? 0 : 4;
+        *even = _mm256_and_si256(_mm256_srli_epi16(packed, shift), nibble);
+        *odd = _mm256_and_si256(_mm256_srli_epi16(packed, 8 + shift), nibble);
+    } else {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 64 * j + 32 * h));
+        *even = _mm256_and_si256(v, _mm256_set1_epi16(0x00ff));
+        *odd = _mm256_srli_epi16(v, 8);
+    }
+}
+
+/* Two levels, 8 rows (half a group) at a time: a block's sum(q_w * c) with
+ * c = 256 q1 + q2 (QuantizedRows.c) by vpmaddwd, the integer that the
+ * VNNI build makes of its two sums (|.| <= 32 * 255 * 32639 < 2^31:
+ * exact), then the same float32 operations in the same order. Half the
+ * multiplies of two vpmaddubsw levels, and Q8 without their sign tricks. */
+static inline __attribute__((always_inline)) void group_tile_words(
+    const uint8_t* w, int64_t kind, int64_t blocks, const QuantizedRows* x, int64_t K,
+    float* out, const int rows) {
+    const int64_t bytes = block_bytes(kind), codes = code_bytes(kind);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[QTILE_ROWS_MAX];
+        for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t* p = w + b * bytes;
+            __m256i dot[QTILE_ROWS_MAX];
+            for (int t = 0; t < rows; t++) dot[t] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                __m256i even, odd;
+                unpack_words(p, kind, h, j, &even, &odd);
+                for (int t = 0; t < rows; t++) {
+                    const int32_t* pairs = (const int32_t*)(x->c + t * K + b * QBLOCK);
+                    dot[t] = _mm256_add_epi32(
+                        dot[t], _mm256_madd_epi16(even, _mm256_set1_epi32(pairs[j])));
+                    dot[t] = _mm256_add_epi32(
+                        dot[t], _mm256_madd_epi16(odd, _mm256_set1_epi32(pairs[8 + j])));
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + codes + 16 * h)));
+            const __m256 mw =
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + codes + 32 + 16 * h)));
+            for (int t = 0; t < rows; t++) {
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x->d[(t * 2 + 1) * blocks + b]));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), scale, acc[t]);
+                acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->s[t * blocks + b]), acc[t]);
+            }
+        }
+        for (int t = 0; t < rows; t++) _mm256_storeu_ps(out + t * QGROUP + 8 * h, acc[t]);
+    }
+}
+
 /* As the VNNI build's: the same integer sums and float32 operations in the
  * same order, 8 rows (half a group) at a time. */
 static inline __attribute__((always_inline)) void group_tile(
     const uint8_t* w, int64_t kind, int64_t blocks, const QuantizedRows* x, int64_t K,
     float* out, const int rows, const int levels) {
     const int64_t bytes = block_bytes(kind), codes = code_bytes(kind);
+    if (levels == 2) {
+        group_tile_words(w, kind, blocks, x, K, out, rows);
+        return;
+    }
     for (int h = 0; h < 2; h++) {
         __m256 acc[QTILE_ROWS_MAX];
         for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();
@@ -390,7 +478,7 @@ static void group_rows(const QWeight* w, int64_t g, const QuantizedRows* x, int6
     const int levels = (int)x->levels;
     const uint8_t* data = w->data + g * blocks * block_bytes(w->kind);
     const QuantizedRows tile = {x->q + row0 * levels * K, x->d + row0 * levels * blocks,
-                                x->s + row0 * blocks, K, levels};
+                                x->s + row0 * blocks, K, levels, x->c + row0 * K};
     float partial[QTILE_ROWS_MAX * QGROUP];
     switch (rows * 2 + levels - 1) { /* constants for each inlined copy */
 #define TILE_CASE(R, L)                                                \
@@ -456,14 +544,17 @@ static inline int64_t align64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 int64_t asyncstep_q_scratch_bytes(int64_t rows, int64_t in_features, int64_t levels) {
     const int64_t blocks = in_features / QBLOCK;
     return align64(rows * levels * in_features) +
-           align64((int64_t)sizeof(float) * rows * (levels + 1) * blocks);
+           align64((int64_t)sizeof(float) * rows * (levels + 1) * blocks) +
+           align64((int64_t)sizeof(int16_t) * rows * in_features);
 }
 
 QuantizedRows asyncstep_q_rows(void* scratch, int64_t rows, int64_t in_features, int64_t levels) {
     const int64_t blocks = in_features / QBLOCK;
     int8_t* q = scratch;
     float* d = (float*)(q + align64(rows * levels * in_features));
-    return (QuantizedRows){q, d, d + rows * levels * blocks, in_features, levels};
+    int16_t* c = (int16_t*)((int8_t*)d +
+                            align64((int64_t)sizeof(float) * rows * (levels + 1) * blocks));
+    return (QuantizedRows){q, d, d + rows * levels * blocks, in_features, levels, c};
 }
 
 /* out[rows, N] = x[rows, K] @ W.T; 0 on success, -1 when scratch memory

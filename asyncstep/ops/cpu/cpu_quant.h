@@ -29,11 +29,15 @@ typedef struct {
 /* Quantized rows of x: for each row and block of 32 values, `levels` int8
  * codes and scales (row r's level l of block b: codes at q[(r * levels + l)
  * * K + 32 b], scale at d[(r * levels + l) * blocks + b]) and the block's
- * sum as its codes give it back (s[r * blocks + b]). */
+ * sum as its codes give it back (s[r * blocks + b]). With two levels the
+ * AVX2 build also keeps each value's two codes as one 16-bit code
+ * 256 q1 + q2 (c[r * K + 32 b ...], in the pairs its vpmaddwd takes:
+ * cpu_quant.c); elsewhere c is not written. */
 typedef struct {
     int8_t* q;
     float *d, *s;
     int64_t in_features, levels;
+    int16_t* c;
 } QuantizedRows;
 
 /* Where a matmul writes: [rows, out_features] of dtype, row stride in
