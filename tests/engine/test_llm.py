@@ -189,8 +189,13 @@ def test_ctrl_c_aborts_what_the_call_waits_for_and_the_engine_serves_on(
 
     interrupter = threading.Thread(target=interrupt)
     interrupter.start()
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate(PROMPTS[:3], ENDLESS)  # thousands of steps, were it not aborted
+    # Python's own handler, also where SIGINT came ignored (a background job).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS[:3], ENDLESS)  # thousands of steps, were it not aborted
+    finally:
+        signal.signal(signal.SIGINT, previous)
     interrupter.join()
     (out,) = llm.generate(PROMPTS[0], GREEDY)
     assert len(out.token_ids) == 8
