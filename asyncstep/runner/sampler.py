@@ -273,11 +273,16 @@ def chunked_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Ten
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (lowest id on ties): on CUDA, for up to
-    :data:`CHUNKED_ARGMAX_MAX_ROWS` rows of a long vocabulary,
+    """Each row's argmax (lowest id on ties, the first NaN): on CUDA, for up
+    to :data:`CHUNKED_ARGMAX_MAX_ROWS` rows of a long vocabulary,
     :func:`chunked_argmax` (torch's one reduction a row runs on one block
-    a row, so one SM reads a whole long row); else ``argmax``."""
+    a row, so one SM reads a whole long row); float32 on the CPU, numpy's
+    (the same answer on one thread: 8 us against torch's 71 for a row of
+    49152, 0.93 against 2.29 ms for 64 rows, on a 2-core Zen 2); else
+    ``argmax``."""
     rows, vocab = logits.shape
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
     if (
         logits.device.type == "cuda"
         and rows <= CHUNKED_ARGMAX_MAX_ROWS

@@ -460,3 +460,21 @@ def test_chunked_argmax_is_argmax_with_the_lowest_id_on_ties(
         assert torch.equal(chunked_argmax(logits, chunk), expected)
         assert torch.equal(chunked_argmax(logits[:1], chunk), expected[:1])
     assert torch.equal(argmax_rows(logits), expected)
+
+
+def test_the_cpu_argmax_is_torch_s() -> None:
+    """float32 rows on the CPU (numpy's argmax, one thread): torch's ids,
+    the lowest on ties, the first NaN, 0 for a row of -inf; no rows, one
+    row, a strided view."""
+    from asyncstep.runner.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 49152, generator=gen)
+    logits[0, [9, 400]] = 10.0  # a tie: 9
+    logits[1, [3, 800]] = float("nan")  # the first NaN: 3
+    logits[2] = float("-inf")
+    logits[3, 100] = float("inf")
+    for rows in (logits, logits[:0], logits[1:2], logits[:, ::2]):
+        got = argmax_rows(rows)
+        assert got.dtype == torch.int64 and torch.equal(got, rows.argmax(dim=-1))
+    assert argmax_rows(logits)[:4].tolist() == [9, 3, 0, 100]
