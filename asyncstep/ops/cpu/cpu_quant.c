@@ -57,9 +57,8 @@
 
 /* Rows of x per pass over a group's weights (one level, two): the AVX-512
  * build keeps 12 accumulators in its 32 vector registers (a block's codes,
- * unpacked once, serve 12 rows; 16 spill), the AVX2 build 8 (with two
- * levels 8 against 6 and 4: the same at Q4's shapes, 0.93-0.95x the time
- * of the Q8 head at 16-64 rows; benchmarks/results/cpu/avx2_words_1206/). */
+ * unpacked once, serve 12 rows; 16 spill), the AVX2 build 8 (chosen with
+ * two levels among 4, 6 and 8: benchmarks/results/cpu/avx2_words_1206/). */
 #if QMATMUL_ISA == QMATMUL_ISA_VNNI
 #define QTILE_ROWS_1 12
 #define QTILE_ROWS_2 12
