@@ -78,15 +78,16 @@ class MatmulTile:
     split_stages: int
 
 
-#: 64 rows: one warpgroup's MMA shape on Hopper, for M = 1 as for M = 4096.
-TILE = MatmulTile(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, split_stages=4)
+#: 64 rows: one warpgroup's MMA shape on Hopper, for M = 1 as for M = 4096;
+#: 128-feature chunks. Chosen by the tile sweep on one H100 (every
+#: BLOCK_N 32-128 x BLOCK_K 64-128 x 4-8 warps x TARGET_PROGRAMS x stages at
+#: llama-8b's four layer shapes, benchmarks/results/invariance_gpu/h100_1206/):
+#: the one tile among each shape's best at M = 1, 1.03-1.30x the floor.
+TILE = MatmulTile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, split_stages=4)
 #: The programs :func:`split_k` aims at for a step of one row tile (N / BLOCK_N
-#: tiles x splits): about two waves of a 132-SM GPU. A constant, not the SM
-#: count: the bits must not depend on the GPU's size. Chosen on one H200
-#: among 256 / 512 / 1024 x 3-5 stages at llama-8b's shapes, M = 1 and 32
-#: (benchmarks/results/invariance_gpu/h200_1205/: 256 with 4 stages, the
-#: four layer matmuls 1.08-1.73x their floor against 1.25-2.15x at 512).
-TARGET_PROGRAMS = 256
+#: tiles x splits): about one wave of a 132-SM GPU. A constant, not the SM
+#: count: the bits must not depend on the GPU's size (the sweep above).
+TARGET_PROGRAMS = 128
 #: The fewest features a split takes (a multiple of every BLOCK_K).
 MIN_SPLIT_K = 256
 #: The split programs run while the step's tiles fill at most this many
