@@ -64,7 +64,8 @@ ATTENTION_BACKENDS = tuple(ATTENTION_OPS)
 
 #: ``batch_invariant=None`` by device type: the CPU's kernels are invariant
 #: (dense bfloat16 where the library's build is a blocked one); CUDA's invariant op
-#: set costs over 10 % of a decode step (docs/performance.md, "Batch
+#: set doubles a prompt's time and has no packed-weight path, though a decode
+#: step's cost is within 10 % on an H100 (docs/performance.md, "Batch
 #: invariance"). Types not listed: off.
 BATCH_INVARIANT_DEFAULT = {"cpu": True, "cuda": False}
 

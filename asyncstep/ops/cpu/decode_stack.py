@@ -78,8 +78,12 @@ class CpuDecodeStack:
         self._fn.argtypes = [ctypes.c_char_p]
         self._fn.restype = ctypes.c_int
         self.layers = layers
+        #: Each layer's attention, looked up once (a module's attribute
+        #: lookups are Python calls, paid per step otherwise).
+        self._attns = [layer.self_attn.attn for layer in layers]
         first = layers[0]
         attn = first.self_attn.attn
+        self._rotary = first.self_attn.rotary[0]
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim, self.scale = attn.head_dim, attn.scale
         self.hidden_size = first.self_attn.o_proj.output_size
@@ -154,9 +158,9 @@ class CpuDecodeStack:
         hidden_out = torch.empty(rows, width, dtype=hidden.dtype)
         residual_out = torch.empty(rows, width, dtype=torch.float32)
         step = cpu_step_args(meta)
-        rotary = self.layers[0].self_attn.rotary[0]
+        rotary = self._rotary
         assert step.positions, "the stack rotates q and k: positions needed"
-        block_size = self.layers[0].self_attn.attn.kv_cache.shape[3]
+        block_size = self._attns[0].kv_cache.shape[3]
         group = self.num_heads // self.num_kv_heads
         args = _ARGS.pack(
             QUANT_DTYPES[self.dtype],
@@ -195,7 +199,7 @@ class CpuDecodeStack:
 
     def _layers(self) -> ctypes.Array[ctypes.c_char]:
         """The layers' ``StackLayer`` array, rebuilt when the KV caches are re-bound."""
-        caches = tuple(layer.self_attn.attn.kv_cache.data_ptr() for layer in self.layers)
+        caches = tuple(attn.kv_cache.data_ptr() for attn in self._attns)
         if self._layer_array is None or caches != self._bound_caches:
             self._sinks = [_float32_sinks(layer) for layer in self.layers]
             packed = b"".join(

@@ -67,6 +67,7 @@ def invariant_paged_attention(
     scratch size. ``sliding_window`` and ``sinks``: as ``paged_attention``'s."""
     import triton
 
+    from asyncstep.ops.triton import pdl
     from asyncstep.ops.triton.attention import (
         _attention_launch,
         _check_attention_args,
@@ -138,6 +139,7 @@ def invariant_paged_attention(
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         enable_fp_fusion=False,
+        **pdl.launch_kwargs(q),
     )
     if parallel:
         _invariant_combine_kernel[(num_tokens, num_kv_heads)](
@@ -157,6 +159,7 @@ def invariant_paged_attention(
             GROUP_PAD=max(2, triton.next_power_of_2(group)),
             SPLIT=SPLIT_KEYS,
             SINKS=sink_logits is not None,
+            **pdl.launch_kwargs(q),
             num_warps=1 if group * head_dim_pad <= 1024 else 4,
             enable_fp_fusion=False,
         )

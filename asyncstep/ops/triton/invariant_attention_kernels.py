@@ -31,7 +31,8 @@ folds its splits in a loop and writes ``out``. Both fold with the same
 helper and are launched without floating-point contraction, so the two
 paths give the same bits. Padding rows (past ``qsl[num_reqs]``) are zeros.
 
-May import triton and :mod:`asyncstep.ops.triton`'s attention kernels.
+May import triton and :mod:`asyncstep.ops.triton`'s attention kernels and
+:mod:`asyncstep.ops.triton.pdl`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from asyncstep.ops.triton.attention_kernels import (
     _tile_start,
 )
 from asyncstep.ops.triton.decode_kernels import _decode_token
+from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
 
 
 @triton.jit
@@ -168,10 +170,14 @@ def _invariant_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr = 0,
     SINKS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(tiles, num_kv_heads, splits)``: a query tile's splits (see
     the module docstring); spare tile numbers zero the padding rows (not
-    PARALLEL; the combine kernel does it otherwise)."""
+    PARALLEL; the combine kernel does it otherwise). ``PDL``: launched with
+    programmatic dependent launch (:mod:`asyncstep.ops.triton.pdl`)."""
+    launch_dependents(PDL)
+    wait_prior(PDL)  # the KV store before may still be writing q and the cache
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -320,10 +326,14 @@ def _invariant_combine_kernel(
     GROUP_PAD: tl.constexpr,
     SPLIT: tl.constexpr,
     SINKS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(num_tokens, num_kv_heads)``: ``out[t, heads of kv_head]`` from
     token t's own splits, folded in order by :func:`_merge_split` (the same
-    arithmetic per element as the tile loop's). Padding rows zeros."""
+    arithmetic per element as the tile loop's). Padding rows zeros.
+    ``PDL``: as the attention kernel's."""
+    launch_dependents(PDL)
+    wait_prior(PDL)  # the split programs' parts first
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, GROUP_PAD)

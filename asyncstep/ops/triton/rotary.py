@@ -13,8 +13,11 @@ float32 math, strided rows (unit last stride), grids from shapes only (CUDA
 graph safe), ``ValueError`` for mismatched shapes, dtypes or devices; on the
 CPU under the Triton interpreter.
 
-May import torch, triton and :mod:`asyncstep.ops.triton.fused` (its row
-checks and launch widths).
+``rotary_and_store_kv`` launches with programmatic dependent launch where
+the GPU has it (:mod:`asyncstep.ops.triton.pdl`).
+
+May import torch, triton, :mod:`asyncstep.ops.triton.fused` (its row
+checks and launch widths) and :mod:`asyncstep.ops.triton.pdl`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncstep.ops.triton import pdl
 from asyncstep.ops.triton.fused import _check_rows, _num_warps
+from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
 
 __all__ = ["rotary_and_store_kv", "rotary_embedding"]
 
@@ -233,9 +238,12 @@ def _rotary_store_kv_kernel(  # type: ignore[no-untyped-def]
     K_HEADS_BLOCK: tl.constexpr,
     HALF_BLOCK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per token: rotates its q and k rows in place and copies the
     rotated k and its v to the token's cache slot (none for slot < 0)."""
+    launch_dependents(PDL)
+    wait_prior(PDL)  # the qkv projection may still be writing q, k and v
     row = tl.program_id(0).to(tl.int64)
     cos, sin, dim_mask = _cos_sin(positions_ptr, cos_sin_ptr, cos_sin_row_stride, HALF, HALF_BLOCK)
     dims = tl.arange(0, HALF_BLOCK)[None, :]
@@ -365,4 +373,5 @@ def rotary_and_store_kv(
         k.shape[1] // head_dim,
         BLOCK_SIZE=kv_cache.shape[3],
         **_head_blocks(q, k, head_dim),
+        **pdl.launch_kwargs(q),
     )

@@ -3,7 +3,7 @@
 (its own cached build: the default build has no timers), each phase's wall
 time summed over the stack's calls (the master thread's clock after each
 worksharing loop's barrier), and the LM head's calls timed around them.
-One in-process engine on the embedded model runs ``--num-prompts`` random
+One in-process engine on the embedded model (or ``--model``) runs ``--num-prompts`` random
 prompts of ``--input-len`` tokens, ``--output-len`` greedy tokens each (as
 ``bench throughput`` does), then each stack call is binned by its rows:
 the prompt steps (more than ``--num-prompts`` rows) and the steps of
@@ -57,6 +57,9 @@ def main() -> int:
         "--peak", type=float, default=226.0, help="G int8 multiply-adds a second, one core"
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF directory; default: embedded"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -103,6 +106,7 @@ def main() -> int:
     async def run() -> float:
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         options = {
+            "model": args.model,
             "engine_process": False,
             "cpu_threads": args.threads,
             "max_num_seqs": args.num_prompts,

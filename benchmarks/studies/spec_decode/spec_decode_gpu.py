@@ -130,6 +130,9 @@ class WrongDrafts:
         last = int(token_ids[-1])
         return [(last + 1 + j) % self.vocab_size for j in range(k)]
 
+    def may_propose(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        return True  # drafts at every step
+
     def forget(self, request_id: str) -> None:
         pass
 
