@@ -355,20 +355,34 @@ static inline __attribute__((always_inline)) void unpack_words(const uint8_t* p,
     }
 }
 
+/* Blocks ahead (Q4, Q8) that a group's first pass asks the memory for: with
+ * the hardware's prefetcher alone a few-row step waited on memory, reading
+ * its weights at about half the two cores' bandwidth
+ * (benchmarks/results/cpu/avx2_prefetch_1206/). */
+#ifndef QPREFETCH_Q4
+#define QPREFETCH_Q4 16
+#endif
+#ifndef QPREFETCH_Q8
+#define QPREFETCH_Q8 8
+#endif
 /* Two levels, 8 rows (half a group) at a time: a block's sum(q_w * c) with
  * c = 256 q1 + q2 (QuantizedRows.c) by vpmaddwd, the integer that the
  * VNNI build makes of its two sums (|.| <= 32 * 255 * 32639 < 2^31:
  * exact), then the same float32 operations in the same order. Half the
  * multiplies of two vpmaddubsw levels, and Q8 without their sign tricks. */
-static inline __attribute__((always_inline)) void group_tile_words(
-    const uint8_t* w, int64_t kind, int64_t blocks, const QuantizedRows* x, int64_t K,
+static inline __attribute__((always_inline)) void group_tile_words_of(
+    const uint8_t* w, const int64_t kind, int64_t blocks, const QuantizedRows* x, int64_t K,
     float* out, const int rows) {
     const int64_t bytes = block_bytes(kind), codes = code_bytes(kind);
+    const int64_t ahead = (kind == QKIND_Q4 ? QPREFETCH_Q4 : QPREFETCH_Q8) * bytes;
     for (int h = 0; h < 2; h++) {
         __m256 acc[QTILE_ROWS_MAX];
         for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t* p = w + b * bytes;
+            if (h == 0)
+                for (int64_t line = 0; line < bytes; line += 64)
+                    _mm_prefetch((const char*)(p + ahead + line), _MM_HINT_T0);
             __m256i dot[QTILE_ROWS_MAX];
             for (int t = 0; t < rows; t++) dot[t] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
@@ -393,6 +407,16 @@ static inline __attribute__((always_inline)) void group_tile_words(
         }
         for (int t = 0; t < rows; t++) _mm256_storeu_ps(out + t * QGROUP + 8 * h, acc[t]);
     }
+}
+
+/* group_tile_words_of with the weight kind a constant in each copy. */
+static inline __attribute__((always_inline)) void group_tile_words(
+    const uint8_t* w, int64_t kind, int64_t blocks, const QuantizedRows* x, int64_t K,
+    float* out, const int rows) {
+    if (kind == QKIND_Q4)
+        group_tile_words_of(w, QKIND_Q4, blocks, x, K, out, rows);
+    else
+        group_tile_words_of(w, QKIND_Q8, blocks, x, K, out, rows);
 }
 
 /* As the VNNI build's: the same integer sums and float32 operations in the

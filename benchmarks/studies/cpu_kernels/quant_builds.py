@@ -9,6 +9,9 @@ core's ``vpdpbusd`` rate in G int8 multiply-adds a second, times the
 threads; ``peak/vnni_peak.c`` measures it) and, with ``--torch``, torch's
 bfloat16 ``F.linear`` of the same shape (oneDNN) timed in the same rounds.
 Alternating in one process keeps a busy machine's noise out of the ratio.
+``--dram-mb M``: each call reads its own copy of the weight, enough copies
+for M MB (past the last-level cache, as a decode step reads its weights
+from memory), a timing then a pass over every copy (per call: divided).
 
     python3 benchmarks/studies/cpu_kernels/quant_builds.py /tmp/before . --threads 1
     python3 benchmarks/studies/cpu_kernels/quant_builds.py /tmp/before . \\
@@ -18,6 +21,7 @@ Alternating in one process keeps a busy machine's noise out of the ratio.
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import statistics
 import subprocess
@@ -71,6 +75,7 @@ def main() -> None:
     parser.add_argument("--peak", type=float, default=235.0, help="G multiply-adds/s a core")
     parser.add_argument("--torch", action="store_true", help="also time bf16 F.linear")
     parser.add_argument("--build-dir", type=Path, default=Path("/tmp"))
+    parser.add_argument("--dram-mb", type=float, default=0.0, help="copies of W past the cache")
     args = parser.parse_args()
     a = build(args.a, args.build_dir / "quant_builds_a.so")
     b = build(args.b, args.build_dir / "quant_builds_b.so")
@@ -88,6 +93,10 @@ def main() -> None:
         weight = (q8_weight if head else q4_weight)(n, k, gen)
         packed = (pack_q8_cpu if head else pack_q4_cpu)(weight, torch.float32, 4096, args.levels)
         assert packed is not None
+        nbytes = sum(t.numel() * t.element_size() for t in vars(packed).values() if torch.is_tensor(t))
+        copies = [packed] + [
+            copy.deepcopy(packed) for _ in range(int(args.dram_mb * 1e6 / nbytes))
+        ]
         dense = weight.to(torch.bfloat16)
         for rows in args.rows or ((1, 16, 64) if head else (1, 64, 256, 2048)):
             x = torch.randn(rows, k, generator=gen)
@@ -96,19 +105,21 @@ def main() -> None:
             tt = float("inf")
             times_a: list[float] = []
             times_b: list[float] = []
+            calls = len(copies)
             for _ in range(args.repeats):
-                times_a.append(timed(lambda: a(packed, x)))  # noqa: B023
-                times_b.append(timed(lambda: b(packed, x)))  # noqa: B023
+                times_a.append(timed(lambda: [a(c, x) for c in copies]) / calls)  # noqa: B023
+                times_b.append(timed(lambda: [b(c, x) for c in copies]) / calls)  # noqa: B023
                 if args.torch:
                     tt = min(tt, timed(lambda: F.linear(xb, dense)))  # noqa: B023
             ta, tb = min(times_a), min(times_b)
             pairs = statistics.median(y / z for y, z in zip(times_b, times_a, strict=True))
             rate = args.levels * rows * n * k / tb / 1e9
+            gbs = nbytes / tb / 1e9
             line = (
                 f"{name:8s} rows {rows:5d}: A {ta * 1e3:8.3f} ms  B {tb * 1e3:8.3f} ms  "
                 f"B/A {tb / ta:5.3f} (median of pairs {pairs:5.3f})  "
                 f"B {rate:6.1f} G int8 multiply-adds/s "
-                f"({100 * rate / peak:3.0f} % of peak)  same={same}"
+                f"({100 * rate / peak:3.0f} % of peak)  B reads {gbs:5.1f} GB/s  same={same}"
             )
             if args.torch:
                 line += f"  torch bf16 {tt * 1e3:8.3f} ms (B/torch {tb / tt:5.2f})"
