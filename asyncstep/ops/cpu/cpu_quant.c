@@ -355,9 +355,10 @@ static inline __attribute__((always_inline)) void unpack_words(const uint8_t* p,
     }
 }
 
-/* Blocks ahead (Q4, Q8) that a group's first pass asks the memory for: with
- * the hardware's prefetcher alone a few-row step waited on memory, reading
- * its weights at about half the two cores' bandwidth
+/* Blocks ahead (Q4, Q8) that a group's first pass asks the memory for (its
+ * second pass, on cached codes, asks for the next group's): with the
+ * hardware's prefetcher alone a few-row step waited on memory, reading its
+ * weights at about half the two cores' bandwidth
  * (benchmarks/results/cpu/avx2_prefetch_1206/). */
 #ifndef QPREFETCH_Q4
 #define QPREFETCH_Q4 16
@@ -380,9 +381,11 @@ static inline __attribute__((always_inline)) void group_tile_words_of(
         for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t* p = w + b * bytes;
-            if (h == 0)
-                for (int64_t line = 0; line < bytes; line += 64)
-                    _mm_prefetch((const char*)(p + ahead + line), _MM_HINT_T0);
+            /* The first pass: blocks ahead; the second (in the cache): the
+             * next group's block b, which that group's first pass reads. */
+            const uint8_t* next = p + (h == 0 ? ahead : blocks * bytes);
+            for (int64_t line = 0; line < bytes; line += 64)
+                _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
             __m256i dot[QTILE_ROWS_MAX];
             for (int t = 0; t < rows; t++) dot[t] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
