@@ -93,10 +93,10 @@ def main() -> None:
         weight = (q8_weight if head else q4_weight)(n, k, gen)
         packed = (pack_q8_cpu if head else pack_q4_cpu)(weight, torch.float32, 4096, args.levels)
         assert packed is not None
-        nbytes = sum(t.numel() * t.element_size() for t in vars(packed).values() if torch.is_tensor(t))
-        copies = [packed] + [
-            copy.deepcopy(packed) for _ in range(int(args.dram_mb * 1e6 / nbytes))
-        ]
+        nbytes = sum(
+            t.numel() * t.element_size() for t in vars(packed).values() if torch.is_tensor(t)
+        )
+        copies = [packed] + [copy.deepcopy(packed) for _ in range(int(args.dram_mb * 1e6 / nbytes))]
         dense = weight.to(torch.bfloat16)
         for rows in args.rows or ((1, 16, 64) if head else (1, 64, 256, 2048)):
             x = torch.randn(rows, k, generator=gen)
