@@ -68,8 +68,10 @@
 #define CHUNK 64 /* keys per online-softmax step */
 /* Query-key dot products below which a call runs on one thread: a parallel
  * region's fork and join cost more than splitting so little work saves (on
- * a loaded machine, a descheduled thread stalls the join). */
-#define MIN_PARALLEL_DOTS 8192
+ * a loaded machine, a descheduled thread stalls the join). A batch-1 decode
+ * over ~190 keys and 9 heads (1.7 k) takes 0.77x the time on two threads
+ * as on one (benchmarks/results/cpu/avx2_prefetch_1206/). */
+#define MIN_PARALLEL_DOTS 1024
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
