@@ -204,6 +204,34 @@ def test_ctrl_c_aborts_what_the_call_waits_for_and_the_engine_serves_on(
     assert stats.num_finished_reqs == 1  # the short one: the endless ones were aborted
 
 
+def test_ctrl_c_while_the_call_starts_still_aborts_it(
+    llm: asyncstep.LLM, tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C as the call's task is spawned (the task already stepping, its
+    future not yet returned): the call is cancelled all the same."""
+    stepping = gate_forward(tiny_model, monkeypatch)
+    spawn = llm._portal.start_task_soon
+
+    def spawn_then_interrupt(*args: Any) -> Any:
+        future = spawn(*args)
+        assert stepping.wait(timeout=120)
+        signal.raise_signal(signal.SIGINT)  # handled before the future is returned
+        return future
+
+    monkeypatch.setattr(llm._portal, "start_task_soon", spawn_then_interrupt)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS[:3], ENDLESS)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    monkeypatch.undo()
+    (out,) = llm.generate(PROMPTS[0], GREEDY)
+    assert len(out.token_ids) == 8
+    stats = llm.statistics()
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+
+
 def test_a_closed_llm_says_so(tiny_model: LoadedModel) -> None:
     llm = asyncstep.LLM(tiny_model)
     assert llm.config.model.max_model_len

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import signal
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -209,7 +210,10 @@ class LLM:
 
         future: Future[T] | None = None
         try:
-            future = self._portal.start_task_soon(run)
+            # A Ctrl-C while the task is spawned comes once its future is
+            # here to cancel (the task may already run: it would run on).
+            with _interrupt_after():
+                future = self._portal.start_task_soon(run)
             return future.result()
         except BaseException:
             if future is not None and future.cancel():  # interrupted while it runs
@@ -219,6 +223,28 @@ class LLM:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineDeadError("this LLM is closed")
+
+
+@contextlib.contextmanager
+def _interrupt_after() -> Iterator[None]:
+    """On the main thread, a SIGINT during the block is handed to the
+    handler that was there once the block ends (Python's raises
+    KeyboardInterrupt); elsewhere, or where the handler cannot be set,
+    nothing changes."""
+    caught: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    except ValueError:  # not the main thread of the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(signal.SIGINT, None)
+        elif caught and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _close_at_exit_once() -> None:
