@@ -177,6 +177,27 @@ def run_threads(targets: list[Callable[[], None]]) -> None:
         raise errors[0]
 
 
+def interrupt_endless_call(llm: asyncstep.LLM) -> None:
+    """``llm.generate`` of three endless requests, which a Ctrl-C the caller
+    arranged interrupts: KeyboardInterrupt, with Python's own SIGINT handler
+    for the call (also where SIGINT came ignored: a background job)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS[:3], ENDLESS)  # thousands of steps, were it not aborted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def assert_serves_on(llm: asyncstep.LLM) -> None:
+    """The engine serves a short call, and nothing else is left running."""
+    (out,) = llm.generate(PROMPTS[0], GREEDY)
+    assert len(out.token_ids) == 8
+    stats = llm.statistics()
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+    assert stats.num_finished_reqs == 1  # the short one: the endless ones were aborted
+
+
 def test_ctrl_c_aborts_what_the_call_waits_for_and_the_engine_serves_on(
     llm: asyncstep.LLM, tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -189,19 +210,9 @@ def test_ctrl_c_aborts_what_the_call_waits_for_and_the_engine_serves_on(
 
     interrupter = threading.Thread(target=interrupt)
     interrupter.start()
-    # Python's own handler, also where SIGINT came ignored (a background job).
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(PROMPTS[:3], ENDLESS)  # thousands of steps, were it not aborted
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    interrupt_endless_call(llm)
     interrupter.join()
-    (out,) = llm.generate(PROMPTS[0], GREEDY)
-    assert len(out.token_ids) == 8
-    stats = llm.statistics()
-    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
-    assert stats.num_finished_reqs == 1  # the short one: the endless ones were aborted
+    assert_serves_on(llm)
 
 
 def test_ctrl_c_while_the_call_starts_still_aborts_it(
@@ -219,17 +230,9 @@ def test_ctrl_c_while_the_call_starts_still_aborts_it(
         return future
 
     monkeypatch.setattr(llm._portal, "start_task_soon", spawn_then_interrupt)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(PROMPTS[:3], ENDLESS)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    interrupt_endless_call(llm)
     monkeypatch.undo()
-    (out,) = llm.generate(PROMPTS[0], GREEDY)
-    assert len(out.token_ids) == 8
-    stats = llm.statistics()
-    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+    assert_serves_on(llm)
 
 
 def test_a_closed_llm_says_so(tiny_model: LoadedModel) -> None:
