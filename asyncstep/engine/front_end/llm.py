@@ -232,6 +232,9 @@ def _interrupt_after() -> Iterator[None]:
     KeyboardInterrupt); elsewhere, or where the handler cannot be set,
     nothing changes."""
     caught: list[int] = []
+    if signal.getsignal(signal.SIGINT) is None:  # set outside Python: not ours to swap
+        yield
+        return
     try:
         previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
     except ValueError:  # not the main thread of the main interpreter
