@@ -109,7 +109,9 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             "fused_decode then do not apply, packed weights are unused); on the CPU its "
             "packed weights already are, and dense bfloat16 ones run the CPU library's "
             "invariant matmul (false: torch's); none: the device's default (the CPU on, dense "
-            "bfloat16 where the library's build is a SIMD one, AVX2 and up; CUDA off)"
+            "bfloat16 where the library's build is a SIMD one, AVX2 and up; CUDA on for a "
+            "model of dense 16-bit weights without experts, with the triton attention "
+            "backend and fused kernels, else off)"
         ),
     ] = None
 

@@ -1,4 +1,5 @@
-"""Which dense weights a packed CPU model drops.
+"""Which dense weights a packed CPU model drops, and whether a model's
+weights are all dense 16-bit ones.
 
 A decoder projection (:class:`~asyncstep.models.layers.linear.ColumnParallelLinear`,
 :class:`~asyncstep.models.layers.linear.RowParallelLinear`) keeps its dense
@@ -11,11 +12,14 @@ never read: :func:`drop_dense_weights` replaces it with an empty tensor of
 its dtype (the parameter, its name and its loader stay). The embedding and
 the LM head (tied to it in SmolLM2) keep theirs.
 
+:func:`dense_16_bit` (no packed copy of any weight, no experts, a 16-bit
+dtype) is what CUDA's default ``batch_invariant`` asks of a model.
+
 A dropped weight is empty; a step that would still read it fails loudly in
 the matmul (a shape error) rather than silently. The packed-weights cache
 (:mod:`asyncstep.models.weight_cache`) stores no dropped weight and drops
-them again on load. May import torch, the linear layers and
-``asyncstep.ops.packed``.
+them again on load. May import torch, the linear and mixture-of-experts
+layers and ``asyncstep.ops.packed``.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import torch
 from torch import nn
 
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from asyncstep.models.layers.moe import FusedMoE
 from asyncstep.ops.packed import PackedWeight
 
-__all__ = ["EVERY_STEP", "drop_dense_weights", "dropped", "served_by_packed"]
+__all__ = ["EVERY_STEP", "dense_16_bit", "drop_dense_weights", "dropped", "served_by_packed"]
 
 #: ``packed_max_tokens`` of packed weights that serve every step.
 EVERY_STEP = 1 << 30
@@ -62,3 +67,15 @@ def drop_dense_weights(model: nn.Module, dtype: torch.dtype) -> int:
             freed += weight.numel() * weight.element_size()
             weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
     return freed
+
+
+def dense_16_bit(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``model`` (of ``dtype``) multiplies by dense 16-bit weights
+    alone: a 16-bit dtype, no layer keeping a packed copy (Q4 / Q8, the LM
+    head's too) and no mixture of experts."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return not any(
+        isinstance(module, FusedMoE) or getattr(module, "packed", None) is not None
+        for module in model.modules()
+    )

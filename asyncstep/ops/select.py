@@ -11,13 +11,15 @@ attention too), the CPU library's where the device is the CPU, the fused
 kernels are on and the library loads, else the reference's layer ops (on
 the CPU with its float32 LM head); each
 with the backend's attention op. ``batch_invariant`` (None: the device's
-default, :data:`BATCH_INVARIANT_DEFAULT`): on CUDA the Triton
-batch-invariant op set with its own attention (ConfigError without triton
-or with another attention backend); on the CPU the choice above, whose
-packed weights are batch-invariant already, and whose dense bfloat16
-weights (a MoE model's experts too) go through the library's invariant
-matmul when asked for, or by default where that matmul's build is a
-blocked one (``CpuDenseMatmul.fast``: AVX512-BF16, AVX512F, AVX2; not
+default, :data:`BATCH_INVARIANT_DEFAULT`; on CUDA for models of dense
+16-bit weights without experts, with the Triton attention and fused
+kernels, on the GPUs of :data:`CUDA_INVARIANT_DEVICES`): on CUDA the Triton
+batch-invariant op set with its own attention (asked for: ConfigError
+without triton or with another attention backend); on the CPU the choice
+above, whose packed weights are batch-invariant already, and whose dense
+bfloat16 weights (a MoE model's experts too) go through the library's
+invariant matmul when asked for, or by default where that matmul's build is
+a blocked one (``CpuDenseMatmul.fast``: AVX512-BF16, AVX512F, AVX2; not
 plain C, which computes a row at a time); dense float32 weights and the
 float32 LM head likewise through the library's float32 matmul
 (``CpuDenseF32Matmul.fast``: AVX-512, AVX2; not plain C).
@@ -44,7 +46,9 @@ from asyncstep.ops.torch_ref import TORCH_OPS, TorchOps
 
 __all__ = [
     "BATCH_INVARIANT_DEFAULT",
+    "CUDA_INVARIANT_DEVICES",
     "attention_op",
+    "measured_cuda_device",
     "resolve_attention_backend",
     "resolve_batch_invariant",
     "select_ops",
@@ -63,11 +67,16 @@ ATTENTION_BACKENDS = tuple(ATTENTION_OPS)
 
 
 #: ``batch_invariant=None`` by device type: the CPU's kernels are invariant
-#: (dense bfloat16 where the library's build is a blocked one); CUDA's invariant op
-#: set doubles a prompt's time and has no packed-weight path, though a decode
-#: step's cost is within 10 % on an H100 (docs/performance.md, "Batch
-#: invariance"). Types not listed: off.
-BATCH_INVARIANT_DEFAULT = {"cpu": True, "cuda": False}
+#: (dense bfloat16 where the library's build is a blocked one); on CUDA the
+#: invariant op set, where :func:`resolve_batch_invariant` finds it fits the
+#: model and the GPU is one of :data:`CUDA_INVARIANT_DEVICES`. Types not
+#: listed: off.
+BATCH_INVARIANT_DEFAULT = {"cpu": True, "cuda": True}
+#: The GPUs (by name) where the invariant op set's measured cost is within
+#: 10 %: llama-8b's ITL at batch 1 and 32, its TTFT, llama-1b's throughput
+#: (docs/performance.md, "Batch invariance"). Measured over it: the H200
+#: (ITL x1.16 at batch 1). Others: not measured, off.
+CUDA_INVARIANT_DEVICES = frozenset({"NVIDIA H100 80GB HBM3"})
 
 
 def triton_available() -> bool:
@@ -103,11 +112,28 @@ def attention_op(backend: str, *, fused_kernels: bool, fused_decode: bool) -> At
     return op
 
 
-def resolve_batch_invariant(batch_invariant: bool | None, device: torch.device) -> bool:
-    """``batch_invariant`` on ``device`` (None: :data:`BATCH_INVARIANT_DEFAULT`)."""
-    if batch_invariant is None:
-        return BATCH_INVARIANT_DEFAULT.get(device.type, False)
-    return batch_invariant
+def resolve_batch_invariant(
+    batch_invariant: bool | None, device: torch.device, *, fits_cuda_default: bool = True
+) -> bool:
+    """``batch_invariant`` on ``device``; None: :data:`BATCH_INVARIANT_DEFAULT`,
+    on CUDA only where ``fits_cuda_default`` and the GPU is one of
+    :data:`CUDA_INVARIANT_DEVICES`. ``fits_cuda_default``: the Triton
+    attention backend and fused kernels (not asked away), triton installed,
+    and a model of dense 16-bit weights without experts (the invariant op
+    set reads no packed Q4 / Q8 copy, so a packed model would lose its
+    GEMVs; its experts' cost is not measured)."""
+    if batch_invariant is not None:
+        return batch_invariant
+    if not BATCH_INVARIANT_DEFAULT.get(device.type, False):
+        return False
+    return device.type != "cuda" or (fits_cuda_default and measured_cuda_device(device))
+
+
+def measured_cuda_device(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU of :data:`CUDA_INVARIANT_DEVICES`."""
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_name(device) in CUDA_INVARIANT_DEVICES
 
 
 def select_ops(
@@ -118,6 +144,7 @@ def select_ops(
     fused_decode: bool = False,
     int8_activations: bool = False,
     batch_invariant: bool | None = None,
+    dense_16_bit: bool = True,
 ) -> OpSet:
     """The op set for a model on ``device`` whose attention runs
     ``attention_backend`` (resolved); ``fused_kernels`` off: the reference's
@@ -125,9 +152,14 @@ def select_ops(
     float32 LM head, :class:`~asyncstep.ops.cpu.ops.CpuHeadOps`); ``fused_decode``: the
     Triton op set's one-row matmuls and decode attention; ``int8_activations``:
     its Q4 / Q8 GEMVs quantize 16-bit x to int8 (``gpu_q4_activations``);
-    ``batch_invariant`` on CUDA (None: the device's default): the Triton
-    batch-invariant op set, whatever ``fused_kernels`` and ``fused_decode`` say."""
-    if device.type == "cuda" and resolve_batch_invariant(batch_invariant, device):
+    ``batch_invariant`` on CUDA: the Triton batch-invariant op set, whatever
+    ``fused_kernels`` and ``fused_decode`` say; None: the device's default
+    (:func:`resolve_batch_invariant`; ``dense_16_bit``: the model's weights
+    are dense 16-bit ones, without experts)."""
+    fits = dense_16_bit and fused_kernels and attention_backend == "triton" and triton_available()
+    if device.type == "cuda" and resolve_batch_invariant(
+        batch_invariant, device, fits_cuda_default=fits
+    ):
         return _invariant_ops(attention_backend)
     attention = attention_op(
         attention_backend, fused_kernels=fused_kernels, fused_decode=fused_decode

@@ -56,6 +56,7 @@ from asyncstep.datatypes import (
 )
 from asyncstep.device.stream import record_event
 from asyncstep.logging.spans import tracing
+from asyncstep.models.dense_weights import dense_16_bit
 from asyncstep.models.llama import LlamaForCausalLM
 from asyncstep.ops.attention import BLOCK_DIM
 from asyncstep.ops.select import resolve_attention_backend, select_ops
@@ -117,7 +118,8 @@ class ModelRunner:
         ``draft_model``), run beside ``model`` on the same device (see
         :mod:`asyncstep.runner.draft_model`). ``batch_invariant``: the op
         sets' choice (:func:`~asyncstep.ops.select.select_ops`; None: the
-        device's default)."""
+        device's default, on CUDA for a model of dense 16-bit weights
+        without experts); the draft model follows the target's choice."""
         self.model = model
         self.device, self.dtype = device, dtype
         #: On the CPU: the steps' torch threads, fewer while other processes
@@ -173,6 +175,7 @@ class ModelRunner:
             fused_decode=compilation.fused_decode,
             int8_activations=compilation.gpu_q4_activations == "int8",
             batch_invariant=batch_invariant,
+            dense_16_bit=dense_16_bit(model, dtype),
         )
         model.use_ops(self.ops)
         #: ``draft_model`` speculation's draft model (None: not that method).
@@ -187,6 +190,7 @@ class ModelRunner:
                     fused_kernels=compilation.fused_kernels,
                     int8_activations=compilation.gpu_q4_activations == "int8",
                     batch_invariant=batch_invariant,
+                    dense_16_bit=dense_16_bit(model, dtype),  # the target's choice
                 )
             )
             self.drafter = DraftModel(

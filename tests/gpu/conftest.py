@@ -5,9 +5,11 @@
 kernels) sums a row in an order that depends on the row's place in the
 tile, a stand-in for the GPU's MMA (one order for every row) that breaks
 the batch-invariance tests' bit-for-bit checks. The fixture swaps in a dot
-that sums every element's float32 products in K order (the same for any
-row at any place); the kernels' own order around it is what those tests
-check. Off the interpreter it does nothing.
+that, as the tensor cores chain their MMA steps into the accumulator, adds
+every element's float32 products to it one feature at a time in K order
+(the same for any row at any place, and for any BLOCK_K); the kernels' own
+order around it is what those tests check. Off the interpreter it does
+nothing.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ def row_wise_interpreted_dot(monkeypatch: pytest.MonkeyPatch) -> None:
     def create_dot(
         self: object, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any
     ) -> Any:
-        acc = d.data.dtype  # [M, K, N] products, C-contiguous: summed over K in order
-        a32, b32 = np.ascontiguousarray(a.data, acc), np.ascontiguousarray(b.data, acc)
-        products = a32[:, :, None] * b32[None, :, :]
-        return interpreter.TensorHandle(products.sum(axis=1) + d.data, d.dtype.scalar)
+        acc = np.array(d.data, copy=True)
+        a32, b32 = a.data.astype(acc.dtype), b.data.astype(acc.dtype)
+        for k in range(a32.shape[1]):  # each product rounded, then added: no FMA
+            acc += a32[:, k, None] * b32[None, k, :]
+        return interpreter.TensorHandle(acc, d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

@@ -145,7 +145,7 @@ def test_the_fused_decode_op_set_takes_it_for_one_row_16_bit_steps_on_cuda(rows:
 def test_the_choice_gives_it_with_the_fused_decode() -> None:
     """Chosen once, with the op set: the fused decode's op set runs it."""
     cuda = torch.device("cuda")
-    on = select_ops(cuda, "triton", fused_kernels=True, fused_decode=True)
-    off = select_ops(cuda, "triton", fused_kernels=True, fused_decode=False)
+    on = select_ops(cuda, "triton", fused_kernels=True, fused_decode=True, batch_invariant=False)
+    off = select_ops(cuda, "triton", fused_kernels=True, fused_decode=False, batch_invariant=False)
     assert isinstance(on, TritonOps) and on.fused_decode
     assert isinstance(off, TritonOps) and not off.fused_decode

@@ -36,6 +36,7 @@ from asyncstep.errors import ConfigError  # noqa: E402
 from asyncstep.models.layers.attention import kv_cache_shape  # noqa: E402
 from asyncstep.ops import OpSet, select  # noqa: E402
 from asyncstep.ops.attention import AttentionMetadata  # noqa: E402
+from asyncstep.ops.torch_ref import TORCH_OPS  # noqa: E402
 from asyncstep.ops.triton import invariant_attention  # noqa: E402
 from asyncstep.ops.triton import invariant_matmul as invariant_matmul_module  # noqa: E402
 from asyncstep.ops.triton.attention import paged_attention  # noqa: E402
@@ -49,6 +50,7 @@ from asyncstep.ops.triton.invariant_matmul import (  # noqa: E402
 )
 from asyncstep.ops.triton.invariant_norm import rms_norm  # noqa: E402
 from asyncstep.ops.triton.invariant_ops import TritonInvariantOps  # noqa: E402
+from asyncstep.ops.triton.invariant_prompt import prompt_matmul, tma_fits  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -100,10 +102,11 @@ def test_both_launches_sum_the_splits_in_one_order(n: int, k: int) -> None:
     """K split: the split programs and a program per tile give a whole
     batch the same bits, the tiles' counters are back to zero after the
     split programs (the next launch, a graph's next replay, counts from
-    zero), and the sum is the splits' float32 partials (each the sum of
-    its BLOCK_K chunks from zero) added in split order from zero: bit for
-    bit under the interpreter (whose dot sums a chunk in K order), within
-    rounding on a GPU (its MMA sums a chunk in its own order)."""
+    zero), and the sum is the splits' float32 partials (each its
+    features' products chained in K order from zero) added in split order
+    from zero: bit for bit under the interpreter (whose dot chains each
+    product), within rounding on a GPU (its MMA sums a step's products in
+    its own way)."""
     gen = torch.Generator().manual_seed(6)
     w = torch.randn(n, k, generator=gen).to(DEVICE)
     x = torch.randn(40, k, generator=gen).to(DEVICE)
@@ -119,10 +122,8 @@ def test_both_launches_sum_the_splits_in_one_order(n: int, k: int) -> None:
     total = np.zeros((40, n), np.float32)
     for start in range(0, k, split):
         part = np.zeros((40, n), np.float32)
-        for c in range(start, min(start + split, k), TILE.block_k):
-            end = min(c + TILE.block_k, start + split, k)
-            chunk = (xs[:, c:end, None] * ws[None, c:end, :]).sum(axis=1, dtype=np.float32)
-            part = chunk + part
+        for c in range(start, min(start + split, k)):
+            part += xs[:, c, None] * ws[None, c, :]
         total = total + part
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         assert np.array_equal(parallel.cpu().numpy(), total)
@@ -186,6 +187,87 @@ def test_a_stream_capturing_a_graph_takes_counters_zeroed_before(
     assert module._tile_counters(cuda) is None  # the reserve is spent
     state["capturing"], state["stream"] = False, 1
     assert module._tile_counters(cuda) is eager
+
+
+#: Prompt tiles: PROMPT_TILES' and one of TILE's rows, wider columns.
+PROMPT_TILES = [
+    *(tile for _, tile in invariant_matmul_module.PROMPT_TILES),
+    invariant_matmul_module.MatmulTile(64, 128, TILE.block_k, 4, 3, 3),
+]
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("tile", PROMPT_TILES, ids=lambda t: f"{t.block_m}x{t.block_n}x{t.block_k}")
+@pytest.mark.parametrize("dtype", [torch.float16, *DTYPES[1:]])  # 16-bit rows
+def test_a_prompt_tile_gives_every_row_the_bits_of_the_decode_tile(
+    monkeypatch: pytest.MonkeyPatch,
+    tile: invariant_matmul_module.MatmulTile,
+    dtype: torch.dtype,
+    tma: bool,
+) -> None:
+    """A prompt-sized step's wider tile (the same splits), by TMA and
+    persistent programs or by a program per tile: the whole product the
+    same bits as TILE's launch, and a row the same as alone (the split
+    programs), K in one split and in several. Under the interpreter the dot
+    chains a chunk's products in K order for any block shape, so it checks
+    the kernels' order; on CUDA, the tensor cores' own."""
+    module = invariant_matmul_module
+    monkeypatch.setattr(module, "_PROMPT_TILE_DEVICES", frozenset({DEVICE.type}))
+    monkeypatch.setattr(module, "_PROMPT_TMA", tma)
+    launches = []
+
+    def counted(*args: object, **kwargs: object) -> None:
+        launches.append(1)
+        prompt_matmul(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "prompt_matmul", counted)
+    gen = torch.Generator().manual_seed(11)
+    fits = 0
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+        x = torch.randn(150, k, generator=gen).to(dtype).to(DEVICE)
+        monkeypatch.setattr(module, "PROMPT_TILES", ())
+        want = invariant_matmul(x, w, parallel=False)
+        alone = invariant_matmul(x[140:141], w, parallel=True)
+        monkeypatch.setattr(module, "PROMPT_TILES", ((100, tile),))
+        assert module.launch_tile(150, False, DEVICE, dtype) is tile
+        assert module.launch_tile(99, False, DEVICE, dtype) is TILE  # decode-sized
+        assert module.launch_tile(150, True, DEVICE, dtype) is TILE  # the split programs
+        got = invariant_matmul(x, w, parallel=False)
+        assert torch.equal(got, want), (n, k)
+        assert torch.equal(got[140], alone[0]), (n, k)
+        fits += tma_fits(x, w)
+    # TMA took every product whose tensors it fits (two of the three K's).
+    assert fits == 2 and len(launches) == (fits if tma else 0)
+
+
+def test_tma_takes_16_bit_rows_contiguous_and_16_byte_aligned() -> None:
+    w = torch.zeros(64, 72, dtype=torch.float16, device=DEVICE)
+    assert tma_fits(w, w[8:])
+    assert not tma_fits(w.float())  # 32-bit
+    assert not tma_fits(w.T)  # the rows' features not contiguous
+    assert not tma_fits(w[:, 1:])  # the base 2 bytes past 16
+    assert not tma_fits(torch.zeros(64, 70, dtype=torch.float16, device=DEVICE))  # 140-byte rows
+    assert not tma_fits(w[0])  # not 2-D
+
+
+def test_the_prompt_tiles_by_rows_and_off_cuda_the_decode_tile() -> None:
+    """On CUDA, 16-bit steps of 256-1023 rows and of 1024 and more launch
+    their prompt tiles (whose BLOCK_K divide TILE's: a split's chunks are
+    whole); the interpreter's own dot (numpy's) rounds by block shape: off
+    CUDA no step launches a prompt tile."""
+    module = invariant_matmul_module
+    assert "cpu" not in module._PROMPT_TILE_DEVICES
+    (wide_rows, wide), (rows, narrow) = module.PROMPT_TILES
+    assert (wide_rows, rows) == (1024, 256)
+    assert all(TILE.block_k % t.block_k == 0 for t in (wide, narrow))
+    cuda = torch.device("cuda", 0)
+    tiles = [module.launch_tile(m, False, cuda, torch.bfloat16) for m in (255, 256, 1023, 1024)]
+    assert tiles == [TILE, narrow, narrow, wide]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert module.launch_tile(4096, False, torch.device("cpu"), dtype) is TILE
+    # float32's blocks would outgrow an SM's shared memory: TILE on CUDA too.
+    assert module.launch_tile(4096, False, cuda, torch.float32) is TILE
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, *DTYPES[1:]])
@@ -439,9 +521,28 @@ def test_batch_invariant_picks_the_invariant_op_set_on_cuda(
     ops = select.select_ops(cuda, "triton", fused_kernels=True, batch_invariant=True)
     assert isinstance(ops, TritonInvariantOps) and ops.step_path([]) is None
     assert ops.attention_op.name == "triton-invariant" and ops.rotates_in_kv_store
-    # None: the device's default.
-    assert select.resolve_batch_invariant(None, cpu) is select.BATCH_INVARIANT_DEFAULT["cpu"]
-    assert select.resolve_batch_invariant(None, cuda) is select.BATCH_INVARIANT_DEFAULT["cuda"]
+    # None: the device's default; on CUDA where the invariant op set fits the
+    # model, on a GPU where its cost was measured within 10 %.
+    assert select.BATCH_INVARIANT_DEFAULT == {"cpu": True, "cuda": True}
+    assert {"NVIDIA H100 80GB HBM3"} == select.CUDA_INVARIANT_DEVICES
+    assert select.resolve_batch_invariant(None, cpu, fits_cuda_default=False)
+    assert not select.resolve_batch_invariant(None, torch.device("mps"))
+    assert select.resolve_batch_invariant(True, cuda, fits_cuda_default=False)
+    for measured in (True, False):
+        monkeypatch.setattr(select, "measured_cuda_device", lambda device, m=measured: m)
+        assert select.resolve_batch_invariant(None, cuda) is measured
+        assert not select.resolve_batch_invariant(None, cuda, fits_cuda_default=False)
+        default = select.select_ops(cuda, "triton", fused_kernels=True)
+        assert isinstance(default, TritonInvariantOps) is measured
+        for fused_decode in (False, True):  # packed weights or experts: the Triton op set
+            packed = select.select_ops(
+                cuda, "triton", fused_kernels=True, fused_decode=fused_decode, dense_16_bit=False
+            )
+            assert not isinstance(packed, TritonInvariantOps)
+        # The fused kernels asked away or the torch attention: not by default.
+        unfused = select.select_ops(cuda, "triton", fused_kernels=False)
+        assert not isinstance(unfused, TritonInvariantOps)
+        assert select.select_ops(cuda, "torch", fused_kernels=True) is TORCH_OPS
     fast = select.select_ops(cuda, "triton", fused_kernels=True, batch_invariant=False)
     assert not isinstance(fast, TritonInvariantOps)
     # On the CPU the CPU's op set stays (its kernels are invariant already).

@@ -16,8 +16,9 @@ import torch
 import asyncstep
 from asyncstep import SamplingParams
 from asyncstep.config import ModelConfig
-from asyncstep.models.dense_weights import EVERY_STEP
+from asyncstep.models.dense_weights import EVERY_STEP, dense_16_bit
 from asyncstep.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from asyncstep.models.layers.moe import FusedMoE
 from asyncstep.models.model_loader import LoadedModel, cpu_blocks, load_model
 from asyncstep.ops.cpu.quant import CpuQuantWeight
 
@@ -83,3 +84,21 @@ def test_the_cache_stores_no_dropped_weight_and_rebuilds_where_one_is_needed(
     assert all(m.weight.numel() > 0 and m.packed is not None for m in layers)
     down = rebuilt.model.model.stage_layers()[0].mlp.down_proj.weight
     assert down.dtype == torch.float32 and down.abs().sum() > 0
+
+
+def test_dense_16_bit_asks_for_16_bit_weights_no_packed_copy_and_no_experts() -> None:
+    """What CUDA's default ``batch_invariant`` asks of a model."""
+    loaded = load_model(
+        ModelConfig(model="tiny-llama", load_format="dummy", device="cpu", dtype="bfloat16"),
+        with_tokenizer=False,
+    )
+    model = loaded.model
+    assert dense_16_bit(model, torch.bfloat16) and dense_16_bit(model, torch.float16)
+    assert not dense_16_bit(model, torch.float32)
+    head = model.lm_head
+    assert head is not None and head.packed is None
+    head.packed = object()  # type: ignore[assignment]  # a packed copy (the LM head's Q8)
+    assert not dense_16_bit(model, torch.bfloat16)
+    head.packed = None
+    model.model.layers[0].mlp = FusedMoE(2, 64, 64, bias=False)
+    assert not dense_16_bit(model, torch.bfloat16)

@@ -162,7 +162,8 @@ def test_rotary(ops: OpSet, dtype: torch.dtype) -> None:
 
 def test_the_choice() -> None:
     """The Triton op set where attention is Triton and the fused kernels are
-    on; the CPU library's on the CPU with the fused kernels, where it builds;
+    on (CUDA's default batch-invariant one: tests/gpu/test_triton_invariant.py);
+    the CPU library's on the CPU with the fused kernels, where it builds;
     else the reference's layer ops (on the CPU with the CPU's float32 LM
     head: its precision, not a fused kernel)."""
     plain = select_ops(CPU, "torch", fused_kernels=False)
@@ -176,11 +177,16 @@ def test_the_choice() -> None:
     assert select_ops(CPU, "torch", fused_kernels=True).attention_op is TORCH_ATTENTION
     if triton_available():
         cuda = torch.device("cuda")
-        triton = select_ops(cuda, "triton", fused_kernels=True)
+        triton = select_ops(cuda, "triton", fused_kernels=True, batch_invariant=False)
         assert triton.name == "triton" and triton.rotates_in_kv_store
+        # Packed weights or experts: the Triton op set (the invariant one has no packed path).
+        packed = select_ops(cuda, "triton", fused_kernels=True, dense_16_bit=False)
+        assert packed.name == "triton"
+        # The fused kernels asked away: the reference's layer ops, by default not invariant.
         unfused = select_ops(cuda, "triton", fused_kernels=False)
         assert unfused.name == "torch" and unfused.attention_op.name == "triton"
         assert not unfused.rotates_in_kv_store  # the reference's rotary, then the store
+    # The torch attention on CUDA: by default the reference, not the invariant op set.
     assert select_ops(torch.device("cuda"), "torch", fused_kernels=True) is TORCH_OPS
 
 

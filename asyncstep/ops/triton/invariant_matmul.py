@@ -10,7 +10,9 @@ The order of an output element's sum depends on (N, K) alone:
 
 * one tile configuration (:data:`TILE`: BLOCK_M, BLOCK_N, BLOCK_K, warps)
   for every M, so each BLOCK_K-wide ``tl.dot`` chunk is the same
-  instruction whatever M is;
+  instruction whatever M is; on CUDA a prompt-sized step launches one of
+  :data:`PROMPT_TILES`, whose chunks are the same chain of MMA steps per
+  element (their bits are TILE's: tested on CUDA);
 * K is cut into *splits* of :func:`split_k` ``(N, K)`` features (a multiple
   of BLOCK_K; the last split takes the rest): a split's chunks are summed in
   K order into a float32 partial starting from zero, then the partials are
@@ -35,7 +37,8 @@ zeroed with the device's first eager launch): no host sync, CUDA-graph
 safe. On CUDA with PDL (:mod:`asyncstep.ops.triton.pdl`) the next kernel
 may launch while this one drains.
 
-May import torch, triton and :mod:`asyncstep.ops.triton.pdl`.
+May import torch, triton, :mod:`asyncstep.ops.triton.pdl` and
+:mod:`asyncstep.ops.triton.invariant_prompt`.
 """
 
 from __future__ import annotations
@@ -48,16 +51,19 @@ import triton
 import triton.language as tl
 
 from asyncstep.ops.triton import pdl
+from asyncstep.ops.triton.invariant_prompt import prompt_matmul, tma_fits
 from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
 
 __all__ = [
     "MIN_SPLIT_K",
     "PARALLEL_WAVES",
+    "PROMPT_TILES",
     "TARGET_PROGRAMS",
     "TILE",
     "MatmulTile",
     "invariant_matmul",
     "launch_is_parallel",
+    "launch_tile",
     "split_k",
 ]
 
@@ -84,6 +90,34 @@ class MatmulTile:
 #: llama-8b's four layer shapes, benchmarks/results/invariance_gpu/h100_1206/):
 #: the one tile among each shape's best at M = 1, 1.03-1.30x the floor.
 TILE = MatmulTile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, split_stages=4)
+#: The tiles of prompt-sized steps on CUDA, as (fewest rows, tile), most
+#: rows first: a step of at least that many rows runs that tile, a program
+#: per output tile (by TMA and persistent programs where the tensors allow,
+#: :data:`_PROMPT_TMA`), with TILE's splits (:func:`split_k` of
+#: :data:`TILE`). On the tensor cores an element's sum is the same chain of
+#: MMA steps over K whatever the tile's rows, columns and BLOCK_K (every
+#: tile of the prompt-tile sweep gave TILE's bits on one H100, and the tests
+#: on CUDA check these); the interpreter's own ``tl.dot`` (numpy) rounds by
+#: block shape, so off CUDA every step runs TILE. Chosen by that sweep
+#: (M = 128-2048 at llama-8b's four layer shapes,
+#: benchmarks/results/invariance_gpu/h100_1206b/).
+PROMPT_TILES: tuple[tuple[int, MatmulTile], ...] = (
+    (
+        1024,
+        MatmulTile(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, split_stages=4),
+    ),
+    (
+        256,
+        MatmulTile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=5, split_stages=5),
+    ),
+)
+#: Whether the prompt tiles' launches load by TMA and run persistent
+#: programs where the tensors allow (:mod:`asyncstep.ops.triton.invariant_prompt`:
+#: the same bits; False: the pointer kernel, a program per tile).
+_PROMPT_TMA = True
+#: The device types that launch the prompt tiles (tests add the
+#: interpreter's, with a dot that sums in one order for any block shape).
+_PROMPT_TILE_DEVICES = frozenset({"cuda"})
 #: The programs :func:`split_k` aims at for a step of one row tile (N / BLOCK_N
 #: tiles x splits): about one wave of a 132-SM GPU. A constant, not the SM
 #: count: the bits must not depend on the GPU's size (the sweep above).
@@ -121,13 +155,31 @@ def _max_parallel_tiles(device: torch.device) -> int:
     return PARALLEL_WAVES * _num_sms(device)
 
 
-def launch_is_parallel(m: int, n: int, k: int, device: torch.device) -> bool:
+def launch_tile(m: int, parallel: bool, device: torch.device, dtype: torch.dtype) -> MatmulTile:
+    """The tile an ``m``-row product of ``dtype`` inputs launches: the first
+    of :data:`PROMPT_TILES` that ``m`` rows reach, for a program per tile of
+    16-bit rows on CUDA (float32's blocks would outgrow the SM's shared
+    memory), else :data:`TILE` (the split programs', and every launch off
+    CUDA)."""
+    if not parallel and dtype != torch.float32 and device.type in _PROMPT_TILE_DEVICES:
+        for rows, tile in PROMPT_TILES:
+            if m >= rows:
+                return tile
+    return TILE
+
+
+def launch_is_parallel(
+    m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> bool:
     """Whether an ``[m, k] x [n, k]`` product runs the split programs
-    rather than a program per tile (the same bits either way): K is split,
+    rather than a program per tile (the same bits either way): not a
+    prompt tile's step (:func:`launch_tile`), K is split,
     the output tiles fill at most :data:`PARALLEL_WAVES` waves, and the
     float32 partials (written, then read: ``splits x m x n x 8`` bytes)
     weigh at most the 16-bit weight (``n x k x 2``)."""
     t = TILE
+    if launch_tile(m, False, device, dtype) is not t:
+        return False
     splits = triton.cdiv(k, split_k(n, k, t))
     tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
     return splits > 1 and tiles <= _max_parallel_tiles(device) and splits * m * 4 <= k
@@ -338,16 +390,33 @@ def invariant_matmul(
         return out.view(*lead, n)
     if k == 0:
         return out.zero_().view(*lead, n)
-    t = TILE
-    k_split = split_k(n, k, t)
+    k_split = split_k(n, k, TILE)
     splits = triton.cdiv(k, k_split)
-    grid_mn = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
     if parallel is None:
-        parallel = launch_is_parallel(m, n, k, x.device)
-    if parallel and grid_mn[0] * grid_mn[1] > _max_parallel_tiles(x.device):
-        raise ValueError(f"{grid_mn[0] * grid_mn[1]} output tiles: too many for the split programs")
+        parallel = launch_is_parallel(m, n, k, x.device, x.dtype)
+    tiles = triton.cdiv(m, TILE.block_m) * triton.cdiv(n, TILE.block_n)
+    if parallel and tiles > _max_parallel_tiles(x.device):
+        raise ValueError(f"{tiles} output tiles: too many for the split programs")
     counters = _tile_counters(x.device) if parallel else None
     parallel = counters is not None
+    t = launch_tile(m, parallel, x.device, x.dtype)
+    if TILE.block_k % t.block_k:  # a split's chunks are whole
+        raise ValueError(f"the prompt tile's BLOCK_K {t.block_k} must divide TILE's {TILE.block_k}")
+    if t is not TILE and _PROMPT_TMA and tma_fits(x2, weight):
+        prompt_matmul(
+            x2,
+            weight,
+            out,
+            k_split=k_split,
+            block_m=t.block_m,
+            block_n=t.block_n,
+            block_k=t.block_k,
+            num_warps=t.num_warps,
+            num_stages=t.num_stages,
+            programs=_num_sms(x.device),
+        )
+        return out.view(*lead, n)
+    grid_mn = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
     if counters is not None:
         part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     else:  # unused

@@ -262,6 +262,80 @@ def tile_sweep(
     return same
 
 
+#: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA) of :func:`prompt_tile_sweep`
+#: (TMA: TMA loads and persistent programs; else the pointer kernel).
+PROMPT_TILES = [
+    (128, 128, 128, 8, 3, False),
+    (128, 128, 128, 8, 3, True),
+    (128, 128, 64, 8, 4, True),
+    (128, 128, 64, 8, 5, True),
+    (128, 256, 64, 8, 3, True),
+    (128, 256, 64, 8, 4, True),
+    (256, 128, 64, 8, 3, True),
+]
+PROMPT_ROWS = (128, 256, 512, 2048)
+
+
+def prompt_tile_sweep(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> bool:
+    """Per layer shape and M of :data:`PROMPT_ROWS`, every tile of
+    :data:`PROMPT_TILES` as the prompt tile of every M (a program per tile) against
+    TILE's launch and F.linear; each checked for its bits: the whole
+    product the same as TILE's at that M, and row 0 the same as M = 1's
+    (split programs). True if every tile kept the bits."""
+    saved = (inv.PROMPT_TILES, inv._PROMPT_TMA)
+    same = True
+    rows = TINY_ROWS if args.tiny else PROMPT_ROWS
+    try:
+        for name, n, k in TINY_LINEARS if args.tiny else MODELS[args.model][:4]:
+            ws = weight_copies(n, k, dtype, device, args.tiny)
+            xs = {m: torch.randn(m, k, device=device).to(dtype) for m in rows}
+            inv.PROMPT_TILES = ()
+            alone = {m: inv.invariant_matmul(xs[m][:1], ws[0])[0] for m in rows}
+            fast = {m: timed(over_copies(F.linear, xs[m], ws), device, len(ws)) for m in rows}
+            base = {}
+            for m in rows:
+                mm = functools.partial(inv.invariant_matmul, parallel=None)
+                base[m] = timed(over_copies(mm, xs[m], ws), device, len(ws))
+            print(
+                f"prompt tiles {name:8} N={n} K={k}: time / F.linear at M = "
+                + ", ".join(map(str, rows))
+                + "; TILE's launch: "
+                + " ".join(f"x{base[m] / fast[m]:5.2f}" for m in rows)
+                + " (F.linear "
+                + " ".join(f"{fast[m] * 1e3:.0f}" for m in rows)
+                + " us)",
+                flush=True,
+            )
+            for bm, bn, bk, w, stages, tma in PROMPT_TILES:
+                inv._PROMPT_TMA = tma
+                inv.PROMPT_TILES = ()
+                want = {m: inv.invariant_matmul(xs[m], ws[0], parallel=False) for m in rows}
+                inv.PROMPT_TILES = ((1, inv.MatmulTile(bm, bn, bk, w, stages, stages)),)
+                cells, bits = [], "same"
+                for m in rows:
+                    mm = functools.partial(inv.invariant_matmul, parallel=False)
+                    try:
+                        cells.append(timed(over_copies(mm, xs[m], ws), device, len(ws)) / fast[m])
+                        got = mm(xs[m], ws[0])
+                    except Exception as error:  # shared memory past the SM's
+                        cells.append(float("inf"))
+                        bits = f"{type(error).__name__}: {str(error).strip()[:160]}"
+                        continue
+                    if not (torch.equal(got, want[m]) and torch.equal(got[0], alone[m])):
+                        bits = "DIFFER"
+                same = same and (bits == "same" or bits.startswith("OutOfResources"))
+                print(
+                    f"  bm {bm:3} bn {bn:3} bk {bk:3} w {w} st {stages}"
+                    f" {'TMA     ' if tma else 'pointers'}: "
+                    + " ".join(f"x{c:5.2f}" for c in cells)
+                    + f" bits {bits}",
+                    flush=True,
+                )
+    finally:
+        inv.PROMPT_TILES, inv._PROMPT_TMA = saved
+    return same
+
+
 def bit_check(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> bool:
     """Row 0 of every M, by each launch, against M = 1's: True if all the same bits."""
     same = True
@@ -298,6 +372,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--tile-sweep", action="store_true", help="only the tile sweep (tile_sweep's docstring)"
     )
+    parser.add_argument(
+        "--prompt-tile-sweep",
+        action="store_true",
+        help="only the prompt tiles (prompt_tile_sweep's docstring)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, "float16" if device.type == "cpu" else args.dtype)
@@ -309,6 +388,8 @@ if __name__ == "__main__":
     )
     if args.tile_sweep:
         sys.exit(0 if tile_sweep(args, device, dtype, bw) else 1)
+    if args.prompt_tile_sweep:
+        sys.exit(0 if prompt_tile_sweep(args, device, dtype) else 1)
     ok = bit_check(args, device, dtype)
     table(args, device, dtype, bw)
     if not args.no_sweep:
