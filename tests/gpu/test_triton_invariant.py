@@ -37,7 +37,7 @@ from asyncstep.models.layers.attention import kv_cache_shape  # noqa: E402
 from asyncstep.ops import OpSet, select  # noqa: E402
 from asyncstep.ops.attention import AttentionMetadata  # noqa: E402
 from asyncstep.ops.torch_ref import TORCH_OPS  # noqa: E402
-from asyncstep.ops.triton import invariant_attention  # noqa: E402
+from asyncstep.ops.triton import invariant_attention, invariant_counters  # noqa: E402
 from asyncstep.ops.triton import invariant_matmul as invariant_matmul_module  # noqa: E402
 from asyncstep.ops.triton.attention import paged_attention  # noqa: E402
 from asyncstep.ops.triton.invariant_attention import invariant_paged_attention  # noqa: E402
@@ -115,7 +115,7 @@ def test_both_launches_sum_the_splits_in_one_order(n: int, k: int) -> None:
     parallel = invariant_matmul(x, w, parallel=True)
     assert torch.equal(invariant_matmul(x, w, parallel=True), parallel)
     assert torch.equal(invariant_matmul(x, w, parallel=False), parallel)
-    for state in invariant_matmul_module._COUNTERS.values():
+    for state in invariant_counters.COUNTERS.values():
         for counters in [*state.by_stream.values(), *state.reserve]:
             assert int(counters.count_nonzero()) == 0
     xs, ws = x.cpu().numpy(), np.ascontiguousarray(w.cpu().numpy().T)
@@ -156,12 +156,12 @@ def test_a_stream_capturing_a_graph_takes_counters_zeroed_before(
     reserve buffer zeroed eagerly (one allocated in the capture would be
     zeroed only by its graph's replay), none left or no eager launch yet:
     None (the caller runs a program per tile)."""
-    module = invariant_matmul_module
+    module = invariant_counters
     cuda = torch.device("cuda", 0)
     state = {"capturing": False, "stream": 1}
-    monkeypatch.setattr(module, "_COUNTERS", {})
+    monkeypatch.setattr(module, "COUNTERS", {})
     monkeypatch.setattr(
-        module, "_zeroed_counters", lambda device: torch.zeros(4, dtype=torch.int32)
+        module, "zeroed_counters", lambda device, size: torch.zeros(size, dtype=torch.int32)
     )
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
     monkeypatch.setattr(
@@ -170,23 +170,23 @@ def test_a_stream_capturing_a_graph_takes_counters_zeroed_before(
         lambda device=None: type("Stream", (), {"cuda_stream": state["stream"]}),
     )
     state["capturing"] = True
-    assert module._tile_counters(cuda) is None  # no eager launch yet
+    assert module.tile_counters(cuda, 4) is None  # no eager launch yet
     state["capturing"] = False
-    eager = module._tile_counters(cuda)
-    assert eager is not None and module._tile_counters(cuda) is eager
-    reserve = list(module._COUNTERS[cuda].reserve)
-    assert len(reserve) == module._RESERVE
+    eager = module.tile_counters(cuda, 4)
+    assert eager is not None and module.tile_counters(cuda, 4) is eager
+    reserve = list(module.COUNTERS[cuda].reserve)
+    assert len(reserve) == module.RESERVE
     state["capturing"] = True
     taken = []
-    for stream in range(2, 2 + module._RESERVE):
+    for stream in range(2, 2 + module.RESERVE):
         state["stream"] = stream
-        taken.append(module._tile_counters(cuda))
-        assert module._tile_counters(cuda) is taken[-1]
+        taken.append(module.tile_counters(cuda, 4))
+        assert module.tile_counters(cuda, 4) is taken[-1]
     assert {id(t) for t in taken} == {id(t) for t in reserve}
     state["stream"] = 99
-    assert module._tile_counters(cuda) is None  # the reserve is spent
+    assert module.tile_counters(cuda, 4) is None  # the reserve is spent
     state["capturing"], state["stream"] = False, 1
-    assert module._tile_counters(cuda) is eager
+    assert module.tile_counters(cuda, 4) is eager
 
 
 #: Prompt tiles: PROMPT_TILES' and one of TILE's rows, wider columns.

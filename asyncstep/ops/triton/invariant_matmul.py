@@ -19,26 +19,25 @@ The order of an output element's sum depends on (N, K) alone:
   added in split order to a float32 total starting from zero, rounded once
   to ``out_dtype``.
 
-Two launches compute that same order, chosen from the step's shape only
-(:func:`launch_is_parallel`): a step of few output tiles (a decode batch)
-runs one program per (tile, split), each writing its float32 partial to a
-scratch, and the tile's last program to finish (a per-tile counter, reset
-by that program) adds the partials in split order: N / BLOCK_N x splits
-programs keep every SM streaming weights however few rows there are.
-Larger steps run one program per tile adding its splits' partials in a
-loop. So row i of the result is the same bits whether it comes alone (a
-decode), with k others of its request (a speculative verify) or among
-hundreds of rows (a prefill chunk). Rows past M and columns past N are
-masked loads (zeros), which touch no other element's sum. float32 inputs
-multiply in IEEE float32 (no TF32). The grid and the scratch come from
-shapes only, the counters are one zeroed buffer a device and stream, kept
-(a stream first seen capturing a CUDA graph takes one of the buffers
-zeroed with the device's first eager launch): no host sync, CUDA-graph
-safe. On CUDA with PDL (:mod:`asyncstep.ops.triton.pdl`) the next kernel
-may launch while this one drains.
+Three launches compute that same order, chosen from the step's shape
+only (:func:`launch_is_parallel`, :func:`launch_tile`): a step of few
+output tiles (a decode batch) runs one program per (tile, split), each
+writing its float32 partial to a scratch, and the tile's last program to
+finish (its arrival counter: :mod:`~asyncstep.ops.triton.invariant_counters`)
+adds the partials in split order; larger steps run one program per tile
+adding its splits' partials in a loop; prompt-sized ones on CUDA, the
+same by TMA (:mod:`~asyncstep.ops.triton.invariant_prompt`). So row i is
+the same bits alone (a decode), with k others of its request (a
+speculative verify) or among hundreds of rows (a prefill chunk). Rows past
+M and columns past N read as zeros, which touch no other element's sum.
+float32 multiplies in IEEE float32 (no TF32). Grids and scratch come from
+shapes only: no host sync, CUDA-graph safe. With PDL
+(:mod:`asyncstep.ops.triton.pdl`) the next kernel may launch while this
+one drains.
 
-May import torch, triton, :mod:`asyncstep.ops.triton.pdl` and
-:mod:`asyncstep.ops.triton.invariant_prompt`.
+May import torch, triton, :mod:`asyncstep.ops.triton.pdl`,
+:mod:`asyncstep.ops.triton.invariant_counters` (the split programs'
+arrival counters) and :mod:`asyncstep.ops.triton.invariant_prompt`.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ import triton
 import triton.language as tl
 
 from asyncstep.ops.triton import pdl
+from asyncstep.ops.triton.invariant_counters import tile_counters
 from asyncstep.ops.triton.invariant_prompt import prompt_matmul, tma_fits
 from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
 
@@ -91,32 +91,18 @@ class MatmulTile:
 #: the one tile among each shape's best at M = 1, 1.03-1.30x the floor.
 TILE = MatmulTile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, split_stages=4)
 #: The tiles of prompt-sized steps on CUDA, as (fewest rows, tile), most
-#: rows first: a step of at least that many rows runs that tile, a program
-#: per output tile (by TMA and persistent programs where the tensors allow,
-#: :data:`_PROMPT_TMA`), with TILE's splits (:func:`split_k` of
-#: :data:`TILE`). On the tensor cores an element's sum is the same chain of
-#: MMA steps over K whatever the tile's rows, columns and BLOCK_K (every
-#: tile of the prompt-tile sweep gave TILE's bits on one H100, and the tests
-#: on CUDA check these); the interpreter's own ``tl.dot`` (numpy) rounds by
-#: block shape, so off CUDA every step runs TILE. Chosen by that sweep
-#: (M = 128-2048 at llama-8b's four layer shapes,
-#: benchmarks/results/invariance_gpu/h100_1206b/).
+#: rows first, with TILE's splits. On the tensor cores an element's sum is
+#: the same chain of MMA steps whatever the tile (every tile of the
+#: prompt-tile sweep gave TILE's bits on an H100; the tests on CUDA check
+#: these); off CUDA, where ``tl.dot`` is numpy's and rounds by block shape,
+#: every step runs TILE. From that sweep (results: invariance_gpu/h100_1206b/).
 PROMPT_TILES: tuple[tuple[int, MatmulTile], ...] = (
-    (
-        1024,
-        MatmulTile(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, split_stages=4),
-    ),
-    (
-        256,
-        MatmulTile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=5, split_stages=5),
-    ),
+    (1024, MatmulTile(128, 256, 64, num_warps=8, num_stages=4, split_stages=4)),
+    (256, MatmulTile(128, 128, 64, num_warps=8, num_stages=5, split_stages=5)),
 )
-#: Whether the prompt tiles' launches load by TMA and run persistent
-#: programs where the tensors allow (:mod:`asyncstep.ops.triton.invariant_prompt`:
-#: the same bits; False: the pointer kernel, a program per tile).
+#: Prompt tiles load by TMA where the tensors allow (the same bits; False:
+#: the pointer kernel). Their device types (tests add the interpreter's).
 _PROMPT_TMA = True
-#: The device types that launch the prompt tiles (tests add the
-#: interpreter's, with a dot that sums in one order for any block shape).
 _PROMPT_TILE_DEVICES = frozenset({"cuda"})
 #: The programs :func:`split_k` aims at for a step of one row tile (N / BLOCK_N
 #: tiles x splits): about one wave of a 132-SM GPU. A constant, not the SM
@@ -128,8 +114,7 @@ MIN_SPLIT_K = 256
 #: waves of the GPU's SMs (a launch choice: it does not change the bits).
 PARALLEL_WAVES = 4
 
-#: The SM count off CUDA (the interpreter's launches are a choice of tests).
-_DEFAULT_NUM_SMS = 132
+_DEFAULT_NUM_SMS = 132  # off CUDA (the interpreter's launches are the tests' choice)
 
 
 def split_k(n: int, k: int, tile: MatmulTile | None = None) -> int:
@@ -156,11 +141,9 @@ def _max_parallel_tiles(device: torch.device) -> int:
 
 
 def launch_tile(m: int, parallel: bool, device: torch.device, dtype: torch.dtype) -> MatmulTile:
-    """The tile an ``m``-row product of ``dtype`` inputs launches: the first
-    of :data:`PROMPT_TILES` that ``m`` rows reach, for a program per tile of
-    16-bit rows on CUDA (float32's blocks would outgrow the SM's shared
-    memory), else :data:`TILE` (the split programs', and every launch off
-    CUDA)."""
+    """The tile ``m`` rows launch: the first of :data:`PROMPT_TILES` they
+    reach, a program per tile of 16-bit rows on CUDA (float32's blocks would
+    outgrow an SM's shared memory); else :data:`TILE`."""
     if not parallel and dtype != torch.float32 and device.type in _PROMPT_TILE_DEVICES:
         for rows, tile in PROMPT_TILES:
             if m >= rows:
@@ -172,63 +155,17 @@ def launch_is_parallel(
     m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
 ) -> bool:
     """Whether an ``[m, k] x [n, k]`` product runs the split programs
-    rather than a program per tile (the same bits either way): not a
-    prompt tile's step (:func:`launch_tile`), K is split,
-    the output tiles fill at most :data:`PARALLEL_WAVES` waves, and the
-    float32 partials (written, then read: ``splits x m x n x 8`` bytes)
-    weigh at most the 16-bit weight (``n x k x 2``)."""
+    rather than a program per tile (the same bits either way): not a prompt
+    tile's step (:func:`launch_tile`), K is split, the output tiles fill at
+    most :data:`PARALLEL_WAVES` waves, and the float32 partials (written,
+    then read: ``splits x m x n x 8`` bytes) weigh at most the 16-bit
+    weight (``n x k x 2``)."""
     t = TILE
     if launch_tile(m, False, device, dtype) is not t:
         return False
     splits = triton.cdiv(k, split_k(n, k, t))
     tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
     return splits > 1 and tiles <= _max_parallel_tiles(device) and splits * m * 4 <= k
-
-
-#: Zeroed counter buffers a device keeps for streams first seen capturing
-#: a CUDA graph (a buffer allocated in a capture is zeroed only when its
-#: graph replays).
-_RESERVE = 4
-
-
-@dataclass
-class _DeviceCounters:
-    """A device's split-program arrival counters: a buffer a stream (two
-    streams' kernels may run at once), zeros between kernels (a tile's last
-    program resets its own); buffers for capturing streams come from
-    ``reserve``, allocated with the first eager launch."""
-
-    by_stream: dict[int, torch.Tensor]
-    reserve: list[torch.Tensor]
-
-
-_COUNTERS: dict[torch.device, _DeviceCounters] = {}
-
-
-def _zeroed_counters(device: torch.device) -> torch.Tensor:
-    return torch.zeros(_max_parallel_tiles(device), dtype=torch.int32, device=device)
-
-
-def _tile_counters(device: torch.device) -> torch.Tensor | None:
-    """The arrival counters of ``device``'s current stream, kept for good
-    (a captured graph holds them): allocated zeroed on an eager launch,
-    taken from the reserve by a capturing stream; None where a capturing
-    stream finds none (the caller runs a program per tile: the same bits)."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    state = _COUNTERS.get(device)
-    if state is None:
-        if capturing:
-            return None
-        state = _DeviceCounters({}, [_zeroed_counters(device) for _ in range(_RESERVE)])
-        _COUNTERS[device] = state
-    counters = state.by_stream.get(stream)
-    if counters is None:
-        if capturing and not state.reserve:
-            return None
-        counters = state.reserve.pop() if capturing else _zeroed_counters(device)
-        state.by_stream[stream] = counters
-    return counters
 
 
 @triton.jit
@@ -397,7 +334,7 @@ def invariant_matmul(
     tiles = triton.cdiv(m, TILE.block_m) * triton.cdiv(n, TILE.block_n)
     if parallel and tiles > _max_parallel_tiles(x.device):
         raise ValueError(f"{tiles} output tiles: too many for the split programs")
-    counters = _tile_counters(x.device) if parallel else None
+    counters = tile_counters(x.device, _max_parallel_tiles(x.device)) if parallel else None
     parallel = counters is not None
     t = launch_tile(m, parallel, x.device, x.dtype)
     if TILE.block_k % t.block_k:  # a split's chunks are whole

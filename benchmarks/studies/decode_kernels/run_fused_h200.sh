@@ -15,7 +15,7 @@
 set -u
 OUT=${OUT:-benchmarks/results/fused_decode}
 mkdir -p "$OUT"
-LATENCY="python3 -m asyncstep bench latency --no-hf --load-format dummy --model llama-8b --batch-size 1"
+LATENCY="python3 -m asyncstep bench latency --no-hf --no-batch-invariant --load-format dummy --model llama-8b --batch-size 1"
 LATENCY="$LATENCY --input-len 128 --output-len 64 --num-iters 1"
 fused_flag() { [ "$1" = true ] && echo --fused-decode || echo --no-fused-decode; }
 run_tests() {

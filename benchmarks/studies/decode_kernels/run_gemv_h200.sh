@@ -11,7 +11,7 @@
 set -u
 OUT=${OUT:-benchmarks/results/fused_decode}
 mkdir -p "$OUT"
-LATENCY="python3 -m asyncstep bench latency --no-hf --load-format dummy --batch-size 1"
+LATENCY="python3 -m asyncstep bench latency --no-hf --no-batch-invariant --load-format dummy --batch-size 1"
 LATENCY="$LATENCY --input-len 128 --output-len 64 --num-iters 1 --weight-packing none"
 run_tests() {
     ASYNCSTEP_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider \
@@ -39,7 +39,7 @@ run_latency() {
 run_profile32() {
     for fused in on off; do
         flag=$([ "$fused" = on ] || echo --no-fused-decode)
-        timeout 150 python3 benchmarks/studies/decode_kernels/quant_step_kernels.py --shape llama-8b --packing none --batch 32 \
+        timeout 150 python3 benchmarks/studies/decode_kernels/quant_step_kernels.py --shape llama-8b --packing none --no-batch-invariant --batch 32 \
             $flag --top 20 --out "$OUT/step_kernels_b32_$fused.json" 2>&1 | grep -vi warn > "$OUT/step_kernels_b32_$fused.txt"
         cat "$OUT/step_kernels_b32_$fused.txt"
     done

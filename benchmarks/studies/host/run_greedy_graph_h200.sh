@@ -11,7 +11,7 @@
 set -u
 OUT=${OUT:-benchmarks/results/host/greedy-graph}
 mkdir -p "$OUT"
-BENCH="python3 -m asyncstep bench latency --load-format dummy --model llama-1b --batch-size 1 32 --input-len 128 --output-len 64 --num-iters 3 --no-hf"
+BENCH="python3 -m asyncstep bench latency --load-format dummy --model llama-1b --batch-size 1 32 --input-len 128 --output-len 64 --num-iters 3 --no-hf --no-batch-invariant"
 latency() {
     nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/device.txt"
     for run in off_1:--no-greedy-in-graph on:--greedy-in-graph off_2:--no-greedy-in-graph; do
@@ -24,7 +24,7 @@ latency() {
 profile() {
     for flag in no-greedy-in-graph greedy-in-graph; do
         timeout 45 python3 benchmarks/studies/overlap/profile_decode.py --shape llama-1b --batch 1 \
-            --$flag --top 40 > "$OUT/profile_llama-1b_b1_$flag.txt" 2>&1
+            --$flag --no-batch-invariant --top 40 > "$OUT/profile_llama-1b_b1_$flag.txt" 2>&1
         echo "== $flag (rc $?)"; head -3 "$OUT/profile_llama-1b_b1_$flag.txt"
     done
 }

@@ -50,6 +50,7 @@ async def run(args: argparse.Namespace) -> None:
         max_num_seqs=args.batch,
         engine_process=False,  # the runner in this process, where the profiler is
         greedy_in_graph=args.greedy_in_graph,
+        batch_invariant=args.batch_invariant,
     ) as engine:
         rng = random.Random(0)
         vocab = engine.arch_config.vocab_size
@@ -75,6 +76,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the FULL decode graphs' argmax (issue 43); off: the sampler's",
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batch_invariant (default: the engine's choice for the device)",
     )
     parser.add_argument(
         "--skip", type=int, help="calls left out first (default: the prefill steps and one more)"
