@@ -18,6 +18,8 @@ May import torch, triton and :mod:`asyncstep.ops.triton.pdl`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -36,13 +38,18 @@ def tma_fits(*tensors: torch.Tensor) -> bool:
     on CUDA (any device under the interpreter), 16-bit, the last dimension
     contiguous, the base and the row stride 16-byte aligned."""
     for t in tensors:
-        if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] < 9:
+        if t.device.type == "cuda" and _capability(t.device) < 9:
             return False
         if t.dim() != 2 or t.element_size() != 2 or t.stride(1) != 1:
             return False
         if t.data_ptr() % 16 or (t.stride(0) * 2) % 16:
             return False
     return True
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 @triton.jit(do_not_specialize=["M", "PROGRAMS"])
