@@ -121,7 +121,7 @@ def resolve_batch_invariant(
     attention backend and fused kernels (not asked away), triton installed,
     and a model of dense 16-bit weights without experts (the invariant op
     set reads no packed Q4 / Q8 copy, so a packed model would lose its
-    GEMVs; its experts' cost is not measured)."""
+    GEMVs; no figure covers its experts' cost yet)."""
     if batch_invariant is not None:
         return batch_invariant
     if not BATCH_INVARIANT_DEFAULT.get(device.type, False):
