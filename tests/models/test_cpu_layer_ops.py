@@ -228,6 +228,38 @@ def test_the_norm_module_with_and_without_the_kernel(ops: CpuLayerOps, dtype: to
         assert_same_as_torch(with_kernel(x), torch_only(x))
 
 
+def test_a_float32_model_s_norms_take_the_kernel(
+    ops: CpuLayerOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 model's stream is float32 without the 16-bit models'
+    ``float32_residual``: its norms (with a residual, without, per head)
+    take the library's kernel too, as torch computes them."""
+    with_kernel, torch_only = cpu_norm(64, kernel=True), cpu_norm(64, kernel=False)
+    for norm in (with_kernel, torch_only):
+        norm.float32_residual = False  # a float32 model's, as loaded
+    torch_only.weight.data = with_kernel.weight.data
+    calls: list[str] = []
+    for name in ("rms_norm", "add_rms_norm"):
+        kernel = getattr(ops, name)
+        monkeypatch.setattr(
+            ops, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw)
+        )
+    x, residual = torch.randn(3, 64), torch.randn(3, 64)
+    got = with_kernel.forward_residual(x, residual.clone())
+    expected = torch_only.forward_residual(x, residual.clone())
+    assert torch.equal(got[1], expected[1])
+    assert_same_as_torch(got[0], expected[0])
+    assert_same_as_torch(with_kernel(x), torch_only(x))
+    heads = torch.randn(3, 4, 64)  # per-head q/k norms: row groups
+    library = with_kernel.ops.ops
+    assert_same_as_torch(
+        library.rms_norm(heads, with_kernel.weight, EPS, float32_residual=False),
+        TORCH_OPS.rms_norm(heads, with_kernel.weight, EPS, float32_residual=False),
+    )
+    if isinstance(library, CpuOps):  # the library loads here
+        assert calls == ["add_rms_norm", "rms_norm", "rms_norm"]
+
+
 def test_the_norm_writes_in_place_only_a_residual_given_up(ops: CpuLayerOps) -> None:
     norm = cpu_norm(32, kernel=True)
     x, residual = torch.randn(2, 32).bfloat16(), torch.randn(2, 32)

@@ -193,7 +193,7 @@ class CpuOps(CpuHeadOps):
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, float32_residual: bool
     ) -> torch.Tensor:
-        if float32_residual and self.layer_ops.takes_vectors(x):
+        if _float32_stream(x, float32_residual) and self.layer_ops.takes_vectors(x):
             return self.layer_ops.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps, float32_residual=float32_residual)
 
@@ -207,7 +207,7 @@ class CpuOps(CpuHeadOps):
         float32_residual: bool,
         own_residual: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if float32_residual and self._takes(x, residual):
+        if _float32_stream(x, float32_residual) and self._takes(x, residual):
             in_place = own_residual and residual is not None
             return self.layer_ops.add_rms_norm(x, residual, weight, eps, in_place=in_place)
         return super().add_rms_norm(
@@ -226,6 +226,13 @@ class CpuOps(CpuHeadOps):
         return residual is None or (
             residual.dtype == torch.float32 and self.layer_ops.takes(residual)
         )
+
+
+def _float32_stream(x: torch.Tensor, float32_residual: bool) -> bool:
+    """Whether a norm's input is a float32 residual stream: kept float32
+    beside 16-bit activations, or a float32 model's own (the library's
+    norms are torch's float32 arithmetic: the same bits, one call)."""
+    return float32_residual or x.dtype == torch.float32
 
 
 def _dense_bfloat16(x: torch.Tensor, weight: torch.Tensor) -> bool:
