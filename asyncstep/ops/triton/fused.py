@@ -14,14 +14,17 @@ is three: silu, the product, and the copy of the strided halves).
 The rotary embedding's kernels (``rotary_embedding``, ``rotary_and_store_kv``)
 are in :mod:`asyncstep.ops.triton.rotary`.
 
-All do their math in float32, take strided rows (unit last stride: q and k
+All do their math in float32, launch with programmatic dependent launch
+where the GPU has it (:mod:`asyncstep.ops.triton.pdl`: a program lets the
+next kernel launch, then waits for the kernel before; the add + RMSNorm
+loads its weight before it waits), take strided rows (unit last stride: q and k
 may be column slices of a fused qkv output), compute their launch grid from
 shapes only (no host sync: safe to capture in a CUDA graph once warmed up, the
 first call of a new specialization compiles), and raise ``ValueError`` for
 mismatched shapes, dtypes or devices. On the CPU they run under the Triton
 interpreter (``TRITON_INTERPRET=1``), which the tests use.
 
-May import torch and triton only.
+May import torch, triton and :mod:`asyncstep.ops.triton.pdl`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from asyncstep.ops.triton import pdl
+from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
 
 __all__ = [
     "fused_add_rms_norm",
@@ -54,10 +60,14 @@ def _fused_add_rms_norm_kernel(  # type: ignore[no-untyped-def]
     n_cols,
     eps,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # nobody's output
+    wait_prior(PDL)
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     # The residual is stored in the activation dtype and normalised as stored,
@@ -66,7 +76,6 @@ def _fused_add_rms_norm_kernel(  # type: ignore[no-untyped-def]
     tl.store(res_out_ptr + row * n_cols + cols, summed, mask=mask)
     r = summed.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(r * r, axis=0) / n_cols + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(
         out_ptr + row * n_cols + cols, (r * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask
     )
@@ -132,6 +141,7 @@ def fused_add_rms_norm(
         float(eps),
         BLOCK=block,
         num_warps=_num_warps(block),
+        **pdl.launch_kwargs(x),
     )
     return out, residual_out
 
@@ -172,8 +182,11 @@ def _qk_rms_norm_kernel(  # type: ignore[no-untyped-def]
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid ``(tokens,)``: the token's q heads, then its k heads."""
+    launch_dependents(PDL)
+    wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     _norm_heads(
         q_ptr, q_weight_ptr, q_out_ptr, row, q_row_stride, q_heads, head_dim, eps, BLOCK_HQ,
@@ -241,6 +254,7 @@ def qk_rms_norm(
         BLOCK_HK=triton.next_power_of_2(k_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=_num_warps(block),
+        **pdl.launch_kwargs(q),
     )
     return q_out, k_out
 
@@ -259,7 +273,10 @@ def _silu_and_mul_kernel(  # type: ignore[no-untyped-def]
     x_row_stride,
     d,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    launch_dependents(PDL)
+    wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -288,6 +305,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(d), _SILU_BLOCK)
     _silu_and_mul_kernel[(tokens, triton.cdiv(d, block))](
-        x, out, x.stride(0), d, BLOCK=block, num_warps=_num_warps(block)
+        x, out, x.stride(0), d, BLOCK=block, num_warps=_num_warps(block), **pdl.launch_kwargs(x)
     )
     return out

@@ -57,6 +57,7 @@ import torch
 import triton
 
 from asyncstep.ops.triton import fused_moe_kernels as kernels
+from asyncstep.ops.triton import pdl
 from asyncstep.ops.triton.fused_moe_gemv import (
     GEMV_MAX_PAIRS,
     GEMV_TILE,
@@ -213,6 +214,7 @@ def _gate_up(
         **_dot_args(hidden.dtype),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        **pdl.launch_kwargs(hidden),
     )
     return out
 
@@ -253,6 +255,7 @@ def _down(
         **_dot_args(act.dtype),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        **pdl.launch_kwargs(act),
     )
     return out
 
@@ -269,6 +272,7 @@ def _combine(pairs: torch.Tensor, out: torch.Tensor, top_k: int, tile: MoeTile) 
         out.stride(0),
         TOP_K=top_k,
         BLOCK_H=tile.block_h,
+        **pdl.launch_kwargs(out),
     )
 
 

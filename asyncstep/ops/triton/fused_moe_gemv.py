@@ -8,7 +8,8 @@ experts with the bias, the routing weight and the combine). The contract
 is :func:`asyncstep.ops.triton.fused_moe.fused_experts`', which chooses
 this path at ``T * k <= gemv_max_pairs`` (:data:`GEMV_MAX_PAIRS`).
 
-May import torch, triton and :mod:`asyncstep.ops.triton.fused_moe_kernels`.
+May import torch, triton, :mod:`asyncstep.ops.triton.fused_moe_kernels` and
+:mod:`asyncstep.ops.triton.pdl`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import triton
 
 from asyncstep.ops.triton import fused_moe_kernels as kernels
+from asyncstep.ops.triton import pdl
 from asyncstep.ops.triton.fused_moe_kernels import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 
 __all__ = [
@@ -145,6 +147,7 @@ def _gemv_gate_up(
         BLOCK_K=gemv.tile.block_k,
         num_warps=gemv.tile.num_warps,
         num_stages=gemv.tile.num_stages,
+        **pdl.launch_kwargs(hidden),
     )
     return out
 
@@ -181,4 +184,5 @@ def _gemv_down(
         BLOCK_K=gemv.tile.block_k,
         num_warps=gemv.tile.num_warps,
         num_stages=gemv.tile.num_stages,
+        **pdl.launch_kwargs(act),
     )

@@ -34,13 +34,19 @@ rows, so a pair's values do not depend on which other pairs share its
 block. Blocks whose expert id is negative (past the last expert's run)
 return at once.
 
-May import triton only.
+Every kernel launches with programmatic dependent launch where the GPU has
+it (:mod:`asyncstep.ops.triton.pdl`): it lets the next kernel launch, then
+waits for the kernel before, first thing.
+
+May import triton and :mod:`asyncstep.ops.triton.pdl`.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
 
 __all__ = [
     "ACTIVATIONS",
@@ -112,12 +118,15 @@ def gate_up_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(blocks, cdiv(N, BLOCK_N))``; N is the intermediate size I.
     Column n's gate is w13 row ``n * ROW_STEP``, its up row
     ``up_offset + n * ROW_STEP`` (gate rows then up rows: 1 and I;
     interleaved: 2 and 1). UPCAST multiplies float32 copies of the tiles
     (the interpreter's dot cannot take bfloat16)."""
+    launch_dependents(PDL)  # the next kernel (with PDL) may launch
+    wait_prior(PDL)  # the kernel before's outputs first
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -189,10 +198,13 @@ def down_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(blocks, cdiv(N, BLOCK_N))``; N is the hidden size H, K the
     intermediate size I; x is the activation ``[pairs, I]``, route the
     routing weights ``[pairs]`` (float32), out ``[pairs, H]`` float32."""
+    launch_dependents(PDL)  # the next kernel (with PDL) may launch
+    wait_prior(PDL)  # the kernel before's outputs first
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -235,9 +247,12 @@ def combine_kernel(
     stride_ot: tl.tensor,
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(T, cdiv(H, BLOCK_H))``: ``out[t] = sum_j pair[t * TOP_K + j]``,
     j from 0 up, in float32."""
+    launch_dependents(PDL)  # the next kernel (with PDL) may launch
+    wait_prior(PDL)  # the kernel before's outputs first
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -280,12 +295,15 @@ def gemv_gate_up_kernel(
     ACTIVATION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(pairs, cdiv(N, BLOCK_N))``: pair p's (token ``p // top_k``,
     expert ``ids[p // top_k, p % top_k]``) BLOCK_N activation columns, its
     gate and up rows streamed BLOCK_K wide, products summed in a float32
     ``[BLOCK_N, BLOCK_K]`` accumulator reduced once; the bias and the
     activation as :func:`gate_up_kernel`'s."""
+    launch_dependents(PDL)  # the next kernel (with PDL) may launch
+    wait_prior(PDL)  # the kernel before's outputs first
     p = tl.program_id(0).to(tl.int64)
     token = p // top_k
     expert = tl.load(ids_ptr + token * stride_it + (p % top_k) * stride_ij).to(tl.int64)
@@ -350,6 +368,7 @@ def gemv_down_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(T, cdiv(N, BLOCK_N))``; N is H, K is I; x the activations
     ``[pairs, I]``: token t's BLOCK_N output columns, its k experts' down
@@ -357,6 +376,8 @@ def gemv_down_kernel(
     accumulator reduced once), plus the bias, times the routing weight,
     summed in float32 j from 0 up (:func:`combine_kernel`'s order), stored
     in the output's dtype."""
+    launch_dependents(PDL)  # the next kernel (with PDL) may launch
+    wait_prior(PDL)  # the kernel before's outputs first
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N

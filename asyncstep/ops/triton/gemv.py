@@ -6,7 +6,11 @@ runs it as a GEMV, on the 4096-row weights of an 8B model with a split-K
 and a separate reduce kernel. :func:`dense_gemv` streams each program's
 ``BLOCK_N`` rows in ``BLOCK_K``-wide chunks, accumulates the products in
 float32 and sums each row once at the end, adding the optional bias in
-float32 (one rounding to x's dtype; no launch of its own).
+float32 (one rounding to x's dtype; no launch of its own). Launched with
+programmatic dependent launch where the GPU has it
+(:mod:`asyncstep.ops.triton.pdl`), a program loads its first weight chunk
+while the kernel before still runs: the weight must be nobody's output in
+the step (a model's parameter), x may be the kernel before's.
 The launch (:func:`gemv_launch`) is picked by measurement on llama-8b's and
 llama-1b's shapes (the study and its figures:
 ``benchmarks/studies/decode_kernels/README.md``).
@@ -17,7 +21,7 @@ The launcher computes its grid from shapes only and allocates with torch
 kernel runs under the Triton interpreter (``TRITON_INTERPRET=1``), which
 the tests use.
 
-May import torch and triton only.
+May import torch, triton and :mod:`asyncstep.ops.triton.pdl`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from asyncstep.ops.triton import pdl
+from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
 
 __all__ = ["GemvLaunch", "dense_gemv", "gemv_launch"]
 
@@ -58,6 +65,22 @@ def gemv_launch(n: int, k: int) -> GemvLaunch:
 
 
 @triton.jit
+def _weight_chunk(rows, k0, k, n_mask, K, EVEN: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The program's rows of w at features ``k0 + k`` (zeros past N and K)."""
+    if EVEN:
+        return tl.load(rows + k0)
+    return tl.load(rows + k0, mask=n_mask[:, None] & (k0 + k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _x_chunk(x_ptr, k0, k, K, EVEN: tl.constexpr):  # type: ignore[no-untyped-def]
+    """x at features ``k0 + k`` (zeros past K)."""
+    if EVEN:
+        return tl.load(x_ptr + k0 + k)
+    return tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0)
+
+
+@triton.jit
 def _dense_gemv_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     w_ptr,
@@ -70,23 +93,24 @@ def _dense_gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``out[n] = sum_k w[n, k] x[k] (+ bias[n])`` for this program's rows
-    (EVEN: every tile inside, unmasked), summed in float32."""
+    (EVEN: every tile inside, unmasked), summed in float32, chunk by chunk
+    from k = 0. PDL: the first chunk of w loaded before the wait for the
+    kernel before (the weight is nobody's output; x is)."""
+    launch_dependents(PDL)  # the next kernel (with PDL) may launch: it waits for this one
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     k = tl.arange(0, BLOCK_K)
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN:
-            w = tl.load(rows + k0)
-            x = tl.load(x_ptr + k0 + k)
-        else:
-            k_mask = k0 + k < K
-            w = tl.load(rows + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + k0 + k, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    w = _weight_chunk(rows, 0, k, n_mask, K, EVEN)
+    wait_prior(PDL)
+    acc += w.to(tl.float32) * _x_chunk(x_ptr, 0, k, K, EVEN).to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = _weight_chunk(rows, k0, k, n_mask, K, EVEN)
+        acc += w.to(tl.float32) * _x_chunk(x_ptr, k0, k, K, EVEN).to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -130,6 +154,7 @@ def dense_gemv(
             EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
             HAS_BIAS=bias is not None,
             num_warps=cfg.num_warps,
+            **pdl.launch_kwargs(x1),
         )
     elif bias is not None:
         out.copy_(bias)

@@ -18,7 +18,11 @@ from shapes alone, so a CUDA graph captures them.
   :data:`ALIGN_KERNEL_MAX_PAIRS` pairs (a decode step's, a short prompt's);
   past them the torch ops.
 
-May import torch, triton and :mod:`asyncstep.ops.triton.moe_routing_kernels`.
+Every kernel launches with programmatic dependent launch where the GPU has
+it (:mod:`asyncstep.ops.triton.pdl`).
+
+May import torch, triton, :mod:`asyncstep.ops.triton.moe_routing_kernels` and
+:mod:`asyncstep.ops.triton.pdl`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import triton
 
 from asyncstep.ops.triton import moe_routing_kernels as kernels
+from asyncstep.ops.triton import pdl
 
 __all__ = [
     "ALIGN_KERNEL_MAX_PAIRS",
@@ -132,6 +137,7 @@ def topk_route(
         SCORING=SCORING[scoring_func],
         RENORMALIZE=renormalize,
         COUNT=counts is not None,
+        **pdl.launch_kwargs(router_logits),
     )
     return weights, ids
 
@@ -177,6 +183,7 @@ def moe_align_block_size(
         E_PAD=e_pad,
         CHUNK=CHUNK,
         BLOCKS_STEP=BLOCKS_STEP,
+        **pdl.launch_kwargs(topk_ids),
     )
     if chunks:
         kernels.align_scatter_kernel[(chunks,)](
@@ -188,6 +195,7 @@ def moe_align_block_size(
             *strides,
             E_PAD=e_pad,
             CHUNK=CHUNK,
+            **pdl.launch_kwargs(topk_ids),
         )
     return MoeAlignment(sorted_ids, expert_ids, padded, num_pairs, block_m)
 

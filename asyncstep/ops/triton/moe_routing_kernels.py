@@ -21,13 +21,15 @@ Pair ``p = t * top_k + j`` is ``topk_ids[t, j]`` read in place (any
 strides). Everything is integer counting but the router's scores: the
 outputs do not depend on launch order or on other tokens.
 
-May import triton only.
+May import triton and :mod:`asyncstep.ops.triton.pdl`.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
 
 __all__ = [
     "SCORE_SIGMOID",
@@ -61,10 +63,13 @@ def topk_route_kernel(
     SCORING: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     COUNT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(T,)``; E_PAD and K_PAD powers of two, at least E and TOP_K;
     weights float32 ``[T, k]`` and ids int32 ``[T, k]`` contiguous rows;
     counts int64 ``[E]`` contiguous (read where COUNT)."""
+    launch_dependents(PDL)  # the next kernel (with PDL) may launch
+    wait_prior(PDL)  # the kernel before's outputs first
     t = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, E_PAD)
     e_mask = es < E
@@ -147,11 +152,14 @@ def align_count_kernel(
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCKS_STEP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(1,)``. chunk_base ``[chunks, E_PAD]`` int32: chunk c's first
     slot for expert e; sorted_ids ``[num_blocks * BLOCK_M]`` int32 all set
     to num_pairs; expert_ids ``[num_blocks]`` int32 (-1 past the last run);
     padded one int64."""
+    launch_dependents(PDL)  # the next kernel (with PDL) may launch
+    wait_prior(PDL)  # the kernel before's outputs first
     es = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
@@ -189,8 +197,11 @@ def align_scatter_kernel(
     stride_ij: tl.tensor,
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(chunks,)``, after :func:`align_count_kernel`: ``sorted_ids[slot] = p``."""
+    launch_dependents(PDL)  # the next kernel (with PDL) may launch
+    wait_prior(PDL)  # the kernel before's outputs first
     c = tl.program_id(0)
     p, valid, expert = _chunk_experts(
         ids_ptr, c * CHUNK, num_pairs, top_k, stride_it, stride_ij, CHUNK
