@@ -212,14 +212,17 @@ def test_the_small_t_path_matches_the_float64_loop(
 @pytest.mark.parametrize("activation", ["silu", "swigluoai"])
 def test_each_small_t_tile_gives_the_small_t_sums(activation: str) -> None:
     """GEMV_TILE (CUDA's: one column a program) and the interpreter's wider
-    tile run the same kernels: the same products within float32 rounding."""
+    tile run the same kernels: the same products within float32 rounding
+    (of the largest output: the tiles sum in other orders, and an output
+    near zero is a cancellation of terms that large)."""
     experts = make_experts(4, torch.float32, seed=41, biases=activation == "swigluoai")
     weights, ids = make_routing(1, 4, 2, seed=42)
-    x = torch.randn(1, H).to(DEVICE)
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(43)).to(DEVICE)
     kwargs = _call(experts, weights, ids, activation)
     tiles = (GEMV_TILE, INTERPRETER_GEMV_TILE)
     narrow, wide = (fused_experts(x, **kwargs, gemv_max_pairs=ALWAYS, gemv_tile=t) for t in tiles)
-    torch.testing.assert_close(narrow, wide, rtol=1e-5, atol=1e-6)
+    scale = float(wide.abs().max())
+    torch.testing.assert_close(narrow, wide, rtol=1e-5, atol=1e-6 * scale)
     assert_near(narrow, reference(x, experts, weights, ids, activation), torch.float32)
 
 

@@ -137,9 +137,17 @@ def topk_route(
         SCORING=SCORING[scoring_func],
         RENORMALIZE=renormalize,
         COUNT=counts is not None,
+        num_warps=_route_warps(num_experts),
         **pdl.launch_kwargs(router_logits),
     )
     return weights, ids
+
+
+def _route_warps(num_experts: int) -> int:
+    """A routing program's warps: one up to 256 experts (its top-k's 3 k
+    reductions a token stay within a warp: shuffles, no shared memory or
+    barrier), else 4."""
+    return 1 if num_experts <= 256 else 4
 
 
 def moe_align_block_size(

@@ -46,7 +46,10 @@ SCORE_SIGMOID: tl.constexpr = tl.constexpr(1)
 SCORE_TOPK_SOFTMAX: tl.constexpr = tl.constexpr(2)
 
 
-@triton.jit
+# stride_le never specialised (not to 1 either): a token's scores then sit in
+# the same lanes whatever the logits' layout, so their sums (the softmax's)
+# associate alike for a strided row and a contiguous one (the same bits).
+@triton.jit(do_not_specialize=["stride_le"])
 def topk_route_kernel(
     logits_ptr: tl.tensor,
     weights_ptr: tl.tensor,

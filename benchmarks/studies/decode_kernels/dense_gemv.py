@@ -13,6 +13,10 @@ part both ways.
    Triton GEMV.
 
     python3 benchmarks/studies/decode_kernels/dense_gemv.py [--shape llama-8b] [--out results.json]
+
+``--sweep NAME=N,K ...``: instead, each given weight shape alone against
+every launch of :data:`SWEEP` that divides it (and the default), µs a
+weight, ``--layers`` distinct weights in one CUDA graph.
 """
 
 from __future__ import annotations
@@ -50,14 +54,87 @@ LAUNCHES = [
 ]
 
 
+#: Launches of ``--sweep``: (rows a program, features a step, warps).
+SWEEP = [
+    GemvLaunch(*launch)
+    for launch in [
+        (1, 1024, 2),
+        (1, 2048, 4),
+        (2, 512, 2),
+        (2, 1024, 2),
+        (2, 1024, 4),
+        (2, 2048, 4),
+        (4, 256, 2),
+        (4, 512, 2),
+        (4, 512, 4),
+        (4, 1024, 4),
+        (4, 1024, 8),
+        (8, 256, 2),
+        (8, 512, 4),
+        (8, 1024, 8),
+        (16, 256, 4),
+        (16, 512, 8),
+    ]
+]
+
+
+def sweep(named: list[str], layers: int, replays: int, device: torch.device) -> list[dict]:
+    """µs a weight of each ``NAME=N,K`` shape by launch (see the module doc)."""
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for spec in named:
+        name, dims = spec.split("=")
+        n, k = (int(v) for v in dims.split(","))
+        ws = [(torch.randn(n, k, device=device) * 0.02).bfloat16() for _ in range(layers)]
+        x = torch.randn(1, k, device=device).bfloat16()
+        want = F.linear(x, ws[0]).float()
+        floor = n * k * 2 / bandwidth * 1e6
+        times: dict[str, float] = {}
+        for launch in [None, *SWEEP]:
+            if launch is not None and (n % launch.block_n or k % launch.block_k):
+                continue
+            label = (
+                "auto"
+                if launch is None
+                else f"n{launch.block_n} k{launch.block_k} w{launch.num_warps}"
+            )
+            got = dense_gemv(x, ws[0], launch).float()
+            if not float((got - want).norm() / want.norm()) < 1e-2:
+                print(f"{name} {label}: WRONG", flush=True)
+                continue
+
+            def run(
+                c: GemvLaunch | None = launch, x: torch.Tensor = x, ws: list[torch.Tensor] = ws
+            ) -> None:
+                for w in ws:
+                    dense_gemv(x, w, c)
+
+            times[label] = time_graph(run, replays) / layers * 1e6
+        best = min(times, key=times.__getitem__)
+        shown = " ".join(f"[{k}] {v:.2f}" for k, v in sorted(times.items(), key=lambda kv: kv[1]))
+        print(
+            f"{name} ({n}x{k}) floor {floor:.2f} us: auto {times['auto']:.2f}, best {best} "
+            f"{times[best]:.2f} | {shown}",
+            flush=True,
+        )
+        rows.append({"name": name, "n": n, "k": k, "floor_us": floor, "us": times})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--shape", default="llama-8b")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--sweep", nargs="*", metavar="NAME=N,K")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.sweep:
+        rows = sweep(args.sweep, args.layers, args.replays, device)
+        if args.out:
+            args.out.write_text(json.dumps({"sweep": rows}))
+        return 0
     shapes = layer_shapes(args.shape)
     bandwidth = copy_bandwidth(device)
     weights = [

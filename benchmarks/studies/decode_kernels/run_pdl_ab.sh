@@ -18,6 +18,7 @@ ROUNDS=${ROUNDS:-2}
 NO_BI=${NO_BI---no-batch-invariant}
 NEW=$PWD
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 if ! python3 -c "import trio, structlog, msgspec, gguf" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$HOME/site" .whl/*.whl || exit 1
@@ -45,8 +46,8 @@ latency() {  # tree name model round
     case "$3" in llama*) flags=$NO_BI ;; esac
     (cd "$1" && PYTHONPATH="$HOME/site:$1" timeout 150 python3 -m asyncstep bench latency \
         --no-hf --load-format dummy --model "$3" --batch-size 1 32 --input-len 128 \
-        --output-len 64 --num-iters 3 --max-model-len 2048 $flags \
-        --output-json "$NEW/$OUT/latency_$3_$2_$4.json" > "$NEW/$OUT/latency_$3_$2_$4.txt" 2>&1)
+        --output-len 64 --num-iters "${ITERS:-3}" --max-model-len 2048 $flags \
+        --output-json "$OUT/latency_$3_$2_$4.json" > "$OUT/latency_$3_$2_$4.txt" 2>&1)
     echo "$3 $2 round $4: $(grep -E 'ours b' "$OUT/latency_$3_$2_$4.txt" | tr '\n' ' ')"
 }
 
