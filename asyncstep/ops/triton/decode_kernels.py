@@ -180,10 +180,10 @@ def _decode_split_kernel(
     (:mod:`asyncstep.ops.triton.pdl`). SINKS: segment 0's softmax starts
     from each head's sink (so does the whole row's: its log-sum-exp
     carries it into the combine)."""
-    # With PDL the next kernel may launch now; this one waits for the kernel
-    # before (q is its output) before it reads.
+    # With PDL the next kernel may launch now; this one reads the step's
+    # metadata (written before the step's first kernel: pdl.py), then waits
+    # for the kernel before (q is its output) before it reads anything else.
     launch_dependents(PDL)
-    wait_prior(PDL)
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -191,11 +191,19 @@ def _decode_split_kernel(
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows % GROUP
     tokens = tl.zeros_like(rows) + token
-    if token < tl.load(qsl_ptr + num_reqs):
+    active = token < tl.load(qsl_ptr + num_reqs)
+    keys_end = token * 0
+    seg_start = keys_end
+    seg_end = keys_end
+    req = keys_end
+    if active:
         req, keys_end = _decode_token(qsl_ptr, seq_lens_ptr, num_reqs, token)
         seg_len = _segment_len(keys_end, NUM_SPLITS, TILE_N)
         seg_start = split * seg_len
         seg_end = tl.minimum(seg_start + seg_len, keys_end)
+    if keys_end >= 0:  # (always: a condition on the loads keeps the wait after them)
+        wait_prior(PDL)
+    if active:
         if seg_start < seg_end:
             dims = tl.arange(0, HEAD_DIM_PAD)
             q_row = q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
@@ -378,13 +386,15 @@ def _decode_combine_kernel(
     partial outputs, weighted by ``exp2(lse)``; empty segments (lse -inf) are
     not read. Padding rows zeros. PDL: as the split kernel's."""
     launch_dependents(PDL)  # the next kernel (a GEMV with PDL) may start loading its weights
-    wait_prior(PDL)  # (the split kernel's parts first)
     token = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
     result = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    if token < tl.load(qsl_ptr + num_reqs):
+    num_tokens = tl.load(qsl_ptr + num_reqs)  # the step's metadata: before the wait
+    if num_tokens >= 0:  # (always: a condition on the load keeps the wait after it)
+        wait_prior(PDL)  # (the split kernel's parts first)
+    if token < num_tokens:
         splits = tl.arange(0, SPLITS_PAD)
         lse_row = lse_ptr + token.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
         lse = tl.load(lse_row + splits, mask=splits < NUM_SPLITS, other=float("-inf"))

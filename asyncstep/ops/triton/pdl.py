@@ -12,15 +12,24 @@ launcher's side: ``PDL=True`` and ``launch_pdl=True`` where :func:`applies`
 (CUDA, compute capability 9.0 or above, not under the Triton interpreter,
 :data:`ENABLED`), else ``PDL=False``.
 
-The decode step's GEMVs (:mod:`asyncstep.ops.triton.quant_kernels`) call
-:func:`launch_dependents` first thing and :func:`wait_prior` once their
-first weights are loaded, so consecutive GEMVs of the fused decode overlap
-one's drain with the next one's launch and first loads; the decode
-attention's split and combine kernels (:mod:`asyncstep.ops.triton.decode_kernels`)
-call both at their start. A program waiting in :func:`wait_prior` holds
+Before its wait a kernel may read only what no kernel of the chain
+writes: the weights, and the step's attention metadata (``query_start_loc``,
+``seq_lens``, the block table), which the step writes before its first
+kernel, by copies or by kernels launched without PDL (such a launch waits
+for everything before it, and every PDL kernel after it starts later).
+The GEMVs (Q4, :mod:`asyncstep.ops.triton.quant_kernels`; dense,
+:mod:`asyncstep.ops.triton.gemv`) call :func:`launch_dependents` first
+thing and :func:`wait_prior` once their first weights are loaded, so
+consecutive GEMVs overlap one's drain with the next one's launch and first
+loads; the decode attention's split and combine kernels
+(:mod:`asyncstep.ops.triton.decode_kernels`) read their tokens' metadata
+before the wait; the norms, SiLU and the mixture-of-experts kernels
+(:mod:`asyncstep.ops.triton.fused`, ``moe_routing_kernels``,
+``fused_moe_kernels``) wait first thing. A program waiting in :func:`wait_prior` holds
 its SM slot: a kernel's dependents launch only once all its own programs
 have started, so the running kernel never waits for a slot. Results are
-the same bits with PDL or without (``tests/models/test_fused_decode.py``).
+the same bits with PDL or without (``tests/models/test_fused_decode.py``,
+``tests/gpu/test_pdl_chain.py``).
 
 May import torch and triton only.
 """
