@@ -201,8 +201,7 @@ def _decode_split_kernel(
         seg_len = _segment_len(keys_end, NUM_SPLITS, TILE_N)
         seg_start = split * seg_len
         seg_end = tl.minimum(seg_start + seg_len, keys_end)
-    if keys_end >= 0:  # (always: a condition on the loads keeps the wait after them)
-        wait_prior(PDL)
+    wait_prior(PDL)  # q and the cache's new key are the kernel before's
     if active:
         if seg_start < seg_end:
             dims = tl.arange(0, HEAD_DIM_PAD)
@@ -392,8 +391,7 @@ def _decode_combine_kernel(
     dim_mask = dims < HEAD_DIM
     result = tl.zeros([HEAD_DIM_PAD], tl.float32)
     num_tokens = tl.load(qsl_ptr + num_reqs)  # the step's metadata: before the wait
-    if num_tokens >= 0:  # (always: a condition on the load keeps the wait after it)
-        wait_prior(PDL)  # (the split kernel's parts first)
+    wait_prior(PDL)  # (the split kernel's parts first)
     if token < num_tokens:
         splits = tl.arange(0, SPLITS_PAD)
         lse_row = lse_ptr + token.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
