@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from asyncstep.ops.triton import pdl
-from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
+from asyncstep.ops.triton.pdl import launch_dependents, launch_then_wait, wait_prior
 
 __all__ = [
     "fused_add_rms_norm",
@@ -185,8 +185,7 @@ def _qk_rms_norm_kernel(  # type: ignore[no-untyped-def]
     PDL: tl.constexpr = False,
 ):
     """Grid ``(tokens,)``: the token's q heads, then its k heads."""
-    launch_dependents(PDL)
-    wait_prior(PDL)
+    launch_then_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     _norm_heads(
         q_ptr, q_weight_ptr, q_out_ptr, row, q_row_stride, q_heads, head_dim, eps, BLOCK_HQ,
@@ -275,8 +274,7 @@ def _silu_and_mul_kernel(  # type: ignore[no-untyped-def]
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    launch_dependents(PDL)
-    wait_prior(PDL)
+    launch_then_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d

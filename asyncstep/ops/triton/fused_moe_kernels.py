@@ -46,7 +46,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
+from asyncstep.ops.triton.pdl import launch_then_wait
 
 __all__ = [
     "ACTIVATIONS",
@@ -125,8 +125,7 @@ def gate_up_kernel(
     ``up_offset + n * ROW_STEP`` (gate rows then up rows: 1 and I;
     interleaved: 2 and 1). UPCAST multiplies float32 copies of the tiles
     (the interpreter's dot cannot take bfloat16)."""
-    launch_dependents(PDL)  # the next kernel (with PDL) may launch
-    wait_prior(PDL)  # the kernel before's outputs first
+    launch_then_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -203,8 +202,7 @@ def down_kernel(
     """Grid ``(blocks, cdiv(N, BLOCK_N))``; N is the hidden size H, K the
     intermediate size I; x is the activation ``[pairs, I]``, route the
     routing weights ``[pairs]`` (float32), out ``[pairs, H]`` float32."""
-    launch_dependents(PDL)  # the next kernel (with PDL) may launch
-    wait_prior(PDL)  # the kernel before's outputs first
+    launch_then_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -251,8 +249,7 @@ def combine_kernel(
 ) -> None:
     """Grid ``(T, cdiv(H, BLOCK_H))``: ``out[t] = sum_j pair[t * TOP_K + j]``,
     j from 0 up, in float32."""
-    launch_dependents(PDL)  # the next kernel (with PDL) may launch
-    wait_prior(PDL)  # the kernel before's outputs first
+    launch_then_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -302,8 +299,7 @@ def gemv_gate_up_kernel(
     gate and up rows streamed BLOCK_K wide, products summed in a float32
     ``[BLOCK_N, BLOCK_K]`` accumulator reduced once; the bias and the
     activation as :func:`gate_up_kernel`'s."""
-    launch_dependents(PDL)  # the next kernel (with PDL) may launch
-    wait_prior(PDL)  # the kernel before's outputs first
+    launch_then_wait(PDL)
     p = tl.program_id(0).to(tl.int64)
     token = p // top_k
     expert = tl.load(ids_ptr + token * stride_it + (p % top_k) * stride_ij).to(tl.int64)
@@ -376,8 +372,7 @@ def gemv_down_kernel(
     accumulator reduced once), plus the bias, times the routing weight,
     summed in float32 j from 0 up (:func:`combine_kernel`'s order), stored
     in the output's dtype."""
-    launch_dependents(PDL)  # the next kernel (with PDL) may launch
-    wait_prior(PDL)  # the kernel before's outputs first
+    launch_then_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
+from asyncstep.ops.triton.pdl import launch_then_wait
 
 __all__ = [
     "SCORE_SIGMOID",
@@ -71,8 +71,7 @@ def topk_route_kernel(
     """Grid ``(T,)``; E_PAD and K_PAD powers of two, at least E and TOP_K;
     weights float32 ``[T, k]`` and ids int32 ``[T, k]`` contiguous rows;
     counts int64 ``[E]`` contiguous (read where COUNT)."""
-    launch_dependents(PDL)  # the next kernel (with PDL) may launch
-    wait_prior(PDL)  # the kernel before's outputs first
+    launch_then_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, E_PAD)
     e_mask = es < E
@@ -161,8 +160,7 @@ def align_count_kernel(
     slot for expert e; sorted_ids ``[num_blocks * BLOCK_M]`` int32 all set
     to num_pairs; expert_ids ``[num_blocks]`` int32 (-1 past the last run);
     padded one int64."""
-    launch_dependents(PDL)  # the next kernel (with PDL) may launch
-    wait_prior(PDL)  # the kernel before's outputs first
+    launch_then_wait(PDL)
     es = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
@@ -203,8 +201,7 @@ def align_scatter_kernel(
     PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(chunks,)``, after :func:`align_count_kernel`: ``sorted_ids[slot] = p``."""
-    launch_dependents(PDL)  # the next kernel (with PDL) may launch
-    wait_prior(PDL)  # the kernel before's outputs first
+    launch_then_wait(PDL)
     c = tl.program_id(0)
     p, valid, expert = _chunk_experts(
         ids_ptr, c * CHUNK, num_pairs, top_k, stride_it, stride_ij, CHUNK

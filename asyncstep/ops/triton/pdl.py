@@ -44,7 +44,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["ENABLED", "applies", "launch_dependents", "launch_kwargs", "wait_prior"]
+__all__ = [
+    "ENABLED",
+    "applies",
+    "launch_dependents",
+    "launch_kwargs",
+    "launch_then_wait",
+    "wait_prior",
+]
 
 #: Whether the decode kernels use PDL where the GPU has it (``ASYNCSTEP_PDL=0``:
 #: never; read once, at import; tests may set it).
@@ -79,3 +86,10 @@ def wait_prior(PDL: tl.constexpr):  # type: ignore[no-untyped-def]
     """Wait until the kernel before has completed and its writes are visible."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def launch_then_wait(PDL: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Both, first thing: a kernel that reads nothing before its wait."""
+    launch_dependents(PDL)
+    wait_prior(PDL)
