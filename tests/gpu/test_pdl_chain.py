@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from cuda_graphs import captured, pdl_off_bits
 
 TEST_DEVICE = os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
@@ -99,19 +100,8 @@ def test_pdl_leaves_a_moe_layer_s_bits_alone(tokens: int, monkeypatch: pytest.Mo
             x, residual = _layer(x, residual, w)
         return x + residual
 
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    expected = chain()
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    for _ in range(3):
-        assert torch.equal(chain(), expected)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    expected = pdl_off_bits(chain, monkeypatch)
+    graph, out = captured(chain)
     first_x, first_residual = x_in.clone(), residual_in.clone()
     for i in range(6):
         out.fill_(float("nan"))

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_graphs import captured, pdl_off_bits
 
 TEST_DEVICE = os.environ.get("ASYNCSTEP_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
@@ -423,19 +424,8 @@ def test_pdl_leaves_the_fused_gemvs_bits_alone(
             )
         return stream
 
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    expected = chain()
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    for _ in range(3):
-        assert torch.equal(chain(), expected)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    expected = pdl_off_bits(chain, monkeypatch)
+    graph, out = captured(chain)
     for _ in range(10):
         out.fill_(float("nan"))
         graph.replay()
