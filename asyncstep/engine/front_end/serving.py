@@ -65,6 +65,10 @@ class EngineServing:
         self.weight_reads: WeightReads | None = None
         #: The error that stopped the engine, if one did.
         self.error: BaseException | None = None
+        #: The core's own report of why it stopped (its CoreFailed), once
+        #: seen: it names the engine's error over the core's death that
+        #: follows it (the transport may report the exit first).
+        self._core_report: BaseException | None = None
         self._to_core: MemoryObjectSendStream[ToCore] | None = None
         #: aclose() was called: nothing more goes to the core.
         self._closing = False
@@ -106,7 +110,7 @@ class EngineServing:
             error = root_cause(exc)
             if not started:
                 raise error from error.__cause__
-            self._die(error)
+            self._die(self._core_report or error)
         finally:
             self._closed = True
             to_core_tx.close()
@@ -198,8 +202,11 @@ class EngineServing:
             thread.start()
             try:
                 async with from_core:
-                    async for message in from_core:
-                        thread.put([message, *_queued(from_core)])
+                    try:
+                        async for message in from_core:
+                            thread.put([message, *_queued(from_core)])
+                    finally:  # (cancelled: the core's run ended first)
+                        self._keep_core_report(_queued(from_core))
             finally:
                 thread.stop()
                 with anyio.CancelScope(shield=True):
@@ -217,7 +224,19 @@ class EngineServing:
         failed = self.outputs.take_messages(messages)
         self.deliver_wakeups()
         if failed is not None:
-            raise error_from_core(failed.error, failed.kind)
+            self._core_report = error_from_core(failed.error, failed.kind)
+            raise self._core_report
+
+    def _keep_core_report(self, unread: list[FromCore | bytes]) -> None:
+        """The core's CoreFailed among messages left unread (the reading
+        was cancelled: the core's transport ended first), kept as its
+        report."""
+        for item in unread:
+            with contextlib.suppress(Exception):  # a bad frame: no report in it
+                message = self.outputs.decode(item) if isinstance(item, bytes) else item
+                if isinstance(message, CoreFailed):
+                    self._core_report = error_from_core(message.error, message.kind)
+                    return
 
     def _take_ready(self, item: FromCore | bytes) -> None:
         """The core's first message: CoreReady (the core sends it before it

@@ -107,6 +107,8 @@ class CoreProcess:
     _stopping: bool = field(default=False, init=False)
     #: A child started by :meth:`spawn_early` that :meth:`run` has not taken yet.
     _early: tuple[Process, MessageStream[FromCore]] | None = field(default=None, init=False)
+    #: Set when the reader reaches the connection's end (made by :meth:`run`).
+    _connection_ended: anyio.Event | None = field(default=None, init=False)
 
     @property
     def pid(self) -> int | None:
@@ -124,6 +126,7 @@ class CoreProcess:
         assert self._early is not None
         self.process, channel = self._early
         self._early = None
+        self._connection_ended = anyio.Event()
         try:
             async with anyio.create_task_group() as tg, from_core:
                 tg.start_soon(self._watch, self.process)
@@ -232,11 +235,18 @@ class CoreProcess:
         try:
             return await receiving
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+            if self._connection_ended is not None:
+                self._connection_ended.set()
             raise EngineCoreDied(await self._death_notice()) from None
 
     async def _watch(self, process: Process) -> None:
         code = await process.wait()
         if not self._stopping:
+            # Its last frames first (a CoreFailed names why it stopped): the
+            # reader ends the run at the connection's end; else this, soon.
+            if self._connection_ended is not None:
+                with anyio.move_on_after(1):
+                    await self._connection_ended.wait()
             raise EngineCoreDied(f"the engine core process {exit_reason(code)}")
 
     async def _death_notice(self) -> str:
