@@ -54,6 +54,7 @@ from asyncstep.models.layers.attention import (
 )
 from asyncstep.models.model_loader import load_model
 from asyncstep.ops.cpu.library import load_cpu_kernels
+from asyncstep.ops.cpu.paged_attention import cpu_step_args
 
 sys.path.insert(0, str(Path(__file__).parent))
 from asyncstep.bench.study import write_results
@@ -165,7 +166,7 @@ def kernel_variant(case: Case) -> Callable[[], torch.Tensor]:
     assert kernels is not None, "the CPU kernels do not build here"
     kernel = kernels.attention
     out = torch.empty(case.q.shape, dtype=case.q.dtype)
-    step = case.meta.cpu_step_args()
+    step = cpu_step_args(case.meta)
 
     def run() -> torch.Tensor:
         kernel(out, case.q, case.k, case.v, case.kv_cache, step, SCALE)
@@ -306,8 +307,8 @@ def plan_us(case: Case) -> dict[str, float]:
         return plan_decode_buckets(meta.seq_lens_cpu[:n], meta.block_table[:n], BLOCK)
 
     def kernel_args() -> Any:
-        meta.cpu_args = None
-        return meta.cpu_step_args()
+        meta.kernel_args = None
+        return cpu_step_args(meta)
 
     return {
         "reference_plan_us": best_us(reference_plan, 20),
@@ -368,7 +369,7 @@ class ModelStep:
         for layer in self.model.attention_layers():
             layer.backend, layer.fused_rotary = backend, rotary
         meta = self.meta
-        meta.cpu_args = None
+        meta.kernel_args = None
         if backend == "torch":
             meta.decode_buckets = plan_decode_buckets(meta.seq_lens_cpu, meta.block_table, BLOCK)
         logits: torch.Tensor = self.model.compute_logits(self.model(self.ids, self.positions, meta))

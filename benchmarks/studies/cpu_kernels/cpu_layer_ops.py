@@ -170,7 +170,7 @@ class Step:
         """One step with the layer ops switched ``kernels`` (the metadata's
         kernel arguments made anew, as each step makes them)."""
         use_layer_kernels(self.model, kernels)
-        self.meta.cpu_args = None
+        self.meta.kernel_args = None
         assert self.meta.positions is not None
         hidden = self.model(self.ids, self.meta.positions, self.meta)
         assert isinstance(hidden, torch.Tensor)
