@@ -13,8 +13,8 @@ Checkpoints name each expert's projections apart
 (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``; Mixtral's
 ``block_sparse_moe.experts.{e}.w1.weight``): they load into the layer's
 ``mlp.experts.w13_weight`` / ``w2_weight`` (:meth:`MoeForCausalLM.param_target`).
-The op sets' whole-stack step paths are for dense layers: a MoE model runs
-layer by layer (:meth:`MoeForCausalLM.use_ops`).
+An op set's whole-stack step path runs them where it takes MoE layers (the
+CPU's float32 stack: :mod:`asyncstep.ops.cpu.f32_stack`); else layer by layer.
 
 May import torch, :mod:`asyncstep.channels`, the model config, layers and
 :mod:`asyncstep.models.llama`.
@@ -33,7 +33,7 @@ from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.layers.moe import SparseMoeBlock, SparseMoeStage
 from asyncstep.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from asyncstep.ops.attention import AttentionMetadata
-from asyncstep.ops.base import OpSet, RotaryCosSin
+from asyncstep.ops.base import RotaryCosSin
 from asyncstep.ops.slot import OpSetSlot
 
 __all__ = [
@@ -127,14 +127,6 @@ class MoeForCausalLM(LlamaForCausalLM):
     decoder_layer: type[LlamaDecoderLayer] = MoeDecoderLayer
     #: :meth:`step_expert_tokens`'s last total.
     _expert_tokens_seen: torch.Tensor | None = None
-
-    def use_ops(self, ops: OpSet) -> None:
-        """Every layer through ``ops``, layer by layer: an op set's
-        whole-stack paths (the CPU's decode stack, Triton's fused decode)
-        read a dense gated MLP, which a MoE layer has not, so none is asked
-        for."""
-        self.model.ops.ops = ops
-        self.model.step_path = None
 
     def expert_load(self, *, reset: bool = False) -> dict[int, list[int]]:
         """Load balance: for each MoE layer of this stage (by its index in

@@ -95,8 +95,8 @@ def select_experts(
     """Each token's experts: ``(topk_weights [T, k] float32, topk_ids [T, k]
     int32)``, the top ``k`` of the float32 softmax (or sigmoid) of
     ``router_logits`` ``[T, E]``, renormalised to sum to 1 where
-    ``renormalize`` (torch's ``topk``: ties go to the lower expert id, as
-    in transformers). "topk_softmax" (gpt-oss): the top ``k`` logits, then
+    ``renormalize`` (torch's ``topk``, as in transformers: its own order
+    among exactly tied scores). "topk_softmax" (gpt-oss): the top ``k`` logits, then
     the softmax of those ``k``."""
     logits = router_logits.float()
     if scoring_func == "topk_softmax":

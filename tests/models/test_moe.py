@@ -14,10 +14,10 @@ greedy tokens, ours, the GGUF conversion) is ``tests.models.hf_parity``'s.
 
 Then the door: hostile or unsupported MoE configs (and a GGUF stack of
 other experts) are refused with one line before anything is built; a TP
-size must divide the experts; the memory estimate counts the experts; no op
-set's whole-stack step path is asked for (the CPU's decode stack declines
-MoE layers too); packing does not apply to them; each layer counts the rows
-routed to each expert (load balance)."""
+size must divide the experts; the memory estimate counts the experts; the
+op set's whole-stack step path is asked for (Triton's fused decode and the
+CPU's quantized decode stack decline MoE layers); packing does not apply to
+them; each layer counts the rows routed to each expert (load balance)."""
 
 from __future__ import annotations
 
@@ -278,14 +278,19 @@ def test_a_tp_size_that_does_not_divide_the_experts_is_refused() -> None:
         validate_parallel_layout(arch, ParallelConfig(tensor_parallel_size=3))
 
 
-def test_moe_models_ask_no_op_set_for_a_step_path() -> None:
-    """The whole-stack paths (the CPU's decode stack, Triton's fused decode)
-    read a dense gated MLP: a MoE model runs layer by layer on every op set."""
+def test_moe_models_ask_their_op_set_for_a_step_path() -> None:
+    """A MoE model asks its op set for a whole-stack path: Triton's fused
+    decode declines MoE layers (it reads a dense gated MLP), the CPU's
+    float32 stack takes them (``test_cpu_f32_stack``)."""
     from asyncstep.ops.torch_ref import TorchOps
+    from asyncstep.ops.triton.fused_decode import FusedDecodePath
+
+    asked: list[int] = []
 
     class StackingOps(TorchOps):
         def step_path(self, layers: list[Any]) -> Any:
-            raise AssertionError("a MoE model asked for a step path")
+            asked.append(len(layers))
+            return FusedDecodePath.build(layers)
 
     ops = StackingOps()
     for family in FAMILIES:
@@ -293,6 +298,7 @@ def test_moe_models_ask_no_op_set_for_a_step_path() -> None:
         model = model_class(arch)(arch, torch.float32)
         model.use_ops(ops)
         assert model.model.ops.ops is ops and model.model.step_path is None
+    assert asked == [3] * len(FAMILIES)
 
 
 def test_expert_load_counts_every_routed_row(checkpoints: Callable[[str], Checkpoint]) -> None:

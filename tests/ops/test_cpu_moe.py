@@ -27,11 +27,12 @@ from asyncstep import SamplingParams
 from asyncstep.cpu_features import cpu_flags
 from asyncstep.ops.cpu import library
 from asyncstep.ops.cpu.dense_f32 import dense_f32_matmul
+from asyncstep.ops.cpu.f32_stack import CpuF32Stack
 from asyncstep.ops.cpu.library import load_cpu_kernels
-from asyncstep.ops.cpu.moe import CpuMoeExperts, moe_experts
+from asyncstep.ops.cpu.moe import CpuMoeExperts, moe_experts, moe_router
 from asyncstep.ops.cpu.ops import CpuOps
 from asyncstep.ops.mxfp4 import Mxfp4Weight
-from asyncstep.ops.torch_moe import fused_experts
+from asyncstep.ops.torch_moe import fused_experts, select_experts
 
 EXPERTS = moe_experts()
 pytestmark = pytest.mark.skipif(EXPERTS is None, reason="no C compiler: the library is off")
@@ -302,6 +303,8 @@ def test_a_float32_moe_model_through_it_greedy_equals_transformers(
         return original(self, *args)
 
     monkeypatch.setattr(CpuMoeExperts, "__call__", counted)
+    # The layer-by-layer forward (test_cpu_f32_stack: the stack's bits are its).
+    monkeypatch.setattr(CpuF32Stack, "build", classmethod(lambda *_: None))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     async def serve() -> list[list[int]]:
@@ -409,3 +412,59 @@ def test_mxfp4_layouts_are_the_checkpoint_s_values() -> None:
         weight.narrow(2, 16, 32)
     with pytest.raises(ValueError, match=r"blocks \(2, 3, 4, 8\) must be scales"):
         Mxfp4Weight.from_checkpoint(blocks[..., :8], scales)
+
+
+@pytest.mark.parametrize(
+    ("scoring", "renormalize"),
+    [("softmax", True), ("softmax", False), ("sigmoid", True), ("topk_softmax", False)],
+)
+def test_the_router_picks_the_reference_s_experts(scoring: str, renormalize: bool) -> None:
+    """The library's router (the CPU op set's and the float32 stack's): the
+    reference's ids, its weights within float32 rounding, each pair counted;
+    tied scores go to the lower expert id (torch's topk orders a row of
+    ties its own way), a row of NaNs still picks k distinct ids in range;
+    the CPU op set routes through it."""
+    router = moe_router()
+    assert router is not None
+    torch.manual_seed(0)
+    logits = torch.randn(37, 16) * 3
+    logits[5] = 0.25  # every expert tied
+    logits[6, 3] = logits[6, 9] = 9.0  # two tied at the top
+    counts = torch.zeros(16, dtype=torch.int64)
+    weights, ids = router(logits, 4, renormalize=renormalize, scoring_func=scoring, counts=counts)
+    want_weights, want_ids = select_experts(
+        logits, 4, renormalize=renormalize, scoring_func=scoring
+    )
+    untied = [row for row in range(len(logits)) if row != 5]
+    assert torch.equal(ids[untied], want_ids[untied]) and ids.dtype == torch.int32
+    torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-7)
+    assert ids[5].tolist() == [0, 1, 2, 3] and ids[6, :2].tolist() == [3, 9]
+    assert torch.equal(counts, torch.bincount(ids.flatten().long(), minlength=16))
+    op_weights, op_ids = CpuOps(library.load_cpu_kernels().layer_ops).select_experts(  # type: ignore[union-attr]
+        logits.to(torch.bfloat16), 4, renormalize=renormalize, scoring_func=scoring
+    )
+    bf_weights, bf_ids = router(
+        logits.to(torch.bfloat16), 4, renormalize=renormalize, scoring_func=scoring
+    )
+    assert torch.equal(op_ids, bf_ids) and torch.equal(op_weights, bf_weights)
+    nans = torch.full((2, 16), float("nan"))
+    _, nan_ids = router(nans, 4, renormalize=renormalize, scoring_func=scoring)
+    assert all(
+        sorted(set(row)) == sorted(row) and min(row) >= 0 and max(row) < 16
+        for row in nan_ids.tolist()
+    )
+
+
+def test_the_router_refuses_bad_arguments_in_one_line() -> None:
+    router = moe_router()
+    assert router is not None
+    logits = torch.randn(4, 8)
+    for bad in (
+        lambda: router(logits, 9, renormalize=True),
+        lambda: router(logits, 0, renormalize=True),
+        lambda: router(logits, 2, renormalize=True, scoring_func="tanh"),
+        lambda: router(logits[0], 2, renormalize=True),
+        lambda: router(logits, 2, renormalize=True, counts=torch.zeros(7, dtype=torch.int64)),
+    ):
+        with pytest.raises(ValueError, match=r"^[^\n]+$"):
+            bad()

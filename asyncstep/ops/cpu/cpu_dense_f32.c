@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "cpu_common.h"
+#include "cpu_f32.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 #define F32_ISA 2
@@ -142,16 +143,6 @@ static __attribute__((noinline)) void vsum8(const vec v[8], float out[8]) {
 #endif
 #define MIN_PARALLEL_WORK (1 << 16)
 
-typedef struct {
-    const float* weight;
-    int64_t out_features, in_features, weight_stride;
-    const float* x;
-    int64_t x_stride;
-    float* out;
-    int64_t out_stride;
-    int64_t rows;
-    int64_t num_threads;
-} DenseF32Args;
 
 /* Which build runs: 0 plain C, 2 AVX-512, 3 AVX2. */
 int asyncstep_dense_f32_isa(void) { return F32_ISA; }

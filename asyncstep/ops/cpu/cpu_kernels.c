@@ -419,33 +419,7 @@ static float torch_sum(const float* x, int64_t n) {
 DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, f32_id, f32_id)
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 
-/*
- * The layer ops take their arguments as one struct (ctypes converts each
- * argument of a call separately, at a cost a batch-1 step pays per call;
- * one struct packed by the caller is one argument). All fields are 8 bytes.
- *
- * x, out: [rows, groups * hidden] (row strides x_stride, out_stride);
- * residual, residual_out: [rows, hidden] float32 (strides residual_stride,
- * residual_out_stride), both only with groups == 1: residual NULL: the
- * stream starts at x; residual_out NULL: not stored (it may equal residual:
- * in place). weight: [hidden] float32.
- */
-typedef struct {
-    int64_t dtype;
-    void* out;
-    int64_t out_stride;
-    const void* x;
-    int64_t x_stride;
-    const float* residual;
-    int64_t residual_stride;
-    float* residual_out;
-    int64_t residual_out_stride;
-    const float* weight;
-    int64_t rows, groups, hidden;
-    double eps;
-    int64_t num_threads;
-} NormArgs;
-
+/* The layer ops take their arguments as one struct (cpu_kernels.h). */
 void asyncstep_add_rms_norm(const NormArgs* a) {
     const int64_t vectors = a->rows * a->groups, hidden = a->hidden, groups = a->groups;
     const float eps = (float)a->eps;
@@ -531,16 +505,6 @@ DEFINE_SILU_AND_MUL(silu_and_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, round_t
 
 /* gate_up: [rows, 2 * d] (row stride in_stride), gate first; out: [rows, d];
  * vector_bytes: the width of torch's vectors (its CPU capability's). */
-typedef struct {
-    int64_t dtype;
-    void* out;
-    int64_t out_stride;
-    const void* gate_up;
-    int64_t in_stride;
-    int64_t rows, d;
-    int64_t vector_bytes;
-    int64_t num_threads;
-} SiluArgs;
 
 void asyncstep_silu_and_mul(const SiluArgs* a) {
     const int64_t d = a->d;

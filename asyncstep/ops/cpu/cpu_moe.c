@@ -47,11 +47,13 @@
  * does), then enters the same FMA as the dense weight's vector: the packed
  * weights' outputs are the dense kernel's bits on the dequantized weights.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_common.h"
+#include "cpu_f32.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 #define MOE_ISA 2
@@ -156,24 +158,6 @@ static inline float e8m0(uint8_t s) {
 #define STREAM_MAX_ROWS 8
 #endif
 
-typedef struct {
-    const float* hidden;
-    int64_t hidden_stride;
-    const void* w13; /* [E, 2I, H] contiguous: float32, or MXFP4 codes [E, 2I, H / 2] */
-    const void* w2;  /* [E, H, I] contiguous: float32, or MXFP4 codes [E, H, I / 2] */
-    int64_t num_experts, hidden_size, inter;
-    const int32_t* topk_ids;   /* [T * k] */
-    const float* topk_weights; /* [T * k] */
-    int64_t num_tokens, top_k;
-    float* scratch; /* [P * H]: pair_out, the pairs' weighted outputs */
-    float* out;     /* [T, H] */
-    int64_t num_threads;
-    const uint8_t* w13_scales; /* MXFP4: [E, 2I, H / 32]; NULL: float32 weights */
-    const uint8_t* w2_scales;  /* MXFP4: [E, H, I / 32] */
-    const float* w13_bias;     /* [E, 2I] or NULL */
-    const float* w2_bias;      /* [E, H] or NULL */
-    int64_t activation;        /* 0: silu, 1: swigluoai */
-} MoeArgs;
 
 /* The pass's arrays: the pairs sorted by expert, stably (order[p]: the
  * sorted pair's index into the [T * k] pairs; position its inverse). */
@@ -496,4 +480,69 @@ int asyncstep_moe_experts(const MoeArgs* a) {
     free(order);
     free(position);
     return failed ? -1 : 0;
+}
+
+/*
+ * The router: each token's top k experts of its float32 logits. Scoring 0:
+ * p = softmax (m the row's largest logit, e_i = expf(l_i - m), their sum in
+ * expert order, p_i = e_i / sum); 1: p_i = 1 / (1 + expf(-l_i)); the k
+ * largest p in descending order, ties to the lower expert id (torch's topk),
+ * divided by their sum (in that order) where renormalize. Scoring 2
+ * (gpt-oss): the k largest logits, ties likewise, then their softmax. A row
+ * of NaNs still picks k distinct ids in [0, E). Every sum runs in its loop's
+ * order (a volatile accumulator: the library's reassociation cannot
+ * regroup it), so every build gives the same bits.
+ */
+static float ordered_sum(const float* x, int64_t n) {
+    volatile float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum = sum + x[i];
+    return sum;
+}
+
+static void route_row(const RouteArgs* a, const float* logits, int32_t* ids, float* weights) {
+    const int64_t E = a->num_experts, k = a->top_k;
+    float p[E];
+    if (a->scoring == 0) {
+        float m = logits[0];
+        for (int64_t i = 1; i < E; i++) m = logits[i] > m ? logits[i] : m;
+        for (int64_t i = 0; i < E; i++) p[i] = expf(logits[i] - m);
+        const float sum = ordered_sum(p, E);
+        for (int64_t i = 0; i < E; i++) p[i] = p[i] / sum;
+    } else if (a->scoring == 1) {
+        for (int64_t i = 0; i < E; i++) p[i] = 1.0f / (1.0f + expf(-logits[i]));
+    } else {
+        for (int64_t i = 0; i < E; i++) p[i] = logits[i];
+    }
+    uint8_t taken[E];
+    for (int64_t i = 0; i < E; i++) taken[i] = 0;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t i = 0; i < E; i++)
+            if (!taken[i] && (best < 0 || p[i] > p[best])) best = i;
+        taken[best] = 1;
+        ids[j] = (int32_t)best;
+        weights[j] = p[best];
+    }
+    if (a->scoring == 2) {
+        const float m = weights[0];
+        for (int64_t j = 0; j < k; j++) weights[j] = expf(weights[j] - m);
+    }
+    if (a->scoring == 2 || a->renormalize) {
+        const float sum = ordered_sum(weights, k);
+        for (int64_t j = 0; j < k; j++) weights[j] = weights[j] / sum;
+    }
+}
+
+int asyncstep_moe_route(const RouteArgs* a) {
+    const int64_t E = a->num_experts, k = a->top_k;
+    if (E < 1 || E > 4096 || k < 1 || k > E || a->num_tokens < 0 || a->logits_stride < E ||
+        a->scoring < 0 || a->scoring > 2)
+        return -1;
+    for (int64_t t = 0; t < a->num_tokens; t++) {
+        int32_t* ids = a->topk_ids + t * k;
+        route_row(a, a->logits + t * a->logits_stride, ids, a->topk_weights + t * k);
+        if (a->counts != NULL)
+            for (int64_t j = 0; j < k; j++) a->counts[ids[j]]++;
+    }
+    return 0;
 }

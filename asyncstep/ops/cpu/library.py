@@ -66,10 +66,13 @@ SOURCES = tuple(
         "cpu_dense.c",
         "cpu_moe.c",
         "cpu_dense_f32.c",
+        "cpu_f32_stack.c",
     )
 )
 #: Included by the sources (part of the build key).
-HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "cpu_kernels.h", "cpu_quant.h"))
+HEADERS = tuple(
+    _HERE / name for name in ("cpu_common.h", "cpu_kernels.h", "cpu_quant.h", "cpu_f32.h")
+)
 #: Must match ``ASYNCSTEP_ABI_VERSION`` in the source.
 ABI_VERSION = 6
 #: Environment variables: ``torch`` turns the library off (torch runs instead).

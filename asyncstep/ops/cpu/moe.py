@@ -25,7 +25,7 @@ import torch
 from asyncstep.ops.cpu.library import load_cpu_kernels
 from asyncstep.ops.mxfp4 import Mxfp4Weight
 
-__all__ = ["CpuMoeExperts", "moe_experts"]
+__all__ = ["CpuMoeExperts", "CpuMoeRouter", "moe_experts", "moe_router"]
 
 #: The C side's ``MoeArgs``: 8 bytes per field, pointers as integers.
 _ARGS = struct.Struct(
@@ -42,6 +42,16 @@ _ARGS = struct.Struct(
 )
 #: The activations the C side computes, by its codes.
 ACTIVATION_CODES = {"silu": 0, "swigluoai": 1}
+#: The router scorings the C side computes, by its codes
+#: (:func:`~asyncstep.ops.torch_moe.select_experts`' names).
+SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}
+#: The C side's ``RouteArgs``: 8 bytes per field, pointers as integers.
+_ROUTE_ARGS = struct.Struct(
+    "<qq"  # logits, their row stride
+    "qqq"  # tokens, experts, top k
+    "qq"  # scoring, renormalize
+    "qqq"  # topk ids, topk weights, counts (0: none)
+)
 #: A projection the call takes: float32 or MXFP4 kept packed.
 ExpertWeight = torch.Tensor | Mxfp4Weight
 #: The most experts a token may pick (the C side sorts a token's pairs on its stack).
@@ -155,6 +165,77 @@ class CpuMoeExperts:
         return out
 
 
+class CpuMoeRouter:
+    """The library's router (``asyncstep_moe_route``): each row's top k
+    experts of its float32 logits, as
+    :func:`~asyncstep.ops.torch_moe.select_experts` defines them (the
+    softmax, sigmoid or softmax of the top k logits; ties to the lower
+    expert id; renormalised where asked), its sums in a fixed order (every
+    build the same bits; torch's vectorized softmax rounds apart by an ulp
+    or so). The CPU op set's router, and the float32 stack's
+    (:mod:`~asyncstep.ops.cpu.f32_stack`), so the two agree bit for bit."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._route = library.asyncstep_moe_route
+        self._route.argtypes = [ctypes.c_char_p]
+        self._route.restype = ctypes.c_int
+
+    @staticmethod
+    def applies(router_logits: torch.Tensor, top_k: int, scoring_func: str) -> bool:
+        """Whether the call takes these: 2-D CPU logits (any float dtype,
+        read as float32) of at most 4096 experts, 1 <= top_k <= experts, a
+        scoring it computes."""
+        return (
+            router_logits.dim() == 2
+            and router_logits.device.type == "cpu"
+            and router_logits.is_floating_point()
+            and 1 <= top_k <= router_logits.shape[1] <= 4096
+            and scoring_func in SCORING_CODES
+        )
+
+    def __call__(
+        self,
+        router_logits: torch.Tensor,
+        top_k: int,
+        *,
+        renormalize: bool,
+        scoring_func: str = "softmax",
+        counts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights [T, k] float32, topk_ids [T, k] int32)``; each
+        pair's expert added to ``counts`` (int64 ``[E]``) where given."""
+        if not self.applies(router_logits, top_k, scoring_func):
+            raise ValueError(
+                "the CPU router takes 2-D float CPU logits of <= 4096 experts, "
+                f"1 <= top_k <= experts and a scoring of {sorted(SCORING_CODES)}"
+            )
+        logits = router_logits.float()
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        tokens, experts = logits.shape
+        if counts is not None and (
+            counts.dtype != torch.int64 or counts.shape != (experts,) or not counts.is_contiguous()
+        ):
+            raise ValueError(f"counts must be contiguous int64 [{experts}]")
+        ids = torch.empty(tokens, top_k, dtype=torch.int32)
+        weights = torch.empty(tokens, top_k, dtype=torch.float32)
+        args = _ROUTE_ARGS.pack(
+            logits.data_ptr(),
+            logits.stride(0),
+            tokens,
+            experts,
+            top_k,
+            SCORING_CODES[scoring_func],
+            int(renormalize),
+            ids.data_ptr(),
+            weights.data_ptr(),
+            0 if counts is None else counts.data_ptr(),
+        )
+        if self._route(args) != 0:
+            raise ValueError("the CPU router refused its arguments")
+        return weights, ids
+
+
 def _bias(bias: torch.Tensor | None, shape: tuple[int, ...], name: str) -> torch.Tensor | None:
     """A bias as the C side reads it (float32, contiguous), its shape checked."""
     if bias is None:
@@ -170,3 +251,10 @@ def moe_experts() -> CpuMoeExperts | None:
     where the library is off or does not build."""
     kernels = load_cpu_kernels()
     return None if kernels is None else CpuMoeExperts(kernels.library)
+
+
+@functools.cache
+def moe_router() -> CpuMoeRouter | None:
+    """The library's router; None where the library is off or does not build."""
+    kernels = load_cpu_kernels()
+    return None if kernels is None else CpuMoeRouter(kernels.library)

@@ -16,9 +16,12 @@ k as it reads them); a mixture-of-experts layer's float32 experts are the
 library's grouped experts in one call (``cpu_moe.c``), its other experts
 the reference's grouped matmul (:mod:`~asyncstep.ops.torch_moe`) over this
 op set's linear (so bfloat16 experts are batch-invariant as its dense
-projections are). Its step
+projections are). Its router is
+the library's (``cpu_moe.c``). Its step
 path: the whole decoder stack in one call
-(:mod:`~asyncstep.ops.cpu.decode_stack`; a MoE model's layers decline it).
+(:mod:`~asyncstep.ops.cpu.decode_stack` for quantized projections,
+:mod:`~asyncstep.ops.cpu.f32_stack` for dense float32 ones and float32
+mixtures of experts).
 
 May import torch and :mod:`asyncstep.ops`' base, references (layer ops, experts) and CPU library.
 """
@@ -33,9 +36,10 @@ from asyncstep.ops.base import AttentionOp, StepPath
 from asyncstep.ops.cpu.decode_stack import CpuDecodeStack
 from asyncstep.ops.cpu.dense import dense_matmul
 from asyncstep.ops.cpu.dense_f32 import dense_f32_matmul, takes_float32
+from asyncstep.ops.cpu.f32_stack import CpuF32Stack
 from asyncstep.ops.cpu.layer_ops import CpuLayerOps
 from asyncstep.ops.cpu.library import load_cpu_kernels
-from asyncstep.ops.cpu.moe import moe_experts
+from asyncstep.ops.cpu.moe import moe_experts, moe_router
 from asyncstep.ops.cpu.quant import CpuQuantWeight
 from asyncstep.ops.mxfp4 import Mxfp4Weight
 from asyncstep.ops.packed import PackedWeight
@@ -184,11 +188,39 @@ class CpuOps(CpuHeadOps):
             matmul=lambda x, weight: self.linear(x, weight, None),
         )
 
+    def select_experts(
+        self,
+        router_logits: torch.Tensor,
+        top_k: int,
+        *,
+        renormalize: bool,
+        scoring_func: str = "softmax",
+        counts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The library's router (:class:`~asyncstep.ops.cpu.moe.CpuMoeRouter`:
+        the float32 stack's, so the two paths route alike) where it applies,
+        else the reference's."""
+        router = moe_router()
+        if router is None or not router.applies(router_logits, top_k, scoring_func):
+            return super().select_experts(
+                router_logits,
+                top_k,
+                renormalize=renormalize,
+                scoring_func=scoring_func,
+                counts=counts,
+            )
+        return router(
+            router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func, counts=counts
+        )
+
     def step_path(self, layers: list[Any]) -> StepPath | None:
-        """The library's decoder stack in one call, where the layers qualify
-        (:mod:`~asyncstep.ops.cpu.decode_stack`)."""
+        """The library's decoder stack in one call, where the layers qualify:
+        quantized projections (:mod:`~asyncstep.ops.cpu.decode_stack`), else
+        dense float32 ones, mixtures of experts too (:mod:`~asyncstep.ops.cpu.f32_stack`)."""
         kernels = load_cpu_kernels()
-        return None if kernels is None else CpuDecodeStack.build(kernels, layers)
+        if kernels is None:
+            return None
+        return CpuDecodeStack.build(kernels, layers) or CpuF32Stack.build(kernels, layers)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, float32_residual: bool

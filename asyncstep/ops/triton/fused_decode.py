@@ -223,4 +223,6 @@ class FusedDecodePath:
 
 def _layer_weights(layer: DecoderLayer) -> FusedDecodeWeights | None:
     attn, mlp = layer.self_attn, layer.mlp
+    if getattr(mlp, "gate_up_proj", None) is None:
+        return None  # a mixture-of-experts layer
     return FusedDecodeWeights.of(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

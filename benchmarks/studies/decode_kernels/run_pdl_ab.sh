@@ -8,7 +8,10 @@
 #   ab:      asyncstep bench latency (dummy weights, 128-token prompts, 64 tokens, batch 1
 #            and 32) for each of $MODELS, base then new, $ROUNDS rounds; the dense models
 #            with --no-batch-invariant (the fast op set's GEMV) unless NO_BI is empty
-#   profile: quant_step_kernels.py per model at batch 1, this tree, PDL off and on
+#   profile: quant_step_kernels.py per model at batch $PROFILE_BATCH (default 1), this
+#            tree, PDL off and on ($PDLS, default "0 1")
+#   invariant: this tree's batch-invariant op set against its fast one ($MODELS, batch 1
+#            and 32, alternated, $ROUNDS rounds): the cost of CUDA's default (issue 40)
 # Output (text and JSON) goes to $OUT (default benchmarks/results/pdl).
 set -u
 OUT=${OUT:-benchmarks/results/pdl}
@@ -62,13 +65,22 @@ run_ab() {
 
 run_profile() {
     for model in $MODELS; do
-        for p in 0 1; do
+        for p in ${PDLS:-0 1}; do
+            local name="profile_${model}_b${PROFILE_BATCH:-1}_pdl$p"
             ASYNCSTEP_PDL=$p PYTHONPATH="$HOME/site:$NEW" timeout 90 python3 \
                 benchmarks/studies/decode_kernels/quant_step_kernels.py --shape "$model" \
-                --packing none --batch 1 --tokens 32 --top 25 $NO_BI \
-                --out "$OUT/profile_${model}_pdl$p.json" 2>&1 | grep -vi warn \
-                > "$OUT/profile_${model}_pdl$p.txt"
-            head -8 "$OUT/profile_${model}_pdl$p.txt"
+                --packing none --batch "${PROFILE_BATCH:-1}" --tokens 32 --top 25 $NO_BI \
+                --out "$OUT/$name.json" 2>&1 | grep -vi warn > "$OUT/$name.txt"
+            head -8 "$OUT/$name.txt"
+        done
+    done
+}
+
+run_invariant() {
+    for model in $MODELS; do
+        for round in $(seq 1 "$ROUNDS"); do
+            NO_BI=--no-batch-invariant latency "$NEW" fast "$model" "$round"
+            NO_BI=--batch-invariant latency "$NEW" invariant "$model" "$round"
         done
     done
 }
@@ -77,5 +89,6 @@ case "${1:-}" in
 tests) run_tests ;;
 ab) run_ab ;;
 profile) run_profile ;;
-*) echo "usage: $0 tests|ab|profile" >&2; exit 2 ;;
+invariant) run_invariant ;;
+*) echo "usage: $0 tests|ab|profile|invariant" >&2; exit 2 ;;
 esac
