@@ -371,10 +371,15 @@ def test_weight_bytes_per_rank_of_real_shapes(shape: str, tp_size: int) -> None:
     assert single / tp_size <= sizes[0] < 1.005 * single / tp_size
 
 
-def test_runner_padding_gives_the_same_logits() -> None:
+def test_runner_padding_gives_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step padded to a multiple of 4 (what sequence parallelism asks):
     the attention writes and attends only the real tokens, its padding rows
-    are zeros, and the logits are those of the unpadded step."""
+    are zeros, and the logits are those of the unpadded step (layer by
+    layer: the CPU's float32 stack would run the unpadded steps without the
+    hooked attention module)."""
+    from asyncstep.ops.cpu.f32_stack import CpuF32Stack
+
+    monkeypatch.setattr(CpuF32Stack, "build", classmethod(lambda *_: None))
     model = build_model(ARCH_TP2)
     attn = model.attention_layers()[0]
     seen: list[tuple[int, int, torch.Tensor]] = []
