@@ -31,8 +31,9 @@ forward. Otherwise they are dequantized at load to the model's dtype
 unquantized tensors.
 
 An op set must honour attention sinks (:attr:`AttentionOp.supports_sinks`:
-every built-in attention op does) and sliding windows; the model runs
-layer by layer (no whole-stack step path).
+every built-in attention op does) and sliding windows; in float32 on the
+CPU its steps without sliding windows take the CPU's float32 stack
+(:mod:`asyncstep.ops.cpu.f32_stack`), else it runs layer by layer.
 
 May import torch, :mod:`asyncstep.channels`, the model config, layers and
 the Llama and MoE models.

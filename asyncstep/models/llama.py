@@ -195,7 +195,8 @@ class LlamaForCausalLM(nn.Module):
     #: The model (a stage's embedding, layers and final norm).
     decoder_model: type[LlamaModel] = LlamaModel
     #: Whether :meth:`use_ops` asks the op set for its whole-stack step path
-    #: (the CPU's decode stack, Triton's fused decode: Llama layers only).
+    #: (the CPU's decode stacks, Triton's fused decode: layers of the Llama
+    #: family's shape, each op set declining the ones it does not run).
     takes_step_path: bool = True
 
     def __init__(
