@@ -3,12 +3,15 @@
 the engine in this process;
 torch's profiler (CUPTI: the kernels of CUDA graph replays too) over the
 decode of ``--tokens`` greedy tokens after a warm-up request (greedy as
-``asyncstep bench latency`` samples; ``--random`` for temperature 1). Prints each kernel
+``asyncstep bench latency`` samples; ``--random`` for temperature 1); the
+prompts' prefill (``--prompt-len`` tokens each, default 128) is in the
+window too: a few tokens leave the decode. Prints each kernel
 name's device time per step, grouped (the Q4 / Q8 GEMV, torch's GEMV, the
 rest), and the sum, which is below the ITL by the device's idle time.
 
     python3 benchmarks/studies/decode_kernels/quant_step_kernels.py --shape llama-8b --packing q4 \
-        [--batch N] [--no-fused-decode] [--[no-]batch-invariant] [--int8] [--out FILE]
+        [--batch N] [--prompt-len N] [--no-fused-decode] [--[no-]batch-invariant] [--int8]
+        [--out FILE]
 
 ``--int8``: ``gpu_q4_activations="int8"`` (the Q4 / Q8 GEMVs quantize x to int8).
 """
@@ -44,7 +47,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         gpu_q4_activations="int8" if args.int8 else "float",
         engine_process=False,
     ) as engine:
-        prompt = list(range(3, 3 + 128))
+        prompt = list(range(3, 3 + args.prompt_len))
         temperature = 1.0 if args.random else 0.0
         warm_up = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True)
         await engine.generate(prompt, warm_up)
@@ -82,6 +85,9 @@ def main() -> int:
     parser.add_argument("--packing", default="q4")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument(
+        "--prompt-len", type=int, default=128, help="prompt tokens (few: the decode dominates)"
+    )
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument(
         "--no-fused-decode", dest="fused_decode", action="store_false", help="fused_decode=False"
