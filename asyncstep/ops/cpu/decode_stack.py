@@ -37,9 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncstep.ops.attention import AttentionMetadata
-from asyncstep.ops.cpu.attention import TILE_ROWS
-from asyncstep.ops.cpu.paged_attention import cpu_step_args
 from asyncstep.ops.cpu.quant import _KINDS, QUANT_DTYPES, CpuQuantWeight, quant_matmul
+from asyncstep.ops.cpu.stack_args import stream_and_step
 
 if TYPE_CHECKING:
     from asyncstep.ops.cpu.library import CpuKernels
@@ -149,49 +148,29 @@ class CpuDecodeStack:
         """``(hidden, residual)`` after the stage's layers (as the
         layer-by-layer forward returns them: the last MLP's output, and the
         float32 residual stream); the positions are ``meta``'s."""
-        rows, width = hidden.shape
-        if residual is not None:
-            if residual.dtype != torch.float32 or residual.shape != hidden.shape:
-                raise ValueError("the residual must be float32 rows of the hidden states' shape")
-            if residual.stride(1) != 1:
-                residual = residual.contiguous()
-        hidden_out = torch.empty(rows, width, dtype=hidden.dtype)
-        residual_out = torch.empty(rows, width, dtype=torch.float32)
-        step = cpu_step_args(meta)
-        rotary = self._rotary
-        assert step.positions, "the stack rotates q and k: positions needed"
-        block_size = self._attns[0].kv_cache.shape[3]
-        group = self.num_heads // self.num_kv_heads
+        fields, hidden_out, residual_out = stream_and_step(
+            hidden,
+            residual,
+            meta,
+            self._rotary.cos_sin_cache,
+            self.num_heads // self.num_kv_heads,
+            hidden.dtype,
+        )
         args = _ARGS.pack(
             QUANT_DTYPES[self.dtype],
             len(self.layers),
             ctypes.addressof(self._layers()),
-            rows,
+            hidden.shape[0],
             self.hidden_size,
             self.intermediate_size,
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            block_size,
+            self._attns[0].kv_cache.shape[3],
             self.eps,
             self.scale,
             self.levels,
-            hidden.data_ptr(),
-            hidden.stride(0),
-            0 if residual is None else residual.data_ptr(),
-            0 if residual is None else residual.stride(0),
-            hidden_out.data_ptr(),
-            residual_out.data_ptr(),
-            step.slot_mapping,
-            step.query_start_loc,
-            step.seq_lens,
-            step.num_reqs,
-            step.block_table,
-            step.block_table_stride,
-            step.positions,
-            rotary.cos_sin_cache.data_ptr(),
-            max(1, TILE_ROWS // group),
-            torch.get_num_threads(),
+            *fields,
         )
         if self._fn(args) != 0:
             raise MemoryError("the CPU decode stack found no memory for its buffers")

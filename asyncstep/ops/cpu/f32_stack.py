@@ -38,10 +38,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncstep.ops.attention import AttentionMetadata
-from asyncstep.ops.cpu.attention import TILE_ROWS
 from asyncstep.ops.cpu.layer_ops import torch_vector_bytes
 from asyncstep.ops.cpu.moe import ACTIVATION_CODES, SCORING_CODES
-from asyncstep.ops.cpu.paged_attention import cpu_step_args
+from asyncstep.ops.cpu.stack_args import stream_and_step
 from asyncstep.ops.mxfp4 import Mxfp4Weight
 
 if TYPE_CHECKING:
@@ -146,20 +145,18 @@ class CpuF32Stack:
         """``(hidden, residual)`` after the stage's layers (as the
         layer-by-layer forward returns them: the last feed-forward's output,
         and the residual stream); the positions are ``meta``'s."""
-        rows, width = hidden.shape
-        if residual is not None:
-            if residual.dtype != torch.float32 or residual.shape != hidden.shape:
-                raise ValueError("the residual must be float32 rows of the hidden states' shape")
-            if residual.stride(1) != 1:
-                residual = residual.contiguous()
-        hidden_out = torch.empty(rows, width, dtype=torch.float32)
-        residual_out = torch.empty(rows, width, dtype=torch.float32)
-        step = cpu_step_args(meta)
-        assert step.positions, "the stack rotates q and k: positions needed"
+        fields, hidden_out, residual_out = stream_and_step(
+            hidden,
+            residual,
+            meta,
+            self._rotary.cos_sin_cache,
+            self.num_heads // self.num_kv_heads,
+            torch.float32,
+        )
         args = _ARGS.pack(
             len(self.layers),
             ctypes.addressof(self._layers()),
-            rows,
+            hidden.shape[0],
             self.hidden_size,
             self.num_heads,
             self.num_kv_heads,
@@ -167,22 +164,7 @@ class CpuF32Stack:
             self._attns[0].kv_cache.shape[3],
             self.eps,
             self.scale,
-            hidden.data_ptr(),
-            hidden.stride(0),
-            0 if residual is None else residual.data_ptr(),
-            0 if residual is None else residual.stride(0),
-            hidden_out.data_ptr(),
-            residual_out.data_ptr(),
-            step.slot_mapping,
-            step.query_start_loc,
-            step.seq_lens,
-            step.num_reqs,
-            step.block_table,
-            step.block_table_stride,
-            step.positions,
-            self._rotary.cos_sin_cache.data_ptr(),
-            max(1, TILE_ROWS // (self.num_heads // self.num_kv_heads)),
-            torch.get_num_threads(),
+            *fields,
             self._vector_bytes,
         )
         if self._fn(args) != 0:
