@@ -2,7 +2,8 @@
  * Helpers the library's sources share: bfloat16 <-> float32 (round to
  * nearest even, NaN kept quiet), exp by Cephes' polynomial and, in builds
  * with AVX2 (-march=native, ASYNCSTEP_CPU_KERNELS_ISA=avx2; every source is
- * compiled with the same flags), sum8: the dense matmuls' one summing tree.
+ * compiled with the same flags), sum8: the dense matmuls' one summing tree,
+ * and with AVX-512 the float32 matmuls' two-outputs-a-vector moves.
  */
 #ifndef ASYNCSTEP_CPU_COMMON_H
 #define ASYNCSTEP_CPU_COMMON_H
@@ -66,6 +67,23 @@ static inline __attribute__((always_inline)) void sum8(const __m256 v[8], float 
     const __m256i where = _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0);
     _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(w, where));
 }
+
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+/* Two 8-lane float32 accumulators in one 512-bit vector (the float32
+ * matmuls' AVX-512 tiles): the low half one output's, the high half
+ * another's, so each lane takes the products the 8-lane order gives it.
+ * AVX512F alone: the halves move as 4 doubles, their bits unchanged. */
+static inline __attribute__((always_inline)) __m512 wide_broadcast(__m256 v) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v)));
+}
+static inline __attribute__((always_inline)) __m512 wide_pair(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+static inline __attribute__((always_inline)) __m256 wide_high(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+#endif
 #endif
 
 #endif

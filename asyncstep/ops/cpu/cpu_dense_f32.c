@@ -8,21 +8,17 @@
  * accumulator takes k = j, j + 8, j + 16, ... in order, one fused
  * multiply-add each (the last step's missing k are zeros: 0 * 0 added),
  * then the 8 lanes are summed by one tree, (l[i] + l[i + 4]) for i < 4,
- * then (s0 + s2) + (s1 + s3). The AVX-512 build (AVX512F + VL: 256-bit
- * vectors, 32 registers; Zen 4 runs two 256-bit FMAs a cycle, as many
- * flops as one 512-bit), the AVX2 + FMA build and the plain C build
- * (fmaf per lane) compute the same bits; they differ only in their tiles:
- * rows of x by rows of W that share the loads, never the sums (4 x 6 with
- * AVX-512; with AVX2 1 x 6, 2 x 4, 3 x 3 or 4 x 3 by the tile's rows, every
- * tile that wide, the next block of W prefetched; 1 x 1 in plain C), every
+ * then (s0 + s2) + (s1 + s3). The AVX-512 build (AVX512F + VL: 512-bit
+ * vectors, each two rows of x's 8 lanes against one row of W, 32
+ * registers), the AVX2 + FMA build and the plain C build (fmaf per lane)
+ * compute the same bits; they differ only in their tiles: rows of x by
+ * rows of W that share the loads, never the sums (8 x 6 with AVX-512; with
+ * AVX2 1 x 6, 2 x 4, 3 x 3 or 4 x 3 by the tile's rows, every tile that
+ * wide; the next block of W prefetched in both; 1 x 1 in plain C), every
  * slot of a tile,
  * leftover tiles too, summed by the same tree. Rows of W run in blocks
  * (L2's worth) against every tile of x's rows, chunks of x's rows in turn;
- * up to STREAM_MAX_ROWS rows of x against a W larger than the caches,
- * tiles one row of W wide (W read in memory's order); more rows against
- * such a W, the first tile of x's rows against a block one row of W wide
- * (the block fetched from DRAM in one stream), the others in full tiles. Rows of W are spread over OpenMP threads, never K. So an
- * output depends on its row of x and its row of W only: not on the other
+ * rows of W are spread over OpenMP threads, never K. So an output depends on its row of x and its row of W only: not on the other
  * rows (the batch: issue 40), the thread count or the build. Its uses:
  * every dense float32 projection of the CPU op set and the float32 LM head.
  */
@@ -47,8 +43,19 @@
 
 #if F32_ISA == 2 || F32_ISA == 3
 #if F32_ISA == 2
-#define ROW_TILE 4 /* rows of x per tile */
+/* 512-bit vectors, each two 8-lane accumulators: a pair of rows of x (the
+ * low half row e, the high half row e + 1) against one row of W (its 8
+ * values broadcast to both halves), so every lane takes the products the
+ * 8-lane order gives it, twice the flops an instruction */
+#define WIDE 1
+#define ROW_TILE 8 /* rows of x per tile: 4 pairs */
 #define W_TILE 6   /* rows of W per tile: 24 accumulators, 6 of W, 1 of x: 31 of 32 */
+/* every tile W_TILE wide, the next block of W prefetched as the first tile
+ * of x's rows runs (against an LM head faster than tiles one row of W wide
+ * read in memory's order: benchmarks/results/cpu/f32_wide_1206) */
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
 #else
 /* 16 registers: a tile of `rows` rows of x is tile_width(rows) rows of W
  * wide (1 x 6, 2 x 4, 3 x 3, 4 x 3: at most 12 accumulators, their W and
@@ -123,18 +130,6 @@ static __attribute__((noinline)) void vsum8(const vec v[8], float out[8]) {
 #endif
 
 #define W_GROUP 12 /* every tile width divides it */
-/* Up to this many rows of x, a W of at least STREAM_MIN_BYTES (past the
- * caches: an LM head) is read a row at a time, in memory's order (tiles one
- * row of W wide): one stream from DRAM ran at twice six streams' rate. */
-#ifndef STREAM_MAX_ROWS
-#define STREAM_MAX_ROWS 4
-#endif
-#ifndef STREAM_MIN_BYTES
-#define STREAM_MIN_BYTES (16 << 20)
-#endif
-#ifndef FETCH_FIRST
-#define FETCH_FIRST 1
-#endif
 #ifndef BLOCK_BYTES
 #define BLOCK_BYTES (192 << 10) /* rows of W a thread runs every row of x against (L2) */
 #endif
@@ -202,13 +197,76 @@ static inline __attribute__((always_inline)) void dot_tile_n(
         for (int i = 0; i < nw; i++) sums[e][i] = flat[e * nw + i];
 }
 
+#ifdef WIDE
+/* dot_tile_n's sums with 512-bit accumulators (WIDE): pair p holds rows
+ * 2p (low half) and 2p + 1 (high half; a copy of row 2p where rows is odd,
+ * its sums dropped); each half then through vsum8 as dot_tile_n's. */
+static inline __attribute__((always_inline)) void dot_tile_wide(
+    const float* const* x, const int rows, const float* const* w, const int nw, int64_t K,
+    int64_t ahead, float sums[ROW_TILE][W_TILE]) {
+    enum { PAIRS = ROW_TILE / 2 };
+    (void)ahead;
+    const int pairs = (rows + 1) / 2;
+    const float* xs[ROW_TILE];
+    for (int e = 0; e < 2 * pairs; e++) xs[e] = x[e < rows ? e : rows - 1];
+    __m512 acc[PAIRS * W_TILE];
+    for (int j = 0; j < pairs * nw; j++) acc[j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + LANES <= K; k += LANES) {
+        __m512 wv[W_TILE];
+#if PREFETCH
+        if (ahead != 0 && k % 16 == 0)
+            for (int i = 0; i < nw; i++) __builtin_prefetch(w[i] + ahead + k);
+#endif
+        for (int i = 0; i < nw; i++) wv[i] = wide_broadcast(vload(w[i] + k));
+        for (int i = 0; i < nw; i++) KEEP(wv[i]);
+        for (int p = 0; p < pairs; p++) {
+            __m512 xv = wide_pair(vload(xs[2 * p] + k), vload(xs[2 * p + 1] + k));
+            for (int i = 0; i < nw; i++)
+                acc[p * nw + i] = _mm512_fmadd_ps(wv[i], xv, acc[p * nw + i]);
+        }
+    }
+    if (k < K) {
+        const int left = (int)(K - k);
+        __m512 wv[W_TILE];
+        for (int i = 0; i < nw; i++) wv[i] = wide_broadcast(vload_part(w[i] + k, left));
+        for (int p = 0; p < pairs; p++) {
+            const __m512 xv =
+                wide_pair(vload_part(xs[2 * p] + k, left), vload_part(xs[2 * p + 1] + k, left));
+            for (int i = 0; i < nw; i++)
+                acc[p * nw + i] = _mm512_fmadd_ps(wv[i], xv, acc[p * nw + i]);
+        }
+    }
+    enum { SLOTS = (ROW_TILE * W_TILE + 7) / 8 * 8 };
+    vec lanes[SLOTS];
+    float flat[SLOTS];
+    const int used = rows * nw, groups = (used + 7) / 8;
+    for (int p = 0; p < pairs; p++)
+        for (int i = 0; i < nw; i++) {
+            lanes[2 * p * nw + i] = _mm512_castps512_ps256(acc[p * nw + i]);
+            if (2 * p + 1 < rows) lanes[(2 * p + 1) * nw + i] = wide_high(acc[p * nw + i]);
+        }
+    for (int j = used; j < groups * 8; j++) lanes[j] = vzero();
+    for (int g = 0; g < groups; g++) vsum8(lanes + 8 * g, flat + 8 * g);
+    for (int e = 0; e < rows; e++)
+        for (int i = 0; i < nw; i++) sums[e][i] = flat[e * nw + i];
+}
+#endif
+
 /* dot_tile_n with constant counts (its accumulators in registers). */
 static void dot_tile(const float* const* x, int rows, const float* const* w, int nw, int64_t K,
                      int64_t ahead, float sums[ROW_TILE][W_TILE]) {
-    switch (nw * 8 + rows) {
+    switch (nw * 16 + rows) {
 #define CASE(NW, ROWS) \
-    case NW * 8 + ROWS: dot_tile_n(x, ROWS, w, NW, K, ahead, sums); break;
-#if F32_ISA == 2 || F32_ISA == 3
+    case NW * 16 + ROWS: dot_tile_n(x, ROWS, w, NW, K, ahead, sums); break;
+#ifdef WIDE
+#undef CASE
+#define CASE(NW, ROWS) \
+    case NW * 16 + ROWS: dot_tile_wide(x, ROWS, w, NW, K, ahead, sums); break;
+#define CASES(NW) CASE(NW, 1) CASE(NW, 2) CASE(NW, 3) CASE(NW, 4) \
+    CASE(NW, 5) CASE(NW, 6) CASE(NW, 7) CASE(NW, 8)
+        CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
+#elif F32_ISA == 3
 #define CASES(NW) CASE(NW, 1) CASE(NW, 2) CASE(NW, 3) CASE(NW, 4)
         CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
 #else
@@ -224,8 +282,8 @@ static void dot_tile(const float* const* x, int rows, const float* const* w, int
  * out; W's values `ahead` floats on prefetched (0: none) */
 static inline void run_tile(const DenseF32Args* a, int64_t r0, int count, int64_t n, int nw,
                             int64_t ahead) {
-    const float* w[W_TILE];
-    const float* x[ROW_TILE];
+    const float* w[W_TILE] = {0};
+    const float* x[ROW_TILE] = {0};
     for (int e = 0; e < count; e++) x[e] = a->x + (r0 + e) * a->x_stride;
     for (int i = 0; i < nw; i++) w[i] = a->weight + (n + i) * a->weight_stride;
     float sums[ROW_TILE][W_TILE];
@@ -237,23 +295,18 @@ static inline void run_tile(const DenseF32Args* a, int64_t r0, int count, int64_
 }
 
 /* Rows [c0, end) of x against W's rows [n0, n0 + nb): each tile of x's
- * rows against every tile of the block (x's tile in L1, the block in L2).
- * Where W is read from DRAM (`fetch`) the first tile of x's rows takes the
- * block one row of W at a time, in memory's order (one stream), the later
- * ones in tiles `width` wide from L2: the same sums (tiles share loads only).
- * With TILE_WIDTHS (AVX2) every tile is tile_width(count) wide and the
- * rows `ahead` rows on (the next block) are prefetched as the first tile
- * of x's rows runs. */
+ * rows against every tile of the block (x's tile in L1, the block in L2),
+ * tiles W_TILE wide (tile_width(count) with TILE_WIDTHS: AVX2); the rows
+ * `ahead` rows on (the next block) prefetched as the first tile of x's
+ * rows runs (0: none). */
 static void run_block(const DenseF32Args* a, int64_t c0, int64_t end, int64_t n0, int64_t nb,
-                      int width, int fetch, int64_t ahead) {
+                      int64_t ahead) {
     for (int64_t r0 = c0; r0 < end; r0 += ROW_TILE) {
         const int count = end - r0 < ROW_TILE ? (int)(end - r0) : ROW_TILE;
 #ifdef TILE_WIDTHS
-        (void)width;
-        (void)fetch;
         const int w = tile_width(count);
 #else
-        const int w = fetch && r0 == c0 ? 1 : width;
+        const int w = W_TILE;
 #endif
         for (int64_t i0 = 0; i0 < nb; i0 += w)
             run_tile(a, r0, count, n0 + i0, nb - i0 < w ? (int)(nb - i0) : w,
@@ -271,9 +324,6 @@ int asyncstep_dense_f32(const DenseF32Args* a) {
     if (rows == 0 || N == 0) return 0;
     const int num_threads =
         rows * N * K < MIN_PARALLEL_WORK || a->num_threads < 1 ? 1 : (int)a->num_threads;
-    const int large = N * K * (int64_t)sizeof(float) >= STREAM_MIN_BYTES;
-    const int stream = rows <= STREAM_MAX_ROWS && large;
-    const int width = stream ? 1 : W_TILE;
     /* blocks of W_GROUP-multiple rows of W (BLOCK_BYTES, at least one per
      * thread), each run against every tile of rows of x, tile after tile of W */
     int64_t block = BLOCK_BYTES / (K * (int64_t)sizeof(float)) / W_GROUP * W_GROUP;
@@ -290,8 +340,7 @@ int asyncstep_dense_f32(const DenseF32Args* a) {
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * block;
-            run_block(a, c0, end, n0, N - n0 < block ? N - n0 : block, width, FETCH_FIRST && large,
-                      PREFETCH ? block : 0);
+            run_block(a, c0, end, n0, N - n0 < block ? N - n0 : block, PREFETCH ? block : 0);
         }
     }
     return 0;

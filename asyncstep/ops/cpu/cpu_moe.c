@@ -19,14 +19,15 @@
  * the lanes summed by cpu_common.h's sum8 tree (halves, then halves again), eight
  * outputs at a time; tiles of rows of x by rows of W share the loads,
  * never the sums, and every slot of a tile gives its output the same tree.
- * Every build has that order (AVX-512 with AVX512VL: 256-bit vectors, 32
- * registers, tiles of 4 rows of x by 6 of W, as cpu_dense_f32.c; AVX2 +
- * FMA, 16 registers: 1 by 6, 2 by 4, 3 by 3, 4 by 3 by the tile's rows,
- * W prefetched ahead; plain C: 2 by 4, fmaf): the AVX-512 and AVX2 builds
- * give the same bits (plain C's silu may round apart: no contraction to
- * FMA). Up to STREAM_MAX_ROWS rows an expert's W rows are read in memory's
- * order, one at a time with AVX-512, in L1 blocks of 12 with AVX2 (a
- * decode step streams the weights from DRAM).
+ * Every build has that order (AVX-512 with AVX512VL: 512-bit vectors each
+ * holding two rows' 8 lanes, 32 registers, tiles of 8 rows of x by 6 of W,
+ * as cpu_dense_f32.c; AVX2 + FMA, 16 registers: 1 by 6, 2 by 4, 3 by 3,
+ * 4 by 3 by the tile's rows; plain C: 2 by 4, fmaf; W prefetched ahead in
+ * the vector builds): the AVX-512 and AVX2 builds give the same bits
+ * (plain C's silu may round apart: no contraction to FMA). Up to
+ * STREAM_MAX_ROWS rows an expert's W rows are read in memory's order, in
+ * L1 blocks of 12 rows (a decode step streams the weights from DRAM), one
+ * row at a time in plain C.
  * So a row's result does not depend on the other rows routed to its
  * experts (the batch: issue 40) nor on the thread count. The silu is
  * x * sigmoid(x) with cpu_common.h's exp (torch's differs by roundings).
@@ -68,8 +69,15 @@
 #include <immintrin.h>
 
 #if MOE_ISA == 2
-#define ROW_TILE 4 /* rows of x per tile */
+/* 512-bit accumulators, each two 8-lane ones: a pair of rows of x against
+ * a row of W (cpu_common.h's wide_pair / wide_broadcast), as
+ * cpu_dense_f32.c's; W prefetched ahead */
+#define WIDE 1
+#define ROW_TILE 8 /* rows of x per tile: 4 pairs */
 #define W_TILE 6   /* rows of W per tile: 24 accumulators, 6 of W, 1 of x: 31 of 32 */
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
 /* v held in a register: a tile's W vectors loaded once a step, not folded
  * into each multiply-add as a load of its own (cpu_dense_f32.c's KEEP) */
 #define KEEP(v) __asm__("" : "+v"(v))
@@ -234,7 +242,57 @@ static inline __attribute__((always_inline)) void dot_tile_n(
         for (int i = 0; i < nw; i++) sums[e][i] = flat[e * nw + i];
 }
 
-#if ROW_TILE == 4
+#ifdef WIDE
+/* dot_tile_n's sums with 512-bit accumulators: pair p holds rows 2p (low
+ * half) and 2p + 1 (high half; a copy of row 2p where rows is odd, its
+ * sums dropped); each half then through vsum8 as dot_tile_n's. */
+static inline __attribute__((always_inline)) void dot_tile_wide(
+    const float* const* x, const int rows, const Rows* w, int64_t i0, const int nw,
+    const int packed, int64_t ahead, float sums[ROW_TILE][W_TILE]) {
+    enum { PAIRS = ROW_TILE / 2 };
+    const int64_t K = w->K;
+    const int pairs = (rows + 1) / 2;
+    const float* xs[ROW_TILE];
+    for (int e = 0; e < 2 * pairs; e++) xs[e] = x[e < rows ? e : rows - 1];
+    __m512 acc[PAIRS][W_TILE];
+    for (int p = 0; p < pairs; p++)
+        for (int i = 0; i < nw; i++) acc[p][i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += LANES) {
+        __m512 wv[W_TILE];
+#if PREFETCH
+        if (!packed && ahead != 0 && k % 16 == 0) /* a line of each row `ahead` rows on */
+            for (int i = 0; i < nw; i++) __builtin_prefetch(w->dense + (i0 + ahead + i) * K + k);
+#endif
+        for (int i = 0; i < nw; i++) wv[i] = wide_broadcast(wload(w, i0 + i, k, packed));
+        for (int i = 0; i < nw; i++) KEEP(wv[i]);
+        for (int p = 0; p < pairs; p++) {
+            const __m512 xv = wide_pair(vload(xs[2 * p] + k), vload(xs[2 * p + 1] + k));
+            for (int i = 0; i < nw; i++) acc[p][i] = _mm512_fmadd_ps(wv[i], xv, acc[p][i]);
+        }
+    }
+    enum { SLOTS = (ROW_TILE * W_TILE + 7) / 8 * 8 };
+    vec lanes[SLOTS];
+    float flat[SLOTS];
+    const int used = rows * nw, groups = (used + 7) / 8;
+    for (int p = 0; p < pairs; p++)
+        for (int i = 0; i < nw; i++) {
+            lanes[2 * p * nw + i] = _mm512_castps512_ps256(acc[p][i]);
+            if (2 * p + 1 < rows) lanes[(2 * p + 1) * nw + i] = wide_high(acc[p][i]);
+        }
+    for (int j = used; j < groups * 8; j++) lanes[j] = vzero();
+    for (int g = 0; g < groups; g++) vsum8(lanes + 8 * g, flat + 8 * g);
+    for (int e = 0; e < rows; e++)
+        for (int i = 0; i < nw; i++) sums[e][i] = flat[e * nw + i];
+}
+#define TILE_FN dot_tile_wide
+#else
+#define TILE_FN dot_tile_n
+#endif
+
+#if ROW_TILE == 8
+#define CASES(NW, P) CASE(NW, 1, P) CASE(NW, 2, P) CASE(NW, 3, P) CASE(NW, 4, P) \
+    CASE(NW, 5, P) CASE(NW, 6, P) CASE(NW, 7, P) CASE(NW, 8, P)
+#elif ROW_TILE == 4
 #define CASES(NW, P) CASE(NW, 1, P) CASE(NW, 2, P) CASE(NW, 3, P) CASE(NW, 4, P)
 #else
 #define CASES(NW, P) CASE(NW, 1, P) CASE(NW, 2, P)
@@ -245,27 +303,29 @@ static inline __attribute__((always_inline)) void dot_tile_n(
 #define ALL_CASES(P) CASES(1, P) CASES(2, P) CASES(3, P) CASES(4, P)
 #endif
 #define CASE(NW, ROWS, P) \
-    case NW * 8 + ROWS: dot_tile_n(x, ROWS, w, i0, NW, P, ahead, sums); break;
+    case NW * 16 + ROWS: TILE_FN(x, ROWS, w, i0, NW, P, ahead, sums); break;
 
 static void dot_tile(const float* const* x, int rows, const Rows* w, int64_t i0, int nw,
                      int64_t ahead, float sums[ROW_TILE][W_TILE]) {
-    switch (nw * 8 + rows) { ALL_CASES(0) }
+    switch (nw * 16 + rows) { ALL_CASES(0) }
 }
 
 static void dot_tile_fp4(const float* const* x, int rows, const Rows* w, int64_t i0, int nw,
                          int64_t ahead, float sums[ROW_TILE][W_TILE]) {
-    switch (nw * 8 + rows) { ALL_CASES(1) }
+    switch (nw * 16 + rows) { ALL_CASES(1) }
 }
 #undef CASE
 #undef ALL_CASES
 #undef CASES
+#undef TILE_FN
 
-/* Rows of W a block holds (more rows than STREAM_MAX_ROWS): its first
- * tile of x's rows takes it a row of W at a time (fetched in memory's
+/* Rows of W a block holds (more rows than STREAM_MAX_ROWS). In plain C its
+ * first tile of x's rows takes it a row of W at a time (fetched in memory's
  * order, one stream), the later tiles in tiles W_TILE wide from L2. Where
- * TILE_WIDTHS (AVX2), every tile is tile_width(rows) wide, the first too,
- * and up to STREAM_MAX_ROWS rows W is read in blocks of STREAM_BLOCK rows
- * (L1), every tile of x's rows against each. */
+ * TILE_WIDTHS (AVX2), every tile is tile_width(rows) wide, the first too;
+ * with WIDE (AVX-512), W_TILE wide. In both, up to STREAM_MAX_ROWS rows W is
+ * read in blocks of STREAM_BLOCK rows (L1), every tile of x's rows against
+ * each. */
 #ifndef BLOCK_ROWS
 #define BLOCK_ROWS 48
 #endif
@@ -280,6 +340,16 @@ static inline int tile_width(int rows) { return rows == 1 ? 6 : rows == 2 ? 4 : 
 #define FETCH_WIDTH(rows) tile_width(rows)
 #define STREAM_WIDTH(rows) tile_width(rows)
 #define TILE_WIDTH(rows) tile_width(rows)
+#elif defined(WIDE)
+#ifndef STREAM_BLOCK
+#define STREAM_BLOCK 12
+#endif
+#ifndef STREAM_AHEAD
+#define STREAM_AHEAD 12
+#endif
+#define FETCH_WIDTH(rows) W_TILE
+#define STREAM_WIDTH(rows) W_TILE
+#define TILE_WIDTH(rows) W_TILE
 #else
 #define STREAM_BLOCK 1
 #define STREAM_AHEAD 0
@@ -310,8 +380,8 @@ static void matmul_tiles(const float* const* x, int64_t r0, int count, const Row
  * W: up to STREAM_MAX_ROWS rows, W in blocks of STREAM_BLOCK rows (one
  * with AVX-512), every tile of x's rows against each (W read once, in
  * memory's order); more, W in blocks of BLOCK_ROWS, every tile of x's rows
- * against each. Where PREFETCH (AVX2), every tile prefetches the rows
- * STREAM_AHEAD or BLOCK_ROWS on. */
+ * against each. Where PREFETCH (AVX2, AVX-512), every tile prefetches the
+ * rows STREAM_AHEAD or BLOCK_ROWS on. */
 static void matmul_rows(const float* const* x, int64_t rows, const Rows* w, int64_t nw,
                         float* out, int64_t out_stride) {
     const int stream = rows <= STREAM_MAX_ROWS;
