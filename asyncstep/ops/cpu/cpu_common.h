@@ -83,6 +83,26 @@ static inline __attribute__((always_inline)) __m512 wide_pair(__m256 lo, __m256 
 static inline __attribute__((always_inline)) __m256 wide_high(__m512 v) {
     return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
+
+/* A wide tile's outputs: acc[p * nw + i] holds rows 2p (low half) and
+ * 2p + 1 (high half) of x against row i of W; out[e * nw + i] = the sum of
+ * row e's 8 lanes by sum8, for the first `rows` rows (at most 8, nw at most
+ * 6: 48 outputs; a high half past `rows` is dropped). */
+#define WIDE_MAX_OUTPUTS 48
+static inline __attribute__((always_inline)) void wide_sums(const __m512* acc, const int rows,
+                                                            const int nw, float* out) {
+    __m256 lanes[WIDE_MAX_OUTPUTS];
+    float flat[WIDE_MAX_OUTPUTS];
+    const int used = rows * nw, groups = (used + 7) / 8;
+    for (int p = 0; 2 * p < rows; p++)
+        for (int i = 0; i < nw; i++) {
+            lanes[2 * p * nw + i] = _mm512_castps512_ps256(acc[p * nw + i]);
+            if (2 * p + 1 < rows) lanes[(2 * p + 1) * nw + i] = wide_high(acc[p * nw + i]);
+        }
+    for (int j = used; j < groups * 8; j++) lanes[j] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) sum8(lanes + 8 * g, flat + 8 * g);
+    for (int j = 0; j < used; j++) out[j] = flat[j];
+}
 #endif
 #endif
 

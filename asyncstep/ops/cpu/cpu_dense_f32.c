@@ -237,17 +237,8 @@ static inline __attribute__((always_inline)) void dot_tile_wide(
                 acc[p * nw + i] = _mm512_fmadd_ps(wv[i], xv, acc[p * nw + i]);
         }
     }
-    enum { SLOTS = (ROW_TILE * W_TILE + 7) / 8 * 8 };
-    vec lanes[SLOTS];
-    float flat[SLOTS];
-    const int used = rows * nw, groups = (used + 7) / 8;
-    for (int p = 0; p < pairs; p++)
-        for (int i = 0; i < nw; i++) {
-            lanes[2 * p * nw + i] = _mm512_castps512_ps256(acc[p * nw + i]);
-            if (2 * p + 1 < rows) lanes[(2 * p + 1) * nw + i] = wide_high(acc[p * nw + i]);
-        }
-    for (int j = used; j < groups * 8; j++) lanes[j] = vzero();
-    for (int g = 0; g < groups; g++) vsum8(lanes + 8 * g, flat + 8 * g);
+    float flat[WIDE_MAX_OUTPUTS];
+    wide_sums(acc, rows, nw, flat);
     for (int e = 0; e < rows; e++)
         for (int i = 0; i < nw; i++) sums[e][i] = flat[e * nw + i];
 }

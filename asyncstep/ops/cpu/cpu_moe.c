@@ -251,12 +251,13 @@ static inline __attribute__((always_inline)) void dot_tile_wide(
     const int packed, int64_t ahead, float sums[ROW_TILE][W_TILE]) {
     enum { PAIRS = ROW_TILE / 2 };
     const int64_t K = w->K;
+    (void)ahead;
     const int pairs = (rows + 1) / 2;
     const float* xs[ROW_TILE];
     for (int e = 0; e < 2 * pairs; e++) xs[e] = x[e < rows ? e : rows - 1];
-    __m512 acc[PAIRS][W_TILE];
+    __m512 acc[PAIRS * W_TILE];
     for (int p = 0; p < pairs; p++)
-        for (int i = 0; i < nw; i++) acc[p][i] = _mm512_setzero_ps();
+        for (int i = 0; i < nw; i++) acc[p * nw + i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += LANES) {
         __m512 wv[W_TILE];
 #if PREFETCH
@@ -267,20 +268,12 @@ static inline __attribute__((always_inline)) void dot_tile_wide(
         for (int i = 0; i < nw; i++) KEEP(wv[i]);
         for (int p = 0; p < pairs; p++) {
             const __m512 xv = wide_pair(vload(xs[2 * p] + k), vload(xs[2 * p + 1] + k));
-            for (int i = 0; i < nw; i++) acc[p][i] = _mm512_fmadd_ps(wv[i], xv, acc[p][i]);
+            for (int i = 0; i < nw; i++)
+                acc[p * nw + i] = _mm512_fmadd_ps(wv[i], xv, acc[p * nw + i]);
         }
     }
-    enum { SLOTS = (ROW_TILE * W_TILE + 7) / 8 * 8 };
-    vec lanes[SLOTS];
-    float flat[SLOTS];
-    const int used = rows * nw, groups = (used + 7) / 8;
-    for (int p = 0; p < pairs; p++)
-        for (int i = 0; i < nw; i++) {
-            lanes[2 * p * nw + i] = _mm512_castps512_ps256(acc[p][i]);
-            if (2 * p + 1 < rows) lanes[(2 * p + 1) * nw + i] = wide_high(acc[p][i]);
-        }
-    for (int j = used; j < groups * 8; j++) lanes[j] = vzero();
-    for (int g = 0; g < groups; g++) vsum8(lanes + 8 * g, flat + 8 * g);
+    float flat[WIDE_MAX_OUTPUTS];
+    wide_sums(acc, rows, nw, flat);
     for (int e = 0; e < rows; e++)
         for (int i = 0; i < nw; i++) sums[e][i] = flat[e * nw + i];
 }
