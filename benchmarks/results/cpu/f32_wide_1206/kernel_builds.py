@@ -3,11 +3,12 @@
 tiny model's shapes: ms and GFLOP/s (best of a few), one build after another.
 
     PYTHONPATH=. python3 kernel_builds.py dense SOURCE.c [SOURCE.c ...] \\
-        [--defs "-DPREFETCH=0" ...]
+        [--defs=-DPREFETCH=0 --defs= ...]
     PYTHONPATH=. python3 kernel_builds.py moe SOURCE.c [SOURCE.c ...]
 
 Each source is built with the library's flags (``-march=native``, OpenMP)
-and each ``--defs`` in turn (none: the source's defaults). The experts run
+and each ``--defs`` in turn (a space-separated list of macros; none, or
+``--defs=``: the source's defaults). The experts run
 8 layers of distinct weights at 16 rows (a decode step's: the weights come
 from DRAM) and 2 layers at 2,048 (a prefill's).
 """
@@ -85,12 +86,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kernel", choices=["dense", "moe"])
     parser.add_argument("sources", nargs="+", type=Path)
-    parser.add_argument("--defs", nargs="*", default=[""])
+    parser.add_argument("--defs", action="append", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         for i, source in enumerate(args.sources):
-            for j, defs in enumerate(args.defs):
+            for j, defs in enumerate(args.defs or [""]):
                 lib = build(source, defs, Path(tmp) / f"k{i}_{j}.so")
                 line = dense(lib) if args.kernel == "dense" else moe(lib)
                 print(f"{source.name} {defs or '(defaults)'}: {line}", flush=True)
