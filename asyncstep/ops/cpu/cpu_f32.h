@@ -1,8 +1,8 @@
 /*
  * The float32 entry points that other sources of the library call
  * (cpu_f32_stack.c runs a decoder stack on them): cpu_dense_f32.c's matmul,
- * cpu_moe.c's experts and router. All fields are 8 bytes (the Python side
- * packs each struct with struct.Struct).
+ * cpu_moe.c's experts and cpu_moe_router.c's router. All fields are 8
+ * bytes (the Python side packs each struct with struct.Struct).
  */
 #ifndef ASYNCSTEP_CPU_F32_H
 #define ASYNCSTEP_CPU_F32_H
@@ -47,7 +47,7 @@ typedef struct {
  * expert id not in [0, E) (nothing written). */
 int asyncstep_moe_experts(const MoeArgs* a);
 
-/* Each token's experts from its router logits (cpu_moe.c says how). */
+/* Each token's experts from its router logits (cpu_moe_router.c says how). */
 typedef struct {
     const float* logits; /* [T, E], row stride logits_stride */
     int64_t logits_stride;

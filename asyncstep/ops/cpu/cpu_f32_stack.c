@@ -9,8 +9,8 @@
  *
  * Each step of a layer is the same entry point the layer-by-layer forward
  * calls through ctypes (cpu_kernels.c's norms, silu and attention,
- * cpu_dense_f32.c's matmul, cpu_moe.c's router and experts) with the same
- * inputs, so the outputs are that forward's bits; what goes is the Python
+ * cpu_dense_f32.c's matmul, cpu_moe_router.c's router, cpu_moe.c's
+ * experts) with the same inputs, so the outputs are that forward's bits; what goes is the Python
  * between them (a dozen module calls, torch ops and argument packings a
  * layer). In: the stage's input hidden states and residual (float32; the
  * residual NULL on the first stage, where the stream starts at the

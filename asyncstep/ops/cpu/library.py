@@ -10,7 +10,8 @@ bfloat16 weights with float32 outputs (``cpu_dense.c``, bound by
 (``cpu_dense_f32.c``, bound by
 :func:`~asyncstep.ops.cpu.dense_f32.dense_f32_matmul`) and a mixture-of-experts
 layer's float32 experts (``cpu_moe.c``, bound by
-:func:`~asyncstep.ops.cpu.moe.moe_experts`).
+:func:`~asyncstep.ops.cpu.moe.moe_experts`) and its router
+(``cpu_moe_router.c``, :func:`~asyncstep.ops.cpu.moe.moe_router`).
 
 The shared library is built for this CPU (``-march=native``; with
 ``ASYNCSTEP_CPU_KERNELS_ISA=avx2`` for AVX2 + FMA + F16C only, the build a
@@ -65,6 +66,7 @@ SOURCES = tuple(
         "cpu_decode.c",
         "cpu_dense.c",
         "cpu_moe.c",
+        "cpu_moe_router.c",
         "cpu_dense_f32.c",
         "cpu_f32_stack.c",
     )

@@ -1,5 +1,6 @@
-"""The CPU library's mixture-of-experts experts (``cpu_moe.c``, loaded by
-:func:`~asyncstep.ops.cpu.library.load_cpu_kernels`): a layer's float32
+"""The CPU library's mixture-of-experts experts (``cpu_moe.c``) and router
+(``cpu_moe_router.c``), loaded by
+:func:`~asyncstep.ops.cpu.library.load_cpu_kernels`: a layer's float32
 experts in one call, the reference's contract
 (:func:`~asyncstep.ops.torch_moe.fused_experts`: silu, no biases) with its
 sums in its order (each pair weighted in float32, a token's pairs summed
