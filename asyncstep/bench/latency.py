@@ -55,6 +55,8 @@ from asyncstep.bench.workload import random_prompts
 from asyncstep.config import EngineConfig
 from asyncstep.datatypes import SamplingParams, WeightReads
 from asyncstep.engine.front_end.engine import Engine
+from asyncstep.kv_cache_interface import kv_cache_groups
+from asyncstep.models.config import ModelArchConfig
 from asyncstep.models.model_info import describe_model
 
 #: Tokens per KV block the sizing counts in, and its headroom.
@@ -83,9 +85,18 @@ def case_name(batch: int, input_len: int, output_len: int) -> str:
     return f"b{batch}_p{input_len}_o{output_len}"
 
 
-def kv_blocks(token_counts: list[int], block_size: int) -> int:
-    """Blocks for requests of these lengths, with 10 % headroom."""
-    return math.ceil(sum(-(-n // block_size) for n in token_counts) * KV_HEADROOM)
+def kv_blocks(token_counts: list[int], block_size: int, groups: int = 1) -> int:
+    """Blocks for requests of these lengths in each of a model's ``groups``
+    KV cache groups (:func:`kv_cache_group_count`), with 10 % headroom, and
+    the null block a pool with a windowed group keeps back."""
+    per_group = sum(-(-n // block_size) for n in token_counts)
+    return math.ceil(per_group * groups * KV_HEADROOM) + 1
+
+
+def kv_cache_group_count(arch: ModelArchConfig) -> int:
+    """The KV cache groups of ``arch`` (:mod:`asyncstep.kv_cache_interface`):
+    each holds its own blocks of every request."""
+    return max(len(kv_cache_groups(arch.layer_windows)), 1)
 
 
 def sizing(bench: BenchArgs, configs: list[tuple[int, int]]) -> dict[str, Any]:
@@ -94,12 +105,13 @@ def sizing(bench: BenchArgs, configs: list[tuple[int, int]]) -> dict[str, Any]:
     max_batch = max(b for b, _ in configs)
     max_prompt = max(p for _, p in configs)
     max_model_len = max_prompt + args.output_len + 16
-    block_size = bench.engine_config().cache.block_size
+    base = bench.engine_config()
+    groups = kv_cache_group_count(describe_model(base.model).arch_config)
     return {
         "max_num_seqs": max_batch,
         "max_model_len": max_model_len,
         "max_num_batched_tokens": max(2048, max_prompt),
-        "num_blocks": kv_blocks([max_model_len] * max_batch, block_size),
+        "num_blocks": kv_blocks([max_model_len] * max_batch, base.cache.block_size, groups),
     }
 
 

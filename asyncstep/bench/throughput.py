@@ -39,7 +39,7 @@ from asyncstep.bench.common import (
     progress,
     warm_up,
 )
-from asyncstep.bench.latency import kv_blocks
+from asyncstep.bench.latency import kv_blocks, kv_cache_group_count
 from asyncstep.bench.results import (
     Case,
     Column,
@@ -179,7 +179,9 @@ def run(bench: BenchArgs) -> int:
         "max_num_seqs": len(requests),
         "max_model_len": max(lengths) + 16,
         "max_num_batched_tokens": max(2048, max(len(r.prompt) for r in requests)),
-        "num_blocks": kv_blocks([*lengths, 16], base.cache.block_size),  # + the warm-up
+        "num_blocks": kv_blocks(  # + the warm-up
+            [*lengths, 16], base.cache.block_size, kv_cache_group_count(arch)
+        ),
     }
     config = bench.engine_config(**sizing)
     _, dtype = device_dtype(config)

@@ -44,6 +44,8 @@ from asyncstep.cli import (
 )
 from asyncstep.config import engine_options
 from asyncstep.datatypes import PackedReads, WeightReads
+from asyncstep.engine.core.hybrid_kv_cache_manager import make_kv_cache_manager
+from asyncstep.kv_cache_interface import kv_cache_groups
 from asyncstep.models.dummy import get_shape
 from asyncstep.server.config import server_options
 
@@ -259,6 +261,20 @@ def test_engine_flags_given_win_over_the_sizing() -> None:
     assert config.scheduler.max_num_seqs == 3 and config.model.max_model_len == 64
     assert bench.engine_argv == [*argv[1:], "--tp", "1"]
     assert "batch_size" in bench.options() and "max_num_seqs" not in bench.options()
+
+
+@pytest.mark.parametrize("shape", ["tiny-llama", "gpt-oss-20b", "gemma3-1b"])
+def test_the_latency_sizing_holds_a_request_in_every_kv_cache_group(shape: str) -> None:
+    """Batch 1 of 128 + 64 tokens: the KV cache ``bench latency`` sizes holds
+    the request in each of the model's KV cache groups (gpt-oss 2, Gemma 3
+    13; one group before, a windowed model's prompt did not fit)."""
+    argv = ["latency", "--load-format", "dummy", "--model", shape, "--output-len", "64"]
+    bench = parse_bench_args(argv, FLAGS)
+    sized = latency.sizing(bench, [(1, 128)])
+    groups = kv_cache_groups(get_shape(shape).layer_windows)
+    block_size = bench.engine_config().cache.block_size
+    manager = make_kv_cache_manager(sized["num_blocks"], block_size, groups=groups)
+    assert manager.token_capacity >= sized["max_model_len"] >= 128 + 64
 
 
 def test_floor_matches_anchors() -> None:
