@@ -36,6 +36,9 @@ def num_kv_blocks(
     if cache.num_blocks is not None:
         return _fitting(cache.num_blocks, block_bytes, device)
     if device.type == "cuda":
+        # The load's freed temporaries (dummy weights are drawn in float32)
+        # sit in torch's cache, which the device counts as used: give them back.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         activations = (
             max_num_batched_tokens

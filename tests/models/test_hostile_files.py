@@ -835,3 +835,31 @@ def test_available_memory_is_read() -> None:
     free = memory.available_host_memory()
     assert free is not None and free > 0
     assert memory.available_memory(torch.device("meta")) is None
+
+
+def test_the_kv_cache_counts_the_memory_torch_holds_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the sizing gives back torch's cached, freed blocks (the load's
+    temporaries) before it reads the device's free memory: they are the KV
+    cache's. A device faked: 40 GiB free, 14 GiB more cached by torch."""
+    device = {"free": 40 << 30, "cached": 14 << 30, "total": 80 << 30}
+
+    def empty_cache() -> None:
+        device["free"], device["cached"] = device["free"] + device["cached"], 0
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _: (device["free"], device["total"]))
+    sizing: dict[str, Any] = {
+        "block_bytes": 1 << 20,
+        "max_model_len": 1 << 20,
+        "max_num_running_reqs": 1,
+        "max_num_batched_tokens": 256,
+        "arch": SHAPES["tiny-llama"],
+        "device": torch.device("cuda"),
+        "dtype": torch.float32,
+    }
+    blocks = num_kv_blocks(CacheConfig(gpu_memory_utilization=0.9), **sizing)
+    arch = SHAPES["tiny-llama"]
+    width = 4 * arch.hidden_size + 2 * arch.intermediate_size
+    activations = 256 * width * 4 + arch.vocab_size * 4 * 3 + (1 << 30)
+    expected = ((40 + 14) * 2**30 - 0.1 * (80 << 30) - activations) // (1 << 20)
+    assert device["cached"] == 0 and blocks == int(expected)
