@@ -18,8 +18,9 @@
  * slot of a tile,
  * leftover tiles too, summed by the same tree. Rows of W run in blocks
  * (L2's worth) against every tile of x's rows, chunks of x's rows in turn;
- * rows of W are spread over OpenMP threads, never K. So an output depends on its row of x and its row of W only: not on the other
- * rows (the batch: issue 40), the thread count or the build. Its uses:
+ * rows of W are spread over OpenMP threads, never K. So an output depends
+ * on its row of x and its row of W only: not on the other rows (the batch:
+ * issue 40), the thread count or the build. Its uses:
  * every dense float32 projection of the CPU op set and the float32 LM head.
  */
 #include <stdint.h>
@@ -200,7 +201,7 @@ static inline __attribute__((always_inline)) void dot_tile_n(
 #ifdef WIDE
 /* dot_tile_n's sums with 512-bit accumulators (WIDE): pair p holds rows
  * 2p (low half) and 2p + 1 (high half; a copy of row 2p where rows is odd,
- * its sums dropped); each half then through vsum8 as dot_tile_n's. */
+ * its sums dropped); each half then summed as dot_tile_n's (wide_sums). */
 static inline __attribute__((always_inline)) void dot_tile_wide(
     const float* const* x, const int rows, const float* const* w, const int nw, int64_t K,
     int64_t ahead, float sums[ROW_TILE][W_TILE]) {

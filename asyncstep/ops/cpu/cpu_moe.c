@@ -245,7 +245,7 @@ static inline __attribute__((always_inline)) void dot_tile_n(
 #ifdef WIDE
 /* dot_tile_n's sums with 512-bit accumulators: pair p holds rows 2p (low
  * half) and 2p + 1 (high half; a copy of row 2p where rows is odd, its
- * sums dropped); each half then through vsum8 as dot_tile_n's. */
+ * sums dropped); each half then summed as dot_tile_n's (wide_sums). */
 static inline __attribute__((always_inline)) void dot_tile_wide(
     const float* const* x, const int rows, const Rows* w, int64_t i0, const int nw,
     const int packed, int64_t ahead, float sums[ROW_TILE][W_TILE]) {
