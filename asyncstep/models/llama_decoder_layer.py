@@ -10,11 +10,13 @@ is :mod:`asyncstep.models.llama`'s.
 
 Under sequence parallelism a layer's ``hidden`` and ``residual`` are this
 rank's token shard (the module doc of :mod:`asyncstep.models.llama`).
-May import torch, ``asyncstep.ops`` (the op-set slot),
+May import torch, ``asyncstep.ops`` (the op-set slot, the attention shape's ``QkNorm``),
 :mod:`asyncstep.models.config` and the layers of :mod:`asyncstep.models.layers`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -28,6 +30,7 @@ from asyncstep.models.layers.linear import (
 )
 from asyncstep.models.layers.norm import RMSNorm
 from asyncstep.models.layers.rotary import RotaryCosSin, RotaryEmbedding
+from asyncstep.ops.attention import QkNorm
 from asyncstep.ops.slot import OpSetSlot
 
 
@@ -88,6 +91,10 @@ class LlamaAttention(nn.Module):
             sliding_window=config.layer_window(layer_idx),
             layer_idx=layer_idx,
         )
+        if self.q_norm is not None and self.k_norm is not None and config.qk_norm_per_head:
+            # An op set's attention may apply the per-head norms itself (norms_qk).
+            qk_norm = QkNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            self.attn.shape = dataclasses.replace(self.attn.shape, qk_norm=qk_norm)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k through their RMSNorms (Qwen3: over each head), the op
@@ -114,7 +121,7 @@ class LlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`qkv` of the projection's output ``qkv``."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.attn.norms_qk:
             q, k = self.norm_qk(q, k)
         if not self.attn.rotates:  # else rotated by the attention's KV store
             q, k = self.rotary[0](cos_sin, q, k)

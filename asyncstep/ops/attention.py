@@ -25,6 +25,7 @@ __all__ = [
     "AttentionMetadata",
     "AttentionShape",
     "DecodeBucket",
+    "QkNorm",
     "kv_cache_shape",
     "plan_decode_buckets",
 ]
@@ -157,7 +158,11 @@ class AttentionShape:
     denominator without a value: ``p_i = exp(s_i) / (sum_j exp(s_j) +
     exp(sink))`` (transformers' ``eager_attention_forward``); None: none.
     The layer's parameter itself (loaded in place after the shape is made);
-    not compared."""
+    not compared.
+
+    ``qk_norm`` (Qwen3): the per-head q/k RMSNorms, for an op that applies
+    them itself (:attr:`~asyncstep.ops.base.AttentionOp.norms_qk`); an op
+    that does not gets q and k normed. Not compared."""
 
     num_heads: int
     num_kv_heads: int
@@ -165,3 +170,16 @@ class AttentionShape:
     scale: float
     sliding_window: int | None = None
     sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    qk_norm: QkNorm | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class QkNorm:
+    """Per-head q and k RMSNorms: each head of q (of k) times
+    ``rsqrt(mean(head^2) + eps)`` in float32, times ``q_weight`` (``k_weight``),
+    ``[head_dim]`` each, rounded once to q's dtype (the op set's
+    ``qk_rms_norm``). The layer's parameters themselves."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float

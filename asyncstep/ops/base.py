@@ -68,6 +68,9 @@ class AttentionOp(Protocol):
     #: Whether the op honours :attr:`AttentionShape.sinks` (a model with
     #: attention sinks refuses an op set whose attention does not).
     supports_sinks: bool
+    #: Whether the op applies :attr:`AttentionShape.qk_norm` to q and k
+    #: itself (then they come to it un-normed); else they come normed.
+    norms_qk: bool
 
     def __call__(
         self,

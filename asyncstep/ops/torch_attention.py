@@ -272,6 +272,7 @@ class TorchAttention:
     plans_decodes = True
     supports_sliding_window = True
     supports_sinks = True
+    norms_qk = False
 
     @classmethod
     def chosen(cls, *, fused_kernels: bool, fused_decode: bool) -> TorchAttention:

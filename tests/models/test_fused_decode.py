@@ -316,6 +316,41 @@ def test_a_one_token_step_equals_the_unfused_layers(q4_tiny: LlamaForCausalLM) -
     assert torch.equal(step(q4_tiny, True, two, 9), step(q4_tiny, False, two, 9))
 
 
+def test_a_qwen3_layer_leaves_its_qk_norms_to_the_fused_decode_attention() -> None:
+    """Per-head q/k norms (Qwen3): with the fused decode's attention each
+    layer hands q and k over un-normed (``norms_qk``), the split-KV kernel
+    norms a decode step's and one kernel a prompt's; the model's output is
+    the layers' own norms' (the same op set otherwise)."""
+    import dataclasses
+
+    from asyncstep.models.dummy import dummy_weights, get_shape
+    from asyncstep.ops.triton.paged_attention import TritonAttention
+
+    arch = dataclasses.replace(get_shape("tiny-llama"), qk_norm=True)
+    model = LlamaForCausalLM(arch, torch.float32).to(DEVICE)
+    weights = dict(dummy_weights(arch, seed=3, device=DEVICE))
+    gen = torch.Generator().manual_seed(4)
+    for name in [n for n in weights if n.endswith(("q_norm.weight", "k_norm.weight"))]:
+        weights[name] = (torch.rand(weights[name].shape, generator=gen) + 0.5).to(DEVICE)
+    model.load_weights(weights.items())
+    prompt = torch.randint(3, 512, (9,), generator=gen).to(DEVICE)
+    token = torch.tensor([77], device=DEVICE)
+    cache = kv_cache_shape(4, 16, arch.num_key_value_heads, arch.head_dim)
+    outs = []
+    for fused in (True, False):
+        model.use_ops(TritonOps(TritonAttention(rotates=True, fused_decode=fused)))
+        layers = model.model.stage_layers()
+        assert [layer.self_attn.attn.norms_qk for layer in layers] == [fused] * len(layers)
+        for attn in model.attention_layers():
+            attn.kv_cache = torch.zeros(cache, device=DEVICE)
+        for ids, past in ((prompt, 0), (token, 9)):
+            meta = metadata(ids.shape[0], past, 16)
+            assert meta.positions is not None
+            outs.append(model.model(ids, meta.positions, meta, None))
+    for fused, unfused in zip(outs[:2], outs[2:], strict=True):
+        assert rel(fused, unfused) < 1e-5
+
+
 def test_a_received_residual_is_read_not_written(q4_tiny: LlamaForCausalLM) -> None:
     hidden, residual = torch.randn(1, 64, device=DEVICE), torch.randn(1, 64, device=DEVICE)
     kept = residual.clone()
@@ -562,16 +597,21 @@ def decode_step(
     }
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize(
+    ("num_splits", "qk_norm"), [(1, False), (3, False), (16, False), (1, True), (3, True)]
+)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4)])
 def test_rotary_and_kv_store_inside_the_decode_kernel(
-    num_splits: int, heads: int, kv_heads: int, monkeypatch: pytest.MonkeyPatch
+    num_splits: int, qk_norm: bool, heads: int, kv_heads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same output and cache as rotary_and_store_kv then paged_attention
     (float32), padded requests and padding rows included; q and k are left
-    unrotated; a batch that is not a uniform decode takes the two calls."""
+    unrotated; a batch that is not a uniform decode takes the two calls.
+    ``qk_norm`` (Qwen3's per-head q/k norms): normed inside the kernel, as
+    qk_rms_norm before the two calls norms them."""
     import dataclasses
 
+    from asyncstep.ops.attention import QkNorm
     from asyncstep.ops.triton import attention as triton_attention
     from asyncstep.ops.triton.attention import rotary_store_and_attend
 
@@ -585,6 +625,11 @@ def test_rotary_and_kv_store_inside_the_decode_kernel(
     # 1 key, a tile and a key (fp32 tiles: 32 keys), several segments, a padded request.
     step = decode_step([0, 32, -1, 200, 47], 1, heads, kv_heads, dim, seed=num_splits)
     cos_sin = rotary_cache(256, dim)
+    norms = None
+    if qk_norm:
+        gen = torch.Generator().manual_seed(7)
+        weights = (torch.rand(2, dim, generator=gen) + 0.5).to(DEVICE)
+        norms = QkNorm(weights[0], weights[1], 1e-6)
     outs, caches = [], []
     for uniform in (True, False):
         qkv, kv_cache = step["qkv"].clone(), step["kv_cache"].clone()
@@ -602,8 +647,10 @@ def test_rotary_and_kv_store_inside_the_decode_kernel(
             step["block_table"],
             dim**-0.5,
             uniform_decode=uniform,
+            qk_norm=norms,
         )
-        assert torch.equal(qkv, step["qkv"]) == uniform  # fused: q and k left as they were
+        # Fused: q and k left as they were (normed first: a copy is rotated).
+        assert torch.equal(qkv, step["qkv"]) == (uniform or qk_norm)
         outs.append(out[:4])  # the real tokens (the padding row: zeros, unfused only)
         caches.append(kv_cache)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

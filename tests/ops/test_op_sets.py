@@ -229,12 +229,15 @@ def test_a_copied_model_has_a_slot_of_its_own() -> None:
 # -- attention (rotary + KV store + paged attention) and linear ------------------
 
 
-def attention_step(dtype: torch.dtype, seed: int) -> tuple[AttentionMetadata, torch.Tensor]:
+def attention_step(
+    dtype: torch.dtype, seed: int, *, decodes_only: bool = False
+) -> tuple[AttentionMetadata, torch.Tensor]:
     """Two decodes over cached keys and a prompt chunk over its prefix
-    (block size 4, 3 requests), and a zeroed KV cache of 2 KV heads x 16."""
+    (block size 4, 3 requests; ``decodes_only``: a third decode), and a
+    KV cache of 2 KV heads x 16."""
     from asyncstep.ops.attention import kv_cache_shape, plan_decode_buckets
 
-    query_lens, computed = [1, 1, 5], [6, 3, 4]
+    query_lens, computed = [1, 1, 1 if decodes_only else 5], [6, 3, 4]
     seq_lens = np.array([q + c for q, c in zip(query_lens, computed, strict=True)], np.int32)
     qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     blocks_per_req = 4
@@ -247,7 +250,7 @@ def attention_step(dtype: torch.dtype, seed: int) -> tuple[AttentionMetadata, to
     slots = rows * blocks_per_req * 4 + positions
     meta = AttentionMetadata(
         num_actual_tokens=int(qsl[-1]),
-        num_decodes=2,
+        num_decodes=3 if decodes_only else 2,
         query_start_loc=torch.from_numpy(qsl),
         seq_lens=torch.from_numpy(seq_lens),
         block_table=block_table,
@@ -258,7 +261,10 @@ def attention_step(dtype: torch.dtype, seed: int) -> tuple[AttentionMetadata, to
         seq_lens_cpu=seq_lens,
         positions=positions,
     )
-    meta.decode_buckets = plan_decode_buckets(seq_lens[:2], block_table[:2], 4, min_bucket=1)
+    decodes = meta.num_decodes
+    meta.decode_buckets = plan_decode_buckets(
+        seq_lens[:decodes], block_table[:decodes], 4, min_bucket=1
+    )
     gen = torch.Generator().manual_seed(seed)
     cache = torch.zeros(kv_cache_shape(3 * blocks_per_req, 4, 2, 16), dtype=dtype)
     cache.normal_(generator=gen)  # the cached prefixes' keys and values
@@ -300,6 +306,38 @@ def test_attention(ops: OpSet, dtype: torch.dtype) -> None:
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(cache, want_cache, **tol)
     torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("decodes_only", [True, False])
+def test_an_attention_that_norms_qk_takes_them_un_normed(decodes_only: bool) -> None:
+    """The Triton attention with the fused decode applies the shape's
+    per-head q/k norms (Qwen3) itself: inside the split-KV kernel for a
+    decode batch, one kernel before the store otherwise; the same cache and
+    output as the reference's norms, rotary, store and attention."""
+    from asyncstep.ops.attention import QkNorm
+    from asyncstep.ops.triton import TritonOps
+    from asyncstep.ops.triton.paged_attention import TritonAttention
+
+    op_set("triton")  # skips where the interpreter does not run
+    ops = TritonOps(TritonAttention(rotates=True, fused_decode=True), fused_decode=True)
+    assert ops.attention_op.norms_qk
+    gen = torch.Generator().manual_seed(8)
+    q_weight, k_weight = torch.rand(2, 16, generator=gen) + 0.5
+    shape = AttentionShape(4, 2, 16, 0.25, qk_norm=QkNorm(q_weight, k_weight, EPS))
+    rotary = RotaryEmbedding(16, 64, 10000.0)
+    meta, cache = attention_step(torch.float32, seed=6, decodes_only=decodes_only)
+    want_meta, want_cache = attention_step(torch.float32, seed=6, decodes_only=decodes_only)
+    qkv = torch.randn(meta.num_actual_tokens, (4 + 2 + 2) * 16, generator=gen)
+    q, k, v = qkv.split([64, 32, 32], -1)
+    got = ops.attention(q.clone(), k.clone(), v, cache, meta, shape, rotary.cos_sin_cache)
+    positions = meta.positions
+    assert positions is not None
+    nq, nk = TORCH_OPS.qk_rms_norm(q, k, q_weight, k_weight, EPS, float32_residual=False)
+    cos_sin = TORCH_OPS.rotary_cos_sin(rotary.cos_sin_cache, positions, torch.float32)
+    wq, wk = TORCH_OPS.rotary(cos_sin, nq, nk, rotary.cos_sin_cache, 16)
+    want = TORCH_OPS.attention(wq, wk, v, want_cache, want_meta, shape, None)
+    torch.testing.assert_close(cache, want_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -82,6 +82,12 @@ class Attention(nn.Module):
         self.ops = ops or (rotary.ops if rotary is not None else OpSetSlot())
 
     @property
+    def norms_qk(self) -> bool:
+        """Whether q and k come to :meth:`forward` un-normed (the op set's
+        attention applies the shape's ``qk_norm``, where the layer has one)."""
+        return self.shape.qk_norm is not None and self.ops.ops.attention_op.norms_qk
+
+    @property
     def rotates(self) -> bool:
         """Whether q and k come to :meth:`forward` unrotated (its op set's
         KV store rotates them)."""

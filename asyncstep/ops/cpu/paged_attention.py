@@ -42,6 +42,7 @@ class CpuAttention:
     plans_decodes = False
     supports_sliding_window = True
     supports_sinks = True
+    norms_qk = False
 
     def __init__(self, kernel: CpuPagedAttention) -> None:
         self.kernel = kernel

@@ -5,7 +5,8 @@ chooses the launch (from shapes only: CUDA-graph safe); the kernels, and how
 they split the work, are in :mod:`asyncstep.ops.triton.attention_kernels` and
 :mod:`asyncstep.ops.triton.decode_kernels`.
 
-May import torch, triton and asyncstep.ops.triton.pdl only.
+May import torch, triton, asyncstep.ops.triton.pdl and :mod:`asyncstep.ops.attention`
+(the shapes' types).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from asyncstep.ops.attention import QkNorm
 from asyncstep.ops.triton import pdl
 from asyncstep.ops.triton.attention_kernels import _paged_attention_kernel, _store_kv_kernel
 from asyncstep.ops.triton.decode_kernels import _decode_combine_kernel, _decode_split_kernel
@@ -279,6 +281,7 @@ def rotary_store_and_attend(
     uniform_decode: bool,
     max_query_len: int | None = None,
     sinks: torch.Tensor | None = None,
+    qk_norm: QkNorm | None = None,
 ) -> torch.Tensor:
     """:func:`~asyncstep.ops.triton.rotary.rotary_and_store_kv` (q, k, v:
     ``[tokens, heads * head_dim]`` column slices, unrotated) then
@@ -293,12 +296,15 @@ def rotary_store_and_attend(
     :func:`paged_attention` takes it). A decode token's position must
     be its key's index (``seq_len - 1``): the kernel takes it from there,
     ``positions`` only where it runs the two calls. ``sinks``: as
-    :func:`paged_attention`'s."""
+    :func:`paged_attention`'s. ``qk_norm``: q and k come un-normed; the
+    split-KV kernel norms each head before it rotates it (the two calls:
+    :func:`~asyncstep.ops.triton.fused.qk_rms_norm` first)."""
     from asyncstep.ops.triton.rotary import rotary_and_store_kv
 
     head_dim = kv_cache.shape[4]
     tokens = q.shape[0]
     if tokens == 0 or tokens != seq_lens.shape[0] or not uniform_decode:
+        q, k = normed_qk(q, k, qk_norm)
         rotary_and_store_kv(positions, q, k, v, cos_sin_cache, head_dim, kv_cache, slot_mapping)
         return paged_attention(
             q.view(tokens, -1, head_dim),
@@ -315,11 +321,13 @@ def rotary_store_and_attend(
 
     _check_rotary_args(positions, q, k, cos_sin_cache, head_dim)
     _check_kv_args(k, v, head_dim, kv_cache, slot_mapping)
+    if qk_norm is not None:
+        _check_qk_norm(qk_norm, head_dim, q.device)
     q3 = q.view(tokens, -1, head_dim)
     _check_attention_args(q3, kv_cache, query_start_loc, seq_lens, block_table, None)
     out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    rotary = _DecodeRotary(cos_sin_cache, k, v, slot_mapping)
+    rotary = _DecodeRotary(cos_sin_cache, k, v, slot_mapping, qk_norm)
     _paged_decode(
         q3, kv_cache, query_start_loc, seq_lens, block_table, scale, out, precision, rotary,
         sink_logits_of(sinks, q3),
@@ -335,6 +343,30 @@ class _DecodeRotary:
     k: torch.Tensor
     v: torch.Tensor
     slot_mapping: torch.Tensor
+    qk_norm: QkNorm | None = None
+
+
+def normed_qk(
+    q: torch.Tensor, k: torch.Tensor, qk_norm: QkNorm | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k through ``qk_norm`` (:func:`~asyncstep.ops.triton.fused.qk_rms_norm`;
+    None: as they are)."""
+    if qk_norm is None:
+        return q, k
+    from asyncstep.ops.triton.fused import qk_rms_norm
+
+    return qk_rms_norm(q, k, qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps)
+
+
+def _check_qk_norm(qk_norm: QkNorm, head_dim: int, device: torch.device) -> None:
+    for name, w in (("q_weight", qk_norm.q_weight), ("k_weight", qk_norm.k_weight)):
+        if tuple(w.shape) != (head_dim,) or not w.is_floating_point() or w.stride(0) != 1:
+            raise ValueError(
+                f"qk_norm {name} must be a contiguous float [{head_dim}], got {w.dtype} "
+                f"{tuple(w.shape)}"
+            )
+        if w.device != device:
+            raise ValueError(f"qk_norm {name} on {w.device}, q on {device}")
 
 
 def _paged_decode(
@@ -373,10 +405,13 @@ def _paged_decode(
         part, lse = out, out
         part_strides, lse_strides = (0, 0, 0, 0), (0, 0)
     rotary_args: tuple[torch.Tensor | int, ...] = (q, q, q, q, 0, 0, 0)  # unused
+    norm_args: tuple[torch.Tensor | float, ...] = (q, q, 0.0)  # unused
     if rotary is not None:
         r = rotary
         rotary_args = (r.cos_sin_cache, r.k, r.v, r.slot_mapping)
         rotary_args += (r.cos_sin_cache.stride(0), r.k.stride(0), r.v.stride(0))
+        if r.qk_norm is not None:
+            norm_args = (r.qk_norm.q_weight, r.qk_norm.k_weight, float(r.qk_norm.eps))
     _decode_split_kernel[(num_tokens, num_kv_heads, splits)](
         q,
         kv_cache,
@@ -396,6 +431,7 @@ def _paged_decode(
         *kv_cache.stride(),
         *block_table.stride(),
         *rotary_args,
+        *norm_args,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         GROUP=group,
@@ -406,6 +442,7 @@ def _paged_decode(
         DOT_PRECISION=precision,
         ROTARY=rotary is not None,
         SINKS=sinks is not None,
+        QK_NORM=rotary is not None and rotary.qk_norm is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **pdl.launch_kwargs(q),

@@ -106,6 +106,29 @@ def _decode_keys(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _norm_head_rows(
+    x: tl.tensor,
+    x_partner: tl.tensor,
+    w_ptr: tl.tensor,
+    dims: tl.tensor,
+    partner: tl.tensor,
+    dim_mask: tl.tensor,
+    eps: tl.tensor,
+    HEAD_DIM: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """Rows ``x`` (heads, ``[rows, HEAD_DIM_PAD]``, zeros past HEAD_DIM) and
+    ``x_partner`` (the same rows at the rotary's partner features)
+    RMSNormed per row with weight ``w``, in float32, rounded to x's dtype."""
+    w = tl.load(w_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    w_partner = tl.load(w_ptr + partner, mask=dim_mask, other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
+    normed = xf * inv_rms[:, None] * w[None, :]
+    normed_partner = x_partner.to(tl.float32) * inv_rms[:, None] * w_partner[None, :]
+    return normed.to(x.dtype), normed_partner.to(x.dtype)
+
+
 # num_reqs changes every step: no variant per value (1, multiples of 16).
 @triton.jit(do_not_specialize=["num_reqs"])
 def _decode_split_kernel(
@@ -146,6 +169,9 @@ def _decode_split_kernel(
     stride_csr: tl.tensor,
     stride_knt: tl.tensor,
     stride_vnt: tl.tensor,
+    q_norm_ptr: tl.tensor,
+    k_norm_ptr: tl.tensor,
+    norm_eps: tl.tensor,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -157,6 +183,7 @@ def _decode_split_kernel(
     ROTARY: tl.constexpr = False,
     PDL: tl.constexpr = False,
     SINKS: tl.constexpr = False,
+    QK_NORM: tl.constexpr = False,
 ) -> None:
     """Grid ``(num_tokens, num_kv_heads, NUM_SPLITS)``: token ``t``'s GROUP
     query heads of one KV head against key segment ``split`` of the keys it
@@ -179,7 +206,10 @@ def _decode_split_kernel(
     behind a barrier. PDL: launched with programmatic dependent launch
     (:mod:`asyncstep.ops.triton.pdl`). SINKS: segment 0's softmax starts
     from each head's sink (so does the whole row's: its log-sum-exp
-    carries it into the combine)."""
+    carries it into the combine). QK_NORM (with ROTARY): q and the new key
+    come un-normed too: each head is RMSNormed (weights ``q_norm`` /
+    ``k_norm``, ``norm_eps``) and rounded to q's dtype before its rotation,
+    as :func:`~asyncstep.ops.triton.fused.qk_rms_norm` rounds it."""
     # With PDL the next kernel may launch now; this one reads the step's
     # metadata (written before the step's first kernel: pdl.py), then waits
     # for the kernel before (q is its output) before it reads anything else.
@@ -222,6 +252,10 @@ def _decode_split_kernel(
                 cos = tl.load(cs_row + dims % HALF, mask=dim_mask, other=0.0)
                 sin = tl.load(cs_row + HALF + dims % HALF, mask=dim_mask, other=0.0) * sign
                 q_partner = tl.load(q_row + partner[None, :] * stride_qd, mask=q_mask, other=0.0)
+                if QK_NORM:
+                    q, q_partner = _norm_head_rows(
+                        q, q_partner, q_norm_ptr, dims, partner, dim_mask, norm_eps, HEAD_DIM
+                    )
                 q = (q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * sin[None, :]).to(
                     q_ptr.dtype.element_ty
                 )
@@ -229,9 +263,24 @@ def _decode_split_kernel(
                     slot = tl.load(slot_ptr + token).to(tl.int64)
                     if slot >= 0:
                         k_row = k_new_ptr + token.to(tl.int64) * stride_knt + kv_head * HEAD_DIM
-                        k_new = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+                        k_new = tl.load(k_row + dims, mask=dim_mask, other=0.0)
                         k_partner = tl.load(k_row + partner, mask=dim_mask, other=0.0)
-                        k_new = k_new * cos + k_partner.to(tl.float32) * sin
+                        if QK_NORM:
+                            k_new, k_partner = _norm_head_rows(
+                                k_new[None, :],
+                                k_partner[None, :],
+                                k_norm_ptr,
+                                dims,
+                                partner,
+                                dim_mask,
+                                norm_eps,
+                                HEAD_DIM,
+                            )
+                            k_new, k_partner = (
+                                tl.reshape(k_new, [HEAD_DIM_PAD]),
+                                tl.reshape(k_partner, [HEAD_DIM_PAD]),
+                            )
+                        k_new = k_new.to(tl.float32) * cos + k_partner.to(tl.float32) * sin
                         v_row = v_new_ptr + token.to(tl.int64) * stride_vnt + kv_head * HEAD_DIM
                         v_new = tl.load(v_row + dims, mask=dim_mask, other=0.0)
                         dst = (

@@ -175,6 +175,7 @@ class TritonInvariantAttention:
     plans_decodes = False
     supports_sliding_window = True
     supports_sinks = True
+    norms_qk = False
     rotates = True
 
     def __call__(

@@ -10,7 +10,9 @@ with ``fused_decode`` a uniform decode batch rotates and stores inside the
 split-KV attention kernel (one kernel fewer). Not ``rotates``: q and k
 come rotated and the store only stores. A layer with a sliding window runs
 every batch through the query-tiled kernel with its window. A layer's
-attention sinks (gpt-oss) go to whichever kernel runs.
+attention sinks (gpt-oss) go to whichever kernel runs. With ``fused_decode``
+the op also applies a layer's per-head q/k norms (``norms_qk``): inside the
+split-KV kernel for a uniform decode batch, else one kernel before the store.
 
 May import torch, triton (on use) and :mod:`asyncstep.ops`' attention
 metadata and Triton kernels.
@@ -38,6 +40,7 @@ class TritonAttention:
     def __init__(self, *, rotates: bool, fused_decode: bool = False) -> None:
         self.rotates = rotates
         self.fused_decode = rotates and fused_decode
+        self.norms_qk = self.fused_decode
 
     @classmethod
     def chosen(cls, *, fused_kernels: bool, fused_decode: bool) -> TritonAttention:
@@ -56,6 +59,7 @@ class TritonAttention:
         cos_sin_cache: torch.Tensor | None,
     ) -> torch.Tensor:
         from asyncstep.ops.triton.attention import (
+            normed_qk,
             paged_attention,
             rotary_store_and_attend,
             store_kv_cache,
@@ -63,6 +67,7 @@ class TritonAttention:
         from asyncstep.ops.triton.rotary import rotary_and_store_kv
 
         n, width = q.shape[0], shape.num_heads * shape.head_dim
+        qk_norm = shape.qk_norm if self.norms_qk else None
         if self.rotates and cos_sin_cache is not None:
             assert meta.positions is not None, "a rotating KV store needs the positions"
             if self.fused_decode and shape.sliding_window is None:
@@ -81,8 +86,10 @@ class TritonAttention:
                     uniform_decode=meta.max_query_len == 1,
                     max_query_len=meta.max_query_len,
                     sinks=shape.sinks,
+                    qk_norm=qk_norm,
                 )
                 return out.view(n, width)
+            q, k = normed_qk(q, k, qk_norm)
             rotary_and_store_kv(
                 meta.positions[:n],
                 q,
@@ -94,6 +101,7 @@ class TritonAttention:
                 meta.slot_mapping,
             )
         else:
+            q, k = normed_qk(q, k, qk_norm)
             k = k.view(n, shape.num_kv_heads, shape.head_dim)
             v = v.view(n, shape.num_kv_heads, shape.head_dim)
             store_kv_cache(k, v, kv_cache, meta.slot_mapping)
