@@ -155,10 +155,10 @@ def test_the_avx512_and_avx2_builds_give_the_same_bits(tmp_path: Path) -> None:
 def test_the_op_set_takes_float32_experts_and_the_reference_the_others() -> None:
     """``CpuOps.fused_experts``: float32 experts through the library (its
     bits, a strided row of hidden too; swigluoai and biases too: the
-    reference's sums to float32's precision; MXFP4 weights too); bfloat16
-    experts or a width not whole vectors, the reference's grouped matmul
-    over the op set's float32 matmul (its bits; MXFP4 weights with bfloat16
-    rows: dequantized for the call)."""
+    reference's sums to float32's precision; MXFP4 weights too; bfloat16
+    weights and rows: the float32 call's bits on them widened, rounded
+    once); a width not whole vectors, the reference's grouped matmul over
+    the op set's float32 matmul (its bits)."""
     kernels = load_cpu_kernels()
     assert kernels is not None and EXPERTS is not None
     ops = CpuOps(kernels.layer_ops)
@@ -185,7 +185,9 @@ def test_the_op_set_takes_float32_experts_and_the_reference_the_others() -> None
     assert torch.equal(got, fused_experts(*narrow, topk_weights, topk_ids, matmul=float32))
     assert within_reference(got, *narrow, topk_weights, topk_ids)
     half = ops.fused_experts(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), topk_weights, topk_ids)
-    assert half.dtype == torch.bfloat16
+    widened = (x.bfloat16().float(), w13.bfloat16().float(), w2.bfloat16().float())
+    assert half.dtype == torch.bfloat16  # the library's float32 sums, rounded once
+    assert torch.equal(half, EXPERTS(*widened, topk_weights, topk_ids).bfloat16())
     p13, p2 = mxfp4_weights(8, 64, 32)  # MXFP4: the library's; bfloat16 rows: dequantized
     assert torch.equal(
         ops.fused_experts(x, p13, p2, topk_weights, topk_ids, "swigluoai"),
@@ -202,11 +204,14 @@ def test_bad_inputs_are_refused_in_one_line() -> None:
     assert EXPERTS is not None
     w13, w2 = weights(4, 64, 32)
     x, topk_weights, topk_ids = route(3, 4, 2)
-    with pytest.raises(ValueError, match="take float32 rows, contiguous float32 or MXFP4"):
-        EXPERTS(x.bfloat16(), w13, w2, topk_weights, topk_ids)
-    with pytest.raises(ValueError, match="take float32 rows, contiguous float32 or MXFP4"):
+    refused = "take float32 or bfloat16 rows, contiguous float32 or bfloat16 or MXFP4"
+    with pytest.raises(ValueError, match=refused):
+        EXPERTS(x.half(), w13, w2, topk_weights, topk_ids)
+    with pytest.raises(ValueError, match=refused):  # one weight bfloat16, the other not
+        EXPERTS(x, w13.bfloat16(), w2, topk_weights, topk_ids)
+    with pytest.raises(ValueError, match=refused):
         EXPERTS(x, w13.transpose(1, 2), w2, topk_weights, topk_ids)
-    with pytest.raises(ValueError, match="take float32 rows, contiguous float32 or MXFP4"):
+    with pytest.raises(ValueError, match=refused):
         EXPERTS(x, w13, w2, topk_weights, topk_ids, "gelu")
     with pytest.raises(
         ValueError, match=r"w2 bias \(4, 32\) does not match the experts' \(4, 64\)"
@@ -337,6 +342,45 @@ def mxfp4_weights(
         return Mxfp4Weight.from_checkpoint(blocks.to(torch.uint8), scales.to(torch.uint8))
 
     return one(2 * inter, size), one(size, inter)
+
+
+@pytest.mark.parametrize("isa", ["library", *BUILDS])
+def test_bfloat16_weights_give_the_float32_kernel_s_bits(isa: str, tmp_path: Path) -> None:
+    """bfloat16 experts (16 experts of top 4, H 64, I 96; swigluoai and
+    biases, and silu): bit for bit the float32 call on the widened weights,
+    float32 rows and bfloat16 ones (widened, the sums rounded once), every
+    row alone and in batches, on 1 and 2 threads."""
+    experts = EXPERTS if isa == "library" else build(isa, tmp_path)
+    assert experts is not None
+    w13, w2 = (w.bfloat16() for w in weights(16, 64, 96))
+    bias13, bias2 = torch.randn(16, 192) * 0.1, torch.randn(16, 64) * 0.1
+    x, topk_weights, topk_ids = route(40, 16, 4)
+    threads = torch.get_num_threads()
+    try:
+        for activation, biases in (("swigluoai", (bias13, bias2)), ("silu", (None, None))):
+            torch.set_num_threads(1)
+            dense = experts(x, w13.float(), w2.float(), topk_weights, topk_ids, activation, *biases)
+            alone = torch.cat(
+                [experts(x[r : r + 1], w13, w2, topk_weights[r : r + 1], topk_ids[r : r + 1],
+                         activation, *biases)
+                 for r in range(40)]
+            )  # fmt: skip
+            assert torch.equal(alone, dense), activation
+            rows16 = experts(x.bfloat16(), w13, w2, topk_weights, topk_ids, activation, *biases)
+            widened = experts(
+                x.bfloat16().float(), w13.float(), w2.float(), topk_weights, topk_ids,
+                activation, *biases,
+            )  # fmt: skip
+            assert rows16.dtype == torch.bfloat16 and torch.equal(rows16, widened.bfloat16())
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                for batch in (2, 7, 33):
+                    rows = slice(3, 3 + batch)
+                    args = (x[rows], w13, w2, topk_weights[rows], topk_ids[rows])
+                    got = experts(*args, activation, *biases)
+                    assert torch.equal(got, dense[rows]), (activation, count, batch)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("isa", ["library", *BUILDS])

@@ -27,8 +27,8 @@ int asyncstep_dense_f32(const DenseF32Args* a);
 typedef struct {
     const float* hidden;
     int64_t hidden_stride;
-    const void* w13; /* [E, 2I, H] contiguous: float32, or MXFP4 codes [E, 2I, H / 2] */
-    const void* w2;  /* [E, H, I] contiguous: float32, or MXFP4 codes [E, H, I / 2] */
+    const void* w13; /* [E, 2I, H] contiguous: float32 or bfloat16, or MXFP4 codes [E, 2I, H / 2] */
+    const void* w2;  /* [E, H, I] contiguous: float32 or bfloat16, or MXFP4 codes [E, H, I / 2] */
     int64_t num_experts, hidden_size, inter;
     const int32_t* topk_ids;   /* [T * k] */
     const float* topk_weights; /* [T * k] */
@@ -41,6 +41,7 @@ typedef struct {
     const float* w13_bias;     /* [E, 2I] or NULL */
     const float* w2_bias;      /* [E, H] or NULL */
     int64_t activation;        /* 0: silu, 1: swigluoai */
+    int64_t bf16_weights;      /* 1: w13 and w2 are bfloat16 (no scales); 0: as above */
 } MoeArgs;
 
 /* 0 on success; -1: shapes out of range or no scratch memory; -2: an

@@ -47,6 +47,9 @@
  * is (scale 255 gives inf, and NaN for a zero code, as dequantize_mxfp4
  * does), then enters the same FMA as the dense weight's vector: the packed
  * weights' outputs are the dense kernel's bits on the dequantized weights.
+ * bfloat16 weights (bf16_weights: a bfloat16 model's experts, half the
+ * bytes a step reads) are widened to float32 as they load (exact) into the
+ * same FMAs: the float32 kernel's bits on the widened weights.
  */
 #include <math.h>
 #include <stdint.h>
@@ -116,6 +119,11 @@ static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
                                      _mm256_castsi256_ps(sign));
     return _mm256_mul_ps(values, _mm256_set1_ps(scale));
 }
+/* 8 bfloat16 values widened to float32 (exact: the high 16 bits) */
+static inline vec vload_bf16(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 #else
 /* Plain C: the library's flags let the compiler reassociate loops of
  * scalars, differently where a tile shape is inlined; GCC is told not to
@@ -150,6 +158,14 @@ static inline vec vload_fp4(const uint8_t* block, int64_t k, float scale) {
     for (int i = 0; i < LANES; i++) r.v[i] = table[(block[(k & 8) + i] >> shift) & 15] * scale;
     return r;
 }
+static inline vec vload_bf16(const uint16_t* p) {
+    vec r;
+    for (int i = 0; i < LANES; i++) {
+        const uint32_t bits = (uint32_t)p[i] << 16;
+        memcpy(&r.v[i], &bits, sizeof bits);
+    }
+    return r;
+}
 #endif
 
 /* E8M0: 2^(s - 127) as float32 (s = 0: the subnormal 2^-127; 255: inf). */
@@ -175,20 +191,27 @@ typedef struct {
     float* pair_out;
 } Pass;
 
-/* A matrix's rows of K values: float32 (dense) or MXFP4 codes and scales. */
+/* A matrix's rows of K values: float32 (dense), MXFP4 codes and scales, or
+ * bfloat16 (half). */
 typedef struct {
     const float* dense;
     const uint8_t* codes;
     const uint8_t* scales;
     int64_t K;
+    const uint16_t* half;
 } Rows;
+
+/* Rows' formats: the `packed` argument of the tiles (a constant where inlined). */
+enum { FORMAT_F32 = 0, FORMAT_FP4 = 1, FORMAT_BF16 = 2 };
 
 int asyncstep_moe_lanes(void) { return LANES; }
 
-/* Row i's vector at k: the float32 values, or the MXFP4 codes decoded. */
+/* Row i's vector at k: the float32 values, the bfloat16 ones widened, or
+ * the MXFP4 codes decoded. */
 static inline __attribute__((always_inline)) vec wload(const Rows* w, int64_t i, int64_t k,
                                                        const int packed) {
-    if (!packed) return vload(w->dense + i * w->K + k);
+    if (packed == FORMAT_F32) return vload(w->dense + i * w->K + k);
+    if (packed == FORMAT_BF16) return vload_bf16(w->half + i * w->K + k);
     const int64_t block = i * (w->K / 32) + k / 32;
     return vload_fp4(w->codes + block * 16, k, e8m0(w->scales[block]));
 }
@@ -196,6 +219,13 @@ static inline __attribute__((always_inline)) vec wload(const Rows* w, int64_t i,
 #ifndef PREFETCH
 #define PREFETCH 0
 #endif
+
+/* Where row i's values at k lie (float32 or bfloat16 rows: the prefetch's address). */
+static inline __attribute__((always_inline)) const void* row_at(const Rows* w, int64_t i,
+                                                                int64_t k, const int packed) {
+    if (packed == FORMAT_BF16) return w->half + i * w->K + k;
+    return w->dense + i * w->K + k;
+}
 #ifndef KEEP_X
 #define KEEP_X(v) ((void)0)
 #endif
@@ -218,8 +248,9 @@ static inline __attribute__((always_inline)) void dot_tile_n(
     for (int64_t k = 0; k < K; k += LANES) {
         vec wv[W_TILE];
 #if PREFETCH
-        if (!packed && ahead != 0 && k % 16 == 0) /* a line of each row `ahead` rows on */
-            for (int i = 0; i < nw; i++) __builtin_prefetch(w->dense + (i0 + ahead + i) * K + k);
+        if (packed != FORMAT_FP4 && ahead != 0 && k % (packed == FORMAT_BF16 ? 32 : 16) == 0)
+            for (int i = 0; i < nw; i++) /* a line of each row `ahead` rows on */
+                __builtin_prefetch(row_at(w, i0 + ahead + i, k, packed));
 #endif
         for (int i = 0; i < nw; i++) wv[i] = wload(w, i0 + i, k, packed);
         for (int i = 0; i < nw; i++) KEEP(wv[i]);
@@ -261,8 +292,9 @@ static inline __attribute__((always_inline)) void dot_tile_wide(
     for (int64_t k = 0; k < K; k += LANES) {
         __m512 wv[W_TILE];
 #if PREFETCH
-        if (!packed && ahead != 0 && k % 16 == 0) /* a line of each row `ahead` rows on */
-            for (int i = 0; i < nw; i++) __builtin_prefetch(w->dense + (i0 + ahead + i) * K + k);
+        if (packed != FORMAT_FP4 && ahead != 0 && k % (packed == FORMAT_BF16 ? 32 : 16) == 0)
+            for (int i = 0; i < nw; i++) /* a line of each row `ahead` rows on */
+                __builtin_prefetch(row_at(w, i0 + ahead + i, k, packed));
 #endif
         for (int i = 0; i < nw; i++) wv[i] = wide_broadcast(wload(w, i0 + i, k, packed));
         for (int i = 0; i < nw; i++) KEEP(wv[i]);
@@ -306,6 +338,11 @@ static void dot_tile(const float* const* x, int rows, const Rows* w, int64_t i0,
 static void dot_tile_fp4(const float* const* x, int rows, const Rows* w, int64_t i0, int nw,
                          int64_t ahead, float sums[ROW_TILE][W_TILE]) {
     switch (nw * 16 + rows) { ALL_CASES(1) }
+}
+
+static void dot_tile_bf16(const float* const* x, int rows, const Rows* w, int64_t i0, int nw,
+                          int64_t ahead, float sums[ROW_TILE][W_TILE]) {
+    switch (nw * 16 + rows) { ALL_CASES(2) }
 }
 #undef CASE
 #undef ALL_CASES
@@ -362,6 +399,8 @@ static void matmul_tiles(const float* const* x, int64_t r0, int count, const Row
         float sums[ROW_TILE][W_TILE];
         if (w->codes != NULL)
             dot_tile_fp4(x + r0, count, w, i, n, ahead, sums);
+        else if (w->half != NULL)
+            dot_tile_bf16(x + r0, count, w, i, n, ahead, sums);
         else
             dot_tile(x + r0, count, w, i, n, ahead, sums);
         for (int e = 0; e < count; e++)
@@ -411,12 +450,14 @@ typedef struct {
     int64_t expert, start, count; /* the expert's sorted pairs [start, start + count) */
 } Group;
 
-/* Expert e's rows of a [E, rows, K] matrix (float32, or MXFP4 where scales). */
-static Rows expert_rows(const void* base, const uint8_t* scales, int64_t e, int64_t rows,
-                        int64_t K) {
-    if (scales == NULL) return (Rows){(const float*)base + e * rows * K, NULL, NULL, K};
+/* Expert e's rows of a [E, rows, K] matrix (float32, bfloat16 where bf16,
+ * or MXFP4 where scales). */
+static Rows expert_rows(const void* base, const uint8_t* scales, int64_t bf16, int64_t e,
+                        int64_t rows, int64_t K) {
+    if (bf16) return (Rows){NULL, NULL, NULL, K, (const uint16_t*)base + e * rows * K};
+    if (scales == NULL) return (Rows){(const float*)base + e * rows * K, NULL, NULL, K, NULL};
     return (Rows){NULL, (const uint8_t*)base + e * rows * (K / 2), scales + e * rows * (K / 32),
-                  K};
+                  K, NULL};
 }
 
 /* One expert over its pairs: the gate and up rows (and bias), their act,
@@ -428,7 +469,7 @@ static void expert_item(const Pass* pass, const Group* g, const float** x, float
     const int64_t H = a->hidden_size, I = a->inter, e = g->expert;
     for (int64_t r = 0; r < g->count; r++)
         x[r] = a->hidden + (pass->order[g->start + r] / a->top_k) * a->hidden_stride;
-    const Rows w13 = expert_rows(a->w13, a->w13_scales, e, 2 * I, H);
+    const Rows w13 = expert_rows(a->w13, a->w13_scales, a->bf16_weights, e, 2 * I, H);
     float* gu = work;
     matmul_rows(x, g->count, &w13, 2 * I, gu, 2 * I);
     const float* b13 = a->w13_bias == NULL ? NULL : a->w13_bias + e * 2 * I;
@@ -443,7 +484,7 @@ static void expert_item(const Pass* pass, const Group* g, const float** x, float
             for (int64_t i = 0; i < I; i++) act[i] = silu_mul(row[i], row[I + i]);
         x[r] = act;
     }
-    const Rows w2 = expert_rows(a->w2, a->w2_scales, e, H, I);
+    const Rows w2 = expert_rows(a->w2, a->w2_scales, a->bf16_weights, e, H, I);
     float* po = pass->pair_out + g->start * H;
     matmul_rows(x, g->count, &w2, H, po, H);
     const float* b2 = a->w2_bias == NULL ? NULL : a->w2_bias + e * H;
@@ -486,6 +527,7 @@ int asyncstep_moe_experts(const MoeArgs* a) {
     if (E < 1 || H < 1 || I < 1 || H % LANES || I % LANES || k < 1 || k > 64 || T < 0) return -1;
     if ((a->w13_scales != NULL) != (a->w2_scales != NULL)) return -1;
     if (a->w13_scales != NULL && (H % 32 || I % 32)) return -1;
+    if (a->bf16_weights != 0 && (a->bf16_weights != 1 || a->w13_scales != NULL)) return -1;
     if (a->activation != 0 && a->activation != 1) return -1;
     for (int64_t f = 0; f < P; f++)
         if (a->topk_ids[f] < 0 || a->topk_ids[f] >= E) return -2;

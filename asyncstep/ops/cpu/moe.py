@@ -9,7 +9,9 @@ order (a row's result does not depend on the other rows: issue 40), no
 python loop over the experts; the activation silu or gpt-oss's
 "swigluoai", with or without biases (the down bias added before the routing
 weight). Its use: the CPU op set's experts where the hidden rows are float32
-and the weights float32 or MXFP4 kept packed
+or bfloat16 (widened for the call, the float32 sums rounded once) and the
+weights float32, bfloat16 (widened as they load: the float32 call's bits on
+the widened weights) or MXFP4 kept packed
 (:class:`~asyncstep.ops.mxfp4.Mxfp4Weight`: the outputs are then the
 dense call's bits on the dequantized weights; :meth:`CpuMoeExperts.applies`).
 Imports torch, the library's loader and the MXFP4 layout only.
@@ -40,6 +42,7 @@ _ARGS = struct.Struct(
     "qq"  # w13 scales, w2 scales (0: float32 weights)
     "qq"  # w13 bias, w2 bias (0: none)
     "q"  # activation
+    "q"  # bfloat16 weights (1) or not (0)
 )
 #: The activations the C side computes, by its codes.
 ACTIVATION_CODES = {"silu": 0, "swigluoai": 1}
@@ -53,7 +56,7 @@ _ROUTE_ARGS = struct.Struct(
     "qq"  # scoring, renormalize
     "qqq"  # topk ids, topk weights, counts (0: none)
 )
-#: A projection the call takes: float32 or MXFP4 kept packed.
+#: A projection the call takes: float32, bfloat16 or MXFP4 kept packed.
 ExpertWeight = torch.Tensor | Mxfp4Weight
 #: The most experts a token may pick (the C side sorts a token's pairs on its stack).
 MAX_TOP_K = 64
@@ -77,21 +80,21 @@ class CpuMoeExperts:
         topk_ids: torch.Tensor,
         activation: str,
     ) -> bool:
-        """Whether the call takes these: float32 CPU rows, contiguous
-        float32 weights or both MXFP4, silu or swigluoai, whole vectors of
-        H and I."""
+        """Whether the call takes these: float32 or bfloat16 CPU rows,
+        contiguous weights both float32 or both bfloat16, or both MXFP4,
+        silu or swigluoai, whole vectors of H and I."""
         packed = isinstance(w13, Mxfp4Weight) and isinstance(w2, Mxfp4Weight)
-        dense = all(
-            isinstance(w, torch.Tensor)
-            and w.dtype == torch.float32
-            and w.device.type == "cpu"
-            and w.is_contiguous()
-            for w in (w13, w2)
+        dense = (
+            isinstance(w13, torch.Tensor)
+            and isinstance(w2, torch.Tensor)
+            and w13.dtype in (torch.float32, torch.bfloat16)
+            and w2.dtype == w13.dtype
+            and all(w.device.type == "cpu" and w.is_contiguous() for w in (w13, w2))
         )
         return (
             activation in ACTIVATION_CODES
             and (packed or dense)
-            and hidden.dtype == torch.float32
+            and hidden.dtype in (torch.float32, torch.bfloat16)
             and hidden.device.type == "cpu"
             and hidden.dim() == 2
             and hidden.stride(1) == 1
@@ -111,11 +114,13 @@ class CpuMoeExperts:
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The experts' weighted sum ``[T, H]`` float32 (see the module doc)."""
+        """The experts' weighted sum ``[T, H]`` in hidden's dtype (see the
+        module doc; bfloat16 rows are widened to float32 for the call, and
+        its float32 sums rounded once)."""
         if not self.applies(hidden, w13, w2, topk_ids, activation):
             raise ValueError(
-                "the CPU experts take float32 rows, contiguous float32 or MXFP4 weights, "
-                "silu or swigluoai"
+                "the CPU experts take float32 or bfloat16 rows, contiguous float32 or bfloat16 "
+                "or MXFP4 weights, silu or swigluoai"
             )
         num_experts, two_inter, size = w13.shape
         inter = two_inter // 2
@@ -132,14 +137,15 @@ class CpuMoeExperts:
             raise ValueError(f"MXFP4 experts: H {size} and I {inter} must be multiples of 32")
         b13 = _bias(w13_bias, (num_experts, two_inter), "w13")
         b2 = _bias(w2_bias, (num_experts, size), "w2")
+        rows = hidden.float()  # bfloat16 rows widened (exact); float32 ones as they are
         ids = topk_ids.to(torch.int32).contiguous()
         weights = topk_weights.float().contiguous()
         pairs = tokens * top_k
         scratch = torch.empty(pairs * size)  # the pairs' outputs (gate/up: the threads' own)
         out = torch.empty(tokens, size)
         args = _ARGS.pack(
-            hidden.data_ptr(),
-            hidden.stride(0),
+            rows.data_ptr(),
+            rows.stride(0),
             w13.codes.data_ptr() if isinstance(w13, Mxfp4Weight) else w13.data_ptr(),
             w2.codes.data_ptr() if isinstance(w2, Mxfp4Weight) else w2.data_ptr(),
             num_experts,
@@ -157,13 +163,14 @@ class CpuMoeExperts:
             0 if b13 is None else b13.data_ptr(),
             0 if b2 is None else b2.data_ptr(),
             ACTIVATION_CODES[activation],
+            int(isinstance(w13, torch.Tensor) and w13.dtype == torch.bfloat16),
         )
         status = self._experts(args)
         if status == -2:
             raise ValueError(f"expert ids must lie in [0, {num_experts})")
         if status != 0:
             raise MemoryError("the CPU experts found no scratch memory")
-        return out
+        return out.to(hidden.dtype)
 
 
 class CpuMoeRouter:

@@ -161,7 +161,8 @@ class CpuOps(CpuHeadOps):
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """float32 experts (float32 or MXFP4 weights): the library's grouped
+        """float32 or bfloat16 experts (float32, bfloat16 or MXFP4 weights;
+        bfloat16 ones: float32 sums, rounded once): the library's grouped
         experts in one call (:mod:`~asyncstep.ops.cpu.moe`) where they
         apply; else the reference's grouped matmul
         (:mod:`~asyncstep.ops.torch_moe`) through :meth:`linear` (MXFP4
