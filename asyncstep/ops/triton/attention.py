@@ -41,6 +41,13 @@ _DEFAULT_NUM_SMS = 4
 #: ``1 + k`` tokens a request) take the split-KV decode kernels too: each
 #: token's programs read its request's keys up to its own causal end.
 MAX_SPLIT_KV_QUERY_LEN = 8
+#: A decode batch of several key segments combines them in the split-KV
+#: kernel's last program of each (token, KV head) (off: a combine kernel after it).
+COMBINE_IN_SPLIT = True
+#: Tickets a buffer of :func:`decode_tickets` holds at least.
+_MIN_TICKETS = 1 << 14
+_tickets_held: dict[tuple[str, int, int], torch.Tensor] = {}
+_tickets_kept: list[torch.Tensor] = []
 
 
 # --------------------------------------------------------------------------
@@ -395,6 +402,7 @@ def _paged_decode(
         num_tokens, num_kv_heads, group, head_dim_pad, q.dtype, _num_sms(q.device)
     )
     splits = launch.num_splits
+    tickets = decode_tickets(q.device, num_tokens * num_kv_heads) if splits > 1 else None
     if splits > 1:
         part = torch.empty(
             (num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
@@ -432,6 +440,7 @@ def _paged_decode(
         *block_table.stride(),
         *rotary_args,
         *norm_args,
+        out if tickets is None else tickets,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         GROUP=group,
@@ -443,11 +452,13 @@ def _paged_decode(
         ROTARY=rotary is not None,
         SINKS=sinks is not None,
         QK_NORM=rotary is not None and rotary.qk_norm is not None,
+        COMBINE_LAST=tickets is not None,
+        SPLITS_PAD=triton.next_power_of_2(splits),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **pdl.launch_kwargs(q),
     )
-    if splits > 1:
+    if splits > 1 and tickets is None:
         _decode_combine_kernel[(num_tokens, num_heads)](
             out,
             part,
@@ -464,6 +475,26 @@ def _paged_decode(
             num_warps=1 if splits * head_dim_pad <= 1024 else 4,
             **pdl.launch_kwargs(q),
         )
+
+
+def decode_tickets(device: torch.device, count: int) -> torch.Tensor | None:
+    """int32 tickets, zero between launches, for ``count`` (token, KV head)
+    rows of the split-KV kernel's ``COMBINE_LAST`` (its segments' combine
+    in the last program to finish, no combine kernel): one buffer a device
+    and stream (kernels on two streams at once never share one), grown where
+    a launch needs more. Every buffer is kept for the process's life: a
+    captured CUDA graph holds its address (one allocated under capture is
+    zeroed by a kernel of that graph too). None with :data:`COMBINE_IN_SPLIT` off."""
+    if not COMBINE_IN_SPLIT:
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index or 0, stream)
+    held = _tickets_held.get(key)
+    if held is None or held.numel() < count:
+        held = torch.zeros(max(count, _MIN_TICKETS), dtype=torch.int32, device=device)
+        _tickets_held[key] = held
+        _tickets_kept.append(held)
+    return held
 
 
 def sink_logits_of(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:

@@ -172,6 +172,7 @@ def _decode_split_kernel(
     q_norm_ptr: tl.tensor,
     k_norm_ptr: tl.tensor,
     norm_eps: tl.tensor,
+    tickets_ptr: tl.tensor,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -184,6 +185,8 @@ def _decode_split_kernel(
     PDL: tl.constexpr = False,
     SINKS: tl.constexpr = False,
     QK_NORM: tl.constexpr = False,
+    COMBINE_LAST: tl.constexpr = False,
+    SPLITS_PAD: tl.constexpr = 1,
 ) -> None:
     """Grid ``(num_tokens, num_kv_heads, NUM_SPLITS)``: token ``t``'s GROUP
     query heads of one KV head against key segment ``split`` of the keys it
@@ -209,7 +212,13 @@ def _decode_split_kernel(
     carries it into the combine). QK_NORM (with ROTARY): q and the new key
     come un-normed too: each head is RMSNormed (weights ``q_norm`` /
     ``k_norm``, ``norm_eps``) and rounded to q's dtype before its rotation,
-    as :func:`~asyncstep.ops.triton.fused.qk_rms_norm` rounds it."""
+    as :func:`~asyncstep.ops.triton.fused.qk_rms_norm` rounds it.
+
+    COMBINE_LAST (NUM_SPLITS > 1): no combine kernel after this one: each
+    program takes a ticket (``tickets[t, kv_head]``, int32, zero before the
+    launch) once its segment is stored, and the last of a token's segments
+    to arrive combines them into ``out`` (padding rows: zeros), as
+    :func:`_decode_combine_kernel` does, and sets the ticket back to zero."""
     # With PDL the next kernel may launch now; this one reads the step's
     # metadata (written before the step's first kernel: pdl.py), then waits
     # for the kernel before (q is its output) before it reads anything else.
@@ -406,6 +415,97 @@ def _decode_split_kernel(
             HEAD_DIM,
             HEAD_DIM_PAD,
         )
+
+    if COMBINE_LAST:
+        tl.debug_barrier()  # every thread's part and lse stored before the ticket
+        ticket = tickets_ptr + token.to(tl.int64) * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:  # the token's other segments are stored
+            _combine_segments(
+                out_ptr,
+                part_ptr,
+                lse_ptr,
+                token,
+                tokens,
+                heads,
+                row_mask,
+                active,
+                stride_ot,
+                stride_oh,
+                stride_od,
+                stride_pt,
+                stride_ph,
+                stride_ps,
+                stride_pd,
+                stride_lt,
+                stride_lh,
+                HEAD_DIM,
+                HEAD_DIM_PAD,
+                NUM_SPLITS,
+                SPLITS_PAD,
+                BLOCK_M,
+            )
+            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # for the next launch
+
+
+@triton.jit
+def _combine_segments(
+    out_ptr: tl.tensor,
+    part_ptr: tl.tensor,
+    lse_ptr: tl.tensor,
+    token: tl.tensor,
+    tokens: tl.tensor,
+    heads: tl.tensor,
+    row_mask: tl.tensor,
+    active: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_od: tl.tensor,
+    stride_pt: tl.tensor,
+    stride_ph: tl.tensor,
+    stride_ps: tl.tensor,
+    stride_pd: tl.tensor,
+    stride_lt: tl.tensor,
+    stride_lh: tl.tensor,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+) -> None:
+    """``out`` rows ``heads`` of ``token`` from its segments' parts, each
+    weighted by ``exp2(lse)`` (empty segments, lse -inf, not read), summed
+    segment by segment; zeros where not ``active`` (a padding row) or every
+    segment is empty. The parts are read past the cache (``.cg``): other
+    programs wrote them."""
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    lse_rows = lse_ptr + token.to(tl.int64) * stride_lt + heads[:, None] * stride_lh
+    seen = row_mask[:, None] & (splits < NUM_SPLITS)[None, :]
+    lse = tl.load(lse_rows + splits[None, :], mask=seen, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.where(active, lse, float("-inf"))  # a padding row: its programs wrote nothing
+    lse_max = tl.max(lse, 1)
+    shift = tl.where(lse_max > float("-inf"), lse_max, 0.0)
+    weight = tl.where(lse > float("-inf"), tl.exp2(lse - shift[:, None]), 0.0)
+    total = tl.sum(weight, 1)
+    part_rows = (
+        part_ptr
+        + token.to(tl.int64) * stride_pt
+        + heads[:, None] * stride_ph
+        + dims[None, :] * stride_pd
+    )
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for split in range(NUM_SPLITS):
+        w = tl.sum(tl.where(splits[None, :] == split, weight, 0.0), 1)
+        part_mask = (w > 0.0)[:, None] & (dims < HEAD_DIM)[None, :]
+        part_ptrs = part_rows + split * stride_ps
+        part = tl.load(part_ptrs, mask=part_mask, other=0.0, cache_modifier=".cg")
+        acc += part * w[:, None]
+    acc = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    _store_rows(
+        out_ptr, acc, tokens, heads, row_mask, stride_ot, stride_oh, stride_od, HEAD_DIM,
+        HEAD_DIM_PAD,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_reqs"])

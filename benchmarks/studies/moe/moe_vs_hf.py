@@ -6,9 +6,12 @@ transformers' ``save_pretrained``) serves 16 prompts of 128 random tokens,
 64 greedy tokens each (EOS ignored): asyncstep through ``asyncstep bench
 throughput`` (a child process, every request at once) and HF through
 ``generate`` on one static batch of 16 (its own process, the same
-threads). Output tokens a second of each, and the ratio.
+threads). Output tokens a second of each, and the ratio. Both in float32
+unless ``--dtype`` (ours: ``auto`` is the engine's default, bfloat16 on
+CPUs with AVX512-BF16 or AMX) and ``--hf-dtype`` say otherwise.
 
-    python3 benchmarks/studies/moe/moe_vs_hf.py --out RESULT.json
+    python3 benchmarks/studies/moe/moe_vs_hf.py --out RESULT.json \
+        [--dtype auto] [--hf-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -54,13 +57,16 @@ def write_checkpoint(path: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def hf_generate(path: Path, prompts: int, input_len: int, output_len: int) -> dict[str, float]:
+def hf_generate(
+    path: Path, prompts: int, input_len: int, output_len: int, dtype: str = "float32"
+) -> dict[str, float]:
     """HF's generate on one batch of ``prompts`` random prompts (a warm-up
     of 4 tokens first): output tokens a second."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = model.eval()
     ids = torch.randint(1, SHAPE["vocab_size"], (prompts, input_len), generator=torch.Generator())
     kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
     with torch.inference_mode():
@@ -72,13 +78,15 @@ def hf_generate(path: Path, prompts: int, input_len: int, output_len: int) -> di
     return {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds}
 
 
-def ours(path: Path, prompts: int, input_len: int, output_len: int, out: Path) -> dict[str, Any]:
+def ours(
+    path: Path, prompts: int, input_len: int, output_len: int, out: Path, dtype: str = "float32"
+) -> dict[str, Any]:
     """``asyncstep bench throughput`` on the checkpoint (its JSON)."""
     command = [
         sys.executable, "-m", "asyncstep", "bench", "throughput", "--model", str(path),
         "--num-prompts", str(prompts), "--input-len", str(input_len),
         "--output-len", str(output_len), "--no-floor", "--no-gpu-busy",
-        "--dtype", "float32", "--out", str(out),
+        "--dtype", dtype, "--out", str(out),
     ]  # fmt: skip
     subprocess.run(command, check=True)
     return dict(json.loads(out.read_text()))
@@ -90,12 +98,15 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--dtype", default="float32", help="ours (auto: the engine's default)")
+    parser.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "qwen3-moe-tiny"
         params = write_checkpoint(path)
-        result = ours(path, args.num_prompts, args.input_len, args.output_len, Path(tmp) / "o.json")
-        hf = hf_generate(path, args.num_prompts, args.input_len, args.output_len)
+        work = (path, args.num_prompts, args.input_len, args.output_len)
+        result = ours(*work, Path(tmp) / "o.json", args.dtype)
+        hf = hf_generate(*work, args.hf_dtype)
     mine = _output_tok_s(result)
     report = {
         "shape": SHAPE,
@@ -103,6 +114,8 @@ def main() -> None:
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "dtype": args.dtype,
+        "hf_dtype": args.hf_dtype,
         "asyncstep_output_tok_s": mine,
         "hf_output_tok_s": hf["output_tok_s"],
         "ratio": mine / hf["output_tok_s"],
@@ -112,8 +125,8 @@ def main() -> None:
     }
     print(
         f"{params / 1e6:.0f}M parameters, {args.num_prompts} x {args.input_len} -> "
-        f"{args.output_len}: asyncstep {mine:.1f} out tok/s, HF generate "
-        f"{hf['output_tok_s']:.1f}, ratio {report['ratio']:.2f}"
+        f"{args.output_len}: asyncstep ({args.dtype}) {mine:.1f} out tok/s, HF generate "
+        f"({args.hf_dtype}) {hf['output_tok_s']:.1f}, ratio {report['ratio']:.2f}"
     )
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1, default=str))
