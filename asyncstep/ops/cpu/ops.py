@@ -12,12 +12,11 @@ projection and the float32 LM head through the library's float32 matmul
 (torch's ``F.linear``); the reference's ops where
 the library does not take the input (float16, a residual stream that is not
 float32), and for the rotary embedding (the CPU attention op rotates q and
-k as it reads them); a mixture-of-experts layer's float32 experts are the
-library's grouped experts in one call (``cpu_moe.c``), its other experts
-the reference's grouped matmul (:mod:`~asyncstep.ops.torch_moe`) over this
-op set's linear (so bfloat16 experts are batch-invariant as its dense
-projections are). Its router is
-the library's (``cpu_moe.c``). Its step
+k as it reads them); a mixture-of-experts layer's float32 and bfloat16
+experts are the library's grouped experts in one call (``cpu_moe.c``,
+float32 sums: batch-invariant), its other experts the reference's grouped
+matmul (:mod:`~asyncstep.ops.torch_moe`) over this op set's linear. Its
+router is the library's (``cpu_moe_router.c``). Its step
 path: the whole decoder stack in one call
 (:mod:`~asyncstep.ops.cpu.decode_stack` for quantized projections,
 :mod:`~asyncstep.ops.cpu.f32_stack` for dense float32 ones and float32
