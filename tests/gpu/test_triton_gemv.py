@@ -149,3 +149,81 @@ def test_the_choice_gives_it_with_the_fused_decode() -> None:
     off = select_ops(cuda, "triton", fused_kernels=True, fused_decode=False, batch_invariant=False)
     assert isinstance(on, TritonOps) and on.fused_decode
     assert isinstance(off, TritonOps) and not off.fused_decode
+
+
+# -- the fused decode's prologues and epilogues (dense_gemv_fused) ------------------------
+
+
+def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x's RMS norm (no weight), float64."""
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize(("n", "k", "launch"), [(32, 256, GemvLaunch(8, 64, 2)), (30, 200, None)])
+def test_the_norm_before_and_the_residual_and_next_norm_after(
+    n: int, k: int, launch: GemvLaunch | None
+) -> None:
+    """A layer's chain on one row: the input norm in the first GEMV's
+    prologue, the residual add and the next norm's weight and squares in its
+    epilogue, that norm in the next GEMV's prologue (from the parts): each
+    the float64 chain within its roundings (the normed row is never rounded)."""
+    from asyncstep.ops.triton.gemv import dense_gemv_fused
+
+    w1 = torch.randn(n, k, device=DEVICE).bfloat16()
+    w2 = torch.randn(24, n, device=DEVICE).bfloat16()
+    x = torch.randn(1, k, device=DEVICE).bfloat16()
+    nw1 = (torch.rand(k, device=DEVICE) + 0.5).bfloat16()
+    nw2 = (torch.rand(n, device=DEVICE) + 0.5).bfloat16()
+    residual = torch.randn(1, n, device=DEVICE).bfloat16()
+    stream, normed = dense_gemv_fused(
+        x, w1, launch, rms_norm_weight=nw1, residual=residual, next_rms_norm_weight=nw2
+    )
+    exact = (rms(x) * nw1.double()) @ w1.double().T
+    tol = {"rtol": 3 * ROUNDING[torch.bfloat16], "atol": 1e-2}
+    torch.testing.assert_close(stream.double(), exact + residual.double(), **tol)
+    assert normed is not None and normed.xw.shape == (1, n) and normed.sq_parts.shape[0] == 1
+    torch.testing.assert_close(normed.xw.double(), stream.double() * nw2.double(), **tol)
+    torch.testing.assert_close(
+        normed.sq_parts.double().sum(), stream.double().pow(2).sum(), rtol=1e-5, atol=1e-5
+    )
+    out, none = dense_gemv_fused(normed.xw, w2, sq_parts=normed.sq_parts)
+    assert none is None and out.shape == (1, 24)
+    want = (rms(stream) * nw2.double()) @ w2.double().T
+    torch.testing.assert_close(out.double(), want, **tol)
+
+
+@pytest.mark.parametrize(("inter", "launch"), [(16, GemvLaunch(8, 64, 2)), (15, None)])
+def test_silu_pairs_pair_each_gate_row_with_its_up_row(
+    inter: int, launch: GemvLaunch | None
+) -> None:
+    """``silu_pairs``: a gate_up weight (gate rows, then up rows) gives
+    ``silu(gate) * up`` ``[inter]``, gate and up each rounded first."""
+    from asyncstep.ops.triton.gemv import dense_gemv_fused
+
+    w = torch.randn(2 * inter, 128, device=DEVICE).bfloat16()
+    x = torch.randn(1, 128, device=DEVICE).bfloat16()
+    act, _ = dense_gemv_fused(x, w, launch, silu_pairs=True)
+    gate, up = (x.double() @ w.double().T).bfloat16().double().split(inter, -1)
+    want = F.silu(gate) * up
+    assert act.shape == (1, inter) and act.dtype == torch.bfloat16
+    torch.testing.assert_close(act.double(), want, rtol=2 * ROUNDING[torch.bfloat16], atol=1e-2)
+
+
+def test_the_fused_arguments_are_checked() -> None:
+    from asyncstep.ops.triton.gemv import dense_gemv_fused
+
+    w = torch.randn(8, 64, device=DEVICE).bfloat16()
+    x = torch.randn(1, 64, device=DEVICE).bfloat16()
+    nw = torch.ones(64, device=DEVICE)
+    parts = torch.ones(1, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="one prologue at a time"):
+        dense_gemv_fused(x, w, rms_norm_weight=nw, sq_parts=parts)
+    with pytest.raises(ValueError, match="rms_norm_weight must be a float"):
+        dense_gemv_fused(x, w, rms_norm_weight=nw[:8])
+    with pytest.raises(ValueError, match="sq_parts must be float32"):
+        dense_gemv_fused(x, w, sq_parts=parts.half())
+    with pytest.raises(ValueError, match="residual must be"):
+        dense_gemv_fused(x, w, residual=torch.zeros(1, 7, device=DEVICE).bfloat16())
+    with pytest.raises(ValueError, match="silu_pairs takes an even row count"):
+        dense_gemv_fused(x, w[:7], silu_pairs=True)
