@@ -19,6 +19,7 @@ launched with PDL give the bits they give without.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -719,3 +720,60 @@ def test_the_last_segment_combines_as_the_combine_kernel(
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
     assert torch.equal(outs[2], outs[1])
     assert not outs[1][-1].any()  # the padding row
+
+
+#: Compiles the split-KV kernel (rotary, q/k norms, sinks, the last
+#: segment's combine) and the dense GEMV's prologues and epilogues for
+#: sm_90 with triton's own ptxas, no GPU needed (the interpreter runs code
+#: the compiler may refuse: its atomics and cache modifiers among them).
+COMPILE = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from asyncstep.ops.triton import decode_kernels as d, gemv as g
+
+SPLIT = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP=8, BLOCK_SIZE=16, BLOCK_M=16, TILE_N=64,
+             NUM_SPLITS=12, DOT_PRECISION="tf32", ROTARY=True, SINKS=True, QK_NORM=True,
+             COMBINE_LAST=True, SPLITS_PAD=16, PDL=True)
+GEMV = dict(BLOCK_N=8, BLOCK_K=512, EVEN=True, HAS_BIAS=False, SQ_BLOCK=512, PDL=True)
+FLOATS = {"scale_log2": "fp32", "norm_eps": "fp32", "eps": "fp32"}
+CASES = [
+    (d._decode_split_kernel, SPLIT,
+     {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+      "lse_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "bt_ptr": "*i32",
+      "sinks_ptr": "*fp32", "cos_sin_ptr": "*fp32", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
+      "slot_ptr": "*i64", "q_norm_ptr": "*bf16", "k_norm_ptr": "*bf16",
+      "tickets_ptr": "*i32"}),
+    (g._dense_gemv_kernel, dict(PROLOGUE=2, RESIDUAL=True, NEXT_NORM=True, SILU_HALVES=False,
+                                **GEMV),
+     {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+      "nw_ptr": "*bf16", "sq_ptr": "*fp32", "res_ptr": "*bf16", "next_nw_ptr": "*bf16",
+      "xw_ptr": "*bf16", "sq_out_ptr": "*fp32"}),
+    (g._dense_gemv_kernel, dict(PROLOGUE=1, SILU_HALVES=True, RESIDUAL=False, NEXT_NORM=False,
+                                **GEMV),
+     {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+      "nw_ptr": "*bf16", "sq_ptr": "*fp32", "res_ptr": "*bf16", "next_nw_ptr": "*bf16",
+      "xw_ptr": "*bf16", "sq_out_ptr": "*fp32"}),
+]
+for fn, consts, types in CASES:
+    types = {**FLOATS, **types}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    out = compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                  options={"num_warps": 4, "num_stages": 1})
+    print(fn.__name__, len(out.asm["cubin"]) > 0)
+"""
+
+
+def test_the_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia", reason="triton's CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = ["_decode_split_kernel", "_dense_gemv_kernel", "_dense_gemv_kernel"]
+    assert done.stdout.split() == [w for name in names for w in (name, "True")]
