@@ -274,27 +274,6 @@ static inline __attribute__((always_inline)) void dot_tile_n(
 }
 
 #ifdef WIDE
-#ifdef __AVX512BW__
-/* wide_broadcast(vload_bf16(p)) in one shuffle: the 8 values broadcast to
- * each 128-bit lane as they load, each lane's byte shuffle placing its 4
- * (0-3 in lanes 0 and 2, 4-7 in lanes 1 and 3) in the high halves of its
- * float32 lanes, the low halves zeroed (one port-5 operation, not two) */
-static inline __attribute__((always_inline)) __m512 wide_bf16(const uint16_t* p) {
-    static const int8_t order[64] = {
-        -1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,
-        -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15,
-        -1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,
-        -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15};
-    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p));
-    return _mm512_castsi512_ps(_mm512_shuffle_epi8(values, _mm512_loadu_si512(order)));
-}
-#define WIDE_LOAD(w, i, k, packed)                                                  \
-    ((packed) == FORMAT_BF16 ? wide_bf16((w)->half + (i) * (w)->K + (k))           \
-                             : wide_broadcast(wload((w), (i), (k), (packed))))
-#else
-#define WIDE_LOAD(w, i, k, packed) wide_broadcast(wload((w), (i), (k), (packed)))
-#endif
-
 /* dot_tile_n's sums with 512-bit accumulators: pair p holds rows 2p (low
  * half) and 2p + 1 (high half; a copy of row 2p where rows is odd, its
  * sums dropped); each half then summed as dot_tile_n's (wide_sums). */
@@ -317,7 +296,7 @@ static inline __attribute__((always_inline)) void dot_tile_wide(
             for (int i = 0; i < nw; i++) /* a line of each row `ahead` rows on */
                 __builtin_prefetch(row_at(w, i0 + ahead + i, k, packed));
 #endif
-        for (int i = 0; i < nw; i++) wv[i] = WIDE_LOAD(w, i0 + i, k, packed);
+        for (int i = 0; i < nw; i++) wv[i] = wide_broadcast(wload(w, i0 + i, k, packed));
         for (int i = 0; i < nw; i++) KEEP(wv[i]);
         for (int p = 0; p < pairs; p++) {
             const __m512 xv = wide_pair(vload(xs[2 * p] + k), vload(xs[2 * p + 1] + k));
