@@ -351,7 +351,7 @@ COMPILE = textwrap.dedent(
         (f.gemv_gate_up_kernel, dict(ROW_STEP=1, ACTIVATION=1, **GEMV),
          {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "ids_ptr": "*i32",
           "out_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"}),
-        (f.gemv_down_kernel, dict(TOP_K=4, K_PAD=4, **GEMV),
+        (f.gemv_down_kernel, dict(TOP_K=4, **GEMV),
          {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "route_ptr": "*fp32",
           "ids_ptr": "*i32", "out_ptr": "*bf16"}),
     ]

@@ -179,7 +179,6 @@ def _gemv_down(
         *b_strides,
         *out.stride(),
         TOP_K=gemv.topk_ids.shape[1],
-        K_PAD=triton.next_power_of_2(gemv.topk_ids.shape[1]),
         HAS_BIAS=bias is not None,
         BLOCK_N=gemv.tile.down_block_n,
         BLOCK_K=gemv.tile.block_k,

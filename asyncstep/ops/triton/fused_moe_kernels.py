@@ -364,48 +364,37 @@ def gemv_down_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    K_PAD: tl.constexpr = 8,
     PDL: tl.constexpr = False,
 ) -> None:
     """Grid ``(T, cdiv(N, BLOCK_N))``; N is H, K is I; x the activations
     ``[pairs, I]``: token t's BLOCK_N output columns, its k experts' down
-    rows times their pair's activation row (a float32 ``[K_PAD, BLOCK_N,
-    BLOCK_K]`` accumulator, every expert's rows loaded at once, each reduced
-    once), plus the bias, times the routing weight, summed in float32 j
-    from 0 up (:func:`combine_kernel`'s order), stored in the output's
-    dtype. K_PAD: TOP_K's next power of two."""
+    rows times their pair's activation row (a float32 ``[BLOCK_N, BLOCK_K]``
+    accumulator reduced once), plus the bias, times the routing weight,
+    summed in float32 j from 0 up (:func:`combine_kernel`'s order), stored
+    in the output's dtype."""
     launch_then_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
-    js = tl.arange(0, K_PAD)
-    j_mask = js < TOP_K
-    experts = tl.load(ids_ptr + t * stride_it + js * stride_ij, mask=j_mask, other=0).to(tl.int64)
-    x_ptrs = x_ptr + (t * TOP_K + js)[:, None] * stride_xp + ks[None, :] * stride_xk
-    w_ptrs = (
-        w_ptr
-        + experts[:, None, None] * stride_we
-        + cols[None, :, None] * stride_wn
-        + ks[None, None, :] * stride_wk
-    )
-    acc = tl.zeros([K_PAD, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + ks) < K
-        x = tl.load(x_ptrs, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        w_mask = j_mask[:, None, None] & col_mask[None, :, None] & k_mask[None, None, :]
-        acc += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x[:, None, :]
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    y = tl.sum(acc, axis=2)  # [K_PAD, BLOCK_N]
-    if HAS_BIAS:
-        b_ptrs = bias_ptr + experts[:, None] * stride_be + cols[None, :] * stride_bn
-        y += tl.load(b_ptrs, mask=j_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-    routes = tl.load(route_ptr + t * stride_rt + js * stride_rj, mask=j_mask, other=0.0)
-    weighted = y * routes[:, None]
     out = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):  # j from 0 up (its row picked out exactly: zeros added)
-        out += tl.sum(tl.where((js == j)[:, None], weighted, 0.0), axis=0)
+    for j in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + t * stride_it + j * stride_ij).to(tl.int64)
+        x_ptrs = x_ptr + (t * TOP_K + j) * stride_xp + ks * stride_xk
+        w_ptrs = w_ptr + expert * stride_we + cols[:, None] * stride_wn + ks[None, :] * stride_wk
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + ks) < K
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            acc += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + expert * stride_be + cols * stride_bn, mask=col_mask, other=0.0)
+            y += b.to(tl.float32)
+        out += y * tl.load(route_ptr + t * stride_rt + j * stride_rj)
     tl.store(
         out_ptr + t * stride_ot + cols * stride_on, out.to(out_ptr.dtype.element_ty), mask=col_mask
     )
