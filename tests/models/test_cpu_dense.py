@@ -205,6 +205,21 @@ def test_every_tile_shape_gives_a_row_its_outputs_alone(isa: str, tmp_path: Path
             assert torch.equal(matmul(x[:rows], weight), alone[:rows]), (n, rows)
 
 
+def test_where_the_outer_products_start_moves_no_bit(tmp_path: Path) -> None:
+    """The AVX512-BF16 build's outer products from 2, 4, 16 or its own 32
+    rows (``outer_min_rows``: 4 on an AMX Xeon): every row count from 1 to
+    40, each row the bits it has alone (the other builds ignore the field)."""
+    matmul = build("AVX512-BF16", tmp_path)
+    x = torch.randn(40, 100)
+    weight = torch.randn(37, 100).bfloat16()
+    matmul.outer_min_rows = 0
+    alone = torch.cat([matmul(x[r : r + 1], weight) for r in range(40)])
+    for start in (0, 2, 4, 16):
+        matmul.outer_min_rows = start
+        for rows in range(1, 41):
+            assert torch.equal(matmul(x[:rows], weight), alone[:rows]), (start, rows)
+
+
 @pytest.mark.parametrize("isa", BUILDS)
 def test_blocks_and_chunks_give_a_row_its_outputs_alone(isa: str, tmp_path: Path) -> None:
     """A wide K (kp 4096: blocks of 12 rows of W, chunks of 32 rows of x, so

@@ -15,7 +15,7 @@
  * sums, and every slot of a tile, leftover tiles too, gives an output the
  * same tree. Rows of W run in blocks (L2's worth) against every tile of x's
  * rows, chunks of x's rows in turn; up to STREAM_MAX_ROWS rows of x, tiles
- * one row of W wide (W read in memory's order). From OUTER_MIN_ROWS rows AVX512-BF16
+ * one row of W wide (W read in memory's order). From outer_min_rows rows AVX512-BF16
  * packs W into pairs of K and sums outer products, one accumulator per lane
  * of the few-row kernel: the same sums, bit for bit, at oneDNN's blocking's
  * speed (outer_matmul); from PACK_MIN_ROWS the AVX2 build widens a block of
@@ -100,6 +100,7 @@ typedef struct {
     int64_t out_dtype, out_stride;
     int64_t rows;
     int64_t num_threads;
+    int64_t outer_min_rows; /* AVX512-BF16: outer products from this many rows (0: OUTER_MIN_ROWS) */
 } DenseMatmulArgs;
 
 int asyncstep_dense_matmul_isa(void) { return DENSE_ISA; }
@@ -344,7 +345,9 @@ static inline __m256i round_bf16(__m512 f) {
  * adds a vector's lanes ((a[i] + a[i+4]), then (0 + 2) + (1 + 3)). No
  * horizontal sums, 16 contiguous outputs per store: what oneDNN's blocking
  * buys, without its row-count-dependent K order. */
-#define OUTER_MIN_ROWS 32 /* from here the packing pays (16: even) */
+/* From here the packing pays on Zen 4 (16: even; benchmarks/studies/cpu_dense);
+ * the caller may set another (on an AMX Xeon from 4 rows: outer_min_rows). */
+#define OUTER_MIN_ROWS 32
 #define OUTER_ROWS 3      /* rows of x per pass: 24 accumulators */
 #define PANEL 16          /* rows of W per panel */
 
@@ -522,7 +525,7 @@ int asyncstep_dense_matmul(const DenseMatmulArgs* a) {
     for (int64_t r = 0; r < rows; r++) prepare_row(a, r, kp, x + r * kp);
     const int num_threads = rows * N * K < MIN_PARALLEL_WORK ? 1 : (int)a->num_threads;
 #if DENSE_ISA == 1
-    if (rows >= OUTER_MIN_ROWS) {
+    if (rows >= (a->outer_min_rows > 0 ? a->outer_min_rows : OUTER_MIN_ROWS)) {
         const int status = outer_matmul(a, x, kp, num_threads);
         free(x);
         return status;

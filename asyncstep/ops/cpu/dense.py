@@ -5,7 +5,7 @@ as float32 or bfloat16, one K order for every row count (a row's outputs
 are the same whatever the other rows: issue 40). Its uses: every dense
 bfloat16 projection of the CPU op set, and the float32 logits of a
 bfloat16 LM head.
-Imports torch and the library's bindings (:mod:`.bound_matmul`) only.
+Imports torch, the library's bindings (:mod:`.bound_matmul`) and the CPU's flags.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import struct
 
 import torch
 
+from asyncstep.cpu_features import cpu_flags
 from asyncstep.ops.cpu.bound_matmul import BoundMatmul, bind_matmul
 
 __all__ = ["CpuDenseMatmul", "dense_matmul"]
@@ -29,7 +30,13 @@ _ARGS = struct.Struct(
     "qqq"  # out, its dtype, row stride
     "q"  # rows
     "q"  # threads
+    "q"  # outer_min_rows (0: the build's)
 )
+#: The AVX512-BF16 build's outer products from this many rows where the CPU
+#: has AMX (an Intel Xeon of that generation: 1.4-1.5x the dot tiles from 8
+#: rows there, ``benchmarks/results/cpu/dense_outer_1206/``); elsewhere the
+#: build's own threshold (32, measured on Zen 4).
+AMX_OUTER_MIN_ROWS = 4
 #: ``asyncstep_dense_matmul_isa()``'s answer: which build runs.
 _ISAS = {0: "plain C", 1: "AVX512-BF16", 2: "AVX512F", 3: "AVX2"}
 
@@ -40,6 +47,8 @@ class CpuDenseMatmul(BoundMatmul):
 
     def __init__(self, library: ctypes.CDLL) -> None:
         super().__init__(library, "asyncstep_dense_matmul", _ISAS)
+        #: Where the outer products start (0: the build's own threshold).
+        self.outer_min_rows = AMX_OUTER_MIN_ROWS if "amx_bf16" in cpu_flags() else 0
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32
@@ -69,6 +78,7 @@ class CpuDenseMatmul(BoundMatmul):
             out.stride(0),
             x.shape[0],
             torch.get_num_threads(),
+            self.outer_min_rows,
         )
         if self._kernel(args) != 0:
             raise MemoryError("the dense matmul found no scratch memory")
