@@ -3,8 +3,9 @@
 # kernel's fusions first, then the decode ITL from three trees on one card:
 # build/base (`git archive 7179f8d asyncstep`: neither), build/qk
 # (`git archive 2914cea asyncstep`: the q/k norms in the split-KV kernel)
-# and this tree (also the segments' combine in its last program, the dense
-# fused decode for 16-bit models, the small-T down kernel's one 3-D tile).
+# and this tree (also the segments' combine in its last program and the
+# dense fused decode for 16-bit models; with `moe_fused_decode.patch.txt`
+# applied, the fused decode of 16-bit MoE layers too: the branch moe-fused).
 # Carry: .whl build/base build/qk. Results: $OUT/r.tgz, re-made after each step.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
