@@ -35,7 +35,7 @@ import triton.language as tl
 
 from asyncstep.ops.triton import pdl
 from asyncstep.ops.triton.pdl import launch_dependents, wait_prior
-from asyncstep.ops.triton.quant import NormedRows, check_vector
+from asyncstep.ops.triton.quant import NormedRows
 from asyncstep.ops.triton.quant_kernels import PROLOGUE_NONE, PROLOGUE_NORMED, PROLOGUE_RMS_NORM
 
 __all__ = ["GemvLaunch", "dense_gemv", "dense_gemv_fused", "gemv_launch"]
@@ -240,7 +240,7 @@ def dense_gemv_fused(
     if rms_norm_weight is not None and sq_parts is not None:
         raise ValueError("one prologue at a time: rms_norm_weight or sq_parts")
     if rms_norm_weight is not None:
-        check_vector("rms_norm_weight", rms_norm_weight, k, device)
+        _check_vector("rms_norm_weight", rms_norm_weight, k, device)
         prologue, nw = PROLOGUE_RMS_NORM.value, rms_norm_weight.contiguous()
     elif sq_parts is not None:
         if sq_parts.shape[:-1] not in ((), (1,)) or sq_parts.dtype != torch.float32:
@@ -272,7 +272,7 @@ def dense_gemv_fused(
     normed, next_nw, xw, sq_out = None, out, out, out
     programs = triton.cdiv(width * 2 if silu_pairs else n, cfg.block_n)
     if next_rms_norm_weight is not None:
-        check_vector("next_rms_norm_weight", next_rms_norm_weight, n, device)
+        _check_vector("next_rms_norm_weight", next_rms_norm_weight, n, device)
         next_nw = next_rms_norm_weight.contiguous()
         xw = torch.empty(n, dtype=dtype, device=device)
         sq_out = torch.empty(programs, dtype=torch.float32, device=device)
@@ -314,6 +314,13 @@ def dense_gemv_fused(
     else:
         out.zero_()
     return out.reshape(*x.shape[:-1], width), normed
+
+
+def _check_vector(name: str, v: torch.Tensor, size: int, device: torch.device) -> None:
+    if v.shape != (size,) or not v.is_floating_point():
+        raise ValueError(f"{name} must be a float ({size},), got {v.dtype} {tuple(v.shape)}")
+    if v.device != device:
+        raise ValueError(f"{name} on {v.device}, the weight on {device}")
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:

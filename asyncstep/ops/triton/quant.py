@@ -77,7 +77,6 @@ __all__ = [
     "GROUP_SIZE",
     "GemvConfig",
     "NormedRows",
-    "check_vector",
     "dequantize_q4",
     "dequantize_q4_reference",
     "dequantize_q8_reference",
@@ -191,7 +190,7 @@ def _gemv(
     if rms_norm_weight is not None and sq_parts is not None:
         raise ValueError("one prologue at a time: rms_norm_weight or sq_parts")
     if rms_norm_weight is not None:
-        check_vector("rms_norm_weight", rms_norm_weight, x2.shape[1], qweight.device)
+        _check_vector("rms_norm_weight", rms_norm_weight, x2.shape[1], qweight.device)
         prologue, nw = PROLOGUE_RMS_NORM.value, rms_norm_weight.contiguous()
     elif sq_parts is not None:
         if sq_parts.dim() != 2 or sq_parts.shape[0] != rows or sq_parts.dtype != torch.float32:
@@ -224,7 +223,7 @@ def _gemv(
     normed = None
     next_nw = xw = sq_out = out
     if next_rms_norm_weight is not None:
-        check_vector("next_rms_norm_weight", next_rms_norm_weight, n, qweight.device)
+        _check_vector("next_rms_norm_weight", next_rms_norm_weight, n, qweight.device)
         next_nw = next_rms_norm_weight.contiguous()
         xw = torch.empty((rows, n), dtype=dtype, device=x2.device)
         sq_out = torch.empty(
@@ -276,8 +275,7 @@ def _gemv(
     return out.reshape(*x.shape[:-1], out.shape[1]), normed
 
 
-def check_vector(name: str, v: torch.Tensor, size: int, device: torch.device) -> None:
-    """A norm's weight (or another float vector) of ``size`` on ``device``: ValueError if not."""
+def _check_vector(name: str, v: torch.Tensor, size: int, device: torch.device) -> None:
     if v.shape != (size,) or v.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{name} must be a float ({size},), got {v.dtype} {tuple(v.shape)}")
     if v.device != device:
