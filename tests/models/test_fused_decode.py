@@ -374,35 +374,6 @@ def test_a_received_residual_is_read_not_written(q4_tiny: LlamaForCausalLM) -> N
     assert rel(outs[0], outs[1]) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_a_16_bit_model_s_one_token_step_runs_its_dense_gemvs_fused(dtype: torch.dtype) -> None:
-    """A model of dense 16-bit weights (no packed copies): the fused decode's
-    GEMVs over the dense weights (norms, residual adds and SiLU·mul in
-    them) give the unfused layers' step within the 16-bit roundings (the
-    fused path keeps the normed rows unrounded); two rows run the unfused
-    layers."""
-    from asyncstep.models.dummy import dummy_weights, get_shape
-    from asyncstep.ops.triton.fused_decode import DenseGemv
-
-    arch = get_shape("tiny-llama")
-    model = LlamaForCausalLM(arch, dtype).to(DEVICE)
-    model.load_weights(dummy_weights(arch, seed=5, device=DEVICE))
-    shape = kv_cache_shape(4, 16, arch.num_key_value_heads, arch.head_dim)
-    for attn in model.attention_layers():
-        attn.kv_cache = torch.zeros(shape, dtype=dtype, device=DEVICE)
-    prompt = torch.randint(3, 512, (9,), device=DEVICE)
-    step(model, False, prompt, 0)
-    token = torch.tensor([77], device=DEVICE)
-    unfused = step(model, False, token, 9)
-    fused = step(model, True, token, 9)
-    path = model.model.step_path
-    assert isinstance(path, FusedDecodePath)
-    assert all(isinstance(w.gate_up, DenseGemv) for w in path.weights)
-    assert rel(fused, unfused) < (2e-3 if dtype == torch.float16 else 2e-2)
-    two = torch.tensor([77, 78], device=DEVICE)
-    assert torch.equal(step(model, True, two, 9), step(model, False, two, 9))
-
-
 def test_layers_without_packed_weights_are_not_fused(q4_tiny: LlamaForCausalLM) -> None:
     layer = q4_tiny.model.stage_layers()[0]
     assert _layer_weights(layer) is not None

@@ -1,15 +1,14 @@
 """The fused decode: a decoder layer's step of a few tokens (a batch-1
-decode) as four GEMVs over its packed 4-bit weights (or, for one token,
-its dense 16-bit ones), the elementwise kernels folded into them (issue 28):
+decode) as four GEMVs over its packed 4-bit weights, the elementwise
+kernels folded into them (issue 28):
 
 - ``o_proj``: the residual add in its epilogue (it returns the new
   residual stream), and the post-attention RMSNorm's per-element part: the
   stream times the norm's weight (float32) and the sums of its squares over
   each program's features;
 - ``gate_up_proj``: that norm in its prologue (one scale a row, from the
-  sums, on its dot products), SiLU·mul in its epilogue (a program holds
-  both rows of a pair: a packed weight's rows are stored gate and up
-  interleaved, a dense one's program reads gate row j and up row I + j);
+  sums, on its dot products), SiLU·mul in its epilogue (its rows are
+  stored gate and up interleaved, so that a program holds both of a pair);
 - ``down_proj``: the residual add in its epilogue, and the next layer's
   input RMSNorm's part as o's;
 - ``qkv_proj``: that norm in its prologue (the first layer's: its own
@@ -28,8 +27,7 @@ redoing the per-element work over the whole row.
 
 It applies where every linear layer of the layer holds a
 :class:`~asyncstep.ops.triton.quant_weight.GpuQ4Weight` for the step's
-size, or (one-row steps) a dense bfloat16 or float16 weight and no packed
-copy, without bias, with one tensor-parallel rank (the row-parallel layers'
+size, without bias, with one tensor-parallel rank (the row-parallel layers'
 epilogue would add the residual to a partial sum). :class:`FusedDecodePath`
 is the Triton op set's step path over a stage's layers
 (:meth:`~asyncstep.ops.triton.ops.TritonOps.step_path`, with
@@ -38,11 +36,10 @@ model): the norms' ``weight`` and ``eps``, ``self_attn.split_qkv`` and
 ``self_attn.attn``, and each projection's ``packed``, ``bias`` and
 ``tp_size``.
 
-Kernels: :func:`asyncstep.ops.triton.quant.q4_gemv_fused`,
-:func:`asyncstep.ops.triton.gemv.dense_gemv_fused`.
+Kernels: :func:`asyncstep.ops.triton.quant.q4_gemv_fused`.
 
 May import torch, triton (on use), :mod:`asyncstep.ops`' attention metadata
-and the Triton quantized formats and GEMV kernels.
+and the Triton quantized formats and kernels.
 """
 
 from __future__ import annotations
@@ -66,66 +63,13 @@ DecoderLayer = Any
 
 
 @dataclass(frozen=True)
-class Q4Gemv:
-    """A packed 4-bit weight as the fused decode's GEMV
-    (:func:`~asyncstep.ops.triton.quant.q4_gemv_fused`)."""
-
-    weight: GpuQ4Weight
-
-    def applies(self, x: torch.Tensor) -> bool:
-        return self.weight.applies(x)
-
-    def prepare(self, gate_up: bool) -> None:
-        """A gate_up weight's rows stored interleaved (once), as SiLU·mul reads them."""
-        if gate_up:
-            self.weight.interleave_halves()
-
-    def __call__(self, x: torch.Tensor, **fused: Any) -> tuple[torch.Tensor, NormedRows | None]:
-        from asyncstep.ops.triton.quant import q4_gemv_fused
-
-        return q4_gemv_fused(x, self.weight.data, self.weight.scales, **fused)
-
-
-@dataclass(frozen=True)
-class DenseGemv:
-    """A dense 16-bit weight ``[N, K]`` as the fused decode's GEMV, for one
-    row (:func:`~asyncstep.ops.triton.gemv.dense_gemv_fused`; a gate_up
-    weight stays as it is: gate rows, then up rows)."""
-
-    weight: torch.Tensor
-
-    def applies(self, x: torch.Tensor) -> bool:
-        return (
-            x.dim() > 0
-            and x.numel() == x.shape[-1]
-            and x.dtype == self.weight.dtype
-            and x.device == self.weight.device
-        )
-
-    def prepare(self, gate_up: bool) -> None:
-        """Nothing: a program reads a pair's gate and up rows where they lie."""
-
-    def __call__(
-        self, x: torch.Tensor, *, int8_x: bool = False, **fused: Any
-    ) -> tuple[torch.Tensor, NormedRows | None]:
-        """``int8_x`` is the packed weights' option: a dense GEMV multiplies x as it is."""
-        from asyncstep.ops.triton.gemv import dense_gemv_fused
-
-        return dense_gemv_fused(x, self.weight, **fused)
-
-
-#: A linear layer's weight as the fused decode multiplies it.
-Gemv = Q4Gemv | DenseGemv
-
-
-@dataclass(frozen=True)
 class FusedDecodeWeights:
-    """A decoder layer's four weights, as the fused decode takes them."""
+    """A decoder layer's four packed weights, as the fused decode takes them."""
 
-    qkv: Gemv
-    o: Gemv
-    gate_up: Gemv
-    down: Gemv
+    qkv: GpuQ4Weight
+    o: GpuQ4Weight
+    gate_up: GpuQ4Weight
+    down: GpuQ4Weight
 
     @classmethod
     def of(
@@ -135,37 +79,35 @@ class FusedDecodeWeights:
         gate_up: DecoderLayer,
         down: DecoderLayer,
     ) -> FusedDecodeWeights | None:
-        """The layers' weights: each its packed 4-bit one, or a dense 16-bit
-        weight where it has no packed copy; None where one of them has an
-        8-bit or other packed copy, a float32 weight, a bias, or is split
-        over tensor-parallel ranks."""
-        gemvs: list[Gemv] = []
+        """The layers' packed weights, or None where one of them has none
+        (or an 8-bit one), has a bias or is split over tensor-parallel ranks."""
+        packed = []
         for layer in (qkv, o, gate_up, down):
+            weight = layer.packed
+            if not isinstance(weight, GpuQ4Weight) or isinstance(weight, GpuQ8Weight):
+                return None
             if layer.tp_size != 1 or getattr(layer, "bias", None) is not None:
                 return None
-            packed, weight = getattr(layer, "packed", None), layer.weight
-            if isinstance(packed, GpuQ4Weight) and not isinstance(packed, GpuQ8Weight):
-                gemvs.append(Q4Gemv(packed))
-            elif packed is None and weight.dtype in (torch.bfloat16, torch.float16):
-                gemvs.append(DenseGemv(weight))
-            else:
-                return None
-        return cls(*gemvs)
+            packed.append(weight)
+        return cls(*packed)
 
     def applies(self, x: torch.Tensor) -> bool:
-        """Whether a step of rows ``x`` takes the weights (its size and device)."""
+        """Whether a step of rows ``x`` takes the packed weights (its size and device)."""
         return all(w.applies(x) for w in (self.qkv, self.o, self.gate_up, self.down))
 
     def prepare(self) -> None:
-        """Each weight made ready once (a packed gate_up's rows interleaved)."""
-        for w in (self.qkv, self.o, self.down):
-            w.prepare(gate_up=False)
-        self.gate_up.prepare(gate_up=True)
+        """Store gate_up's rows interleaved (once), as its SiLU·mul epilogue reads them."""
+        self.gate_up.interleave_halves()
 
 
-def fused_gemv(gemv: Gemv, x: torch.Tensor, **fused: Any) -> tuple[torch.Tensor, NormedRows | None]:
-    """``gemv`` of x with the fused decode's keywords (``int8_x`` included)."""
-    return gemv(x, **fused)
+def fused_gemv(
+    weight: GpuQ4Weight, x: torch.Tensor, **fused: Any
+) -> tuple[torch.Tensor, NormedRows | None]:
+    """:func:`~asyncstep.ops.triton.quant.q4_gemv_fused` of ``weight``
+    (``fused``: its keywords, ``int8_x`` included)."""
+    from asyncstep.ops.triton.quant import q4_gemv_fused
+
+    return q4_gemv_fused(x, weight.data, weight.scales, **fused)
 
 
 def fused_decode_layer(
