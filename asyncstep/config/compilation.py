@@ -69,9 +69,10 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
         bool,
         field_doc(
             "with fused_kernels on CUDA: decode batches rotate and store the new keys (and"
-            " apply per-head q/k norms) in the attention kernel, and one-token steps of a"
-            " model whose linear layers are packed 4-bit or dense 16-bit, unbiased, run each"
-            " layer's rest as four GEMVs (norms, SiLU*mul, residual adds in them)"
+            " apply per-head q/k norms) in the attention kernel, one-token steps of a model"
+            " whose linear layers are packed 4-bit run each layer's rest as four GEMVs (norms,"
+            " SiLU*mul, residual adds in them), and one-token steps of a 16-bit model multiply"
+            " by its dense weights with a Triton GEMV"
         ),
     ] = True
     gpu_q4_activations: Annotated[
