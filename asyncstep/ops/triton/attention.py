@@ -20,7 +20,7 @@ import triton
 from asyncstep.ops.attention import QkNorm
 from asyncstep.ops.triton import pdl
 from asyncstep.ops.triton.attention_kernels import _paged_attention_kernel, _store_kv_kernel
-from asyncstep.ops.triton.decode_kernels import _decode_combine_kernel, _decode_split_kernel
+from asyncstep.ops.triton.decode_kernels import _decode_split_kernel
 
 MAX_HEAD_DIM = 256
 
@@ -41,9 +41,6 @@ _DEFAULT_NUM_SMS = 4
 #: ``1 + k`` tokens a request) take the split-KV decode kernels too: each
 #: token's programs read its request's keys up to its own causal end.
 MAX_SPLIT_KV_QUERY_LEN = 8
-#: A decode batch of several key segments combines them in the split-KV
-#: kernel's last program of each (token, KV head) (off: a combine kernel after it).
-COMBINE_IN_SPLIT = True
 #: Tickets a buffer of :func:`decode_tickets` holds at least.
 _MIN_TICKETS = 1 << 14
 _tickets_held: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -388,8 +385,9 @@ def _paged_decode(
     rotary: _DecodeRotary | None = None,
     sinks: torch.Tensor | None = None,
 ) -> None:
-    """:func:`paged_attention` of a decode-shaped batch: the split-KV kernel,
-    then (more than one split) the combine kernel. The scratch comes from the
+    """:func:`paged_attention` of a decode-shaped batch: the split-KV kernel
+    (more than one split: its last program of each token and KV head combines
+    the segments, :func:`decode_tickets`). The scratch comes from the
     caching allocator (under graph capture: the graph's pool). ``rotary``:
     q and the new keys come unrotated, the new keys not stored yet (see
     :func:`rotary_store_and_attend`). ``sinks``: checked float32 logits
@@ -440,7 +438,7 @@ def _paged_decode(
         *block_table.stride(),
         *rotary_args,
         *norm_args,
-        out if tickets is None else tickets,
+        out if tickets is None else tickets,  # (one split: unused)
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         GROUP=group,
@@ -458,35 +456,16 @@ def _paged_decode(
         num_stages=launch.num_stages,
         **pdl.launch_kwargs(q),
     )
-    if splits > 1 and tickets is None:
-        _decode_combine_kernel[(num_tokens, num_heads)](
-            out,
-            part,
-            lse,
-            query_start_loc,
-            seq_lens.shape[0],  # num_reqs
-            *out.stride(),
-            *part_strides,
-            *lse_strides,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits),
-            num_warps=1 if splits * head_dim_pad <= 1024 else 4,
-            **pdl.launch_kwargs(q),
-        )
 
 
-def decode_tickets(device: torch.device, count: int) -> torch.Tensor | None:
+def decode_tickets(device: torch.device, count: int) -> torch.Tensor:
     """int32 tickets, zero between launches, for ``count`` (token, KV head)
     rows of the split-KV kernel's ``COMBINE_LAST`` (its segments' combine
     in the last program to finish, no combine kernel): one buffer a device
     and stream (kernels on two streams at once never share one), grown where
     a launch needs more. Every buffer is kept for the process's life: a
     captured CUDA graph holds its address (one allocated under capture is
-    zeroed by a kernel of that graph too). None with :data:`COMBINE_IN_SPLIT` off."""
-    if not COMBINE_IN_SPLIT:
-        return None
+    zeroed by a kernel of that graph too)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device.type, device.index or 0, stream)
     held = _tickets_held.get(key)

@@ -34,10 +34,10 @@ kernel from the loaded ``seq_lens`` (segments past the last key are empty
 programs). NUM_SPLITS comes from the shape only (enough programs to fill the
 GPU ``DECODE_PROGRAMS_PER_SM`` times over, at most ``MAX_DECODE_SPLITS``): a graph captured
 with it replays right for any lengths. Each program writes its normalised
-fp32 partial output and log-sum-exp to scratch; a second kernel, one program
-per token and query head, combines the non-empty segments into ``out`` and
-zeros the padding rows. With ``NUM_SPLITS == 1`` the first kernel writes
-``out`` itself. A request of several tokens in such a batch is still right
+fp32 partial output and log-sum-exp to scratch and takes a ticket; the last
+of a token's programs (for its KV head) to arrive combines the non-empty
+segments into ``out`` (padding rows: zeros). With ``NUM_SPLITS == 1`` a
+program writes ``out`` itself. A request of several tokens in such a batch is still right
 (a program per token).
 
 A sliding window (``WINDOW > 0``, a constexpr: a kernel per window) is the

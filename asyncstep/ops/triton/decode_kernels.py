@@ -1,5 +1,5 @@
-"""The split-KV ("flash decoding") Triton kernels for decode batches, and the
-kernel that combines their segments; launched by
+"""The split-KV ("flash decoding") Triton kernel for decode batches, whose
+last program of each token and KV head combines their segments; launched by
 :mod:`asyncstep.ops.triton.attention` (the scheme is described in
 :mod:`asyncstep.ops.triton.attention_kernels`).
 
@@ -214,11 +214,11 @@ def _decode_split_kernel(
     ``k_norm``, ``norm_eps``) and rounded to q's dtype before its rotation,
     as :func:`~asyncstep.ops.triton.fused.qk_rms_norm` rounds it.
 
-    COMBINE_LAST (NUM_SPLITS > 1): no combine kernel after this one: each
+    COMBINE_LAST (NUM_SPLITS > 1; the launcher always sets it): each
     program takes a ticket (``tickets[t, kv_head]``, int32, zero before the
     launch) once its segment is stored, and the last of a token's segments
-    to arrive combines them into ``out`` (padding rows: zeros), as
-    :func:`_decode_combine_kernel` does, and sets the ticket back to zero."""
+    to arrive combines them into ``out`` (:func:`_combine_segments`; padding
+    rows: zeros) and sets the ticket back to zero."""
     # With PDL the next kernel may launch now; this one reads the step's
     # metadata (written before the step's first kernel: pdl.py), then waits
     # for the kernel before (q is its output) before it reads anything else.
@@ -401,7 +401,7 @@ def _decode_split_kernel(
         else:  # an empty segment: weight exp2(-inf) = 0, its partial output unread
             lse_ptrs = lse_ptr + token.to(tl.int64) * stride_lt + heads * stride_lh + split
             tl.store(lse_ptrs, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
-    elif NUM_SPLITS == 1:  # a padding row (the combine kernel zeros them otherwise)
+    elif NUM_SPLITS == 1:  # a padding row (the last segment's combine zeros them otherwise)
         zeros = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
         _store_rows(
             out_ptr,
@@ -506,58 +506,3 @@ def _combine_segments(
         out_ptr, acc, tokens, heads, row_mask, stride_ot, stride_oh, stride_od, HEAD_DIM,
         HEAD_DIM_PAD,
     )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["num_reqs"])
-def _decode_combine_kernel(
-    out_ptr: tl.tensor,
-    part_ptr: tl.tensor,
-    lse_ptr: tl.tensor,
-    qsl_ptr: tl.tensor,
-    num_reqs: tl.tensor,
-    stride_ot: tl.tensor,
-    stride_oh: tl.tensor,
-    stride_od: tl.tensor,
-    stride_pt: tl.tensor,
-    stride_ph: tl.tensor,
-    stride_ps: tl.tensor,
-    stride_pd: tl.tensor,
-    stride_lt: tl.tensor,
-    stride_lh: tl.tensor,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    PDL: tl.constexpr = False,
-) -> None:
-    """Grid ``(num_tokens, num_heads)``: ``out[t, head]`` from the segments'
-    partial outputs, weighted by ``exp2(lse)``; empty segments (lse -inf) are
-    not read. Padding rows zeros. PDL: as the split kernel's."""
-    launch_dependents(PDL)  # the next kernel (a GEMV with PDL) may start loading its weights
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = dims < HEAD_DIM
-    result = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    num_tokens = tl.load(qsl_ptr + num_reqs)  # the step's metadata: before the wait
-    wait_prior(PDL)  # (the split kernel's parts first)
-    if token < num_tokens:
-        splits = tl.arange(0, SPLITS_PAD)
-        lse_row = lse_ptr + token.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
-        lse = tl.load(lse_row + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
-        used = lse > float("-inf")
-        lse_max = tl.max(lse, 0)
-        # All empty (no visible key, not a valid input): zeros, not NaN.
-        weight = tl.where(used, tl.exp2(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0)), 0.0)
-        part_ptrs = (
-            part_ptr
-            + token.to(tl.int64) * stride_pt
-            + head.to(tl.int64) * stride_ph
-            + splits[:, None] * stride_ps
-            + dims[None, :] * stride_pd
-        )
-        part = tl.load(part_ptrs, mask=used[:, None] & dim_mask[None, :], other=0.0)
-        total = tl.sum(weight, 0)
-        result = tl.sum(part * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims * stride_od
-    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=dim_mask)
