@@ -16,8 +16,6 @@ before triton is imported), as ``test_fused_moe``.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,6 +28,8 @@ if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="the Triton kernels need triton")
+
+from sm90 import compile_for_sm90  # noqa: E402
 
 from asyncstep.ops.torch_attention import TORCH_ATTENTION  # noqa: E402
 from asyncstep.ops.torch_moe import select_experts  # noqa: E402
@@ -366,14 +366,7 @@ COMPILE = textwrap.dedent(
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="compiled by the tests above")
 def test_the_kernels_compile_for_sm90(tmp_path: Path) -> None:
-    pytest.importorskip("triton.backends.nvidia", reason="triton's CUDA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    words = compile_for_sm90(COMPILE, tmp_path)
     names = ["topk_route_kernel", "align_count_kernel", "align_scatter_kernel"]
     names += ["gemv_gate_up_kernel", "gemv_down_kernel"]
-    assert done.stdout.split() == [w for name in names for w in (name, "True")]
+    assert words == [w for name in names for w in (name, "True")]
