@@ -15,5 +15,5 @@ lat() {  # tree tag
         --out "$R/$2.json" > "$R/$2.txt" 2>&1
     echo "$2 rc=$? $(grep -o 'ITL [0-9.]* ms' "$R/$2.txt" | tr '\n' ' ')" | tee -a "$R/summary.txt"
 }
-for i in 1 2; do lat "$PWD/build/base" "base_$i"; lat "$PWD" "new_$i"; done
+for i in $(seq 1 "${ROUNDS:-2}"); do lat "$PWD/build/base" "base_$i"; lat "$PWD" "new_$i"; done
 cd "$OUT" && tar -czf r.tgz r && rm -rf r
