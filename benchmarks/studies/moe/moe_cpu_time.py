@@ -33,9 +33,15 @@ def cpu_seconds() -> float:
 
 
 async def serve(
-    path: Path, prompts: int, input_len: int, output_len: int, budget: int | None = None
+    path: Path,
+    prompts: int,
+    input_len: int,
+    output_len: int,
+    budget: int | None = None,
+    dtype: str = "float32",
 ) -> dict[str, float]:
-    """The run; ``budget`` the step's token budget (``max_num_batched_tokens``;
+    """The run, the engine in ``dtype``; ``budget`` the step's token budget
+    (``max_num_batched_tokens``;
     None: the engine's CPU default, 128 tokens where the CPU has no
     bfloat16; ``asyncstep bench throughput``, so ``moe_vs_hf.py``, gives
     2048: the 16 prompts in one step)."""
@@ -46,7 +52,7 @@ async def serve(
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     options = {} if budget is None else {"max_num_batched_tokens": budget}
     async with asyncstep.open_engine(
-        path, device="cpu", dtype="float32", engine_process=False, **options
+        path, device="cpu", dtype=dtype, engine_process=False, **options
     ) as engine:
         await engine.generate(ids[0][:16], SamplingParams(temperature=0, max_tokens=4))
         wall, cpu = time.perf_counter(), cpu_seconds()

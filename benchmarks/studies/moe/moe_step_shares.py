@@ -1,6 +1,7 @@
 """Where the MoE tiny model's CPU step goes, in-process: ``moe_cpu_time``'s
 serving run (16 random prompts of 128 tokens, 64 greedy tokens each, all at
-once, one rank, float32) with the library's calls and the router timed
+once, one rank, float32 or ``--dtype``) with the library's calls (the
+bfloat16 matmul's too) and the router timed
 (``perf_counter`` around each, exclusive of the timed calls inside it) and
 summed over the decode steps and over the prefill steps apart (the
 checkpoint written by ``moe_vs_hf.py``'s ``write_checkpoint`` where
@@ -10,7 +11,7 @@ the rest of the forward (embedding, rotary, residual adds, the router's
 matmul where not the library's), "engine" the wall time outside the steps.
 
     PYTHONPATH=TREE python3 benchmarks/studies/moe/moe_step_shares.py \\
-        --checkpoint /tmp/qwen3-moe-tiny --out RESULT.json
+        --checkpoint /tmp/qwen3-moe-tiny --out RESULT.json [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -55,15 +56,17 @@ def _timed(category: Callable[..., str], fn: Callable[..., Any]) -> Callable[...
     return wrapper
 
 
-def _matmul_category(_self: Any, x: Any, weight: Any) -> str:
-    rows = weight.shape[0]
-    return "lm head (f32)" if rows >= 8192 else "router gate (f32)" if rows <= 256 else "proj (f32)"
+def _matmul_category(_self: Any, x: Any, weight: Any, *_rest: Any) -> str:
+    rows, kind = weight.shape[0], "bf16" if str(weight.dtype) == "torch.bfloat16" else "f32"
+    name = "lm head" if rows >= 8192 else "router gate" if rows <= 256 else "proj"
+    return f"{name} ({kind})"
 
 
 def instrument() -> dict[str, dict[str, float]]:
     """Patch the timed calls; the totals, by step kind, filled as steps run."""
     from asyncstep.models.layers import moe as moe_layers
     from asyncstep.ops.cpu.attention import CpuPagedAttention
+    from asyncstep.ops.cpu.dense import CpuDenseMatmul
     from asyncstep.ops.cpu.dense_f32 import CpuDenseF32Matmul
     from asyncstep.ops.cpu.layer_ops import CpuLayerOps
     from asyncstep.ops.cpu.moe import CpuMoeExperts
@@ -74,6 +77,7 @@ def instrument() -> dict[str, dict[str, float]]:
 
     CpuMoeExperts.__call__ = _timed(named("experts"), CpuMoeExperts.__call__)  # type: ignore[method-assign]
     CpuDenseF32Matmul.__call__ = _timed(_matmul_category, CpuDenseF32Matmul.__call__)  # type: ignore[method-assign]
+    CpuDenseMatmul.__call__ = _timed(_matmul_category, CpuDenseMatmul.__call__)  # type: ignore[method-assign]
     CpuPagedAttention.__call__ = _timed(named("attention"), CpuPagedAttention.__call__)  # type: ignore[method-assign]
     for op in ("add_rms_norm", "rms_norm", "silu_and_mul"):
         setattr(CpuLayerOps, op, _timed(named("norms"), getattr(CpuLayerOps, op)))
@@ -128,13 +132,14 @@ def main() -> None:
         "--max-num-batched-tokens", type=int, default=None, help="2048: moe_vs_hf.py's"
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--dtype", default="float32", help="the engine's (auto: its default)")
     args = parser.parse_args()
     if not args.checkpoint.exists():
         from moe_vs_hf import write_checkpoint
 
         write_checkpoint(args.checkpoint)
     totals = instrument()
-    result = trio.run(serve, args.checkpoint, 16, 128, 64, args.max_num_batched_tokens)
+    result = trio.run(serve, args.checkpoint, 16, 128, 64, args.max_num_batched_tokens, args.dtype)
     report: dict[str, Any] = {"serve": result, "load_avg": os.getloadavg()}
     for name, bucket in totals.items():
         steps = max(bucket["steps"], 1)
